@@ -1,0 +1,75 @@
+"""The executor contract: how the engine reaches its workers.
+
+`execute` runs one engine step on every rank; `collective_rpc` runs any worker function on every
+(or some) rank. Everything else the engine offers its users (weights, LoRA, sleep, checksums) is a
+thin call over `collective_rpc`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from rollout.config import EngineConfig
+from rollout.model_runner import RunnerOutput
+from rollout.scheduler import SchedulerOutput
+from rollout.worker import build_worker_class, worker_methods
+
+
+class Executor(ABC):
+    """Subclass this for a custom backend: start workers in `__init__`, then implement the four
+    abstract methods. Workers are instances of `self.worker_cls(config, rank)`."""
+
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.num_workers = config.num_workers
+        self.worker_cls = build_worker_class(config.worker_extension_cls)
+
+    @abstractmethod
+    def execute(self, scheduler_output: SchedulerOutput) -> list[RunnerOutput]:
+        """Run one engine step; one `RunnerOutput` per rank, in rank order."""
+
+    @abstractmethod
+    def collective_rpc(
+        self,
+        method: str | Callable,
+        args: Sequence = (),
+        kwargs: dict | None = None,
+        timeout: float | None = None,
+        ranks: Sequence[int] | None = None,
+    ) -> list[Any]:
+        """Call `method` on the addressed ranks (all when None); results in rank order."""
+
+    @abstractmethod
+    def check_health(self) -> None:
+        """Raise if any worker cannot serve."""
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Stop every worker and free their resources. Idempotent."""
+
+    # Helpers for subclasses.
+
+    def resolve_method(self, method: str | Callable) -> tuple[str, Callable]:
+        """(name for messages, function taking the worker first) for a method name or a callable."""
+        if isinstance(method, str):
+            available = worker_methods(self.worker_cls)
+            if method not in available:
+                raise ValueError(
+                    f"unknown worker method {method!r}; available: {sorted(available)} "
+                    "(add your own with EngineConfig(worker_extension_cls=...) or pass a callable)"
+                )
+            return method, getattr(self.worker_cls, method)
+        if callable(method):
+            return getattr(method, "__qualname__", repr(method)), method
+        raise TypeError(f"collective_rpc method must be a worker method name or a callable, got {method!r}")
+
+    def resolve_ranks(self, ranks: Sequence[int] | None) -> list[int]:
+        if ranks is None:
+            return list(range(self.num_workers))
+        ranks = sorted(set(ranks))
+        bad = [r for r in ranks if not isinstance(r, int) or not 0 <= r < self.num_workers]
+        if bad or not ranks:
+            raise ValueError(f"ranks must be a non-empty subset of 0..{self.num_workers - 1}, got {ranks}")
+        return ranks

@@ -1,0 +1,63 @@
+"""The in-process executor: one worker, run on a dedicated thread.
+
+The thread lets `collective_rpc` enforce its timeout in-process and keeps worker calls strictly
+serialised: a call that timed out finishes in the background before the next one starts, and its
+late result is dropped, never handed to the next caller.
+"""
+
+from __future__ import annotations
+
+import traceback
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any
+
+from executors.base import Executor
+from rollout.config import EngineConfig
+from rollout.errors import WorkerError
+from rollout.model_runner import RunnerOutput
+from rollout.scheduler import SchedulerOutput
+
+
+class UniExecutor(Executor):
+    def __init__(self, config: EngineConfig):
+        super().__init__(config)
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout-worker-0")
+        self.worker = self._call("start worker", lambda: self.worker_cls(config, 0), timeout=None)
+
+    def execute(self, scheduler_output: SchedulerOutput) -> list[RunnerOutput]:
+        work = scheduler_output.worker_inputs[0]
+        return [self._call("execute", lambda: self.worker.execute(work), self.config.step_timeout_s)]
+
+    def collective_rpc(
+        self,
+        method: str | Callable,
+        args: Sequence = (),
+        kwargs: dict | None = None,
+        timeout: float | None = None,
+        ranks: Sequence[int] | None = None,
+    ) -> list[Any]:
+        name, fn = self.resolve_method(method)
+        self.resolve_ranks(ranks)
+        kwargs = kwargs or {}
+        timeout = self.config.rpc_timeout_s if timeout is None else timeout
+        return [self._call(name, lambda: fn(self.worker, *args, **kwargs), timeout)]
+
+    def check_health(self) -> None:
+        self.collective_rpc("check_health")
+
+    def shutdown(self) -> None:
+        self._thread.shutdown(wait=False, cancel_futures=True)
+        self.worker = None
+
+    def _call(self, name: str, fn: Callable[[], Any], timeout: float | None) -> Any:
+        future = self._thread.submit(fn)
+        try:
+            return future.result(timeout)
+        except FutureTimeout:
+            raise TimeoutError(
+                f"worker call {name!r} timed out after {timeout}s; ranks that did not answer: [0]"
+            ) from None
+        except Exception as error:
+            raise WorkerError(name, 0, f"{type(error).__name__}: {error}", traceback.format_exc()) from error

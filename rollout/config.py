@@ -1,0 +1,67 @@
+"""Engine configuration, checked when it is made so a bad setting fails before any model loads."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from rollout.pipelines.loading import read_model_index
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class EngineConfig:
+    """How to build a `RolloutEngine`.
+
+    model: a local diffusers pipeline folder.
+    executor: "uni" (in-process), "mp", "ray", a dotted path "pkg.module.MyExecutor", or an
+        `executors.Executor` subclass.
+    num_workers: model replicas (data parallel); "uni" runs exactly one.
+    worker_extension_cls: a class (or dotted path) whose methods become worker functions callable
+        through `collective_rpc`.
+    device: "cpu", "cuda", "cuda:1", ...
+    dtype: model weights dtype, "float32" | "bfloat16" | "float16". Trajectories stay float32.
+    max_batch_size: most samples one worker denoises in one forward pass.
+    rpc_timeout_s: default timeout of `collective_rpc`; step_timeout_s: of one denoising step.
+    """
+
+    model: str
+    executor: str | type = "uni"
+    num_workers: int = 1
+    worker_extension_cls: str | type | None = None
+    device: str = "cpu"
+    dtype: str = "float32"
+    max_batch_size: int = 16
+    rpc_timeout_s: float = 300.0
+    step_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        problems = []
+        try:
+            read_model_index(self.model)
+        except ValueError as error:
+            problems.append(str(error))
+        if self.dtype not in _DTYPES:
+            problems.append(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if not isinstance(self.num_workers, int) or self.num_workers < 1:
+            problems.append(f"num_workers must be an integer >= 1, got {self.num_workers!r}")
+        elif self.executor == "uni" and self.num_workers != 1:
+            problems.append(
+                f"executor 'uni' runs one in-process worker, got num_workers={self.num_workers}; "
+                "use executor='mp' or 'ray' for more"
+            )
+        if not isinstance(self.max_batch_size, int) or self.max_batch_size < 1:
+            problems.append(f"max_batch_size must be an integer >= 1, got {self.max_batch_size!r}")
+        for name in ("rpc_timeout_s", "step_timeout_s"):
+            if getattr(self, name) <= 0:
+                problems.append(f"{name} must be > 0 seconds, got {getattr(self, name)}")
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            problems.append(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if problems:
+            raise ValueError("invalid EngineConfig: " + "; ".join(problems))
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]

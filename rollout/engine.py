@@ -1,0 +1,260 @@
+"""The rollout engine: what a trainer drives.
+
+`generate` is the one-call path; `add_request` / `step` / `abort` let a caller drive the engine
+itself (to stream outputs or interleave its own work). Worker functions are reached through
+`collective_rpc`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from rollout.config import EngineConfig
+from rollout.outputs import RequestTimings, RolloutOutput
+from rollout.request import Request, RequestStatus
+from rollout.sampling_params import SamplingParams
+from rollout.scheduler import Scheduler
+from rollout.seeding import derive_seed, fresh_base_seed
+
+logger = logging.getLogger(__name__)
+
+
+class RolloutEngine:
+    """Samples images with their denoising trajectories and log-probs.
+
+    >>> with RolloutEngine(EngineConfig(model="path/to/pipeline")) as engine:
+    ...     outputs = engine.generate(["a red square"], SamplingParams(num_samples=4, seed=0))
+    """
+
+    def __init__(self, config: EngineConfig):
+        from executors import get_executor_class
+
+        self.config = config
+        self.executor = get_executor_class(config.executor)(config)
+        self.model_spec = self.executor.collective_rpc("model_spec")[0]
+        self.scheduler = Scheduler(num_ranks=config.num_workers, max_batch_size=config.max_batch_size)
+        self.weight_version = 0
+        self._requests: dict[str, Request] = {}
+        self._request_counter = itertools.count()
+        self._closed = False
+
+    # Generation.
+
+    def generate(
+        self,
+        prompts: str | Sequence[str],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = False,
+    ) -> list[RolloutOutput]:
+        """Generate `num_samples` samples per prompt; outputs ordered by prompt, then sample.
+
+        `params` is one `SamplingParams` for all prompts or one per prompt (they may differ in
+        anything: all share batches when their image sizes and adapters match).
+        """
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        params_list = self._params_per_prompt(prompts, params)
+        if self.scheduler.has_unfinished():
+            raise RuntimeError(
+                f"generate() drives the engine itself, but {len(self._requests)} requests added with "
+                "add_request() are unfinished; step() them to completion or abort() them first"
+            )
+        base_seed = fresh_base_seed()
+        request_ids = []
+        for prompt_index, (prompt, p) in enumerate(zip(prompts, params_list)):
+            request_ids += self.add_request(prompt, p, prompt_index=prompt_index, base_seed=base_seed)
+        outputs: dict[str, RolloutOutput] = {}
+        with tqdm(total=len(request_ids), desc="rollout", unit="sample", disable=not use_tqdm) as bar:
+            while self.scheduler.has_unfinished():
+                for output in self.step():
+                    outputs[output.request_id] = output
+                    bar.update(1)
+        return [outputs[request_id] for request_id in request_ids]
+
+    def add_request(
+        self,
+        prompt: str,
+        params: SamplingParams,
+        *,
+        prompt_index: int = 0,
+        request_id: str | None = None,
+        base_seed: int | None = None,
+    ) -> list[str]:
+        """Queue `params.num_samples` requests for one prompt; returns their ids
+        ("{request_id}-{sample_index}"). Seeds derive from `params.seed` (or `base_seed` when
+        the params give none, else a fresh one), `prompt_index` and the sample index."""
+        self._check_open()
+        height, width = self._check_request(prompt, params)
+        group_id = request_id if request_id is not None else f"req{next(self._request_counter)}"
+        if params.seed is not None:
+            base_seed = params.seed
+        elif base_seed is None:
+            base_seed = fresh_base_seed()
+        ids = []
+        for k in range(params.num_samples):
+            sample_id = f"{group_id}-{k}"
+            if sample_id in self._requests:
+                raise ValueError(f"request id {sample_id!r} is already in use; pass another request_id")
+            init_index = 0 if params.same_noise_in_group else k
+            request = Request(
+                request_id=sample_id,
+                prompt=prompt,
+                prompt_index=prompt_index,
+                sample_index=k,
+                params=params,
+                height=height,
+                width=width,
+                seed=derive_seed(base_seed, prompt_index, k, "step"),
+                init_noise_seed=derive_seed(base_seed, prompt_index, init_index, "init"),
+            )
+            self._requests[sample_id] = request
+            self.scheduler.add(request)
+            ids.append(sample_id)
+        return ids
+
+    def step(self) -> list[RolloutOutput]:
+        """Run one engine step (one denoising step for one batch per worker); returns the
+        outputs of requests that finished in it."""
+        self._check_open()
+        scheduled = self.scheduler.schedule()
+        if scheduled.is_empty:
+            return []
+        outputs = []
+        for runner_output in self.executor.execute(scheduled):
+            for finished in runner_output.finished:
+                request = self.scheduler.finish(finished.request_id)
+                del self._requests[finished.request_id]
+                outputs.append(self._make_output(request, finished.image, finished.trajectory))
+        return outputs
+
+    def abort(self, request_ids: str | Iterable[str]) -> list[RolloutOutput]:
+        """Abort requests by sample id, or by the group id `add_request` was given (all its
+        samples). Their worker state is freed before this returns. Unknown ids are ignored (the
+        request may have just finished). Returns outputs with status "aborted"."""
+        self._check_open()
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        targets = []
+        for request_id in request_ids:
+            if request_id in self._requests:
+                targets.append(request_id)
+            else:
+                targets += [rid for rid in self._requests if rid.rpartition("-")[0] == request_id]
+        aborted = []
+        for request_id in targets:
+            request = self.scheduler.abort(request_id)
+            if request is not None:
+                del self._requests[request_id]
+                aborted.append(self._make_output(request, None, None))
+        self._flush_frees()
+        return aborted
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # Worker functions.
+
+    def collective_rpc(
+        self,
+        method: str | Callable,
+        args: Sequence = (),
+        kwargs: dict | None = None,
+        timeout: float | None = None,
+        ranks: Sequence[int] | None = None,
+    ) -> list[Any]:
+        """Run a worker method (by name, an extension method, or `fn(worker, *args, **kwargs)`)
+        on every rank, or on `ranks`; one result per rank, in rank order. Runs between engine
+        steps, never inside one."""
+        self._check_open()
+        return self.executor.collective_rpc(method, args=args, kwargs=kwargs, timeout=timeout, ranks=ranks)
+
+    def check_health(self) -> None:
+        self._check_open()
+        self.executor.check_health()
+
+    # Lifetime.
+
+    def shutdown(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self.executor.shutdown()
+
+    def __enter__(self) -> RolloutEngine:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.shutdown()
+
+    # Internals.
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this RolloutEngine is shut down; create a new one")
+
+    def _params_per_prompt(self, prompts, params) -> list[SamplingParams]:
+        if len(prompts) == 0:
+            raise ValueError("prompts is empty; pass at least one prompt")
+        if params is None:
+            params = SamplingParams()
+        if isinstance(params, SamplingParams):
+            return [params] * len(prompts)
+        params = list(params)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts; pass one or one per prompt")
+        return params
+
+    def _check_request(self, prompt: str, params: SamplingParams) -> tuple[int, int]:
+        """Check what depends on the model; returns the resolved (height, width)."""
+        if not isinstance(prompt, str):
+            raise TypeError(f"a prompt must be a str, got {type(prompt).__name__}")
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        spec = self.model_spec
+        height = params.height if params.height is not None else spec.default_height
+        width = params.width if params.width is not None else spec.default_width
+        multiple = spec.size_multiple
+        problems = [
+            f"{name}={value} is not divisible by {multiple} (VAE scale {spec.vae_scale_factor} x patch "
+            f"size {spec.patch_size}); use e.g. {max(multiple, value // multiple * multiple)}"
+            for name, value in (("height", height), ("width", width))
+            if value % multiple
+        ]
+        if params.lora is not None:
+            problems.append(f"lora {params.lora!r} is not loaded (no adapters are loaded)")
+        if problems:
+            raise ValueError("invalid request: " + "; ".join(problems))
+        return height, width
+
+    def _flush_frees(self) -> None:
+        """Send pending frees now, so aborted requests leave no worker state behind."""
+        frees = self.scheduler.take_frees()
+        if not frees.is_empty:
+            self.executor.execute(frees)
+
+    def _make_output(self, request: Request, image, trajectory) -> RolloutOutput:
+        now = time.monotonic()
+        first = request.first_step_time
+        return RolloutOutput(
+            request_id=request.request_id,
+            prompt=request.prompt,
+            prompt_index=request.prompt_index,
+            sample_index=request.sample_index,
+            seed=request.seed,
+            status="aborted" if request.status is RequestStatus.ABORTED else "finished",
+            image=image,
+            trajectory=trajectory,
+            weight_version=self.weight_version,
+            lora=request.params.lora,
+            timings=RequestTimings(
+                queued_s=(first or now) - request.arrival_time,
+                denoise_s=now - first if first is not None else 0.0,
+                total_s=now - request.arrival_time,
+            ),
+        )

@@ -1,0 +1,69 @@
+"""What the engine returns: one `RolloutOutput` per sample, with its `Trajectory`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from rollout.pipelines.condition import Condition
+
+
+@dataclass
+class Trajectory:
+    """Everything a policy-gradient trainer needs to re-score the denoising chain of one sample.
+
+    latents: [T+1, C, h, w] float32; index 0 is the initial noise, index T the final latents.
+    log_probs: [T] float32; log-density of latents[i+1] given latents[i] for SDE steps (averaged
+        over C*h*w), 0 where `sde_mask` is False.
+    timesteps: [T] float32, the model timesteps (sigma * num_train_timesteps).
+    sigmas: [T+1] float32, noise levels; sigmas[T] = 0.
+    sde_mask: [T] bool, which steps were stochastic.
+    condition: the prompt (and negative prompt) embeddings the velocities were computed with.
+    sampler, noise_level, guidance_scale: what the steps used, so re-scoring needs nothing else.
+    """
+
+    latents: torch.Tensor
+    log_probs: torch.Tensor
+    timesteps: torch.Tensor
+    sigmas: torch.Tensor
+    sde_mask: torch.Tensor
+    condition: Condition
+    sampler: str
+    noise_level: float
+    guidance_scale: float
+
+    @property
+    def num_steps(self) -> int:
+        return self.log_probs.shape[0]
+
+
+@dataclass
+class RequestTimings:
+    """Wall-clock seconds of one request's life in the engine."""
+
+    queued_s: float = 0.0  # from add_request to its first denoising step
+    denoise_s: float = 0.0  # from its first step to its last
+    total_s: float = 0.0  # from add_request to the output
+
+
+@dataclass
+class RolloutOutput:
+    """One generated sample. Tensors are on CPU.
+
+    status: "finished", or "aborted" (then image and trajectory are None).
+    image: [3, H, W] uint8, or None when `return_image` was False.
+    weight_version: the engine's weight version the sample was generated with.
+    """
+
+    request_id: str
+    prompt: str
+    prompt_index: int
+    sample_index: int
+    seed: int
+    status: str = "finished"
+    image: torch.Tensor | None = None
+    trajectory: Trajectory | None = None
+    weight_version: int = 0
+    lora: str | None = None
+    timings: RequestTimings = field(default_factory=RequestTimings)

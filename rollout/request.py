@@ -1,0 +1,67 @@
+"""A request as the engine and scheduler see it, and the small record sent to a worker for it."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from rollout.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # queued, no worker holds its state yet
+    RUNNING = "running"  # admitted to a rank; that worker holds its state once first scheduled
+    FINISHED = "finished"
+    ABORTED = "aborted"
+
+
+@dataclass(frozen=True)
+class NewRequestData:
+    """Wire format: everything a worker needs to start a request, sent once; later steps send only
+    the id."""
+
+    request_id: str
+    prompt: str
+    params: SamplingParams
+    height: int
+    width: int
+    init_noise_seed: int
+    step_noise_seed: int
+
+
+@dataclass
+class Request:
+    """One sample of one prompt (a GRPO group of n samples is n requests)."""
+
+    request_id: str
+    prompt: str
+    prompt_index: int
+    sample_index: int
+    params: SamplingParams
+    height: int
+    width: int
+    seed: int  # this sample's step-noise seed, reported in its output
+    init_noise_seed: int
+    status: RequestStatus = RequestStatus.WAITING
+    rank: int | None = None
+    sent_to_worker: bool = False
+    last_scheduled_tick: int = -1
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_step_time: float | None = None
+
+    @property
+    def batch_key(self) -> tuple:
+        """Requests with equal keys can share one forward pass (same latent shape and adapter)."""
+        return (self.height, self.width, self.params.lora, self.params.lora_scale)
+
+    def new_request_data(self) -> NewRequestData:
+        return NewRequestData(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            params=self.params,
+            height=self.height,
+            width=self.width,
+            init_noise_seed=self.init_noise_seed,
+            step_noise_seed=self.seed,
+        )

@@ -1,0 +1,35 @@
+"""Flow-GRPO's SDE step (Liu et al., "Flow-GRPO", arXiv 2505.05470), the reverse-time SDE whose
+marginals match the flow ODE, discretised with Euler-Maruyama.
+
+std_t = a * sqrt(sigma / (1 - sigma)); at sigma = 1 the denominator uses the schedule's next sigma
+(the published rule uses sigmas[1], which is sigma_next for the only step that starts at sigma = 1).
+mean = x * (1 + std_t^2 * dt / (2 sigma)) + v * (1 + std_t^2 * (1 - sigma) / (2 sigma)) * dt
+x'   = mean + std_t * sqrt(-dt) * eps
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rollout.samplers.step_output import StepOutput, gaussian_step, per_sample
+
+
+def step(
+    x: torch.Tensor,
+    v: torch.Tensor,
+    sigma: torch.Tensor | float,
+    sigma_next: torch.Tensor | float,
+    noise_level: torch.Tensor | float,
+    noise: torch.Tensor | None = None,
+    prev_sample: torch.Tensor | None = None,
+) -> StepOutput:
+    """Sample x' (or re-score `prev_sample`). Shapes: x, v [B, C, h, w]; sigmas and noise_level scalars or [B]."""
+    x = x.to(torch.float32)
+    v = v.to(torch.float32)
+    sigma = per_sample(sigma, x)
+    sigma_next = per_sample(sigma_next, x)
+    a = per_sample(noise_level, x)
+    dt = sigma_next - sigma
+    std_t = a * torch.sqrt(sigma / (1 - torch.where(sigma == 1, sigma_next, sigma)))
+    mean = x * (1 + std_t**2 / (2 * sigma) * dt) + v * (1 + std_t**2 * (1 - sigma) / (2 * sigma)) * dt
+    return gaussian_step(mean, std_t * torch.sqrt(-dt), noise, prev_sample)

@@ -1,0 +1,124 @@
+"""Step-level batching: which requests each worker denoises in the next engine step.
+
+Requests join and leave the running set at step boundaries (continuous batching). A batch holds
+requests of one latent shape and adapter; their step indices, guidance scales, noise levels,
+samplers and step counts may all differ, so one long request never blocks others. When a rank runs
+requests of several shapes, it serves the least recently stepped group first.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from rollout.request import NewRequestData, Request, RequestStatus
+
+
+@dataclass
+class WorkerInput:
+    """Wire format of one engine step for one worker."""
+
+    new_requests: list[NewRequestData] = field(default_factory=list)  # first step: full data
+    step_ids: list[str] = field(default_factory=list)  # denoise these one step (new ones included)
+    free_ids: list[str] = field(default_factory=list)  # aborted: drop their state
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.new_requests or self.step_ids or self.free_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    """What the scheduler decided for one engine step: one `WorkerInput` per rank."""
+
+    worker_inputs: dict[int, WorkerInput]
+
+    @property
+    def is_empty(self) -> bool:
+        return all(w.is_empty for w in self.worker_inputs.values())
+
+
+class Scheduler:
+    """Keeps waiting and running requests; each rank runs at most `max_batch_size` at a time."""
+
+    def __init__(self, num_ranks: int, max_batch_size: int):
+        self.num_ranks = num_ranks
+        self.max_batch_size = max_batch_size
+        self.waiting: deque[Request] = deque()
+        self.running: dict[str, Request] = {}
+        self._pending_frees: dict[int, list[str]] = {rank: [] for rank in range(num_ranks)}
+        self._tick = 0
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        self._admit_waiting()
+        inputs = {}
+        for rank in range(self.num_ranks):
+            work = WorkerInput(free_ids=self._pending_frees[rank])
+            self._pending_frees[rank] = []
+            for request in self._next_batch(rank):
+                if not request.sent_to_worker:
+                    work.new_requests.append(request.new_request_data())
+                    request.sent_to_worker = True
+                    request.first_step_time = time.monotonic()
+                request.last_scheduled_tick = self._tick
+                work.step_ids.append(request.request_id)
+            inputs[rank] = work
+        self._tick += 1
+        return SchedulerOutput(worker_inputs=inputs)
+
+    def take_frees(self) -> SchedulerOutput:
+        """A step that only drops the state of aborted requests (no denoising)."""
+        inputs = {rank: WorkerInput(free_ids=ids) for rank, ids in self._pending_frees.items()}
+        self._pending_frees = {rank: [] for rank in range(self.num_ranks)}
+        return SchedulerOutput(worker_inputs=inputs)
+
+    def finish(self, request_id: str) -> Request:
+        request = self.running.pop(request_id)
+        request.status = RequestStatus.FINISHED
+        return request
+
+    def abort(self, request_id: str) -> Request | None:
+        """Remove a request; its worker state is freed with the next schedule. None if unknown."""
+        request = self.running.pop(request_id, None)
+        if request is None:
+            for queued in self.waiting:
+                if queued.request_id == request_id:
+                    request = queued
+                    self.waiting.remove(queued)
+                    break
+        if request is None:
+            return None
+        if request.sent_to_worker:
+            self._pending_frees[request.rank].append(request_id)
+        request.status = RequestStatus.ABORTED
+        return request
+
+    def _admit_waiting(self) -> None:
+        """Move waiting requests (first come, first served) to the rank with the most free slots."""
+        load = [0] * self.num_ranks
+        for request in self.running.values():
+            load[request.rank] += 1
+        while self.waiting:
+            rank = min(range(self.num_ranks), key=load.__getitem__)
+            if load[rank] >= self.max_batch_size:
+                return
+            request = self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            request.rank = rank
+            request.last_scheduled_tick = self._tick  # newcomers queue behind requests already stepped
+            self.running[request.request_id] = request
+            load[rank] += 1
+
+    def _next_batch(self, rank: int) -> list[Request]:
+        candidates = [r for r in self.running.values() if r.rank == rank]
+        if not candidates:
+            return []
+        key = min(candidates, key=lambda r: r.last_scheduled_tick).batch_key
+        return [r for r in candidates if r.batch_key == key]

@@ -1,0 +1,91 @@
+"""A worker: one model replica holding the live state of the requests assigned to its rank.
+
+Its public methods are the worker functions `collective_rpc` can call by name; a
+`worker_extension_cls` adds more (see `build_worker_class`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from rollout.config import EngineConfig
+from rollout.imports import import_by_path
+from rollout.model_runner import ModelRunner, RequestState, RunnerOutput
+from rollout.pipelines.loading import load_adapter
+from rollout.pipelines.sd3 import ModelSpec
+from rollout.scheduler import WorkerInput
+
+logger = logging.getLogger(__name__)
+
+
+class Worker:
+    def __init__(self, config: EngineConfig, rank: int):
+        self.config = config
+        self.rank = rank
+        self.adapter = load_adapter(config.model, config.device, config.torch_dtype)
+        self.runner = ModelRunner(self.adapter)
+        self.requests: dict[str, RequestState] = {}
+
+    def execute(self, work: WorkerInput) -> RunnerOutput:
+        """Run one engine step: drop aborted requests, start new ones, denoise, return finished."""
+        start = time.perf_counter()
+        for request_id in work.free_ids:
+            self.requests.pop(request_id, None)
+        for state in self.runner.prepare(work.new_requests):
+            self.requests[state.data.request_id] = state
+        batch = [self.requests[request_id] for request_id in work.step_ids]
+        if batch:
+            self.runner.step(batch)
+        done = [s for s in batch if s.done]
+        for state in done:
+            del self.requests[state.data.request_id]
+        finished = self.runner.finish(done)
+        return RunnerOutput(finished=finished, compute_s=time.perf_counter() - start)
+
+    def model_spec(self) -> ModelSpec:
+        return self.adapter.spec
+
+    def check_health(self) -> bool:
+        """True while the worker can run; raises otherwise (e.g. the device is gone)."""
+        if self.config.device.startswith("cuda"):
+            torch.cuda.synchronize(self.adapter.device)
+        return True
+
+    def get_rank(self) -> int:
+        return self.rank
+
+    def request_ids(self) -> list[str]:
+        """Ids of the requests whose state this worker holds."""
+        return sorted(self.requests)
+
+
+# Instance attributes a worker sets in __init__; an extension method of the same name would be hidden.
+_WORKER_ATTRIBUTES = {"config", "rank", "adapter", "runner", "requests"}
+
+
+def worker_methods(worker_cls: type) -> set[str]:
+    """Names `collective_rpc` may call on a worker of this class: its public callables."""
+    return {name for name in dir(worker_cls) if not name.startswith("_") and callable(getattr(worker_cls, name))}
+
+
+def build_worker_class(extension: str | type | None) -> type[Worker]:
+    """`Worker`, or a subclass that mixes in `extension`'s methods.
+
+    An extension may not redefine a worker's own method: that would silently change the engine.
+    """
+    if extension is None:
+        return Worker
+    if isinstance(extension, str):
+        extension = import_by_path(extension, "worker_extension_cls")
+    if not isinstance(extension, type):
+        raise TypeError(f"worker_extension_cls must be a class or a dotted path to one, got {extension!r}")
+    clashes = sorted(worker_methods(extension) & (worker_methods(Worker) | _WORKER_ATTRIBUTES))
+    if clashes:
+        raise ValueError(
+            f"worker_extension_cls {extension.__qualname__} redefines worker methods {clashes}; "
+            "rename them in the extension"
+        )
+    return type(f"Worker+{extension.__name__}", (Worker, extension), {})
