@@ -68,7 +68,7 @@ class RolloutEngine:
             )
         base_seed = fresh_base_seed()
         request_ids = []
-        for prompt_index, (prompt, p) in enumerate(zip(prompts, params_list)):
+        for prompt_index, (prompt, p) in enumerate(zip(prompts, params_list, strict=True)):
             request_ids += self.add_request(prompt, p, prompt_index=prompt_index, base_seed=base_seed)
         outputs: dict[str, RolloutOutput] = {}
         with tqdm(total=len(request_ids), desc="rollout", unit="sample", disable=not use_tqdm) as bar:
@@ -207,7 +207,9 @@ class RolloutEngine:
             return [params] * len(prompts)
         params = list(params)
         if len(params) != len(prompts):
-            raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts; pass one or one per prompt")
+            raise ValueError(
+                f"got {len(params)} SamplingParams for {len(prompts)} prompts; pass one or one per prompt"
+            )
         return params
 
     def _check_request(self, prompt: str, params: SamplingParams) -> tuple[int, int]:

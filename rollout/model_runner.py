@@ -63,7 +63,7 @@ class ModelRunner:
         if not new_requests:
             return []
         prompts = sorted({r.prompt for r in new_requests})
-        conditions = dict(zip(prompts, self.adapter.encode_prompts(prompts)))
+        conditions = dict(zip(prompts, self.adapter.encode_prompts(prompts), strict=True))
         states = []
         for data in new_requests:
             shape = self.adapter.spec.latent_shape(data.height, data.width)
@@ -107,10 +107,7 @@ class ModelRunner:
             noise = None
             if rule != "ode":
                 noise = torch.stack(
-                    [
-                        torch.randn(states[i].latents.shape, generator=states[i].step_generator)
-                        for i in indices
-                    ]
+                    [torch.randn(states[i].latents.shape, generator=states[i].step_generator) for i in indices]
                 ).to(device)
             out = get_sampler(rule)(
                 latents[idx], velocity[idx], sigma[idx], sigma_next[idx], noise_level[idx], noise=noise
@@ -129,7 +126,7 @@ class ModelRunner:
         images = {}
         if to_decode:
             decoded = self._decode_by_shape(to_decode)
-            images = {s.data.request_id: img for s, img in zip(to_decode, decoded)}
+            images = {s.data.request_id: img for s, img in zip(to_decode, decoded, strict=True)}
         return [
             FinishedRequest(
                 request_id=s.data.request_id,
@@ -165,4 +162,3 @@ class ModelRunner:
             noise_level=params.noise_level,
             guidance_scale=params.guidance_scale,
         )
-

@@ -50,9 +50,7 @@ def load_adapter(path: str | Path, device: str = "cpu", dtype: torch.dtype = tor
     index = read_model_index(path)
     # Components saved as [null, null] (e.g. SD3 without T5) must be passed explicitly as None.
     absent = {name: None for name, value in index.items() if isinstance(value, list) and value[0] is None}
-    pipeline = StableDiffusion3Pipeline.from_pretrained(
-        str(path), dtype=dtype, local_files_only=True, **absent
-    )
+    pipeline = StableDiffusion3Pipeline.from_pretrained(str(path), dtype=dtype, local_files_only=True, **absent)
     pipeline.to(device)
     pipeline.set_progress_bar_config(disable=True)
     logger.info("loaded %s from %s on %s (%s)", index["_class_name"], path, device, dtype)

@@ -129,9 +129,7 @@ class SD3Adapter:
         out = self.transformer(
             hidden_states=hidden,
             timestep=torch.cat([timesteps, timesteps[cfg]]),
-            encoder_hidden_states=torch.cat(
-                [condition.prompt_embeds, condition.negative_prompt_embeds[cfg]]
-            ),
+            encoder_hidden_states=torch.cat([condition.prompt_embeds, condition.negative_prompt_embeds[cfg]]),
             pooled_projections=torch.cat(
                 [condition.pooled_prompt_embeds, condition.negative_pooled_prompt_embeds[cfg]]
             ),

@@ -27,7 +27,7 @@ def step(
     noise: torch.Tensor | None = None,
     prev_sample: torch.Tensor | None = None,
 ) -> StepOutput:
-    """Sample x' (or re-score `prev_sample`). Shapes: x, v [B, C, h, w]; sigmas and noise_level scalars or [B]."""
+    """Sample x' (or re-score `prev_sample`). x, v: [B, C, h, w]; sigmas, noise_level: scalars or [B]."""
     x = x.to(torch.float32)
     v = v.to(torch.float32)
     sigma = per_sample(sigma, x)
