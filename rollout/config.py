@@ -43,6 +43,7 @@ class EngineConfig:
             read_model_index(self.model)
         except ValueError as error:
             problems.append(str(error))
+        problems += self._class_problems()
         if self.dtype not in _DTYPES:
             problems.append(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
         if not isinstance(self.num_workers, int) or self.num_workers < 1:
@@ -61,6 +62,19 @@ class EngineConfig:
             problems.append(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         if problems:
             raise ValueError("invalid EngineConfig: " + "; ".join(problems))
+
+    def _class_problems(self) -> list[str]:
+        """Resolve the executor and worker extension now, so a typo fails before any model loads."""
+        from executors import get_executor_class
+        from rollout.worker import build_worker_class
+
+        problems = []
+        for resolve, value in ((get_executor_class, self.executor), (build_worker_class, self.worker_extension_cls)):
+            try:
+                resolve(value)
+            except (ValueError, TypeError) as error:
+                problems.append(str(error))
+        return problems
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -66,6 +66,8 @@ class RolloutEngine:
                 f"generate() drives the engine itself, but {len(self._requests)} requests added with "
                 "add_request() are unfinished; step() them to completion or abort() them first"
             )
+        for prompt, p in zip(prompts, params_list, strict=True):
+            self._check_request(prompt, p)  # all of them before any is queued
         base_seed = fresh_base_seed()
         request_ids = []
         for prompt_index, (prompt, p) in enumerate(zip(prompts, params_list, strict=True)):

@@ -1,0 +1,126 @@
+"""Executor resolution and collective_rpc on the in-process backend."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from executors import Executor, get_executor_class
+from executors.uni import UniExecutor
+from rollout import EngineConfig, RolloutEngine
+from rollout.errors import WorkerError
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class CountingExtension:
+    """A user's worker functions, mixed into every worker."""
+
+    def count_requests(self) -> int:
+        return len(self.requests)
+
+    def add(self, a, b=0):
+        return (self.rank, a + b)
+
+
+class RecordingExecutor(UniExecutor):
+    """A user's executor: the standard path plus its own bookkeeping."""
+
+    def execute(self, scheduler_output):
+        self.steps = getattr(self, "steps", 0) + 1
+        return super().execute(scheduler_output)
+
+
+class NotAnExecutor:
+    pass
+
+
+def test_get_executor_class_resolves_names_classes_and_paths():
+    assert get_executor_class("uni") is UniExecutor
+    assert get_executor_class(RecordingExecutor) is RecordingExecutor
+    assert get_executor_class(f"{__name__}.RecordingExecutor") is RecordingExecutor
+    assert issubclass(get_executor_class("uni"), Executor)
+
+
+def test_get_executor_class_refuses_what_is_not_an_executor():
+    with pytest.raises(TypeError, match="NotAnExecutor.* is not a subclass of executors.Executor"):
+        get_executor_class(f"{__name__}.NotAnExecutor")
+    with pytest.raises(TypeError, match="is not a subclass of executors.Executor"):
+        get_executor_class(NotAnExecutor)
+    with pytest.raises(ValueError, match="cannot import module 'no_such_pkg'"):
+        get_executor_class("no_such_pkg.Executor")
+    with pytest.raises(ValueError, match="unknown executor 'gpu'"):
+        get_executor_class("gpu")
+
+
+@pytest.fixture(scope="module")
+def extended_engine(tiny_model):
+    config = EngineConfig(
+        model=tiny_model,
+        executor=f"{__name__}.RecordingExecutor",
+        worker_extension_cls=f"{__name__}.CountingExtension",
+    )
+    with RolloutEngine(config) as engine:
+        yield engine
+
+
+def test_external_executor_runs_the_standard_path(extended_engine):
+    from rollout import SamplingParams
+
+    outputs = extended_engine.generate("x", SamplingParams(num_inference_steps=3, seed=0))
+    assert outputs[0].status == "finished"
+    assert extended_engine.executor.steps >= 3
+
+
+def test_collective_rpc_by_name_extension_and_callable(extended_engine):
+    assert extended_engine.collective_rpc("get_rank") == [0]
+    assert extended_engine.collective_rpc("count_requests") == [0]
+    assert extended_engine.collective_rpc("add", args=(2,), kwargs={"b": 3}) == [(0, 5)]
+    assert extended_engine.collective_rpc(lambda worker, x: (worker.rank, x * 2), args=(21,)) == [(0, 42)]
+    assert extended_engine.collective_rpc("get_rank", ranks=[0]) == [0]
+    with pytest.raises(ValueError, match="ranks must be a non-empty subset of 0..0"):
+        extended_engine.collective_rpc("get_rank", ranks=[1])
+
+
+def test_collective_rpc_timeout_in_process_and_late_reply_is_dropped(extended_engine):
+    def slow(worker, seconds):
+        time.sleep(seconds)
+        return "late"
+
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match="'.*slow' timed out after 0.2s; ranks that did not answer: \\[0\\]"):
+        extended_engine.collective_rpc(slow, args=(1.0,), timeout=0.2)
+    assert time.monotonic() - start < 0.9
+    # The next call waits for the slow one to finish and gets its own answer.
+    assert extended_engine.collective_rpc("get_rank") == [0]
+
+
+def test_worker_exception_carries_rank_and_traceback(extended_engine):
+    def broken(worker):
+        raise KeyError("missing thing")
+
+    with pytest.raises(WorkerError) as error:
+        extended_engine.collective_rpc(broken)
+    assert error.value.rank == 0
+    assert "KeyError" in error.value.error and "missing thing" in error.value.error
+    assert "in broken" in error.value.remote_traceback
+    assert extended_engine.collective_rpc("get_rank") == [0]  # the worker lives on
+
+
+class ClashingExtension:
+    def execute(self, work):
+        return None
+
+
+def test_extension_that_redefines_a_worker_method_is_refused(tiny_model):
+    with pytest.raises(ValueError, match=r"ClashingExtension redefines worker methods \['execute'\]"):
+        EngineConfig(model=tiny_model, worker_extension_cls=ClashingExtension)
+
+
+def test_engine_after_shutdown_refuses_calls(tiny_model):
+    engine = RolloutEngine(EngineConfig(model=tiny_model))
+    engine.shutdown()
+    engine.shutdown()  # idempotent
+    with pytest.raises(RuntimeError, match="shut down"):
+        engine.collective_rpc("get_rank")

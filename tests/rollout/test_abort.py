@@ -1,0 +1,52 @@
+"""Aborted requests end with status "aborted" and leave nothing behind."""
+
+from __future__ import annotations
+
+import pytest
+
+from rollout import SamplingParams
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _assert_no_state(engine):
+    assert not engine.scheduler.waiting and not engine.scheduler.running
+    assert engine.scheduler.take_frees().is_empty
+    assert engine._requests == {}
+    assert engine.collective_rpc("request_ids") == [[]]
+
+
+def test_many_aborts_leave_no_state(engine):
+    params = SamplingParams(num_inference_steps=5, num_samples=3, seed=0)
+    for round_index in range(20):
+        ids = engine.add_request(f"prompt {round_index}", params, request_id=f"r{round_index}")
+        for _ in range(round_index % 4):  # abort while waiting, and after 1-3 steps
+            engine.step()
+        if round_index % 2:
+            aborted = engine.abort(f"r{round_index}")  # the whole group by its id
+        else:
+            aborted = engine.abort(ids)
+        assert sorted(o.request_id for o in aborted) == sorted(ids)
+        assert all(o.status == "aborted" and o.image is None and o.trajectory is None for o in aborted)
+        _assert_no_state(engine)
+
+
+def test_abort_one_of_several_running(engine):
+    params = SamplingParams(num_inference_steps=3, seed=1)
+    keep = engine.add_request("keep", params, request_id="keep")
+    drop = engine.add_request("drop", params, request_id="drop")
+    engine.step()
+    assert engine.collective_rpc("request_ids") == [sorted(keep + drop)]
+    engine.abort(drop)
+    assert engine.collective_rpc("request_ids") == [keep]  # freed at once, not at the next step
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    assert [o.request_id for o in outputs] == keep and outputs[0].status == "finished"
+    _assert_no_state(engine)
+
+
+def test_abort_unknown_or_finished_id_is_a_no_op(engine):
+    (done,) = engine.generate("x", SamplingParams(num_inference_steps=1, seed=0))
+    assert engine.abort([done.request_id, "never-added"]) == []
+    _assert_no_state(engine)

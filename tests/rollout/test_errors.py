@@ -1,0 +1,90 @@
+"""Bad input fails before any work starts, with an error that names the field and the fix."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from rollout import EngineConfig, SamplingParams
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"num_inference_steps": 0}, "num_inference_steps must be an integer >= 1, got 0"),
+        ({"sampler": "euler"}, "sampler must be one of .*'flow_sde'.*got 'euler'"),
+        ({"noise_level": -0.1}, "noise_level must be >= 0, got -0.1"),
+        ({"noise_level": 0.0}, "noise_level 0 gives sampler 'flow_sde' no noise"),
+        ({"num_samples": 0}, "num_samples must be an integer >= 1, got 0"),
+        ({"num_inference_steps": 4, "sde_window": (2, 5)}, r"sde_window \(2, 5\) is outside the step range.*\(4\)"),
+        ({"num_inference_steps": 4, "sde_window": (-1, 2)}, "sde_window .* outside the step range"),
+        ({"num_inference_steps": 4, "sde_window": (3, 3)}, "sde_window .* outside the step range"),
+        ({"num_inference_steps": 4, "sampler": "cps", "sde_window": (3, 4)}, "no stochastic step of sampler 'cps'"),
+        ({"height": 0}, "height must be a positive integer"),
+    ],
+)
+def test_sampling_params_errors(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_several_problems_are_reported_at_once():
+    with pytest.raises(ValueError) as error:
+        SamplingParams(num_inference_steps=0, noise_level=-1, num_samples=0)
+    assert "num_inference_steps" in str(error.value)
+    assert "noise_level" in str(error.value)
+    assert "num_samples" in str(error.value)
+
+
+def test_height_and_width_must_fit_the_model(engine):
+    with pytest.raises(ValueError, match=r"height=30 is not divisible by 4 \(VAE scale 2 x patch size 2\)"):
+        engine.generate("x", SamplingParams(height=30, width=32))
+    with pytest.raises(ValueError, match="width=33"):
+        engine.add_request("x", SamplingParams(width=33))
+    assert not engine.has_unfinished_requests()
+
+
+def test_empty_prompt_list(engine):
+    with pytest.raises(ValueError, match="prompts is empty"):
+        engine.generate([], SamplingParams())
+
+
+def test_a_bad_request_in_a_list_starts_nothing(engine):
+    # The check runs per prompt before its requests are queued; generate() must not leave the
+    # valid ones behind either.
+    with pytest.raises(ValueError, match="height=30"):
+        engine.generate(["ok", "bad"], [SamplingParams(), SamplingParams(height=30)])
+    assert not engine.has_unfinished_requests()
+    assert engine.collective_rpc("request_ids") == [[]]
+
+
+def test_missing_model_folder(tmp_path):
+    with pytest.raises(ValueError, match="does not exist; pass a local diffusers pipeline folder"):
+        EngineConfig(model=str(tmp_path / "nope"))
+
+
+def test_folder_that_is_not_a_pipeline(tmp_path):
+    with pytest.raises(ValueError, match="is not a diffusers pipeline: it has no model_index.json"):
+        EngineConfig(model=str(tmp_path))
+    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "UNet2DModel"}))
+    with pytest.raises(ValueError, match="holds a UNet2DModel, which is not supported"):
+        EngineConfig(model=str(tmp_path))
+
+
+def test_engine_config_errors(tiny_model):
+    with pytest.raises(ValueError, match="executor 'uni' runs one in-process worker"):
+        EngineConfig(model=tiny_model, num_workers=2)
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        EngineConfig(model=tiny_model, dtype="float8")
+    with pytest.raises(ValueError, match="unknown executor 'threads'"):
+        EngineConfig(model=tiny_model, executor="threads")
+
+
+def test_unknown_worker_method(engine):
+    with pytest.raises(ValueError, match="unknown worker method 'no_such_method'; available: .*'request_ids'"):
+        engine.collective_rpc("no_such_method")
+    with pytest.raises(ValueError, match="unknown worker method '_private'"):
+        engine.collective_rpc("_private")
