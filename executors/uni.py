@@ -15,7 +15,7 @@ from typing import Any
 
 from executors.base import Executor
 from rollout.config import EngineConfig
-from rollout.errors import WorkerError
+from rollout.errors import EngineDeadError, WorkerError
 from rollout.model_runner import RunnerOutput
 from rollout.scheduler import SchedulerOutput
 
@@ -23,12 +23,22 @@ from rollout.scheduler import SchedulerOutput
 class UniExecutor(Executor):
     def __init__(self, config: EngineConfig):
         super().__init__(config)
+        self._dead: str | None = None  # why the worker can no longer be used
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout-worker-0")
         self.worker = self._call("start worker", lambda: self.worker_cls(config, 0), timeout=None)
 
     def execute(self, scheduler_output: SchedulerOutput) -> list[RunnerOutput]:
         work = scheduler_output.worker_inputs[0]
-        return [self._call("execute", lambda: self.worker.execute(work), self.config.step_timeout_s)]
+        try:
+            return [self._call("execute", lambda: self.worker.execute(work), self.config.step_timeout_s)]
+        except TimeoutError:
+            # The step may still finish in the background; its requests' state can no longer be
+            # trusted, so the engine stops rather than return a mix of old and new work.
+            self._dead = (
+                f"an engine step did not finish within step_timeout_s={self.config.step_timeout_s}s; "
+                "create a new engine (raise step_timeout_s if steps are legitimately that slow)"
+            )
+            raise EngineDeadError(self._dead) from None
 
     def collective_rpc(
         self,
@@ -52,6 +62,8 @@ class UniExecutor(Executor):
         self.worker = None
 
     def _call(self, name: str, fn: Callable[[], Any], timeout: float | None) -> Any:
+        if self._dead:
+            raise EngineDeadError(self._dead)
         future = self._thread.submit(fn)
         try:
             return future.result(timeout)

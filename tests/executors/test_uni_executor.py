@@ -124,3 +124,17 @@ def test_engine_after_shutdown_refuses_calls(tiny_model):
     engine.shutdown()  # idempotent
     with pytest.raises(RuntimeError, match="shut down"):
         engine.collective_rpc("get_rank")
+
+
+def test_a_step_past_its_timeout_marks_the_engine_dead(tiny_model):
+    from rollout import SamplingParams
+    from rollout.errors import EngineDeadError
+
+    with RolloutEngine(EngineConfig(model=tiny_model, step_timeout_s=0.3)) as engine:
+        engine.collective_rpc(lambda worker: setattr(worker.runner, "step", lambda states: time.sleep(1.0)))
+        start = time.monotonic()
+        with pytest.raises(EngineDeadError, match="did not finish within step_timeout_s=0.3s"):
+            engine.generate("x", SamplingParams(num_inference_steps=2, seed=0))
+        assert time.monotonic() - start < 0.9
+        with pytest.raises(EngineDeadError):
+            engine.collective_rpc("get_rank")

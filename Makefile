@@ -1,0 +1,37 @@
+# Targets the README promises. `make demo` and `make test` each set up a fresh machine first.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# The CPU build of PyTorch; a GPU user sets TORCH_SPEC=torch (or their CUDA build) instead.
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: setup demo test test-slow lint bench clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[test,ray]"
+	touch $@
+
+demo: setup
+	$(PY) -m recipes.run recipes/configs/rollout_tiny.yaml
+
+lint: setup
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+test: lint
+	$(PY) -m pytest -q
+
+# Tests marked slow; pytest exits 5 when none are collected, which is fine here.
+test-slow: setup
+	$(PY) -m pytest -q -m slow || [ $$? -eq 5 ]
+
+bench: setup
+	$(PY) -m benchmarks.rollout_throughput
+
+clean:
+	rm -rf $(VENV) outputs .cache .pytest_cache .ruff_cache
