@@ -1,0 +1,1 @@
+"""Runnable recipes: one short script per recipe plus YAML configs, launched by `python -m recipes.run`."""

@@ -1,0 +1,311 @@
+"""Recipe configs: a YAML file plus `--set key=value` overrides, checked into one dataclass per recipe.
+
+A recipe's config is a dataclass (subclass of `RecipeConfig`) whose fields are plain values or
+sections; a section is itself a dataclass, so later recipes (GRPO, DPO) add their own sections
+next to the shared `model`, `engine` and `sampling` ones. Every field carries a one-line help in its
+metadata (or in `_EXTERNAL_HELP` for dataclasses owned by the engine), which `python -m recipes.run
+--help` lists, so the documentation of the keys cannot drift from the code.
+
+Checking collects every problem (unknown keys, wrong types, missing keys, bad values caught by a
+dataclass's `__post_init__`) and raises them together in one ValueError. A dataclass's own value
+checks run once its fields are well-typed and its sections are valid, since they may compare fields.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import importlib
+import json
+import logging
+import os
+import shutil
+import types
+import typing
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from rollout.config import EngineConfig
+from rollout.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+# Recipe name (the YAML's `recipe:`) -> module defining `Config` (a RecipeConfig) and `run(config)`.
+# Modules are imported only when their recipe is used or listed.
+RECIPES: dict[str, str] = {"rollout": "recipes.rollout"}
+
+TINY_MODEL = "tiny"
+
+
+def option(default: Any = dataclasses.MISSING, help: str = "", *, factory: Any = dataclasses.MISSING) -> Any:
+    """A config field with its one-line help (shown by `--help`)."""
+    return field(default=default, default_factory=factory, metadata={"help": help})
+
+
+@dataclass(kw_only=True)
+class ModelSection:
+    path: str = option(TINY_MODEL, f"local diffusers pipeline folder, or {TINY_MODEL!r} for a tiny random SD3")
+    tiny_cache_dir: str = option(
+        ".cache/tiny_sd3", f"where path={TINY_MODEL!r} builds its pipeline once and reuses it"
+    )
+
+    def resolve_path(self) -> str:
+        """The pipeline folder to load; for `tiny`, builds it into `tiny_cache_dir` the first time."""
+        if self.path != TINY_MODEL:
+            return self.path
+        cache = Path(self.tiny_cache_dir)
+        if (cache / "model_index.json").is_file():
+            logger.info("using the tiny SD3 pipeline cached in %s", cache)
+            return str(cache)
+        if cache.exists() and any(cache.iterdir()):
+            raise ValueError(
+                f"model.tiny_cache_dir {str(cache)!r} is not empty but holds no model_index.json; "
+                "empty it or point model.tiny_cache_dir at a new folder"
+            )
+        from rollout.pipelines.tiny import build_tiny_sd3
+
+        logger.info("building a tiny SD3 pipeline with random weights into %s (once; later runs reuse it)", cache)
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        # Build beside the cache and rename, so an interrupted build never leaves a half-written cache.
+        staging = cache.with_name(f".{cache.name}.building-{os.getpid()}")
+        if staging.exists():
+            shutil.rmtree(staging)  # left by an interrupted build of an earlier process with this pid
+        build_tiny_sd3(staging, seed=0)
+        if cache.exists():
+            cache.rmdir()  # empty, checked above
+        os.rename(staging, cache)
+        return str(cache)
+
+
+@dataclass(kw_only=True)
+class EngineSection:
+    """The `EngineConfig` knobs a recipe sets; `model` comes from the model section."""
+
+    executor: str = option("uni", "'uni' (in-process), 'mp', 'ray', or a dotted path to an Executor subclass")
+    num_workers: int = option(1, "model replicas (data parallel); 'uni' runs exactly one")
+    device: str = option("cpu", "'cpu', 'cuda' or 'cuda:N'")
+    dtype: str = option("float32", "model weights dtype: float32, bfloat16 or float16 (trajectories stay float32)")
+    max_batch_size: int = option(16, "most samples one worker denoises in one forward pass")
+
+    def to_engine_config(self, model_path: str) -> EngineConfig:
+        return EngineConfig(model=model_path, **dataclasses.asdict(self))
+
+
+# Help for fields of dataclasses that the engine owns (they carry no metadata).
+_EXTERNAL_HELP: dict[type, dict[str, str]] = {
+    SamplingParams: {
+        "num_inference_steps": "denoising steps per sample",
+        "guidance_scale": "classifier-free guidance scale (<= 1 skips the unconditional pass)",
+        "height": "image height in pixels; null takes the model's default",
+        "width": "image width in pixels; null takes the model's default",
+        "sampler": "update rule: ode, flow_sde, cps or dance_sde",
+        "noise_level": "SDE noise strength (Flow-GRPO's a, DanceGRPO's eta); > 0 for stochastic samplers",
+        "sde_window": "[start, stop) step indices that are stochastic; null means every step",
+        "seed": "base seed; per-sample seeds derive from it; null draws a fresh one",
+        "num_samples": "samples per prompt (the GRPO group size)",
+        "same_noise_in_group": "all samples of a prompt start from the same initial noise",
+        "lora": "name of a loaded LoRA adapter to sample with, or null",
+        "lora_scale": "strength of that adapter",
+        "return_trajectory": "return latents, log-probs, sigmas and timesteps",
+        "return_image": "decode and return the image",
+    },
+}
+
+
+@dataclass(kw_only=True)
+class RecipeConfig:
+    """Base of every recipe's config; `recipe` picks the recipe (a key of `RECIPES`)."""
+
+    recipe: str = option(help=f"which recipe to run: {', '.join(RECIPES)}")
+
+
+def recipe_module(name: str) -> types.ModuleType:
+    """The module of recipe `name`: it defines `Config` and `run(config)`."""
+    if name not in RECIPES:
+        raise ValueError(f"unknown recipe {name!r}; choose one of {sorted(RECIPES)}")
+    return importlib.import_module(RECIPES[name])
+
+
+# Loading.
+
+
+def load_config(path: str | Path, overrides: Sequence[str] = ()) -> RecipeConfig:
+    """Read the YAML at `path`, apply `overrides` ("dotted.key=yaml value"), and check everything.
+
+    Raises ValueError listing every problem found.
+    """
+    data = yaml.safe_load(Path(path).read_text())
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ValueError(f"invalid config {path}: the file must hold a mapping of keys, got {type(data).__name__}")
+    problems = apply_overrides(data, overrides)
+    name = data.get("recipe")
+    if not isinstance(name, str) or name not in RECIPES:
+        problems.insert(0, f"recipe: must be one of {sorted(RECIPES)}, got {name!r}")
+        raise ValueError(_format_problems(path, problems))
+    config = build_section(recipe_module(name).Config, data, "", problems)
+    if problems:
+        raise ValueError(_format_problems(path, problems))
+    return config
+
+
+def apply_overrides(data: dict, overrides: Sequence[str]) -> list[str]:
+    """Set each "a.b.c=value" in `data` (value parsed as YAML, so "4" is an int); returns the
+    problems with overrides that could not be applied."""
+    problems = []
+    for text in overrides:
+        key, sep, raw = text.partition("=")
+        if not sep or not key:
+            problems.append(f"--set {text!r}: expected KEY=VALUE, e.g. sampling.num_inference_steps=4")
+            continue
+        try:
+            value = yaml.safe_load(raw)
+        except yaml.YAMLError as error:
+            problems.append(f"--set {text!r}: the value is not valid YAML ({error})")
+            continue
+        *parents, leaf = key.split(".")
+        node = data
+        for depth, part in enumerate(parents):
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                prefix = ".".join(parents[: depth + 1])
+                problems.append(f"--set {text!r}: {prefix!r} is a value, not a section")
+                break
+        else:
+            node[leaf] = value
+    return problems
+
+
+def build_section(cls: type, data: Any, prefix: str, problems: list[str]) -> Any:
+    """Check `data` against dataclass `cls` and build it; appends problems instead of raising.
+
+    Returns the instance, or None when something was wrong.
+    """
+    where = prefix.rstrip(".") or "config"
+    if not isinstance(data, dict):
+        problems.append(f"{where}: expected a section (a mapping of keys), got {data!r}")
+        return None
+    count = len(problems)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    hints = typing.get_type_hints(cls)
+    for key in data:
+        if key not in fields:
+            problems.append(_unknown_key(prefix, str(key), list(fields)))
+    kwargs = {}
+    for name, f in fields.items():
+        key = f"{prefix}{name}"
+        if name not in data:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                problems.append(f"{key}: missing; {_help(cls, f)}")
+            continue
+        kwargs[name] = _convert(data[name], hints[name], key, problems)
+    if len(problems) > count:
+        return None
+    try:
+        return cls(**kwargs)
+    except ValueError as error:  # the dataclass's own checks of values and combinations
+        problems.append(f"{where}: {error}")
+        return None
+
+
+def _convert(value: Any, annotation: Any, key: str, problems: list[str]) -> Any:
+    if dataclasses.is_dataclass(annotation):
+        return build_section(annotation, value, f"{key}.", problems)
+    converted = _match(value, annotation)
+    if converted is _NO_MATCH:
+        problems.append(f"{key}: expected {_type_name(annotation)}, got {value!r} ({type(value).__name__})")
+    return converted
+
+
+_NO_MATCH = object()
+
+
+def _match(value: Any, annotation: Any) -> Any:
+    """`value` converted to `annotation` (YAML list -> tuple, int -> float), or _NO_MATCH."""
+    origin = typing.get_origin(annotation)
+    args = typing.get_args(annotation)
+    if origin in (typing.Union, types.UnionType):
+        for arm in args:
+            converted = _match(value, arm)
+            if converted is not _NO_MATCH:
+                return converted
+        return _NO_MATCH
+    if annotation is type(None):
+        return None if value is None else _NO_MATCH
+    if annotation is bool:
+        return value if isinstance(value, bool) else _NO_MATCH
+    if annotation is int:  # YAML true/false are bools, which Python counts as ints
+        return value if isinstance(value, int) and not isinstance(value, bool) else _NO_MATCH
+    if annotation is float:
+        return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else _NO_MATCH
+    if annotation is str:
+        return value if isinstance(value, str) else _NO_MATCH
+    if origin is list and isinstance(value, list):
+        items = [_match(item, args[0]) for item in value]
+        return _NO_MATCH if _NO_MATCH in items else items
+    if origin is tuple and isinstance(value, list | tuple) and len(value) == len(args):
+        items = tuple(_match(item, arm) for item, arm in zip(value, args, strict=True))
+        return _NO_MATCH if _NO_MATCH in items else items
+    if origin in (list, tuple):
+        return _NO_MATCH
+    raise TypeError(f"config fields of type {annotation!r} are not supported; use str, int, float, bool, list, tuple")
+
+
+def _type_name(annotation: Any) -> str:
+    origin = typing.get_origin(annotation)
+    args = typing.get_args(annotation)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(arm) for arm in args)
+    if annotation is type(None):
+        return "null"
+    if origin is list:
+        return f"a list of {_type_name(args[0])}"
+    if origin is tuple:
+        return f"a list [{', '.join(_type_name(arm) for arm in args)}]"
+    return annotation.__name__
+
+
+def _unknown_key(prefix: str, key: str, known: list[str]) -> str:
+    close = difflib.get_close_matches(key, known, n=1)
+    hint = f"did you mean {prefix + close[0]!r}?" if close else f"valid keys here: {', '.join(known)}"
+    return f"unknown key {prefix + key!r}; {hint}"
+
+
+def _format_problems(path: str | Path, problems: list[str]) -> str:
+    noun = "problem" if len(problems) == 1 else "problems"
+    return f"invalid config {path} ({len(problems)} {noun}):\n" + "\n".join(f"  - {p}" for p in problems)
+
+
+# Describing.
+
+
+def _help(cls: type, f: dataclasses.Field) -> str:
+    return f.metadata.get("help") or _EXTERNAL_HELP.get(cls, {}).get(f.name, "(no description)")
+
+
+def config_keys(cls: type, prefix: str = "") -> Iterator[tuple[str, str, str]]:
+    """(dotted key, default as YAML/JSON text, one-line help) of every leaf key of config `cls`."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if not f.init:
+            continue
+        if dataclasses.is_dataclass(hints[f.name]):
+            yield from config_keys(hints[f.name], f"{prefix}{f.name}.")
+            continue
+        if f.default is not dataclasses.MISSING:
+            default = json.dumps(f.default)
+        elif f.default_factory is not dataclasses.MISSING:
+            default = json.dumps(f.default_factory())
+        else:
+            default = "(required)"
+        yield f"{prefix}{f.name}", default, _help(cls, f)
+
+
+def to_dict(config: RecipeConfig) -> dict:
+    """The config as plain JSON-able data (tuples become lists)."""
+    return json.loads(json.dumps(dataclasses.asdict(config)))

@@ -1,0 +1,197 @@
+"""Recipe configs: every shipped YAML validates, problems are reported together, `--set` overrides work."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import recipes.config
+from recipes.config import ModelSection, config_keys, load_config, recipe_module
+from recipes.run import main
+from rollout import SamplingParams
+
+CONFIG_DIR = Path(recipes.config.__file__).parent / "configs"
+SHIPPED = sorted(CONFIG_DIR.glob("*.yaml"))
+
+MINIMAL = "recipe: rollout\nprompts: [a red square]\n"
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "config.yaml"
+    path.write_text(text)
+    return path
+
+
+def problems_of(error: pytest.ExceptionInfo) -> list[str]:
+    return [line[4:] for line in str(error.value).splitlines()[1:]]
+
+
+def test_configs_are_shipped():
+    assert SHIPPED, f"no YAML configs found in {CONFIG_DIR}"
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
+def test_shipped_config_validates(path):
+    config = load_config(path)
+    assert isinstance(config, recipe_module(config.recipe).Config)
+    assert path.read_text().lstrip().startswith("#"), "a shipped config starts with a header comment"
+    assert f"python -m recipes.run recipes/configs/{path.name}" in path.read_text()
+
+
+@pytest.mark.timeout(30)
+def test_rollout_tiny_values():
+    config = load_config(CONFIG_DIR / "rollout_tiny.yaml")
+    assert config.model.path == "tiny"
+    assert config.engine.executor == "uni"
+    assert config.prompts == ["a red square", "a green circle", "a blue triangle", "a yellow star"]
+    assert config.sampling == SamplingParams(
+        num_samples=4,
+        num_inference_steps=10,
+        sampler="flow_sde",
+        noise_level=0.7,
+        guidance_scale=4.5,
+        seed=0,
+        same_noise_in_group=True,
+    )
+    assert config.output_dir == "outputs/rollout_tiny"
+
+
+@pytest.mark.timeout(30)
+def test_unknown_key_is_named_with_a_suggestion(tmp_path):
+    with pytest.raises(ValueError) as error:
+        load_config(write(tmp_path, MINIMAL + "sampling:\n  num_step: 4\n"))
+    assert problems_of(error) == ["unknown key 'sampling.num_step'; did you mean 'sampling.num_samples'?"]
+
+
+@pytest.mark.timeout(30)
+def test_wrong_type_names_key_expected_type_and_value(tmp_path):
+    with pytest.raises(ValueError) as error:
+        load_config(write(tmp_path, MINIMAL + "engine:\n  num_workers: two\n"))
+    assert problems_of(error) == ["engine.num_workers: expected int, got 'two' (str)"]
+
+
+@pytest.mark.timeout(30)
+def test_every_problem_is_reported_at_once(tmp_path):
+    text = (
+        "recipe: rollout\n"
+        "colour: red\n"  # unknown top-level key
+        "model:\n  path: 3\n"  # wrong type
+        "engine:\n  max_batch_size: true\n  devices: cpu\n"  # a bool is not an int; unknown key
+        "sampling:\n  sde_window: [0, one]\n"  # wrong element type
+        "grid_scale: 2.5\n"  # float for int
+    )  # and `prompts` is missing
+    with pytest.raises(ValueError) as error:
+        load_config(write(tmp_path, text), ["sampling.seed"])  # and a malformed override
+    problems = problems_of(error)
+    assert str(error.value).startswith(f"invalid config {tmp_path / 'config.yaml'} (8 problems):")
+    assert sorted(problems) == sorted(
+        [
+            "--set 'sampling.seed': expected KEY=VALUE, e.g. sampling.num_inference_steps=4",
+            "unknown key 'colour'; valid keys here: recipe, model, engine, sampling, prompts, output_dir, grid_scale",
+            "model.path: expected str, got 3 (int)",
+            "unknown key 'engine.devices'; did you mean 'engine.device'?",
+            "engine.max_batch_size: expected int, got True (bool)",
+            "sampling.sde_window: expected a list [int, int] or null, got [0, 'one'] (list)",
+            "prompts: missing; prompts to sample; each one is a row of grid.png",
+            "grid_scale: expected int, got 2.5 (float)",
+        ]
+    )
+
+
+@pytest.mark.timeout(30)
+def test_value_checks_of_the_dataclasses_are_reported(tmp_path):
+    text = MINIMAL + "sampling:\n  sampler: euler\n  num_samples: 0\n"
+    with pytest.raises(ValueError) as error:
+        load_config(write(tmp_path, text))
+    (problem,) = problems_of(error)
+    assert problem.startswith("sampling: invalid SamplingParams: sampler must be one of")
+    assert "num_samples must be an integer >= 1, got 0" in problem
+
+    with pytest.raises(ValueError) as error:
+        load_config(write(tmp_path, "recipe: rollout\nprompts: []\ngrid_scale: 0\n"))
+    assert problems_of(error) == [
+        "config: prompts is empty; give at least one prompt; grid_scale must be an integer >= 1, got 0"
+    ]
+
+
+@pytest.mark.timeout(30)
+def test_unknown_recipe_is_refused(tmp_path):
+    with pytest.raises(ValueError, match=r"recipe: must be one of \['rollout'\], got 'grpo'"):
+        load_config(write(tmp_path, "recipe: grpo\n"))
+
+
+@pytest.mark.timeout(30)
+def test_set_overrides_parse_values_as_yaml(tmp_path):
+    config = load_config(
+        CONFIG_DIR / "rollout_tiny.yaml",
+        [
+            "sampling.num_inference_steps=4",
+            "sampling.noise_level=0.5",
+            "sampling.guidance_scale=1",  # an int where a float is expected
+            "sampling.seed=null",
+            "sampling.sde_window=[0, 2]",
+            "prompts=[a cat, a dog]",
+            "output_dir=/tmp/x=y",  # only the first '=' separates key and value
+            "engine.max_batch_size=8",
+        ],
+    )
+    sampling = config.sampling
+    assert sampling.num_inference_steps == 4 and isinstance(sampling.num_inference_steps, int)
+    assert sampling.noise_level == 0.5
+    assert sampling.guidance_scale == 1.0 and isinstance(sampling.guidance_scale, float)
+    assert sampling.seed is None
+    assert sampling.sde_window == (0, 2)
+    assert config.prompts == ["a cat", "a dog"]
+    assert config.output_dir == "/tmp/x=y"
+    assert config.engine.max_batch_size == 8
+
+
+@pytest.mark.timeout(30)
+def test_set_overrides_are_checked_like_the_file(tmp_path):
+    overrides = ["sampling.num_step=4", "sampling.seed=zero", "prompts.first=a cat", "sampling.seed=[0"]
+    with pytest.raises(ValueError) as error:
+        load_config(write(tmp_path, MINIMAL), overrides)
+    problems = problems_of(error)
+    assert "unknown key 'sampling.num_step'; did you mean 'sampling.num_samples'?" in problems
+    assert "sampling.seed: expected int or null, got 'zero' (str)" in problems
+    assert "--set 'prompts.first=a cat': 'prompts' is a value, not a section" in problems
+    assert any(p.startswith("--set 'sampling.seed=[0': the value is not valid YAML") for p in problems)
+
+
+@pytest.mark.timeout(30)
+def test_help_lists_every_key_with_its_description(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
+    assert "--set KEY=VALUE" in text
+    keys = list(config_keys(recipe_module("rollout").Config))
+    assert "(no description)" not in {help_text for _, _, help_text in keys}
+    for key, default, help_text in keys:
+        assert f"{key} = {default}" in text and help_text in text
+    assert {key for key, _, _ in keys} >= {f"sampling.{name}" for name in SamplingParams.__dataclass_fields__}
+
+
+@pytest.mark.timeout(30)
+def test_cli_reports_config_problems_and_exits_2(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(write(tmp_path, MINIMAL)), "--set", "sampling.num_inference_steps=ten"])
+    assert exit_info.value.code == 2
+    assert "sampling.num_inference_steps: expected int, got 'ten' (str)" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(30)
+def test_tiny_model_cache_is_reused_and_never_clobbered(tmp_path):
+    assert ModelSection(path="some/pipeline").resolve_path() == "some/pipeline"
+    cache = tmp_path / "tiny"
+    cache.mkdir()
+    (cache / "model_index.json").write_text("{}")
+    assert ModelSection(tiny_cache_dir=str(cache)).resolve_path() == str(cache)  # reused: no build
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match="is not empty but holds no model_index.json"):
+        ModelSection(tiny_cache_dir=str(other)).resolve_path()
+    assert (other / "notes.txt").read_text() == "mine"
