@@ -1,0 +1,1 @@
+"""Side-by-side measurements: the engine vs. plain diffusers vs. pure model compute."""
