@@ -102,8 +102,10 @@ class ModelRunner:
         for i, s in enumerate(states):
             rule = s.data.params.sampler if s.sde_mask[s.step_index] else "ode"
             groups.setdefault(rule, []).append(i)
+        zero = torch.zeros((), dtype=torch.float32, device=device)  # log-prob of an ODE step
         for rule, indices in groups.items():
-            idx = torch.tensor(indices, device=device)
+            # One rule for the whole batch (the common case) needs no gather.
+            idx = slice(None) if len(indices) == len(states) else torch.tensor(indices, device=device)
             noise = None
             if rule != "ode":
                 noise = torch.stack(
@@ -116,7 +118,6 @@ class ModelRunner:
                 state = states[i]
                 state.latents = out.prev_sample[j]
                 state.history.append(state.latents)
-                zero = torch.zeros((), dtype=torch.float32, device=device)
                 state.log_probs.append(out.log_prob[j] if out.log_prob is not None else zero)
                 state.step_index += 1
 
