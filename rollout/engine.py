@@ -72,12 +72,16 @@ class RolloutEngine:
         request_ids = []
         for prompt_index, (prompt, p) in enumerate(zip(prompts, params_list, strict=True)):
             request_ids += self.add_request(prompt, p, prompt_index=prompt_index, base_seed=base_seed)
+        requests = [self._requests[request_id] for request_id in request_ids]
+        total_steps = sum(r.params.num_inference_steps for r in requests)
         outputs: dict[str, RolloutOutput] = {}
-        with tqdm(total=len(request_ids), desc="rollout", unit="sample", disable=not use_tqdm) as bar:
+        # Progress in denoising steps, not samples: a group of samples finishes all at once.
+        with tqdm(total=total_steps, desc="rollout", unit="step", disable=not use_tqdm) as bar:
             while self.scheduler.has_unfinished():
                 for output in self.step():
                     outputs[output.request_id] = output
-                    bar.update(1)
+                bar.update(sum(r.steps_done for r in requests) - bar.n)
+                bar.set_postfix(samples=f"{len(outputs)}/{len(requests)}")
         return [outputs[request_id] for request_id in request_ids]
 
     def add_request(

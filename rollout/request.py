@@ -46,6 +46,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     rank: int | None = None
     sent_to_worker: bool = False
+    steps_done: int = 0
     last_scheduled_tick: int = -1
     arrival_time: float = field(default_factory=time.monotonic)
     first_step_time: float | None = None

@@ -68,6 +68,7 @@ class Scheduler:
                     request.sent_to_worker = True
                     request.first_step_time = time.monotonic()
                 request.last_scheduled_tick = self._tick
+                request.steps_done += 1
                 work.step_ids.append(request.request_id)
             inputs[rank] = work
         self._tick += 1
