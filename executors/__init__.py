@@ -7,7 +7,11 @@ import importlib
 from executors.base import Executor
 
 # Short name -> "module:Class"; modules are imported only when selected.
-_BACKENDS = {"uni": "executors.uni:UniExecutor"}
+_BACKENDS = {
+    "uni": "executors.uni:UniExecutor",
+    "mp": "executors.mp:MPExecutor",
+    "ray": "executors.ray_executor:RayExecutor",
+}
 
 
 def get_executor_class(backend: str | type) -> type[Executor]:

@@ -8,6 +8,7 @@ import torch
 
 from rollout.pipelines.loading import read_model_index
 
+_PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -24,7 +25,11 @@ class EngineConfig:
     device: "cpu", "cuda", "cuda:1", ...
     dtype: model weights dtype, "float32" | "bfloat16" | "float16". Trajectories stay float32.
     max_batch_size: most samples one worker denoises in one forward pass.
-    rpc_timeout_s: default timeout of `collective_rpc`; step_timeout_s: of one denoising step.
+    threads_per_worker: CPU threads of each worker process's torch ("mp", "ray"); None divides the
+        machine's cores among the workers.
+    rpc_timeout_s: default timeout of `collective_rpc`; step_timeout_s: of one engine step;
+    startup_timeout_s: for every worker to load the model.
+    ray_placement_strategy: how "ray" places its workers: PACK, SPREAD, STRICT_PACK or STRICT_SPREAD.
     """
 
     model: str
@@ -34,8 +39,11 @@ class EngineConfig:
     device: str = "cpu"
     dtype: str = "float32"
     max_batch_size: int = 16
+    threads_per_worker: int | None = None
     rpc_timeout_s: float = 300.0
     step_timeout_s: float = 600.0
+    startup_timeout_s: float = 600.0
+    ray_placement_strategy: str = "PACK"
 
     def __post_init__(self) -> None:
         problems = []
@@ -55,9 +63,17 @@ class EngineConfig:
             )
         if not isinstance(self.max_batch_size, int) or self.max_batch_size < 1:
             problems.append(f"max_batch_size must be an integer >= 1, got {self.max_batch_size!r}")
-        for name in ("rpc_timeout_s", "step_timeout_s"):
+        if self.threads_per_worker is not None and (
+            not isinstance(self.threads_per_worker, int) or self.threads_per_worker < 1
+        ):
+            problems.append(f"threads_per_worker must be an integer >= 1 or None, got {self.threads_per_worker!r}")
+        for name in ("rpc_timeout_s", "step_timeout_s", "startup_timeout_s"):
             if getattr(self, name) <= 0:
                 problems.append(f"{name} must be > 0 seconds, got {getattr(self, name)}")
+        if self.ray_placement_strategy not in _PLACEMENT_STRATEGIES:
+            problems.append(
+                f"ray_placement_strategy must be one of {_PLACEMENT_STRATEGIES}, got {self.ray_placement_strategy!r}"
+            )
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             problems.append(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         if problems:

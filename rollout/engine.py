@@ -16,6 +16,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from rollout.config import EngineConfig
+from rollout.errors import EngineDeadError
 from rollout.outputs import RequestTimings, RolloutOutput
 from rollout.request import Request, RequestStatus
 from rollout.sampling_params import SamplingParams
@@ -43,6 +44,7 @@ class RolloutEngine:
         self._requests: dict[str, Request] = {}
         self._request_counter = itertools.count()
         self._closed = False
+        self._dead: EngineDeadError | None = None
 
     # Generation.
 
@@ -133,7 +135,7 @@ class RolloutEngine:
         if scheduled.is_empty:
             return []
         outputs = []
-        for runner_output in self.executor.execute(scheduled):
+        for runner_output in self._on_executor(self.executor.execute, scheduled):
             for finished in runner_output.finished:
                 request = self.scheduler.finish(finished.request_id)
                 del self._requests[finished.request_id]
@@ -179,11 +181,13 @@ class RolloutEngine:
         on every rank, or on `ranks`; one result per rank, in rank order. Runs between engine
         steps, never inside one."""
         self._check_open()
-        return self.executor.collective_rpc(method, args=args, kwargs=kwargs, timeout=timeout, ranks=ranks)
+        return self._on_executor(
+            self.executor.collective_rpc, method, args=args, kwargs=kwargs, timeout=timeout, ranks=ranks
+        )
 
     def check_health(self) -> None:
         self._check_open()
-        self.executor.check_health()
+        self._on_executor(self.executor.check_health)
 
     # Lifetime.
 
@@ -201,8 +205,25 @@ class RolloutEngine:
     # Internals.
 
     def _check_open(self) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(str(self._dead))
         if self._closed:
             raise RuntimeError("this RolloutEngine is shut down; create a new one")
+
+    def _on_executor(self, call: Callable, *args, **kwargs):
+        """Run an executor call; if a worker died, fail every request at once and stay dead."""
+        try:
+            return call(*args, **kwargs)
+        except EngineDeadError as error:
+            self._dead = error
+            lost = list(self._requests)
+            for request_id in lost:
+                self.scheduler.abort(request_id)
+            self._requests.clear()
+            self.scheduler.take_frees()  # nobody is left to free them
+            if lost:
+                logger.error("engine is dead; %d unfinished requests failed: %s", len(lost), error)
+            raise
 
     def _params_per_prompt(self, prompts, params) -> list[SamplingParams]:
         if len(prompts) == 0:
@@ -244,7 +265,7 @@ class RolloutEngine:
         """Send pending frees now, so aborted requests leave no worker state behind."""
         frees = self.scheduler.take_frees()
         if not frees.is_empty:
-            self.executor.execute(frees)
+            self._on_executor(self.executor.execute, frees)
 
     def _make_output(self, request: Request, image, trajectory) -> RolloutOutput:
         now = time.monotonic()

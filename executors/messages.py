@@ -1,0 +1,53 @@
+"""The wire format between an engine and its worker processes: small, explicit messages.
+
+Bulk data (the step's inputs and outputs, RPC arguments and results) travels inside `Packed`
+objects, whose tensors live in shared memory (see `executors.shm`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from executors.shm import Packed
+
+
+@dataclass(frozen=True)
+class Ready:
+    """Worker -> engine, once: the model is loaded."""
+
+    rank: int
+    pid: int
+
+
+@dataclass(frozen=True)
+class StartupFailed:
+    """Worker -> engine, once: loading failed; the process exits."""
+
+    rank: int
+    error: str
+    traceback: str
+
+
+@dataclass(frozen=True)
+class Call:
+    """Engine -> worker. `method` is a worker method name, or cloudpickled bytes of a callable
+    `fn(worker, *args, **kwargs)`. `arguments` packs (args, kwargs)."""
+
+    call_id: int
+    method: str | bytes
+    arguments: Packed
+
+
+@dataclass(frozen=True)
+class Reply:
+    """Worker -> engine: the packed result of call `call_id`, or the error it raised."""
+
+    call_id: int
+    result: Packed | None = None
+    error: str | None = None
+    traceback: str | None = None
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    """Engine -> worker: exit the loop."""

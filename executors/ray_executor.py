@@ -1,0 +1,193 @@
+"""The Ray executor: one actor per worker, placed together by a placement group.
+
+It attaches to a running Ray cluster when `ray.is_initialized()` or `RAY_ADDRESS` says there is one
+(the multi-node case), and otherwise starts a local one that it also stops. Call arguments and
+results travel through Ray's object store. A dead actor fails the call in flight with
+`EngineDeadError`, and every later call fails fast.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import cloudpickle
+import torch
+
+from executors.base import Executor
+from rollout.config import EngineConfig
+from rollout.errors import EngineDeadError, WorkerError
+from rollout.model_runner import RunnerOutput
+from rollout.scheduler import SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+def import_ray():
+    try:
+        import ray
+    except ImportError:
+        raise ImportError(
+            "executor 'ray' needs Ray: pip install 'diffusion-rollout[ray]' (or pip install 'ray[default]')"
+        ) from None
+    return ray
+
+
+class RayWorkerHost:
+    """Runs inside a Ray actor: builds the worker and serves calls one at a time."""
+
+    def __init__(self, config_bytes: bytes, rank: int, num_threads: int):
+        from rollout.worker import build_worker_class
+
+        torch.set_num_threads(num_threads)
+        config = cloudpickle.loads(config_bytes)
+        self.worker = build_worker_class(config.worker_extension_cls)(config, rank)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def call(self, method: str | bytes, arguments: tuple[tuple, dict]) -> Any:
+        """Run a worker method (by name) or a cloudpickled `fn(worker, *args, **kwargs)`."""
+        args, kwargs = arguments
+        fn = cloudpickle.loads(method) if isinstance(method, bytes) else getattr(type(self.worker), method)
+        return fn(self.worker, *args, **kwargs)
+
+
+class RayExecutor(Executor):
+    """Options come from `EngineConfig`: `num_workers`, `threads_per_worker` (CPUs per actor),
+    `device` (a GPU per actor for "cuda"), and `ray_placement_strategy` ("PACK" by default)."""
+
+    def __init__(self, config: EngineConfig):
+        super().__init__(config)
+        ray = self._ray = import_ray()
+        from ray.util.placement_group import placement_group, remove_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        self._remove_placement_group = remove_placement_group
+        self._actors: list | None = []
+        self._dead: str | None = None
+        self._started_ray = False
+        if not ray.is_initialized():
+            if os.environ.get("RAY_ADDRESS"):
+                ray.init(address=os.environ["RAY_ADDRESS"])
+            else:
+                ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
+                self._started_ray = True
+        threads = config.threads_per_worker or max(1, (os.cpu_count() or 1) // self.num_workers)
+        bundle = {"CPU": threads} | ({"GPU": 1} if config.device.startswith("cuda") else {})
+        self._placement_group = placement_group([bundle] * self.num_workers, strategy=config.ray_placement_strategy)
+        try:
+            ray.get(self._placement_group.ready(), timeout=config.startup_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            self._release()
+            raise RuntimeError(
+                f"Ray could not place {self.num_workers} workers of {bundle} within {config.startup_timeout_s}s "
+                f"(strategy {config.ray_placement_strategy}); cluster resources: {ray.cluster_resources()}"
+            ) from None
+        actor_cls = ray.remote(RayWorkerHost)
+        config_bytes = cloudpickle.dumps(config)
+        self._actors = [
+            actor_cls.options(
+                num_cpus=threads,
+                num_gpus=bundle.get("GPU", 0),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=self._placement_group, placement_group_bundle_index=rank
+                ),
+            ).remote(config_bytes, rank, threads)
+            for rank in range(self.num_workers)
+        ]
+        try:
+            self.pids = ray.get([actor.pid.remote() for actor in self._actors], timeout=config.startup_timeout_s)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as error:
+            self._release()
+            raise RuntimeError(f"Ray workers failed to start: {error}") from None
+        logger.info("started %d Ray workers %s (%d CPUs each)", self.num_workers, self.pids, threads)
+
+    # The Executor contract.
+
+    def execute(self, scheduler_output: SchedulerOutput) -> list[RunnerOutput]:
+        calls = {rank: ((work,), {}) for rank, work in scheduler_output.worker_inputs.items() if not work.is_empty}
+        try:
+            results = self._call_ranks("execute", "execute", calls, self.config.step_timeout_s)
+        except TimeoutError as error:
+            self._die(f"{error}; create a new engine (raise step_timeout_s if steps are that slow)")
+        by_rank = dict(zip(calls, results, strict=True))
+        return [by_rank.get(rank, RunnerOutput()) for rank in range(self.num_workers)]
+
+    def collective_rpc(
+        self,
+        method: str | Callable,
+        args: Sequence = (),
+        kwargs: dict | None = None,
+        timeout: float | None = None,
+        ranks: Sequence[int] | None = None,
+    ) -> list[Any]:
+        name, _ = self.resolve_method(method)
+        ranks = self.resolve_ranks(ranks)
+        wire_method = method if isinstance(method, str) else cloudpickle.dumps(method)
+        arguments = self._ray.put((tuple(args), dict(kwargs or {})))  # one copy in the store for every rank
+        timeout = self.config.rpc_timeout_s if timeout is None else timeout
+        return self._call_ranks(name, wire_method, {rank: arguments for rank in ranks}, timeout)
+
+    def check_health(self) -> None:
+        self.collective_rpc("check_health")
+
+    def shutdown(self) -> None:
+        if self._actors is not None:
+            self._release()
+
+    # Internals.
+
+    def _call_ranks(self, name: str, method: str | bytes, arguments: dict, timeout: float) -> list:
+        """Call `method` on each rank of `arguments` (rank -> (args, kwargs), inline or as an object
+        ref, which Ray resolves in the actor); results in rank order."""
+        ray = self._ray
+        if self._dead:
+            raise EngineDeadError(self._dead)
+        if self._actors is None:
+            raise EngineDeadError("the executor is shut down")
+        refs = {rank: self._actors[rank].call.remote(method, args) for rank, args in arguments.items()}
+        pending = {ref: rank for rank, ref in refs.items()}
+        results, errors = {}, {}
+        deadline = time.monotonic() + timeout
+        while pending:
+            # One at a time, so a dead actor is noticed while the others are still busy.
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=max(deadline - time.monotonic(), 0))
+            if not ready:
+                # The late results are dropped with their refs; they never reach a later call.
+                raise TimeoutError(
+                    f"worker call {name!r} timed out after {timeout}s; "
+                    f"ranks that did not answer: {sorted(pending.values())}"
+                )
+            rank = pending.pop(ready[0])
+            try:
+                results[rank] = ray.get(ready[0])
+            except ray.exceptions.RayActorError as error:
+                self._die(f"worker rank {rank} (Ray actor) died during {name!r}: {error}")
+            except ray.exceptions.RayTaskError as error:
+                errors[rank] = error
+        if errors:
+            rank = min(errors)
+            cause = errors[rank].cause
+            raise WorkerError(name, rank, f"{type(cause).__name__}: {cause}", str(errors[rank]))
+        return [results[rank] for rank in refs]
+
+    def _die(self, reason: str) -> None:
+        self._dead = reason
+        logger.error("engine is dead: %s", reason)
+        self._release()
+        raise EngineDeadError(reason)
+
+    def _release(self) -> None:
+        """Kill the actors, free their placement group, and stop Ray if this executor started it."""
+        ray = self._ray
+        for actor in self._actors or []:
+            ray.kill(actor)
+        self._actors = None
+        self._remove_placement_group(self._placement_group)
+        if self._started_ray:
+            ray.shutdown()
+            self._started_ray = False

@@ -1,0 +1,124 @@
+"""Moving Python objects with tensors between processes: the tensors through one shared-memory
+block, everything else as a small pickle.
+
+`pack` pickles an object with every tensor replaced by a reference into a block it allocates in
+/dev/shm (tmpfs: POSIX shared memory on Linux); `unpack` rebuilds the object, copying the tensors
+out. The pickle that crosses the pipe stays a few hundred bytes however large the tensors are.
+Blocks are plain files named with a per-engine prefix, so whoever owns the prefix can remove any
+block a crashed process left behind.
+"""
+
+from __future__ import annotations
+
+import io
+import mmap
+import os
+import pickle
+import tempfile
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+_ALIGN = 64  # bytes; keeps every tensor's data aligned for fast copies
+
+
+def shm_dir() -> Path:
+    return Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    offset: int
+    nbytes: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Packed:
+    """A picklable stand-in for an object: its pickle plus the shared-memory block of its tensors."""
+
+    payload: bytes
+    block: str | None  # file name of the block, None when the object holds no tensor
+    refs: tuple[TensorRef, ...] = ()
+
+
+class _Pickler(pickle.Pickler):
+    def __init__(self, file):
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.tensors: list[torch.Tensor] = []
+
+    def persistent_id(self, obj):
+        if isinstance(obj, torch.Tensor):
+            self.tensors.append(obj)
+            return len(self.tensors) - 1
+        return None
+
+
+class _Unpickler(pickle.Unpickler):
+    def __init__(self, file, tensors: list[torch.Tensor]):
+        super().__init__(file)
+        self.tensors = tensors
+
+    def persistent_load(self, pid):
+        return self.tensors[pid]
+
+
+def pack(obj, prefix: str) -> Packed:
+    """Pickle `obj`, putting its tensors (moved to CPU) into a new block named `prefix`-*."""
+    buffer = io.BytesIO()
+    pickler = _Pickler(buffer)
+    pickler.dump(obj)
+    if not pickler.tensors:
+        return Packed(buffer.getvalue(), None)
+    tensors = [t.detach().to("cpu").contiguous() for t in pickler.tensors]
+    refs, size = [], 0
+    for t in tensors:
+        nbytes = t.numel() * t.element_size()
+        refs.append(TensorRef(size, nbytes, t.dtype, tuple(t.shape)))
+        size += -(-nbytes // _ALIGN) * _ALIGN
+    name = f"{prefix}-{uuid.uuid4().hex}"
+    with open(shm_dir() / name, "w+b") as file:
+        file.truncate(max(size, 1))
+        with mmap.mmap(file.fileno(), max(size, 1)) as memory:
+            block = torch.frombuffer(memory, dtype=torch.uint8)
+            for t, ref in zip(tensors, refs, strict=True):
+                if ref.nbytes:
+                    block[ref.offset : ref.offset + ref.nbytes].copy_(t.reshape(-1).view(torch.uint8))
+            del block  # release the buffer export before the mmap closes
+    return Packed(buffer.getvalue(), name, tuple(refs))
+
+
+def unpack(packed: Packed, remove: bool) -> object:
+    """Rebuild the object; with `remove`, delete its block afterwards (the last reader does)."""
+    tensors = []
+    if packed.block is not None:
+        path = shm_dir() / packed.block
+        with open(path, "r+b") as file, mmap.mmap(file.fileno(), 0) as memory:
+            block = torch.frombuffer(memory, dtype=torch.uint8)
+            for ref in packed.refs:
+                data = block[ref.offset : ref.offset + ref.nbytes].clone()
+                tensors.append(data.view(ref.dtype).reshape(ref.shape))
+            del block
+        if remove:
+            path.unlink(missing_ok=True)
+    return _Unpickler(io.BytesIO(packed.payload), tensors).load()
+
+
+def discard(packed: Packed) -> None:
+    """Delete a block nobody will read (e.g. the reply of a timed-out call)."""
+    if packed.block is not None:
+        (shm_dir() / packed.block).unlink(missing_ok=True)
+
+
+def remove_blocks(prefix: str) -> None:
+    """Delete every block named `prefix`-*: what a crashed process may have left behind."""
+    for path in shm_dir().glob(f"{prefix}-*"):
+        path.unlink(missing_ok=True)
+
+
+def block_prefix() -> str:
+    """A prefix unique to one engine: its pid plus a random part."""
+    return f"rollout-{os.getpid()}-{uuid.uuid4().hex[:8]}"

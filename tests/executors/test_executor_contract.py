@@ -1,0 +1,179 @@
+"""One contract, every backend: uni, mp, ray and an external executor class defined here."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import cloudpickle
+import pytest
+import torch
+
+from executors.uni import UniExecutor
+from rollout import EngineConfig, RolloutEngine, SamplingParams
+from rollout.errors import WorkerError
+
+# Ray workers cannot import this test module: ship its functions by value.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+pytestmark = pytest.mark.timeout(180)
+
+EXTENSION = "recipes.custom_executor.LatentStatsExtension"
+
+
+class ExternalExecutor(UniExecutor):
+    """A user's executor, named by dotted path: the standard path plus its own counter."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.executed = 0
+
+    def execute(self, scheduler_output):
+        self.executed += 1
+        return super().execute(scheduler_output)
+
+
+BACKENDS = {
+    "uni": {"executor": "uni"},
+    "mp": {"executor": "mp", "num_workers": 2},
+    "ray": {"executor": "ray", "num_workers": 2},
+    "external": {"executor": f"{__name__}.ExternalExecutor"},
+}
+
+
+@pytest.fixture(scope="module", params=list(BACKENDS))
+def engine(request, tiny_model):
+    if request.param == "ray":
+        request.getfixturevalue("ray_cluster")
+    config = EngineConfig(model=tiny_model, worker_extension_cls=EXTENSION, **BACKENDS[request.param])
+    with RolloutEngine(config) as engine:
+        yield engine
+
+
+def _ranks(engine) -> list[int]:
+    return list(range(engine.config.num_workers))
+
+
+def test_generate_returns_every_sample_in_order(engine):
+    params = SamplingParams(num_inference_steps=3, num_samples=3, seed=0)
+    outputs = engine.generate(["a red square", "a blue circle"], params)
+    assert [(o.prompt_index, o.sample_index) for o in outputs] == [(p, k) for p in range(2) for k in range(3)]
+    assert all(o.status == "finished" and o.image.shape == (3, 32, 32) for o in outputs)
+    assert all(torch.isfinite(o.trajectory.log_probs).all() for o in outputs)
+    assert engine.collective_rpc("request_ids") == [[] for _ in _ranks(engine)]
+
+
+def test_abort_leaves_no_state_on_any_rank(engine):
+    params = SamplingParams(num_inference_steps=4, num_samples=4, seed=0)
+    for i in range(5):
+        ids = engine.add_request(f"p{i}", params, request_id=f"a{i}")
+        engine.step()
+        assert sum(len(r) for r in engine.collective_rpc("request_ids")) == 4
+        assert sorted(o.request_id for o in engine.abort(f"a{i}")) == sorted(ids)
+        assert engine.collective_rpc("request_ids") == [[] for _ in _ranks(engine)]
+    assert not engine.has_unfinished_requests()
+
+
+def test_collective_rpc_by_name_extension_callable_and_rank_subset(engine):
+    ranks = _ranks(engine)
+    assert engine.collective_rpc("get_rank") == ranks
+    counts = engine.collective_rpc("transformer_parameter_count")
+    assert len(counts) == len(ranks) and counts[0] > 0 and len(set(counts)) == 1
+    assert engine.collective_rpc(lambda worker, a, b=0: worker.rank * 10 + a + b, args=(1,), kwargs={"b": 2}) == [
+        r * 10 + 3 for r in ranks
+    ]
+    assert engine.collective_rpc("get_rank", ranks=[ranks[-1]]) == [ranks[-1]]
+    tensor = torch.arange(6.0).reshape(2, 3)
+    echoed = engine.collective_rpc(lambda worker, t: t * 2, args=(tensor,))
+    assert all(torch.equal(e, tensor * 2) for e in echoed)
+
+
+def _sleep_then_rank(worker, seconds):
+    time.sleep(seconds)
+    return worker.rank
+
+
+def test_timeout_names_the_ranks_and_drops_the_late_reply(engine):
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"'.*_sleep_then_rank' timed out after 0.3s; ranks that did not answer"):
+        engine.collective_rpc(_sleep_then_rank, args=(1.5,), timeout=0.3)
+    assert time.monotonic() - start < 1.3
+    assert engine.collective_rpc("get_rank", timeout=30) == _ranks(engine)  # not the late reply
+
+
+def _fail_on_last_rank(worker, last):
+    if worker.rank == last:
+        raise ValueError(f"rank {worker.rank} refuses")
+    return worker.rank
+
+
+def test_worker_exception_returns_rank_and_remote_traceback(engine):
+    last = _ranks(engine)[-1]
+    with pytest.raises(WorkerError) as error:
+        engine.collective_rpc(_fail_on_last_rank, args=(last,))
+    assert error.value.rank == last
+    assert f"ValueError: rank {last} refuses" in error.value.error
+    assert "_fail_on_last_rank" in error.value.remote_traceback
+    engine.check_health()  # the workers live on
+    assert engine.collective_rpc("get_rank") == _ranks(engine)
+
+
+def test_unknown_method_is_refused_before_anything_is_sent(engine):
+    with pytest.raises(ValueError, match="unknown worker method 'nope'.*live_latent_norms"):
+        engine.collective_rpc("nope")
+
+
+def test_rpcs_run_between_steps(engine):
+    """A worker function sees whole steps: every live request has taken the same number of steps."""
+    engine.add_request("x", SamplingParams(num_inference_steps=5, num_samples=4, seed=1), request_id="between")
+    seen = []
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps = engine.collective_rpc(lambda w: sorted({s.step_index for s in w.requests.values()}))
+        seen.append(sorted({i for rank in steps for i in rank}))
+    assert seen == [[1], [2], [3], [4], []]
+
+
+def test_external_executor_ran_the_standard_path(engine):
+    if not isinstance(engine.executor, ExternalExecutor):
+        pytest.skip("only for the external executor")
+    assert engine.executor.executed > 0
+
+
+def test_same_numbers_on_every_backend(engine, tiny_model):
+    prompts = ["a red square", "a blue circle", "a green star"]
+    params = [
+        SamplingParams(num_inference_steps=4, num_samples=2, seed=5),
+        SamplingParams(num_inference_steps=4, num_samples=2, seed=5, sampler="cps", guidance_scale=1.0),
+        SamplingParams(num_inference_steps=6, num_samples=2, seed=5, sampler="dance_sde", noise_level=0.3),
+    ]
+    outputs = engine.generate(prompts, params)
+    with RolloutEngine(EngineConfig(model=tiny_model)) as reference_engine:
+        reference = reference_engine.generate(prompts, params)
+    # Ranks split the batch and may run other thread counts, so float32 GEMMs round differently:
+    # a few ULPs (measured up to 3e-6 on latents of magnitude ~3). Same batches and threads are
+    # bitwise equal (test_mp_executor.py).
+    for got, want in zip(outputs, reference, strict=True):
+        assert (got.trajectory.latents - want.trajectory.latents).abs().max() < 1e-5
+        assert (got.trajectory.log_probs - want.trajectory.log_probs).abs().max() < 1e-5
+        assert (got.image.int() - want.image.int()).abs().max() <= 1
+
+
+def test_work_is_spread_over_ranks(engine):
+    if engine.config.num_workers == 1:
+        pytest.skip("one rank")
+    engine.add_request("x", SamplingParams(num_inference_steps=2, num_samples=4, seed=0), request_id="spread")
+    engine.step()
+    held = engine.collective_rpc("request_ids")
+    assert [len(ids) for ids in held] == [2, 2]
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def test_worker_processes_are_separate(engine):
+    pids = engine.collective_rpc(lambda worker: os.getpid())
+    if engine.config.executor in ("mp", "ray"):
+        assert os.getpid() not in pids and len(set(pids)) == len(pids)
+    else:
+        assert pids == [os.getpid()]

@@ -1,0 +1,157 @@
+"""The mp backend's promises: bitwise equal to uni, prompt failure on worker death, no leftovers."""
+
+from __future__ import annotations
+
+import gc
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+import torch
+
+from executors.shm import shm_dir
+from rollout import EngineConfig, RolloutEngine, SamplingParams
+from rollout.errors import EngineDeadError
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _pid(worker):
+    return os.getpid()
+
+
+def _slow_steps(worker, seconds):
+    step = worker.runner.step
+
+    def slow_step(states):
+        time.sleep(seconds)
+        step(states)
+
+    worker.runner.step = slow_step
+
+
+def _sleep(worker, seconds):
+    time.sleep(seconds)
+
+
+def _mp_engine(tiny_model, **kwargs):
+    return RolloutEngine(EngineConfig(model=tiny_model, executor="mp", **kwargs))
+
+
+def test_one_worker_with_the_same_threads_is_bitwise_uni(tiny_model):
+    params = SamplingParams(num_inference_steps=4, num_samples=3, seed=9)
+    with RolloutEngine(EngineConfig(model=tiny_model)) as engine:
+        want = engine.generate(["a", "b"], params)
+    with _mp_engine(tiny_model, threads_per_worker=torch.get_num_threads()) as engine:
+        got = engine.generate(["a", "b"], params)
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g.trajectory.latents, w.trajectory.latents)
+        assert torch.equal(g.trajectory.log_probs, w.trajectory.log_probs)
+        assert torch.equal(g.image, w.image)
+
+
+def test_killing_a_worker_during_a_rollout_fails_fast(tiny_model, wait_gone):
+    engine = _mp_engine(tiny_model, num_workers=2)
+    pids = engine.collective_rpc(_pid)
+    engine.collective_rpc(_slow_steps, args=(0.2,))
+    killer = threading.Timer(1.0, os.kill, args=(pids[1], signal.SIGKILL))
+    killer.start()
+    start = time.monotonic()
+    with pytest.raises(EngineDeadError, match=r"worker rank 1 \(pid \d+\) died \(exit code -9\) during 'execute'"):
+        engine.generate("x", SamplingParams(num_inference_steps=200, num_samples=4, seed=0))
+    assert time.monotonic() - start < 1.0 + 5.0
+    start = time.monotonic()
+    with pytest.raises(EngineDeadError, match="worker rank 1"):  # later calls fail fast, same error
+        engine.collective_rpc("get_rank")
+    with pytest.raises(EngineDeadError):
+        engine.generate("x", SamplingParams(num_inference_steps=2, seed=0))
+    assert time.monotonic() - start < 0.5
+    assert wait_gone(pids) == []
+    engine.shutdown()
+
+
+def test_killing_a_worker_during_an_rpc_fails_fast(tiny_model, wait_gone):
+    engine = _mp_engine(tiny_model, num_workers=2)
+    pids = engine.collective_rpc(_pid)
+    killer = threading.Timer(1.0, os.kill, args=(pids[0], signal.SIGKILL))
+    killer.start()
+    start = time.monotonic()
+    with pytest.raises(EngineDeadError, match=r"worker rank 0 .* during '.*_sleep'"):
+        engine.collective_rpc(_sleep, args=(60,))
+    assert time.monotonic() - start < 1.0 + 5.0
+    assert wait_gone(pids) == []
+    engine.shutdown()
+
+
+def test_shutdown_and_garbage_collection_leave_no_process_or_shared_memory(tiny_model, wait_gone):
+    engine = _mp_engine(tiny_model, num_workers=2)
+    pids = engine.collective_rpc(_pid)
+    prefix = engine.executor._prefix
+    engine.generate("x", SamplingParams(num_inference_steps=2, num_samples=2, seed=0))
+    engine.shutdown()
+    assert wait_gone(pids) == []
+    assert list(shm_dir().glob(f"{prefix}-*")) == []
+
+    engine = _mp_engine(tiny_model)
+    pids = engine.collective_rpc(_pid)
+    del engine
+    gc.collect()
+    assert wait_gone(pids) == []
+
+
+def test_a_worker_that_fails_to_load_is_reported_with_its_rank(tiny_model, tmp_path, wait_gone):
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_model, broken)
+    (broken / "transformer" / "diffusion_pytorch_model.safetensors").write_bytes(b"not a safetensors file")
+    children_before = set(_children())
+    with pytest.raises(RuntimeError, match=r"(?s)worker rank 0 failed to start: OSError: .*--- worker traceback ---"):
+        _mp_engine(str(broken))
+    assert wait_gone(sorted(set(_children()) - children_before)) == []
+
+
+def _children() -> list[int]:
+    with open(f"/proc/{os.getpid()}/task/{os.getpid()}/children") as children:
+        return [int(pid) for pid in children.read().split()]
+
+
+CALLER = """
+import os, sys
+from rollout import EngineConfig, RolloutEngine, SamplingParams
+
+def pid(worker):
+    return os.getpid()
+
+if __name__ == "__main__":
+    engine = RolloutEngine(EngineConfig(model=sys.argv[1], executor="mp", num_workers=2))
+    print(*engine.collective_rpc(pid), flush=True)
+    if sys.argv[2] == "raise":
+        raise RuntimeError("the caller failed")
+    engine.generate("x", SamplingParams(num_inference_steps=100_000, seed=0))  # until Ctrl-C
+"""
+
+
+@pytest.mark.parametrize("how", ["raise", "ctrl-c"])
+def test_caller_exception_or_ctrl_c_leaves_no_worker(tiny_model, tmp_path, how, wait_gone):
+    script = tmp_path / "caller.py"
+    script.write_text(textwrap.dedent(CALLER))
+    caller = subprocess.Popen(
+        [sys.executable, str(script), tiny_model, how], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        pids = [int(pid) for pid in caller.stdout.readline().split()]
+        assert len(pids) == 2, caller.stderr.read()
+        if how == "ctrl-c":
+            time.sleep(1.0)
+            caller.send_signal(signal.SIGINT)
+        _, stderr = caller.communicate(timeout=60)
+    finally:
+        caller.kill()
+    assert caller.returncode != 0
+    assert ("KeyboardInterrupt" if how == "ctrl-c" else "the caller failed") in stderr
+    assert wait_gone(pids) == []

@@ -1,0 +1,79 @@
+"""The ray backend's promises: lazy import with an install hint, prompt failure on actor death."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import cloudpickle
+import pytest
+
+from rollout import EngineConfig, RolloutEngine, SamplingParams
+from rollout.errors import EngineDeadError
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def test_importing_the_project_never_imports_ray():
+    code = "import sys, rollout, executors, trainers_adapters, recipes.run; assert 'ray' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_selecting_ray_without_ray_installed_says_how_to_install(tiny_model, monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)  # what an environment without Ray looks like
+    with pytest.raises(ImportError, match=r"executor 'ray' needs Ray: pip install 'diffusion-rollout\[ray\]'"):
+        RolloutEngine(EngineConfig(model=tiny_model, executor="ray"))
+
+
+def _pid(worker):
+    return os.getpid()
+
+
+def _slow_steps(worker, seconds):
+    step = worker.runner.step
+
+    def slow_step(states):
+        time.sleep(seconds)
+        step(states)
+
+    worker.runner.step = slow_step
+
+
+def _sleep(worker, seconds):
+    time.sleep(seconds)
+
+
+@pytest.mark.parametrize("during", ["rollout", "rpc"])
+def test_killing_an_actor_fails_fast(ray_cluster, tiny_model, during, wait_gone):
+    engine = RolloutEngine(EngineConfig(model=tiny_model, executor="ray", num_workers=2))
+    pids = engine.collective_rpc(_pid)
+    engine.collective_rpc(_slow_steps, args=(0.2,))
+    killer = threading.Timer(1.0, os.kill, args=(pids[1], signal.SIGKILL))
+    killer.start()
+    start = time.monotonic()
+    with pytest.raises(EngineDeadError, match="worker rank 1 \\(Ray actor\\) died"):
+        if during == "rollout":
+            engine.generate("x", SamplingParams(num_inference_steps=200, num_samples=4, seed=0))
+        else:
+            engine.collective_rpc(_sleep, args=(60,))
+    assert time.monotonic() - start < 1.0 + 5.0
+    start = time.monotonic()
+    with pytest.raises(EngineDeadError):
+        engine.collective_rpc("get_rank")
+    assert time.monotonic() - start < 0.5
+    assert wait_gone(pids) == []
+    engine.shutdown()
+
+
+def test_shutdown_removes_the_actors(ray_cluster, tiny_model, wait_gone):
+    engine = RolloutEngine(EngineConfig(model=tiny_model, executor="ray", num_workers=2))
+    pids = engine.collective_rpc(_pid)
+    engine.shutdown()
+    assert wait_gone(pids) == []
+    assert ray_cluster.available_resources().get("CPU") == ray_cluster.cluster_resources()["CPU"]
