@@ -20,7 +20,8 @@ CONFIG = Path(recipes.config.__file__).parent / "configs" / "rollout_tiny.yaml"
 @pytest.mark.timeout(240)
 # runpy warns that recipes.run is already imported when another test imported it first.
 @pytest.mark.filterwarnings("ignore:.*found in sys.modules:RuntimeWarning")
-def test_rollout_recipe_writes_grid_and_summary(tmp_path, monkeypatch):
+@pytest.mark.parametrize("executor", ["uni", "mp"])
+def test_rollout_recipe_writes_grid_and_summary(tmp_path, monkeypatch, executor):
     output_dir = tmp_path / "out"
     cache_dir = tmp_path / "tiny_sd3"
     argv = [
@@ -36,6 +37,10 @@ def test_rollout_recipe_writes_grid_and_summary(tmp_path, monkeypatch):
         f"output_dir={output_dir}",
         "--set",
         f"model.tiny_cache_dir={cache_dir}",
+        "--set",
+        f"engine.executor={executor}",
+        "--set",
+        f"engine.num_workers={2 if executor == 'mp' else 1}",
     ]
     monkeypatch.setattr(sys, "argv", argv)
     runpy.run_module("recipes.run", run_name="__main__")
