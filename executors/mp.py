@@ -137,8 +137,7 @@ class MPExecutor(Executor):
             remaining = deadline - time.monotonic()
             ready = wait([*pending, *sentinels], timeout=max(remaining, 0)) if remaining > 0 else []
             if not ready:
-                for reply in replies.values():
-                    discard(reply.result) if reply.result is not None else None
+                self._discard_results(replies)
                 raise TimeoutError(
                     f"worker call {name!r} timed out after {timeout}s; "
                     f"ranks that did not answer: {sorted(pending.values())}"
@@ -152,8 +151,7 @@ class MPExecutor(Executor):
                 except (EOFError, OSError):
                     self._die(self._death_message(rank, name))
                 if reply.call_id != expected[rank]:  # the late reply of an earlier, timed-out call
-                    if reply.result is not None:
-                        discard(reply.result)
+                    self._discard_results({rank: reply})
                     continue
                 replies[rank] = reply
         return replies
@@ -161,12 +159,16 @@ class MPExecutor(Executor):
     def _results(self, name: str, replies: dict[int, Reply]) -> dict[int, Any]:
         failed = sorted(rank for rank, reply in replies.items() if reply.error is not None)
         if failed:
-            for reply in replies.values():
-                if reply.result is not None:
-                    discard(reply.result)
+            self._discard_results(replies)
             reply = replies[failed[0]]
             raise WorkerError(name, failed[0], reply.error, reply.traceback)
         return {rank: unpack(reply.result, remove=True) for rank, reply in replies.items()}
+
+    @staticmethod
+    def _discard_results(replies: dict[int, Reply]) -> None:
+        for reply in replies.values():
+            if reply.result is not None:
+                discard(reply.result)
 
     def _await_ready(self, timeout: float) -> list[int]:
         deadline = time.monotonic() + timeout

@@ -25,6 +25,10 @@ from rollout.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
+# Arguments bigger than this go to the object store once for all ranks; smaller ones travel inline
+# with each call, which saves a put and a fetch (about 1 ms each here).
+_PUT_ONCE_BYTES = 2**20
+
 
 def import_ray():
     try:
@@ -128,7 +132,9 @@ class RayExecutor(Executor):
         name, _ = self.resolve_method(method)
         ranks = self.resolve_ranks(ranks)
         wire_method = method if isinstance(method, str) else cloudpickle.dumps(method)
-        arguments = self._ray.put((tuple(args), dict(kwargs or {})))  # one copy in the store for every rank
+        arguments = (tuple(args), dict(kwargs or {}))
+        if len(ranks) > 1 and _tensor_bytes(arguments) > _PUT_ONCE_BYTES:
+            arguments = self._ray.put(arguments)  # one copy in the object store, read by every rank
         timeout = self.config.rpc_timeout_s if timeout is None else timeout
         return self._call_ranks(name, wire_method, {rank: arguments for rank in ranks}, timeout)
 
@@ -191,3 +197,14 @@ class RayExecutor(Executor):
         if self._started_ray:
             ray.shutdown()
             self._started_ray = False
+
+
+def _tensor_bytes(value) -> int:
+    """Bytes of the tensors in `value`, looking into tuples, lists and dict values."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, tuple | list):
+        return sum(_tensor_bytes(item) for item in value)
+    if isinstance(value, dict):
+        return sum(_tensor_bytes(item) for item in value.values())
+    return 0

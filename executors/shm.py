@@ -2,10 +2,10 @@
 block, everything else as a small pickle.
 
 `pack` pickles an object with every tensor replaced by a reference into a block it allocates in
-/dev/shm (tmpfs: POSIX shared memory on Linux); `unpack` rebuilds the object, copying the tensors
-out. The pickle that crosses the pipe stays a few hundred bytes however large the tensors are.
-Blocks are plain files named with a per-engine prefix, so whoever owns the prefix can remove any
-block a crashed process left behind.
+/dev/shm (tmpfs: POSIX shared memory on Linux); `unpack` rebuilds the object with tensors that are
+views of that block, so the data is copied once, into the block. The pickle that crosses the pipe
+stays a few hundred bytes however large the tensors are. Blocks are plain files named with a
+per-engine prefix, so whoever owns the prefix can remove any block a crashed process left behind.
 """
 
 from __future__ import annotations
@@ -82,28 +82,31 @@ def pack(obj, prefix: str) -> Packed:
     name = f"{prefix}-{uuid.uuid4().hex}"
     with open(shm_dir() / name, "w+b") as file:
         file.truncate(max(size, 1))
-        with mmap.mmap(file.fileno(), max(size, 1)) as memory:
-            block = torch.frombuffer(memory, dtype=torch.uint8)
-            for t, ref in zip(tensors, refs, strict=True):
-                if ref.nbytes:
-                    block[ref.offset : ref.offset + ref.nbytes].copy_(t.reshape(-1).view(torch.uint8))
-            del block  # release the buffer export before the mmap closes
+        for t, ref in zip(tensors, refs, strict=True):
+            if ref.nbytes:
+                # A plain write is about twice as fast as copying into a fresh mapping, which
+                # page-faults on every page it touches.
+                os.pwrite(file.fileno(), t.reshape(-1).view(torch.uint8).numpy(), ref.offset)
     return Packed(buffer.getvalue(), name, tuple(refs))
 
 
 def unpack(packed: Packed, remove: bool) -> object:
-    """Rebuild the object; with `remove`, delete its block afterwards (the last reader does)."""
+    """Rebuild the object. Its tensors are views of the shared block (no copy): the mapping lives
+    as long as any of them does. With `remove`, the block's name is deleted at once (the last
+    reader does this; the memory itself is freed when the last view is gone)."""
     tensors = []
     if packed.block is not None:
         path = shm_dir() / packed.block
-        with open(path, "r+b") as file, mmap.mmap(file.fileno(), 0) as memory:
-            block = torch.frombuffer(memory, dtype=torch.uint8)
-            for ref in packed.refs:
-                data = block[ref.offset : ref.offset + ref.nbytes].clone()
-                tensors.append(data.view(ref.dtype).reshape(ref.shape))
-            del block
+        with open(path, "r+b") as file:
+            memory = mmap.mmap(file.fileno(), 0)
         if remove:
             path.unlink(missing_ok=True)
+        for ref in packed.refs:
+            if ref.nbytes == 0:
+                tensors.append(torch.empty(ref.shape, dtype=ref.dtype))
+                continue
+            data = torch.frombuffer(memory, dtype=torch.uint8, count=ref.nbytes, offset=ref.offset)
+            tensors.append(data.view(ref.dtype).reshape(ref.shape))
     return _Unpickler(io.BytesIO(packed.payload), tensors).load()
 
 

@@ -18,26 +18,9 @@ import torch
 from executors.shm import shm_dir
 from rollout import EngineConfig, RolloutEngine, SamplingParams
 from rollout.errors import EngineDeadError
+from tests.executors.worker_functions import sleep_in_worker, slow_down_steps, wait_gone, worker_pid
 
 pytestmark = pytest.mark.timeout(120)
-
-
-def _pid(worker):
-    return os.getpid()
-
-
-def _slow_steps(worker, seconds):
-    step = worker.runner.step
-
-    def slow_step(states):
-        time.sleep(seconds)
-        step(states)
-
-    worker.runner.step = slow_step
-
-
-def _sleep(worker, seconds):
-    time.sleep(seconds)
 
 
 def _mp_engine(tiny_model, **kwargs):
@@ -56,10 +39,10 @@ def test_one_worker_with_the_same_threads_is_bitwise_uni(tiny_model):
         assert torch.equal(g.image, w.image)
 
 
-def test_killing_a_worker_during_a_rollout_fails_fast(tiny_model, wait_gone):
+def test_killing_a_worker_during_a_rollout_fails_fast(tiny_model):
     engine = _mp_engine(tiny_model, num_workers=2)
-    pids = engine.collective_rpc(_pid)
-    engine.collective_rpc(_slow_steps, args=(0.2,))
+    pids = engine.collective_rpc(worker_pid)
+    engine.collective_rpc(slow_down_steps, args=(0.2,))
     killer = threading.Timer(1.0, os.kill, args=(pids[1], signal.SIGKILL))
     killer.start()
     start = time.monotonic()
@@ -76,22 +59,22 @@ def test_killing_a_worker_during_a_rollout_fails_fast(tiny_model, wait_gone):
     engine.shutdown()
 
 
-def test_killing_a_worker_during_an_rpc_fails_fast(tiny_model, wait_gone):
+def test_killing_a_worker_during_an_rpc_fails_fast(tiny_model):
     engine = _mp_engine(tiny_model, num_workers=2)
-    pids = engine.collective_rpc(_pid)
+    pids = engine.collective_rpc(worker_pid)
     killer = threading.Timer(1.0, os.kill, args=(pids[0], signal.SIGKILL))
     killer.start()
     start = time.monotonic()
-    with pytest.raises(EngineDeadError, match=r"worker rank 0 .* during '.*_sleep'"):
-        engine.collective_rpc(_sleep, args=(60,))
+    with pytest.raises(EngineDeadError, match=r"worker rank 0 .* during '.*sleep_in_worker'"):
+        engine.collective_rpc(sleep_in_worker, args=(60,))
     assert time.monotonic() - start < 1.0 + 5.0
     assert wait_gone(pids) == []
     engine.shutdown()
 
 
-def test_shutdown_and_garbage_collection_leave_no_process_or_shared_memory(tiny_model, wait_gone):
+def test_shutdown_and_garbage_collection_leave_no_process_or_shared_memory(tiny_model):
     engine = _mp_engine(tiny_model, num_workers=2)
-    pids = engine.collective_rpc(_pid)
+    pids = engine.collective_rpc(worker_pid)
     prefix = engine.executor._prefix
     engine.generate("x", SamplingParams(num_inference_steps=2, num_samples=2, seed=0))
     engine.shutdown()
@@ -99,13 +82,13 @@ def test_shutdown_and_garbage_collection_leave_no_process_or_shared_memory(tiny_
     assert list(shm_dir().glob(f"{prefix}-*")) == []
 
     engine = _mp_engine(tiny_model)
-    pids = engine.collective_rpc(_pid)
+    pids = engine.collective_rpc(worker_pid)
     del engine
     gc.collect()
     assert wait_gone(pids) == []
 
 
-def test_a_worker_that_fails_to_load_is_reported_with_its_rank(tiny_model, tmp_path, wait_gone):
+def test_a_worker_that_fails_to_load_is_reported_with_its_rank(tiny_model, tmp_path):
     broken = tmp_path / "broken"
     shutil.copytree(tiny_model, broken)
     (broken / "transformer" / "diffusion_pytorch_model.safetensors").write_bytes(b"not a safetensors file")
@@ -137,7 +120,7 @@ if __name__ == "__main__":
 
 
 @pytest.mark.parametrize("how", ["raise", "ctrl-c"])
-def test_caller_exception_or_ctrl_c_leaves_no_worker(tiny_model, tmp_path, how, wait_gone):
+def test_caller_exception_or_ctrl_c_leaves_no_worker(tiny_model, tmp_path, how):
     script = tmp_path / "caller.py"
     script.write_text(textwrap.dedent(CALLER))
     caller = subprocess.Popen(

@@ -14,8 +14,10 @@ import pytest
 
 from rollout import EngineConfig, RolloutEngine, SamplingParams
 from rollout.errors import EngineDeadError
+from tests.executors import worker_functions
+from tests.executors.worker_functions import sleep_in_worker, slow_down_steps, wait_gone, worker_pid
 
-cloudpickle.register_pickle_by_value(sys.modules[__name__])
+cloudpickle.register_pickle_by_value(worker_functions)
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -31,29 +33,11 @@ def test_selecting_ray_without_ray_installed_says_how_to_install(tiny_model, mon
         RolloutEngine(EngineConfig(model=tiny_model, executor="ray"))
 
 
-def _pid(worker):
-    return os.getpid()
-
-
-def _slow_steps(worker, seconds):
-    step = worker.runner.step
-
-    def slow_step(states):
-        time.sleep(seconds)
-        step(states)
-
-    worker.runner.step = slow_step
-
-
-def _sleep(worker, seconds):
-    time.sleep(seconds)
-
-
 @pytest.mark.parametrize("during", ["rollout", "rpc"])
-def test_killing_an_actor_fails_fast(ray_cluster, tiny_model, during, wait_gone):
+def test_killing_an_actor_fails_fast(ray_cluster, tiny_model, during):
     engine = RolloutEngine(EngineConfig(model=tiny_model, executor="ray", num_workers=2))
-    pids = engine.collective_rpc(_pid)
-    engine.collective_rpc(_slow_steps, args=(0.2,))
+    pids = engine.collective_rpc(worker_pid)
+    engine.collective_rpc(slow_down_steps, args=(0.2,))
     killer = threading.Timer(1.0, os.kill, args=(pids[1], signal.SIGKILL))
     killer.start()
     start = time.monotonic()
@@ -61,7 +45,7 @@ def test_killing_an_actor_fails_fast(ray_cluster, tiny_model, during, wait_gone)
         if during == "rollout":
             engine.generate("x", SamplingParams(num_inference_steps=200, num_samples=4, seed=0))
         else:
-            engine.collective_rpc(_sleep, args=(60,))
+            engine.collective_rpc(sleep_in_worker, args=(60,))
     assert time.monotonic() - start < 1.0 + 5.0
     start = time.monotonic()
     with pytest.raises(EngineDeadError):
@@ -71,9 +55,9 @@ def test_killing_an_actor_fails_fast(ray_cluster, tiny_model, during, wait_gone)
     engine.shutdown()
 
 
-def test_shutdown_removes_the_actors(ray_cluster, tiny_model, wait_gone):
+def test_shutdown_removes_the_actors(ray_cluster, tiny_model):
     engine = RolloutEngine(EngineConfig(model=tiny_model, executor="ray", num_workers=2))
-    pids = engine.collective_rpc(_pid)
+    pids = engine.collective_rpc(worker_pid)
     engine.shutdown()
     assert wait_gone(pids) == []
     assert ray_cluster.available_resources().get("CPU") == ray_cluster.cluster_resources()["CPU"]
