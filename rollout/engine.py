@@ -10,9 +10,10 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+import torch
 from tqdm.auto import tqdm
 
 from rollout.config import EngineConfig
@@ -22,6 +23,7 @@ from rollout.request import Request, RequestStatus
 from rollout.sampling_params import SamplingParams
 from rollout.scheduler import Scheduler
 from rollout.seeding import derive_seed, fresh_base_seed
+from rollout.weight_sync import DEFAULT_BUCKET_BYTES, WeightSync
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +47,8 @@ class RolloutEngine:
         self._request_counter = itertools.count()
         self._closed = False
         self._dead: EngineDeadError | None = None
+        self._stashed_outputs: list[RolloutOutput] = []  # finished while an update waited for them
+        self._weight_sync = WeightSync(self.collective_rpc)
 
     # Generation.
 
@@ -131,10 +135,17 @@ class RolloutEngine:
         """Run one engine step (one denoising step for one batch per worker); returns the
         outputs of requests that finished in it."""
         self._check_open()
+        outputs, self._stashed_outputs = self._stashed_outputs, []
+        return outputs + self._step_once()
+
+    def _step_once(self) -> list[RolloutOutput]:
         scheduled = self.scheduler.schedule()
+        outputs: list[RolloutOutput] = []
         if scheduled.is_empty:
-            return []
-        outputs = []
+            return outputs
+        for work in scheduled.worker_inputs.values():
+            for request_id in work.step_ids:
+                self._requests[request_id].note_weight_version(self.weight_version)
         for runner_output in self._on_executor(self.executor.execute, scheduled):
             for finished in runner_output.finished:
                 request = self.scheduler.finish(finished.request_id)
@@ -184,6 +195,47 @@ class RolloutEngine:
         return self._on_executor(
             self.executor.collective_rpc, method, args=args, kwargs=kwargs, timeout=timeout, ranks=ranks
         )
+
+    # Weights.
+
+    def update_weights(
+        self,
+        named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+        *,
+        component: str = "transformer",
+        version: int | None = None,
+        mode: str = "wait",
+        check_finite: bool = False,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    ) -> int:
+        """Replace weights of `component` on every worker, all at once; returns the new weight version.
+
+        `named_tensors`: a name -> tensor mapping or an iterator of (name, tensor) pairs (streamed in
+        buckets of about `bucket_bytes`); names, shapes and dtypes must match the component's own.
+        A bad update is refused whole (ValueError listing every offending tensor) and nothing
+        changes. `mode="wait"`: running requests finish on the old weights first (their outputs come
+        from the next `step()`); `mode="pause"`: the update applies now, between two steps, and
+        running requests continue on the new weights (`RolloutOutput.weight_versions` lists both).
+        The version becomes `version`, or the current one plus 1.
+        """
+        self._check_open()
+        if mode not in ("wait", "pause"):
+            raise ValueError(f"mode must be 'wait' or 'pause', got {mode!r}")
+        if version is not None and not isinstance(version, int):
+            raise ValueError(f"version must be an int or None, got {version!r}")
+        if mode == "wait":
+            self._finish_running_requests()
+        self._on_executor(self._weight_sync.push, named_tensors, component, check_finite, bucket_bytes)
+        self.weight_version = self.weight_version + 1 if version is None else version
+        logger.info("weights of %s updated to version %d", component, self.weight_version)
+        return self.weight_version
+
+    def weights_checksum(self, component: str = "transformer") -> str:
+        """SHA-256 of every weight of `component`; raises if the ranks disagree."""
+        digests = self.collective_rpc("weights_checksum", args=(component,))
+        if len(set(digests)) != 1:
+            raise RuntimeError(f"ranks hold different weights of {component}: checksums {digests}")
+        return digests[0]
 
     def check_health(self) -> None:
         self._check_open()
@@ -261,6 +313,16 @@ class RolloutEngine:
             raise ValueError("invalid request: " + "; ".join(problems))
         return height, width
 
+    def _finish_running_requests(self) -> None:
+        """Step the admitted requests to the end (admitting no new ones); keep their outputs for
+        the next `step()`."""
+        self.scheduler.admitting = False
+        try:
+            while self.scheduler.running:
+                self._stashed_outputs += self._step_once()
+        finally:
+            self.scheduler.admitting = True
+
     def _flush_frees(self) -> None:
         """Send pending frees now, so aborted requests leave no worker state behind."""
         frees = self.scheduler.take_frees()
@@ -279,7 +341,8 @@ class RolloutEngine:
             status="aborted" if request.status is RequestStatus.ABORTED else "finished",
             image=image,
             trajectory=trajectory,
-            weight_version=self.weight_version,
+            weight_version=request.weight_versions[-1] if request.weight_versions else self.weight_version,
+            weight_versions=tuple(request.weight_versions),
             lora=request.params.lora,
             timings=RequestTimings(
                 queued_s=(first or now) - request.arrival_time,

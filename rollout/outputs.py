@@ -53,7 +53,9 @@ class RolloutOutput:
 
     status: "finished", or "aborted" (then image and trajectory are None).
     image: [3, H, W] uint8, or None when `return_image` was False.
-    weight_version: the engine's weight version the sample was generated with.
+    weight_version: the engine's weight version of the sample's last step.
+    weight_versions: every version its steps used, in order (more than one only when an update
+        with mode="pause" landed while it ran).
     """
 
     request_id: str
@@ -65,5 +67,6 @@ class RolloutOutput:
     image: torch.Tensor | None = None
     trajectory: Trajectory | None = None
     weight_version: int = 0
+    weight_versions: tuple[int, ...] = ()
     lora: str | None = None
     timings: RequestTimings = field(default_factory=RequestTimings)

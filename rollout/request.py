@@ -47,9 +47,14 @@ class Request:
     rank: int | None = None
     sent_to_worker: bool = False
     steps_done: int = 0
+    weight_versions: list[int] = field(default_factory=list)  # distinct versions its steps used
     last_scheduled_tick: int = -1
     arrival_time: float = field(default_factory=time.monotonic)
     first_step_time: float | None = None
+
+    def note_weight_version(self, version: int) -> None:
+        if not self.weight_versions or self.weight_versions[-1] != version:
+            self.weight_versions.append(version)
 
     @property
     def batch_key(self) -> tuple:

@@ -49,6 +49,7 @@ class Scheduler:
         self.running: dict[str, Request] = {}
         self._pending_frees: dict[int, list[str]] = {rank: [] for rank in range(num_ranks)}
         self._tick = 0
+        self.admitting = True  # False while a weight update waits for running requests to finish
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -106,7 +107,7 @@ class Scheduler:
         load = [0] * self.num_ranks
         for request in self.running.values():
             load[request.rank] += 1
-        while self.waiting:
+        while self.waiting and self.admitting:
             rank = min(range(self.num_ranks), key=load.__getitem__)
             if load[rank] >= self.max_batch_size:
                 return

@@ -17,6 +17,7 @@ from rollout.model_runner import ModelRunner, RequestState, RunnerOutput
 from rollout.pipelines.loading import load_adapter
 from rollout.pipelines.sd3 import ModelSpec
 from rollout.scheduler import WorkerInput
+from rollout.weights import StagedUpdates, TensorSpec, base_state, checksum, specs_of
 
 logger = logging.getLogger(__name__)
 
@@ -28,6 +29,7 @@ class Worker:
         self.adapter = load_adapter(config.model, config.device, config.torch_dtype)
         self.runner = ModelRunner(self.adapter)
         self.requests: dict[str, RequestState] = {}
+        self.updates = StagedUpdates(self.adapter.components)
 
     def execute(self, work: WorkerInput) -> RunnerOutput:
         """Run one engine step: drop aborted requests, start new ones, denoise, return finished."""
@@ -61,9 +63,30 @@ class Worker:
         """Ids of the requests whose state this worker holds."""
         return sorted(self.requests)
 
+    # Weight updates: the engine validates, then stages on every rank, then applies everywhere, then
+    # commits (or rolls back every rank if one failed to apply).
+
+    def weight_specs(self, component: str) -> dict[str, TensorSpec]:
+        return specs_of(self.updates.module(component))
+
+    def stage_weights(self, component: str, named_tensors: dict[str, torch.Tensor]) -> int:
+        return self.updates.stage(component, named_tensors)
+
+    def apply_staged_weights(self, component: str) -> int:
+        return self.updates.apply(component)
+
+    def commit_weights(self, component: str) -> None:
+        self.updates.commit(component)
+
+    def rollback_weights(self, component: str) -> None:
+        self.updates.rollback(component)
+
+    def weights_checksum(self, component: str) -> str:
+        return checksum(base_state(self.updates.module(component)))
+
 
 # Instance attributes a worker sets in __init__; an extension method of the same name would be hidden.
-_WORKER_ATTRIBUTES = {"config", "rank", "adapter", "runner", "requests"}
+_WORKER_ATTRIBUTES = {"config", "rank", "adapter", "runner", "requests", "updates"}
 
 
 def worker_methods(worker_cls: type) -> set[str]:

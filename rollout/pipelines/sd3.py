@@ -60,6 +60,19 @@ class SD3Adapter:
         )
 
     @property
+    def components(self) -> dict[str, torch.nn.Module]:
+        """The modules whose weights the hot-swap API can update, by diffusers component name."""
+        pipeline = self.pipeline
+        modules = {
+            "transformer": pipeline.transformer,
+            "vae": pipeline.vae,
+            "text_encoder": pipeline.text_encoder,
+            "text_encoder_2": pipeline.text_encoder_2,
+            "text_encoder_3": pipeline.text_encoder_3,
+        }
+        return {name: module for name, module in modules.items() if module is not None}
+
+    @property
     def device(self) -> torch.device:
         return self.transformer.device
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import sys
 import time
 
@@ -177,3 +178,109 @@ def test_worker_processes_are_separate(engine):
         assert os.getpid() not in pids and len(set(pids)) == len(pids)
     else:
         assert pids == [os.getpid()]
+
+
+# The hot-swap API: weight updates.
+
+
+@pytest.fixture(scope="module")
+def original_weights(tiny_model):
+    from rollout.pipelines.loading import load_adapter
+    from rollout.weights import base_state
+
+    return {name: t.detach().clone() for name, t in base_state(load_adapter(tiny_model).transformer).items()}
+
+
+def _images(engine):
+    params = SamplingParams(num_inference_steps=3, num_samples=2, seed=4)
+    return [o.image for o in engine.generate(["a red square", "a blue circle"], params)]
+
+
+def test_weight_round_trip(engine, original_weights):
+    from rollout.weights import checksum
+
+    before = _images(engine)
+    assert engine.weights_checksum() == checksum(original_weights)
+    generator = torch.Generator().manual_seed(0)
+    noisy = {name: t + 0.05 * torch.randn(t.shape, generator=generator) for name, t in original_weights.items()}
+    version = engine.update_weights(noisy, bucket_bytes=64 * 1024)  # many buckets
+    assert version == engine.weight_version
+    assert engine.weights_checksum() == checksum(noisy)
+    changed = _images(engine)
+    assert any(not torch.equal(a, b) for a, b in zip(before, changed, strict=True))
+    engine.update_weights(iter(original_weights.items()), version=version + 10)  # an iterator streams
+    assert engine.weight_version == version + 10
+    assert engine.weights_checksum() == checksum(original_weights)
+    after = _images(engine)
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+    outputs = engine.generate("x", SamplingParams(num_inference_steps=2, seed=0))
+    assert outputs[0].weight_version == version + 10 and outputs[0].weight_versions == (version + 10,)
+
+
+def test_bad_updates_are_refused_whole(engine, original_weights):
+    digest = engine.weights_checksum()
+    version = engine.weight_version
+    name, tensor = next((n, t) for n, t in original_weights.items() if t.ndim == 2 and t.shape[0] > 1)
+    good = {n: t + 1 for n, t in list(original_weights.items())[:6] if n != name}
+    bad_updates = {
+        "unknown name": ({**good, "no.such.weight": tensor}, "no.such.weight: not a weight of this component"),
+        "wrong shape": (
+            {**good, name: tensor[:1]},
+            re.escape(f"{name}: expected {list(tensor.shape)} float32, got {[1, tensor.shape[1]]} float32"),
+        ),
+        "wrong dtype": ({**good, name: tensor.double()}, f"{name}: expected .* float32, got .* float64"),
+        "NaN": ({**good, name: torch.full_like(tensor, float("nan"))}, f"{name}: holds NaN or infinite values"),
+    }
+    for label, (update, message) in bad_updates.items():
+        with pytest.raises(ValueError, match=f"update refused, weights unchanged: 1 problem.*\n.*{message}"):
+            engine.update_weights(update, check_finite=True, bucket_bytes=1)
+        assert engine.weights_checksum() == digest, label
+        assert engine.weight_version == version
+    with pytest.raises(ValueError, match="2 problem"):  # every offending name at once
+        engine.update_weights({"a.b": tensor, name: tensor[:1]})
+    assert engine.weights_checksum() == digest
+
+
+def _restore_apply(worker) -> None:
+    vars(worker.updates).pop("apply", None)
+
+
+def test_a_rank_that_fails_to_apply_rolls_every_rank_back(engine, original_weights):
+    digest = engine.weights_checksum()
+    last = engine.config.num_workers - 1
+
+    def break_apply(worker, rank):
+        if worker.rank == rank:
+
+            def fail(component):
+                raise RuntimeError("out of memory while applying")
+
+            worker.updates.apply = fail
+
+    engine.collective_rpc(break_apply, args=(last,))
+    try:
+        with pytest.raises(WorkerError, match="out of memory while applying"):
+            engine.update_weights({n: t + 1 for n, t in original_weights.items()})
+        assert engine.weights_checksum() == digest
+    finally:
+        engine.collective_rpc(_restore_apply)
+    assert engine.weights_checksum() == digest
+
+
+@pytest.mark.parametrize("mode", ["wait", "pause"])
+def test_update_during_a_rollout(engine, original_weights, mode):
+    v0 = engine.weight_version
+    ids = engine.add_request("x", SamplingParams(num_inference_steps=4, num_samples=2, seed=0), request_id=mode)
+    engine.step()
+    engine.step()
+    noisy = {n: t * 1.01 for n, t in original_weights.items()}
+    v1 = engine.update_weights(noisy, mode=mode)
+    outputs = []
+    while engine.has_unfinished_requests() or not outputs:
+        outputs += engine.step()
+    assert sorted(o.request_id for o in outputs) == sorted(ids)
+    expected = (v0,) if mode == "wait" else (v0, v1)
+    assert all(o.weight_versions == expected and o.status == "finished" for o in outputs)
+    later = engine.generate("y", SamplingParams(num_inference_steps=2, seed=0))
+    assert later[0].weight_versions == (v1,)
+    engine.update_weights(original_weights)

@@ -1,0 +1,155 @@
+"""A model component's weights as the hot-swap API sees them: names, specs, checks, checksums, and
+an all-or-nothing swap.
+
+Names are the component's own state-dict names (e.g. `transformer_blocks.0.attn.to_q.weight`), the
+same whether or not LoRA adapters wrap a layer (PEFT's `.base_layer.` is hidden, and LoRA tensors
+are not weights here).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    def __str__(self) -> str:
+        return f"{list(self.shape)} {str(self.dtype).removeprefix('torch.')}"
+
+
+def base_state(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The module's weights by their plain names (parameters and persistent buffers, no LoRA)."""
+    return {
+        name.replace(".base_layer.", "."): tensor
+        for name, tensor in module.state_dict(keep_vars=True).items()
+        if ".lora_" not in name
+    }
+
+
+def specs_of(module: nn.Module) -> dict[str, TensorSpec]:
+    return {name: TensorSpec(tuple(t.shape), t.dtype) for name, t in base_state(module).items()}
+
+
+def update_problems(
+    expected: Mapping[str, TensorSpec], named_tensors: Iterable[tuple[str, torch.Tensor]], check_finite: bool
+) -> list[str]:
+    """One line per offending tensor: unknown name, wrong shape or dtype, non-finite values."""
+    problems = []
+    for name, tensor in named_tensors:
+        spec = expected.get(name)
+        given = TensorSpec(tuple(tensor.shape), tensor.dtype)
+        if spec is None:
+            problems.append(f"{name}: not a weight of this component")
+        elif given != spec:
+            problems.append(f"{name}: expected {spec}, got {given}")
+        elif check_finite and tensor.is_floating_point() and not torch.isfinite(tensor).all():
+            problems.append(f"{name}: holds NaN or infinite values")
+    return problems
+
+
+def checksum(named_tensors: Mapping[str, torch.Tensor]) -> str:
+    """SHA-256 over every tensor's name, dtype, shape and bytes, in name order.
+
+    The trainer computes it on its copy (`checksum(base_state(module))`) and compares it with the
+    engine's `weights_checksum()`: equal digests mean bitwise equal weights.
+    """
+    digest = hashlib.sha256()
+    for name in sorted(named_tensors):
+        tensor = named_tensors[name].detach()
+        digest.update(f"{name}|{tensor.dtype}|{list(tensor.shape)}|".encode())
+        data = tensor.to("cpu").contiguous().reshape(-1)
+        if data.numel():
+            digest.update(data.view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+class WeightSwap:
+    """Replace some weights of a module at once and keep the old tensors until `commit` or `rollback`.
+
+    Swapping storage (instead of copying into it) makes applying cheap and rolling back free; the
+    price is holding the old and new tensors together until the update is committed.
+    """
+
+    def __init__(self, module: nn.Module, new_tensors: Mapping[str, torch.Tensor]):
+        self.module = module
+        self._real_names = _real_names(module)
+        self._old: dict[str, torch.Tensor] = {}
+        for name, tensor in new_tensors.items():
+            self._old[name] = _set_tensor(module, self._real_names[name], tensor)
+
+    def rollback(self) -> None:
+        for name, tensor in self._old.items():
+            _set_tensor(self.module, self._real_names[name], tensor)
+        self._old.clear()
+
+    def commit(self) -> None:
+        self._old.clear()
+
+
+def _real_names(module: nn.Module) -> dict[str, str]:
+    """Plain name -> name in the module as it is now (PEFT puts weights under `.base_layer.`)."""
+    return {
+        name.replace(".base_layer.", "."): name for name in module.state_dict(keep_vars=True) if ".lora_" not in name
+    }
+
+
+def _set_tensor(module: nn.Module, name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """Point weight `name` at `tensor`'s storage; returns the tensor it held before."""
+    owner_name, _, leaf = name.rpartition(".")
+    owner = module.get_submodule(owner_name)
+    if leaf in owner._parameters:
+        parameter = owner._parameters[leaf]
+        old = parameter.data
+        parameter.data = tensor
+        return old
+    old = owner._buffers[leaf]
+    owner._buffers[leaf] = tensor
+    return old
+
+
+class StagedUpdates:
+    """A worker's weight updates in flight: staged (not yet visible), then swapped in, then kept
+    for a possible rollback until the engine says every rank has applied its part."""
+
+    def __init__(self, components: Mapping[str, nn.Module]):
+        self.components = components
+        self._staged: dict[str, dict[str, torch.Tensor]] = {}
+        self._swaps: dict[str, WeightSwap] = {}
+
+    def module(self, component: str) -> nn.Module:
+        if component not in self.components:
+            raise ValueError(f"unknown component {component!r}; this model has {sorted(self.components)}")
+        return self.components[component]
+
+    def stage(self, component: str, named_tensors: Mapping[str, torch.Tensor]) -> int:
+        """Copy tensors onto the component's device (never aliasing the caller's memory)."""
+        state = base_state(self.module(component))
+        staged = self._staged.setdefault(component, {})
+        for name, tensor in named_tensors.items():
+            staged[name] = tensor.to(device=state[name].device, copy=True)
+        return len(staged)
+
+    def apply(self, component: str) -> int:
+        """Swap every staged tensor in at once; returns how many."""
+        staged = self._staged.pop(component, {})
+        self._swaps[component] = WeightSwap(self.module(component), staged)
+        return len(staged)
+
+    def rollback(self, component: str) -> None:
+        self._staged.pop(component, None)
+        swap = self._swaps.pop(component, None)
+        if swap is not None:
+            swap.rollback()
+
+    def commit(self, component: str) -> None:
+        swap = self._swaps.pop(component, None)
+        if swap is not None:
+            swap.commit()
