@@ -11,6 +11,7 @@ import itertools
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -20,6 +21,7 @@ from rollout.config import EngineConfig
 from rollout.errors import EngineDeadError
 from rollout.outputs import RequestTimings, RolloutOutput
 from rollout.request import Request, RequestStatus
+from rollout.safetensors_files import safetensors_files
 from rollout.sampling_params import SamplingParams
 from rollout.scheduler import Scheduler
 from rollout.seeding import derive_seed, fresh_base_seed
@@ -47,6 +49,7 @@ class RolloutEngine:
         self._request_counter = itertools.count()
         self._closed = False
         self._dead: EngineDeadError | None = None
+        self.sleep_level = 0
         self._stashed_outputs: list[RolloutOutput] = []  # finished while an update waited for them
         self._weight_sync = WeightSync(self.collective_rpc)
 
@@ -64,6 +67,8 @@ class RolloutEngine:
         `params` is one `SamplingParams` for all prompts or one per prompt (they may differ in
         anything: all share batches when their image sizes and adapters match).
         """
+        self._check_open()
+        self._check_awake()
         if isinstance(prompts, str):
             prompts = [prompts]
         params_list = self._params_per_prompt(prompts, params)
@@ -103,6 +108,7 @@ class RolloutEngine:
         ("{request_id}-{sample_index}"). Seeds derive from `params.seed` (or `base_seed` when
         the params give none, else a fresh one), `prompt_index` and the sample index."""
         self._check_open()
+        self._check_awake()
         height, width = self._check_request(prompt, params)
         group_id = request_id if request_id is not None else f"req{next(self._request_counter)}"
         if params.seed is not None:
@@ -219,23 +225,66 @@ class RolloutEngine:
         The version becomes `version`, or the current one plus 1.
         """
         self._check_open()
+        push_args = (named_tensors, component, check_finite, bucket_bytes)
+        return self._update(self._weight_sync.push, push_args, component, version, mode)
+
+    def _update(self, push: Callable, push_args: tuple, component: str, version: int | None, mode: str) -> int:
+        self._check_awake()
         if mode not in ("wait", "pause"):
             raise ValueError(f"mode must be 'wait' or 'pause', got {mode!r}")
         if version is not None and not isinstance(version, int):
             raise ValueError(f"version must be an int or None, got {version!r}")
         if mode == "wait":
             self._finish_running_requests()
-        self._on_executor(self._weight_sync.push, named_tensors, component, check_finite, bucket_bytes)
+        self._on_executor(push, *push_args)
         self.weight_version = self.weight_version + 1 if version is None else version
         logger.info("weights of %s updated to version %d", component, self.weight_version)
         return self.weight_version
 
+    def update_weights_from_disk(
+        self, path: str | Path, *, component: str = "transformer", version: int | None = None, mode: str = "wait"
+    ) -> int:
+        """`update_weights` from a .safetensors file or a diffusers component folder: every worker
+        reads the files itself. Names, shapes and dtypes are checked from the file headers first."""
+        self._check_open()
+        files = safetensors_files(path)
+        return self._update(self._weight_sync.push_from_files, (files, component), component, version, mode)
+
     def weights_checksum(self, component: str = "transformer") -> str:
         """SHA-256 of every weight of `component`; raises if the ranks disagree."""
+        self._check_awake()
         digests = self.collective_rpc("weights_checksum", args=(component,))
         if len(set(digests)) != 1:
             raise RuntimeError(f"ranks hold different weights of {component}: checksums {digests}")
         return digests[0]
+
+    # Memory.
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the workers' weight memory for a colocated trainer. Level 1 keeps a host copy
+        (wake-up restores it); level 2 keeps nothing (wake-up reloads the model folder's weights and
+        resets `weight_version` to 0: push the trainer's weights again). Generating while asleep is
+        an error; sleeping deeper is allowed, sleeping again at the same level does nothing."""
+        self._check_open()
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 (offload weights) or 2 (discard them), got {level!r}")
+        if self.scheduler.has_unfinished():
+            raise RuntimeError(
+                f"cannot sleep with {len(self._requests)} unfinished requests; step() them to completion or "
+                "abort() them first"
+            )
+        self.collective_rpc("sleep", args=(level,))
+        self.sleep_level = max(self.sleep_level, level)
+
+    def wake_up(self) -> None:
+        """Restore the weights after `sleep`; does nothing when awake."""
+        self._check_open()
+        if self.sleep_level == 0:
+            return
+        self.collective_rpc("wake_up")
+        if self.sleep_level == 2:
+            self.weight_version = 0
+        self.sleep_level = 0
 
     def check_health(self) -> None:
         self._check_open()
@@ -261,6 +310,10 @@ class RolloutEngine:
             raise EngineDeadError(str(self._dead))
         if self._closed:
             raise RuntimeError("this RolloutEngine is shut down; create a new one")
+
+    def _check_awake(self) -> None:
+        if self.sleep_level:
+            raise RuntimeError(f"the engine is asleep (level {self.sleep_level}); call wake_up() before generating")
 
     def _on_executor(self, call: Callable, *args, **kwargs):
         """Run an executor call; if a worker died, fail every request at once and stay dead."""

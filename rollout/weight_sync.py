@@ -10,10 +10,13 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
+from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 
 from rollout.errors import WorkerError
+from rollout.safetensors_files import read_specs
 from rollout.weights import TensorSpec, update_problems
 
 DEFAULT_BUCKET_BYTES = 512 * 2**20
@@ -44,35 +47,52 @@ class WeightSync:
         seen: set[str] = set()
         bucket: dict[str, torch.Tensor] = {}
         bucket_size = 0
-        try:
+        with self._staging(component):
             for name, tensor in items:
                 if name in seen:
                     problems.append(f"{name}: given twice")
                     continue
                 seen.add(name)
-                found = update_problems(specs, [(name, tensor)], check_finite)
-                problems += found
-                if found or problems:  # once refused, only keep checking
+                problems += update_problems(specs, [(name, tensor)], check_finite)
+                if problems:  # once refused, only keep checking
                     continue
                 bucket[name] = tensor
                 bucket_size += tensor.numel() * tensor.element_size()
                 if bucket_size >= bucket_bytes:
                     self._rpc("stage_weights", args=(component, bucket))
                     bucket, bucket_size = {}, 0
-            if not seen:
-                problems.append("the update holds no tensors")
-            if problems:
-                raise ValueError(
-                    f"update refused, weights unchanged: {len(problems)} problem(s) in {component}:\n  "
-                    + "\n  ".join(problems)
-                )
+            _raise_if_refused(component, problems, seen)
             if bucket:
                 self._rpc("stage_weights", args=(component, bucket))
             self._apply_everywhere(component)
-        except BaseException:
-            self._rpc("rollback_weights", args=(component,))  # drops what was staged
-            raise
         return len(seen)
+
+    def push_from_files(self, files: list[Path], component: str) -> int:
+        """Like `push`, but every rank reads the safetensors `files` itself; the headers are
+        checked here first."""
+        specs = self.specs(component)
+        given = read_specs(files)
+        problems = [
+            f"{name}: not a weight of this component"
+            if name not in specs
+            else f"{name}: expected {specs[name]}, got {spec}"
+            for name, spec in given.items()
+            if specs.get(name) != spec
+        ]
+        _raise_if_refused(component, problems, given)
+        with self._staging(component):
+            self._rpc("stage_weights_from_files", args=(component, [str(f) for f in files]))
+            self._apply_everywhere(component)
+        return len(given)
+
+    @contextmanager
+    def _staging(self, component: str):
+        """Whatever goes wrong (including a refused update), drop what was staged on every rank."""
+        try:
+            yield
+        except BaseException:
+            self._rpc("rollback_weights", args=(component,))
+            raise
 
     def _apply_everywhere(self, component: str) -> None:
         try:
@@ -81,3 +101,11 @@ class WeightSync:
             self._rpc("rollback_weights", args=(component,))
             raise
         self._rpc("commit_weights", args=(component,))
+
+
+def _raise_if_refused(component: str, problems: list[str], names) -> None:
+    if not names:
+        problems = ["the update holds no tensors", *problems]
+    if problems:
+        listing = "\n  ".join(problems)
+        raise ValueError(f"update refused, weights unchanged: {len(problems)} problem(s) in {component}:\n  {listing}")

@@ -137,6 +137,13 @@ class StagedUpdates:
             staged[name] = tensor.to(device=state[name].device, copy=True)
         return len(staged)
 
+    def stage_from_files(self, component: str, files: list[str]) -> int:
+        from safetensors.torch import load_file
+
+        for file in files:
+            self.stage(component, load_file(file))
+        return len(self._staged.get(component, {}))
+
     def apply(self, component: str) -> int:
         """Swap every staged tensor in at once; returns how many."""
         staged = self._staged.pop(component, {})

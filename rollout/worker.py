@@ -17,6 +17,7 @@ from rollout.model_runner import ModelRunner, RequestState, RunnerOutput
 from rollout.pipelines.loading import load_adapter
 from rollout.pipelines.sd3 import ModelSpec
 from rollout.scheduler import WorkerInput
+from rollout.sleep import Sleeper
 from rollout.weights import StagedUpdates, TensorSpec, base_state, checksum, specs_of
 
 logger = logging.getLogger(__name__)
@@ -30,6 +31,7 @@ class Worker:
         self.runner = ModelRunner(self.adapter)
         self.requests: dict[str, RequestState] = {}
         self.updates = StagedUpdates(self.adapter.components)
+        self.sleeper = Sleeper(self.adapter.components, config.model)
 
     def execute(self, work: WorkerInput) -> RunnerOutput:
         """Run one engine step: drop aborted requests, start new ones, denoise, return finished."""
@@ -72,6 +74,9 @@ class Worker:
     def stage_weights(self, component: str, named_tensors: dict[str, torch.Tensor]) -> int:
         return self.updates.stage(component, named_tensors)
 
+    def stage_weights_from_files(self, component: str, files: list[str]) -> int:
+        return self.updates.stage_from_files(component, files)
+
     def apply_staged_weights(self, component: str) -> int:
         return self.updates.apply(component)
 
@@ -84,9 +89,15 @@ class Worker:
     def weights_checksum(self, component: str) -> str:
         return checksum(base_state(self.updates.module(component)))
 
+    def sleep(self, level: int) -> None:
+        self.sleeper.sleep(level)
+
+    def wake_up(self) -> None:
+        self.sleeper.wake_up()
+
 
 # Instance attributes a worker sets in __init__; an extension method of the same name would be hidden.
-_WORKER_ATTRIBUTES = {"config", "rank", "adapter", "runner", "requests", "updates"}
+_WORKER_ATTRIBUTES = {"config", "rank", "adapter", "runner", "requests", "updates", "sleeper"}
 
 
 def worker_methods(worker_cls: type) -> set[str]:

@@ -284,3 +284,25 @@ def test_update_during_a_rollout(engine, original_weights, mode):
     later = engine.generate("y", SamplingParams(num_inference_steps=2, seed=0))
     assert later[0].weight_versions == (v1,)
     engine.update_weights(original_weights)
+
+
+def test_update_weights_from_disk(engine, original_weights, tiny_model, tmp_path):
+    from safetensors.torch import save_file
+
+    from rollout.weights import checksum
+
+    shifted = {name: t + 0.5 for name, t in original_weights.items()}
+    save_file(shifted, tmp_path / "shifted.safetensors")
+    version = engine.update_weights_from_disk(tmp_path / "shifted.safetensors")
+    assert version == engine.weight_version and engine.weights_checksum() == checksum(shifted)
+
+    name = next(n for n, t in original_weights.items() if t.ndim == 2)
+    save_file({name: original_weights[name].T.contiguous()}, tmp_path / "bad.safetensors")
+    with pytest.raises(ValueError, match=f"update refused, weights unchanged: 1 problem.*\n  {re.escape(name)}"):
+        engine.update_weights_from_disk(tmp_path / "bad.safetensors")
+    with pytest.raises(ValueError, match="is neither a .safetensors file nor a folder holding one"):
+        engine.update_weights_from_disk(tmp_path / "missing")
+    assert engine.weights_checksum() == checksum(shifted)
+
+    engine.update_weights_from_disk(f"{tiny_model}/transformer")  # a diffusers component folder
+    assert engine.weights_checksum() == checksum(original_weights)
