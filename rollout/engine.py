@@ -10,27 +10,25 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from pathlib import Path
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-import torch
 from tqdm.auto import tqdm
 
 from rollout.config import EngineConfig
 from rollout.errors import EngineDeadError
+from rollout.hot_swap import HotSwapAPI
 from rollout.outputs import RequestTimings, RolloutOutput
 from rollout.request import Request, RequestStatus
-from rollout.safetensors_files import safetensors_files
 from rollout.sampling_params import SamplingParams
 from rollout.scheduler import Scheduler
 from rollout.seeding import derive_seed, fresh_base_seed
-from rollout.weight_sync import DEFAULT_BUCKET_BYTES, WeightSync
+from rollout.weight_sync import WeightSync
 
 logger = logging.getLogger(__name__)
 
 
-class RolloutEngine:
+class RolloutEngine(HotSwapAPI):
     """Samples images with their denoising trajectories and log-probs.
 
     >>> with RolloutEngine(EngineConfig(model="path/to/pipeline")) as engine:
@@ -44,14 +42,13 @@ class RolloutEngine:
         self.executor = get_executor_class(config.executor)(config)
         self.model_spec = self.executor.collective_rpc("model_spec")[0]
         self.scheduler = Scheduler(num_ranks=config.num_workers, max_batch_size=config.max_batch_size)
-        self.weight_version = 0
         self._requests: dict[str, Request] = {}
         self._request_counter = itertools.count()
         self._closed = False
         self._dead: EngineDeadError | None = None
-        self.sleep_level = 0
         self._stashed_outputs: list[RolloutOutput] = []  # finished while an update waited for them
         self._weight_sync = WeightSync(self.collective_rpc)
+        self._init_hot_swap()
 
     # Generation.
 
@@ -202,90 +199,6 @@ class RolloutEngine:
             self.executor.collective_rpc, method, args=args, kwargs=kwargs, timeout=timeout, ranks=ranks
         )
 
-    # Weights.
-
-    def update_weights(
-        self,
-        named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
-        *,
-        component: str = "transformer",
-        version: int | None = None,
-        mode: str = "wait",
-        check_finite: bool = False,
-        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-    ) -> int:
-        """Replace weights of `component` on every worker, all at once; returns the new weight version.
-
-        `named_tensors`: a name -> tensor mapping or an iterator of (name, tensor) pairs (streamed in
-        buckets of about `bucket_bytes`); names, shapes and dtypes must match the component's own.
-        A bad update is refused whole (ValueError listing every offending tensor) and nothing
-        changes. `mode="wait"`: running requests finish on the old weights first (their outputs come
-        from the next `step()`); `mode="pause"`: the update applies now, between two steps, and
-        running requests continue on the new weights (`RolloutOutput.weight_versions` lists both).
-        The version becomes `version`, or the current one plus 1.
-        """
-        self._check_open()
-        push_args = (named_tensors, component, check_finite, bucket_bytes)
-        return self._update(self._weight_sync.push, push_args, component, version, mode)
-
-    def _update(self, push: Callable, push_args: tuple, component: str, version: int | None, mode: str) -> int:
-        self._check_awake()
-        if mode not in ("wait", "pause"):
-            raise ValueError(f"mode must be 'wait' or 'pause', got {mode!r}")
-        if version is not None and not isinstance(version, int):
-            raise ValueError(f"version must be an int or None, got {version!r}")
-        if mode == "wait":
-            self._finish_running_requests()
-        self._on_executor(push, *push_args)
-        self.weight_version = self.weight_version + 1 if version is None else version
-        logger.info("weights of %s updated to version %d", component, self.weight_version)
-        return self.weight_version
-
-    def update_weights_from_disk(
-        self, path: str | Path, *, component: str = "transformer", version: int | None = None, mode: str = "wait"
-    ) -> int:
-        """`update_weights` from a .safetensors file or a diffusers component folder: every worker
-        reads the files itself. Names, shapes and dtypes are checked from the file headers first."""
-        self._check_open()
-        files = safetensors_files(path)
-        return self._update(self._weight_sync.push_from_files, (files, component), component, version, mode)
-
-    def weights_checksum(self, component: str = "transformer") -> str:
-        """SHA-256 of every weight of `component`; raises if the ranks disagree."""
-        self._check_awake()
-        digests = self.collective_rpc("weights_checksum", args=(component,))
-        if len(set(digests)) != 1:
-            raise RuntimeError(f"ranks hold different weights of {component}: checksums {digests}")
-        return digests[0]
-
-    # Memory.
-
-    def sleep(self, level: int = 1) -> None:
-        """Free the workers' weight memory for a colocated trainer. Level 1 keeps a host copy
-        (wake-up restores it); level 2 keeps nothing (wake-up reloads the model folder's weights and
-        resets `weight_version` to 0: push the trainer's weights again). Generating while asleep is
-        an error; sleeping deeper is allowed, sleeping again at the same level does nothing."""
-        self._check_open()
-        if level not in (1, 2):
-            raise ValueError(f"sleep level must be 1 (offload weights) or 2 (discard them), got {level!r}")
-        if self.scheduler.has_unfinished():
-            raise RuntimeError(
-                f"cannot sleep with {len(self._requests)} unfinished requests; step() them to completion or "
-                "abort() them first"
-            )
-        self.collective_rpc("sleep", args=(level,))
-        self.sleep_level = max(self.sleep_level, level)
-
-    def wake_up(self) -> None:
-        """Restore the weights after `sleep`; does nothing when awake."""
-        self._check_open()
-        if self.sleep_level == 0:
-            return
-        self.collective_rpc("wake_up")
-        if self.sleep_level == 2:
-            self.weight_version = 0
-        self.sleep_level = 0
-
     def check_health(self) -> None:
         self._check_open()
         self._on_executor(self.executor.check_health)
@@ -360,8 +273,8 @@ class RolloutEngine:
             for name, value in (("height", height), ("width", width))
             if value % multiple
         ]
-        if params.lora is not None:
-            problems.append(f"lora {params.lora!r} is not loaded (no adapters are loaded)")
+        if params.lora is not None and params.lora not in self._loras:
+            problems.append(f"lora {params.lora!r} is not loaded; loaded: {self.list_loras()} (see load_lora)")
         if problems:
             raise ValueError("invalid request: " + "; ".join(problems))
         return height, width

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from rollout.lora import LoraManager
 from rollout.outputs import Trajectory
 from rollout.pipelines.condition import Condition
 from rollout.request import NewRequestData
@@ -55,8 +56,9 @@ class RunnerOutput:
 
 
 class ModelRunner:
-    def __init__(self, adapter):
+    def __init__(self, adapter, loras: LoraManager):
         self.adapter = adapter
+        self.loras = loras
 
     def prepare(self, new_requests: list[NewRequestData]) -> list[RequestState]:
         """Encode prompts (once per distinct prompt), draw initial noise, fetch schedules."""
@@ -94,6 +96,8 @@ class ModelRunner:
         guidance = torch.tensor([s.data.params.guidance_scale for s in states], dtype=torch.float32)
         noise_level = torch.tensor([s.data.params.noise_level for s in states], dtype=torch.float32).to(device)
         condition = Condition.stack([s.condition for s in states])
+        params = states[0].data.params  # the scheduler batches one adapter and scale together
+        self.loras.activate(params.lora, params.lora_scale)
         velocity = self.adapter.predict_velocity(latents, sigma, condition, guidance.to(device))
 
         # Group samples by the rule they use at this step: their sampler if the step is stochastic,

@@ -13,6 +13,7 @@ import torch
 
 from rollout.config import EngineConfig
 from rollout.imports import import_by_path
+from rollout.lora import LoraManager, read_lora_folder
 from rollout.model_runner import ModelRunner, RequestState, RunnerOutput
 from rollout.pipelines.loading import load_adapter
 from rollout.pipelines.sd3 import ModelSpec
@@ -28,7 +29,8 @@ class Worker:
         self.config = config
         self.rank = rank
         self.adapter = load_adapter(config.model, config.device, config.torch_dtype)
-        self.runner = ModelRunner(self.adapter)
+        self.loras = LoraManager(self.adapter.transformer)
+        self.runner = ModelRunner(self.adapter, self.loras)
         self.requests: dict[str, RequestState] = {}
         self.updates = StagedUpdates(self.adapter.components)
         self.sleeper = Sleeper(self.adapter.components, config.model)
@@ -89,6 +91,15 @@ class Worker:
     def weights_checksum(self, component: str) -> str:
         return checksum(base_state(self.updates.module(component)))
 
+    def load_lora(self, name: str, source: str | dict[str, torch.Tensor], config: dict | None) -> int:
+        """Load (or hot-swap) adapter `name` from a folder path or from tensors; returns the number
+        of modules it binds."""
+        tensors, folder_config = read_lora_folder(source) if isinstance(source, str) else (source, None)
+        return self.loras.load(name, tensors, config if config is not None else folder_config)
+
+    def unload_lora(self, name: str) -> None:
+        self.loras.unload(name)
+
     def sleep(self, level: int) -> None:
         self.sleeper.sleep(level)
 
@@ -97,7 +108,7 @@ class Worker:
 
 
 # Instance attributes a worker sets in __init__; an extension method of the same name would be hidden.
-_WORKER_ATTRIBUTES = {"config", "rank", "adapter", "runner", "requests", "updates", "sleeper"}
+_WORKER_ATTRIBUTES = {"config", "rank", "adapter", "runner", "requests", "updates", "sleeper", "loras"}
 
 
 def worker_methods(worker_cls: type) -> set[str]:

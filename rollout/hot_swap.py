@@ -1,0 +1,164 @@
+"""The engine's hot-swap API: weights, LoRA adapters, sleep and wake.
+
+Kept apart from request handling (rollout/engine.py); `RolloutEngine` inherits it. Every method here
+is a thin layer over `collective_rpc` plus the engine's bookkeeping (weight version, loaded
+adapters, sleep level), and runs between engine steps.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+
+import torch
+from peft import LoraConfig
+
+from rollout.errors import WorkerError
+from rollout.safetensors_files import safetensors_files
+from rollout.weight_sync import DEFAULT_BUCKET_BYTES
+
+logger = logging.getLogger(__name__)
+
+
+class HotSwapAPI:
+    """Needs from the engine: `collective_rpc`, `_check_open`, `_check_awake`, `_on_executor`,
+    `_finish_running_requests`, `scheduler`, `_requests`, `_weight_sync`, and the state set in
+    `_init_hot_swap`."""
+
+    def _init_hot_swap(self) -> None:
+        self.weight_version = 0
+        self.sleep_level = 0
+        self._loras: dict[str, int] = {}  # name -> modules it binds
+
+    # Weights.
+
+    def update_weights(
+        self,
+        named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+        *,
+        component: str = "transformer",
+        version: int | None = None,
+        mode: str = "wait",
+        check_finite: bool = False,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    ) -> int:
+        """Replace weights of `component` on every worker, all at once; returns the new weight version.
+
+        `named_tensors`: a name -> tensor mapping or an iterator of (name, tensor) pairs (streamed in
+        buckets of about `bucket_bytes`); names, shapes and dtypes must match the component's own.
+        A bad update is refused whole (ValueError listing every offending tensor) and nothing
+        changes. `mode="wait"`: running requests finish on the old weights first (their outputs come
+        from the next `step()`); `mode="pause"`: the update applies now, between two steps, and
+        running requests continue on the new weights (`RolloutOutput.weight_versions` lists both).
+        The version becomes `version`, or the current one plus 1.
+        """
+        self._check_open()
+        push_args = (named_tensors, component, check_finite, bucket_bytes)
+        return self._update(self._weight_sync.push, push_args, component, version, mode)
+
+    def _update(self, push: Callable, push_args: tuple, component: str, version: int | None, mode: str) -> int:
+        self._check_awake()
+        if mode not in ("wait", "pause"):
+            raise ValueError(f"mode must be 'wait' or 'pause', got {mode!r}")
+        if version is not None and not isinstance(version, int):
+            raise ValueError(f"version must be an int or None, got {version!r}")
+        if mode == "wait":
+            self._finish_running_requests()
+        self._on_executor(push, *push_args)
+        self.weight_version = self.weight_version + 1 if version is None else version
+        logger.info("weights of %s updated to version %d", component, self.weight_version)
+        return self.weight_version
+
+    def update_weights_from_disk(
+        self, path: str | Path, *, component: str = "transformer", version: int | None = None, mode: str = "wait"
+    ) -> int:
+        """`update_weights` from a .safetensors file or a diffusers component folder: every worker
+        reads the files itself. Names, shapes and dtypes are checked from the file headers first."""
+        self._check_open()
+        files = safetensors_files(path)
+        return self._update(self._weight_sync.push_from_files, (files, component), component, version, mode)
+
+    def weights_checksum(self, component: str = "transformer") -> str:
+        """SHA-256 of every weight of `component`; raises if the ranks disagree."""
+        self._check_awake()
+        digests = self.collective_rpc("weights_checksum", args=(component,))
+        if len(set(digests)) != 1:
+            raise RuntimeError(f"ranks hold different weights of {component}: checksums {digests}")
+        return digests[0]
+
+    # LoRA adapters.
+
+    def load_lora(
+        self, name: str, source: str | Path | Mapping[str, torch.Tensor], config: LoraConfig | Mapping | None = None
+    ) -> int:
+        """Load a LoRA adapter on every worker, or hot-swap the one of that name; returns how many
+        modules it binds.
+
+        `source`: a PEFT folder (adapter_config.json + adapter_model.safetensors), a diffusers LoRA
+        folder (pytorch_lora_weights.safetensors), or a mapping of PEFT LoRA tensors with `config`
+        (a `peft.LoraConfig` or its dict). Requests pick it with `SamplingParams(lora=name)`.
+        Running requests finish on the adapter they started with. An adapter whose keys do not fit
+        the model is refused (ValueError) and the one loaded before stays.
+        """
+        self._check_open()
+        if isinstance(source, str | Path):
+            source = str(source)
+        elif not isinstance(source, Mapping):
+            raise TypeError(f"LoRA source must be a folder path or a mapping of tensors, got {type(source).__name__}")
+        elif config is None:
+            raise ValueError(f"LoRA {name!r} from tensors needs a config (a peft.LoraConfig or its dict)")
+        self._finish_running_requests()
+        try:
+            bound = self.collective_rpc(
+                "load_lora", args=(name, source if isinstance(source, str) else dict(source), config)
+            )
+        except WorkerError as error:
+            if error.error.startswith("ValueError"):  # refused by the checks, before anything changed
+                raise ValueError(error.error.removeprefix("ValueError: ")) from error
+            raise
+        self._loras[name] = bound[0]
+        return bound[0]
+
+    def unload_lora(self, name: str) -> None:
+        """Remove adapter `name` from every worker and free its memory."""
+        self._check_open()
+        if name not in self._loras:
+            raise ValueError(f"no LoRA named {name!r} is loaded; loaded: {self.list_loras()}")
+        users = [r.request_id for r in self._requests.values() if r.params.lora == name]
+        if users:
+            raise RuntimeError(f"{len(users)} unfinished requests use LoRA {name!r}; finish or abort them first")
+        self.collective_rpc("unload_lora", args=(name,))
+        del self._loras[name]
+
+    def list_loras(self) -> list[str]:
+        """Names of the loaded LoRA adapters."""
+        return sorted(self._loras)
+
+    # Memory.
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the workers' weight memory for a colocated trainer. Level 1 keeps a host copy
+        (wake-up restores it); level 2 keeps nothing (wake-up reloads the model folder's weights and
+        resets `weight_version` to 0: push the trainer's weights again). Generating while asleep is
+        an error; sleeping deeper is allowed, sleeping again at the same level does nothing."""
+        self._check_open()
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 (offload weights) or 2 (discard them), got {level!r}")
+        if self.scheduler.has_unfinished():
+            raise RuntimeError(
+                f"cannot sleep with {len(self._requests)} unfinished requests; step() them to completion or "
+                "abort() them first"
+            )
+        self.collective_rpc("sleep", args=(level,))
+        self.sleep_level = max(self.sleep_level, level)
+
+    def wake_up(self) -> None:
+        """Restore the weights after `sleep`; does nothing when awake."""
+        self._check_open()
+        if self.sleep_level == 0:
+            return
+        self.collective_rpc("wake_up")
+        if self.sleep_level == 2:
+            self.weight_version = 0
+        self.sleep_level = 0

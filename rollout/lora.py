@@ -1,0 +1,163 @@
+"""LoRA adapters on a worker's transformer: load (or hot-swap), unload, and pick one per batch.
+
+Adapters are PEFT LoRA layers injected through diffusers' adapter support. An adapter is checked
+before it touches the model: every tensor must belong to a module of the model, and every module
+its config targets must get its tensors. An adapter that binds nothing is refused, never silently
+ignored (a peer project once sampled the base policy for a whole run that way).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+from peft import LoraConfig
+from peft.tuners.tuners_utils import _ExcludedModule, check_target_module_exists
+from peft.utils import set_peft_model_state_dict
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+# Prefixes that LoRA files put before module names: PEFT's wrapper and diffusers' component name.
+_KEY_PREFIXES = ("base_model.model.", "transformer.")
+
+
+def read_lora_folder(folder: str | Path) -> tuple[dict[str, torch.Tensor], LoraConfig | None]:
+    """(tensors, config) of a PEFT folder (adapter_config.json + adapter_model.safetensors), or of a
+    diffusers LoRA folder (pytorch_lora_weights.safetensors; config None: inferred from shapes)."""
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    if (folder / "adapter_config.json").is_file():
+        config = json.loads((folder / "adapter_config.json").read_text())
+        return load_file(folder / "adapter_model.safetensors"), config_from_dict(config)
+    if (folder / "pytorch_lora_weights.safetensors").is_file():
+        return load_file(folder / "pytorch_lora_weights.safetensors"), None
+    raise ValueError(
+        f"LoRA folder {str(folder)!r} holds neither adapter_config.json + adapter_model.safetensors (PEFT) "
+        "nor pytorch_lora_weights.safetensors (diffusers)"
+    )
+
+
+def config_from_dict(config: Mapping) -> LoraConfig:
+    known = set(LoraConfig.__dataclass_fields__)
+    return LoraConfig(**{key: value for key, value in config.items() if key in known})
+
+
+def normalize_keys(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Module-relative PEFT keys without the adapter name: `blocks.0.attn.to_q.lora_A.weight`."""
+    normalized = {}
+    for key, tensor in tensors.items():
+        for prefix in _KEY_PREFIXES:
+            key = key.removeprefix(prefix)
+        normalized[key.replace(".lora_A.default.", ".lora_A.").replace(".lora_B.default.", ".lora_B.")] = tensor
+    return normalized
+
+
+def infer_config(tensors: Mapping[str, torch.Tensor]) -> LoraConfig:
+    """A config for a diffusers LoRA file: its rank from lora_A, alpha = rank, its modules as targets."""
+    ranks = {t.shape[0] for key, t in tensors.items() if ".lora_A." in key}
+    if len(ranks) != 1:
+        raise ValueError(f"cannot infer one LoRA rank from the tensors (found ranks {sorted(ranks)}); pass a config")
+    rank = ranks.pop()
+    targets = sorted({key.split(".lora_")[0] for key in tensors})
+    return LoraConfig(r=rank, lora_alpha=rank, target_modules=targets)
+
+
+class LoraManager:
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.configs: dict[str, LoraConfig] = {}
+        self._active: tuple[str | None, float] | None = None  # what the model is set up for now
+
+    def load(self, name: str, tensors: Mapping[str, torch.Tensor], config: LoraConfig | Mapping | None) -> int:
+        """Load adapter `name` (replacing one of that name); returns how many modules it binds."""
+        tensors = normalize_keys(tensors)
+        config = infer_config(tensors) if config is None else config
+        config = config_from_dict(config) if isinstance(config, Mapping) else config
+        self._check_fits(name, tensors, config)
+        if name in self.configs:
+            self.unload(name)
+        with warnings.catch_warnings():  # PEFT warns on every second adapter; several is the point here
+            warnings.filterwarnings("ignore", message="Already found a `peft_config` attribute")
+            self.model.add_adapter(config, adapter_name=name)
+        self.configs[name] = config
+        self._active = None
+        try:
+            result = set_peft_model_state_dict(self.model, tensors, adapter_name=name)
+            if result.unexpected_keys:  # checked above; a PEFT that maps keys differently lands here
+                raise ValueError(f"LoRA {name!r}: PEFT did not place tensors {result.unexpected_keys[:3]}")
+        except BaseException:
+            self.unload(name)
+            raise
+        bound = self.bound_modules(name)
+        logger.info("loaded LoRA %r (rank %d) on %d modules", name, config.r, bound)
+        return bound
+
+    def unload(self, name: str) -> None:
+        if name not in self.configs:
+            raise ValueError(f"no LoRA named {name!r} is loaded; loaded: {sorted(self.configs)}")
+        self.model.delete_adapters(name)
+        del self.configs[name]
+        self._active = None
+
+    def activate(self, name: str | None, scale: float) -> None:
+        """Set the model up to run adapter `name` at `scale`, or the base model for None."""
+        if self._active == (name, scale) or (name is None and not self.configs):
+            return
+        if name is None:
+            self.model.disable_lora()
+        else:
+            self.model.enable_lora()
+            self.model.set_adapters([name], [scale])
+        self._active = (name, scale)
+
+    def bound_modules(self, name: str) -> int:
+        return sum(1 for module in self.model.modules() if name in getattr(module, "lora_A", {}))
+
+    def _check_fits(self, name: str, tensors: Mapping[str, torch.Tensor], config: LoraConfig) -> None:
+        """Refuse, before anything changes, an adapter that does not fit the model exactly."""
+        modules = _base_module_names(self.model)
+        given = {key.split(".lora_")[0] for key in tensors}
+        if not given & modules:
+            raise ValueError(
+                f"LoRA {name!r} refused: its keys match no module of the model "
+                f"(e.g. {sorted(tensors)[:3]}); expected keys like 'transformer_blocks.0.attn.to_q.lora_A.weight'"
+            )
+        targeted = {m for m in modules if _is_target(config, m)}
+        problems = []
+        if given - modules:
+            problems.append(
+                f"{len(given - modules)} of its modules are not in the model: {sorted(given - modules)[:5]}"
+            )
+        if targeted - given:
+            problems.append(
+                f"its config targets {len(targeted - given)} modules it has no tensors for: "
+                f"{sorted(targeted - given)[:5]}"
+            )
+        if (given & modules) - targeted:
+            problems.append(
+                f"it has tensors for {len((given & modules) - targeted)} modules its config does not "
+                f"target: {sorted((given & modules) - targeted)[:5]}"
+            )
+        if problems:
+            raise ValueError(f"LoRA {name!r} refused: " + "; ".join(problems))
+
+
+def _base_module_names(model: nn.Module) -> set[str]:
+    """Names of the model's own modules, whether or not PEFT has wrapped them."""
+    names = set()
+    for module_name, _ in model.named_modules():
+        if ".lora_" in module_name or module_name.endswith(".base_layer") or ".base_layer." in module_name:
+            continue
+        names.add(module_name)
+    return names
+
+
+def _is_target(config: LoraConfig, module_name: str) -> bool:
+    match = check_target_module_exists(config, module_name)
+    return bool(match) and not isinstance(match, _ExcludedModule)
