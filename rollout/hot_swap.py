@@ -14,9 +14,11 @@ from pathlib import Path
 import torch
 from peft import LoraConfig
 
+from rollout.broadcast_group import BroadcastEntry
 from rollout.errors import WorkerError
 from rollout.safetensors_files import safetensors_files
 from rollout.weight_sync import DEFAULT_BUCKET_BYTES
+from rollout.weights import TensorSpec
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +80,59 @@ class HotSwapAPI:
         self._check_open()
         files = safetensors_files(path)
         return self._update(self._weight_sync.push_from_files, (files, component), component, version, mode)
+
+    def init_weight_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        backend: str = "gloo",
+        timeout_s: float = 300.0,
+    ) -> list[int]:
+        """Join a trainer's broadcast group: worker r becomes group rank `rank_offset + r`; the
+        trainer is rank 0 and hosts the store at master_address:master_port. Blocks until every
+        rank has joined, so the trainer joins concurrently (see
+        `trainers_adapters.weight_broadcast.WeightBroadcaster`). Returns the workers' group ranks."""
+        self._check_open()
+        if rank_offset < 1 or rank_offset + self.config.num_workers > world_size:
+            raise ValueError(
+                f"the workers need group ranks rank_offset..rank_offset+{self.config.num_workers - 1} inside "
+                f"world_size={world_size}, with rank 0 for the trainer; got rank_offset={rank_offset}"
+            )
+        args = (master_address, master_port, rank_offset, world_size, backend, timeout_s)
+        return self.collective_rpc("init_weight_update_group", args=args, timeout=timeout_s + 30)
+
+    def update_weights_from_distributed(
+        self,
+        names: list[str],
+        dtypes: list[torch.dtype],
+        shapes: list[tuple[int, ...]],
+        *,
+        component: str = "transformer",
+        version: int | None = None,
+        mode: str = "wait",
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    ) -> int:
+        """`update_weights` whose tensors the trainer broadcasts through the group (in this order, in
+        buckets of `bucket_bytes`) while this call waits; names, dtypes and shapes are checked first."""
+        self._check_open()
+        entries = _broadcast_entries(names, dtypes, shapes)
+        push_args = (entries, component, bucket_bytes)
+        return self._update(self._weight_sync.push_from_broadcast, push_args, component, version, mode)
+
+    def check_weight_update(
+        self,
+        names: list[str],
+        dtypes: list[torch.dtype],
+        shapes: list[tuple[int, ...]],
+        component: str = "transformer",
+    ) -> None:
+        """Raise ValueError if an update with these tensors would be refused (a trainer checks before
+        it broadcasts, so receivers are never left waiting for a refused update)."""
+        self._check_open()
+        entries = _broadcast_entries(names, dtypes, shapes)
+        self._on_executor(self._weight_sync.check_specs, {e.name: e.spec for e in entries}, component)
 
     def weights_checksum(self, component: str = "transformer") -> str:
         """SHA-256 of every weight of `component`; raises if the ranks disagree."""
@@ -162,3 +217,12 @@ class HotSwapAPI:
         if self.sleep_level == 2:
             self.weight_version = 0
         self.sleep_level = 0
+
+
+def _broadcast_entries(names: list[str], dtypes: list[torch.dtype], shapes: list[tuple[int, ...]]) -> list:
+    if not len(names) == len(dtypes) == len(shapes):
+        raise ValueError(f"got {len(names)} names, {len(dtypes)} dtypes and {len(shapes)} shapes; they must pair up")
+    return [
+        BroadcastEntry(name, TensorSpec(tuple(shape), dtype))
+        for name, dtype, shape in zip(names, dtypes, shapes, strict=True)
+    ]

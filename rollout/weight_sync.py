@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from rollout.broadcast_group import BroadcastEntry, plan_buckets
 from rollout.errors import WorkerError
 from rollout.safetensors_files import read_specs
 from rollout.weights import TensorSpec, update_problems
@@ -70,8 +71,25 @@ class WeightSync:
     def push_from_files(self, files: list[Path], component: str) -> int:
         """Like `push`, but every rank reads the safetensors `files` itself; the headers are
         checked here first."""
-        specs = self.specs(component)
         given = read_specs(files)
+        self.check_specs(given, component)
+        with self._staging(component):
+            self._rpc("stage_weights_from_files", args=(component, [str(f) for f in files]))
+            self._apply_everywhere(component)
+        return len(given)
+
+    def push_from_broadcast(self, entries: list[BroadcastEntry], component: str, bucket_bytes: int) -> int:
+        """Like `push`, but the tensors arrive through the trainer's broadcast group; the names,
+        shapes and dtypes announced in `entries` are checked here first."""
+        self.check_specs({e.name: e.spec for e in entries}, component)
+        with self._staging(component):
+            self._rpc("stage_weights_from_broadcast", args=(component, plan_buckets(entries, bucket_bytes)))
+            self._apply_everywhere(component)
+        return len(entries)
+
+    def check_specs(self, given: Mapping[str, TensorSpec], component: str) -> None:
+        """Raise ValueError listing every name that is unknown or has the wrong shape or dtype."""
+        specs = self.specs(component)
         problems = [
             f"{name}: not a weight of this component"
             if name not in specs
@@ -80,10 +98,6 @@ class WeightSync:
             if specs.get(name) != spec
         ]
         _raise_if_refused(component, problems, given)
-        with self._staging(component):
-            self._rpc("stage_weights_from_files", args=(component, [str(f) for f in files]))
-            self._apply_everywhere(component)
-        return len(given)
 
     @contextmanager
     def _staging(self, component: str):

@@ -11,6 +11,7 @@ import time
 
 import torch
 
+from rollout.broadcast_group import BroadcastEntry, connect, receive_bucket
 from rollout.config import EngineConfig
 from rollout.imports import import_by_path
 from rollout.lora import LoraManager, read_lora_folder
@@ -34,6 +35,7 @@ class Worker:
         self.requests: dict[str, RequestState] = {}
         self.updates = StagedUpdates(self.adapter.components)
         self.sleeper = Sleeper(self.adapter.components, config.model)
+        self.broadcast_group = None  # joined by init_weight_update_group
 
     def execute(self, work: WorkerInput) -> RunnerOutput:
         """Run one engine step: drop aborted requests, start new ones, denoise, return finished."""
@@ -79,6 +81,22 @@ class Worker:
     def stage_weights_from_files(self, component: str, files: list[str]) -> int:
         return self.updates.stage_from_files(component, files)
 
+    def init_weight_update_group(
+        self, master_address: str, master_port: int, rank_offset: int, world_size: int, backend: str, timeout_s: float
+    ) -> int:
+        """Join the trainer's broadcast group as rank `rank_offset + self.rank`; returns that rank."""
+        group_rank = rank_offset + self.rank
+        self.broadcast_group = connect(master_address, master_port, group_rank, world_size, backend, timeout_s)
+        return group_rank
+
+    def stage_weights_from_broadcast(self, component: str, buckets: list[list[BroadcastEntry]]) -> int:
+        if self.broadcast_group is None:
+            raise RuntimeError("no weight update group: call init_weight_update_group first")
+        device = self.adapter.device
+        for bucket in buckets:
+            count = self.updates.stage(component, receive_bucket(self.broadcast_group, bucket, device))
+        return count
+
     def apply_staged_weights(self, component: str) -> int:
         return self.updates.apply(component)
 
@@ -108,7 +126,17 @@ class Worker:
 
 
 # Instance attributes a worker sets in __init__; an extension method of the same name would be hidden.
-_WORKER_ATTRIBUTES = {"config", "rank", "adapter", "runner", "requests", "updates", "sleeper", "loras"}
+_WORKER_ATTRIBUTES = {
+    "config",
+    "rank",
+    "adapter",
+    "runner",
+    "requests",
+    "updates",
+    "sleeper",
+    "loras",
+    "broadcast_group",
+}
 
 
 def worker_methods(worker_cls: type) -> set[str]:

@@ -453,3 +453,29 @@ def test_lora_load_swap_unload_cycles_do_not_grow_memory(engine, lora_tensors):
     after = engine.collective_rpc(_rss_mib)
     growth = [a - b for a, b in zip(after, before, strict=True)]
     assert max(growth) < 50, f"resident memory grew by {growth} MiB over 300 cycles"
+
+
+# The hot-swap API: a trainer's broadcast group.
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_weights_through_a_broadcast_group(engine, original_weights):
+    from rollout.weights import checksum
+    from trainers_adapters.weight_broadcast import join_engine
+
+    broadcaster = join_engine(engine, "127.0.0.1", _free_port())
+    shifted = {name: t - 0.25 for name, t in original_weights.items()}
+    version = broadcaster.push(engine, shifted, bucket_bytes=32 * 1024)
+    assert version == engine.weight_version
+    assert engine.weights_checksum() == checksum(shifted)
+    name = next(iter(original_weights))
+    with pytest.raises(ValueError, match=f"update refused.*\n  {re.escape(name)}: expected"):
+        broadcaster.push(engine, {name: original_weights[name].double()})  # refused before any byte is sent
+    engine.update_weights(original_weights)
