@@ -32,6 +32,9 @@ test-slow: setup
 
 bench: setup
 	$(PY) -m benchmarks.rollout_throughput
+	$(PY) -m benchmarks.executor_overhead
+	$(PY) -m benchmarks.weight_sync
+	$(PY) -m benchmarks.lora_swap
 
 clean:
 	rm -rf $(VENV) outputs .cache .pytest_cache .ruff_cache

@@ -171,7 +171,12 @@ class HotSwapAPI:
         except WorkerError as error:
             if error.error.startswith("ValueError"):  # refused by the checks, before anything changed
                 raise ValueError(error.error.removeprefix("ValueError: ")) from error
-            raise
+            # Failed while loading on some rank: ranks must not disagree on what `name` means.
+            self.collective_rpc("discard_lora", args=(name,))
+            self._loras.pop(name, None)
+            raise RuntimeError(
+                f"loading LoRA {name!r} failed on rank {error.rank}; it is unloaded everywhere"
+            ) from error
         self._loras[name] = bound[0]
         return bound[0]
 

@@ -118,6 +118,11 @@ class Worker:
     def unload_lora(self, name: str) -> None:
         self.loras.unload(name)
 
+    def discard_lora(self, name: str) -> None:
+        """Unload `name` if this worker has it (cleanup after a load failed on some rank)."""
+        if name in self.loras.configs:
+            self.loras.unload(name)
+
     def sleep(self, level: int) -> None:
         self.sleeper.sleep(level)
 
