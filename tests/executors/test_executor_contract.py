@@ -479,3 +479,30 @@ def test_weights_through_a_broadcast_group(engine, original_weights):
     with pytest.raises(ValueError, match=f"update refused.*\n  {re.escape(name)}: expected"):
         broadcaster.push(engine, {name: original_weights[name].double()})  # refused before any byte is sent
     engine.update_weights(original_weights)
+
+
+def _break_lora_load(worker, rank):
+    if worker.rank == rank:
+        load = worker.loras.load
+
+        def load_then_fail(name, tensors, config):
+            load(name, tensors, config)
+            raise RuntimeError("device lost while loading")
+
+        worker.loras.load = load_then_fail
+
+
+def _restore_lora_load(worker) -> None:
+    vars(worker.loras).pop("load", None)
+
+
+def test_a_lora_load_that_fails_on_a_rank_is_unloaded_everywhere(engine, lora_tensors):
+    (policy, _), config = lora_tensors
+    engine.collective_rpc(_break_lora_load, args=(engine.config.num_workers - 1,))
+    try:
+        with pytest.raises(RuntimeError, match="loading LoRA 'policy' failed on rank .*; it is unloaded everywhere"):
+            engine.load_lora("policy", policy, config)
+    finally:
+        engine.collective_rpc(_restore_lora_load)
+    assert engine.list_loras() == []
+    assert engine.collective_rpc(lambda worker: sorted(worker.loras.configs)) == [[] for _ in _ranks(engine)]
