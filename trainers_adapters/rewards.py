@@ -1,0 +1,94 @@
+"""Rewards: callables `(images, prompts, metadata) -> tensor [N] float32`, higher is better.
+
+images: uint8 [N, 3, H, W] (or a list of [3, H, W]); prompts: N strings; metadata: N dicts.
+The built-ins need no downloaded model. A user's reward is named by dotted path.
+"""
+
+from __future__ import annotations
+
+import io
+import re
+from collections.abc import Callable, Sequence
+
+import torch
+from PIL import Image
+
+from rollout.imports import import_by_path
+
+Reward = Callable[[torch.Tensor, Sequence[str], Sequence[dict]], torch.Tensor]
+
+# Target colours (RGB in [0, 1]) a prompt can name.
+COLOURS = {
+    "red": (1.0, 0.0, 0.0),
+    "green": (0.0, 1.0, 0.0),
+    "blue": (0.0, 0.0, 1.0),
+    "yellow": (1.0, 1.0, 0.0),
+    "cyan": (0.0, 1.0, 1.0),
+    "magenta": (1.0, 0.0, 1.0),
+    "orange": (1.0, 0.5, 0.0),
+    "purple": (0.5, 0.0, 0.5),
+    "white": (1.0, 1.0, 1.0),
+    "black": (0.0, 0.0, 0.0),
+    "gray": (0.5, 0.5, 0.5),
+}
+
+
+def _stack(images) -> torch.Tensor:
+    images = torch.stack(list(images)) if not isinstance(images, torch.Tensor) else images
+    if images.dtype != torch.uint8 or images.ndim != 4 or images.shape[1] != 3:
+        raise ValueError(f"images must be uint8 [N, 3, H, W], got {images.dtype} {tuple(images.shape)}")
+    return images
+
+
+def _jpeg_kilobytes(images) -> torch.Tensor:
+    sizes = []
+    for image in _stack(images):
+        buffer = io.BytesIO()
+        Image.fromarray(image.permute(1, 2, 0).numpy()).save(buffer, format="JPEG", quality=95)
+        sizes.append(buffer.tell() / 1000)
+    return torch.tensor(sizes, dtype=torch.float32)
+
+
+def jpeg_compressibility(images, prompts, metadata) -> torch.Tensor:
+    """Minus the JPEG size in kB (DDPO's compressibility reward): simpler images score higher."""
+    return -_jpeg_kilobytes(images)
+
+
+def jpeg_incompressibility(images, prompts, metadata) -> torch.Tensor:
+    """The JPEG size in kB: more detailed images score higher."""
+    return _jpeg_kilobytes(images)
+
+
+def colour_target(images, prompts, metadata) -> torch.Tensor:
+    """Closeness of the image's mean colour to the colour the prompt names ("a red square" -> red):
+    minus the Euclidean distance in RGB [0, 1], so 0 is a perfect match and -sqrt(3) the worst."""
+    images = _stack(images)
+    targets = torch.tensor([COLOURS[_named_colour(prompt)] for prompt in prompts], dtype=torch.float32)
+    means = images.float().mean(dim=(2, 3)) / 255
+    return -(means - targets).norm(dim=1)
+
+
+def _named_colour(prompt: str) -> str:
+    for word in re.findall(r"[a-z]+", prompt.lower()):
+        if word in COLOURS:
+            return word
+    raise ValueError(f"prompt {prompt!r} names no colour; the colour reward knows {sorted(COLOURS)}")
+
+
+BUILTIN_REWARDS: dict[str, Reward] = {
+    "jpeg_compressibility": jpeg_compressibility,
+    "jpeg_incompressibility": jpeg_incompressibility,
+    "colour": colour_target,
+}
+
+
+def get_reward(name: str) -> Reward:
+    """A built-in reward by name, or a user's callable by dotted path ("pkg.module.my_reward")."""
+    if name in BUILTIN_REWARDS:
+        return BUILTIN_REWARDS[name]
+    if "." not in name:
+        raise ValueError(f"unknown reward {name!r}; built-ins: {sorted(BUILTIN_REWARDS)}, or a dotted path")
+    reward = import_by_path(name, "reward")
+    if not callable(reward):
+        raise ValueError(f"reward {name!r} is not callable")
+    return reward
