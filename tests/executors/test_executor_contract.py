@@ -506,3 +506,13 @@ def test_a_lora_load_that_fails_on_a_rank_is_unloaded_everywhere(engine, lora_te
         engine.collective_rpc(_restore_lora_load)
     assert engine.list_loras() == []
     assert engine.collective_rpc(lambda worker: sorted(worker.loras.configs)) == [[] for _ in _ranks(engine)]
+
+
+def test_trainer_recomputes_rollout_log_probs_with_ratio_one(engine, trainer_adapter):
+    from rollout.rescoring import recompute_log_probs
+
+    params = SamplingParams(num_inference_steps=4, num_samples=2, seed=13, sde_window=(0, 3))
+    for output in engine.generate(["a red square", "a blue circle"], params):
+        trajectory = output.trajectory
+        log_ratio = recompute_log_probs(trainer_adapter, trajectory) - trajectory.log_probs
+        assert log_ratio.abs().max() < 1e-5
