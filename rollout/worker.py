@@ -93,6 +93,7 @@ class Worker:
         if self.broadcast_group is None:
             raise RuntimeError("no weight update group: call init_weight_update_group first")
         device = self.adapter.device
+        count = 0
         for bucket in buckets:
             count = self.updates.stage(component, receive_bucket(self.broadcast_group, bucket, device))
         return count
