@@ -37,8 +37,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
-import json
 import os
 import statistics
 import tempfile
@@ -48,6 +46,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.common import interleaved_rounds, json_args, per_round_ratio, spread, timed_call, write_json
 from rollout import EngineConfig, RolloutEngine, SamplingParams
 from rollout.pipelines.tiny import TinySD3Sizes, build_tiny_sd3
 
@@ -226,6 +225,11 @@ def time_rpc(engine: RolloutEngine, calls: int) -> list[float]:
     return times
 
 
+def overhead_round(engine: RolloutEngine, timer: ExecuteTimer, args: argparse.Namespace, seed: int):
+    """One backend's share of a round: the workload's step records, then `--rpc-calls` RPC times."""
+    return overhead_workload(engine, timer, args, seed), time_rpc(engine, args.rpc_calls)
+
+
 def run_overhead(args: argparse.Namespace) -> dict:
     backends = [b for b in BACKENDS if b in args.backends]
     ray = None
@@ -255,21 +259,16 @@ def run_overhead(args: argparse.Namespace) -> dict:
                 startup[backend] = time.perf_counter() - start
                 timers[backend] = ExecuteTimer(engines[backend].executor)
                 print(f"  started {backend:<4} in {startup[backend]:6.2f} s", flush=True)
-            for round_index in range(args.warmup + args.rounds):
-                timed = round_index >= args.warmup
-                rotation = round_index % len(backends)
-                for backend in backends[rotation:] + backends[:rotation]:
-                    gc.collect()
-                    start = time.perf_counter()
-                    records = overhead_workload(engines[backend], timers[backend], args, round_index)
-                    rpc_times = time_rpc(engines[backend], args.rpc_calls)
-                    elapsed = time.perf_counter() - start
-                    if timed:
+            for round_ in interleaved_rounds(backends, args.warmup, args.rounds):
+                for backend in round_.order:
+                    engine, timer = engines[backend], timers[backend]
+                    (records, rpc_times), elapsed = timed_call(overhead_round, engine, timer, args, round_.index)
+                    if round_.timed:
                         steps[backend] += records
                         rpcs[backend] += rpc_times
-                    tag = f"round {round_index - args.warmup + 1}/{args.rounds}" if timed else "warmup"
                     print(
-                        f"  [{tag}] {backend:<4} {len(records):4d} steps + {args.rpc_calls} rpcs {elapsed:7.2f} s",
+                        f"  [{round_.tag}] {backend:<4} {len(records):4d} steps + {args.rpc_calls} rpcs"
+                        f" {elapsed:7.2f} s",
                         flush=True,
                     )
             for backend in backends:
@@ -389,34 +388,28 @@ def run_scaling(args: argparse.Namespace) -> dict:
                 )
                 timers[label] = ExecuteTimer(engines[label].executor)
                 print(f"  started {label} in {time.perf_counter() - start:6.2f} s", flush=True)
-            for round_index in range(args.scaling_warmup + args.scaling_rounds):
-                timed = round_index >= args.scaling_warmup
-                rotation = round_index % len(labels)
-                for label in labels[rotation:] + labels[:rotation]:
+            for round_ in interleaved_rounds(labels, args.scaling_warmup, args.scaling_rounds):
+                for label in round_.order:
                     params = SamplingParams(
                         num_inference_steps=args.scaling_steps,
                         num_samples=args.samples,
-                        seed=round_index,
+                        seed=round_.index,
                         sampler="flow_sde",
                         return_trajectory=True,
                         return_image=True,
                     )
-                    gc.collect()
                     timers[label].take()
-                    start = time.perf_counter()
-                    outputs = engines[label].generate(["a red cube on a blue table"], params)
-                    elapsed = time.perf_counter() - start
+                    outputs, elapsed = timed_call(engines[label].generate, ["a red cube on a blue table"], params)
                     assert len(outputs) == args.samples
                     calls = timers[label].take()
                     # Share of the wall time each worker spent computing, averaged over workers.
                     workers = len(calls[0].compute_s)
                     utilization = sum(sum(c.compute_s) for c in calls) / (workers * elapsed)
-                    if timed:
+                    if round_.timed:
                         times[label].append(elapsed)
                         busy[label].append(utilization)
-                    tag = f"round {round_index - args.scaling_warmup + 1}/{args.scaling_rounds}" if timed else "warmup"
                     print(
-                        f"  [{tag}] {label:<24} {elapsed:7.2f} s  {len(calls)} steps, workers busy "
+                        f"  [{round_.tag}] {label:<24} {elapsed:7.2f} s  {len(calls)} steps, workers busy "
                         f"{100 * utilization:4.0f} %",
                         flush=True,
                     )
@@ -431,9 +424,7 @@ def run_scaling(args: argparse.Namespace) -> dict:
 def summarize_scaling(times: dict[str, list[float]], busy: dict[str, list[float]], samples: int) -> dict:
     configs = {
         label: {
-            "median_s": statistics.median(values),
-            "min_s": min(values),
-            "max_s": max(values),
+            **spread(values),
             "images_per_s": samples / statistics.median(values),
             "worker_busy": statistics.median(busy[label]),
             "times_s": values,
@@ -443,7 +434,7 @@ def summarize_scaling(times: dict[str, list[float]], busy: dict[str, list[float]
     base, two, threads = (label for label, _, _ in SCALING_CONFIGS)
     ratios = {
         "two_workers_vs_one": configs[base]["median_s"] / configs[two]["median_s"],
-        "two_workers_vs_one_per_round": statistics.median(b / t for b, t in zip(times[base], times[two], strict=True)),
+        "two_workers_vs_one_per_round": per_round_ratio(times[base], times[two]),
         "two_threads_vs_one": configs[base]["median_s"] / configs[threads]["median_s"],
         "two_workers_vs_two_threads": configs[threads]["median_s"] / configs[two]["median_s"],
     }
@@ -484,7 +475,7 @@ def main(argv: list[str] | None = None) -> dict:
     begin = time.perf_counter()
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, this process's torch threads {torch.get_num_threads()}")
     result: dict = {
-        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "args": json_args(args),
         "torch_version": torch.__version__,
         "cpu_count": os.cpu_count(),
     }
@@ -509,9 +500,7 @@ def main(argv: list[str] | None = None) -> dict:
         print_scaling(result["scaling"])
     result["total_s"] = time.perf_counter() - begin
     print(f"\ntotal {result['total_s']:.1f} s")
-    if args.json is not None:
-        args.json.write_text(json.dumps(result, indent=2))
-        print(f"wrote {args.json}")
+    write_json(args.json, result)
     return result
 
 

@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import statistics
 import tempfile
 import time
@@ -57,6 +56,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.common import install_timers, interleaved_rounds, json_args, remove_timers, spread, write_json
 from rollout import EngineConfig, RolloutEngine, SamplingParams
 from rollout.pipelines.tiny import build_tiny_sd3
 
@@ -286,18 +286,15 @@ def make_copy_floor(pipeline, adapters: list, verify: bool) -> Callable[[int], d
 def time_rounds(runs: dict[str, Callable[[int], dict]], args: argparse.Namespace) -> dict[str, list[dict]]:
     """Phase seconds per operation for each mode; round r runs the modes rotated by r."""
     times: dict[str, list[dict]] = {mode: [] for mode in runs}
-    order = list(runs)
-    total_rounds = args.warmup + args.repeats
-    for round_index in range(total_rounds):
-        rotation = round_index % len(order)
+    for round_ in interleaved_rounds(runs, args.warmup, args.repeats):
         gc.collect()
-        for mode in order[rotation:] + order[:rotation]:
-            phases = runs[mode](round_index)
-            if round_index >= args.warmup:
+        for mode in round_.order:
+            phases = runs[mode](round_.index)
+            if round_.timed:
                 times[mode].append(phases)
-        timed_rounds = round_index + 1 - args.warmup
-        if timed_rounds > 0 and (timed_rounds % 10 == 0 or round_index + 1 == total_rounds):
-            latest = "  ".join(f"{mode} {1e3 * sum(times[mode][-1].values()):.1f}" for mode in order)
+        timed_rounds = round_.index + 1 - args.warmup
+        if timed_rounds > 0 and (timed_rounds % 10 == 0 or timed_rounds == args.repeats):
+            latest = "  ".join(f"{mode} {1e3 * sum(times[mode][-1].values()):.1f}" for mode in runs)
             print(f"  [round {timed_rounds}/{args.repeats}] ms: {latest}", flush=True)
     return times
 
@@ -358,72 +355,23 @@ def measure_switching(engine: RolloutEngine, adapters: list, config: dict, args:
     }
 
 
-# The breakdown: timers around the pieces of `LoraManager.load`, installed in the worker through
-# collective_rpc so they run in its thread or process whatever the executor.
-
-# (name, owner on the worker, attribute). "lora_module" is the rollout.lora module (a function it
-# imported by name is patched there); instance attributes shadow methods while installed (the
-# executors call worker methods through the class, so the outermost timer is LoraManager.load).
+# The breakdown: timers around the pieces of `LoraManager.load` (see benchmarks.common.install_timers;
+# the executors call worker methods through the class, so the outermost timer is LoraManager.load).
 _TIMED_PIECES = (
-    ("LoraManager.load", "loras", "load"),
-    ("normalize_keys", "lora_module", "normalize_keys"),
-    ("_check_fits", "loras", "_check_fits"),
-    ("unload (old adapter)", "loras", "unload"),
-    ("delete_adapters", "transformer", "delete_adapters"),
-    ("add_adapter", "transformer", "add_adapter"),
-    ("set_peft_model_state_dict", "lora_module", "set_peft_model_state_dict"),
-    ("bound_modules", "loras", "bound_modules"),
+    ("LoraManager.load", "loras.load"),
+    ("normalize_keys", "rollout.lora:normalize_keys"),
+    ("_check_fits", "loras._check_fits"),
+    ("unload (old adapter)", "loras.unload"),
+    ("delete_adapters", "adapter.transformer.delete_adapters"),
+    ("add_adapter", "adapter.transformer.add_adapter"),
+    ("set_peft_model_state_dict", "rollout.lora:set_peft_model_state_dict"),
+    ("bound_modules", "loras.bound_modules"),
 )
-
-
-def _owners(worker) -> dict:
-    import rollout.lora
-
-    return {
-        "worker": worker,
-        "loras": worker.loras,
-        "transformer": worker.adapter.transformer,
-        "lora_module": rollout.lora,
-    }
-
-
-def _install_timers(worker) -> None:
-    totals = {name: [] for name, _, _ in _TIMED_PIECES}
-    originals = {}
-    owners = _owners(worker)
-    for name, owner, attribute in _TIMED_PIECES:
-        original = getattr(owners[owner], attribute)
-        originals[name] = original
-        setattr(owners[owner], attribute, _timed(original, totals[name]))
-    worker.benchmark_lora_timers = (totals, originals)
-
-
-def _remove_timers(worker) -> dict[str, list[float]]:
-    totals, originals = worker.benchmark_lora_timers
-    owners = _owners(worker)
-    for name, owner, attribute in _TIMED_PIECES:
-        if owner == "lora_module":
-            setattr(owners[owner], attribute, originals[name])
-        else:
-            delattr(owners[owner], attribute)
-    del worker.benchmark_lora_timers
-    return totals
-
-
-def _timed(fn: Callable, seconds: list[float]) -> Callable:
-    def wrapper(*args, **kwargs):
-        start = time.perf_counter()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            seconds.append(time.perf_counter() - start)
-
-    return wrapper
 
 
 def swap_breakdown(engine: RolloutEngine, adapters: list, config: dict, swaps: int) -> dict:
     """Median ms per piece of a hot swap (pieces nest: unload holds delete_adapters)."""
-    engine.collective_rpc(_install_timers)
+    engine.collective_rpc(install_timers, args=(_TIMED_PIECES,))
     walls = []
     try:
         for index in range(swaps):
@@ -431,7 +379,7 @@ def swap_breakdown(engine: RolloutEngine, adapters: list, config: dict, swaps: i
             engine.load_lora("policy", adapters[index % 2], config)
             walls.append(time.perf_counter() - start)
     finally:
-        totals = engine.collective_rpc(_remove_timers)[0]
+        totals = engine.collective_rpc(remove_timers)[0]
     pieces = {name: 1e3 * statistics.median(values) for name, values in totals.items() if values}
     pieces["engine + executor (outside LoraManager.load)"] = 1e3 * statistics.median(
         w - s for w, s in zip(walls, totals["LoraManager.load"], strict=True)
@@ -447,9 +395,7 @@ def summarize(times: dict[str, list[dict]]) -> dict[str, dict]:
     for mode, rounds in times.items():
         totals = [sum(phases.values()) for phases in rounds]
         summary[mode] = {
-            "median_ms": 1e3 * statistics.median(totals),
-            "min_ms": 1e3 * min(totals),
-            "max_ms": 1e3 * max(totals),
+            **spread(totals, unit="ms", scale=1e3),
             "phases_median_ms": {phase: 1e3 * statistics.median(r[phase] for r in rounds) for phase in rounds[0]},
             "times_s": totals,
         }
@@ -580,7 +526,7 @@ def main(argv: list[str] | None = None) -> dict:
     summary = summarize(times)
     print_report(summary, switching, breakdowns, adapter_info, args.repeats)
     result = {
-        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "args": json_args(args),
         "torch_version": torch.__version__,
         "torch_threads": torch.get_num_threads(),
         "adapter": adapter_info,
@@ -590,9 +536,7 @@ def main(argv: list[str] | None = None) -> dict:
         "switching": switching,
         "breakdown": breakdowns,
     }
-    if args.json is not None:
-        args.json.write_text(json.dumps(result, indent=2))
-        print(f"\nwrote {args.json}")
+    write_json(args.json, result)
     return result
 
 

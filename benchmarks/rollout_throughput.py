@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import statistics
 import tempfile
 import time
@@ -31,6 +30,16 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.common import (
+    install_timers,
+    interleaved_rounds,
+    json_args,
+    per_round_ratio,
+    remove_timers,
+    spread,
+    timed_call,
+    write_json,
+)
 from rollout import EngineConfig, RolloutEngine, SamplingParams
 from rollout.pipelines.tiny import TinySD3Sizes, build_tiny_sd3
 
@@ -88,11 +97,6 @@ def benchmark_sizes(args: argparse.Namespace) -> TinySD3Sizes:
         num_attention_heads=args.num_heads,
         attention_head_dim=args.head_dim,
     )
-
-
-def synchronize(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize(device)
 
 
 # The three modes. Each `make_*` does the untimed setup and returns a function that runs one batch.
@@ -173,94 +177,42 @@ def make_floor_run(pipeline, args: argparse.Namespace) -> Callable[[int], None]:
 
 
 def time_rounds(runs: dict[str, Callable[[int], None]], args: argparse.Namespace) -> dict[str, list[float]]:
-    """Seconds per batch for each mode; round r runs the modes rotated by r, so no mode always
-    follows the same one."""
+    """Seconds per batch for each mode, over the timed rounds."""
     times: dict[str, list[float]] = {mode: [] for mode in runs}
-    order = list(runs)
-    for round_index in range(args.warmup + args.repeats):
-        timed = round_index >= args.warmup
-        rotation = round_index % len(order)
-        for mode in order[rotation:] + order[:rotation]:
-            gc.collect()
-            synchronize(args.device)
-            start = time.perf_counter()
-            runs[mode](round_index)
-            synchronize(args.device)
-            elapsed = time.perf_counter() - start
-            if timed:
+    for round_ in interleaved_rounds(runs, args.warmup, args.repeats):
+        for mode in round_.order:
+            _, elapsed = timed_call(runs[mode], round_.index, device=args.device)
+            if round_.timed:
                 times[mode].append(elapsed)
-            tag = f"round {round_index - args.warmup + 1}/{args.repeats}" if timed else "warmup"
-            print(f"  [{tag}] {mode:<9} {elapsed:7.2f} s", flush=True)
+            print(f"  [{round_.tag}] {mode:<9} {elapsed:7.2f} s", flush=True)
     return times
 
 
-# The breakdown: timers wrapped around the worker's pieces through collective_rpc, so they run in
-# the worker (its thread or process) whatever the executor.
+# The breakdown: timers on the worker's pieces (see benchmarks.common.install_timers).
 
-# (name, owner on the worker, method). Instance attributes shadow the methods while installed.
 _TIMED_PIECES = (
-    ("execute", "worker", "execute"),
-    ("prepare", "runner", "prepare"),
-    ("encode_prompts", "adapter", "encode_prompts"),
-    ("step", "runner", "step"),
-    ("predict_velocity", "adapter", "predict_velocity"),
-    ("transformer", "transformer", "forward"),
-    ("finish", "runner", "finish"),
-    ("decode", "adapter", "decode"),
+    ("execute", "execute"),
+    ("prepare", "runner.prepare"),
+    ("encode_prompts", "adapter.encode_prompts"),
+    ("step", "runner.step"),
+    ("predict_velocity", "adapter.predict_velocity"),
+    ("transformer", "adapter.transformer.forward"),
+    ("finish", "runner.finish"),
+    ("decode", "adapter.decode"),
 )
-
-
-def _owners(worker) -> dict:
-    return {
-        "worker": worker,
-        "runner": worker.runner,
-        "adapter": worker.adapter,
-        "transformer": worker.adapter.transformer,
-    }
-
-
-def _install_timers(worker, device: str) -> None:
-    totals = {name: {"seconds": 0.0, "calls": 0} for name, _, _ in _TIMED_PIECES}
-    owners = _owners(worker)
-    for name, owner, method in _TIMED_PIECES:
-        setattr(owners[owner], method, _timed(getattr(owners[owner], method), totals[name], device))
-    worker.benchmark_timer_totals = totals
-
-
-def _remove_timers(worker) -> dict[str, dict]:
-    owners = _owners(worker)
-    for _, owner, method in _TIMED_PIECES:
-        delattr(owners[owner], method)
-    totals = worker.benchmark_timer_totals
-    del worker.benchmark_timer_totals
-    return totals
-
-
-def _timed(fn: Callable, total: dict, device: str) -> Callable:
-    def wrapper(*args, **kwargs):
-        synchronize(device)
-        start = time.perf_counter()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            synchronize(device)
-            total["seconds"] += time.perf_counter() - start
-            total["calls"] += 1
-
-    return wrapper
 
 
 def engine_breakdown(engine: RolloutEngine, run: Callable[[int], None], args: argparse.Namespace) -> dict:
     """One engine batch with timers: seconds per piece (pieces nest; `other` rows are the rest)."""
-    engine.collective_rpc(_install_timers, args=(args.device,))
+    engine.collective_rpc(install_timers, args=(_TIMED_PIECES, args.device))
     try:
         gc.collect()
         start = time.perf_counter()
         run(args.warmup + args.repeats)
         wall = time.perf_counter() - start
     finally:
-        totals = engine.collective_rpc(_remove_timers)[0]
-    s = {name: value["seconds"] for name, value in totals.items()}
+        timings = engine.collective_rpc(remove_timers)[0]
+    s = {name: sum(seconds) for name, seconds in timings.items()}
     rows = {
         "outside the worker (scheduler, executor hop, outputs)": wall - s["execute"],
         "prepare: encode prompts": s["encode_prompts"],
@@ -272,7 +224,7 @@ def engine_breakdown(engine: RolloutEngine, run: Callable[[int], None], args: ar
         "finish: trajectories to CPU": s["finish"] - s["decode"],
         "execute: frees, state bookkeeping": s["execute"] - s["prepare"] - s["step"] - s["finish"],
     }
-    return {"wall_s": wall, "rows": rows, "calls": {name: value["calls"] for name, value in totals.items()}}
+    return {"wall_s": wall, "rows": rows, "calls": {name: len(seconds) for name, seconds in timings.items()}}
 
 
 # Reporting.
@@ -280,13 +232,7 @@ def engine_breakdown(engine: RolloutEngine, run: Callable[[int], None], args: ar
 
 def summarize(times: dict[str, list[float]], batch_size: int) -> dict[str, dict]:
     return {
-        mode: {
-            "median_s": statistics.median(values),
-            "min_s": min(values),
-            "max_s": max(values),
-            "images_per_s": batch_size / statistics.median(values),
-            "times_s": values,
-        }
+        mode: {**spread(values), "images_per_s": batch_size / statistics.median(values), "times_s": values}
         for mode, values in times.items()
     }
 
@@ -302,12 +248,8 @@ def ratios_of(summary: dict[str, dict], times: dict[str, list[float]]) -> dict[s
         "diffusers_time_vs_floor": diffusers["median_s"] / floor["median_s"],
         "engine_speed_vs_diffusers_min": diffusers["min_s"] / engine["min_s"],
         "engine_time_vs_floor_min": engine["min_s"] / floor["min_s"],
-        "engine_speed_vs_diffusers_per_round": statistics.median(
-            d / e for d, e in zip(times["diffusers"], times["engine"], strict=True)
-        ),
-        "engine_time_vs_floor_per_round": statistics.median(
-            e / f for e, f in zip(times["engine"], times["floor"], strict=True)
-        ),
+        "engine_speed_vs_diffusers_per_round": per_round_ratio(times["diffusers"], times["engine"]),
+        "engine_time_vs_floor_per_round": per_round_ratio(times["engine"], times["floor"]),
     }
 
 
@@ -389,7 +331,7 @@ def main(argv: list[str] | None = None) -> dict:
     ratios = ratios_of(summary, times)
     print_report(summary, ratios, breakdown)
     result = {
-        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "args": json_args(args),
         "torch_version": torch.__version__,
         "torch_threads": torch.get_num_threads(),
         "transformer_parameters": params,
@@ -397,9 +339,7 @@ def main(argv: list[str] | None = None) -> dict:
         "ratios": ratios,
         "breakdown": breakdown,
     }
-    if args.json is not None:
-        args.json.write_text(json.dumps(result, indent=2))
-        print(f"\nwrote {args.json}")
+    write_json(args.json, result)
     return result
 
 

@@ -37,8 +37,6 @@ and the statistics, and a benchmark reads best as one script.)
 from __future__ import annotations
 
 import argparse
-import gc
-import json
 import os
 import statistics
 import tempfile
@@ -49,6 +47,17 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.common import (
+    install_timers,
+    interleaved_rounds,
+    json_args,
+    per_round_ratio,
+    remove_timers,
+    spread,
+    take_timings,
+    timed_call,
+    write_json,
+)
 from rollout import EngineConfig, RolloutEngine
 from rollout.pipelines.tiny import TinySD3Sizes, build_tiny_sd3
 from rollout.weights import base_state, checksum
@@ -181,7 +190,7 @@ def make_naive_run(trainer, state: dict[str, torch.Tensor], folder: Path) -> Cal
 # engine's executor's `collective_rpc` (an instance attribute shadows the method), which times each
 # RPC as the engine sees it.
 
-_WORKER_PIECES = ("stage", "apply", "commit")
+_WORKER_PIECES = (("stage", "updates.stage"), ("apply", "updates.apply"), ("commit", "updates.commit"))
 BREAKDOWN_ROWS = (
     "engine: name/shape/dtype checks, bucketing",
     "stage_weights rpcs: wire format, transport, hops",
@@ -190,35 +199,6 @@ BREAKDOWN_ROWS = (
     "worker: apply (swap storages in)",
     "worker: commit (drop the old weights)",
 )
-
-
-def _install_worker_timers(worker) -> None:
-    worker.benchmark_timings = {name: 0.0 for name in _WORKER_PIECES}
-    for name in _WORKER_PIECES:
-        setattr(worker.updates, name, _timed(getattr(worker.updates, name), worker.benchmark_timings, name))
-
-
-def _take_worker_timings(worker) -> dict[str, float]:
-    timings = dict(worker.benchmark_timings)
-    worker.benchmark_timings.update({name: 0.0 for name in _WORKER_PIECES})
-    return timings
-
-
-def _remove_worker_timers(worker) -> None:
-    for name in _WORKER_PIECES:
-        delattr(worker.updates, name)
-    del worker.benchmark_timings
-
-
-def _timed(fn: Callable, totals: dict[str, float], name: str) -> Callable:
-    def wrapper(*args, **kwargs):
-        start = time.perf_counter()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            totals[name] += time.perf_counter() - start
-
-    return wrapper
 
 
 @dataclass
@@ -243,17 +223,16 @@ class PushTimer:
                 self.rpc_calls[name] = self.rpc_calls.get(name, 0) + 1
 
         executor.collective_rpc = collective_rpc
-        self.engine.collective_rpc(_install_worker_timers)
+        self.engine.collective_rpc(install_timers, args=(_WORKER_PIECES,))
 
     def reset(self) -> None:
-        self.rpc_seconds, self.rpc_calls = {}, {}
-        self.engine.collective_rpc(_take_worker_timings)
+        self.engine.collective_rpc(take_timings)
         self.rpc_seconds, self.rpc_calls = {}, {}
 
     def take(self, wall_s: float) -> dict[str, float]:
         """The rows (seconds) of the push that took `wall_s`, plus its number of buckets."""
         rpc, buckets = self.rpc_seconds, self.rpc_calls.get("stage_weights", 0)
-        worker = self.engine.collective_rpc(_take_worker_timings)[0]
+        worker = {name: sum(seconds) for name, seconds in self.engine.collective_rpc(take_timings)[0].items()}
         stage_rpc = rpc.get("stage_weights", 0.0)
         swap_rpc = rpc.get("apply_staged_weights", 0.0) + rpc.get("commit_weights", 0.0)
         values = (
@@ -267,7 +246,7 @@ class PushTimer:
         return dict(zip(BREAKDOWN_ROWS, values, strict=True)) | {"buckets": buckets}
 
     def remove(self) -> None:
-        self.engine.collective_rpc(_remove_worker_timers)
+        self.engine.collective_rpc(remove_timers)
         del self.engine.executor.collective_rpc
 
 
@@ -293,34 +272,27 @@ def time_rounds(
     every timed engine push, and the number of checksum comparisons made."""
     times: dict[str, list[float]] = {mode: [] for mode in runs}
     pieces: dict[str, list[dict[str, float]]] = {mode: [] for mode in timers}
-    order = list(runs)
     verified = 0
-    for round_index in range(args.warmup + args.repeats):
-        timed = round_index >= args.warmup
+    for round_ in interleaved_rounds(runs, args.warmup, args.repeats):
         perturb(trainer)
         expected = checksum(base_state(trainer))
-        rotation = round_index % len(order)
-        for mode in order[rotation:] + order[:rotation]:
-            gc.collect()
+        for mode in round_.order:
             if mode in timers:
                 timers[mode].reset()
-            start = time.perf_counter()
-            runs[mode]()
-            elapsed = time.perf_counter() - start
+            _, elapsed = timed_call(runs[mode])
             rows = timers[mode].take(elapsed) if mode in timers else None
             note = ""
-            if mode in engines and (args.verify == "every" or round_index == 0):
+            if mode in engines and (args.verify == "every" or round_.index == 0):
                 got = engines[mode].weights_checksum()
                 if got != expected:
                     raise AssertionError(f"{mode}: engine checksum {got[:12]} != pushed state's {expected[:12]}")
                 verified += 1
                 note = f"  checksum ok {got[:12]}"
-            if timed:
+            if round_.timed:
                 times[mode].append(elapsed)
                 if rows is not None:
                     pieces[mode].append(rows)
-            tag = f"round {round_index - args.warmup + 1}/{args.repeats}" if timed else "warmup"
-            print(f"  [{tag}] {mode:<16} {elapsed:7.3f} s{note}", flush=True)
+            print(f"  [{round_.tag}] {mode:<16} {elapsed:7.3f} s{note}", flush=True)
     return times, pieces, verified
 
 
@@ -337,9 +309,7 @@ def summarize(times: dict[str, list[float]], nbytes: int) -> dict[str, dict]:
     are seconds apart, so they share the machine's load)."""
     summary = {
         mode: {
-            "median_s": statistics.median(values),
-            "min_s": min(values),
-            "max_s": max(values),
+            **spread(values),
             "gb_per_s": nbytes / 1e9 / statistics.median(values),
             "times_s": values,
         }
@@ -349,11 +319,9 @@ def summarize(times: dict[str, list[float]], nbytes: int) -> dict[str, dict]:
     naive = times.get("naive")
     for mode, row in summary.items():
         row["copy_fraction"] = statistics.median(floor) / row["median_s"]
-        row["copy_fraction_per_round"] = statistics.median(f / t for f, t in zip(floor, times[mode], strict=True))
+        row["copy_fraction_per_round"] = per_round_ratio(floor, times[mode])
         row["speedup_vs_naive"] = statistics.median(naive) / row["median_s"] if naive else None
-        row["speedup_vs_naive_per_round"] = (
-            statistics.median(n / t for n, t in zip(naive, times[mode], strict=True)) if naive else None
-        )
+        row["speedup_vs_naive_per_round"] = per_round_ratio(naive, times[mode]) if naive else None
     return summary
 
 
@@ -505,7 +473,7 @@ def main(argv: list[str] | None = None) -> dict:
     breakdowns = summarize_breakdowns(pieces)
     print_report(summary, verdicts, breakdowns, nbytes)
     result = {
-        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "args": json_args(args),
         "torch_version": torch.__version__,
         "torch_threads": args.threads,
         "transformer_parameters": params,
@@ -515,9 +483,7 @@ def main(argv: list[str] | None = None) -> dict:
         "targets_met": verdicts,
         "breakdown": breakdowns,
     }
-    if args.json is not None:
-        args.json.write_text(json.dumps(result, indent=2))
-        print(f"\nwrote {args.json}")
+    write_json(args.json, result)
     return result
 
 
