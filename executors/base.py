@@ -11,6 +11,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
+
 from rollout.config import EngineConfig
 from rollout.model_runner import RunnerOutput
 from rollout.scheduler import SchedulerOutput
@@ -19,7 +21,11 @@ from rollout.worker import build_worker_class, worker_methods
 
 class Executor(ABC):
     """Subclass this for a custom backend: start workers in `__init__`, then implement the four
-    abstract methods. Workers are instances of `self.worker_cls(config, rank)`."""
+    abstract methods. Workers are instances of `self.worker_cls(config, rank)`.
+
+    The contract every backend keeps: worker functions get their own copies of the tensors in
+    their arguments (the caller may change or free its tensors right after the call), and calls
+    to one worker run one at a time, between engine steps."""
 
     def __init__(self, config: EngineConfig):
         self.config = config
@@ -73,3 +79,14 @@ class Executor(ABC):
         if bad or not ranks:
             raise ValueError(f"ranks must be a non-empty subset of 0..{self.num_workers - 1}, got {ranks}")
         return ranks
+
+
+def copy_tensors(value: Any) -> Any:
+    """`value` with every tensor in it (directly, or inside lists, tuples and dicts) cloned."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, list | tuple):
+        return type(value)(copy_tensors(item) for item in value)
+    if isinstance(value, dict):
+        return {key: copy_tensors(item) for key, item in value.items()}
+    return value

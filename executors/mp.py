@@ -24,7 +24,7 @@ import cloudpickle
 from executors.base import Executor
 from executors.messages import Call, Ready, Reply, Shutdown, StartupFailed
 from executors.mp_worker import worker_main
-from executors.shm import Packed, block_prefix, discard, pack, remove_blocks, unpack
+from executors.shm import Packed, ReusableBlock, block_prefix, discard, pack, remove_blocks, unpack
 from rollout.config import EngineConfig
 from rollout.errors import EngineDeadError, WorkerError
 from rollout.model_runner import RunnerOutput
@@ -39,6 +39,7 @@ class MPExecutor(Executor):
     def __init__(self, config: EngineConfig):
         super().__init__(config)
         self._prefix = block_prefix()
+        self._argument_block = ReusableBlock(self._prefix)
         self._call_ids = itertools.count()
         self._dead: str | None = None
         context = multiprocessing.get_context("spawn")  # fork would copy the parent's threads and CUDA state
@@ -98,11 +99,13 @@ class MPExecutor(Executor):
         name, _ = self.resolve_method(method)
         ranks = self.resolve_ranks(ranks)
         wire_method = method if isinstance(method, str) else cloudpickle.dumps(method)
-        arguments = pack((tuple(args), dict(kwargs or {})), self._prefix)  # one block, read by every rank
+        # One block, read (copied out) by every rank before it replies.
+        arguments = pack((tuple(args), dict(kwargs or {})), self._prefix, self._argument_block)
         try:
             replies = self._round(name, {rank: (wire_method, arguments) for rank in ranks}, timeout)
-        finally:
-            discard(arguments)
+        except TimeoutError:
+            self._argument_block.abandon()  # a late rank may still be reading it
+            raise
         results = self._results(name, replies)
         return [results[rank] for rank in ranks]
 
@@ -110,6 +113,7 @@ class MPExecutor(Executor):
         self.collective_rpc("check_health")
 
     def shutdown(self) -> None:
+        self._argument_block.abandon()
         self._stop()
 
     # Internals.

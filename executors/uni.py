@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
-from executors.base import Executor
+from executors.base import Executor, copy_tensors
 from rollout.config import EngineConfig
 from rollout.errors import EngineDeadError, WorkerError
 from rollout.model_runner import RunnerOutput
@@ -50,7 +50,8 @@ class UniExecutor(Executor):
     ) -> list[Any]:
         name, fn = self.resolve_method(method)
         self.resolve_ranks(ranks)
-        kwargs = kwargs or {}
+        # Private copies, as a worker process would get: the caller may reuse its tensors at once.
+        args, kwargs = copy_tensors((tuple(args), dict(kwargs or {})))
         timeout = self.config.rpc_timeout_s if timeout is None else timeout
         return [self._call(name, lambda: fn(self.worker, *args, **kwargs), timeout)]
 

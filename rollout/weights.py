@@ -130,11 +130,12 @@ class StagedUpdates:
         return self.components[component]
 
     def stage(self, component: str, named_tensors: Mapping[str, torch.Tensor]) -> int:
-        """Copy tensors onto the component's device (never aliasing the caller's memory)."""
+        """Keep tensors for `apply`, on the component's device. They must be this worker's own
+        (executors hand worker functions private copies), so no copy is made here on CPU."""
         state = base_state(self.module(component))
         staged = self._staged.setdefault(component, {})
         for name, tensor in named_tensors.items():
-            staged[name] = tensor.to(device=state[name].device, copy=True)
+            staged[name] = tensor.to(device=state[name].device)
         return len(staged)
 
     def stage_from_files(self, component: str, files: list[str]) -> int:

@@ -516,3 +516,18 @@ def test_trainer_recomputes_rollout_log_probs_with_ratio_one(engine, trainer_ada
         trajectory = output.trajectory
         log_ratio = recompute_log_probs(trainer_adapter, trajectory) - trajectory.log_probs
         assert log_ratio.abs().max() < 1e-5
+
+
+def test_the_engine_never_aliases_the_callers_tensors(engine, original_weights):
+    from rollout.weights import checksum
+
+    pushed = {name: t.clone() + 0.125 for name, t in original_weights.items()}
+    digest = checksum(pushed)
+    engine.update_weights(pushed)
+    for tensor in pushed.values():  # the trainer's optimizer step, in place
+        tensor.mul_(3.0)
+    assert engine.weights_checksum() == digest
+    echoed = torch.ones(3)
+    engine.collective_rpc(lambda worker, t: t.add_(1), args=(echoed,))
+    assert torch.equal(echoed, torch.ones(3))
+    engine.update_weights(original_weights)
