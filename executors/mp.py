@@ -103,8 +103,9 @@ class MPExecutor(Executor):
         arguments = pack((tuple(args), dict(kwargs or {})), self._prefix, self._argument_block)
         try:
             replies = self._round(name, {rank: (wire_method, arguments) for rank in ranks}, timeout)
-        except TimeoutError:
-            self._argument_block.abandon()  # a late rank may still be reading it
+        except BaseException as error:
+            if not isinstance(error, WorkerError):  # timed out or interrupted: a rank may still be reading it
+                self._argument_block.abandon()
             raise
         results = self._results(name, replies)
         return [results[rank] for rank in ranks]
