@@ -145,10 +145,16 @@ class HotSwapAPI:
     # LoRA adapters.
 
     def load_lora(
-        self, name: str, source: str | Path | Mapping[str, torch.Tensor], config: LoraConfig | Mapping | None = None
+        self,
+        name: str,
+        source: str | Path | Mapping[str, torch.Tensor],
+        config: LoraConfig | Mapping | None = None,
+        *,
+        version: int | None = None,
     ) -> int:
-        """Load a LoRA adapter on every worker, or hot-swap the one of that name; returns how many
-        modules it binds.
+        """Load a LoRA adapter on every worker, or hot-swap the one of that name; returns the new
+        weight version (the current one plus 1, or `version`), as `update_weights` does, so a
+        trainer pushing its adapter after each step can check what the next rollouts will carry.
 
         `source`: a PEFT folder (adapter_config.json + adapter_model.safetensors), a diffusers LoRA
         folder (pytorch_lora_weights.safetensors), or a mapping of PEFT LoRA tensors with `config`
@@ -178,7 +184,9 @@ class HotSwapAPI:
                 f"loading LoRA {name!r} failed on rank {error.rank}; it is unloaded everywhere"
             ) from error
         self._loras[name] = bound[0]
-        return bound[0]
+        self.weight_version = self.weight_version + 1 if version is None else version
+        logger.info("LoRA %r loaded on %d modules; weight version %d", name, bound[0], self.weight_version)
+        return self.weight_version
 
     def unload_lora(self, name: str) -> None:
         """Remove adapter `name` from every worker and free its memory."""
@@ -190,6 +198,12 @@ class HotSwapAPI:
             raise RuntimeError(f"{len(users)} unfinished requests use LoRA {name!r}; finish or abort them first")
         self.collective_rpc("unload_lora", args=(name,))
         del self._loras[name]
+
+    def lora_modules(self, name: str) -> int:
+        """How many modules adapter `name` binds."""
+        if name not in self._loras:
+            raise ValueError(f"no LoRA named {name!r} is loaded; loaded: {self.list_loras()}")
+        return self._loras[name]
 
     def list_loras(self) -> list[str]:
         """Names of the loaded LoRA adapters."""

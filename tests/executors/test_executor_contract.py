@@ -346,13 +346,17 @@ def _same(a, b) -> bool:
 def test_lora_changes_outputs_and_unload_restores_the_base_bitwise(engine, lora_tensors):
     (policy, other), config = lora_tensors
     base = _lora_images(engine)
-    assert engine.load_lora("policy", policy, config) == 2 * len(LORA_TARGETS)  # 2 blocks x 4 projections
+    version = engine.load_lora("policy", policy, config)
+    assert version == engine.weight_version
+    assert engine.lora_modules("policy") == 2 * len(LORA_TARGETS)  # 2 blocks x 4 projections
     assert engine.list_loras() == ["policy"]
+    outputs = engine.generate("x", SamplingParams(num_inference_steps=1, seed=0, lora="policy"))
+    assert outputs[0].weight_version == version and outputs[0].lora == "policy"
     with_policy = _lora_images(engine, "policy")
     assert not _same(base, with_policy)
     assert _same(base, _lora_images(engine))  # lora=None is the base model while an adapter is resident
     assert not _same(with_policy, _lora_images(engine, "policy", scale=0.5))
-    engine.load_lora("policy", other, config)  # hot swap under the same name
+    assert engine.load_lora("policy", other, config) == version + 1  # hot swap under the same name
     assert not _same(with_policy, _lora_images(engine, "policy"))
     engine.load_lora("policy", policy, config)
     assert _same(with_policy, _lora_images(engine, "policy"))
