@@ -12,9 +12,11 @@ import logging
 import os
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import cloudpickle
+import numpy as np
 import torch
 
 from executors.base import Executor
@@ -55,7 +57,7 @@ class RayWorkerHost:
 
     def call(self, method: str | bytes, arguments: tuple[tuple, dict]) -> Any:
         """Run a worker method (by name) or a cloudpickled `fn(worker, *args, **kwargs)`."""
-        args, kwargs = arguments
+        args, kwargs = tensors_from_wire(arguments)  # private copies, as the executor contract says
         fn = cloudpickle.loads(method) if isinstance(method, bytes) else getattr(type(self.worker), method)
         return fn(self.worker, *args, **kwargs)
 
@@ -132,7 +134,7 @@ class RayExecutor(Executor):
         name, _ = self.resolve_method(method)
         ranks = self.resolve_ranks(ranks)
         wire_method = method if isinstance(method, str) else cloudpickle.dumps(method)
-        arguments = (tuple(args), dict(kwargs or {}))
+        arguments = tensors_to_wire((tuple(args), dict(kwargs or {})))
         if len(ranks) > 1 and _tensor_bytes(arguments) > _PUT_ONCE_BYTES:
             arguments = self._ray.put(arguments)  # one copy in the object store, read by every rank
         timeout = self.config.rpc_timeout_s if timeout is None else timeout
@@ -199,10 +201,43 @@ class RayExecutor(Executor):
             self._started_ray = False
 
 
+@dataclass(frozen=True)
+class WireTensor:
+    """A tensor as raw bytes in a numpy array, which Ray moves through its object store without
+    copying (torch tensors would go through `torch.save`, several times slower)."""
+
+    data: np.ndarray  # uint8
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+def tensors_to_wire(value):
+    """`value` with every tensor (directly, or in lists, tuples and dict values) as a WireTensor."""
+    if isinstance(value, torch.Tensor):
+        tensor = value.detach().to("cpu").contiguous()
+        return WireTensor(tensor.reshape(-1).view(torch.uint8).numpy(), tensor.dtype, tuple(tensor.shape))
+    if isinstance(value, list | tuple):
+        return type(value)(tensors_to_wire(item) for item in value)
+    if isinstance(value, dict):
+        return {key: tensors_to_wire(item) for key, item in value.items()}
+    return value
+
+
+def tensors_from_wire(value):
+    """The inverse of `tensors_to_wire`; every tensor is a fresh, writable copy."""
+    if isinstance(value, WireTensor):
+        return torch.from_numpy(value.data.copy()).view(value.dtype).reshape(value.shape)
+    if isinstance(value, list | tuple):
+        return type(value)(tensors_from_wire(item) for item in value)
+    if isinstance(value, dict):
+        return {key: tensors_from_wire(item) for key, item in value.items()}
+    return value
+
+
 def _tensor_bytes(value) -> int:
     """Bytes of the tensors in `value`, looking into tuples, lists and dict values."""
-    if isinstance(value, torch.Tensor):
-        return value.numel() * value.element_size()
+    if isinstance(value, WireTensor):
+        return value.data.nbytes
     if isinstance(value, tuple | list):
         return sum(_tensor_bytes(item) for item in value)
     if isinstance(value, dict):
