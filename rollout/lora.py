@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 from peft import LoraConfig
+from peft.tuners.lora import LoraLayer
 from peft.tuners.tuners_utils import _ExcludedModule, check_target_module_exists
 from peft.utils import set_peft_model_state_dict
 from torch import nn
@@ -137,7 +138,7 @@ class LoraManager:
         self._active = (name, scale)
 
     def bound_modules(self, name: str) -> int:
-        return sum(1 for module in self.model.modules() if name in getattr(module, "lora_A", {}))
+        return sum(1 for module in self.model.modules() if isinstance(module, LoraLayer) and name in module.lora_A)
 
     def _check_fits(self, name: str, tensors: Mapping[str, torch.Tensor], config: LoraConfig) -> None:
         """Refuse, before anything changes, an adapter that does not fit the model exactly."""
