@@ -1,0 +1,37 @@
+"""The trainer's LoRA policy: re-scores engine rollouts with ratio one, and its gradients reach the
+LoRA parameters only."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rollout import SamplingParams
+from trainers_adapters.lora_policy import LoraPolicy
+
+pytestmark = pytest.mark.timeout(120)
+
+CONFIG = {"r": 4, "lora_alpha": 8, "target_modules": ["to_q", "to_k", "to_v", "to_out.0"], "init_lora_weights": False}
+
+
+def test_policy_rescoring_is_ratio_one_and_trains_only_the_lora(engine, tiny_model):
+    torch.manual_seed(0)
+    policy = LoraPolicy(tiny_model, CONFIG)
+    version = policy.push(engine)
+    params = SamplingParams(num_inference_steps=4, num_samples=3, seed=2, lora="policy")
+    outputs = engine.generate(["a red square", "a blue circle"], params)
+    assert all(o.weight_version == version for o in outputs)
+    trajectories = [o.trajectory for o in outputs]
+    for step in range(4):
+        scored = policy.score(trajectories, step)
+        old = torch.stack([t.log_probs[step] for t in trajectories])
+        assert (scored.log_prob.detach() - old).abs().max() < 1e-5
+    reference = policy.score(trajectories, 0, reference=True)
+    assert (reference.log_prob - torch.stack([t.log_probs[0] for t in trajectories])).abs().max() > 1e-4
+
+    scored.log_prob.sum().backward()
+    trainable = policy.parameters()
+    assert trainable and all(p.grad is not None for p in trainable)
+    frozen = [p for p in policy.adapter.transformer.parameters() if not p.requires_grad]
+    assert frozen and all(p.grad is None for p in frozen)
+    engine.unload_lora("policy")
