@@ -81,12 +81,18 @@ class Executor(ABC):
         return ranks
 
 
+def map_nested(value: Any, kind: type, fn: Callable[[Any], Any]) -> Any:
+    """`value` with every instance of `kind` in it (directly, or inside lists, tuples and dict
+    values) replaced by `fn(instance)`."""
+    if isinstance(value, kind):
+        return fn(value)
+    if isinstance(value, list | tuple):
+        return type(value)(map_nested(item, kind, fn) for item in value)
+    if isinstance(value, dict):
+        return {key: map_nested(item, kind, fn) for key, item in value.items()}
+    return value
+
+
 def copy_tensors(value: Any) -> Any:
     """`value` with every tensor in it (directly, or inside lists, tuples and dicts) cloned."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().clone()
-    if isinstance(value, list | tuple):
-        return type(value)(copy_tensors(item) for item in value)
-    if isinstance(value, dict):
-        return {key: copy_tensors(item) for key, item in value.items()}
-    return value
+    return map_nested(value, torch.Tensor, lambda tensor: tensor.detach().clone())

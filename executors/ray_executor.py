@@ -19,7 +19,7 @@ import cloudpickle
 import numpy as np
 import torch
 
-from executors.base import Executor
+from executors.base import Executor, map_nested
 from rollout.config import EngineConfig
 from rollout.errors import EngineDeadError, WorkerError
 from rollout.model_runner import RunnerOutput
@@ -213,33 +213,25 @@ class WireTensor:
 
 def tensors_to_wire(value):
     """`value` with every tensor (directly, or in lists, tuples and dict values) as a WireTensor."""
-    if isinstance(value, torch.Tensor):
-        tensor = value.detach().to("cpu").contiguous()
-        return WireTensor(tensor.reshape(-1).view(torch.uint8).numpy(), tensor.dtype, tuple(tensor.shape))
-    if isinstance(value, list | tuple):
-        return type(value)(tensors_to_wire(item) for item in value)
-    if isinstance(value, dict):
-        return {key: tensors_to_wire(item) for key, item in value.items()}
-    return value
+    return map_nested(value, torch.Tensor, _to_wire)
 
 
 def tensors_from_wire(value):
     """The inverse of `tensors_to_wire`; every tensor is a fresh, writable copy."""
-    if isinstance(value, WireTensor):
-        return torch.from_numpy(value.data.copy()).view(value.dtype).reshape(value.shape)
-    if isinstance(value, list | tuple):
-        return type(value)(tensors_from_wire(item) for item in value)
-    if isinstance(value, dict):
-        return {key: tensors_from_wire(item) for key, item in value.items()}
-    return value
+    return map_nested(value, WireTensor, _from_wire)
+
+
+def _to_wire(tensor: torch.Tensor) -> WireTensor:
+    tensor = tensor.detach().to("cpu").contiguous()
+    return WireTensor(tensor.reshape(-1).view(torch.uint8).numpy(), tensor.dtype, tuple(tensor.shape))
+
+
+def _from_wire(wire: WireTensor) -> torch.Tensor:
+    return torch.from_numpy(wire.data.copy()).view(wire.dtype).reshape(wire.shape)
 
 
 def _tensor_bytes(value) -> int:
-    """Bytes of the tensors in `value`, looking into tuples, lists and dict values."""
-    if isinstance(value, WireTensor):
-        return value.data.nbytes
-    if isinstance(value, tuple | list):
-        return sum(_tensor_bytes(item) for item in value)
-    if isinstance(value, dict):
-        return sum(_tensor_bytes(item) for item in value.values())
-    return 0
+    """Bytes of the WireTensors in `value`."""
+    sizes: list[int] = []
+    map_nested(value, WireTensor, lambda wire: sizes.append(wire.data.nbytes))
+    return sum(sizes)
