@@ -11,6 +11,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import cloudpickle
 import torch
 
 from rollout.config import EngineConfig
@@ -79,6 +80,18 @@ class Executor(ABC):
         if bad or not ranks:
             raise ValueError(f"ranks must be a non-empty subset of 0..{self.num_workers - 1}, got {ranks}")
         return ranks
+
+
+def method_to_wire(method: str | Callable) -> str | bytes:
+    """What crosses a process boundary for `collective_rpc`'s method: the name, or the callable
+    serialised with cloudpickle (so lambdas and closures work)."""
+    return method if isinstance(method, str) else cloudpickle.dumps(method)
+
+
+def call_wire_method(worker, method: str | bytes, args: Sequence, kwargs: dict) -> Any:
+    """Run a method received through `method_to_wire` on `worker` (in the worker's process)."""
+    fn = cloudpickle.loads(method) if isinstance(method, bytes) else getattr(type(worker), method)
+    return fn(worker, *args, **kwargs)
 
 
 def map_nested(value: Any, kind: type, fn: Callable[[Any], Any]) -> Any:

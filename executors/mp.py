@@ -21,7 +21,7 @@ from typing import Any
 
 import cloudpickle
 
-from executors.base import Executor
+from executors.base import Executor, method_to_wire
 from executors.messages import Call, Ready, Reply, Shutdown, StartupFailed
 from executors.mp_worker import worker_main
 from executors.shm import Packed, ReusableBlock, block_prefix, discard, pack, remove_blocks, unpack
@@ -98,7 +98,7 @@ class MPExecutor(Executor):
     ) -> list[Any]:
         name, _ = self.resolve_method(method)
         ranks = self.resolve_ranks(ranks)
-        wire_method = method if isinstance(method, str) else cloudpickle.dumps(method)
+        wire_method = method_to_wire(method)
         # One block, read (copied out) by every rank before it replies.
         arguments = pack((tuple(args), dict(kwargs or {})), self._prefix, self._argument_block)
         try:

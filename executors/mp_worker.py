@@ -14,6 +14,7 @@ from multiprocessing.connection import Connection
 import cloudpickle
 import torch
 
+from executors.base import call_wire_method
 from executors.messages import Call, Ready, Reply, Shutdown, StartupFailed
 from executors.shm import pack, unpack
 
@@ -48,11 +49,7 @@ def _serve(worker, call: Call, block_prefix: str) -> Reply:
     try:
         # Arguments may be shared by every rank (a broadcast): the engine removes their block.
         args, kwargs = unpack(call.arguments, remove=False)
-        if isinstance(call.method, bytes):
-            fn = cloudpickle.loads(call.method)
-            result = fn(worker, *args, **kwargs)
-        else:
-            result = getattr(worker, call.method)(*args, **kwargs)
+        result = call_wire_method(worker, call.method, args, kwargs)
         return Reply(call.call_id, result=pack(result, block_prefix))
     except Exception as error:
         return Reply(call.call_id, error=f"{type(error).__name__}: {error}", traceback=traceback.format_exc())

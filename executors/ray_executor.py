@@ -19,7 +19,7 @@ import cloudpickle
 import numpy as np
 import torch
 
-from executors.base import Executor, map_nested
+from executors.base import Executor, call_wire_method, map_nested, method_to_wire
 from rollout.config import EngineConfig
 from rollout.errors import EngineDeadError, WorkerError
 from rollout.model_runner import RunnerOutput
@@ -58,8 +58,7 @@ class RayWorkerHost:
     def call(self, method: str | bytes, arguments: tuple[tuple, dict]) -> Any:
         """Run a worker method (by name) or a cloudpickled `fn(worker, *args, **kwargs)`."""
         args, kwargs = tensors_from_wire(arguments)  # private copies, as the executor contract says
-        fn = cloudpickle.loads(method) if isinstance(method, bytes) else getattr(type(self.worker), method)
-        return fn(self.worker, *args, **kwargs)
+        return call_wire_method(self.worker, method, args, kwargs)
 
 
 class RayExecutor(Executor):
@@ -133,7 +132,7 @@ class RayExecutor(Executor):
     ) -> list[Any]:
         name, _ = self.resolve_method(method)
         ranks = self.resolve_ranks(ranks)
-        wire_method = method if isinstance(method, str) else cloudpickle.dumps(method)
+        wire_method = method_to_wire(method)
         arguments = tensors_to_wire((tuple(args), dict(kwargs or {})))
         if len(ranks) > 1 and _tensor_bytes(arguments) > _PUT_ONCE_BYTES:
             arguments = self._ray.put(arguments)  # one copy in the object store, read by every rank

@@ -25,10 +25,7 @@ class BroadcastEntry:
 
     @property
     def nbytes(self) -> int:
-        count = 1
-        for dim in self.spec.shape:
-            count *= dim
-        return count * torch.empty((), dtype=self.spec.dtype).element_size()
+        return self.spec.nbytes
 
 
 def connect(

@@ -52,10 +52,7 @@ class Sleeper:
             packed = self._packed.pop(component)
             if packed.buffer is not None:
                 restored = {
-                    name: packed.buffer[offset : offset + _nbytes(spec)]
-                    .view(spec.dtype)
-                    .reshape(spec.shape)
-                    .to(device)
+                    name: packed.buffer[offset : offset + spec.nbytes].view(spec.dtype).reshape(spec.shape).to(device)
                     for name, (offset, spec, device) in packed.layout.items()
                 }
             else:
@@ -70,7 +67,7 @@ class Sleeper:
         layout, size = {}, 0
         for name, tensor in state.items():
             layout[name] = (size, TensorSpec(tuple(tensor.shape), tensor.dtype), tensor.device)
-            size += _nbytes(layout[name][1])
+            size += layout[name][1].nbytes
         buffer = None
         if keep:
             on_gpu = any(t.device.type == "cuda" for t in state.values())
@@ -95,13 +92,6 @@ class Sleeper:
         }
 
 
-def _nbytes(spec: TensorSpec) -> int:
-    count = 1
-    for dim in spec.shape:
-        count *= dim
-    return count * torch.empty((), dtype=spec.dtype).element_size()
-
-
 def _view(buffer: torch.Tensor, offset: int, spec: TensorSpec) -> torch.Tensor:
     """The tensor of `spec` stored at `offset` in a uint8 buffer."""
-    return buffer[offset : offset + _nbytes(spec)].view(spec.dtype).reshape(spec.shape)
+    return buffer[offset : offset + spec.nbytes].view(spec.dtype).reshape(spec.shape)

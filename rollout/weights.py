@@ -9,6 +9,7 @@ are not weights here).
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
@@ -23,6 +24,10 @@ class TensorSpec:
 
     def __str__(self) -> str:
         return f"{list(self.shape)} {str(self.dtype).removeprefix('torch.')}"
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
 
 
 def base_state(module: nn.Module) -> dict[str, torch.Tensor]:
