@@ -6,6 +6,9 @@ byte-level one written locally (every byte is a token, no merges), which the rea
 reads like any other vocabulary. There is no T5 encoder: SD3 then feeds zeros in its place, as
 diffusers does for `text_encoder_3=None`.
 
+The VAE decoder is random too, but set close to a colour map (`make_decoder_colour_faithful`), so
+an image's colours follow its latents and the demo's colour reward is something a policy can learn.
+
     python -m rollout.pipelines.tiny OUT_DIR
 """
 
@@ -91,6 +94,52 @@ def _text_encoder(sizes: TinySD3Sizes, vocab: dict[str, int]):
     return CLIPTextModelWithProjection(config)
 
 
+# Colour (RGB, before the decoder's [-1, 1] -> [0, 1] map) that each of the first latent channels paints.
+_CHANNEL_COLOURS = ((1.0, 0.0, 0.0), (0.0, 1.0, 0.0), (0.0, 0.0, 1.0), (0.5, 0.5, 0.5))
+_TEXTURE_SCALE = 0.1  # what is left of the random weights: a little texture on top of the colour map
+
+
+@torch.no_grad()
+def make_decoder_colour_faithful(vae) -> None:
+    """Turn a random `AutoencoderKL` decoder into roughly "latent channel c paints colour c".
+
+    With random weights every latent decodes to nearly the same mean colour (measured: a per-image
+    std of 0.002 in [0, 1] RGB), so no policy could learn a colour reward. Here each residual
+    branch keeps only a tenth of its random weights (a near-identity block), the input conv copies
+    the latent channels into the first feature channels, the upsampler and the channel-reducing
+    shortcut pass features through, and the output conv paints the first channels with
+    `_CHANNEL_COLOURS`. An offset of 1 in one latent channel then moves the image's mean colour by
+    about 0.2 towards that channel's colour.
+    """
+    decoder = vae.decoder
+    latent_channels = decoder.conv_in.in_channels
+    _scale_and_add_identity(decoder.conv_in, latent_channels)
+    for resnet in [*decoder.mid_block.resnets, *(r for block in decoder.up_blocks for r in block.resnets)]:
+        _scale_and_add_identity(resnet.conv2, 0)
+        if resnet.conv_shortcut is not None:
+            _scale_and_add_identity(resnet.conv_shortcut, resnet.conv_shortcut.out_channels, texture=0.0)
+    for block in decoder.up_blocks:
+        for upsampler in block.upsamplers or []:
+            _scale_and_add_identity(upsampler.conv, upsampler.conv.out_channels)
+    for attention in decoder.mid_block.attentions:
+        attention.to_out[0].weight.mul_(_TEXTURE_SCALE)
+        attention.to_out[0].bias.zero_()
+    conv_out = decoder.conv_out
+    _scale_and_add_identity(conv_out, 0)
+    centre = conv_out.kernel_size[0] // 2
+    for channel, colour in enumerate(_CHANNEL_COLOURS[:latent_channels]):
+        conv_out.weight[:, channel, centre, centre] += torch.tensor(colour)
+
+
+def _scale_and_add_identity(conv: torch.nn.Conv2d, channels: int, texture: float = _TEXTURE_SCALE) -> None:
+    """conv.weight *= texture, then input channel i feeds output channel i (i < channels) through
+    the kernel's centre; the bias is zeroed."""
+    conv.weight.mul_(texture)
+    centre = conv.kernel_size[0] // 2
+    conv.weight[range(channels), range(channels), centre, centre] += 1.0
+    conv.bias.zero_()
+
+
 def build_tiny_sd3(path: str | Path, seed: int = 0, sizes: TinySD3Sizes = TinySD3Sizes()) -> Path:
     """Build a `StableDiffusion3Pipeline` with random weights and save it to `path`.
 
@@ -143,13 +192,16 @@ def build_tiny_sd3(path: str | Path, seed: int = 0, sizes: TinySD3Sizes = TinySD
         block_out_channels=sizes.vae_block_out_channels,
         layers_per_block=1,
         latent_channels=sizes.latent_channels,
-        norm_num_groups=min(sizes.vae_block_out_channels),
+        # One group: per-channel GroupNorm would erase each latent channel's mean, and with it every
+        # way for the latents to set an image's overall colour.
+        norm_num_groups=1,
         sample_size=sizes.sample_size * 2 ** (num_blocks - 1),
         use_quant_conv=False,
         use_post_quant_conv=False,
         shift_factor=0.0609,
         scaling_factor=1.5035,
     )
+    make_decoder_colour_faithful(vae)
     pipeline = StableDiffusion3Pipeline(
         transformer=transformer,
         scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
