@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass, fields
 
 import torch
 
@@ -51,7 +51,21 @@ class EngineConfig:
             read_model_index(self.model)
         except ValueError as error:
             problems.append(str(error))
-        problems += self._class_problems()
+        problems += self._settings_problems()
+        if problems:
+            raise ValueError("invalid EngineConfig: " + "; ".join(problems))
+
+    @classmethod
+    def problems_without_model(cls, **settings) -> list[str]:
+        """What `EngineConfig(model=..., **settings)` would find wrong apart from the model folder,
+        for configs checked before their model exists (a recipe builds `tiny` only when it runs)."""
+        unchecked = object.__new__(cls)  # skips __post_init__, which reads the model folder
+        defaults = {f.name: f.default for f in fields(cls) if f.default is not MISSING}
+        unchecked.__dict__.update(defaults | settings)
+        return unchecked._settings_problems()
+
+    def _settings_problems(self) -> list[str]:
+        problems = self._class_problems()
         if self.dtype not in _DTYPES:
             problems.append(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
         if not isinstance(self.num_workers, int) or self.num_workers < 1:
@@ -76,8 +90,7 @@ class EngineConfig:
             )
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             problems.append(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
-        if problems:
-            raise ValueError("invalid EngineConfig: " + "; ".join(problems))
+        return problems
 
     def _class_problems(self) -> list[str]:
         """Resolve the executor and worker extension now, so a typo fails before any model loads."""

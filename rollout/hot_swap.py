@@ -185,7 +185,7 @@ class HotSwapAPI:
             ) from error
         self._loras[name] = bound[0]
         self.weight_version = self.weight_version + 1 if version is None else version
-        logger.info("LoRA %r loaded on %d modules; weight version %d", name, bound[0], self.weight_version)
+        logger.debug("LoRA %r loaded on %d modules; weight version %d", name, bound[0], self.weight_version)
         return self.weight_version
 
     def unload_lora(self, name: str) -> None:

@@ -25,22 +25,32 @@ logger = logging.getLogger(__name__)
 
 # Prefixes that LoRA files put before module names: PEFT's wrapper and diffusers' component name.
 _KEY_PREFIXES = ("base_model.model.", "transformer.")
+DIFFUSERS_LORA_FILE = "pytorch_lora_weights.safetensors"
+# Where diffusers' save_lora_weights stores the LoRA config (JSON, keys prefixed by component).
+_DIFFUSERS_METADATA_KEY = "lora_adapter_metadata"
 
 
 def read_lora_folder(folder: str | Path) -> tuple[dict[str, torch.Tensor], LoraConfig | None]:
     """(tensors, config) of a PEFT folder (adapter_config.json + adapter_model.safetensors), or of a
-    diffusers LoRA folder (pytorch_lora_weights.safetensors; config None: inferred from shapes)."""
+    diffusers LoRA folder (pytorch_lora_weights.safetensors; its config is read from the file's
+    metadata where diffusers stored one, else None: inferred from shapes)."""
+    from safetensors import safe_open
     from safetensors.torch import load_file
 
     folder = Path(folder)
     if (folder / "adapter_config.json").is_file():
         config = json.loads((folder / "adapter_config.json").read_text())
         return load_file(folder / "adapter_model.safetensors"), config_from_dict(config)
-    if (folder / "pytorch_lora_weights.safetensors").is_file():
-        return load_file(folder / "pytorch_lora_weights.safetensors"), None
+    path = folder / DIFFUSERS_LORA_FILE
+    if path.is_file():
+        with safe_open(path, framework="pt") as file:
+            metadata = json.loads((file.metadata() or {}).get(_DIFFUSERS_METADATA_KEY, "{}"))
+        prefix = "transformer."
+        config = {key.removeprefix(prefix): value for key, value in metadata.items() if key.startswith(prefix)}
+        return load_file(path), config_from_dict(config) if config else None
     raise ValueError(
         f"LoRA folder {str(folder)!r} holds neither adapter_config.json + adapter_model.safetensors (PEFT) "
-        "nor pytorch_lora_weights.safetensors (diffusers)"
+        f"nor {DIFFUSERS_LORA_FILE} (diffusers)"
     )
 
 
