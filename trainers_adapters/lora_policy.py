@@ -5,12 +5,16 @@ functions the engine sampled with, and hands its LoRA tensors to `engine.load_lo
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+import json
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
 
 import torch
 from peft import LoraConfig
 from peft.utils import get_peft_model_state_dict
 
+from rollout.lora import DIFFUSERS_LORA_FILE
 from rollout.outputs import Trajectory
 from rollout.pipelines.condition import Condition
 from rollout.pipelines.loading import load_adapter
@@ -21,14 +25,25 @@ from rollout.samplers import StepOutput
 class LoraPolicy:
     """A frozen base model plus one trainable LoRA adapter named `name`."""
 
-    def __init__(self, model: str, lora_config: LoraConfig | Mapping, name: str = "policy", device: str = "cpu"):
-        self.adapter = load_adapter(model, device)
+    def __init__(
+        self,
+        model: str,
+        lora_config: LoraConfig | Mapping,
+        name: str = "policy",
+        device: str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ):
+        self.adapter = load_adapter(model, device, dtype)
         self.name = name
         self.lora_config = lora_config if isinstance(lora_config, LoraConfig) else LoraConfig(**lora_config)
         transformer = self.adapter.transformer
         transformer.requires_grad_(False)
         transformer.add_adapter(self.lora_config, adapter_name=name)
         transformer.set_adapters([name])
+        # PEFT creates the LoRA weights in the model's dtype; train them in float32 (the frozen
+        # base may be bfloat16), as diffusers' training scripts do.
+        for parameter in self.parameters():
+            parameter.data = parameter.data.float()
 
     def parameters(self) -> list[torch.nn.Parameter]:
         """The trainable LoRA parameters (what the optimizer updates)."""
@@ -43,24 +58,55 @@ class LoraPolicy:
         """Hot-swap this adapter into the engine under its name; returns the new weight version."""
         return engine.load_lora(self.name, self.lora_state(), self.lora_config)
 
-    def score(self, trajectories: list[Trajectory], step: int, reference: bool = False) -> StepOutput:
-        """Re-score step `step` of each trajectory (one batched forward) with gradients through the
-        LoRA; with `reference`, under the base model (LoRA disabled) and without gradients.
+    def save(self, folder: str | Path) -> Path:
+        """Write the adapter as diffusers writes LoRAs (`pytorch_lora_weights.safetensors`, PEFT
+        key names under `transformer.`, the LoRA config in the file's metadata), which the
+        pipeline's `load_lora_weights(folder)` and `engine.load_lora(name, folder)` both accept."""
+        pipeline_class = type(self.adapter.pipeline)
+        config = json.loads(json.dumps(self.lora_config.to_dict(), default=sorted))  # sets -> lists
+        pipeline_class.save_lora_weights(
+            folder,
+            transformer_lora_layers=self.lora_state(),
+            transformer_lora_adapter_metadata=config,
+            weight_name=DIFFUSERS_LORA_FILE,
+        )
+        return Path(folder) / DIFFUSERS_LORA_FILE
 
-        The trajectories must share sampler, noise level and guidance (one rollout call's do)."""
-        first = trajectories[0]
+    @contextlib.contextmanager
+    def reference(self) -> Iterator[None]:
+        """Inside this block the model is the frozen reference (the base, LoRA disabled) and runs
+        without gradients."""
         transformer = self.adapter.transformer
-        latents = torch.stack([t.latents[step] for t in trajectories])
-        next_latents = torch.stack([t.latents[step + 1] for t in trajectories])
-        sigmas = torch.stack([t.sigmas[step] for t in trajectories])
-        sigmas_next = torch.stack([t.sigmas[step + 1] for t in trajectories])
-        condition = Condition.stack([t.condition for t in trajectories])
-        args = (latents, next_latents, sigmas, sigmas_next, condition, first.guidance_scale, first.sampler)
-        if not reference:
-            return score_transitions(self.adapter, *args, first.noise_level)
         transformer.disable_lora()
         try:
             with torch.no_grad():
-                return score_transitions(self.adapter, *args, first.noise_level)
+                yield
         finally:
             transformer.enable_lora()
+
+    def score(self, trajectories: Sequence[Trajectory], steps: int | Sequence[int]) -> StepOutput:
+        """Re-score step `steps[i]` of trajectory i (one int: that step of each) in one batched
+        forward, with gradients through the LoRA. Under `with policy.reference():` the same call
+        scores under the reference policy.
+
+        The trajectories must share sampler, noise level and guidance (one rollout call's do)."""
+        if isinstance(steps, int):
+            steps = [steps] * len(trajectories)
+        first = trajectories[0]
+        pairs = list(zip(trajectories, steps, strict=True))
+        return score_transitions(
+            self.adapter,
+            torch.stack([t.latents[s] for t, s in pairs]),
+            torch.stack([t.latents[s + 1] for t, s in pairs]),
+            torch.stack([t.sigmas[s] for t, s in pairs]),
+            torch.stack([t.sigmas[s + 1] for t, s in pairs]),
+            Condition.stack([t.condition for t in trajectories]),
+            first.guidance_scale,
+            first.sampler,
+            first.noise_level,
+        )
+
+    def predict_velocity(self, latents: torch.Tensor, sigmas: torch.Tensor, condition: Condition) -> torch.Tensor:
+        """The conditional velocity [B, C, h, w] float32 (no guidance), as DPO's flow-matching loss
+        uses it; under `with policy.reference():` the reference's."""
+        return self.adapter.predict_velocity(latents, sigmas, condition, 1.0)

@@ -26,7 +26,8 @@ def test_policy_rescoring_is_ratio_one_and_trains_only_the_lora(engine, tiny_mod
         scored = policy.score(trajectories, step)
         old = torch.stack([t.log_probs[step] for t in trajectories])
         assert (scored.log_prob.detach() - old).abs().max() < 1e-5
-    reference = policy.score(trajectories, 0, reference=True)
+    with policy.reference():
+        reference = policy.score(trajectories, 0)
     assert (reference.log_prob - torch.stack([t.log_probs[0] for t in trajectories])).abs().max() > 1e-4
 
     scored.log_prob.sum().backward()

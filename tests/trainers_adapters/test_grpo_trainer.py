@@ -1,0 +1,85 @@
+"""One GRPO update on real engine rollouts: the ratio is one before the update, the update moves the
+policy, and its options (minibatches, step subsets, KL) do what they say."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from rollout import SamplingParams
+from trainers_adapters.grpo_trainer import GRPOSettings, grpo_step
+from trainers_adapters.lora_policy import LoraPolicy
+from trainers_adapters.rewarded_rollout import generate_with_rewards
+from trainers_adapters.rewards import colour_target
+
+pytestmark = pytest.mark.timeout(120)
+
+LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["to_q", "to_k", "to_v", "to_out.0"]}
+PROMPTS = ["a red square", "a blue circle"]
+
+
+def rollout_for(engine, policy, steps=4, samples=4, **params):
+    params = SamplingParams(
+        num_inference_steps=steps, num_samples=samples, seed=3, lora=policy.name, noise_level=0.7, **params
+    )
+    with ThreadPoolExecutor(1) as pool:
+        return generate_with_rewards(engine, PROMPTS, params, colour_target, pool)
+
+
+def test_update_starts_at_ratio_one_and_moves_the_policy(engine, tiny_model):
+    torch.manual_seed(0)
+    policy = LoraPolicy(tiny_model, LORA)
+    version = policy.push(engine)
+    rollout = rollout_for(engine, policy)
+    assert all(o.weight_version == version for o in rollout.outputs)
+    before = policy.lora_state()
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-2)
+    settings = GRPOSettings(optimizer_steps=2, micro_batch_size=5)
+    stats = grpo_step(policy, optimizer, rollout, settings, torch.Generator().manual_seed(0))
+
+    assert stats.log_ratio_before_update < 1e-5
+    assert stats.num_transitions == 8 * 4  # every SDE step of every sample
+    assert stats.grad_norm > 0 and stats.advantage_abs_mean > 0
+    after = policy.lora_state()
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+    # The second minibatch was scored after the first optimizer step: its ratios moved off one.
+    assert stats.ratio_mean != 1.0
+    assert policy.push(engine) == version + 1
+    engine.unload_lora(policy.name)
+
+
+def test_timestep_fraction_trains_on_a_random_subset_of_each_trajectory(engine, tiny_model):
+    policy = LoraPolicy(tiny_model, LORA)
+    policy.push(engine)
+    rollout = rollout_for(engine, policy, steps=6, sde_window=(0, 4))  # 4 SDE steps, 2 ODE steps
+    optimizer = torch.optim.SGD(policy.parameters(), lr=0.0)
+    stats = grpo_step(policy, optimizer, rollout, GRPOSettings(timestep_fraction=0.5), torch.Generator())
+    assert stats.num_transitions == 8 * 2  # half of the 4 SDE steps of each of the 8 samples
+    engine.unload_lora(policy.name)
+
+
+def test_kl_to_the_reference_is_zero_for_a_zero_lora_and_positive_otherwise(engine, tiny_model):
+    torch.manual_seed(1)
+    policy = LoraPolicy(tiny_model, LORA)  # PEFT's default init: B = 0, so the policy is the base
+    policy.push(engine)
+    rollout = rollout_for(engine, policy)
+    optimizer = torch.optim.SGD(policy.parameters(), lr=0.0)
+    settings = GRPOSettings(kl_beta=0.5)
+    assert grpo_step(policy, optimizer, rollout, settings, torch.Generator()).kl == 0.0
+
+    random_lora = LoraPolicy(tiny_model, LORA | {"init_lora_weights": False})
+    optimizer = torch.optim.SGD(random_lora.parameters(), lr=0.0)
+    stats = grpo_step(random_lora, optimizer, rollout, settings, torch.Generator())
+    assert stats.kl > 0
+    assert stats.loss == pytest.approx(stats.policy_loss + 0.5 * stats.kl, rel=1e-4, abs=1e-7)
+    engine.unload_lora(policy.name)
+
+
+def test_settings_report_every_bad_value():
+    with pytest.raises(ValueError) as error:
+        GRPOSettings(clip_range=0, timestep_fraction=1.5, optimizer_steps=0, max_grad_norm=-1)
+    message = str(error.value)
+    for name in ("clip_range", "timestep_fraction", "optimizer_steps", "max_grad_norm"):
+        assert name in message

@@ -1,0 +1,84 @@
+"""Rewards computed per group on a background thread, overlapping with the rest of the rollout."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from rollout import EngineConfig, RolloutEngine, SamplingParams
+from trainers_adapters.rewarded_rollout import generate_with_rewards
+from trainers_adapters.rewards import colour_target
+
+pytestmark = pytest.mark.timeout(120)
+
+PROMPTS = ["a red square", "a green circle", "a blue star"]
+
+
+@pytest.fixture(scope="module")
+def small_batch_engine(tiny_model):
+    """Batches of one group, so the groups finish one after another."""
+    with RolloutEngine(EngineConfig(model=tiny_model, max_batch_size=2)) as engine:
+        yield engine
+
+
+def test_rewards_match_the_images_and_overlap_with_the_rollout(small_batch_engine):
+    engine = small_batch_engine
+    calls = []
+
+    def reward(images, prompts, metadata):
+        calls.append((threading.current_thread().name, engine.has_unfinished_requests(), list(prompts), metadata))
+        return colour_target(images, prompts, metadata)
+
+    params = SamplingParams(num_inference_steps=3, num_samples=2, seed=1)
+    with ThreadPoolExecutor(1, thread_name_prefix="reward") as pool:
+        rollout = generate_with_rewards(engine, PROMPTS, params, reward, pool)
+
+    assert [(o.prompt, o.sample_index) for o in rollout.outputs] == [(p, k) for p in PROMPTS for k in range(2)]
+    assert rollout.group_ids.tolist() == [0, 0, 1, 1, 2, 2]
+    images = torch.stack([o.image for o in rollout.outputs])
+    expected = colour_target(images, [o.prompt for o in rollout.outputs], [{}] * 6)
+    assert torch.equal(rollout.rewards, expected)
+    assert [prompts for _, _, prompts, _ in calls] == [[p, p] for p in PROMPTS]  # one call per group
+    assert all(name.startswith("reward") for name, _, _, _ in calls)
+    assert calls[0][1], "the first group's reward ran while later groups were still denoising"
+    second = rollout.outputs[1]
+    assert calls[0][3][1] == {"prompt_index": 0, "sample_index": 1, "seed": second.seed, "weight_version": 0}
+    assert rollout.rollout_s >= rollout.reward_wait_s >= 0
+
+
+def test_a_failing_reward_leaves_no_request_behind(small_batch_engine):
+    def broken(images, prompts, metadata):
+        return torch.zeros(len(prompts) + 1)
+
+    params = SamplingParams(num_inference_steps=2, num_samples=2, seed=1)
+    with ThreadPoolExecutor(1) as pool, pytest.raises(ValueError, match=r"returned shape \(3,\) for 2 images"):
+        generate_with_rewards(small_batch_engine, PROMPTS, params, broken, pool)
+    assert not small_batch_engine.has_unfinished_requests()
+
+
+def test_an_interrupted_rollout_aborts_its_requests(small_batch_engine, monkeypatch):
+    engine = small_batch_engine
+    real_step = engine.step
+    steps = []
+
+    def step_then_fail():
+        steps.append(1)
+        if len(steps) == 2:
+            raise KeyboardInterrupt
+        return real_step()
+
+    monkeypatch.setattr(engine, "step", step_then_fail)
+    params = SamplingParams(num_inference_steps=3, num_samples=2, seed=1)
+    with ThreadPoolExecutor(1) as pool, pytest.raises(KeyboardInterrupt):
+        generate_with_rewards(engine, PROMPTS, params, colour_target, pool)
+    monkeypatch.undo()
+    assert not engine.has_unfinished_requests()
+    assert len(engine.generate(["a red square"], params)) == 2  # the engine still works
+
+
+def test_images_are_required():
+    with pytest.raises(ValueError, match="needs images"):
+        generate_with_rewards(None, PROMPTS, SamplingParams(return_image=False), colour_target, None)

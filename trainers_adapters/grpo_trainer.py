@@ -1,0 +1,150 @@
+"""One GRPO update from one rewarded rollout (Flow-GRPO, arXiv 2505.05470; DanceGRPO).
+
+The rollout's SDE transitions (a random `timestep_fraction` of each trajectory's stochastic steps)
+are shuffled and split into `optimizer_steps` minibatches; each minibatch is re-scored by the
+policy in micro-batches, with gradients, through the same sampler functions the engine used, and
+ends with one optimizer step. Before the first optimizer step the policy is exactly the one that
+sampled, so the ratio of that first minibatch must be 1: `log_ratio_before_update` reports it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from trainers_adapters.advantages import group_advantages
+from trainers_adapters.grpo import gaussian_kl, grpo_policy_loss
+from trainers_adapters.lora_policy import LoraPolicy
+from trainers_adapters.rewarded_rollout import RewardedRollout
+
+
+@dataclass(kw_only=True)
+class GRPOSettings:
+    clip_range: float = 1e-4  # PPO clip of the ratio (Flow-GRPO uses 1e-4)
+    adv_clip_max: float = 5.0  # advantages are clipped to [-adv_clip_max, adv_clip_max]
+    global_std: bool = False  # normalise advantages by the std of the whole batch, not the group's
+    kl_beta: float = 0.0  # weight of the KL to the reference policy (0: no reference forward)
+    timestep_fraction: float = 1.0  # share of each trajectory's SDE steps trained on, drawn per sample
+    optimizer_steps: int = 1  # optimizer steps per rollout (the transitions split into minibatches)
+    micro_batch_size: int = 16  # transitions per forward/backward pass
+    max_grad_norm: float = 1.0  # gradient-norm clip per optimizer step; 0 disables it
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.clip_range <= 0:
+            problems.append(f"clip_range must be > 0, got {self.clip_range}")
+        if self.adv_clip_max <= 0:
+            problems.append(f"adv_clip_max must be > 0, got {self.adv_clip_max}")
+        if self.kl_beta < 0:
+            problems.append(f"kl_beta must be >= 0, got {self.kl_beta}")
+        if not 0 < self.timestep_fraction <= 1:
+            problems.append(f"timestep_fraction must be in (0, 1], got {self.timestep_fraction}")
+        if self.optimizer_steps < 1:
+            problems.append(f"optimizer_steps must be >= 1, got {self.optimizer_steps}")
+        if self.micro_batch_size < 1:
+            problems.append(f"micro_batch_size must be >= 1, got {self.micro_batch_size}")
+        if self.max_grad_norm < 0:
+            problems.append(f"max_grad_norm must be >= 0 (0 disables clipping), got {self.max_grad_norm}")
+        if problems:
+            raise ValueError("; ".join(problems))
+
+
+@dataclass
+class GRPOStepStats:
+    loss: float  # mean over transitions of policy loss + kl_beta * kl
+    policy_loss: float
+    kl: float  # mean KL to the reference (0 when kl_beta is 0)
+    log_ratio_before_update: float  # max |log ratio| before this rollout's first optimizer step
+    ratio_mean: float
+    clip_fraction: float
+    grad_norm: float  # of the last optimizer step, before clipping
+    advantage_abs_mean: float
+    num_transitions: int
+
+
+def grpo_step(
+    policy: LoraPolicy,
+    optimizer: torch.optim.Optimizer,
+    rollout: RewardedRollout,
+    settings: GRPOSettings,
+    generator: torch.Generator,
+) -> GRPOStepStats:
+    """Run `settings.optimizer_steps` optimizer steps on `rollout`. The caller pushes the policy to
+    the engine afterwards (the engine samples only with pushed weights)."""
+    advantages = group_advantages(
+        rollout.rewards, rollout.group_ids, global_std=settings.global_std, clip_max=settings.adv_clip_max
+    )
+    transitions = _pick_transitions(rollout, settings.timestep_fraction, generator)
+    if not transitions:
+        raise ValueError("the rollout has no SDE steps to train on; check sampling.sde_window and the sampler")
+    order = torch.randperm(len(transitions), generator=generator).tolist()
+    minibatches = [mb.tolist() for mb in torch.tensor_split(torch.tensor(order), settings.optimizer_steps)]
+    totals = dict.fromkeys(("loss", "policy_loss", "kl", "ratio_mean", "clip_fraction"), 0.0)
+    log_ratio_before_update = 0.0
+    grad_norm = 0.0
+    for number, minibatch in enumerate(m for m in minibatches if m):
+        optimizer.zero_grad(set_to_none=True)
+        for start in range(0, len(minibatch), settings.micro_batch_size):
+            chunk = [transitions[i] for i in minibatch[start : start + settings.micro_batch_size]]
+            parts, max_abs_log = _chunk_loss(policy, rollout, advantages, chunk, settings)
+            weight = len(chunk) / len(minibatch)
+            (parts["loss"] * weight).backward()
+            for key in totals:
+                totals[key] += parts[key].item() * len(chunk)
+            if number == 0:
+                log_ratio_before_update = max(log_ratio_before_update, max_abs_log)
+        max_norm = settings.max_grad_norm if settings.max_grad_norm > 0 else float("inf")
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(policy.parameters(), max_norm))
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    count = len(transitions)
+    return GRPOStepStats(
+        **{key: value / count for key, value in totals.items()},
+        log_ratio_before_update=log_ratio_before_update,
+        grad_norm=grad_norm,
+        advantage_abs_mean=float(advantages.abs().mean()),
+        num_transitions=count,
+    )
+
+
+def _pick_transitions(rollout: RewardedRollout, fraction: float, generator: torch.Generator) -> list[tuple[int, int]]:
+    """(sample index, step index) pairs: a random `fraction` (at least one) of each sample's SDE steps."""
+    transitions = []
+    for index, trajectory in enumerate(rollout.trajectories):
+        steps = trajectory.sde_mask.nonzero(as_tuple=True)[0]
+        if len(steps) == 0:
+            continue
+        keep = max(1, round(fraction * len(steps)))
+        chosen = steps[torch.randperm(len(steps), generator=generator)[:keep]]
+        transitions += [(index, int(step)) for step in chosen]
+    return transitions
+
+
+def _chunk_loss(
+    policy: LoraPolicy,
+    rollout: RewardedRollout,
+    advantages: torch.Tensor,
+    chunk: list[tuple[int, int]],
+    settings: GRPOSettings,
+) -> tuple[dict[str, torch.Tensor], float]:
+    trajectories = [rollout.outputs[index].trajectory for index, _ in chunk]
+    steps = [step for _, step in chunk]
+    scored = policy.score(trajectories, steps)
+    device = scored.log_prob.device
+    old = torch.stack([t.log_probs[step] for t, step in zip(trajectories, steps, strict=True)]).to(device)
+    chunk_advantages = advantages[[index for index, _ in chunk]].to(device)
+    policy_loss, stats = grpo_policy_loss(scored.log_prob, old, chunk_advantages, settings.clip_range)
+    kl = torch.zeros((), device=policy_loss.device)
+    if settings.kl_beta > 0:
+        with policy.reference():
+            reference = policy.score(trajectories, steps)
+        kl = gaussian_kl(scored.mean, reference.mean, scored.std).mean()
+    parts = {
+        "loss": policy_loss + settings.kl_beta * kl,  # the caller backpropagates this one
+        "policy_loss": policy_loss.detach(),
+        "kl": kl.detach(),
+        "ratio_mean": torch.tensor(stats.ratio_mean),
+        "clip_fraction": torch.tensor(stats.clip_fraction),
+    }
+    return parts, stats.ratio_max_abs_log

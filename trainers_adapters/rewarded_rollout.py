@@ -1,0 +1,100 @@
+"""A rollout with its rewards, where each prompt's group is rewarded as soon as all its samples
+finish, on a background thread, while the engine keeps denoising the other groups.
+
+With more samples than fit in one batch, the engine finishes the groups a few at a time, so a slow
+reward model (a scorer on its own device, a remote service) overlaps with the rest of the rollout
+instead of waiting behind it. The reward only sees images and prompts; it never blocks the engine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from rollout import RolloutOutput, SamplingParams
+from trainers_adapters.rewards import Reward
+
+
+@dataclass
+class RewardedRollout:
+    """outputs: ordered by prompt, then sample; rewards [N] float32 and group_ids [N] (the prompt
+    index) follow that order."""
+
+    outputs: list[RolloutOutput]
+    rewards: torch.Tensor
+    group_ids: torch.Tensor
+    rollout_s: float  # wall time from the first request to the last reward
+    reward_wait_s: float  # of which the rollout waited for rewards after the last sample finished
+
+    @property
+    def trajectories(self):
+        return [output.trajectory for output in self.outputs]
+
+
+def generate_with_rewards(
+    engine,
+    prompts: Sequence[str],
+    params: SamplingParams,
+    reward: Reward,
+    pool: ThreadPoolExecutor,
+    request_prefix: str = "rollout",
+) -> RewardedRollout:
+    """Generate `params.num_samples` samples of every prompt and reward each group on `pool` as it
+    finishes. The reward gets (images [n, 3, H, W] uint8, prompts, metadata) with metadata per
+    sample: prompt_index, sample_index, seed, weight_version."""
+    if not params.return_image:
+        raise ValueError("a rewarded rollout needs images; set return_image=True in the sampling params")
+    started = time.perf_counter()
+    group_of: dict[str, int] = {}
+    for index, prompt in enumerate(prompts):
+        ids = engine.add_request(prompt, params, prompt_index=index, request_id=f"{request_prefix}{index}")
+        group_of.update(dict.fromkeys(ids, index))
+    finished: list[list[RolloutOutput]] = [[] for _ in prompts]
+    futures: dict[int, Future] = {}
+    try:
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                group = finished[group_of[output.request_id]]
+                group.append(output)
+                if len(group) == params.num_samples:
+                    futures[output.prompt_index] = pool.submit(_reward_group, reward, group)
+    except BaseException:
+        # Leave no requests behind in the engine; a dead engine cannot abort, and then the
+        # original error is the one worth seeing.
+        with contextlib.suppress(Exception):
+            engine.abort(list(group_of))
+        raise
+    last_sample_done = time.perf_counter()
+    rewards = [futures[index].result() for index in range(len(prompts))]
+    done = time.perf_counter()
+    outputs = [output for group in finished for output in sorted(group, key=lambda o: o.sample_index)]
+    return RewardedRollout(
+        outputs=outputs,
+        rewards=torch.cat(rewards),
+        group_ids=torch.tensor([output.prompt_index for output in outputs]),
+        rollout_s=done - started,
+        reward_wait_s=done - last_sample_done,
+    )
+
+
+def _reward_group(reward: Reward, group: list[RolloutOutput]) -> torch.Tensor:
+    group = sorted(group, key=lambda o: o.sample_index)
+    images = torch.stack([output.image for output in group])
+    metadata = [
+        {
+            "prompt_index": o.prompt_index,
+            "sample_index": o.sample_index,
+            "seed": o.seed,
+            "weight_version": o.weight_version,
+        }
+        for o in group
+    ]
+    rewards = torch.as_tensor(reward(images, [o.prompt for o in group], metadata), dtype=torch.float32)
+    if rewards.shape != (len(group),):
+        raise ValueError(f"the reward returned shape {tuple(rewards.shape)} for {len(group)} images; expected [N]")
+    return rewards.reshape(-1)
