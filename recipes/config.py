@@ -31,12 +31,14 @@ import yaml
 
 from rollout.config import EngineConfig
 from rollout.sampling_params import SamplingParams
+from trainers_adapters.dpo_trainer import DPOSettings
+from trainers_adapters.grpo_trainer import GRPOSettings
 
 logger = logging.getLogger(__name__)
 
 # Recipe name (the YAML's `recipe:`) -> module defining `Config` (a RecipeConfig) and `run(config)`.
 # Modules are imported only when their recipe is used or listed.
-RECIPES: dict[str, str] = {"rollout": "recipes.rollout"}
+RECIPES: dict[str, str] = {"rollout": "recipes.rollout", "grpo": "recipes.grpo", "dpo": "recipes.dpo"}
 
 TINY_MODEL = "tiny"
 
@@ -91,6 +93,11 @@ class EngineSection:
     dtype: str = option("float32", "model weights dtype: float32, bfloat16 or float16 (trajectories stay float32)")
     max_batch_size: int = option(16, "most samples one worker denoises in one forward pass")
 
+    def __post_init__(self) -> None:
+        problems = EngineConfig.problems_without_model(**dataclasses.asdict(self))
+        if problems:
+            raise ValueError("; ".join(problems))
+
     def to_engine_config(self, model_path: str) -> EngineConfig:
         return EngineConfig(model=model_path, **dataclasses.asdict(self))
 
@@ -113,14 +120,45 @@ _EXTERNAL_HELP: dict[type, dict[str, str]] = {
         "return_trajectory": "return latents, log-probs, sigmas and timesteps",
         "return_image": "decode and return the image",
     },
+    GRPOSettings: {
+        "clip_range": "PPO clip range of the policy ratio (Flow-GRPO: 1e-4)",
+        "adv_clip_max": "advantages are clipped to [-adv_clip_max, adv_clip_max]",
+        "global_std": "normalise advantages by the std of all rewards of the step, not the group's",
+        "kl_beta": "weight of the KL to the reference policy (the base, LoRA off); 0 skips the reference pass",
+        "timestep_fraction": "share of each trajectory's SDE steps trained on, drawn at random per sample",
+        "optimizer_steps": "optimizer steps per rollout: the transitions split into this many minibatches",
+        "micro_batch_size": "transitions per forward/backward pass (memory knob; the result is the same)",
+        "max_grad_norm": "gradient-norm clip per optimizer step; 0 disables it",
+    },
+    DPOSettings: {
+        "beta": "preference strength of the DPO loss (Diffusion-DPO: 2000-5000 on mean errors)",
+        "micro_batch_size": "preference pairs per forward/backward pass",
+        "max_grad_norm": "gradient-norm clip; 0 disables it",
+    },
 }
 
 
 @dataclass(kw_only=True)
 class RecipeConfig:
-    """Base of every recipe's config; `recipe` picks the recipe (a key of `RECIPES`)."""
+    """Base of every recipe's config; `recipe` picks the recipe (a key of `RECIPES`).
+
+    A recipe states its checks of values and combinations in `value_problems`, over a dict of the
+    keys that are well-formed, so they run (and report) even when other keys of the same file are
+    broken: one error then lists every problem.
+    """
 
     recipe: str = option(help=f"which recipe to run: {', '.join(RECIPES)}")
+
+    def __post_init__(self) -> None:
+        problems = self.value_problems({f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
+        if problems:
+            raise ValueError("; ".join(problems))
+
+    @classmethod
+    def value_problems(cls, values: dict[str, Any]) -> list[str]:
+        """Problems of the values in `values` (key -> checked value); a key that is missing was
+        malformed and has been reported already, so checks that need it are skipped."""
+        return []
 
 
 def recipe_module(name: str) -> types.ModuleType:
@@ -197,13 +235,22 @@ def build_section(cls: type, data: Any, prefix: str, problems: list[str]) -> Any
         if key not in fields:
             problems.append(_unknown_key(prefix, str(key), list(fields)))
     kwargs = {}
+    malformed = set()
     for name, f in fields.items():
         key = f"{prefix}{name}"
         if name not in data:
             if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
                 problems.append(f"{key}: missing; {_help(cls, f)}")
+                malformed.add(name)
             continue
+        before = len(problems)
         kwargs[name] = _convert(data[name], hints[name], key, problems)
+        if len(problems) > before:
+            malformed.add(name)
+    if issubclass(cls, RecipeConfig):  # its value checks run on the well-formed keys, even if others are not
+        values = {name: _default(f) for name, f in fields.items() if name not in data and name not in malformed}
+        values |= {name: value for name, value in kwargs.items() if name not in malformed}
+        problems += [f"{where}: {problem}" for problem in cls.value_problems(values)]
     if len(problems) > count:
         return None
     try:
@@ -211,6 +258,10 @@ def build_section(cls: type, data: Any, prefix: str, problems: list[str]) -> Any
     except ValueError as error:  # the dataclass's own checks of values and combinations
         problems.append(f"{where}: {error}")
         return None
+
+
+def _default(f: dataclasses.Field) -> Any:
+    return f.default_factory() if f.default is dataclasses.MISSING else f.default
 
 
 def _convert(value: Any, annotation: Any, key: str, problems: list[str]) -> Any:

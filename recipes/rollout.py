@@ -35,14 +35,14 @@ class Config(RecipeConfig):
     output_dir: str = option("outputs/rollout_tiny", "folder for grid.png and summary.json (created if missing)")
     grid_scale: int = option(4, "nearest-neighbour upscale factor of each image in grid.png")
 
-    def __post_init__(self) -> None:
+    @classmethod
+    def value_problems(cls, values: dict) -> list[str]:
         problems = []
-        if not self.prompts:
+        if values.get("prompts") == []:
             problems.append("prompts is empty; give at least one prompt")
-        if self.grid_scale < 1:
-            problems.append(f"grid_scale must be an integer >= 1, got {self.grid_scale}")
-        if problems:
-            raise ValueError("; ".join(problems))
+        if values.get("grid_scale", 1) < 1:
+            problems.append(f"grid_scale must be an integer >= 1, got {values['grid_scale']}")
+        return problems
 
 
 def run(config: Config) -> dict:

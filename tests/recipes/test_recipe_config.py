@@ -112,14 +112,15 @@ def test_value_checks_of_the_dataclasses_are_reported(tmp_path):
     with pytest.raises(ValueError) as error:
         load_config(write(tmp_path, "recipe: rollout\nprompts: []\ngrid_scale: 0\n"))
     assert problems_of(error) == [
-        "config: prompts is empty; give at least one prompt; grid_scale must be an integer >= 1, got 0"
+        "config: prompts is empty; give at least one prompt",
+        "config: grid_scale must be an integer >= 1, got 0",
     ]
 
 
 @pytest.mark.timeout(30)
 def test_unknown_recipe_is_refused(tmp_path):
-    with pytest.raises(ValueError, match=r"recipe: must be one of \['rollout'\], got 'grpo'"):
-        load_config(write(tmp_path, "recipe: grpo\n"))
+    with pytest.raises(ValueError, match=r"recipe: must be one of \['dpo', 'grpo', 'rollout'\], got 'ppo'"):
+        load_config(write(tmp_path, "recipe: ppo\n"))
 
 
 @pytest.mark.timeout(30)
@@ -167,11 +168,13 @@ def test_help_lists_every_key_with_its_description(capsys):
     assert exit_info.value.code == 0
     text = capsys.readouterr().out
     assert "--set KEY=VALUE" in text
-    keys = list(config_keys(recipe_module("rollout").Config))
-    assert "(no description)" not in {help_text for _, _, help_text in keys}
-    for key, default, help_text in keys:
-        assert f"{key} = {default}" in text and help_text in text
-    assert {key for key, _, _ in keys} >= {f"sampling.{name}" for name in SamplingParams.__dataclass_fields__}
+    for recipe in ("rollout", "grpo", "dpo"):
+        keys = list(config_keys(recipe_module(recipe).Config))
+        assert "(no description)" not in {help_text for _, _, help_text in keys}, recipe
+        for key, default, help_text in keys:
+            assert f"{key} = {default}" in text and help_text in text
+        assert {key for key, _, _ in keys} >= {f"sampling.{name}" for name in SamplingParams.__dataclass_fields__}
+    assert "grpo.clip_range = 0.0001" in text and "dpo.beta = 2000.0" in text
 
 
 @pytest.mark.timeout(30)

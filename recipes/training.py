@@ -1,0 +1,330 @@
+"""What the GRPO and DPO recipes share: their config sections and the training loop around one
+update function.
+
+Every step: pick prompts, roll them out with the policy's adapter (each group rewarded on a
+background thread as soon as it finishes), run the update, push the adapter back to the engine and
+check the version it reports. The run writes, under `output_dir`: `metrics.jsonl` (one line per
+step), `reward.png` (reward against step), `samples_start.png` / `samples_end.png` (the same eval
+prompts and noise before and after training), `lora/` (the final adapter in the diffusers LoRA
+format) and `summary.json`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import random
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from recipes.config import EngineSection, ModelSection, RecipeConfig, option, to_dict
+from recipes.plots import plot_reward
+from recipes.rollout import image_grid
+from rollout import RolloutEngine, SamplingParams
+from rollout.seeding import derive_seed
+from trainers_adapters.lora_policy import LoraPolicy
+from trainers_adapters.rewarded_rollout import RewardedRollout, generate_with_rewards
+from trainers_adapters.rewards import get_reward
+
+logger = logging.getLogger(__name__)
+
+POLICY_ADAPTER = "policy"  # the name the trained adapter has in the engine
+RATIO_TOLERANCE = 1e-5  # the numerics contract: |log ratio| before the first update
+
+
+@dataclass(kw_only=True)
+class LoraSection:
+    rank: int = option(8, "LoRA rank r")
+    alpha: float = option(16.0, "LoRA alpha (the update is scaled by alpha / rank)")
+    target_modules: list[str] = option(
+        help="transformer module names (or name suffixes) that get a LoRA",
+        factory=lambda: ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"],
+    )
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.rank < 1:
+            problems.append(f"rank must be >= 1, got {self.rank}")
+        if self.alpha <= 0:
+            problems.append(f"alpha must be > 0, got {self.alpha}")
+        if not self.target_modules:
+            problems.append("target_modules is empty; name at least one module, e.g. to_q")
+        if problems:
+            raise ValueError("; ".join(problems))
+
+    def peft_config(self) -> dict:
+        return {"r": self.rank, "lora_alpha": self.alpha, "target_modules": list(self.target_modules)}
+
+
+@dataclass(kw_only=True)
+class OptimizerSection:
+    learning_rate: float = option(3e-4, "AdamW learning rate of the LoRA parameters")
+    weight_decay: float = option(0.0, "AdamW weight decay")
+
+    def __post_init__(self) -> None:
+        if self.learning_rate <= 0:
+            raise ValueError(f"learning_rate must be > 0, got {self.learning_rate}")
+
+
+@dataclass(kw_only=True)
+class EvalSection:
+    """The fixed-noise samples drawn before and after training (samples_start/end.png)."""
+
+    num_prompts: int = option(4, "how many of the training prompts (the first ones) make the eval grids' rows")
+    num_samples: int = option(4, "samples per eval prompt (the grids' columns)")
+    num_inference_steps: int = option(10, "denoising steps of the eval samples")
+    sampler: str = option("ode", "update rule of the eval samples (ode: deterministic, as Flow-GRPO evaluates)")
+    seed: int = option(1234, "seed of the eval samples' noise, the same at the start and the end")
+
+    def __post_init__(self) -> None:
+        problems = []
+        for name in ("num_prompts", "num_samples", "num_inference_steps"):
+            if getattr(self, name) < 1:
+                problems.append(f"{name} must be >= 1, got {getattr(self, name)}")
+        if problems:
+            raise ValueError("; ".join(problems))
+
+
+@dataclass(kw_only=True)
+class TrainingConfig(RecipeConfig):
+    model: ModelSection = option(factory=ModelSection)
+    engine: EngineSection = option(factory=EngineSection)
+    sampling: SamplingParams = option(factory=lambda: SamplingParams(sampler="flow_sde", noise_level=0.7))
+    lora: LoraSection = option(factory=LoraSection)
+    optimizer: OptimizerSection = option(factory=OptimizerSection)
+    eval: EvalSection = option(factory=EvalSection)
+    reward: str = option(help="reward: jpeg_compressibility, jpeg_incompressibility, colour, or a dotted path")
+    prompts: list[str] = option(help="training prompts; each step takes `prompts_per_step` of them in turn")
+    prompts_file: str | None = option(None, "a text file with one more training prompt per line (optional)")
+    prompts_per_step: int = option(4, "prompts per training step; each is sampled sampling.num_samples times")
+    steps: int = option(60, "training steps (one rollout, its updates and one push each)")
+    seed: int = option(0, "seed of the LoRA init, prompt order, rollout noise and training randomness")
+    output_dir: str = option("outputs/train", "folder for metrics, plots, sample grids and the final LoRA")
+    grid_scale: int = option(4, "nearest-neighbour upscale of each image in the sample grids")
+
+    @classmethod
+    def value_problems(cls, values: dict) -> list[str]:
+        problems = []
+        if "reward" in values:
+            try:
+                get_reward(values["reward"])
+            except (ValueError, ImportError) as error:
+                problems.append(str(error))
+        prompts_file = values.get("prompts_file")
+        if prompts_file is not None and not Path(prompts_file).is_file():
+            problems.append(f"prompts_file {prompts_file!r} does not exist")
+        if values.get("prompts") == [] and "prompts_file" in values and prompts_file is None:
+            problems.append("prompts is empty and no prompts_file is given; give at least one prompt")
+        for name in ("prompts_per_step", "steps", "grid_scale"):
+            if values.get(name, 1) < 1:
+                problems.append(f"{name} must be >= 1, got {values[name]}")
+        sampling = values.get("sampling")
+        if sampling is not None:
+            problems += _sampling_problems(sampling)
+        return problems
+
+    def all_prompts(self) -> list[str]:
+        prompts = list(self.prompts)
+        if self.prompts_file is not None:
+            lines = Path(self.prompts_file).read_text().splitlines()
+            prompts += [line.strip() for line in lines if line.strip()]
+        return prompts
+
+
+def _sampling_problems(sampling: SamplingParams) -> list[str]:
+    problems = []
+    if sampling.lora is not None:
+        problems.append(f"sampling.lora must be null: the recipe samples with its own adapter {POLICY_ADAPTER!r}")
+    if not (sampling.return_trajectory and sampling.return_image):
+        problems.append("sampling.return_trajectory and sampling.return_image must both be true for training")
+    if sampling.num_samples < 2:
+        problems.append(
+            f"sampling.num_samples (the group size) is {sampling.num_samples}; training compares the samples "
+            "of a prompt with each other, so it needs at least 2"
+        )
+    return problems
+
+
+# update(policy, optimizer, rollout, generator) -> a dataclass of statistics for metrics.jsonl
+UpdateFn = Callable[[LoraPolicy, torch.optim.Optimizer, RewardedRollout, torch.Generator], Any]
+
+
+def train(config: TrainingConfig, update: UpdateFn, postfix: Callable[[Any], dict]) -> dict:
+    """Run the training loop; returns the summary written to summary.json. `postfix` picks the
+    update statistics shown in the progress bar."""
+    reward = get_reward(config.reward)
+    prompts = config.all_prompts()
+    output_dir = Path(config.output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    model_path = config.model.resolve_path()
+    torch.manual_seed(config.seed)
+    generator = torch.Generator().manual_seed(config.seed)
+    policy = LoraPolicy(
+        model_path,
+        config.lora.peft_config(),
+        name=POLICY_ADAPTER,
+        device=config.engine.device,
+        dtype=getattr(torch, config.engine.dtype),
+    )
+    optimizer = torch.optim.AdamW(
+        policy.parameters(), lr=config.optimizer.learning_rate, weight_decay=config.optimizer.weight_decay
+    )
+    params = dataclasses.replace(config.sampling, lora=POLICY_ADAPTER)
+    prompt_order = _PromptOrder(prompts, config.seed)
+    history: list[dict] = []
+    started = time.perf_counter()
+    metrics_path = output_dir / "metrics.jsonl"
+    with (
+        RolloutEngine(config.engine.to_engine_config(model_path)) as engine,
+        ThreadPoolExecutor(1, thread_name_prefix="reward") as pool,
+        metrics_path.open("w") as metrics,
+    ):
+        version = policy.push(engine)
+        eval_start = _eval_samples(engine, config, prompts, reward)
+        bar = tqdm(range(config.steps), desc=config.recipe, unit="step")
+        for step in bar:
+            step_params = dataclasses.replace(params, seed=derive_seed(config.seed, step, 0, "rollout"))
+            rollout = generate_with_rewards(
+                engine, prompt_order.take(config.prompts_per_step), step_params, reward, pool, f"step{step}-"
+            )
+            stale = {o.weight_version for o in rollout.outputs} - {version}
+            if stale:
+                raise RuntimeError(f"step {step}: samples carry weight versions {stale}, expected {version}")
+            update_started = time.perf_counter()
+            stats = update(policy, optimizer, rollout, generator)
+            update_s = time.perf_counter() - update_started
+            push_started = time.perf_counter()
+            new_version = policy.push(engine)
+            if new_version <= version:
+                raise RuntimeError(f"step {step}: the push returned weight version {new_version}, not above {version}")
+            version = new_version
+            record = _step_record(step, rollout, stats, version, update_s, time.perf_counter() - push_started)
+            if step == 0:
+                _log_first_ratio(record)
+            history.append(record)
+            metrics.write(json.dumps(record) + "\n")
+            metrics.flush()
+            bar.set_postfix(reward=f"{record['reward_mean']:.4f}", **postfix(stats))
+        eval_end = _eval_samples(engine, config, prompts, reward)
+    train_s = time.perf_counter() - started
+
+    image_grid(eval_start.outputs, config.grid_scale).save(output_dir / "samples_start.png")
+    image_grid(eval_end.outputs, config.grid_scale).save(output_dir / "samples_end.png")
+    plot_reward(history, output_dir / "reward.png", title=f"{config.recipe}: reward {config.reward}")
+    lora_file = policy.save(output_dir / "lora")
+    summary = _summary(config, history, eval_start, eval_end, train_s, model_path, lora_file)
+    (output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    logger.info(
+        "done in %.1f s: mean reward of the first 5 steps %.4f, of the last 5 %.4f (margin %+.4f); "
+        "eval reward %.4f -> %.4f. Wrote %s",
+        train_s,
+        summary["reward_first5"],
+        summary["reward_last5"],
+        summary["reward_margin"],
+        summary["eval_reward_start"],
+        summary["eval_reward_end"],
+        output_dir,
+    )
+    return summary
+
+
+class _PromptOrder:
+    """Training prompts in a seeded random order, reshuffled after each pass."""
+
+    def __init__(self, prompts: list[str], seed: int):
+        self.prompts = prompts
+        self.rng = random.Random(seed)
+        self.queue: list[str] = []
+
+    def take(self, count: int) -> list[str]:
+        taken = []
+        while len(taken) < count:
+            if not self.queue:
+                self.queue = self.rng.sample(self.prompts, len(self.prompts))
+            taken.append(self.queue.pop())
+        return taken
+
+
+def _eval_samples(engine, config: TrainingConfig, prompts: list[str], reward) -> RewardedRollout:
+    params = dataclasses.replace(
+        config.sampling,
+        lora=POLICY_ADAPTER,
+        num_samples=config.eval.num_samples,
+        num_inference_steps=config.eval.num_inference_steps,
+        sampler=config.eval.sampler,
+        sde_window=None,
+        seed=config.eval.seed,
+    )
+    with ThreadPoolExecutor(1) as pool:
+        return generate_with_rewards(engine, prompts[: config.eval.num_prompts], params, reward, pool, "eval")
+
+
+def _step_record(step: int, rollout: RewardedRollout, stats, version: int, update_s: float, push_s: float) -> dict:
+    rewards = rollout.rewards
+    return {
+        "step": step,
+        "reward_mean": float(rewards.mean()),
+        "reward_std": float(rewards.std(unbiased=False)),
+        "reward_min": float(rewards.min()),
+        "reward_max": float(rewards.max()),
+        "num_samples": len(rollout.outputs),
+        **dataclasses.asdict(stats),
+        "weight_version": version,
+        "rollout_s": rollout.rollout_s,
+        "reward_wait_s": rollout.reward_wait_s,
+        "update_s": update_s,
+        "push_s": push_s,
+    }
+
+
+def _log_first_ratio(record: dict) -> None:
+    if "log_ratio_before_update" not in record:
+        return
+    log_ratio = record["log_ratio_before_update"]
+    message = "policy ratio before the first update: max |log ratio| = %.2e (ratio within %.2e of 1; must be < %g)"
+    if log_ratio < RATIO_TOLERANCE:
+        logger.info(message, log_ratio, torch.expm1(torch.tensor(log_ratio)).item(), RATIO_TOLERANCE)
+    else:
+        logger.warning(
+            message + ": the trainer does not re-score rollouts as the engine sampled them (same dtype and "
+            "device on both sides?)",
+            log_ratio,
+            torch.expm1(torch.tensor(log_ratio)).item(),
+            RATIO_TOLERANCE,
+        )
+
+
+def _summary(
+    config: TrainingConfig,
+    history: list[dict],
+    eval_start: RewardedRollout,
+    eval_end: RewardedRollout,
+    train_s: float,
+    model_path: str,
+    lora_file: Path,
+) -> dict:
+    rewards = [record["reward_mean"] for record in history]
+    window = min(5, len(rewards))
+    first, last = sum(rewards[:window]) / window, sum(rewards[-window:]) / window
+    return {
+        "config": to_dict(config),
+        "model_path": model_path,
+        "steps": len(history),
+        "train_s": train_s,
+        "reward_first5": first,
+        "reward_last5": last,
+        "reward_margin": last - first,
+        "eval_reward_start": float(eval_start.rewards.mean()),
+        "eval_reward_end": float(eval_end.rewards.mean()),
+        "log_ratio_before_first_update": history[0].get("log_ratio_before_update") if history else None,
+        "final_weight_version": history[-1]["weight_version"] if history else None,
+        "lora_file": str(lora_file),
+    }

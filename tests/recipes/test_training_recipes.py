@@ -1,0 +1,116 @@
+"""The GRPO and DPO recipes end to end through the real `python -m recipes.run` entry point, on the
+tiny model, with the in-process and the worker-process executor."""
+
+from __future__ import annotations
+
+import json
+import runpy
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+
+import recipes.config
+
+CONFIG_DIR = Path(recipes.config.__file__).parent / "configs"
+STEPS = 3
+
+
+def run_cli(monkeypatch, config: str, *overrides: str) -> None:
+    argv = ["recipes/run.py", str(CONFIG_DIR / config)]
+    for override in overrides:
+        argv += ["--set", override]
+    monkeypatch.setattr(sys, "argv", argv)
+    runpy.run_module("recipes.run", run_name="__main__")
+
+
+def small_run(tmp_path: Path, executor: str) -> list[str]:
+    return [
+        f"output_dir={tmp_path / 'out'}",
+        f"model.tiny_cache_dir={tmp_path / 'tiny_sd3'}",
+        f"engine.executor={executor}",
+        f"engine.num_workers={2 if executor == 'mp' else 1}",
+        f"steps={STEPS}",
+        "prompts_per_step=2",
+        "sampling.num_samples=3",
+        "sampling.num_inference_steps=3",
+        "eval.num_prompts=2",
+        "eval.num_samples=2",
+        "eval.num_inference_steps=3",
+    ]
+
+
+def check_run_files(out: Path) -> tuple[list[dict], dict]:
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(STEPS))
+    versions = [r["weight_version"] for r in records]
+    assert versions == sorted(set(versions)), "every step pushed a new weight version"
+    for name in ("reward.png", "samples_start.png", "samples_end.png"):
+        with Image.open(out / name) as image:
+            assert image.size[0] > 0
+    with Image.open(out / "samples_start.png") as start, Image.open(out / "samples_end.png") as end:
+        assert start.size == end.size == (2 * 32 * 4 + 2, 2 * 32 * 4 + 2)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == STEPS and summary["final_weight_version"] == versions[-1]
+    assert (out / "lora" / "pytorch_lora_weights.safetensors").is_file()
+    return records, summary
+
+
+# runpy warns that recipes.run is already imported when another test imported it first.
+@pytest.mark.filterwarnings("ignore:.*found in sys.modules:RuntimeWarning")
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("executor", ["uni", "mp"])
+def test_grpo_recipe_runs_and_starts_at_ratio_one(tmp_path, monkeypatch, executor, caplog):
+    caplog.set_level("INFO", logger="recipes.training")
+    run_cli(monkeypatch, "grpo_tiny.yaml", *small_run(tmp_path, executor))
+    records, summary = check_run_files(tmp_path / "out")
+    assert summary["log_ratio_before_first_update"] < 1e-5
+    assert all(r["log_ratio_before_update"] < 1e-5 for r in records)
+    assert all(r["num_transitions"] == 2 * 3 * 3 for r in records)  # prompts x group x SDE steps
+    assert "policy ratio before the first update" in caplog.text
+
+
+@pytest.mark.filterwarnings("ignore:.*found in sys.modules:RuntimeWarning")
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("executor", ["uni", "mp"])
+def test_dpo_recipe_runs(tmp_path, monkeypatch, executor):
+    run_cli(monkeypatch, "dpo_tiny.yaml", *small_run(tmp_path, executor))
+    records, _ = check_run_files(tmp_path / "out")
+    assert all(r["num_pairs"] == 2 for r in records)
+    assert records[0]["loss"] == pytest.approx(0.6931, abs=1e-3)  # the policy starts as the reference
+
+
+@pytest.mark.filterwarnings("ignore:.*found in sys.modules:RuntimeWarning")
+@pytest.mark.timeout(300)
+def test_final_lora_loads_into_diffusers_and_the_engine(tmp_path, monkeypatch):
+    from diffusers import StableDiffusion3Pipeline
+
+    from rollout import EngineConfig, RolloutEngine, SamplingParams
+    from rollout.lora import read_lora_folder
+
+    run_cli(monkeypatch, "grpo_tiny.yaml", *small_run(tmp_path, "uni"), "lora.rank=4", "lora.alpha=16")
+    lora_dir = tmp_path / "out" / "lora"
+    tensors, config = read_lora_folder(lora_dir)
+    assert (config.r, config.lora_alpha) == (4, 16)  # the config travels in the file's metadata
+    assert any(t.abs().sum() > 0 for k, t in tensors.items() if ".lora_B." in k), "the LoRA was trained"
+
+    pipeline = StableDiffusion3Pipeline.from_pretrained(tmp_path / "tiny_sd3", text_encoder_3=None, tokenizer_3=None)
+    latents = torch.randn(1, 4, 16, 16, generator=torch.Generator().manual_seed(0))
+    embeds = torch.randn(1, 77, 64, generator=torch.Generator().manual_seed(1))
+    pooled = torch.randn(1, 64, generator=torch.Generator().manual_seed(2))
+
+    def velocity():
+        with torch.no_grad():
+            return pipeline.transformer(latents, embeds, pooled, torch.tensor([500.0]), return_dict=False)[0]
+
+    base = velocity()
+    pipeline.load_lora_weights(lora_dir)
+    assert not torch.allclose(velocity(), base), "diffusers applied the trained LoRA"
+
+    with RolloutEngine(EngineConfig(model=str(tmp_path / "tiny_sd3"))) as engine:
+        engine.load_lora("trained", str(lora_dir))
+        assert engine.lora_modules("trained") == 15  # 8 projections x 2 blocks; the last has no to_add_out
+        outputs = engine.generate("a red square", SamplingParams(num_inference_steps=2, lora="trained", seed=0))
+        assert outputs[0].lora == "trained"
