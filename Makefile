@@ -16,8 +16,9 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e ".[test,ray]"
 	touch $@
 
+# The main job: GRPO on the tiny built-in model (about 3 minutes on 2 CPU cores).
 demo: setup
-	$(PY) -m recipes.run recipes/configs/rollout_tiny.yaml
+	$(PY) -m recipes.run recipes/configs/grpo_tiny.yaml
 
 lint: setup
 	$(PY) -m ruff check .
