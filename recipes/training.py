@@ -165,6 +165,7 @@ def train(config: TrainingConfig, update: UpdateFn, postfix: Callable[[Any], dic
     output_dir = Path(config.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     model_path = config.model.resolve_path()
+    engine_config = config.engine.to_engine_config(model_path)  # checks the model folder before loading it
     torch.manual_seed(config.seed)
     generator = torch.Generator().manual_seed(config.seed)
     policy = LoraPolicy(
@@ -183,7 +184,7 @@ def train(config: TrainingConfig, update: UpdateFn, postfix: Callable[[Any], dic
     started = time.perf_counter()
     metrics_path = output_dir / "metrics.jsonl"
     with (
-        RolloutEngine(config.engine.to_engine_config(model_path)) as engine,
+        RolloutEngine(engine_config) as engine,
         ThreadPoolExecutor(1, thread_name_prefix="reward") as pool,
         metrics_path.open("w") as metrics,
     ):
