@@ -98,6 +98,7 @@ class LoraManager:
         with warnings.catch_warnings():  # PEFT warns on every second adapter; several is the point here
             warnings.filterwarnings("ignore", message="Already found a `peft_config` attribute")
             self.model.add_adapter(config, adapter_name=name)
+        adapter_to_float32(self.model, name)
         self.configs[name] = config
         self._active = None
         try:
@@ -177,6 +178,16 @@ class LoraManager:
             )
         if problems:
             raise ValueError(f"LoRA {name!r} refused: " + "; ".join(problems))
+
+
+def adapter_to_float32(model: nn.Module, name: str) -> None:
+    """Keep LoRA `name`'s weights in float32 whatever the model's dtype (PEFT makes them in the
+    model's). The trainer's copy holds them in float32 to train them, and the engine must compute the
+    same numbers: with bfloat16 adapters on one side the ratio drifts to ~2e-4 after the first update."""
+    for module in model.modules():
+        if isinstance(module, LoraLayer) and name in module.lora_A:
+            module.lora_A[name].float()
+            module.lora_B[name].float()
 
 
 def _base_module_names(model: nn.Module) -> set[str]:

@@ -14,7 +14,7 @@ import torch
 from peft import LoraConfig
 from peft.utils import get_peft_model_state_dict
 
-from rollout.lora import DIFFUSERS_LORA_FILE
+from rollout.lora import DIFFUSERS_LORA_FILE, adapter_to_float32
 from rollout.outputs import Trajectory
 from rollout.pipelines.condition import Condition
 from rollout.pipelines.loading import load_adapter
@@ -40,10 +40,7 @@ class LoraPolicy:
         transformer.requires_grad_(False)
         transformer.add_adapter(self.lora_config, adapter_name=name)
         transformer.set_adapters([name])
-        # PEFT creates the LoRA weights in the model's dtype; train them in float32 (the frozen
-        # base may be bfloat16), as diffusers' training scripts do.
-        for parameter in self.parameters():
-            parameter.data = parameter.data.float()
+        adapter_to_float32(transformer, name)  # trained in float32, and the engine computes with float32 too
 
     def parameters(self) -> list[torch.nn.Parameter]:
         """The trainable LoRA parameters (what the optimizer updates)."""

@@ -36,3 +36,22 @@ def test_policy_rescoring_is_ratio_one_and_trains_only_the_lora(engine, tiny_mod
     frozen = [p for p in policy.adapter.transformer.parameters() if not p.requires_grad]
     assert frozen and all(p.grad is None for p in frozen)
     engine.unload_lora("policy")
+
+
+def test_ratio_is_one_with_a_bfloat16_model(tiny_model):
+    """The base in bfloat16, the LoRA in float32 on both sides: a trained (non-zero) adapter re-scores
+    to ratio one, which it did not while the engine kept its adapter in bfloat16 (|log ratio| ~2e-4)."""
+    from rollout import EngineConfig, RolloutEngine
+
+    torch.manual_seed(0)
+    policy = LoraPolicy(tiny_model, CONFIG, dtype=torch.bfloat16)
+    assert {p.dtype for p in policy.parameters()} == {torch.float32}
+    with RolloutEngine(EngineConfig(model=tiny_model, dtype="bfloat16")) as engine:
+        policy.push(engine)
+        params = SamplingParams(num_inference_steps=3, num_samples=2, seed=2, lora="policy")
+        trajectories = [o.trajectory for o in engine.generate(["a red square", "a blue circle"], params)]
+    for step in range(3):
+        with torch.no_grad():
+            scored = policy.score(trajectories, step)
+        old = torch.stack([t.log_probs[step] for t in trajectories])
+        assert (scored.log_prob - old).abs().max() < 1e-5
