@@ -313,6 +313,7 @@ def _summary(
     lora_file: Path,
 ) -> dict:
     rewards = [record["reward_mean"] for record in history]
+    log_ratios = [record["log_ratio_before_update"] for record in history if "log_ratio_before_update" in record]
     window = min(5, len(rewards))
     first, last = sum(rewards[:window]) / window, sum(rewards[-window:]) / window
     return {
@@ -325,7 +326,9 @@ def _summary(
         "reward_margin": last - first,
         "eval_reward_start": float(eval_start.rewards.mean()),
         "eval_reward_end": float(eval_end.rewards.mean()),
-        "log_ratio_before_first_update": history[0].get("log_ratio_before_update") if history else None,
+        # GRPO's ratio check (DPO has none): before the first update, and its worst step.
+        "log_ratio_before_first_update": log_ratios[0] if log_ratios else None,
+        "log_ratio_before_update_max": max(log_ratios, default=None),
         "final_weight_version": history[-1]["weight_version"] if history else None,
         "lora_file": str(lora_file),
     }

@@ -67,6 +67,7 @@ def test_grpo_recipe_runs_and_starts_at_ratio_one(tmp_path, monkeypatch, executo
     run_cli(monkeypatch, "grpo_tiny.yaml", *small_run(tmp_path, executor))
     records, summary = check_run_files(tmp_path / "out")
     assert summary["log_ratio_before_first_update"] < 1e-5
+    assert summary["log_ratio_before_update_max"] < 1e-5
     assert all(r["log_ratio_before_update"] < 1e-5 for r in records)
     assert all(r["num_transitions"] == 2 * 3 * 3 for r in records)  # prompts x group x SDE steps
     assert "policy ratio before the first update" in caplog.text
