@@ -189,7 +189,7 @@ def train(config: TrainingConfig, update: UpdateFn, postfix: Callable[[Any], dic
         metrics_path.open("w") as metrics,
     ):
         version = policy.push(engine)
-        eval_start = _eval_samples(engine, config, prompts, reward)
+        eval_start = _eval_samples(engine, config, prompts, reward, pool)
         bar = tqdm(range(config.steps), desc=config.recipe, unit="step")
         for step in bar:
             step_params = dataclasses.replace(params, seed=derive_seed(config.seed, step, 0, "rollout"))
@@ -214,7 +214,7 @@ def train(config: TrainingConfig, update: UpdateFn, postfix: Callable[[Any], dic
             metrics.write(json.dumps(record) + "\n")
             metrics.flush()
             bar.set_postfix(reward=f"{record['reward_mean']:.4f}", **postfix(stats))
-        eval_end = _eval_samples(engine, config, prompts, reward)
+        eval_end = _eval_samples(engine, config, prompts, reward, pool)
     train_s = time.perf_counter() - started
 
     image_grid(eval_start.outputs, config.grid_scale).save(output_dir / "samples_start.png")
@@ -254,7 +254,9 @@ class _PromptOrder:
         return taken
 
 
-def _eval_samples(engine, config: TrainingConfig, prompts: list[str], reward) -> RewardedRollout:
+def _eval_samples(
+    engine, config: TrainingConfig, prompts: list[str], reward, pool: ThreadPoolExecutor
+) -> RewardedRollout:
     params = dataclasses.replace(
         config.sampling,
         lora=POLICY_ADAPTER,
@@ -264,8 +266,7 @@ def _eval_samples(engine, config: TrainingConfig, prompts: list[str], reward) ->
         sde_window=None,
         seed=config.eval.seed,
     )
-    with ThreadPoolExecutor(1) as pool:
-        return generate_with_rewards(engine, prompts[: config.eval.num_prompts], params, reward, pool, "eval")
+    return generate_with_rewards(engine, prompts[: config.eval.num_prompts], params, reward, pool, "eval")
 
 
 def _step_record(step: int, rollout: RewardedRollout, stats, version: int, update_s: float, push_s: float) -> dict:

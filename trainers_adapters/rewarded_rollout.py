@@ -51,12 +51,12 @@ def generate_with_rewards(
         raise ValueError("a rewarded rollout needs images; set return_image=True in the sampling params")
     started = time.perf_counter()
     group_of: dict[str, int] = {}
-    for index, prompt in enumerate(prompts):
-        ids = engine.add_request(prompt, params, prompt_index=index, request_id=f"{request_prefix}{index}")
-        group_of.update(dict.fromkeys(ids, index))
     finished: list[list[RolloutOutput]] = [[] for _ in prompts]
     futures: dict[int, Future] = {}
     try:
+        for index, prompt in enumerate(prompts):
+            ids = engine.add_request(prompt, params, prompt_index=index, request_id=f"{request_prefix}{index}")
+            group_of.update(dict.fromkeys(ids, index))
         while engine.has_unfinished_requests():
             for output in engine.step():
                 group = finished[group_of[output.request_id]]
