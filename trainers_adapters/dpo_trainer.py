@@ -15,6 +15,7 @@ import torch
 from rollout.pipelines.condition import Condition
 from trainers_adapters.dpo import dpo_loss, flow_matching_error, preference_pairs
 from trainers_adapters.lora_policy import LoraPolicy
+from trainers_adapters.optim import clip_and_step
 from trainers_adapters.rewarded_rollout import RewardedRollout
 
 
@@ -64,9 +65,7 @@ def dpo_step(
         (loss * len(chunk) / len(pairs)).backward()
         total_loss += loss.item() * len(chunk)
         correct += favoured
-    max_norm = settings.max_grad_norm if settings.max_grad_norm > 0 else float("inf")
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(policy.parameters(), max_norm))
-    optimizer.step()
+    grad_norm = clip_and_step(policy.parameters(), optimizer, settings.max_grad_norm)
     optimizer.zero_grad(set_to_none=True)
     winners = torch.tensor([winner for winner, _ in pairs])
     losers = torch.tensor([loser for _, loser in pairs])

@@ -16,6 +16,7 @@ import torch
 from trainers_adapters.advantages import group_advantages
 from trainers_adapters.grpo import gaussian_kl, grpo_policy_loss
 from trainers_adapters.lora_policy import LoraPolicy
+from trainers_adapters.optim import clip_and_step
 from trainers_adapters.rewarded_rollout import RewardedRollout
 
 
@@ -94,9 +95,7 @@ def grpo_step(
                 totals[key] += parts[key].item() * len(chunk)
             if number == 0:
                 log_ratio_before_update = max(log_ratio_before_update, max_abs_log)
-        max_norm = settings.max_grad_norm if settings.max_grad_norm > 0 else float("inf")
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(policy.parameters(), max_norm))
-        optimizer.step()
+        grad_norm = clip_and_step(policy.parameters(), optimizer, settings.max_grad_norm)
     optimizer.zero_grad(set_to_none=True)
     count = len(transitions)
     return GRPOStepStats(
