@@ -88,11 +88,10 @@ def grpo_step(
         optimizer.zero_grad(set_to_none=True)
         for start in range(0, len(minibatch), settings.micro_batch_size):
             chunk = [transitions[i] for i in minibatch[start : start + settings.micro_batch_size]]
-            parts, max_abs_log = _chunk_loss(policy, rollout, advantages, chunk, settings)
-            weight = len(chunk) / len(minibatch)
-            (parts["loss"] * weight).backward()
+            loss, parts, max_abs_log = _chunk_loss(policy, rollout, advantages, chunk, settings)
+            (loss * len(chunk) / len(minibatch)).backward()
             for key in totals:
-                totals[key] += parts[key].item() * len(chunk)
+                totals[key] += parts[key] * len(chunk)
             if number == 0:
                 log_ratio_before_update = max(log_ratio_before_update, max_abs_log)
         grad_norm = clip_and_step(policy.parameters(), optimizer, settings.max_grad_norm)
@@ -126,7 +125,8 @@ def _chunk_loss(
     advantages: torch.Tensor,
     chunk: list[tuple[int, int]],
     settings: GRPOSettings,
-) -> tuple[dict[str, torch.Tensor], float]:
+) -> tuple[torch.Tensor, dict[str, float], float]:
+    """The chunk's loss (to backpropagate), its statistics, and its max |log ratio|."""
     trajectories = [rollout.outputs[index].trajectory for index, _ in chunk]
     steps = [step for _, step in chunk]
     scored = policy.score(trajectories, steps)
@@ -139,11 +139,12 @@ def _chunk_loss(
         with policy.reference():
             reference = policy.score(trajectories, steps)
         kl = gaussian_kl(scored.mean, reference.mean, scored.std).mean()
+    loss = policy_loss + settings.kl_beta * kl
     parts = {
-        "loss": policy_loss + settings.kl_beta * kl,  # the caller backpropagates this one
-        "policy_loss": policy_loss.detach(),
-        "kl": kl.detach(),
-        "ratio_mean": torch.tensor(stats.ratio_mean),
-        "clip_fraction": torch.tensor(stats.clip_fraction),
+        "loss": loss.item(),
+        "policy_loss": policy_loss.item(),
+        "kl": kl.item(),
+        "ratio_mean": stats.ratio_mean,
+        "clip_fraction": stats.clip_fraction,
     }
-    return parts, stats.ratio_max_abs_log
+    return loss, parts, stats.ratio_max_abs_log
