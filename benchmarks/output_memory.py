@@ -1,0 +1,138 @@
+"""Bytes per sample that rollout outputs hold, per executor: latents vs. the conditioning.
+
+A trajectory carries its prompt's (and negative prompt's) embeddings so the trainer never
+re-encodes text. For SD3.5 at 512x512 those embeddings ([333, 4096] float32 each) are four times
+the size of the trajectory's latents, so whether the samples of one prompt share them or each hold
+a copy decides how much memory a rollout needs.
+
+The pipeline here has SD3.5-medium's conditioning and latent shapes at 512x512 (16 latent channels,
+64x64 latents, text embeddings [77 + 256, 4096]) with one-layer random models, so the bytes are
+the real ones while the compute stays small. Reported per sample:
+
+  latents      the trajectory's latents [T+1, 16, 64, 64] float32
+  referenced   every distinct tensor storage the outputs reference (shared tensors count once)
+  shm held     for "mp": growth of the engine process's resident shared memory (RssShmem) while
+               the outputs are alive, i.e. what their shared-memory blocks pin
+
+    python -m benchmarks.output_memory
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import tempfile
+from pathlib import Path
+
+import torch
+
+from benchmarks.common import json_args, write_json
+from rollout import EngineConfig, RolloutEngine, SamplingParams
+from rollout.pipelines.tiny import TinySD3Sizes, build_tiny_sd3
+
+MIB = 2**20
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.output_memory",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--prompts", type=int, default=2, help="distinct prompts per rollout")
+    parser.add_argument("--group-size", type=int, default=8, help="samples per prompt (num_samples)")
+    parser.add_argument("--steps", type=int, default=10, help="denoising steps (trajectory length)")
+    parser.add_argument("--executors", default="uni,mp", help="comma-separated executors to measure")
+    parser.add_argument("--mp-workers", type=int, default=2, help="worker processes of the mp executor")
+    parser.add_argument("--json", type=Path, metavar="PATH", help="also write the results as JSON to PATH")
+    return parser.parse_args(argv)
+
+
+def sd35_shaped_sizes() -> TinySD3Sizes:
+    """SD3.5-medium's latent and text-embedding shapes at 512x512, one layer of everything."""
+    return TinySD3Sizes(
+        sample_size=64,
+        latent_channels=16,
+        num_layers=1,
+        num_attention_heads=2,
+        attention_head_dim=32,
+        text_hidden_size=2048,  # two CLIP widths concatenated give the 4096 of T5's width
+        text_layers=1,
+        vae_block_out_channels=(16, 16),
+    )
+
+
+def tensors_in(value, found: list[torch.Tensor]) -> None:
+    """Every tensor reachable from an output (dataclass fields, lists, dicts)."""
+    if isinstance(value, torch.Tensor):
+        found.append(value)
+    elif isinstance(value, list | tuple):
+        for item in value:
+            tensors_in(item, found)
+    elif isinstance(value, dict):
+        for item in value.values():
+            tensors_in(item, found)
+    elif hasattr(value, "__dataclass_fields__"):
+        for name in value.__dataclass_fields__:
+            tensors_in(getattr(value, name), found)
+
+
+def referenced_bytes(outputs) -> int:
+    found: list[torch.Tensor] = []
+    tensors_in(outputs, found)
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in found}
+    return sum(storages.values())
+
+
+def rss_shmem_bytes() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("RssShmem:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def measure(model: str, executor: str, args: argparse.Namespace) -> dict:
+    workers = args.mp_workers if executor == "mp" else 1
+    config = EngineConfig(model=model, executor=executor, num_workers=workers, max_batch_size=args.group_size)
+    params = SamplingParams(num_inference_steps=args.steps, guidance_scale=4.5, num_samples=args.group_size, seed=0)
+    prompts = [f"prompt number {i}" for i in range(args.prompts)]
+    with RolloutEngine(config) as engine:
+        engine.generate(prompts[:1], SamplingParams(num_inference_steps=1, seed=0))  # warm up
+        gc.collect()
+        shm_before = rss_shmem_bytes()
+        outputs = engine.generate(prompts, params)
+        shm_held = rss_shmem_bytes() - shm_before
+        samples = len(outputs)
+        result = {
+            "samples": samples,
+            "latents_per_sample": outputs[0].trajectory.latents.nbytes,
+            "referenced_per_sample": referenced_bytes(outputs) / samples,
+            "shm_held_per_sample": shm_held / samples if executor == "mp" else None,
+        }
+        del outputs
+    return result
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    executors = args.executors.split(",")
+    with tempfile.TemporaryDirectory(prefix="rollout-bench-") as folder:
+        build_tiny_sd3(folder, seed=0, sizes=sd35_shaped_sizes())
+        results = {executor: measure(folder, executor, args) for executor in executors}
+    print(f"\n{args.prompts} prompts x {args.group_size} samples, {args.steps} steps, CFG on; SD3.5 shapes at 512x512")
+    header = f"{'executor':<10} {'latents MiB':>12} {'referenced MiB':>15} {'shm held MiB':>13}   (per sample)"
+    print(header)
+    print("-" * len(header))
+    for executor, row in results.items():
+        held = "-" if row["shm_held_per_sample"] is None else f"{row['shm_held_per_sample'] / MIB:.2f}"
+        print(
+            f"{executor:<10} {row['latents_per_sample'] / MIB:>12.2f} "
+            f"{row['referenced_per_sample'] / MIB:>15.2f} {held:>13}"
+        )
+    result = {"args": json_args(args), "results": results}
+    write_json(args.json, result)
+    return result
+
+
+if __name__ == "__main__":
+    main()
