@@ -106,9 +106,15 @@ class EngineSection:
 _EXTERNAL_HELP: dict[type, dict[str, str]] = {
     SamplingParams: {
         "num_inference_steps": "denoising steps per sample",
-        "guidance_scale": "classifier-free guidance scale (<= 1 skips the unconditional pass)",
+        "guidance_scale": "SD3: classifier-free guidance (<= 1 skips the unconditional pass); FLUX.1-dev: "
+        "its distilled guidance input; null takes the model's default; refused where unused (Qwen-Image)",
+        "true_cfg_scale": "FLUX.1 / Qwen-Image: real classifier-free guidance, > 1 needs negative_prompt; "
+        "null takes the model's default (1: off); refused by SD3",
+        "negative_prompt": "text of the unconditional branch of classifier-free guidance; null: SD3 uses ''",
         "height": "image height in pixels; null takes the model's default",
         "width": "image width in pixels; null takes the model's default",
+        "max_sequence_length": "text tokens encoded per prompt; null takes the pipeline's default",
+        "num_frames": "frames per sample, for video pipelines only; image pipelines refuse it",
         "sampler": "update rule: ode, flow_sde, cps or dance_sde",
         "noise_level": "SDE noise strength (Flow-GRPO's a, DanceGRPO's eta); > 0 for stochastic samplers",
         "sde_window": "[start, stop) step indices that are stochastic; null means every step",

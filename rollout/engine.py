@@ -106,7 +106,7 @@ class RolloutEngine(HotSwapAPI):
         the params give none, else a fresh one), `prompt_index` and the sample index."""
         self._check_open()
         self._check_awake()
-        height, width = self._check_request(prompt, params)
+        params = self._check_request(prompt, params)
         group_id = request_id if request_id is not None else f"req{next(self._request_counter)}"
         if params.seed is not None:
             base_seed = params.seed
@@ -124,8 +124,6 @@ class RolloutEngine(HotSwapAPI):
                 prompt_index=prompt_index,
                 sample_index=k,
                 params=params,
-                height=height,
-                width=width,
                 seed=derive_seed(base_seed, prompt_index, k, "step"),
                 init_noise_seed=derive_seed(base_seed, prompt_index, init_index, "init"),
             )
@@ -257,27 +255,18 @@ class RolloutEngine(HotSwapAPI):
             )
         return params
 
-    def _check_request(self, prompt: str, params: SamplingParams) -> tuple[int, int]:
-        """Check what depends on the model; returns the resolved (height, width)."""
+    def _check_request(self, prompt: str, params: SamplingParams) -> SamplingParams:
+        """Check what depends on the model; returns `params` with the model's defaults filled in."""
         if not isinstance(prompt, str):
             raise TypeError(f"a prompt must be a str, got {type(prompt).__name__}")
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
-        spec = self.model_spec
-        height = params.height if params.height is not None else spec.default_height
-        width = params.width if params.width is not None else spec.default_width
-        multiple = spec.size_multiple
-        problems = [
-            f"{name}={value} is not divisible by {multiple} (VAE scale {spec.vae_scale_factor} x patch "
-            f"size {spec.patch_size}); use e.g. {max(multiple, value // multiple * multiple)}"
-            for name, value in (("height", height), ("width", width))
-            if value % multiple
-        ]
+        resolved, problems = self.model_spec.resolve(params)
         if params.lora is not None and params.lora not in self._loras:
             problems.append(f"lora {params.lora!r} is not loaded; loaded: {self.list_loras()} (see load_lora)")
         if problems:
             raise ValueError("invalid request: " + "; ".join(problems))
-        return height, width
+        return resolved
 
     def _finish_running_requests(self) -> None:
         """Step the admitted requests to the end (admitting no new ones); keep their outputs for

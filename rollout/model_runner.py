@@ -4,17 +4,21 @@ The runner builds per-sample vectors (sigma, sigma_next, guidance, noise level),
 adapter for velocities in one forward pass, and applies each sample's update rule: the SDE sampler
 at its stochastic steps, the ODE elsewhere. Noise comes from each request's own generator, so a
 sample's result does not depend on its batch-mates.
+
+Text is encoded once per distinct text: a new request reuses the embeddings of a live request with
+the same prompt (or negative prompt), so every sample of a prompt references one conditioning.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
 
 from rollout.lora import LoraManager
 from rollout.outputs import Trajectory
-from rollout.pipelines.condition import Condition
+from rollout.pipelines.condition import Condition, PromptEmbeds
 from rollout.request import NewRequestData
 from rollout.samplers import get_sampler
 from rollout.seeding import make_generator
@@ -25,12 +29,13 @@ class RequestState:
     """A worker's live state for one request."""
 
     data: NewRequestData
-    condition: Condition  # on the model's device and dtype
+    condition: Condition  # on the model's device and dtype, shared with the prompt's other samples
+    encoder_generation: int  # the text encoders' weights the condition was encoded with
     timesteps: torch.Tensor  # [T] float32, CPU
     sigmas: torch.Tensor  # [T+1] float32, CPU
     sde_mask: list[bool]
     step_generator: torch.Generator
-    latents: torch.Tensor  # [C, h, w] float32 on the device: the current x_t
+    latents: torch.Tensor  # [*latent_shape] float32 on the device: the current x_t
     history: list[torch.Tensor]  # latents after each step, index 0 the initial noise
     log_probs: list[torch.Tensor] = field(default_factory=list)  # [] float32 per step
     step_index: int = 0
@@ -38,6 +43,14 @@ class RequestState:
     @property
     def done(self) -> bool:
         return self.step_index == len(self.sde_mask)
+
+    def encoded_texts(self) -> dict[tuple[str, int], PromptEmbeds]:
+        """(text, max_sequence_length) -> embeddings, for the texts this request holds."""
+        params = self.data.params
+        texts = {(self.data.prompt, params.max_sequence_length): self.condition.prompt}
+        if self.condition.negative is not None:
+            texts[(params.negative_prompt, params.max_sequence_length)] = self.condition.negative
+        return texts
 
 
 @dataclass
@@ -59,32 +72,43 @@ class ModelRunner:
     def __init__(self, adapter, loras: LoraManager):
         self.adapter = adapter
         self.loras = loras
+        # Bumped whenever weights change: embeddings of an older generation are not reused.
+        self.encoder_generation = 0
 
-    def prepare(self, new_requests: list[NewRequestData]) -> list[RequestState]:
-        """Encode prompts (once per distinct prompt), draw initial noise, fetch schedules."""
+    def prepare(self, new_requests: list[NewRequestData], live: Iterable[RequestState]) -> list[RequestState]:
+        """Encode the texts no live request holds (one at a time), draw initial noise, fetch schedules."""
         if not new_requests:
             return []
-        prompts = sorted({r.prompt for r in new_requests})
-        conditions = dict(zip(prompts, self.adapter.encode_prompts(prompts), strict=True))
-        states = []
-        for data in new_requests:
-            shape = self.adapter.spec.latent_shape(data.height, data.width)
-            timesteps, sigmas = self.adapter.schedule(data.params.num_inference_steps, shape[1:])
-            initial = torch.randn(shape, generator=make_generator(data.init_noise_seed), dtype=torch.float32)
-            initial = initial.to(self.adapter.device)
-            states.append(
-                RequestState(
-                    data=data,
-                    condition=conditions[data.prompt],
-                    timesteps=timesteps,
-                    sigmas=sigmas,
-                    sde_mask=data.params.sde_mask(),
-                    step_generator=make_generator(data.step_noise_seed),
-                    latents=initial,
-                    history=[initial],
-                )
-            )
-        return states
+        encoded: dict[tuple[str, int], PromptEmbeds] = {}
+        for state in live:
+            if state.encoder_generation == self.encoder_generation:
+                encoded |= state.encoded_texts()
+        wanted = [(r.prompt, r.params.max_sequence_length) for r in new_requests]
+        wanted += [(r.params.negative_prompt, r.params.max_sequence_length) for r in new_requests]
+        for text, length in dict.fromkeys(wanted):  # first-seen order, no repeats
+            if text is not None and (text, length) not in encoded:
+                encoded[(text, length)] = self.adapter.encode_prompts([text], length)[0]
+        return [self._new_state(data, encoded) for data in new_requests]
+
+    def _new_state(self, data: NewRequestData, encoded: dict[tuple[str, int], PromptEmbeds]) -> RequestState:
+        params = data.params
+        length = params.max_sequence_length
+        negative = encoded[(params.negative_prompt, length)] if params.negative_prompt is not None else None
+        timesteps, sigmas = self.adapter.schedule(params.num_inference_steps, params.height, params.width)
+        shape = self.adapter.spec.latent_shape(params.height, params.width)
+        initial = torch.randn(shape, generator=make_generator(data.init_noise_seed), dtype=torch.float32)
+        initial = initial.to(self.adapter.device)
+        return RequestState(
+            data=data,
+            condition=Condition(encoded[(data.prompt, length)], negative),
+            encoder_generation=self.encoder_generation,
+            timesteps=timesteps,
+            sigmas=sigmas,
+            sde_mask=params.sde_mask(),
+            step_generator=make_generator(data.step_noise_seed),
+            latents=initial,
+            history=[initial],
+        )
 
     @torch.no_grad()
     def step(self, states: list[RequestState]) -> None:
@@ -93,12 +117,16 @@ class ModelRunner:
         latents = torch.stack([s.latents for s in states])
         sigma = torch.stack([s.sigmas[s.step_index] for s in states]).to(device)
         sigma_next = torch.stack([s.sigmas[s.step_index + 1] for s in states]).to(device)
-        guidance = torch.tensor([s.data.params.guidance_scale for s in states], dtype=torch.float32)
         noise_level = torch.tensor([s.data.params.noise_level for s in states], dtype=torch.float32).to(device)
-        condition = Condition.stack([s.condition for s in states])
         params = states[0].data.params  # the scheduler batches one adapter and scale together
         self.loras.activate(params.lora, params.lora_scale)
-        velocity = self.adapter.predict_velocity(latents, sigma, condition, guidance.to(device))
+        velocity = self.adapter.predict_velocity(
+            latents,
+            sigma,
+            [s.condition for s in states],
+            guidance_scale=_per_sample(states, "guidance_scale"),
+            true_cfg_scale=_per_sample(states, "true_cfg_scale"),
+        )
 
         # Group samples by the rule they use at this step: their sampler if the step is stochastic,
         # the ODE otherwise.
@@ -132,38 +160,55 @@ class ModelRunner:
         if to_decode:
             decoded = self._decode_by_shape(to_decode)
             images = {s.data.request_id: img for s, img in zip(to_decode, decoded, strict=True)}
+        # One CPU copy per embeddings object, however many finished samples share it.
+        on_cpu: dict[int, PromptEmbeds] = {}
         return [
             FinishedRequest(
                 request_id=s.data.request_id,
                 image=images.get(s.data.request_id),
-                trajectory=self._trajectory(s) if s.data.params.return_trajectory else None,
+                trajectory=self._trajectory(s, on_cpu) if s.data.params.return_trajectory else None,
             )
             for s in states
         ]
 
     def _decode_by_shape(self, states: list[RequestState]) -> list[torch.Tensor]:
         images: list[torch.Tensor | None] = [None] * len(states)
-        by_shape: dict[tuple, list[int]] = {}
+        by_size: dict[tuple[int, int], list[int]] = {}
         for i, s in enumerate(states):
-            by_shape.setdefault(tuple(s.latents.shape), []).append(i)
-        for indices in by_shape.values():
-            decoded = self.adapter.decode(torch.stack([states[i].latents for i in indices]))
+            by_size.setdefault((s.data.params.height, s.data.params.width), []).append(i)
+        for (height, width), indices in by_size.items():
+            decoded = self.adapter.decode(torch.stack([states[i].latents for i in indices]), height, width)
             for j, i in enumerate(indices):
                 images[i] = decoded[j]
         return images
 
     @staticmethod
-    def _trajectory(state: RequestState) -> Trajectory:
+    def _trajectory(state: RequestState, on_cpu: dict[int, PromptEmbeds]) -> Trajectory:
         params = state.data.params
-        condition = state.condition.to("cpu", torch.float32)
+
+        def cpu(embeds: PromptEmbeds | None) -> PromptEmbeds | None:
+            if embeds is None:
+                return None
+            if id(embeds) not in on_cpu:
+                on_cpu[id(embeds)] = embeds.to("cpu", torch.float32)
+            return on_cpu[id(embeds)]
+
         return Trajectory(
             latents=torch.stack(state.history).to("cpu", torch.float32),
             log_probs=torch.stack(state.log_probs).to("cpu", torch.float32),
             timesteps=state.timesteps.clone(),
             sigmas=state.sigmas.clone(),
             sde_mask=torch.tensor(state.sde_mask, dtype=torch.bool),
-            condition=condition,
+            condition=Condition(cpu(state.condition.prompt), cpu(state.condition.negative)),
             sampler=params.sampler,
             noise_level=params.noise_level,
             guidance_scale=params.guidance_scale,
+            true_cfg_scale=params.true_cfg_scale,
         )
+
+
+def _per_sample(states: list[RequestState], name: str) -> torch.Tensor | None:
+    """The batch's values of guidance field `name` [B], or None when the model does not use it
+    (resolved requests of one model all set it or all leave it None)."""
+    values = [getattr(s.data.params, name) for s in states]
+    return None if values[0] is None else torch.tensor(values, dtype=torch.float32)

@@ -13,14 +13,18 @@ from rollout.pipelines.condition import Condition
 class Trajectory:
     """Everything a policy-gradient trainer needs to re-score the denoising chain of one sample.
 
-    latents: [T+1, C, h, w] float32; index 0 is the initial noise, index T the final latents.
+    latents: [T+1, *latent_shape] float32; index 0 is the initial noise, index T the final latents.
+        Each entry has the form the model's diffusers pipeline takes as `latents=`: [C, h, w] for
+        SD3, packed 2x2 patches [h/2 * w/2, C*4] for FLUX.1 and Qwen-Image.
     log_probs: [T] float32; log-density of latents[i+1] given latents[i] for SDE steps (averaged
-        over C*h*w), 0 where `sde_mask` is False.
+        over the latent's elements), 0 where `sde_mask` is False.
     timesteps: [T] float32, the model timesteps (sigma * num_train_timesteps).
     sigmas: [T+1] float32, noise levels; sigmas[T] = 0.
     sde_mask: [T] bool, which steps were stochastic.
-    condition: the prompt (and negative prompt) embeddings the velocities were computed with.
-    sampler, noise_level, guidance_scale: what the steps used, so re-scoring needs nothing else.
+    condition: the prompt (and, with classifier-free guidance, negative prompt) embeddings the
+        velocities were computed with, float32; shared with the other samples of the prompt.
+    sampler, noise_level, guidance_scale, true_cfg_scale: what the steps used (None where the model
+        does not use a guidance field), so re-scoring needs nothing else.
     """
 
     latents: torch.Tensor
@@ -31,7 +35,8 @@ class Trajectory:
     condition: Condition
     sampler: str
     noise_level: float
-    guidance_scale: float
+    guidance_scale: float | None
+    true_cfg_scale: float | None
 
     @property
     def num_steps(self) -> int:

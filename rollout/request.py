@@ -19,13 +19,11 @@ class RequestStatus(enum.Enum):
 @dataclass(frozen=True)
 class NewRequestData:
     """Wire format: everything a worker needs to start a request, sent once; later steps send only
-    the id."""
+    the id. `params` are resolved against the model (`ModelSpec.resolve`): no default left open."""
 
     request_id: str
     prompt: str
     params: SamplingParams
-    height: int
-    width: int
     init_noise_seed: int
     step_noise_seed: int
 
@@ -38,9 +36,7 @@ class Request:
     prompt: str
     prompt_index: int
     sample_index: int
-    params: SamplingParams
-    height: int
-    width: int
+    params: SamplingParams  # resolved against the model
     seed: int  # this sample's step-noise seed, reported in its output
     init_noise_seed: int
     status: RequestStatus = RequestStatus.WAITING
@@ -58,16 +54,16 @@ class Request:
 
     @property
     def batch_key(self) -> tuple:
-        """Requests with equal keys can share one forward pass (same latent shape and adapter)."""
-        return (self.height, self.width, self.params.lora, self.params.lora_scale)
+        """Requests with equal keys can share one forward pass (same latent and text shapes, same
+        adapter)."""
+        p = self.params
+        return (p.height, p.width, p.num_frames, p.max_sequence_length, p.lora, p.lora_scale)
 
     def new_request_data(self) -> NewRequestData:
         return NewRequestData(
             request_id=self.request_id,
             prompt=self.prompt,
             params=self.params,
-            height=self.height,
-            width=self.width,
             init_noise_seed=self.init_noise_seed,
             step_noise_seed=self.seed,
         )

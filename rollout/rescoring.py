@@ -7,6 +7,8 @@ exp(new - old) is 1 up to float error.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from rollout.outputs import Trajectory
@@ -20,17 +22,21 @@ def score_transitions(
     next_latents: torch.Tensor,
     sigmas: torch.Tensor,
     sigmas_next: torch.Tensor,
-    condition: Condition,
-    guidance_scale: torch.Tensor | float,
+    conditions: Sequence[Condition],
     sampler: str,
     noise_level: torch.Tensor | float,
+    guidance_scale: torch.Tensor | float | None = None,
+    true_cfg_scale: torch.Tensor | float | None = None,
 ) -> StepOutput:
     """Log-prob of `next_latents` given `latents` for a batch of transitions, with a fresh velocity.
 
-    latents, next_latents: [B, C, h, w] float32; sigmas, sigmas_next: [B]; condition batched.
-    Gradients flow through the model when autograd is enabled.
+    latents, next_latents: [B, *latent_shape] float32; sigmas, sigmas_next: [B]; conditions: one
+    per transition; guidance as the trajectories recorded it. Gradients flow through the model when
+    autograd is enabled.
     """
-    velocity = adapter.predict_velocity(latents, sigmas, condition, guidance_scale)
+    velocity = adapter.predict_velocity(
+        latents, sigmas, conditions, guidance_scale=guidance_scale, true_cfg_scale=true_cfg_scale
+    )
     device = velocity.device
     return get_sampler(sampler)(
         latents.to(device),
@@ -49,17 +55,17 @@ def recompute_log_probs(adapter, trajectory: Trajectory) -> torch.Tensor:
     log_probs = torch.zeros(trajectory.num_steps, dtype=torch.float32)
     if len(steps) == 0:
         return log_probs
-    condition = Condition.stack([trajectory.condition] * len(steps))
     scored = score_transitions(
         adapter,
         trajectory.latents[steps],
         trajectory.latents[steps + 1],
         trajectory.sigmas[steps],
         trajectory.sigmas[steps + 1],
-        condition,
-        trajectory.guidance_scale,
+        [trajectory.condition] * len(steps),
         trajectory.sampler,
         trajectory.noise_level,
+        guidance_scale=trajectory.guidance_scale,
+        true_cfg_scale=trajectory.true_cfg_scale,
     )
     log_probs[steps] = scored.log_prob.detach().cpu()
     return log_probs

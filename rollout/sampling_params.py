@@ -11,6 +11,16 @@ from rollout.samplers import SAMPLERS, is_stochastic_step
 class SamplingParams:
     """Sampling settings for one prompt; `num_samples` samples (a GRPO group) are drawn from it.
 
+    Fields named like an argument of the model's diffusers pipeline mean what that argument means
+    there; None takes the model's default, and a field the model does not use is refused:
+    guidance_scale: SD3's classifier-free guidance; FLUX.1-dev's distilled guidance (an input of
+        the model, no second pass).
+    true_cfg_scale: real classifier-free guidance for FLUX.1 and Qwen-Image (> 1 turns it on and
+        needs a `negative_prompt`; Qwen-Image rescales the guided prediction to the conditional
+        one's norm, as its pipeline does).
+    negative_prompt: the unconditional branch of classifier-free guidance (SD3 uses "" when unset).
+    max_sequence_length: text tokens the pipeline encodes (SD3's T5: 256, FLUX: 512 by default).
+    num_frames: for video pipelines; image pipelines refuse it.
     sde_window: half-open range `(start, stop)` of step indices that use the stochastic sampler;
         the other steps are deterministic ODE steps with `sde_mask` False. None means every step.
     seed: base seed; each sample's seed is derived from it, the prompt index and the sample index,
@@ -21,9 +31,13 @@ class SamplingParams:
     """
 
     num_inference_steps: int = 10
-    guidance_scale: float = 4.5
+    guidance_scale: float | None = None
+    true_cfg_scale: float | None = None
+    negative_prompt: str | None = None
     height: int | None = None
     width: int | None = None
+    max_sequence_length: int | None = None
+    num_frames: int | None = None
     sampler: str = "flow_sde"
     noise_level: float = 0.7
     sde_window: tuple[int, int] | None = None
@@ -57,11 +71,15 @@ class SamplingParams:
                 f"noise_level 0 gives sampler {self.sampler!r} no noise and no log-prob; "
                 "use sampler='ode' for deterministic sampling or a noise_level > 0"
             )
-        if self.guidance_scale < 0:
-            problems.append(f"guidance_scale must be >= 0, got {self.guidance_scale}")
+        for name in ("guidance_scale", "true_cfg_scale"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int | float) or value < 0):
+                problems.append(f"{name} must be a number >= 0 or None, got {value!r}")
+        if self.negative_prompt is not None and not isinstance(self.negative_prompt, str):
+            problems.append(f"negative_prompt must be a str or None, got {self.negative_prompt!r}")
         if not isinstance(self.num_samples, int) or self.num_samples < 1:
             problems.append(f"num_samples must be an integer >= 1, got {self.num_samples!r}")
-        for name in ("height", "width"):
+        for name in ("height", "width", "max_sequence_length", "num_frames"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 problems.append(f"{name} must be a positive integer or None, got {value!r}")

@@ -17,7 +17,7 @@ from rollout.imports import import_by_path
 from rollout.lora import LoraManager, read_lora_folder
 from rollout.model_runner import ModelRunner, RequestState, RunnerOutput
 from rollout.pipelines.loading import load_adapter
-from rollout.pipelines.sd3 import ModelSpec
+from rollout.pipelines.spec import ModelSpec
 from rollout.scheduler import WorkerInput
 from rollout.sleep import Sleeper
 from rollout.weights import StagedUpdates, TensorSpec, base_state, checksum, specs_of
@@ -42,7 +42,7 @@ class Worker:
         start = time.perf_counter()
         for request_id in work.free_ids:
             self.requests.pop(request_id, None)
-        for state in self.runner.prepare(work.new_requests):
+        for state in self.runner.prepare(work.new_requests, self.requests.values()):
             self.requests[state.data.request_id] = state
         batch = [self.requests[request_id] for request_id in work.step_ids]
         if batch:
@@ -103,6 +103,7 @@ class Worker:
 
     def commit_weights(self, component: str) -> None:
         self.updates.commit(component)
+        self.runner.encoder_generation += 1  # text embeddings encoded before may be stale now
 
     def rollback_weights(self, component: str) -> None:
         self.updates.rollback(component)
@@ -129,6 +130,7 @@ class Worker:
 
     def wake_up(self) -> None:
         self.sleeper.wake_up()
+        self.runner.encoder_generation += 1
 
 
 # Instance attributes a worker sets in __init__; an extension method of the same name would be hidden.

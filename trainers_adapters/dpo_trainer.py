@@ -12,7 +12,6 @@ from dataclasses import dataclass
 
 import torch
 
-from rollout.pipelines.condition import Condition
 from trainers_adapters.dpo import dpo_loss, flow_matching_error, preference_pairs
 from trainers_adapters.lora_policy import LoraPolicy
 from trainers_adapters.optim import clip_and_step
@@ -90,16 +89,17 @@ def _chunk_loss(
     order = [winner for winner, _ in chunk] + [loser for _, loser in chunk]  # winners first, then losers
     device = policy.adapter.device
     x0 = torch.stack([trajectories[i].latents[-1] for i in order]).to(device)
+    ones = [1] * (x0.ndim - 1)  # latents of any rank
     # One sigma and one noise per pair, shared by its winner and loser.
     schedule = [trajectories[w].sigmas[:-1] for w, _ in chunk]
     sigmas = torch.stack([s[torch.randint(len(s), (), generator=generator)] for s in schedule]).repeat(2)
-    noise = torch.randn(x0[: len(chunk)].shape, generator=generator).repeat(2, 1, 1, 1).to(device)
-    sigmas = sigmas.to(device).view(-1, 1, 1, 1)
-    noisy = (1 - sigmas) * x0 + sigmas * noise
-    condition = Condition.stack([trajectories[i].condition for i in order])
-    errors = flow_matching_error(policy.predict_velocity(noisy, sigmas.flatten(), condition), x0, noise)
+    noise = torch.randn(x0[: len(chunk)].shape, generator=generator).repeat(2, *ones).to(device)
+    sigmas = sigmas.to(device)
+    noisy = (1 - sigmas.view(-1, *ones)) * x0 + sigmas.view(-1, *ones) * noise
+    ordered = [trajectories[i] for i in order]
+    errors = flow_matching_error(policy.predict_velocity(noisy, sigmas, ordered), x0, noise)
     with policy.reference():
-        reference = flow_matching_error(policy.predict_velocity(noisy, sigmas.flatten(), condition), x0, noise)
+        reference = flow_matching_error(policy.predict_velocity(noisy, sigmas, ordered), x0, noise)
     err_w, err_l = errors.chunk(2)
     ref_w, ref_l = reference.chunk(2)
     favoured = int(((err_w - err_l) < (ref_w - ref_l)).sum())

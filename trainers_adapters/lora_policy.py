@@ -23,7 +23,8 @@ from rollout.samplers import StepOutput
 
 
 class LoraPolicy:
-    """A frozen base model plus one trainable LoRA adapter named `name`."""
+    """A frozen base model plus one trainable LoRA adapter named `name`. A config that names no
+    `target_modules` gets the model family's default targets."""
 
     def __init__(
         self,
@@ -36,6 +37,8 @@ class LoraPolicy:
         self.adapter = load_adapter(model, device, dtype)
         self.name = name
         self.lora_config = lora_config if isinstance(lora_config, LoraConfig) else LoraConfig(**lora_config)
+        if self.lora_config.target_modules is None:
+            self.lora_config.target_modules = set(self.adapter.default_lora_targets)
         transformer = self.adapter.transformer
         transformer.requires_grad_(False)
         transformer.add_adapter(self.lora_config, adapter_name=name)
@@ -97,13 +100,18 @@ class LoraPolicy:
             torch.stack([t.latents[s + 1] for t, s in pairs]),
             torch.stack([t.sigmas[s] for t, s in pairs]),
             torch.stack([t.sigmas[s + 1] for t, s in pairs]),
-            Condition.stack([t.condition for t in trajectories]),
-            first.guidance_scale,
+            [t.condition for t in trajectories],
             first.sampler,
             first.noise_level,
+            guidance_scale=first.guidance_scale,
+            true_cfg_scale=first.true_cfg_scale,
         )
 
-    def predict_velocity(self, latents: torch.Tensor, sigmas: torch.Tensor, condition: Condition) -> torch.Tensor:
-        """The conditional velocity [B, C, h, w] float32 (no guidance), as DPO's flow-matching loss
-        uses it; under `with policy.reference():` the reference's."""
-        return self.adapter.predict_velocity(latents, sigmas, condition, 1.0)
+    def predict_velocity(self, latents: torch.Tensor, sigmas: torch.Tensor, trajectories: Sequence[Trajectory]):
+        """The conditional velocity [B, *latent_shape] float32 of each trajectory's prompt, without
+        classifier-free guidance (a guidance-distilled model still gets its guidance input), as
+        DPO's flow-matching loss uses it; under `with policy.reference():` the reference's."""
+        conditions = [Condition(t.condition.prompt) for t in trajectories]
+        return self.adapter.predict_velocity(
+            latents, sigmas, conditions, guidance_scale=trajectories[0].guidance_scale
+        )

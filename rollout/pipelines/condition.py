@@ -1,39 +1,100 @@
-"""Prompt conditioning that travels with a trajectory, so a trainer never re-encodes text."""
+"""Text conditioning: a family's prompt embeddings, one sample's condition, and a batch of them.
+
+A trajectory carries its condition so a trainer never re-encodes text. Conditions are shared, not
+copied: every sample of a prompt references one `PromptEmbeds`, and every sample with the same
+negative prompt another.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
 
 @dataclass
-class Condition:
-    """Text conditioning of one sample (unbatched) or of a batch (leading dim B).
+class PromptEmbeds:
+    """Base of a family's text embeddings: a dataclass whose fields are tensors, for one prompt
+    (unbatched) or a batch (leading dim B).
 
-    prompt_embeds: [L, D]; pooled_prompt_embeds: [P]; the negative_* pair is the unconditional
-    branch of classifier-free guidance (the empty prompt).
+    Prompts of different token lengths differ in the fields named in `padded_fields` (dim 0 when
+    unbatched); `stack` pads those with zeros to the longest, so the family keeps a mask among them
+    (zero, i.e. False, marks padding). Any other field must have the same shape for every prompt.
     """
 
-    prompt_embeds: torch.Tensor
-    pooled_prompt_embeds: torch.Tensor
-    negative_prompt_embeds: torch.Tensor
-    negative_pooled_prompt_embeds: torch.Tensor
+    padded_fields: ClassVar[tuple[str, ...]] = ()
 
-    @staticmethod
-    def stack(conditions: list[Condition]) -> Condition:
-        """Batch per-sample conditions along a new leading dim."""
-        return Condition(
-            prompt_embeds=torch.stack([c.prompt_embeds for c in conditions]),
-            pooled_prompt_embeds=torch.stack([c.pooled_prompt_embeds for c in conditions]),
-            negative_prompt_embeds=torch.stack([c.negative_prompt_embeds for c in conditions]),
-            negative_pooled_prompt_embeds=torch.stack([c.negative_pooled_prompt_embeds for c in conditions]),
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> PromptEmbeds:
+        """On `device`, with floating-point fields cast to `dtype` (when given); masks keep theirs."""
+        return dataclasses.replace(
+            self,
+            **{
+                name: t.to(device, dtype if dtype is not None and t.is_floating_point() else t.dtype)
+                for name, t in self.tensors().items()
+            },
         )
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors().values())
+
+    @classmethod
+    def stack(cls, items: Sequence[PromptEmbeds]) -> PromptEmbeds:
+        """Batch unbatched embeddings along a new leading dim, padding `padded_fields` to the longest."""
+        batched = {}
+        for f in dataclasses.fields(cls):
+            tensors = [getattr(item, f.name) for item in items]
+            shapes = {t.shape for t in tensors}
+            if len(shapes) > 1:
+                if f.name not in cls.padded_fields:
+                    raise ValueError(f"{cls.__name__}.{f.name} differs in shape between prompts: {sorted(shapes)}")
+                length = max(t.shape[0] for t in tensors)
+                tensors = [_pad(t, length) for t in tensors]
+            batched[f.name] = torch.stack(tensors)
+        return cls(**batched)
+
+
+def _pad(tensor: torch.Tensor, length: int) -> torch.Tensor:
+    if tensor.shape[0] == length:
+        return tensor
+    padding = tensor.new_zeros((length - tensor.shape[0], *tensor.shape[1:]))
+    return torch.cat([tensor, padding])
+
+
+@dataclass
+class Condition:
+    """One sample's text conditioning: the embeddings of its prompt and, when it is sampled with
+    classifier-free guidance, of its negative prompt (None without CFG)."""
+
+    prompt: PromptEmbeds
+    negative: PromptEmbeds | None = None
 
     def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> Condition:
-        return Condition(
-            prompt_embeds=self.prompt_embeds.to(device, dtype),
-            pooled_prompt_embeds=self.pooled_prompt_embeds.to(device, dtype),
-            negative_prompt_embeds=self.negative_prompt_embeds.to(device, dtype),
-            negative_pooled_prompt_embeds=self.negative_pooled_prompt_embeds.to(device, dtype),
-        )
+        negative = self.negative.to(device, dtype) if self.negative is not None else None
+        return Condition(self.prompt.to(device, dtype), negative)
+
+
+@dataclass
+class ConditionBatch:
+    """A batch's conditioning as the transformer takes it.
+
+    embeds: B + N rows: the B samples' prompts, then the negative prompts of the N samples with
+        classifier-free guidance, in batch order, padded to one length.
+    cfg: [B] bool, the samples with classifier-free guidance.
+    """
+
+    embeds: PromptEmbeds
+    cfg: torch.Tensor
+
+    @staticmethod
+    def of(conditions: Sequence[Condition], guided: bool = True) -> ConditionBatch:
+        """The batch of `conditions`; with `guided=False` every sample is conditional only."""
+        cfg = [guided and c.negative is not None for c in conditions]
+        rows = [c.prompt for c in conditions] + [c.negative for c, g in zip(conditions, cfg, strict=True) if g]
+        return ConditionBatch(type(rows[0]).stack(rows), torch.tensor(cfg, dtype=torch.bool))

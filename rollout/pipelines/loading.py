@@ -1,7 +1,12 @@
-"""Find, check and load a local diffusers pipeline folder into the adapter for its model family."""
+"""Find, check and load a local diffusers pipeline folder into the adapter of its model family.
+
+This is the one place that maps a pipeline class (`_class_name` in model_index.json) to a family;
+a new family is one file in this folder plus one line in `FAMILIES`.
+"""
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 from pathlib import Path
@@ -10,8 +15,10 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-# Pipeline class (model_index.json `_class_name`) -> adapter. More families (FLUX) join here.
-SUPPORTED_PIPELINES = ("StableDiffusion3Pipeline",)
+# Pipeline class -> "module:AdapterClass". Modules are imported only when their family is loaded.
+FAMILIES = {
+    "StableDiffusion3Pipeline": "rollout.pipelines.sd3:SD3Adapter",
+}
 
 
 def read_model_index(path: str | Path) -> dict:
@@ -33,25 +40,23 @@ def read_model_index(path: str | Path) -> dict:
         )
     index = json.loads(index_file.read_text())
     class_name = index.get("_class_name")
-    if class_name not in SUPPORTED_PIPELINES:
+    if class_name not in FAMILIES:
         raise ValueError(
             f"model folder {str(folder)!r} holds a {class_name}, which is not supported; "
-            f"supported pipelines: {', '.join(SUPPORTED_PIPELINES)}"
+            f"supported pipelines: {', '.join(FAMILIES)}"
         )
     return index
 
 
+def adapter_class(pipeline_class: str) -> type:
+    module, _, name = FAMILIES[pipeline_class].partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
 def load_adapter(path: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32):
-    """Load the pipeline with diffusers' `from_pretrained` (local files only) and wrap it."""
-    from diffusers import StableDiffusion3Pipeline
-
-    from rollout.pipelines.sd3 import SD3Adapter
-
+    """Load the pipeline with diffusers' `from_pretrained` (local files only) and wrap it in its
+    family's `PipelineAdapter`."""
     index = read_model_index(path)
-    # Components saved as [null, null] (e.g. SD3 without T5) must be passed explicitly as None.
-    absent = {name: None for name, value in index.items() if isinstance(value, list) and value[0] is None}
-    pipeline = StableDiffusion3Pipeline.from_pretrained(str(path), dtype=dtype, local_files_only=True, **absent)
-    pipeline.to(device)
-    pipeline.set_progress_bar_config(disable=True)
+    adapter = adapter_class(index["_class_name"]).load(path, index, device, dtype)
     logger.info("loaded %s from %s on %s (%s)", index["_class_name"], path, device, dtype)
-    return SD3Adapter(pipeline)
+    return adapter

@@ -42,5 +42,5 @@ def test_trajectory_layout(engine):
     assert t.timesteps.shape == (5,)
     assert t.sde_mask.tolist() == [False, True, True, False, False]
     assert torch.all(t.log_probs[[0, 3, 4]] == 0) and torch.all(t.log_probs[[1, 2]] != 0)
-    assert t.condition.prompt_embeds.dtype == torch.float32
+    assert t.condition.prompt.prompt_embeds.dtype == torch.float32 and t.condition.negative is not None
     assert output.image.shape == (3, 32, 32) and output.image.dtype == torch.uint8

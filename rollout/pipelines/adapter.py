@@ -1,0 +1,173 @@
+"""The contract every model family fills in one file: a `PipelineAdapter` subclass.
+
+The engine (sampling) and the trainer (re-scoring) reach a model only through the public methods
+here, so nothing outside `rollout/pipelines/` names a family, and a trajectory is always re-scored
+with exactly the computation that sampled it. A family supplies hooks, never a denoising loop:
+
+    make_spec()                          its ModelSpec (sizes, latent layout, guidance fields, defaults)
+    encode_prompt(text, max_length)      one text -> its own PromptEmbeds type, on the model's device
+    set_timesteps(scheduler, n, h, w)    the sigma schedule exactly as its diffusers pipeline sets it
+    run_transformer(...)                 one forward pass over a batch of rows
+    combine_cfg(cond, uncond, scale)     how guidance combines the two predictions (linear by default)
+    decode(latents, height, width)       uint8 images
+    default_lora_targets                 module names a LoRA targets when the user names none
+
+Classifier-free guidance is batched here: the samples with a negative prompt run their
+unconditional rows in the same forward pass as every conditional row.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from pathlib import Path
+from typing import ClassVar
+
+import torch
+from diffusers import FlowMatchEulerDiscreteScheduler
+from torch import nn
+
+from rollout.pipelines.condition import Condition, ConditionBatch, PromptEmbeds
+from rollout.pipelines.spec import ModelSpec
+
+
+class PipelineAdapter(ABC):
+    """Wraps a loaded diffusers pipeline of one family. Latents in and velocities out are float32."""
+
+    pipeline_class: ClassVar[str]  # `_class_name` in model_index.json, and the diffusers class loaded
+    default_lora_targets: ClassVar[tuple[str, ...]]
+
+    def __init__(self, pipeline):
+        self.pipeline = pipeline
+        self.transformer = pipeline.transformer
+        # A private scheduler: set_timesteps mutates it, and the pipeline's own must stay untouched.
+        self._scheduler = FlowMatchEulerDiscreteScheduler.from_config(pipeline.scheduler.config)
+        self._schedules: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.spec = self.make_spec()
+
+    @classmethod
+    def load(cls, path: str | Path, index: dict, device: str = "cpu", dtype: torch.dtype = torch.float32):
+        """Load the folder with the family's diffusers class (`from_pretrained`, local files only)."""
+        import diffusers
+
+        # Components saved as [null, null] (SD3 without T5) must be passed explicitly as None.
+        absent = {name: None for name, value in index.items() if isinstance(value, list) and value[0] is None}
+        pipeline_cls = getattr(diffusers, cls.pipeline_class)
+        pipeline = pipeline_cls.from_pretrained(str(path), dtype=dtype, local_files_only=True, **absent)
+        pipeline.to(device)
+        pipeline.set_progress_bar_config(disable=True)
+        return cls(pipeline)
+
+    # Hooks a family implements.
+
+    @abstractmethod
+    def make_spec(self) -> ModelSpec: ...
+
+    @abstractmethod
+    def encode_prompt(self, text: str, max_sequence_length: int) -> PromptEmbeds:
+        """One text's embeddings (unbatched), on the model's device and dtype. Texts are encoded one
+        at a time, so a sample's conditioning never depends on what else was encoded with it."""
+
+    @abstractmethod
+    def set_timesteps(self, scheduler: FlowMatchEulerDiscreteScheduler, num_steps: int, height: int, width: int):
+        """Call `scheduler.set_timesteps` with the arguments the family's pipeline passes."""
+
+    @abstractmethod
+    def run_transformer(
+        self,
+        latents: torch.Tensor,
+        sigmas: torch.Tensor,
+        embeds: PromptEmbeds,
+        guidance_scale: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The transformer's prediction for a batch of rows: latents in the model's dtype and
+        device, sigmas [rows] float32, embeds batched on the model's device and dtype, and each
+        row's `guidance_scale` (None when the model does not use it; a guidance-distilled model
+        takes it as an input, SD3 uses it for CFG only and ignores it here)."""
+
+    @abstractmethod
+    def decode(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
+        """Images [B, 3, H, W] uint8 on CPU from latents [B, *latent_shape]."""
+
+    def combine_cfg(self, cond: torch.Tensor, uncond: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """Classifier-free guidance of the rows that use it, in float32; `scale` broadcasts."""
+        return uncond + scale * (cond - uncond)
+
+    # What the engine and the trainer call.
+
+    @property
+    def components(self) -> dict[str, nn.Module]:
+        """The modules whose weights the hot-swap API can update, by diffusers component name."""
+        return {name: module for name, module in self.pipeline.components.items() if isinstance(module, nn.Module)}
+
+    @property
+    def device(self) -> torch.device:
+        return self.transformer.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.transformer.dtype
+
+    def schedule(self, num_steps: int, height: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(timesteps [T], sigmas [T+1]) float32 on CPU, exactly as the family's pipeline computes them."""
+        key = (num_steps, height, width)
+        if key not in self._schedules:
+            self.set_timesteps(self._scheduler, num_steps, height, width)
+            timesteps, sigmas = self._scheduler.timesteps, self._scheduler.sigmas
+            self._schedules[key] = (timesteps.to("cpu", torch.float32), sigmas.to("cpu", torch.float32))
+        return self._schedules[key]
+
+    @torch.no_grad()
+    def encode_prompts(self, texts: Sequence[str], max_sequence_length: int) -> list[PromptEmbeds]:
+        return [self.encode_prompt(text, max_sequence_length) for text in texts]
+
+    def predict_velocity(
+        self,
+        latents: torch.Tensor,
+        sigmas: torch.Tensor,
+        conditions: Sequence[Condition],
+        guidance_scale: torch.Tensor | float | None = None,
+        true_cfg_scale: torch.Tensor | float | None = None,
+    ) -> torch.Tensor:
+        """Velocity [B, *latent_shape] float32.
+
+        latents: [B, *latent_shape]; sigmas: [B] noise levels; conditions: one per sample (those
+        with a negative prompt use classifier-free guidance); guidance_scale, true_cfg_scale:
+        scalars or [B], as the trajectory recorded them (None where the model does not use them).
+        Runs with autograd enabled when the caller has it enabled (the trainer does).
+        """
+        batch = latents.shape[0]
+        device, dtype = self.device, self.dtype
+        condition = ConditionBatch.of(conditions)
+        cfg = condition.cfg.to(device)
+        scales = {
+            "guidance_scale": _per_sample(guidance_scale, batch, device),
+            "true_cfg_scale": _per_sample(true_cfg_scale, batch, device),
+        }
+        model_latents = latents.to(device, dtype)
+        sigmas = sigmas.to(device, torch.float32)
+        guidance = scales["guidance_scale"]
+        out = self.run_transformer(
+            torch.cat([model_latents, model_latents[cfg]]),
+            torch.cat([sigmas, sigmas[cfg]]),
+            condition.embeds.to(device, dtype),
+            torch.cat([guidance, guidance[cfg]]) if guidance is not None else None,
+        ).to(torch.float32)
+        velocity, uncond = out[:batch], out[batch:]
+        if uncond.shape[0] == 0:
+            return velocity
+        scale = scales[self.spec.cfg_field][cfg].view(-1, *([1] * (velocity.ndim - 1)))
+        guided = self.combine_cfg(velocity[cfg], uncond, scale)
+        return velocity.index_put((cfg.nonzero(as_tuple=True)[0],), guided)
+
+
+def _per_sample(value: torch.Tensor | float | None, batch: int, device: torch.device) -> torch.Tensor | None:
+    if value is None:
+        return None
+    return torch.as_tensor(value, dtype=torch.float32, device=device).expand(batch)
+
+
+def images_to_uint8(images: torch.Tensor) -> torch.Tensor:
+    """A VAE's [-1, 1] images as uint8 on CPU, rounded as diffusers' image processor rounds."""
+    images = (images.float() / 2 + 0.5).clamp(0, 1)
+    return (images * 255).round().to(torch.uint8).cpu()

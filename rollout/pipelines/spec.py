@@ -1,0 +1,129 @@
+"""What the engine knows of a loaded model: sizes, latent layout, and which request fields it uses.
+
+A family's adapter makes its `ModelSpec` in the worker; the engine gets a copy and checks every
+request against it before anything is queued, so a field the model would ignore is refused with an
+error, and every default a request leaves open is filled in once, here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from rollout.sampling_params import SamplingParams
+
+# The fields whose meaning (and whether they are used at all) depends on the model.
+GUIDANCE_FIELDS = ("guidance_scale", "true_cfg_scale")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A loaded model, as the engine sees it.
+
+    latent_packing: 1 when latents are [C, h, w]; 2 when the pipeline packs 2x2 latent patches into
+        channels, [h/2 * w/2, C*4] (FLUX.1, Qwen-Image). Trajectories store the pipeline's own form.
+    guidance_defaults: the guidance fields of `SamplingParams` this model uses, with their defaults
+        (None: required). Any other guidance field set on a request is refused.
+    cfg_field: the field whose value > 1 turns on classifier-free guidance with a negative prompt.
+    default_negative_prompt: the negative prompt of a request with CFG that names none (SD3's
+        pipeline uses ""); None: such a request must name one.
+    default_num_frames: None for image models (a request with `num_frames` is refused).
+    """
+
+    pipeline_class: str
+    latent_channels: int
+    vae_scale_factor: int
+    patch_size: int
+    latent_packing: int
+    default_height: int
+    default_width: int
+    default_max_sequence_length: int
+    max_sequence_length_limit: int
+    guidance_defaults: dict[str, float | None] = field(default_factory=dict)
+    cfg_field: str | None = None
+    default_negative_prompt: str | None = None
+    default_num_frames: int | None = None
+
+    @property
+    def size_multiple(self) -> int:
+        """Height and width must be multiples of this many pixels."""
+        return self.vae_scale_factor * self.patch_size * self.latent_packing
+
+    def latent_shape(self, height: int, width: int) -> tuple[int, ...]:
+        """The shape of one sample's latents, in the form the pipeline takes as `latents=`."""
+        h, w = height // self.vae_scale_factor, width // self.vae_scale_factor
+        p = self.latent_packing
+        if p == 1:
+            return (self.latent_channels, h, w)
+        return ((h // p) * (w // p), self.latent_channels * p * p)
+
+    def resolve(self, params: SamplingParams) -> tuple[SamplingParams, list[str]]:
+        """`params` with every model-dependent default filled in, and every problem with them.
+
+        A resolved request has `negative_prompt` set exactly when it uses classifier-free guidance.
+        """
+        problems = []
+        model = self.pipeline_class
+        height = params.height if params.height is not None else self.default_height
+        width = params.width if params.width is not None else self.default_width
+        multiple = self.size_multiple
+        why = f"VAE scale {self.vae_scale_factor} x patch size {self.patch_size}"
+        why += f" x latent packing {self.latent_packing}" if self.latent_packing > 1 else ""
+        for name, value in (("height", height), ("width", width)):
+            if value % multiple:
+                problems.append(
+                    f"{name}={value} is not divisible by {multiple} ({why}); "
+                    f"use e.g. {max(multiple, value // multiple * multiple)}"
+                )
+        if params.num_frames is not None and self.default_num_frames is None:
+            problems.append(f"num_frames is for video pipelines; {model} makes images, so leave num_frames unset")
+        max_length = params.max_sequence_length or self.default_max_sequence_length
+        if max_length > self.max_sequence_length_limit:
+            problems.append(
+                f"max_sequence_length={max_length} is above {model}'s limit of {self.max_sequence_length_limit}"
+            )
+        guidance = {}
+        for name in GUIDANCE_FIELDS:
+            value = getattr(params, name)
+            if name not in self.guidance_defaults:
+                if value is not None:
+                    problems.append(f"{name} is not used by {model}; leave it unset ({self._guidance_hint()})")
+                continue
+            guidance[name] = value if value is not None else self.guidance_defaults[name]
+            if guidance[name] is None:
+                problems.append(f"{name} is required by this {model} (a guidance-distilled model); set it")
+        negative = self._negative_prompt(params, guidance, problems)
+        resolved = dataclasses.replace(
+            params,
+            height=height,
+            width=width,
+            max_sequence_length=max_length,
+            negative_prompt=negative,
+            **{name: guidance.get(name) for name in GUIDANCE_FIELDS},
+        )
+        return resolved, problems
+
+    def _negative_prompt(self, params: SamplingParams, guidance: dict, problems: list[str]) -> str | None:
+        scale = guidance.get(self.cfg_field) if self.cfg_field is not None else None
+        cfg = scale is not None and scale > 1
+        if not cfg:
+            if params.negative_prompt is not None:
+                problems.append(
+                    f"negative_prompt is used only with classifier-free guidance, which {self.pipeline_class} "
+                    + (f"turns on with {self.cfg_field} > 1" if self.cfg_field else "does not have")
+                    + "; leave negative_prompt unset or raise the scale"
+                )
+            return None
+        negative = params.negative_prompt if params.negative_prompt is not None else self.default_negative_prompt
+        if negative is None:
+            problems.append(
+                f"{self.cfg_field}={scale} turns on classifier-free guidance, which needs a negative_prompt "
+                f"({self.pipeline_class} skips guidance without one); pass negative_prompt=' ' (or any text), "
+                f"or set {self.cfg_field}=1"
+            )
+        return negative
+
+    def _guidance_hint(self) -> str:
+        if not self.guidance_defaults:
+            return f"{self.pipeline_class} takes no guidance settings"
+        return f"{self.pipeline_class} takes " + ", ".join(sorted(self.guidance_defaults))
