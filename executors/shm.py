@@ -47,14 +47,21 @@ class Packed:
 
 
 class _Pickler(pickle.Pickler):
+    """Pickles tensors by reference into `tensors`; a tensor object met twice is sent once, so
+    objects that share a tensor (the samples of one prompt share its embeddings) still share it
+    after `unpack`."""
+
     def __init__(self, file):
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
         self.tensors: list[torch.Tensor] = []
+        self._index: dict[int, int] = {}  # id(tensor) -> its index; `tensors` keeps the ids alive
 
     def persistent_id(self, obj):
         if isinstance(obj, torch.Tensor):
-            self.tensors.append(obj)
-            return len(self.tensors) - 1
+            if id(obj) not in self._index:
+                self._index[id(obj)] = len(self.tensors)
+                self.tensors.append(obj)
+            return self._index[id(obj)]
         return None
 
 

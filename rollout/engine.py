@@ -23,6 +23,7 @@ from rollout.request import Request, RequestStatus
 from rollout.sampling_params import SamplingParams
 from rollout.scheduler import Scheduler
 from rollout.seeding import derive_seed, fresh_base_seed
+from rollout.shared_conditions import SharedConditions
 from rollout.weight_sync import WeightSync
 
 logger = logging.getLogger(__name__)
@@ -48,6 +49,7 @@ class RolloutEngine(HotSwapAPI):
         self._dead: EngineDeadError | None = None
         self._stashed_outputs: list[RolloutOutput] = []  # finished while an update waited for them
         self._weight_sync = WeightSync(self.collective_rpc)
+        self._conditions = SharedConditions()
         self._init_hot_swap()
 
     # Generation.
@@ -145,13 +147,18 @@ class RolloutEngine(HotSwapAPI):
         if scheduled.is_empty:
             return outputs
         for work in scheduled.worker_inputs.values():
+            for data in work.new_requests:  # encoded in this step, with the weights of now
+                self._requests[data.request_id].encoder_generation = self._conditions.generation
             for request_id in work.step_ids:
                 self._requests[request_id].note_weight_version(self.weight_version)
         for runner_output in self._on_executor(self.executor.execute, scheduled):
             for finished in runner_output.finished:
                 request = self.scheduler.finish(finished.request_id)
                 del self._requests[finished.request_id]
-                outputs.append(self._make_output(request, finished.image, finished.trajectory))
+                trajectory = finished.trajectory
+                if trajectory is not None:
+                    trajectory.condition = self._conditions.share(request, trajectory.condition)
+                outputs.append(self._make_output(request, finished.image, trajectory))
         return outputs
 
     def abort(self, request_ids: str | Iterable[str]) -> list[RolloutOutput]:

@@ -25,8 +25,8 @@ logger = logging.getLogger(__name__)
 
 class HotSwapAPI:
     """Needs from the engine: `collective_rpc`, `_check_open`, `_check_awake`, `_on_executor`,
-    `_finish_running_requests`, `scheduler`, `_requests`, `_weight_sync`, and the state set in
-    `_init_hot_swap`."""
+    `_finish_running_requests`, `scheduler`, `_requests`, `_weight_sync`, `_conditions`, and the
+    state set in `_init_hot_swap`."""
 
     def _init_hot_swap(self) -> None:
         self.weight_version = 0
@@ -68,6 +68,7 @@ class HotSwapAPI:
         if mode == "wait":
             self._finish_running_requests()
         self._on_executor(push, *push_args)
+        self._conditions.generation += 1  # as every worker's runner does on commit
         self.weight_version = self.weight_version + 1 if version is None else version
         logger.info("weights of %s updated to version %d", component, self.weight_version)
         return self.weight_version
@@ -233,6 +234,7 @@ class HotSwapAPI:
         if self.sleep_level == 0:
             return
         self.collective_rpc("wake_up")
+        self._conditions.generation += 1
         if self.sleep_level == 2:
             self.weight_version = 0
         self.sleep_level = 0

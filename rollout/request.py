@@ -44,6 +44,7 @@ class Request:
     sent_to_worker: bool = False
     steps_done: int = 0
     weight_versions: list[int] = field(default_factory=list)  # distinct versions its steps used
+    encoder_generation: int = 0  # the engine's weights generation when its text was encoded
     last_scheduled_tick: int = -1
     arrival_time: float = field(default_factory=time.monotonic)
     first_step_time: float | None = None

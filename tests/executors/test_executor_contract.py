@@ -65,6 +65,19 @@ def test_generate_returns_every_sample_in_order(engine):
     assert engine.collective_rpc("request_ids") == [[] for _ in _ranks(engine)]
 
 
+def test_samples_share_one_conditioning_per_text(engine):
+    """Whatever rank and step a sample finished on, the samples of a prompt reference one
+    embeddings object, and every sample with the same negative prompt another."""
+    params = SamplingParams(num_inference_steps=2, num_samples=3, seed=0, guidance_scale=4.5)
+    outputs = engine.generate(["a red square", "a blue circle"], params)
+    conditions = [o.trajectory.condition for o in outputs]
+    for group in (conditions[:3], conditions[3:]):
+        assert all(c.prompt is group[0].prompt for c in group)
+    assert conditions[0].prompt is not conditions[3].prompt
+    assert all(c.negative is conditions[0].negative for c in conditions)  # "" for every sample
+    assert not torch.equal(conditions[0].prompt.prompt_embeds, conditions[3].prompt.prompt_embeds)
+
+
 def test_abort_leaves_no_state_on_any_rank(engine):
     params = SamplingParams(num_inference_steps=4, num_samples=4, seed=0)
     for i in range(5):

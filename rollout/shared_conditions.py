@@ -1,0 +1,36 @@
+"""One conditioning object per text, however many steps and ranks a prompt's samples came from.
+
+A worker encodes each text once and its finished samples reference that one object, but outputs
+cross processes step by step and rank by rank, so the engine would still hold one copy per step and
+rank. `SharedConditions` maps every arriving copy to the first one alive for the same text, text
+length and weights, so the samples of one prompt (and every sample with the same negative prompt)
+reference one tensor on every executor. Entries live as long as some output references them.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+from rollout.pipelines.condition import Condition, PromptEmbeds
+from rollout.request import Request
+
+
+class SharedConditions:
+    def __init__(self):
+        self._alive: weakref.WeakValueDictionary[tuple, PromptEmbeds] = weakref.WeakValueDictionary()
+        # Bumped by every weight change: embeddings encoded before and after are different objects.
+        self.generation = 0
+
+    def share(self, request: Request, condition: Condition) -> Condition:
+        """`condition` (of a finished `request`) with its embeddings replaced by the shared ones."""
+        params = request.params
+        prompt = self._shared(request.prompt, params.max_sequence_length, request.encoder_generation, condition.prompt)
+        negative = condition.negative
+        if negative is not None:
+            negative = self._shared(
+                params.negative_prompt, params.max_sequence_length, request.encoder_generation, negative
+            )
+        return Condition(prompt, negative)
+
+    def _shared(self, text: str, length: int, generation: int, embeds: PromptEmbeds) -> PromptEmbeds:
+        return self._alive.setdefault((text, length, generation), embeds)
