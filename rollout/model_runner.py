@@ -118,12 +118,14 @@ class ModelRunner:
         sigma = torch.stack([s.sigmas[s.step_index] for s in states]).to(device)
         sigma_next = torch.stack([s.sigmas[s.step_index + 1] for s in states]).to(device)
         noise_level = torch.tensor([s.data.params.noise_level for s in states], dtype=torch.float32).to(device)
-        params = states[0].data.params  # the scheduler batches one adapter and scale together
+        params = states[0].data.params  # the scheduler batches one size, adapter and scale together
         self.loras.activate(params.lora, params.lora_scale)
         velocity = self.adapter.predict_velocity(
             latents,
             sigma,
             [s.condition for s in states],
+            height=params.height,
+            width=params.width,
             guidance_scale=_per_sample(states, "guidance_scale"),
             true_cfg_scale=_per_sample(states, "true_cfg_scale"),
         )
@@ -200,6 +202,8 @@ class ModelRunner:
             sigmas=state.sigmas.clone(),
             sde_mask=torch.tensor(state.sde_mask, dtype=torch.bool),
             condition=Condition(cpu(state.condition.prompt), cpu(state.condition.negative)),
+            height=params.height,
+            width=params.width,
             sampler=params.sampler,
             noise_level=params.noise_level,
             guidance_scale=params.guidance_scale,

@@ -23,6 +23,7 @@ class Trajectory:
     sde_mask: [T] bool, which steps were stochastic.
     condition: the prompt (and, with classifier-free guidance, negative prompt) embeddings the
         velocities were computed with, float32; shared with the other samples of the prompt.
+    height, width: the image size in pixels (packed latents do not show it).
     sampler, noise_level, guidance_scale, true_cfg_scale: what the steps used (None where the model
         does not use a guidance field), so re-scoring needs nothing else.
     """
@@ -33,6 +34,8 @@ class Trajectory:
     sigmas: torch.Tensor
     sde_mask: torch.Tensor
     condition: Condition
+    height: int
+    width: int
     sampler: str
     noise_level: float
     guidance_scale: float | None

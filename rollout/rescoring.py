@@ -25,17 +25,26 @@ def score_transitions(
     conditions: Sequence[Condition],
     sampler: str,
     noise_level: torch.Tensor | float,
+    *,
+    height: int,
+    width: int,
     guidance_scale: torch.Tensor | float | None = None,
     true_cfg_scale: torch.Tensor | float | None = None,
 ) -> StepOutput:
     """Log-prob of `next_latents` given `latents` for a batch of transitions, with a fresh velocity.
 
-    latents, next_latents: [B, *latent_shape] float32; sigmas, sigmas_next: [B]; conditions: one
-    per transition; guidance as the trajectories recorded it. Gradients flow through the model when
-    autograd is enabled.
+    latents, next_latents: [B, *latent_shape] float32 of `height` x `width` images; sigmas,
+    sigmas_next: [B]; conditions: one per transition; guidance as the trajectories recorded it.
+    Gradients flow through the model when autograd is enabled.
     """
     velocity = adapter.predict_velocity(
-        latents, sigmas, conditions, guidance_scale=guidance_scale, true_cfg_scale=true_cfg_scale
+        latents,
+        sigmas,
+        conditions,
+        height=height,
+        width=width,
+        guidance_scale=guidance_scale,
+        true_cfg_scale=true_cfg_scale,
     )
     device = velocity.device
     return get_sampler(sampler)(
@@ -64,6 +73,8 @@ def recompute_log_probs(adapter, trajectory: Trajectory) -> torch.Tensor:
         [trajectory.condition] * len(steps),
         trajectory.sampler,
         trajectory.noise_level,
+        height=trajectory.height,
+        width=trajectory.width,
         guidance_scale=trajectory.guidance_scale,
         true_cfg_scale=trajectory.true_cfg_scale,
     )

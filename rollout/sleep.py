@@ -80,15 +80,15 @@ class Sleeper:
         return _Packed(buffer, layout)
 
     def _load_from_disk(self, component: str, module: nn.Module, packed: _Packed) -> dict[str, torch.Tensor]:
-        from safetensors.torch import load_file
-
-        from rollout.safetensors_files import safetensors_files
-
-        loaded: dict[str, torch.Tensor] = {}
-        for file in safetensors_files(self.model_folder / component):
-            loaded.update(load_file(file))
+        """The component's weights as its own class's `from_pretrained` reads them from the model
+        folder (so renamed checkpoint keys and tied weights load as they did at start-up)."""
+        fresh = base_state(type(module).from_pretrained(self.model_folder / component))
+        missing = sorted(set(packed.layout) - set(fresh))
+        if missing:
+            raise RuntimeError(f"cannot wake up {component}: {self.model_folder / component} lacks {missing[:3]}")
         return {
-            name: loaded[name].to(device=device, dtype=spec.dtype) for name, (_, spec, device) in packed.layout.items()
+            name: fresh[name].detach().to(device=device, dtype=spec.dtype)
+            for name, (_, spec, device) in packed.layout.items()
         }
 
 

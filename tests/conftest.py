@@ -1,16 +1,33 @@
-"""Shared fixtures: one tiny SD3 pipeline per test session, built with the real classes."""
+"""Shared fixtures: one tiny pipeline per family and test session, built with the real classes."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 
-from rollout.pipelines.tiny import build_tiny_sd3
+from tests.families import FAMILIES
 
 
 @pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory) -> str:
-    """Path of a tiny StableDiffusion3Pipeline saved with save_pretrained (random weights)."""
-    return str(build_tiny_sd3(tmp_path_factory.mktemp("tiny_sd3") / "pipeline", seed=0))
+def tiny_models(tmp_path_factory) -> Callable[[str], str]:
+    """`tiny_models(family)`: the path of that family's tiny pipeline (see tests/families.py),
+    saved with save_pretrained (random weights) the first time it is asked for."""
+    paths: dict[str, str] = {}
+
+    def path_of(family: str) -> str:
+        if family not in paths:
+            folder = tmp_path_factory.mktemp(f"tiny_{family}") / "pipeline"
+            paths[family] = str(FAMILIES[family].build(folder, seed=0))
+        return paths[family]
+
+    return path_of
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_models) -> str:
+    """Path of the tiny StableDiffusion3Pipeline."""
+    return tiny_models("sd3")
 
 
 @pytest.fixture(scope="module")

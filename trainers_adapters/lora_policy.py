@@ -89,7 +89,8 @@ class LoraPolicy:
         forward, with gradients through the LoRA. Under `with policy.reference():` the same call
         scores under the reference policy.
 
-        The trajectories must share sampler, noise level and guidance (one rollout call's do)."""
+        The trajectories must share image size, sampler, noise level and guidance (one rollout
+        call's do when its requests share them)."""
         if isinstance(steps, int):
             steps = [steps] * len(trajectories)
         first = trajectories[0]
@@ -103,6 +104,8 @@ class LoraPolicy:
             [t.condition for t in trajectories],
             first.sampler,
             first.noise_level,
+            height=first.height,
+            width=first.width,
             guidance_scale=first.guidance_scale,
             true_cfg_scale=first.true_cfg_scale,
         )
@@ -111,7 +114,8 @@ class LoraPolicy:
         """The conditional velocity [B, *latent_shape] float32 of each trajectory's prompt, without
         classifier-free guidance (a guidance-distilled model still gets its guidance input), as
         DPO's flow-matching loss uses it; under `with policy.reference():` the reference's."""
+        first = trajectories[0]
         conditions = [Condition(t.condition.prompt) for t in trajectories]
         return self.adapter.predict_velocity(
-            latents, sigmas, conditions, guidance_scale=trajectories[0].guidance_scale
+            latents, sigmas, conditions, height=first.height, width=first.width, guidance_scale=first.guidance_scale
         )

@@ -18,6 +18,8 @@ unconditional rows in the same forward pass as every conditional row.
 
 from __future__ import annotations
 
+import dataclasses
+import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from pathlib import Path
@@ -44,6 +46,7 @@ class PipelineAdapter(ABC):
         self._scheduler = FlowMatchEulerDiscreteScheduler.from_config(pipeline.scheduler.config)
         self._schedules: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self.spec = self.make_spec()
+        self.spec = dataclasses.replace(self.spec, min_inference_steps=self._min_inference_steps())
 
     @classmethod
     def load(cls, path: str | Path, index: dict, device: str = "cpu", dtype: torch.dtype = torch.float32):
@@ -79,11 +82,13 @@ class PipelineAdapter(ABC):
         sigmas: torch.Tensor,
         embeds: PromptEmbeds,
         guidance_scale: torch.Tensor | None,
+        height: int,
+        width: int,
     ) -> torch.Tensor:
-        """The transformer's prediction for a batch of rows: latents in the model's dtype and
-        device, sigmas [rows] float32, embeds batched on the model's device and dtype, and each
-        row's `guidance_scale` (None when the model does not use it; a guidance-distilled model
-        takes it as an input, SD3 uses it for CFG only and ignores it here)."""
+        """The transformer's prediction for a batch of rows of one image size: latents in the
+        model's dtype and device, sigmas [rows] float32, embeds batched on the model's device and
+        dtype, and each row's `guidance_scale` (None when the model does not use it; a
+        guidance-distilled model takes it as an input, SD3 uses it for CFG only and ignores it)."""
 
     @abstractmethod
     def decode(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
@@ -117,6 +122,13 @@ class PipelineAdapter(ABC):
             self._schedules[key] = (timesteps.to("cpu", torch.float32), sigmas.to("cpu", torch.float32))
         return self._schedules[key]
 
+    def _min_inference_steps(self) -> int:
+        """2 where one step gives a non-finite schedule (a terminal-sigma stretch divides by zero)."""
+        with warnings.catch_warnings():  # numpy warns about the division it is asked to make
+            warnings.simplefilter("ignore", RuntimeWarning)
+            _, sigmas = self.schedule(1, self.spec.default_height, self.spec.default_width)
+        return 1 if bool(torch.isfinite(sigmas).all()) else 2
+
     @torch.no_grad()
     def encode_prompts(self, texts: Sequence[str], max_sequence_length: int) -> list[PromptEmbeds]:
         return [self.encode_prompt(text, max_sequence_length) for text in texts]
@@ -126,15 +138,19 @@ class PipelineAdapter(ABC):
         latents: torch.Tensor,
         sigmas: torch.Tensor,
         conditions: Sequence[Condition],
+        *,
+        height: int,
+        width: int,
         guidance_scale: torch.Tensor | float | None = None,
         true_cfg_scale: torch.Tensor | float | None = None,
     ) -> torch.Tensor:
         """Velocity [B, *latent_shape] float32.
 
-        latents: [B, *latent_shape]; sigmas: [B] noise levels; conditions: one per sample (those
-        with a negative prompt use classifier-free guidance); guidance_scale, true_cfg_scale:
-        scalars or [B], as the trajectory recorded them (None where the model does not use them).
-        Runs with autograd enabled when the caller has it enabled (the trainer does).
+        latents: [B, *latent_shape] of images of `height` x `width` pixels; sigmas: [B] noise
+        levels; conditions: one per sample (those with a negative prompt use classifier-free
+        guidance); guidance_scale, true_cfg_scale: scalars or [B], as the trajectory recorded them
+        (None where the model does not use them). Runs with autograd enabled when the caller has it
+        enabled (the trainer does).
         """
         batch = latents.shape[0]
         device, dtype = self.device, self.dtype
@@ -152,6 +168,8 @@ class PipelineAdapter(ABC):
             torch.cat([sigmas, sigmas[cfg]]),
             condition.embeds.to(device, dtype),
             torch.cat([guidance, guidance[cfg]]) if guidance is not None else None,
+            height,
+            width,
         ).to(torch.float32)
         velocity, uncond = out[:batch], out[batch:]
         if uncond.shape[0] == 0:

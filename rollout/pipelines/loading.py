@@ -18,6 +18,8 @@ logger = logging.getLogger(__name__)
 # Pipeline class -> "module:AdapterClass". Modules are imported only when their family is loaded.
 FAMILIES = {
     "StableDiffusion3Pipeline": "rollout.pipelines.sd3:SD3Adapter",
+    "FluxPipeline": "rollout.pipelines.flux:FluxAdapter",
+    "QwenImagePipeline": "rollout.pipelines.qwen_image:QwenImageAdapter",
 }
 
 

@@ -75,9 +75,7 @@ class SD3Adapter(PipelineAdapter):
             )
         scheduler.set_timesteps(num_steps, device="cpu", **kwargs)
 
-    def run_transformer(
-        self, latents: torch.Tensor, sigmas: torch.Tensor, embeds: SD3Embeds, guidance_scale: torch.Tensor | None
-    ) -> torch.Tensor:
+    def run_transformer(self, latents, sigmas, embeds: SD3Embeds, guidance_scale, height, width) -> torch.Tensor:
         return self.transformer(
             hidden_states=latents,
             timestep=sigmas * self._scheduler.config.num_train_timesteps,

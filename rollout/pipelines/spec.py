@@ -28,6 +28,8 @@ class ModelSpec:
     default_negative_prompt: the negative prompt of a request with CFG that names none (SD3's
         pipeline uses ""); None: such a request must name one.
     default_num_frames: None for image models (a request with `num_frames` is refused).
+    min_inference_steps: the fewest steps whose schedule is finite (Qwen-Image's scheduler
+        stretches its schedule to a terminal sigma, which one step cannot reach).
     """
 
     pipeline_class: str
@@ -43,6 +45,7 @@ class ModelSpec:
     cfg_field: str | None = None
     default_negative_prompt: str | None = None
     default_num_frames: int | None = None
+    min_inference_steps: int = 1
 
     @property
     def size_multiple(self) -> int:
@@ -75,6 +78,11 @@ class ModelSpec:
                     f"{name}={value} is not divisible by {multiple} ({why}); "
                     f"use e.g. {max(multiple, value // multiple * multiple)}"
                 )
+        if params.num_inference_steps < self.min_inference_steps:
+            problems.append(
+                f"num_inference_steps={params.num_inference_steps} is too few for {model}: its scheduler gives no "
+                f"finite schedule for fewer than {self.min_inference_steps} steps"
+            )
         if params.num_frames is not None and self.default_num_frames is None:
             problems.append(f"num_frames is for video pipelines; {model} makes images, so leave num_frames unset")
         max_length = params.max_sequence_length or self.default_max_sequence_length

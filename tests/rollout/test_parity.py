@@ -1,49 +1,64 @@
-"""The engine's ODE path is diffusers' StableDiffusion3Pipeline, step for step."""
+"""The engine's ODE path is each family's own diffusers pipeline, step for step: the trajectory's
+initial latents, passed to the pipeline as `latents=`, give the engine's final latents and image."""
 
 from __future__ import annotations
 
+import diffusers
 import pytest
 import torch
-from diffusers import StableDiffusion3Pipeline
 
-from rollout import SamplingParams
+from rollout import EngineConfig, RolloutEngine
+from tests.families import FAMILIES
 
 pytestmark = pytest.mark.timeout(120)
 
 
-@pytest.fixture(scope="module")
-def diffusers_pipeline(tiny_model):
-    pipeline = StableDiffusion3Pipeline.from_pretrained(
-        tiny_model, text_encoder_3=None, tokenizer_3=None, local_files_only=True
-    )
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family_setup(request, tiny_models):
+    """(family, engine, the family's diffusers pipeline) on the same tiny folder."""
+    family = FAMILIES[request.param]
+    path = tiny_models(family.name)
+    pipeline = getattr(diffusers, family.pipeline_class).from_pretrained(path)  # no extra arguments
     pipeline.set_progress_bar_config(disable=True)
-    return pipeline
+    with RolloutEngine(EngineConfig(model=path)) as engine:
+        yield family, engine, pipeline
 
 
-@pytest.mark.parametrize("guidance_scale", [4.5, 1.0])
-def test_ode_rollout_equals_diffusers_pipeline(engine, diffusers_pipeline, guidance_scale):
-    params = SamplingParams(sampler="ode", num_inference_steps=6, guidance_scale=guidance_scale, seed=3)
+@pytest.mark.parametrize("cfg", [True, False], ids=["cfg", "no-cfg"])
+def test_ode_rollout_equals_diffusers_pipeline(family_setup, cfg):
+    family, engine, pipeline = family_setup
+    params = family.params(cfg=cfg, sampler="ode", num_inference_steps=6, seed=3)
     (output,) = engine.generate("a red square", params)
-    initial = output.trajectory.latents[0][None]
+    initial = output.trajectory.latents[0][None]  # the pipeline's own `latents=` form
+    guidance = family.cfg if cfg else family.no_cfg
+    call = {"num_inference_steps": 6, "height": 32, "width": 32, **guidance}
+    if family.name == "sd3":
+        call["guidance_scale"] = params.guidance_scale
+    elif family.name == "qwen_image" and not cfg:
+        call["true_cfg_scale"] = 1.0  # the pipeline's default (4.0) is off without a negative prompt anyway
 
-    reference = diffusers_pipeline(
-        "a red square",
-        latents=initial.clone(),
-        guidance_scale=guidance_scale,
-        num_inference_steps=6,
-        output_type="latent",
-    ).images
+    reference = pipeline("a red square", latents=initial.clone(), output_type="latent", **call).images
     assert (output.trajectory.latents[-1] - reference[0]).abs().max() < 1e-4
 
-    images = diffusers_pipeline(
-        "a red square", latents=initial.clone(), guidance_scale=guidance_scale, num_inference_steps=6, output_type="np"
-    ).images
+    images = pipeline("a red square", latents=initial.clone(), output_type="np", **call).images
     reference_uint8 = torch.from_numpy((images[0] * 255).round().astype("uint8")).permute(2, 0, 1)
     assert (output.image.int() - reference_uint8.int()).abs().max() <= 1
 
 
-def test_schedule_matches_diffusers(engine, diffusers_pipeline):
-    (output,) = engine.generate("x", SamplingParams(sampler="ode", num_inference_steps=7, seed=0))
-    diffusers_pipeline.scheduler.set_timesteps(7)
-    assert torch.equal(output.trajectory.sigmas, diffusers_pipeline.scheduler.sigmas)
-    assert torch.equal(output.trajectory.timesteps, diffusers_pipeline.scheduler.timesteps)
+def test_schedule_matches_diffusers(family_setup):
+    """Sigmas and timesteps as the pipeline sets them (FLUX.1 and Qwen-Image shift them by the
+    image's token count, Qwen-Image stretches them to end at 0.02)."""
+    family, engine, pipeline = family_setup
+    captured = {}
+
+    def capture(pipe, step, timestep, callback_kwargs):
+        captured["sigmas"] = pipe.scheduler.sigmas.clone()
+        captured["timesteps"] = pipe.scheduler.timesteps.clone()
+        return callback_kwargs
+
+    (output,) = engine.generate("x", family.params(sampler="ode", num_inference_steps=7, seed=0))
+    call = {"guidance_scale": 1.0} if family.name == "sd3" else {}
+    call |= {"num_inference_steps": 7, "height": 32, "width": 32, "output_type": "latent"}
+    pipeline("x", callback_on_step_end=capture, **call)
+    assert torch.equal(output.trajectory.sigmas, captured["sigmas"])
+    assert torch.equal(output.trajectory.timesteps, captured["timesteps"])

@@ -5,22 +5,38 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rollout import SamplingParams
+from rollout import EngineConfig, RolloutEngine, SamplingParams
+from rollout.pipelines.loading import load_adapter
 from rollout.rescoring import recompute_log_probs
+from tests.families import FAMILIES
 
 pytestmark = pytest.mark.timeout(120)
 
 
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family_engine(request, tiny_models):
+    """(family, engine, a separate copy of the model for re-scoring) per family."""
+    family = FAMILIES[request.param]
+    path = tiny_models(family.name)
+    with RolloutEngine(EngineConfig(model=path)) as engine:
+        yield family, engine, load_adapter(path)
+
+
 @pytest.mark.parametrize("sampler", ["flow_sde", "cps", "dance_sde"])
-def test_recomputed_log_probs_equal_rollout_log_probs(engine, trainer_adapter, sampler):
-    params = SamplingParams(sampler=sampler, num_inference_steps=6, noise_level=0.5, num_samples=3, seed=11)
-    outputs = engine.generate(["a red square", "a blue circle"], params)
+def test_recomputed_log_probs_equal_rollout_log_probs(family_engine, sampler):
+    family, engine, trainer_adapter = family_engine
+    # One prompt with classifier-free guidance, one without, in the same batches.
+    params = [
+        family.params(cfg=cfg, sampler=sampler, num_inference_steps=5, noise_level=0.5, num_samples=2, seed=11)
+        for cfg in (True, False)
+    ]
+    outputs = engine.generate(["a red square", "a blue circle in the sky"], params)
     for output in outputs:
         trajectory = output.trajectory
         assert trajectory.sde_mask.any()
         recomputed = recompute_log_probs(trainer_adapter, trajectory)
         log_ratio = (recomputed - trajectory.log_probs)[trajectory.sde_mask]
-        assert log_ratio.abs().max() < 1e-5, f"{sampler}: max |log-ratio| {log_ratio.abs().max():.2e}"
+        assert log_ratio.abs().max() < 1e-5, f"{family.name} {sampler}: max |log-ratio| {log_ratio.abs().max():.2e}"
         assert torch.all(trajectory.log_probs[~trajectory.sde_mask] == 0)
 
 

@@ -1,5 +1,5 @@
-"""The tiny pipeline's decoder paints latent channels 0, 1, 2 as red, green, blue, so a colour reward
-is learnable on it (a random decoder gives every latent the same mean colour)."""
+"""The tiny pipelines' decoders paint latent channels 0, 1, 2 as red, green, blue, so a colour
+reward is learnable on every family (a random decoder gives every latent the same mean colour)."""
 
 from __future__ import annotations
 
@@ -7,18 +7,31 @@ import pytest
 import torch
 
 from rollout.pipelines.loading import load_adapter
+from tests.families import FAMILIES
+
+
+def _in_pipeline_form(adapter, latents: torch.Tensor) -> torch.Tensor:
+    """[B, C, h, w] latents in the family's own form (packed 2x2 patches for FLUX, Qwen-Image)."""
+    if adapter.spec.latent_packing == 1:
+        return latents
+    batch, channels, height, width = latents.shape
+    return type(adapter.pipeline)._pack_latents(latents, batch, channels, height, width)
 
 
 @pytest.mark.timeout(60)
-def test_latent_channels_set_the_image_colour(tiny_model):
-    adapter = load_adapter(tiny_model)
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_latent_channels_set_the_image_colour(tiny_models, family):
+    adapter = load_adapter(tiny_models(family))
     noise = torch.randn(8, 4, 16, 16, generator=torch.Generator().manual_seed(0))
-    base = adapter.decode(noise, 32, 32).float().mean(dim=(0, 2, 3)) / 255
+
+    def mean_colour(latents):
+        return adapter.decode(_in_pipeline_form(adapter, latents), 32, 32).float().mean(dim=(0, 2, 3)) / 255
+
+    base = mean_colour(noise)
     for channel in range(3):
         shifted = noise.clone()
         shifted[:, channel] += 1.5
-        colour = adapter.decode(shifted, 32, 32).float().mean(dim=(0, 2, 3)) / 255
-        change = colour - base
+        change = mean_colour(shifted) - base
         assert change[channel] > 0.1, (channel, change)
         others = [c for c in range(3) if c != channel]
         assert (change[others] < change[channel] / 2).all(), (channel, change)

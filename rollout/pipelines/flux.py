@@ -1,0 +1,112 @@
+"""FLUX.1 (`FluxPipeline`): dev (guidance-distilled) and schnell.
+
+Latents are packed 2x2 patches [h/2 * w/2, C*4], the form `FluxPipeline` takes as `latents=`;
+conditioning is T5's token embeddings [max_sequence_length, D] plus CLIP's pooled embedding.
+`guidance_scale` is FLUX.1-dev's distilled guidance, an input of the transformer (schnell has none);
+`true_cfg_scale` > 1 with a `negative_prompt` is real classifier-free guidance, as in diffusers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from diffusers import FluxPipeline
+from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_timesteps
+
+from rollout.pipelines.adapter import PipelineAdapter, images_to_uint8
+from rollout.pipelines.condition import PromptEmbeds
+from rollout.pipelines.spec import ModelSpec
+
+
+@dataclass
+class FluxEmbeds(PromptEmbeds):
+    """prompt_embeds: [L, D] T5 tokens (L = max_sequence_length); pooled_prompt_embeds: [P] CLIP's
+    pooled output. The text position ids FLUX also takes are zeros, made per forward pass."""
+
+    prompt_embeds: torch.Tensor
+    pooled_prompt_embeds: torch.Tensor
+
+
+class FluxAdapter(PipelineAdapter):
+    pipeline_class = "FluxPipeline"
+    # Flow-GRPO's FLUX.1-dev LoRA: attention projections and feed-forward layers of the joint blocks.
+    default_lora_targets = (
+        "attn.to_k",
+        "attn.to_q",
+        "attn.to_v",
+        "attn.to_out.0",
+        "attn.add_k_proj",
+        "attn.add_q_proj",
+        "attn.add_v_proj",
+        "attn.to_add_out",
+        "ff.net.0.proj",
+        "ff.net.2",
+        "ff_context.net.0.proj",
+        "ff_context.net.2",
+    )
+
+    def make_spec(self) -> ModelSpec:
+        pipeline = self.pipeline
+        guidance = {"true_cfg_scale": 1.0}
+        if self.transformer.config.guidance_embeds:
+            guidance["guidance_scale"] = 3.5  # FluxPipeline's default
+        return ModelSpec(
+            pipeline_class=self.pipeline_class,
+            latent_channels=self.transformer.config.in_channels // 4,
+            vae_scale_factor=pipeline.vae_scale_factor,
+            patch_size=1,  # the transformer sees packed 2x2 patches one token each
+            latent_packing=2,
+            default_height=pipeline.default_sample_size * pipeline.vae_scale_factor,
+            default_width=pipeline.default_sample_size * pipeline.vae_scale_factor,
+            default_max_sequence_length=512,
+            max_sequence_length_limit=512,
+            guidance_defaults=guidance,
+            cfg_field="true_cfg_scale",
+        )
+
+    def encode_prompt(self, text: str, max_sequence_length: int) -> FluxEmbeds:
+        embeds, pooled, _ = self.pipeline.encode_prompt(
+            prompt=[text], prompt_2=None, device=self.device, max_sequence_length=max_sequence_length
+        )
+        return FluxEmbeds(embeds[0], pooled[0]).to(self.device, self.dtype)
+
+    def set_timesteps(self, scheduler, num_steps: int, height: int, width: int) -> None:
+        # FluxPipeline.__call__ step 5, on this scheduler.
+        config = scheduler.config
+        sigmas = None if config.get("use_flow_sigmas") else np.linspace(1.0, 1 / num_steps, num_steps)
+        mu = calculate_shift(
+            self.spec.latent_shape(height, width)[0],
+            config.get("base_image_seq_len", 256),
+            config.get("max_image_seq_len", 4096),
+            config.get("base_shift", 0.5),
+            config.get("max_shift", 1.15),
+        )
+        retrieve_timesteps(scheduler, num_steps, "cpu", sigmas=sigmas, mu=mu)
+
+    def run_transformer(self, latents, sigmas, embeds: FluxEmbeds, guidance_scale, height, width) -> torch.Tensor:
+        device, dtype = latents.device, latents.dtype
+        grid = self.spec.vae_scale_factor * 2
+        image_ids = FluxPipeline._prepare_latent_image_ids(None, height // grid, width // grid, device, dtype)
+        text_ids = torch.zeros(embeds.prompt_embeds.shape[1], 3, device=device, dtype=dtype)
+        # FluxPipeline feeds the scheduler's timestep (sigma * 1000) in the latents' dtype, over 1000.
+        timestep = (sigmas * self._scheduler.config.num_train_timesteps).to(dtype) / 1000
+        return self.transformer(
+            hidden_states=latents,
+            timestep=timestep,
+            guidance=guidance_scale if self.transformer.config.guidance_embeds else None,
+            pooled_projections=embeds.pooled_prompt_embeds,
+            encoder_hidden_states=embeds.prompt_embeds,
+            txt_ids=text_ids,
+            img_ids=image_ids,
+            return_dict=False,
+        )[0]
+
+    @torch.no_grad()
+    def decode(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
+        vae = self.pipeline.vae
+        latents = latents.to(vae.device, vae.dtype)
+        unpacked = FluxPipeline._unpack_latents(latents, height, width, self.spec.vae_scale_factor)
+        scaled = unpacked / vae.config.scaling_factor + vae.config.shift_factor
+        return images_to_uint8(vae.decode(scaled, return_dict=False)[0])

@@ -1,0 +1,106 @@
+"""Qwen-Image (`QwenImagePipeline`).
+
+Latents are packed 2x2 patches [h/2 * w/2, C*4], the form `QwenImagePipeline` takes as `latents=`.
+Conditioning is Qwen2.5-VL's hidden states of the prompt in Qwen-Image's chat template, a
+different number of tokens per prompt: a batch pads them and masks the padding. `true_cfg_scale`
+> 1 with a `negative_prompt` is classifier-free guidance, and the guided prediction is rescaled to
+the conditional one's norm, as the pipeline does. (diffusers' default `true_cfg_scale` is 4.0 but
+takes effect only with a negative prompt, so the default here is 1: off.)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+import torch
+from diffusers import QwenImagePipeline
+from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift, retrieve_timesteps
+
+from rollout.pipelines.adapter import PipelineAdapter, images_to_uint8
+from rollout.pipelines.condition import PromptEmbeds
+from rollout.pipelines.spec import ModelSpec
+
+
+@dataclass
+class QwenImageEmbeds(PromptEmbeds):
+    """prompt_embeds: [L, D], L the prompt's own token count; prompt_mask: [L] bool, False on padding."""
+
+    padded_fields: ClassVar[tuple[str, ...]] = ("prompt_embeds", "prompt_mask")
+
+    prompt_embeds: torch.Tensor
+    prompt_mask: torch.Tensor
+
+
+class QwenImageAdapter(PipelineAdapter):
+    pipeline_class = "QwenImagePipeline"
+    # The attention projections of both streams (diffusers' Qwen-Image LoRA scripts use the first four).
+    default_lora_targets = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
+
+    def make_spec(self) -> ModelSpec:
+        pipeline = self.pipeline
+        guidance: dict[str, float | None] = {"true_cfg_scale": 1.0}
+        if self.transformer.config.guidance_embeds:
+            guidance["guidance_scale"] = None  # a guidance-distilled variant: the pipeline requires it
+        return ModelSpec(
+            pipeline_class=self.pipeline_class,
+            latent_channels=self.transformer.config.in_channels // 4,
+            vae_scale_factor=pipeline.vae_scale_factor,
+            patch_size=1,  # the transformer sees packed 2x2 patches one token each
+            latent_packing=2,
+            default_height=pipeline.default_sample_size * pipeline.vae_scale_factor,
+            default_width=pipeline.default_sample_size * pipeline.vae_scale_factor,
+            default_max_sequence_length=512,
+            max_sequence_length_limit=1024,
+            guidance_defaults=guidance,
+            cfg_field="true_cfg_scale",
+        )
+
+    def encode_prompt(self, text: str, max_sequence_length: int) -> QwenImageEmbeds:
+        embeds, mask = self.pipeline.encode_prompt(
+            prompt=[text], device=self.device, max_sequence_length=max_sequence_length
+        )
+        mask = torch.ones(embeds.shape[1], dtype=torch.bool, device=self.device) if mask is None else mask[0].bool()
+        return QwenImageEmbeds(embeds[0], mask).to(self.device, self.dtype)
+
+    def set_timesteps(self, scheduler, num_steps: int, height: int, width: int) -> None:
+        # QwenImagePipeline.__call__ step 4, on this scheduler.
+        config = scheduler.config
+        mu = calculate_shift(
+            self.spec.latent_shape(height, width)[0],
+            config.get("base_image_seq_len", 256),
+            config.get("max_image_seq_len", 4096),
+            config.get("base_shift", 0.5),
+            config.get("max_shift", 1.15),
+        )
+        retrieve_timesteps(scheduler, num_steps, "cpu", sigmas=np.linspace(1.0, 1 / num_steps, num_steps), mu=mu)
+
+    def run_transformer(self, latents, sigmas, embeds: QwenImageEmbeds, guidance_scale, height, width) -> torch.Tensor:
+        grid = self.spec.vae_scale_factor * 2
+        mask = embeds.prompt_mask
+        # The pipeline passes no mask when nothing is padded; the result is the same either way.
+        return self.transformer(
+            hidden_states=latents,
+            timestep=(sigmas * self._scheduler.config.num_train_timesteps).to(latents.dtype) / 1000,
+            guidance=guidance_scale if self.transformer.config.guidance_embeds else None,
+            encoder_hidden_states_mask=None if mask.all() else mask,
+            encoder_hidden_states=embeds.prompt_embeds,
+            img_shapes=[[(1, height // grid, width // grid)]] * latents.shape[0],
+            return_dict=False,
+        )[0]
+
+    def combine_cfg(self, cond: torch.Tensor, uncond: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        combined = uncond + scale * (cond - uncond)
+        return combined * (cond.norm(dim=-1, keepdim=True) / combined.norm(dim=-1, keepdim=True))
+
+    @torch.no_grad()
+    def decode(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
+        vae = self.pipeline.vae
+        unpacked = QwenImagePipeline._unpack_latents(latents, height, width, self.spec.vae_scale_factor)
+        unpacked = unpacked.to(vae.device, vae.dtype)  # [B, C, 1, h, w]: one frame
+        shape = (1, vae.config.z_dim, 1, 1, 1)
+        mean = torch.tensor(vae.config.latents_mean).view(shape).to(unpacked.device, unpacked.dtype)
+        inverse_std = 1.0 / torch.tensor(vae.config.latents_std).view(shape).to(unpacked.device, unpacked.dtype)
+        images = vae.decode(unpacked / inverse_std + mean, return_dict=False)[0][:, :, 0]
+        return images_to_uint8(images)

@@ -1,0 +1,51 @@
+"""Tiny pipelines of every supported family, of the real diffusers/transformers classes, with
+random weights.
+
+Tests, demos and benchmarks cannot download weights, so they build a pipeline here, save it with
+`save_pretrained`, and load it back with the real `from_pretrained` code; every folder loads with
+plain `PipelineClass.from_pretrained(path)`. Tokenizers are written locally (`tokenizers.py`), and
+the VAE decoders are set close to a colour map (`colour.py`), so an image's colours follow its
+latents and the demos' colour reward is something a policy can learn.
+
+    python -m rollout.pipelines.tiny OUT_DIR [--family sd3|flux|qwen_image] [--seed N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from rollout.pipelines.tiny.flux import TinyFluxSizes, build_tiny_flux
+from rollout.pipelines.tiny.qwen_image import TinyQwenImageSizes, build_tiny_qwen_image
+from rollout.pipelines.tiny.sd3 import TinySD3Sizes, build_tiny_sd3
+
+# Family name -> builder(path, seed) -> path.
+TINY_BUILDERS = {"sd3": build_tiny_sd3, "flux": build_tiny_flux, "qwen_image": build_tiny_qwen_image}
+
+__all__ = [
+    "TINY_BUILDERS",
+    "TinyFluxSizes",
+    "TinyQwenImageSizes",
+    "TinySD3Sizes",
+    "build_tiny_flux",
+    "build_tiny_qwen_image",
+    "build_tiny_sd3",
+]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m rollout.pipelines.tiny",
+        description="Build a tiny diffusers pipeline with random weights and save it to a folder.",
+    )
+    parser.add_argument("out_dir", help="folder to write the pipeline to (created if missing)")
+    parser.add_argument(
+        "--family",
+        choices=sorted(TINY_BUILDERS),
+        default="sd3",
+        help="sd3: StableDiffusion3Pipeline (default); flux: FluxPipeline; qwen_image: QwenImagePipeline",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    TINY_BUILDERS[args.family](args.out_dir, seed=args.seed)

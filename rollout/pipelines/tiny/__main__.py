@@ -1,0 +1,3 @@
+from rollout.pipelines.tiny import main
+
+main()

@@ -1,0 +1,79 @@
+"""A tiny `FluxPipeline` (FLUX.1-dev's layout: guidance-distilled, CLIP pooled + T5 tokens, 2x2
+packed latents), all random."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from rollout.pipelines.tiny.sd3 import tiny_autoencoder_kl
+from rollout.pipelines.tiny.text_encoders import clip_text_encoder, t5_encoder
+from rollout.pipelines.tiny.tokenizers import clip_tokenizer, t5_tokenizer
+
+logger = logging.getLogger(__name__)
+
+# FLUX.1-dev's scheduler_config.json: the shift grows with the image's token count.
+FLUX_SCHEDULER = {
+    "base_image_seq_len": 256,
+    "base_shift": 0.5,
+    "max_image_seq_len": 4096,
+    "max_shift": 1.15,
+    "num_train_timesteps": 1000,
+    "shift": 3.0,
+    "use_dynamic_shifting": True,
+}
+
+
+@dataclass(frozen=True)
+class TinyFluxSizes:
+    """Sizes of the tiny pipeline: 32x32 images from 16x16x4 latents, packed into 64 tokens of 16."""
+
+    latent_channels: int = 4
+    num_layers: int = 1  # double-stream (joint) blocks
+    num_single_layers: int = 1
+    num_attention_heads: int = 2
+    attention_head_dim: int = 16
+    axes_dims_rope: tuple[int, int, int] = (4, 6, 6)  # sums to attention_head_dim
+    text_hidden_size: int = 32  # CLIP's and T5's width
+    text_layers: int = 2
+    vae_block_out_channels: tuple[int, ...] = (8, 16)  # two blocks: the VAE downsamples by 2
+    guidance_embeds: bool = True  # FLUX.1-dev (False: FLUX.1-schnell)
+
+
+def build_tiny_flux(path: str | Path, seed: int = 0, sizes: TinyFluxSizes = TinyFluxSizes()) -> Path:
+    """Build a `FluxPipeline` with random weights and save it to `path`; returns `path`.
+    Deterministic in `seed`; a folder that already holds a pipeline is overwritten."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+
+    path = Path(path)
+    tokenizer = clip_tokenizer()
+    tokenizer_2 = t5_tokenizer()
+    torch.manual_seed(seed)
+    transformer = FluxTransformer2DModel(
+        patch_size=1,
+        in_channels=4 * sizes.latent_channels,  # packed 2x2 patches
+        num_layers=sizes.num_layers,
+        num_single_layers=sizes.num_single_layers,
+        attention_head_dim=sizes.attention_head_dim,
+        num_attention_heads=sizes.num_attention_heads,
+        joint_attention_dim=sizes.text_hidden_size,
+        pooled_projection_dim=sizes.text_hidden_size,
+        guidance_embeds=sizes.guidance_embeds,
+        axes_dims_rope=sizes.axes_dims_rope,
+    )
+    vae = tiny_autoencoder_kl(sizes.latent_channels, sizes.vae_block_out_channels, 32)
+    pipeline = FluxPipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(**FLUX_SCHEDULER),
+        vae=vae,
+        text_encoder=clip_text_encoder(tokenizer, sizes.text_hidden_size, sizes.text_layers, with_projection=False),
+        tokenizer=tokenizer,
+        text_encoder_2=t5_encoder(tokenizer_2, sizes.text_hidden_size),
+        tokenizer_2=tokenizer_2,
+        transformer=transformer,
+    )
+    pipeline.save_pretrained(path)
+    logger.info("saved a tiny FluxPipeline to %s", path)
+    return path

@@ -1,0 +1,89 @@
+"""A tiny `QwenImagePipeline`: a Qwen2.5-VL text encoder, the dual-stream transformer, the causal
+3D VAE (colour-faithful), all random, with Qwen-Image's own scheduler settings."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from rollout.pipelines.tiny.colour import make_causal_decoder_colour_faithful
+from rollout.pipelines.tiny.text_encoders import qwen25_vl_encoder
+from rollout.pipelines.tiny.tokenizers import qwen2_tokenizer
+
+logger = logging.getLogger(__name__)
+
+# Qwen-Image's scheduler_config.json: exponential dynamic shift, stretched to end at sigma 0.02.
+QWEN_IMAGE_SCHEDULER = {
+    "base_image_seq_len": 256,
+    "base_shift": 0.5,
+    "max_image_seq_len": 8192,
+    "max_shift": 0.9,
+    "num_train_timesteps": 1000,
+    "shift": 1.0,
+    "shift_terminal": 0.02,
+    "time_shift_type": "exponential",
+    "use_dynamic_shifting": True,
+}
+
+
+@dataclass(frozen=True)
+class TinyQwenImageSizes:
+    """Sizes of the tiny pipeline: 32x32 images from 16x16x4 latents, packed into 64 tokens of 16."""
+
+    latent_channels: int = 4
+    num_layers: int = 2
+    num_attention_heads: int = 2
+    attention_head_dim: int = 16
+    axes_dims_rope: tuple[int, int, int] = (4, 6, 6)  # sums to attention_head_dim
+    text_hidden_size: int = 32
+    text_layers: int = 2
+    vae_base_dim: int = 24
+
+
+def build_tiny_qwen_image(path: str | Path, seed: int = 0, sizes: TinyQwenImageSizes = TinyQwenImageSizes()) -> Path:
+    """Build a `QwenImagePipeline` with random weights and save it to `path`; returns `path`.
+    Deterministic in `seed`; a folder that already holds a pipeline is overwritten."""
+    from diffusers import (
+        AutoencoderKLQwenImage,
+        FlowMatchEulerDiscreteScheduler,
+        QwenImagePipeline,
+        QwenImageTransformer2DModel,
+    )
+
+    path = Path(path)
+    tokenizer = qwen2_tokenizer()
+    torch.manual_seed(seed)
+    channels = sizes.latent_channels
+    transformer = QwenImageTransformer2DModel(
+        patch_size=2,
+        in_channels=4 * channels,  # packed 2x2 patches
+        out_channels=channels,
+        num_layers=sizes.num_layers,
+        attention_head_dim=sizes.attention_head_dim,
+        num_attention_heads=sizes.num_attention_heads,
+        joint_attention_dim=sizes.text_hidden_size,
+        axes_dims_rope=sizes.axes_dims_rope,
+    )
+    vae = AutoencoderKLQwenImage(
+        base_dim=sizes.vae_base_dim,
+        z_dim=channels,
+        dim_mult=[1, 2],  # one spatial upsample: the VAE scales by 2
+        num_res_blocks=1,
+        temperal_downsample=[False],
+        latents_mean=[0.0] * channels,
+        latents_std=[1.0] * channels,
+    )
+    make_causal_decoder_colour_faithful(vae)
+    pipeline = QwenImagePipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(**QWEN_IMAGE_SCHEDULER),
+        vae=vae,
+        text_encoder=qwen25_vl_encoder(tokenizer, sizes.text_hidden_size, sizes.text_layers),
+        tokenizer=tokenizer,
+        transformer=transformer,
+    )
+    pipeline.save_pretrained(path)
+    logger.info("saved a tiny QwenImagePipeline to %s", path)
+    return path

@@ -1,0 +1,109 @@
+"""A tiny `StableDiffusion3Pipeline`: two CLIP encoders, a one-layer T5 (as SD3.5 has), a small
+transformer and a colour-faithful VAE, all random."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from rollout.pipelines.tiny.colour import make_decoder_colour_faithful
+from rollout.pipelines.tiny.text_encoders import clip_text_encoder, t5_encoder
+from rollout.pipelines.tiny.tokenizers import clip_tokenizer, t5_tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TinySD3Sizes:
+    """Sizes of the tiny pipeline. The defaults give 32x32 images from 16x16x4 latents."""
+
+    sample_size: int = 16  # latent height/width the transformer is built for
+    patch_size: int = 2
+    latent_channels: int = 4
+    num_layers: int = 2
+    num_attention_heads: int = 2
+    attention_head_dim: int = 16
+    text_hidden_size: int = 32  # CLIP width; T5's width and the pooled projections are 2 * this
+    text_layers: int = 2
+    vae_block_out_channels: tuple[int, ...] = (8, 16)  # two blocks: the VAE downsamples by 2
+
+
+def tiny_autoencoder_kl(latent_channels: int, block_out_channels: tuple[int, ...], sample_size: int):
+    """An `AutoencoderKL` as SD3 and FLUX.1 use, with a colour-faithful decoder."""
+    from diffusers import AutoencoderKL
+
+    num_blocks = len(block_out_channels)
+    vae = AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * num_blocks,
+        up_block_types=("UpDecoderBlock2D",) * num_blocks,
+        block_out_channels=block_out_channels,
+        layers_per_block=1,
+        latent_channels=latent_channels,
+        # One group: per-channel GroupNorm would erase each latent channel's mean, and with it every
+        # way for the latents to set an image's overall colour.
+        norm_num_groups=1,
+        sample_size=sample_size,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+        shift_factor=0.0609,
+        scaling_factor=1.5035,
+    )
+    make_decoder_colour_faithful(vae)
+    return vae
+
+
+def build_tiny_sd3(
+    path: str | Path, seed: int = 0, sizes: TinySD3Sizes = TinySD3Sizes(), with_t5: bool = True
+) -> Path:
+    """Build a `StableDiffusion3Pipeline` with random weights and save it to `path`; returns `path`.
+
+    Building is deterministic in `seed`; a folder that already holds a pipeline is overwritten.
+    `with_t5=False` leaves T5 out (SD3 then feeds zeros in its place); diffusers loads such a folder
+    only with `text_encoder_3=None, tokenizer_3=None` (the engine passes them itself).
+    """
+    from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
+
+    path = Path(path)
+    tokenizer = clip_tokenizer()
+    torch.manual_seed(seed)
+    transformer = SD3Transformer2DModel(
+        sample_size=sizes.sample_size,
+        patch_size=sizes.patch_size,
+        in_channels=sizes.latent_channels,
+        out_channels=sizes.latent_channels,
+        num_layers=sizes.num_layers,
+        attention_head_dim=sizes.attention_head_dim,
+        num_attention_heads=sizes.num_attention_heads,
+        caption_projection_dim=sizes.attention_head_dim * sizes.num_attention_heads,
+        # The two CLIP encoders are concatenated along features before joint attention; T5 has this width.
+        joint_attention_dim=2 * sizes.text_hidden_size,
+        pooled_projection_dim=2 * sizes.text_hidden_size,
+        pos_embed_max_size=max(sizes.sample_size, 16),
+    )
+    num_blocks = len(sizes.vae_block_out_channels)
+    vae = tiny_autoencoder_kl(
+        sizes.latent_channels, sizes.vae_block_out_channels, sizes.sample_size * 2 ** (num_blocks - 1)
+    )
+    text_encoder = clip_text_encoder(tokenizer, sizes.text_hidden_size, sizes.text_layers, with_projection=True)
+    text_encoder_2 = clip_text_encoder(tokenizer, sizes.text_hidden_size, sizes.text_layers, with_projection=True)
+    tokenizer_3 = t5_tokenizer() if with_t5 else None
+    text_encoder_3 = t5_encoder(tokenizer_3, 2 * sizes.text_hidden_size) if with_t5 else None
+    pipeline = StableDiffusion3Pipeline(
+        transformer=transformer,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        text_encoder_2=text_encoder_2,
+        tokenizer_2=tokenizer,
+        text_encoder_3=text_encoder_3,
+        tokenizer_3=tokenizer_3,
+    )
+    pipeline.save_pretrained(path)
+    logger.info("saved a tiny StableDiffusion3Pipeline to %s", path)
+    return path

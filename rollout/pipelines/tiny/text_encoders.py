@@ -1,0 +1,83 @@
+"""Tiny text encoders of the real transformers classes, with random weights."""
+
+from __future__ import annotations
+
+
+def clip_text_encoder(tokenizer, hidden_size: int, layers: int, with_projection: bool):
+    """CLIP's text model (`CLIPTextModelWithProjection` as SD3 has, or `CLIPTextModel` as FLUX has)."""
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+
+    vocab = tokenizer.get_vocab()
+    config = CLIPTextConfig(
+        vocab_size=len(vocab),
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=layers,
+        num_attention_heads=2,
+        projection_dim=hidden_size,
+        max_position_embeddings=77,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        hidden_act="gelu",
+    )
+    return (CLIPTextModelWithProjection if with_projection else CLIPTextModel)(config)
+
+
+def t5_encoder(tokenizer, width: int):
+    """A one-layer `T5EncoderModel` (gated-GELU, as T5 v1.1 XXL in SD3.5 and FLUX.1)."""
+    from transformers import T5Config, T5EncoderModel
+
+    config = T5Config(
+        vocab_size=len(tokenizer),
+        d_model=width,
+        d_kv=width // 4,
+        d_ff=2 * width,
+        num_layers=1,
+        num_heads=4,
+        relative_attention_num_buckets=8,
+        feed_forward_proj="gated-gelu",
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        decoder_start_token_id=tokenizer.pad_token_id,
+    )
+    return T5EncoderModel(config)
+
+
+def qwen25_vl_encoder(tokenizer, width: int, layers: int):
+    """A `Qwen2_5_VLForConditionalGeneration` (Qwen-Image's text encoder) with a `width`-wide
+    language model of `layers` layers and a one-block vision tower that text prompts never use."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    heads = 2
+    rotary_half = width // heads // 2  # multimodal RoPE splits each head's rotary half in 3 sections
+    sections = [rotary_half - 2 * (rotary_half // 3), rotary_half // 3, rotary_half // 3]
+    vocab_size = len(tokenizer)
+    config = Qwen2_5_VLConfig(
+        text_config={
+            "vocab_size": vocab_size,
+            "hidden_size": width,
+            "intermediate_size": 2 * width,
+            "num_hidden_layers": layers,
+            "num_attention_heads": heads,
+            "num_key_value_heads": heads,
+            "max_position_embeddings": 2048,
+            "rope_scaling": {"mrope_section": sections, "rope_type": "default", "type": "default"},
+            "pad_token_id": tokenizer.pad_token_id,
+            "bos_token_id": tokenizer.pad_token_id,
+            "eos_token_id": tokenizer.pad_token_id,
+        },
+        vision_config={
+            "depth": 1,
+            "hidden_size": 16,
+            "intermediate_size": 16,
+            "num_heads": 2,
+            "out_hidden_size": width,
+        },
+        # Image and video markers past the vocabulary: prompts are text only.
+        vision_start_token_id=vocab_size,
+        vision_end_token_id=vocab_size + 1,
+        image_token_id=vocab_size + 2,
+        video_token_id=vocab_size + 3,
+    )
+    return Qwen2_5_VLForConditionalGeneration(config)

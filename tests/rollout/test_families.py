@@ -1,0 +1,102 @@
+"""What every model family keeps: batch independence with prompts of different token lengths,
+refusal of request fields the model does not use, and padded, masked conditioning batches."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rollout import EngineConfig, RolloutEngine, SamplingParams
+from rollout.pipelines.qwen_image import QwenImageEmbeds
+from rollout.pipelines.sd3 import SD3Embeds
+from tests.families import FAMILIES
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family_engine(request, tiny_models):
+    family = FAMILIES[request.param]
+    with RolloutEngine(EngineConfig(model=tiny_models(family.name), max_batch_size=16)) as engine:
+        yield family, engine
+
+
+def test_a_sample_alone_equals_the_sample_in_a_mixed_batch(family_engine):
+    """Prompts of different lengths (Qwen-Image pads and masks them), with and without guidance,
+    different samplers: the first sample's trajectory is the same alone and in the crowd."""
+    family, engine = family_engine
+    alone_params = family.params(cfg=True, num_inference_steps=4, seed=21)
+    (alone,) = engine.generate("red", alone_params)
+    prompts = ["red", "a long prompt about a green circle in a wide field at noon", "blue"]
+    crowd_params = [
+        family.params(cfg=True, num_inference_steps=4, seed=21, num_samples=3),
+        family.params(cfg=False, num_inference_steps=4, seed=21, num_samples=3, sampler="cps"),
+        family.params(cfg=True, num_inference_steps=6, seed=21, num_samples=3, sampler="dance_sde", noise_level=0.3),
+    ]
+    crowd = engine.generate(prompts, crowd_params)
+    a, b = alone.trajectory, crowd[0].trajectory
+    assert (a.latents - b.latents).abs().max() < 1e-5
+    assert (a.log_probs - b.log_probs).abs().max() < 1e-5
+    assert not torch.equal(crowd[0].trajectory.latents, crowd[3].trajectory.latents)
+
+
+def test_trajectory_form_is_the_pipelines_latents_argument(family_engine):
+    family, engine = family_engine
+    (output,) = engine.generate("x", family.params(num_inference_steps=3, seed=0))
+    expected = {"sd3": (4, 4, 16, 16), "flux": (4, 64, 16), "qwen_image": (4, 64, 16)}[family.name]
+    assert tuple(output.trajectory.latents.shape) == expected  # packed 2x2 patches for FLUX, Qwen-Image
+    assert (output.trajectory.height, output.trajectory.width) == (32, 32)
+    assert output.image.shape == (3, 32, 32)
+
+
+# Per family: a request field it does not use (or a combination it cannot honour), and the error.
+REFUSED = {
+    "sd3": [
+        ({"true_cfg_scale": 2.0}, "true_cfg_scale is not used by StableDiffusion3Pipeline"),
+        ({"guidance_scale": 1.0, "negative_prompt": "ugly"}, "negative_prompt is used only with classifier-free"),
+        ({"num_frames": 9}, "num_frames is for video pipelines"),
+        ({"max_sequence_length": 600}, "max_sequence_length=600 is above StableDiffusion3Pipeline's limit of 512"),
+    ],
+    "flux": [
+        ({"true_cfg_scale": 3.0}, "true_cfg_scale=3.0 turns on classifier-free guidance, which needs a negative"),
+        ({"negative_prompt": "ugly"}, "negative_prompt is used only with classifier-free guidance"),
+        ({"height": 30}, r"height=30 is not divisible by 4 \(VAE scale 2 x patch size 1 x latent packing 2\)"),
+    ],
+    "qwen_image": [
+        ({"guidance_scale": 4.0}, "guidance_scale is not used by QwenImagePipeline; leave it unset"),
+        ({"true_cfg_scale": 4.0}, "needs a negative_prompt"),
+        ({"num_frames": 9}, "num_frames is for video pipelines"),
+        ({"num_inference_steps": 1}, "num_inference_steps=1 is too few for QwenImagePipeline"),
+    ],
+}
+
+
+def test_fields_the_model_does_not_use_are_refused(family_engine):
+    family, engine = family_engine
+    for fields, message in REFUSED[family.name]:
+        with pytest.raises(ValueError, match=message):
+            engine.generate("x", SamplingParams(**{"height": 32, "width": 32, **fields}))
+    assert not engine.has_unfinished_requests()
+
+
+def test_defaults_come_from_the_model(family_engine):
+    family, engine = family_engine
+    resolved, problems = engine.model_spec.resolve(SamplingParams(height=32, width=32))
+    assert problems == []
+    expected = {
+        "sd3": (4.5, None, "", 256),  # CFG with the empty negative prompt, as diffusers
+        "flux": (3.5, 1.0, None, 512),  # FLUX.1-dev's distilled guidance; true CFG off
+        "qwen_image": (None, 1.0, None, 512),
+    }[family.name]
+    got = (resolved.guidance_scale, resolved.true_cfg_scale, resolved.negative_prompt, resolved.max_sequence_length)
+    assert got == expected
+
+
+def test_stacking_pads_and_masks_prompts_of_different_lengths():
+    short = QwenImageEmbeds(torch.ones(3, 4), torch.ones(3, dtype=torch.bool))
+    long = QwenImageEmbeds(torch.full((5, 4), 2.0), torch.ones(5, dtype=torch.bool))
+    batch = QwenImageEmbeds.stack([short, long])
+    assert batch.prompt_embeds.shape == (2, 5, 4) and batch.prompt_mask.tolist()[0] == [True] * 3 + [False] * 2
+    assert torch.equal(batch.prompt_embeds[0, 3:], torch.zeros(2, 4))
+    with pytest.raises(ValueError, match="SD3Embeds.prompt_embeds differs in shape between prompts"):
+        SD3Embeds.stack([SD3Embeds(torch.ones(3, 4), torch.ones(2)), SD3Embeds(torch.ones(5, 4), torch.ones(2))])
