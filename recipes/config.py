@@ -30,6 +30,7 @@ from typing import Any
 import yaml
 
 from rollout.config import EngineConfig
+from rollout.pipelines.tiny import TINY_BUILDERS
 from rollout.sampling_params import SamplingParams
 from trainers_adapters.dpo_trainer import DPOSettings
 from trainers_adapters.grpo_trainer import GRPOSettings
@@ -50,33 +51,39 @@ def option(default: Any = dataclasses.MISSING, help: str = "", *, factory: Any =
 
 @dataclass(kw_only=True)
 class ModelSection:
-    path: str = option(TINY_MODEL, f"local diffusers pipeline folder, or {TINY_MODEL!r} for a tiny random SD3")
-    tiny_cache_dir: str = option(
-        ".cache/tiny_sd3", f"where path={TINY_MODEL!r} builds its pipeline once and reuses it"
+    path: str = option(
+        TINY_MODEL, f"local diffusers pipeline folder, or {TINY_MODEL!r} for a tiny random pipeline of tiny_family"
     )
+    tiny_family: str = option("sd3", f"family of the tiny pipeline: {', '.join(TINY_BUILDERS)}")
+    tiny_cache_dir: str | None = option(
+        None, f"where path={TINY_MODEL!r} builds its pipeline once and reuses it; null: .cache/tiny_<tiny_family>"
+    )
+
+    def __post_init__(self) -> None:
+        if self.tiny_family not in TINY_BUILDERS:
+            raise ValueError(f"tiny_family must be one of {sorted(TINY_BUILDERS)}, got {self.tiny_family!r}")
 
     def resolve_path(self) -> str:
         """The pipeline folder to load; for `tiny`, builds it into `tiny_cache_dir` the first time."""
         if self.path != TINY_MODEL:
             return self.path
-        cache = Path(self.tiny_cache_dir)
+        cache = Path(self.tiny_cache_dir or f".cache/tiny_{self.tiny_family}")
         if (cache / "model_index.json").is_file():
-            logger.info("using the tiny SD3 pipeline cached in %s", cache)
+            logger.info("using the tiny %s pipeline cached in %s", self.tiny_family, cache)
             return str(cache)
         if cache.exists() and any(cache.iterdir()):
             raise ValueError(
                 f"model.tiny_cache_dir {str(cache)!r} is not empty but holds no model_index.json; "
                 "empty it or point model.tiny_cache_dir at a new folder"
             )
-        from rollout.pipelines.tiny import build_tiny_sd3
-
-        logger.info("building a tiny SD3 pipeline with random weights into %s (once; later runs reuse it)", cache)
+        family = self.tiny_family
+        logger.info("building a tiny %s pipeline (random weights) into %s; later runs reuse it", family, cache)
         cache.parent.mkdir(parents=True, exist_ok=True)
         # Build beside the cache and rename, so an interrupted build never leaves a half-written cache.
         staging = cache.with_name(f".{cache.name}.building-{os.getpid()}")
         if staging.exists():
             shutil.rmtree(staging)  # left by an interrupted build of an earlier process with this pid
-        build_tiny_sd3(staging, seed=0)
+        TINY_BUILDERS[self.tiny_family](staging, seed=0)
         if cache.exists():
             cache.rmdir()  # empty, checked above
         os.rename(staging, cache)

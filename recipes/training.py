@@ -44,9 +44,8 @@ RATIO_TOLERANCE = 1e-5  # the numerics contract: |log ratio| before the first up
 class LoraSection:
     rank: int = option(8, "LoRA rank r")
     alpha: float = option(16.0, "LoRA alpha (the update is scaled by alpha / rank)")
-    target_modules: list[str] = option(
-        help="transformer module names (or name suffixes) that get a LoRA",
-        factory=lambda: ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"],
+    target_modules: list[str] | None = option(
+        None, "transformer module names (or name suffixes) that get a LoRA; null: the model family's default"
     )
 
     def __post_init__(self) -> None:
@@ -55,13 +54,17 @@ class LoraSection:
             problems.append(f"rank must be >= 1, got {self.rank}")
         if self.alpha <= 0:
             problems.append(f"alpha must be > 0, got {self.alpha}")
-        if not self.target_modules:
-            problems.append("target_modules is empty; name at least one module, e.g. to_q")
+        if self.target_modules == []:
+            problems.append("target_modules is empty; name at least one module (e.g. to_q), or null for the default")
         if problems:
             raise ValueError("; ".join(problems))
 
     def peft_config(self) -> dict:
-        return {"r": self.rank, "lora_alpha": self.alpha, "target_modules": list(self.target_modules)}
+        """The LoRA's config; without target_modules `LoraPolicy` takes the family's default targets."""
+        config = {"r": self.rank, "lora_alpha": self.alpha}
+        if self.target_modules is not None:
+            config["target_modules"] = list(self.target_modules)
+        return config
 
 
 @dataclass(kw_only=True)

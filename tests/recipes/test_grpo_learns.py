@@ -1,5 +1,6 @@
-"""GRPO on the tiny model raises the reward: a statistical check over three seeds, each of which must
-clear its own noise by a wide margin (not one lucky seed)."""
+"""GRPO on the tiny models raises the reward: a statistical check over three seeds, each of which must
+clear its own noise by a wide margin (not one lucky seed). SD3 (the main job) runs in the default
+suite; FLUX.1 and Qwen-Image with `make test-slow`."""
 
 from __future__ import annotations
 
@@ -13,19 +14,27 @@ import recipes.config
 from recipes.config import load_config
 from recipes.grpo import run
 
-CONFIG = Path(recipes.config.__file__).parent / "configs" / "grpo_tiny.yaml"
+CONFIG_DIR = Path(recipes.config.__file__).parent / "configs"
 WINDOW = 5  # steps averaged at the start and at the end
 
 
 @pytest.mark.timeout(400)
-def test_reward_rises_on_every_seed(tmp_path, tiny_model):
+@pytest.mark.parametrize(
+    "config_name, family",
+    [
+        pytest.param("grpo_tiny.yaml", "sd3", id="sd3"),
+        pytest.param("grpo_flux_tiny.yaml", "flux", id="flux", marks=pytest.mark.slow),
+        pytest.param("grpo_qwen_image_tiny.yaml", "qwen_image", id="qwen_image", marks=pytest.mark.slow),
+    ],
+)
+def test_reward_rises_on_every_seed(tmp_path, tiny_models, config_name, family):
     margins = []
     for seed in (0, 1, 2):
         out = tmp_path / f"seed{seed}"
         config = load_config(
-            CONFIG,
+            CONFIG_DIR / config_name,
             [
-                f"model.path={tiny_model}",
+                f"model.path={tiny_models(family)}",
                 f"output_dir={out}",
                 f"seed={seed}",
                 "steps=15",

@@ -30,6 +30,49 @@ def test_gpu_config_carries_the_published_flow_grpo_settings():
     assert config.engine.device == "cuda" and config.engine.dtype == "bfloat16"
 
 
+def test_flux_config_carries_the_published_flow_grpo_settings():
+    config = load_config(CONFIG_DIR / "grpo_flux1_dev_lora.yaml")
+    assert (config.lora.rank, config.lora.alpha) == (64, 128)
+    assert {"ff.net.0.proj", "ff_context.net.2", "attn.to_add_out"} <= set(config.lora.target_modules)
+    assert (config.sampling.num_inference_steps, config.eval.num_inference_steps) == (6, 28)
+    assert (config.sampling.noise_level, config.sampling.guidance_scale) == (0.9, 3.5)
+    assert config.sampling.true_cfg_scale is None and config.sampling.max_sequence_length == 128
+    assert (config.sampling.num_samples, config.prompts_per_step) == (24, 48)
+    assert config.grpo.kl_beta == 0.0 and config.grpo.global_std
+
+
+def test_qwen_image_config_carries_the_published_flow_grpo_settings():
+    config = load_config(CONFIG_DIR / "grpo_qwen_image_lora.yaml")
+    assert (config.sampling.num_inference_steps, config.eval.num_inference_steps) == (10, 50)
+    assert (config.sampling.true_cfg_scale, config.sampling.negative_prompt) == (4.0, " ")
+    assert config.sampling.guidance_scale is None
+    assert (config.sampling.noise_level, config.sampling.sde_window) == (1.2, (0, 2))
+    assert (config.sampling.num_samples, config.prompts_per_step) == (16, 32)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "name, family",
+    [
+        ("grpo_sd35_medium_lora.yaml", "sd3"),
+        ("grpo_flux1_dev_lora.yaml", "flux"),
+        ("grpo_qwen_image_lora.yaml", "qwen_image"),
+        ("grpo_flux_tiny.yaml", "flux"),
+        ("grpo_qwen_image_tiny.yaml", "qwen_image"),
+    ],
+)
+def test_sampling_settings_fit_their_model_family(tiny_models, name, family):
+    """The full-size configs need weights that are not here; their sampling section is checked
+    against the model spec of the same family's tiny pipeline (same guidance fields and rules)."""
+    from rollout.pipelines.loading import load_adapter
+
+    config = load_config(CONFIG_DIR / name)
+    spec = load_adapter(tiny_models(family)).spec
+    _, problems = spec.resolve(config.sampling)
+    assert problems == []
+    assert config.model.tiny_family == family
+
+
 def test_main_job_is_grpo_on_the_tiny_model():
     config = load_config(CONFIG_DIR / "grpo_tiny.yaml")
     assert config.recipe == "grpo" and config.model.path == "tiny" and config.engine.device == "cpu"

@@ -29,7 +29,7 @@ def run_cli(monkeypatch, config: str, *overrides: str) -> None:
 def small_run(tmp_path: Path, executor: str) -> list[str]:
     return [
         f"output_dir={tmp_path / 'out'}",
-        f"model.tiny_cache_dir={tmp_path / 'tiny_sd3'}",
+        f"model.tiny_cache_dir={tmp_path / 'tiny'}",
         f"engine.executor={executor}",
         f"engine.num_workers={2 if executor == 'mp' else 1}",
         f"steps={STEPS}",
@@ -75,6 +75,16 @@ def test_grpo_recipe_runs_and_starts_at_ratio_one(tmp_path, monkeypatch, executo
 
 @pytest.mark.filterwarnings("ignore:.*found in sys.modules:RuntimeWarning")
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("config", ["grpo_flux_tiny.yaml", "grpo_qwen_image_tiny.yaml"])
+def test_family_recipes_run_and_start_at_ratio_one(tmp_path, monkeypatch, config):
+    run_cli(monkeypatch, config, *small_run(tmp_path, "uni"))
+    records, summary = check_run_files(tmp_path / "out")
+    assert summary["log_ratio_before_update_max"] < 1e-5
+    assert all(r["num_transitions"] == 2 * 3 * 3 for r in records)
+
+
+@pytest.mark.filterwarnings("ignore:.*found in sys.modules:RuntimeWarning")
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("executor", ["uni", "mp"])
 def test_dpo_recipe_runs(tmp_path, monkeypatch, executor):
     run_cli(monkeypatch, "dpo_tiny.yaml", *small_run(tmp_path, executor))
@@ -97,7 +107,7 @@ def test_final_lora_loads_into_diffusers_and_the_engine(tmp_path, monkeypatch):
     assert (config.r, config.lora_alpha) == (4, 16)  # the config travels in the file's metadata
     assert any(t.abs().sum() > 0 for k, t in tensors.items() if ".lora_B." in k), "the LoRA was trained"
 
-    pipeline = StableDiffusion3Pipeline.from_pretrained(tmp_path / "tiny_sd3", text_encoder_3=None, tokenizer_3=None)
+    pipeline = StableDiffusion3Pipeline.from_pretrained(tmp_path / "tiny")
     latents = torch.randn(1, 4, 16, 16, generator=torch.Generator().manual_seed(0))
     embeds = torch.randn(1, 77, 64, generator=torch.Generator().manual_seed(1))
     pooled = torch.randn(1, 64, generator=torch.Generator().manual_seed(2))
@@ -110,7 +120,7 @@ def test_final_lora_loads_into_diffusers_and_the_engine(tmp_path, monkeypatch):
     pipeline.load_lora_weights(lora_dir)
     assert not torch.allclose(velocity(), base), "diffusers applied the trained LoRA"
 
-    with RolloutEngine(EngineConfig(model=str(tmp_path / "tiny_sd3"))) as engine:
+    with RolloutEngine(EngineConfig(model=str(tmp_path / "tiny"))) as engine:
         engine.load_lora("trained", str(lora_dir))
         assert engine.lora_modules("trained") == 15  # 8 projections x 2 blocks; the last has no to_add_out
         outputs = engine.generate("a red square", SamplingParams(num_inference_steps=2, lora="trained", seed=0))

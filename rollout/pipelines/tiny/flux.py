@@ -37,43 +37,60 @@ class TinyFluxSizes:
     num_attention_heads: int = 2
     attention_head_dim: int = 16
     axes_dims_rope: tuple[int, int, int] = (4, 6, 6)  # sums to attention_head_dim
-    text_hidden_size: int = 32  # CLIP's and T5's width
+    text_hidden_size: int = 32  # CLIP's width (its pooled output conditions the transformer)
+    t5_hidden_size: int | None = None  # T5's width, the transformer's text width; None: text_hidden_size
     text_layers: int = 2
     vae_block_out_channels: tuple[int, ...] = (8, 16)  # two blocks: the VAE downsamples by 2
     guidance_embeds: bool = True  # FLUX.1-dev (False: FLUX.1-schnell)
 
 
-def build_tiny_flux(path: str | Path, seed: int = 0, sizes: TinyFluxSizes = TinyFluxSizes()) -> Path:
+def build_tiny_flux(
+    path: str | Path,
+    seed: int = 0,
+    sizes: TinyFluxSizes = TinyFluxSizes(),
+    transformer_config: dict | None = None,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> Path:
     """Build a `FluxPipeline` with random weights and save it to `path`; returns `path`.
-    Deterministic in `seed`; a folder that already holds a pipeline is overwritten."""
+    Deterministic in `seed`; a folder that already holds a pipeline is overwritten.
+    `transformer_config` replaces the tiny transformer (benchmarks pass a published config); the
+    modules are made on `device` and saved in `dtype`."""
     from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
 
     path = Path(path)
     tokenizer = clip_tokenizer()
     tokenizer_2 = t5_tokenizer()
+    text_width = sizes.t5_hidden_size or sizes.text_hidden_size
     torch.manual_seed(seed)
-    transformer = FluxTransformer2DModel(
-        patch_size=1,
-        in_channels=4 * sizes.latent_channels,  # packed 2x2 patches
-        num_layers=sizes.num_layers,
-        num_single_layers=sizes.num_single_layers,
-        attention_head_dim=sizes.attention_head_dim,
-        num_attention_heads=sizes.num_attention_heads,
-        joint_attention_dim=sizes.text_hidden_size,
-        pooled_projection_dim=sizes.text_hidden_size,
-        guidance_embeds=sizes.guidance_embeds,
-        axes_dims_rope=sizes.axes_dims_rope,
-    )
-    vae = tiny_autoencoder_kl(sizes.latent_channels, sizes.vae_block_out_channels, 32)
+    with torch.device(device):
+        transformer = FluxTransformer2DModel(
+            **transformer_config
+            or {
+                "patch_size": 1,
+                "in_channels": 4 * sizes.latent_channels,  # packed 2x2 patches
+                "num_layers": sizes.num_layers,
+                "num_single_layers": sizes.num_single_layers,
+                "attention_head_dim": sizes.attention_head_dim,
+                "num_attention_heads": sizes.num_attention_heads,
+                "joint_attention_dim": text_width,
+                "pooled_projection_dim": sizes.text_hidden_size,
+                "guidance_embeds": sizes.guidance_embeds,
+                "axes_dims_rope": sizes.axes_dims_rope,
+            }
+        )
+        vae = tiny_autoencoder_kl(sizes.latent_channels, sizes.vae_block_out_channels, 32)
+        text_encoder = clip_text_encoder(tokenizer, sizes.text_hidden_size, sizes.text_layers, with_projection=False)
+        text_encoder_2 = t5_encoder(tokenizer_2, text_width)
     pipeline = FluxPipeline(
         scheduler=FlowMatchEulerDiscreteScheduler(**FLUX_SCHEDULER),
         vae=vae,
-        text_encoder=clip_text_encoder(tokenizer, sizes.text_hidden_size, sizes.text_layers, with_projection=False),
+        text_encoder=text_encoder,
         tokenizer=tokenizer,
-        text_encoder_2=t5_encoder(tokenizer_2, sizes.text_hidden_size),
+        text_encoder_2=text_encoder_2,
         tokenizer_2=tokenizer_2,
         transformer=transformer,
     )
-    pipeline.save_pretrained(path)
+    pipeline.to(dtype=dtype).save_pretrained(path)
     logger.info("saved a tiny FluxPipeline to %s", path)
     return path

@@ -41,11 +41,21 @@ class TinyQwenImageSizes:
     text_hidden_size: int = 32
     text_layers: int = 2
     vae_base_dim: int = 24
+    vae_dim_mult: tuple[int, ...] = (1, 2)  # one spatial upsample per step after the first: scales by 2
 
 
-def build_tiny_qwen_image(path: str | Path, seed: int = 0, sizes: TinyQwenImageSizes = TinyQwenImageSizes()) -> Path:
+def build_tiny_qwen_image(
+    path: str | Path,
+    seed: int = 0,
+    sizes: TinyQwenImageSizes = TinyQwenImageSizes(),
+    transformer_config: dict | None = None,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> Path:
     """Build a `QwenImagePipeline` with random weights and save it to `path`; returns `path`.
-    Deterministic in `seed`; a folder that already holds a pipeline is overwritten."""
+    Deterministic in `seed`; a folder that already holds a pipeline is overwritten.
+    `transformer_config` replaces the tiny transformer (benchmarks pass a published config); the
+    modules are made on `device` and saved in `dtype`."""
     from diffusers import (
         AutoencoderKLQwenImage,
         FlowMatchEulerDiscreteScheduler,
@@ -57,33 +67,38 @@ def build_tiny_qwen_image(path: str | Path, seed: int = 0, sizes: TinyQwenImageS
     tokenizer = qwen2_tokenizer()
     torch.manual_seed(seed)
     channels = sizes.latent_channels
-    transformer = QwenImageTransformer2DModel(
-        patch_size=2,
-        in_channels=4 * channels,  # packed 2x2 patches
-        out_channels=channels,
-        num_layers=sizes.num_layers,
-        attention_head_dim=sizes.attention_head_dim,
-        num_attention_heads=sizes.num_attention_heads,
-        joint_attention_dim=sizes.text_hidden_size,
-        axes_dims_rope=sizes.axes_dims_rope,
-    )
-    vae = AutoencoderKLQwenImage(
-        base_dim=sizes.vae_base_dim,
-        z_dim=channels,
-        dim_mult=[1, 2],  # one spatial upsample: the VAE scales by 2
-        num_res_blocks=1,
-        temperal_downsample=[False],
-        latents_mean=[0.0] * channels,
-        latents_std=[1.0] * channels,
-    )
-    make_causal_decoder_colour_faithful(vae)
+    with torch.device(device):
+        transformer = QwenImageTransformer2DModel(
+            **transformer_config
+            or {
+                "patch_size": 2,
+                "in_channels": 4 * channels,  # packed 2x2 patches
+                "out_channels": channels,
+                "num_layers": sizes.num_layers,
+                "attention_head_dim": sizes.attention_head_dim,
+                "num_attention_heads": sizes.num_attention_heads,
+                "joint_attention_dim": sizes.text_hidden_size,
+                "axes_dims_rope": sizes.axes_dims_rope,
+            }
+        )
+        vae = AutoencoderKLQwenImage(
+            base_dim=sizes.vae_base_dim,
+            z_dim=channels,
+            dim_mult=list(sizes.vae_dim_mult),
+            num_res_blocks=1,
+            temperal_downsample=[False] * (len(sizes.vae_dim_mult) - 1),  # images: no time axis to reduce
+            latents_mean=[0.0] * channels,
+            latents_std=[1.0] * channels,
+        )
+        make_causal_decoder_colour_faithful(vae)
+        text_encoder = qwen25_vl_encoder(tokenizer, sizes.text_hidden_size, sizes.text_layers)
     pipeline = QwenImagePipeline(
         scheduler=FlowMatchEulerDiscreteScheduler(**QWEN_IMAGE_SCHEDULER),
         vae=vae,
-        text_encoder=qwen25_vl_encoder(tokenizer, sizes.text_hidden_size, sizes.text_layers),
+        text_encoder=text_encoder,
         tokenizer=tokenizer,
         transformer=transformer,
     )
-    pipeline.save_pretrained(path)
+    pipeline.to(dtype=dtype).save_pretrained(path)
     logger.info("saved a tiny QwenImagePipeline to %s", path)
     return path

@@ -26,7 +26,8 @@ class TinySD3Sizes:
     num_layers: int = 2
     num_attention_heads: int = 2
     attention_head_dim: int = 16
-    text_hidden_size: int = 32  # CLIP width; T5's width and the pooled projections are 2 * this
+    text_hidden_size: int = 32  # CLIP width; the pooled projections are 2 * this
+    t5_hidden_size: int | None = None  # T5's width, the transformer's text width; None: 2 * text_hidden_size
     text_layers: int = 2
     vae_block_out_channels: tuple[int, ...] = (8, 16)  # two blocks: the VAE downsamples by 2
 
@@ -58,41 +59,54 @@ def tiny_autoencoder_kl(latent_channels: int, block_out_channels: tuple[int, ...
 
 
 def build_tiny_sd3(
-    path: str | Path, seed: int = 0, sizes: TinySD3Sizes = TinySD3Sizes(), with_t5: bool = True
+    path: str | Path,
+    seed: int = 0,
+    sizes: TinySD3Sizes = TinySD3Sizes(),
+    with_t5: bool = True,
+    transformer_config: dict | None = None,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
 ) -> Path:
     """Build a `StableDiffusion3Pipeline` with random weights and save it to `path`; returns `path`.
 
     Building is deterministic in `seed`; a folder that already holds a pipeline is overwritten.
     `with_t5=False` leaves T5 out (SD3 then feeds zeros in its place); diffusers loads such a folder
     only with `text_encoder_3=None, tokenizer_3=None` (the engine passes them itself).
+    `transformer_config` replaces the tiny transformer (benchmarks pass a published config); the
+    modules are made on `device` and saved in `dtype`.
     """
     from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
 
     path = Path(path)
     tokenizer = clip_tokenizer()
-    torch.manual_seed(seed)
-    transformer = SD3Transformer2DModel(
-        sample_size=sizes.sample_size,
-        patch_size=sizes.patch_size,
-        in_channels=sizes.latent_channels,
-        out_channels=sizes.latent_channels,
-        num_layers=sizes.num_layers,
-        attention_head_dim=sizes.attention_head_dim,
-        num_attention_heads=sizes.num_attention_heads,
-        caption_projection_dim=sizes.attention_head_dim * sizes.num_attention_heads,
-        # The two CLIP encoders are concatenated along features before joint attention; T5 has this width.
-        joint_attention_dim=2 * sizes.text_hidden_size,
-        pooled_projection_dim=2 * sizes.text_hidden_size,
-        pos_embed_max_size=max(sizes.sample_size, 16),
-    )
-    num_blocks = len(sizes.vae_block_out_channels)
-    vae = tiny_autoencoder_kl(
-        sizes.latent_channels, sizes.vae_block_out_channels, sizes.sample_size * 2 ** (num_blocks - 1)
-    )
-    text_encoder = clip_text_encoder(tokenizer, sizes.text_hidden_size, sizes.text_layers, with_projection=True)
-    text_encoder_2 = clip_text_encoder(tokenizer, sizes.text_hidden_size, sizes.text_layers, with_projection=True)
     tokenizer_3 = t5_tokenizer() if with_t5 else None
-    text_encoder_3 = t5_encoder(tokenizer_3, 2 * sizes.text_hidden_size) if with_t5 else None
+    # The two CLIP encoders are concatenated along features and padded to T5's width.
+    text_width = sizes.t5_hidden_size or 2 * sizes.text_hidden_size
+    torch.manual_seed(seed)
+    with torch.device(device):
+        transformer = SD3Transformer2DModel(
+            **transformer_config
+            or {
+                "sample_size": sizes.sample_size,
+                "patch_size": sizes.patch_size,
+                "in_channels": sizes.latent_channels,
+                "out_channels": sizes.latent_channels,
+                "num_layers": sizes.num_layers,
+                "attention_head_dim": sizes.attention_head_dim,
+                "num_attention_heads": sizes.num_attention_heads,
+                "caption_projection_dim": sizes.attention_head_dim * sizes.num_attention_heads,
+                "joint_attention_dim": text_width,
+                "pooled_projection_dim": 2 * sizes.text_hidden_size,
+                "pos_embed_max_size": max(sizes.sample_size, 16),
+            }
+        )
+        num_blocks = len(sizes.vae_block_out_channels)
+        vae = tiny_autoencoder_kl(
+            sizes.latent_channels, sizes.vae_block_out_channels, sizes.sample_size * 2 ** (num_blocks - 1)
+        )
+        text_encoder = clip_text_encoder(tokenizer, sizes.text_hidden_size, sizes.text_layers, with_projection=True)
+        text_encoder_2 = clip_text_encoder(tokenizer, sizes.text_hidden_size, sizes.text_layers, with_projection=True)
+        text_encoder_3 = t5_encoder(tokenizer_3, text_width) if with_t5 else None
     pipeline = StableDiffusion3Pipeline(
         transformer=transformer,
         scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
@@ -104,6 +118,6 @@ def build_tiny_sd3(
         text_encoder_3=text_encoder_3,
         tokenizer_3=tokenizer_3,
     )
-    pipeline.save_pretrained(path)
+    pipeline.to(dtype=dtype).save_pretrained(path)
     logger.info("saved a tiny StableDiffusion3Pipeline to %s", path)
     return path

@@ -13,7 +13,7 @@ def clip_text_encoder(tokenizer, hidden_size: int, layers: int, with_projection:
         hidden_size=hidden_size,
         intermediate_size=2 * hidden_size,
         num_hidden_layers=layers,
-        num_attention_heads=2,
+        num_attention_heads=max(2, hidden_size // 64),
         projection_dim=hidden_size,
         max_position_embeddings=77,
         bos_token_id=tokenizer.bos_token_id,
@@ -28,13 +28,14 @@ def t5_encoder(tokenizer, width: int):
     """A one-layer `T5EncoderModel` (gated-GELU, as T5 v1.1 XXL in SD3.5 and FLUX.1)."""
     from transformers import T5Config, T5EncoderModel
 
+    heads = max(4, width // 64)
     config = T5Config(
         vocab_size=len(tokenizer),
         d_model=width,
-        d_kv=width // 4,
+        d_kv=width // heads,
         d_ff=2 * width,
         num_layers=1,
-        num_heads=4,
+        num_heads=heads,
         relative_attention_num_buckets=8,
         feed_forward_proj="gated-gelu",
         pad_token_id=tokenizer.pad_token_id,
@@ -49,7 +50,7 @@ def qwen25_vl_encoder(tokenizer, width: int, layers: int):
     language model of `layers` layers and a one-block vision tower that text prompts never use."""
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-    heads = 2
+    heads = max(2, width // 128)
     rotary_half = width // heads // 2  # multimodal RoPE splits each head's rotary half in 3 sections
     sections = [rotary_half - 2 * (rotary_half // 3), rotary_half // 3, rotary_half // 3]
     vocab_size = len(tokenizer)
