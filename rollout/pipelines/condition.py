@@ -1,4 +1,4 @@
-"""Text conditioning: a family's prompt embeddings, one sample's condition, and a batch of them.
+"""Text conditioning: a family's prompt embeddings and one sample's condition.
 
 A trajectory carries its condition so a trainer never re-encodes text. Conditions are shared, not
 copied: every sample of a prompt references one `PromptEmbeds`, and every sample with the same
@@ -40,10 +40,6 @@ class PromptEmbeds:
             },
         )
 
-    @property
-    def nbytes(self) -> int:
-        return sum(t.nbytes for t in self.tensors().values())
-
     @classmethod
     def stack(cls, items: Sequence[PromptEmbeds]) -> PromptEmbeds:
         """Batch unbatched embeddings along a new leading dim, padding `padded_fields` to the longest."""
@@ -74,27 +70,3 @@ class Condition:
 
     prompt: PromptEmbeds
     negative: PromptEmbeds | None = None
-
-    def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> Condition:
-        negative = self.negative.to(device, dtype) if self.negative is not None else None
-        return Condition(self.prompt.to(device, dtype), negative)
-
-
-@dataclass
-class ConditionBatch:
-    """A batch's conditioning as the transformer takes it.
-
-    embeds: B + N rows: the B samples' prompts, then the negative prompts of the N samples with
-        classifier-free guidance, in batch order, padded to one length.
-    cfg: [B] bool, the samples with classifier-free guidance.
-    """
-
-    embeds: PromptEmbeds
-    cfg: torch.Tensor
-
-    @staticmethod
-    def of(conditions: Sequence[Condition], guided: bool = True) -> ConditionBatch:
-        """The batch of `conditions`; with `guided=False` every sample is conditional only."""
-        cfg = [guided and c.negative is not None for c in conditions]
-        rows = [c.prompt for c in conditions] + [c.negative for c, g in zip(conditions, cfg, strict=True) if g]
-        return ConditionBatch(type(rows[0]).stack(rows), torch.tensor(cfg, dtype=torch.bool))

@@ -29,6 +29,7 @@ class SD3Adapter(PipelineAdapter):
     pipeline_class = "StableDiffusion3Pipeline"
     # The attention projections of the joint blocks, as Flow-GRPO trains SD3.5.
     default_lora_targets = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
+    cfg_in_one_pass = True  # StableDiffusion3Pipeline concatenates the two halves
 
     def make_spec(self) -> ModelSpec:
         pipeline, config = self.pipeline, self.transformer.config
