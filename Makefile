@@ -32,7 +32,10 @@ test-slow: setup
 	$(PY) -m pytest -q -m slow || [ $$? -eq 5 ]
 
 bench: setup
-	$(PY) -m benchmarks.rollout_throughput
+	$(PY) -m benchmarks.rollout_throughput --family sd3
+	$(PY) -m benchmarks.rollout_throughput --family flux
+	$(PY) -m benchmarks.rollout_throughput --family qwen_image
+	$(PY) -m benchmarks.output_memory
 	$(PY) -m benchmarks.executor_overhead
 	$(PY) -m benchmarks.weight_sync
 	$(PY) -m benchmarks.lora_swap

@@ -6,8 +6,8 @@ the size of the trajectory's latents, so whether the samples of one prompt share
 a copy decides how much memory a rollout needs.
 
 The pipeline here has SD3.5-medium's conditioning and latent shapes at 512x512 (16 latent channels,
-64x64 latents, text embeddings [77 + 256, 4096]) with one-layer random models, so the bytes are
-the real ones while the compute stays small. Reported per sample:
+64x64 latents, text embeddings [77 + 256, 4096], pooled [2048]) with one-layer random models, so
+the bytes are the real ones while the compute stays small. Reported per sample:
 
   latents      the trajectory's latents [T+1, 16, 64, 64] float32
   referenced   every distinct tensor storage the outputs reference (shared tensors count once)
@@ -56,7 +56,8 @@ def sd35_shaped_sizes() -> TinySD3Sizes:
         num_layers=1,
         num_attention_heads=2,
         attention_head_dim=32,
-        text_hidden_size=2048,  # two CLIP widths concatenated give the 4096 of T5's width
+        text_hidden_size=1024,  # two CLIPs: pooled embeddings of 2048, as CLIP-L + CLIP-G give
+        t5_hidden_size=4096,
         text_layers=1,
         vae_block_out_channels=(16, 16),
     )

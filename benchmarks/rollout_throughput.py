@@ -1,27 +1,33 @@
-"""Rollout throughput: the engine vs. plain diffusers vs. the transformer forwards alone.
+"""Rollout throughput: the engine vs. the family's diffusers pipeline vs. the transformer forwards alone.
 
-Builds a small SD3 pipeline (random weights; a transformer big enough to dominate the time, tiny
-VAE and text encoders) in a temporary folder and measures, at the same batch size, steps and
-guidance:
+Builds a pipeline of the chosen family (SD3, FLUX.1 or Qwen-Image; random weights, see
+benchmarks/model_presets.py) in a temporary folder and measures, at the same batch size, steps,
+image size and guidance:
 
   engine     `RolloutEngine` (executor "uni"), sampler flow_sde, trajectories recorded, images decoded;
-  diffusers  `StableDiffusion3Pipeline` from the same folder, ODE sampling, output_type="np";
+  diffusers  the family's diffusers pipeline from the same folder, ODE sampling, output_type="np";
   floor      the same number of transformer calls on the same input shapes (2 x batch with CFG),
              embeddings precomputed, under torch.no_grad: what any sampler must at least spend.
 
 The three are interleaved (each round runs all three, in a rotated order) so machine noise hits all
-alike; warmup rounds are discarded and the median of the timed rounds is reported. Afterwards one
+alike; warmup rounds are discarded and the median of the timed rounds is reported. All three run on
+the engine's worker thread (diffusers and the floor through `collective_rpc`): glibc gives each
+thread its own malloc arena, and large activations page-faulted anew on one thread but reused on
+another moved the ratios by up to 15% either way. Afterwards one
 more engine run with timers on the worker's pieces shows where the engine spends its time beyond
-the floor.
+the floor. With --peak-tflops the report adds the transformer's model-FLOPs utilisation (FLOPs of
+each step's forwards, counted by torch's FLOP counter).
 
-    python -m benchmarks.rollout_throughput               # batch 16, 10 steps, 1 + 5 rounds
-    python -m benchmarks.rollout_throughput --json out.json
+    python -m benchmarks.rollout_throughput --family flux           # CPU-sized model, batch 16, 10 steps
+    python -m benchmarks.rollout_throughput --family sd3 --preset real --device cuda --dtype bfloat16 \\
+        --peak-tflops 989                                            # SD3.5 Medium's transformer on an H200
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import json
 import statistics
 import tempfile
 import time
@@ -40,18 +46,16 @@ from benchmarks.common import (
     timed_call,
     write_json,
 )
+from benchmarks.model_presets import DEFAULT_SIZE, PRESETS, build
 from rollout import EngineConfig, RolloutEngine, SamplingParams
-from rollout.pipelines.tiny import TinySD3Sizes, build_tiny_sd3
+from rollout.pipelines.loading import adapter_class
 
+FAMILIES = ("sd3", "flux", "qwen_image")
 MODES = ("engine", "diffusers", "floor")
-MODE_LABELS = {
-    "engine": "engine (uni, flow_sde, trajectory)",
-    "diffusers": "diffusers SD3 pipeline (ODE)",
-    "floor": "transformer forwards only",
-}
-# The project's targets at batch 16.
+# The project's targets on CPU.
 TARGET_SPEED_VS_DIFFUSERS = 0.95
-TARGET_TIME_VS_FLOOR = 1.15
+TARGET_TIME_VS_FLOOR = 1.10
+NEGATIVE_PROMPT = " "  # FLUX.1 and Qwen-Image need one for true CFG; SD3's default is ""
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -61,42 +65,53 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         + " Prints a table of images/s and the ratios engine/diffusers and engine/floor.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
+    model = parser.add_argument_group("model")
+    model.add_argument("--family", choices=FAMILIES, default="sd3", help="the pipeline family to measure")
+    model.add_argument(
+        "--preset",
+        choices=PRESETS,
+        default="small",
+        help="small: a CPU-sized transformer; real: the published transformer (SD3.5 Medium, FLUX.1-dev, "
+        "Qwen-Image) with random weights, for a GPU",
+    )
+    model.add_argument("--device", default="cpu", help="cpu or cuda[:N]; the real preset is built there too")
+    model.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"), help="model dtype")
     run = parser.add_argument_group("what to run")
     run.add_argument("--batch-size", type=int, default=16, help="images per call (engine max_batch_size too)")
     run.add_argument("--steps", type=int, default=10, help="denoising steps per image")
-    run.add_argument("--guidance-scale", type=float, default=4.5, help="CFG scale (> 1: 2 x batch per forward)")
+    run.add_argument("--size", type=int, help="image height and width in pixels (default: 64 for small, 512 for real)")
+    run.add_argument(
+        "--cfg",
+        choices=("on", "off"),
+        default="on",
+        help="classifier-free guidance (2 x batch per forward): SD3 guidance_scale 4.5, FLUX.1 / Qwen-Image "
+        "true_cfg_scale 4 with a negative prompt; off: SD3 guidance_scale 1, the others no true CFG "
+        "(FLUX.1-dev keeps its distilled guidance 3.5)",
+    )
     run.add_argument("--noise-level", type=float, default=0.7, help="the engine's flow_sde noise level")
     run.add_argument("--repeats", type=int, default=5, help="timed rounds; each runs all three modes once")
     run.add_argument("--warmup", type=int, default=1, help="untimed rounds first (allocator, kernels, caches)")
     run.add_argument("--prompt", default="a red cube on a blue table", help="the one prompt, sampled batch times")
-    run.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-    run.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"), help="model dtype")
+    run.add_argument(
+        "--peak-tflops", type=float, help="the device's dense peak TFLOP/s in --dtype: report model-FLOPs utilisation"
+    )
     run.add_argument(
         "--no-breakdown", action="store_true", help="skip the extra engine run that times the worker's pieces"
     )
     run.add_argument("--json", type=Path, metavar="PATH", help="also write the results as JSON to PATH")
-    sizes = parser.add_argument_group(
-        "model sizes", "the SD3 transformer's shape; the VAE and the two CLIP encoders stay tiny"
-    )
-    sizes.add_argument("--sample-size", type=int, default=32, help="latent height and width (image is 2x)")
-    sizes.add_argument("--patch-size", type=int, default=2, help="transformer patch size")
-    sizes.add_argument("--num-layers", type=int, default=4, help="transformer blocks")
-    sizes.add_argument("--num-heads", type=int, default=4, help="attention heads")
-    sizes.add_argument("--head-dim", type=int, default=32, help="width of one head (hidden = heads x head-dim)")
     args = parser.parse_args(argv)
     if args.batch_size < 1 or args.steps < 1 or args.repeats < 1 or args.warmup < 0:
         parser.error("--batch-size, --steps and --repeats must be >= 1 and --warmup >= 0")
+    if args.size is None:
+        args.size = DEFAULT_SIZE[args.preset]
     return args
 
 
-def benchmark_sizes(args: argparse.Namespace) -> TinySD3Sizes:
-    return TinySD3Sizes(
-        sample_size=args.sample_size,
-        patch_size=args.patch_size,
-        num_layers=args.num_layers,
-        num_attention_heads=args.num_heads,
-        attention_head_dim=args.head_dim,
-    )
+def guidance_fields(family: str, cfg: bool) -> dict:
+    """SamplingParams fields (and diffusers call arguments) for CFG on or off."""
+    if family == "sd3":
+        return {"guidance_scale": 4.5 if cfg else 1.0}
+    return {"true_cfg_scale": 4.0, "negative_prompt": NEGATIVE_PROMPT} if cfg else {"true_cfg_scale": 1.0}
 
 
 # The three modes. Each `make_*` does the untimed setup and returns a function that runs one batch.
@@ -106,18 +121,29 @@ def make_engine_run(engine: RolloutEngine, args: argparse.Namespace) -> Callable
     def run(seed: int) -> None:
         params = SamplingParams(
             num_inference_steps=args.steps,
-            guidance_scale=args.guidance_scale,
             sampler="flow_sde",
             noise_level=args.noise_level,
             num_samples=args.batch_size,
+            height=args.size,
+            width=args.size,
             seed=seed,
             return_trajectory=True,
             return_image=True,
+            **guidance_fields(args.family, args.cfg == "on"),
         )
         outputs = engine.generate([args.prompt], params)
         assert len(outputs) == args.batch_size and outputs[0].trajectory is not None and outputs[0].image is not None
 
     return run
+
+
+def on_worker_thread(engine: RolloutEngine, run: Callable[[int], None]) -> Callable[[int], None]:
+    """`run`, called on the "uni" engine's worker thread, where the engine itself computes."""
+
+    def on_worker(seed: int) -> None:
+        engine.collective_rpc(lambda worker: run(seed))
+
+    return on_worker
 
 
 def make_diffusers_run(pipeline, args: argparse.Namespace) -> Callable[[int], None]:
@@ -126,54 +152,67 @@ def make_diffusers_run(pipeline, args: argparse.Namespace) -> Callable[[int], No
             prompt=args.prompt,
             num_images_per_prompt=args.batch_size,
             num_inference_steps=args.steps,
-            guidance_scale=args.guidance_scale,
+            height=args.size,
+            width=args.size,
             generator=torch.Generator("cpu").manual_seed(seed),
             output_type="np",
+            **guidance_fields(args.family, args.cfg == "on"),
         ).images
         assert len(images) == args.batch_size
 
     return run
 
 
-def make_floor_run(pipeline, args: argparse.Namespace) -> Callable[[int], None]:
-    """`steps` transformer calls on what diffusers feeds it: the CFG batch (negative first)."""
-    device = pipeline.transformer.device
-    dtype = pipeline.transformer.dtype
-    with torch.no_grad():
-        embeds, negative, pooled, negative_pooled = pipeline.encode_prompt(
-            prompt=args.prompt,
-            prompt_2=None,
-            prompt_3=None,
-            device=device,
-            num_images_per_prompt=args.batch_size,
-            do_classifier_free_guidance=True,
-        )
-    cfg = args.guidance_scale > 1
-    copies = 2 if cfg else 1
-    encoder_hidden_states = torch.cat([negative, embeds] if cfg else [embeds]).to(dtype)
-    pooled_projections = torch.cat([negative_pooled, pooled] if cfg else [pooled]).to(dtype)
-    config = pipeline.transformer.config
-    latents = torch.randn(
-        copies * args.batch_size,
-        config.in_channels,
-        args.sample_size,
-        args.sample_size,
-        generator=torch.Generator("cpu").manual_seed(0),
-    ).to(device, dtype)
-    timesteps = torch.linspace(1000, 100, args.steps, device=device)
+class FloorRun:
+    """`steps` rounds of the family's transformer forwards (`run_transformer`, the hook the engine's
+    `predict_velocity` calls) on the rows diffusers feeds it: the batch and, with CFG, its
+    unconditional copy, in one pass or two as the family's pipeline does. Calling it runs one batch."""
 
-    def run(seed: int) -> None:
+    def __init__(self, adapter, args: argparse.Namespace):
+        fields = guidance_fields(args.family, args.cfg == "on")
+        resolved, problems = adapter.spec.resolve(SamplingParams(height=args.size, width=args.size, **fields))
+        assert not problems, problems
         with torch.no_grad():
-            for t in timesteps:
-                pipeline.transformer(
-                    hidden_states=latents,
-                    timestep=t.expand(latents.shape[0]),
-                    encoder_hidden_states=encoder_hidden_states,
-                    pooled_projections=pooled_projections,
-                    return_dict=False,
-                )
+            prompts = [adapter.encode_prompt(args.prompt, resolved.max_sequence_length)] * args.batch_size
+            negatives = []
+            if resolved.negative_prompt is not None:
+                negatives = [adapter.encode_prompt(resolved.negative_prompt, resolved.max_sequence_length)]
+                negatives *= args.batch_size
+        embeds_type = type(prompts[0])
+        passes = [prompts + negatives] if adapter.cfg_in_one_pass else [prompts, negatives]
+        self.passes = [embeds_type.stack(rows) for rows in passes if rows]
+        shape = adapter.spec.latent_shape(args.size, args.size)
+        rows = 2 * args.batch_size if negatives else args.batch_size
+        latents = torch.randn(rows, *shape, generator=torch.Generator().manual_seed(0))
+        self.latents = latents.to(adapter.device, adapter.dtype)
+        self.guidance = None
+        if resolved.guidance_scale is not None:
+            self.guidance = torch.full((rows,), resolved.guidance_scale, device=adapter.device)
+        self.sigmas = torch.linspace(1.0, 0.1, args.steps).to(adapter.device)
+        self.adapter, self.size = adapter, args.size
 
-    return run
+    def forward(self, sigma: torch.Tensor) -> None:
+        for embeds in self.passes:
+            rows = embeds.prompt_embeds.shape[0]
+            guidance = self.guidance[:rows] if self.guidance is not None else None
+            self.adapter.run_transformer(
+                self.latents[:rows], sigma.expand(rows), embeds, guidance, self.size, self.size
+            )
+
+    @torch.no_grad()
+    def __call__(self, seed: int) -> None:
+        for sigma in self.sigmas:
+            self.forward(sigma)
+
+
+def forward_flops(floor: FloorRun) -> float:
+    """FLOPs of one step's transformer forwards on the floor's rows (matmuls and attention, as torch
+    counts them)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        floor.forward(floor.sigmas[0])
+    return float(counter.get_total_flops())
 
 
 def time_rounds(runs: dict[str, Callable[[int], None]], args: argparse.Namespace) -> dict[str, list[float]]:
@@ -253,28 +292,41 @@ def ratios_of(summary: dict[str, dict], times: dict[str, list[float]]) -> dict[s
     }
 
 
-def print_report(summary: dict[str, dict], ratios: dict[str, float], breakdown: dict | None) -> None:
+def utilisation(summary: dict[str, dict], flops: float, args: argparse.Namespace) -> dict[str, float]:
+    """Model-FLOPs utilisation of each mode: the transformer's FLOPs per batch over its time."""
+    per_batch = flops * args.steps
+    return {mode: per_batch / summary[mode]["median_s"] / (args.peak_tflops * 1e12) for mode in MODES}
+
+
+def print_report(summary, ratios, breakdown, mfu, label: str) -> None:
     floor_median = summary["floor"]["median_s"]
-    header = f"{'mode':<36} {'median s':>9} {'min s':>8} {'max s':>8} {'images/s':>9} {'x floor':>8}"
+    labels = {
+        "engine": "engine (uni, flow_sde, trajectory)",
+        "diffusers": f"diffusers {label} (ODE)",
+        "floor": "transformer forwards only",
+    }
+    header = f"{'mode':<42} {'median s':>9} {'min s':>8} {'max s':>8} {'images/s':>9} {'x floor':>8}"
+    header += f" {'MFU':>6}" if mfu else ""
     print("\n" + header)
     print("-" * len(header))
     for mode in MODES:
         row = summary[mode]
-        print(
-            f"{MODE_LABELS[mode]:<36} {row['median_s']:>9.3f} {row['min_s']:>8.3f} {row['max_s']:>8.3f} "
+        line = (
+            f"{labels[mode]:<42} {row['median_s']:>9.3f} {row['min_s']:>8.3f} {row['max_s']:>8.3f} "
             f"{row['images_per_s']:>9.3f} {row['median_s'] / floor_median:>8.3f}"
         )
+        print(line + (f" {100 * mfu[mode]:>5.1f}%" if mfu else ""))
     speed_ok = ratios["engine_speed_vs_diffusers"] >= TARGET_SPEED_VS_DIFFUSERS
     floor_ok = ratios["engine_time_vs_floor"] <= TARGET_TIME_VS_FLOOR
     header = f"{'ratio':<28} {'medians':>8} {'minima':>8} {'per-round':>10}   target (on medians)"
     print("\n" + header)
     print("-" * len(header))
-    for label, key, target, ok in (
+    for text, key, target, ok in (
         ("engine / diffusers speed", "engine_speed_vs_diffusers", f">= {TARGET_SPEED_VS_DIFFUSERS}", speed_ok),
         ("engine time / floor time", "engine_time_vs_floor", f"<= {TARGET_TIME_VS_FLOOR}", floor_ok),
     ):
         print(
-            f"{label:<28} {ratios[key]:>8.3f} {ratios[key + '_min']:>8.3f} {ratios[key + '_per_round']:>10.3f}"
+            f"{text:<28} {ratios[key]:>8.3f} {ratios[key + '_min']:>8.3f} {ratios[key + '_per_round']:>10.3f}"
             f"   {target}: {'met' if ok else 'MISSED'}"
         )
     print(f"{'diffusers time / floor time':<28} {ratios['diffusers_time_vs_floor']:>8.3f}")
@@ -292,51 +344,51 @@ def print_report(summary: dict[str, dict], ratios: dict[str, float], breakdown: 
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    from diffusers import StableDiffusion3Pipeline
+    import diffusers
     from diffusers.utils import logging as diffusers_logging
 
     diffusers_logging.set_verbosity_error()
-    sizes = benchmark_sizes(args)
     dtype = getattr(torch, args.dtype)
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, device {args.device}, dtype {args.dtype}")
     print(
-        f"batch {args.batch_size}, steps {args.steps}, guidance {args.guidance_scale}, "
-        f"rounds {args.warmup} warmup + {args.repeats} timed"
+        f"family {args.family}, preset {args.preset}, batch {args.batch_size}, steps {args.steps}, "
+        f"{args.size}x{args.size}, CFG {args.cfg}, rounds {args.warmup} warmup + {args.repeats} timed"
     )
-    print(f"sizes: {sizes}")
     with tempfile.TemporaryDirectory(prefix="rollout-bench-") as folder:
-        build_tiny_sd3(folder, seed=0, sizes=sizes)
-        pipeline = StableDiffusion3Pipeline.from_pretrained(
-            folder, dtype=dtype, text_encoder_3=None, tokenizer_3=None, local_files_only=True
-        ).to(args.device)
+        build(args.family, args.preset, folder, args.device, dtype)
+        class_name = json.loads((Path(folder) / "model_index.json").read_text())["_class_name"]
+        pipeline = getattr(diffusers, class_name).from_pretrained(folder, dtype=dtype, local_files_only=True)
+        pipeline.to(args.device)
         pipeline.set_progress_bar_config(disable=True)
         params = sum(p.numel() for p in pipeline.transformer.parameters())
-        print(f"transformer parameters: {params / 1e6:.2f}M")
+        print(f"{class_name}, transformer parameters: {params / 1e6:.2f}M")
         config = EngineConfig(
-            model=folder,
-            executor="uni",
-            device=args.device,
-            dtype=args.dtype,
-            max_batch_size=args.batch_size,
+            model=folder, executor="uni", device=args.device, dtype=args.dtype, max_batch_size=args.batch_size
         )
+        floor = FloorRun(adapter_class(class_name)(pipeline), args)
+        flops = forward_flops(floor) if args.peak_tflops else None
         with RolloutEngine(config) as engine:
             runs = {
                 "engine": make_engine_run(engine, args),
-                "diffusers": make_diffusers_run(pipeline, args),
-                "floor": make_floor_run(pipeline, args),
+                "diffusers": on_worker_thread(engine, make_diffusers_run(pipeline, args)),
+                "floor": on_worker_thread(engine, floor),
             }
             times = time_rounds(runs, args)
             breakdown = None if args.no_breakdown else engine_breakdown(engine, runs["engine"], args)
     summary = summarize(times, args.batch_size)
     ratios = ratios_of(summary, times)
-    print_report(summary, ratios, breakdown)
+    mfu = utilisation(summary, flops, args) if flops else None
+    print_report(summary, ratios, breakdown, mfu, class_name)
     result = {
         "args": json_args(args),
         "torch_version": torch.__version__,
         "torch_threads": torch.get_num_threads(),
+        "pipeline_class": class_name,
         "transformer_parameters": params,
+        "transformer_forward_flops": flops,
         "modes": summary,
         "ratios": ratios,
+        "mfu": mfu,
         "breakdown": breakdown,
     }
     write_json(args.json, result)

@@ -51,7 +51,7 @@ class StepTimingExecutor(MPExecutor):
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m recipes.custom_executor", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", help="a local SD3 pipeline folder (default: build a tiny one in a temp folder)")
+    parser.add_argument("--model", help="a local pipeline folder (default: build a tiny SD3 in a temp folder)")
     parser.add_argument("--num-workers", type=int, default=2, help="worker processes (default 2)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")

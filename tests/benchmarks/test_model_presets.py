@@ -1,0 +1,37 @@
+"""The real benchmark preset's transformer configs are the published models' (checked on the meta
+device: no memory, no download), and the small preset builds pipelines the engine loads."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from benchmarks.model_presets import FLUX1_DEV, QWEN_IMAGE, SD35_MEDIUM, build
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.mark.parametrize(
+    "class_name, config, billions",
+    [
+        ("SD3Transformer2DModel", SD35_MEDIUM, 2.24),
+        ("FluxTransformer2DModel", FLUX1_DEV, 11.9),
+        ("QwenImageTransformer2DModel", QWEN_IMAGE, 20.4),
+    ],
+)
+def test_real_transformers_have_the_published_size(class_name, config, billions):
+    import diffusers
+
+    with torch.device("meta"):
+        transformer = getattr(diffusers, class_name)(**config)
+    parameters = sum(p.numel() for p in transformer.parameters()) / 1e9
+    assert parameters == pytest.approx(billions, rel=0.02)
+
+
+@pytest.mark.parametrize("family", ["sd3", "flux", "qwen_image"])
+def test_small_preset_builds_a_loadable_pipeline(tmp_path, family):
+    from rollout.pipelines.loading import load_adapter
+
+    build(family, "small", tmp_path / family, "cpu", torch.float32)
+    adapter = load_adapter(tmp_path / family)
+    assert adapter.spec.size_multiple <= 64 and sum(p.numel() for p in adapter.transformer.parameters()) > 1e6
