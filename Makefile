@@ -16,7 +16,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e ".[test,ray]"
 	touch $@
 
-# The main job: GRPO on the tiny built-in model (about 2.5 minutes on 2 CPU cores).
+# The main job: GRPO on the tiny built-in model (about 1.5 minutes on 2 CPU cores).
 demo: setup
 	$(PY) -m recipes.run recipes/configs/grpo_tiny.yaml
 
