@@ -91,6 +91,8 @@ def build_tiny_flux(
         tokenizer_2=tokenizer_2,
         transformer=transformer,
     )
-    pipeline.to(dtype=dtype).save_pretrained(path)
+    if dtype != torch.float32:  # built in float32 (diffusers warns about casting a float32 pipeline to itself)
+        pipeline.to(dtype=dtype)
+    pipeline.save_pretrained(path)
     logger.info("saved a tiny FluxPipeline to %s", path)
     return path

@@ -99,6 +99,8 @@ def build_tiny_qwen_image(
         tokenizer=tokenizer,
         transformer=transformer,
     )
-    pipeline.to(dtype=dtype).save_pretrained(path)
+    if dtype != torch.float32:  # built in float32 (diffusers warns about casting a float32 pipeline to itself)
+        pipeline.to(dtype=dtype)
+    pipeline.save_pretrained(path)
     logger.info("saved a tiny QwenImagePipeline to %s", path)
     return path

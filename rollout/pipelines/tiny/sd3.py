@@ -118,6 +118,8 @@ def build_tiny_sd3(
         text_encoder_3=text_encoder_3,
         tokenizer_3=tokenizer_3,
     )
-    pipeline.to(dtype=dtype).save_pretrained(path)
+    if dtype != torch.float32:  # built in float32 (diffusers warns about casting a float32 pipeline to itself)
+        pipeline.to(dtype=dtype)
+    pipeline.save_pretrained(path)
     logger.info("saved a tiny StableDiffusion3Pipeline to %s", path)
     return path
