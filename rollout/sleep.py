@@ -82,10 +82,11 @@ class Sleeper:
     def _load_from_disk(self, component: str, module: nn.Module, packed: _Packed) -> dict[str, torch.Tensor]:
         """The component's weights as its own class's `from_pretrained` reads them from the model
         folder (so renamed checkpoint keys and tied weights load as they did at start-up)."""
-        fresh = base_state(type(module).from_pretrained(self.model_folder / component))
+        folder = self.model_folder / component
+        fresh = base_state(type(module).from_pretrained(folder, dtype=module.dtype, local_files_only=True))
         missing = sorted(set(packed.layout) - set(fresh))
         if missing:
-            raise RuntimeError(f"cannot wake up {component}: {self.model_folder / component} lacks {missing[:3]}")
+            raise RuntimeError(f"cannot wake up {component}: {folder} lacks {missing[:3]}")
         return {
             name: fresh[name].detach().to(device=device, dtype=spec.dtype)
             for name, (_, spec, device) in packed.layout.items()

@@ -6,6 +6,7 @@ functions the engine sampled with, and hands its LoRA tensors to `engine.load_lo
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -36,9 +37,10 @@ class LoraPolicy:
     ):
         self.adapter = load_adapter(model, device, dtype)
         self.name = name
-        self.lora_config = lora_config if isinstance(lora_config, LoraConfig) else LoraConfig(**lora_config)
-        if self.lora_config.target_modules is None:
-            self.lora_config.target_modules = set(self.adapter.default_lora_targets)
+        config = lora_config if isinstance(lora_config, LoraConfig) else LoraConfig(**lora_config)
+        if config.target_modules is None:
+            config = dataclasses.replace(config, target_modules=set(self.adapter.default_lora_targets))
+        self.lora_config = config
         transformer = self.adapter.transformer
         transformer.requires_grad_(False)
         transformer.add_adapter(self.lora_config, adapter_name=name)
@@ -110,7 +112,9 @@ class LoraPolicy:
             true_cfg_scale=first.true_cfg_scale,
         )
 
-    def predict_velocity(self, latents: torch.Tensor, sigmas: torch.Tensor, trajectories: Sequence[Trajectory]):
+    def predict_velocity(
+        self, latents: torch.Tensor, sigmas: torch.Tensor, trajectories: Sequence[Trajectory]
+    ) -> torch.Tensor:
         """The conditional velocity [B, *latent_shape] float32 of each trajectory's prompt, without
         classifier-free guidance (a guidance-distilled model still gets its guidance input), as
         DPO's flow-matching loss uses it; under `with policy.reference():` the reference's."""
