@@ -64,7 +64,9 @@ class RolloutEngine(HotSwapAPI):
         """Generate `num_samples` samples per prompt; outputs ordered by prompt, then sample.
 
         `params` is one `SamplingParams` for all prompts or one per prompt (they may differ in
-        anything: all share batches when their image sizes and adapters match).
+        anything: all share batches when their image sizes and adapters match). Outputs of requests
+        added with `add_request` that finished earlier (during a waiting weight update) stay for the
+        next `step()`.
         """
         self._check_open()
         self._check_awake()
@@ -88,7 +90,7 @@ class RolloutEngine(HotSwapAPI):
         # Progress in denoising steps, not samples: a group of samples finishes all at once.
         with tqdm(total=total_steps, desc="rollout", unit="step", disable=not use_tqdm) as bar:
             while self.scheduler.has_unfinished():
-                for output in self.step():
+                for output in self._step_once():  # not step(): parked outputs are someone else's
                     outputs[output.request_id] = output
                 bar.update(sum(r.steps_done for r in requests) - bar.n)
                 bar.set_postfix(samples=f"{len(outputs)}/{len(requests)}")

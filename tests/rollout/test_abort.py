@@ -50,3 +50,21 @@ def test_abort_unknown_or_finished_id_is_a_no_op(engine):
     (done,) = engine.generate("x", SamplingParams(num_inference_steps=1, seed=0))
     assert engine.abort([done.request_id, "never-added"]) == []
     _assert_no_state(engine)
+
+
+def test_outputs_parked_by_a_waiting_update_survive_a_generate(engine):
+    """Requests that finish while an update waits for them come from the next step(), even when a
+    generate() runs in between (it used to take them and return only its own)."""
+    from rollout.weights import base_state
+
+    state = engine.collective_rpc(
+        lambda worker: {n: t.clone() for n, t in base_state(worker.adapter.transformer).items()}
+    )[0]
+    ids = engine.add_request("parked", SamplingParams(num_inference_steps=3, num_samples=2, seed=0), request_id="p")
+    engine.step()
+    engine.update_weights(state, mode="wait")  # runs "p" to the end and parks its outputs
+    assert not engine.has_unfinished_requests()
+    (own,) = engine.generate("own", SamplingParams(num_inference_steps=2, seed=1))
+    assert own.prompt == "own"
+    assert sorted(o.request_id for o in engine.step()) == sorted(ids)
+    assert engine.step() == []
