@@ -40,11 +40,13 @@ class Call:
 
 @dataclass(frozen=True)
 class Reply:
-    """Worker -> engine: the packed result of call `call_id`, or the error it raised."""
+    """Worker -> engine: the packed result of call `call_id`, or the error it raised (its message,
+    the dotted path of its type, and the traceback)."""
 
     call_id: int
     result: Packed | None = None
     error: str | None = None
+    error_type: str | None = None
     traceback: str | None = None
 
 

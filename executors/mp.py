@@ -166,7 +166,7 @@ class MPExecutor(Executor):
         if failed:
             self._discard_results(replies)
             reply = replies[failed[0]]
-            raise WorkerError(name, failed[0], reply.error, reply.traceback)
+            raise WorkerError(name, failed[0], reply.error_type, reply.error, reply.traceback)
         return {rank: unpack(reply.result, remove=True) for rank, reply in replies.items()}
 
     @staticmethod

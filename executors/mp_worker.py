@@ -17,6 +17,7 @@ import torch
 from executors.base import call_wire_method
 from executors.messages import Call, Ready, Reply, Shutdown, StartupFailed
 from executors.shm import pack, unpack
+from rollout.errors import WorkerError
 
 logger = logging.getLogger(__name__)
 
@@ -52,4 +53,6 @@ def _serve(worker, call: Call, block_prefix: str) -> Reply:
         result = call_wire_method(worker, call.method, args, kwargs)
         return Reply(call.call_id, result=pack(result, block_prefix))
     except Exception as error:
-        return Reply(call.call_id, error=f"{type(error).__name__}: {error}", traceback=traceback.format_exc())
+        return Reply(
+            call.call_id, error=str(error), error_type=WorkerError.type_path(error), traceback=traceback.format_exc()
+        )

@@ -179,7 +179,7 @@ class RayExecutor(Executor):
         if errors:
             rank = min(errors)
             cause = errors[rank].cause
-            raise WorkerError(name, rank, f"{type(cause).__name__}: {cause}", str(errors[rank]))
+            raise WorkerError(name, rank, WorkerError.type_path(cause), str(cause), str(errors[rank]))
         return [results[rank] for rank in refs]
 
     def _die(self, reason: str) -> None:

@@ -73,4 +73,4 @@ class UniExecutor(Executor):
                 f"worker call {name!r} timed out after {timeout}s; ranks that did not answer: [0]"
             ) from None
         except Exception as error:
-            raise WorkerError(name, 0, f"{type(error).__name__}: {error}", traceback.format_exc()) from error
+            raise WorkerError(name, 0, WorkerError.type_path(error), str(error), traceback.format_exc()) from error

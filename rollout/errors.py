@@ -2,18 +2,46 @@
 
 from __future__ import annotations
 
+import importlib
+
 
 class WorkerError(RuntimeError):
-    """A worker function raised. Carries the rank and the worker-side traceback."""
+    """A worker function raised. Carries the rank, the remote exception's type (`error_type`, its
+    dotted path, and `error_class` where that imports here), its message and the worker-side
+    traceback. Callers branch on the type (`raised(ValueError)`), never on the message text."""
 
-    def __init__(self, method: str, rank: int, error: str, remote_traceback: str):
-        super().__init__(
-            f"worker rank {rank} failed in {method!r}: {error}\n--- worker traceback ---\n{remote_traceback}"
-        )
+    def __init__(self, method: str, rank: int, error_type: str, message: str, remote_traceback: str):
         self.method = method
         self.rank = rank
-        self.error = error
+        self.error_type = error_type
+        self.message = message
+        self.error = f"{error_type.rpartition('.')[2]}: {message}"
         self.remote_traceback = remote_traceback
+        super().__init__(
+            f"worker rank {rank} failed in {method!r}: {self.error}\n--- worker traceback ---\n{remote_traceback}"
+        )
+
+    @property
+    def error_class(self) -> type[BaseException] | None:
+        """The remote exception's class, or None where it does not import in this process."""
+        module, _, qualname = self.error_type.rpartition(".")
+        try:
+            found = importlib.import_module(module)
+            for part in qualname.split("."):
+                found = getattr(found, part)
+        except (ImportError, AttributeError, ValueError):
+            return None
+        return found if isinstance(found, type) and issubclass(found, BaseException) else None
+
+    def raised(self, kind: type[BaseException]) -> bool:
+        """Whether the remote exception was a `kind` (a subclass counts)."""
+        error_class = self.error_class
+        return error_class is not None and issubclass(error_class, kind)
+
+    @staticmethod
+    def type_path(error: BaseException) -> str:
+        """The dotted path of an exception's type, as `error_type` holds it."""
+        return f"{type(error).__module__}.{type(error).__qualname__}"
 
 
 class EngineDeadError(RuntimeError):

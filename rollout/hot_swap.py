@@ -176,8 +176,8 @@ class HotSwapAPI:
                 "load_lora", args=(name, source if isinstance(source, str) else dict(source), config)
             )
         except WorkerError as error:
-            if error.error.startswith("ValueError"):  # refused by the checks, before anything changed
-                raise ValueError(error.error.removeprefix("ValueError: ")) from error
+            if error.raised(ValueError):  # refused by the checks, before anything changed
+                raise ValueError(error.message) from error
             # Failed while loading on some rank: ranks must not disagree on what `name` means.
             self.collective_rpc("discard_lora", args=(name,))
             self._loras.pop(name, None)

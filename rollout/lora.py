@@ -23,6 +23,11 @@ from torch import nn
 
 logger = logging.getLogger(__name__)
 
+
+class LoraLoadFailed(RuntimeError):
+    """Loading an adapter failed after its checks passed; the worker holds no adapter of its name."""
+
+
 # Prefixes that LoRA files put before module names: PEFT's wrapper and diffusers' component name.
 _KEY_PREFIXES = ("base_model.model.", "transformer.")
 DIFFUSERS_LORA_FILE = "pytorch_lora_weights.safetensors"
@@ -93,24 +98,34 @@ class LoraManager:
         self._check_fits(name, tensors, config)
         if name in self.configs and _layout(self.configs[name]) == _layout(config):
             return self._copy_in_place(name, tensors)
+        try:
+            self._rebuild(name, tensors, config)
+        except Exception as error:
+            # Past the checks the old adapter may be gone: say so with a type that is not a refusal
+            # (ValueError), so the engine does not take it for "nothing changed".
+            if name in self.configs:
+                self.unload(name)
+            raise LoraLoadFailed(
+                f"LoRA {name!r} failed to load after its checks passed ({type(error).__name__}: {error}); "
+                "this worker holds no adapter of that name now"
+            ) from error
+        bound = self.bound_modules(name)
+        logger.info("loaded LoRA %r (rank %d) on %d modules", name, config.r, bound)
+        return bound
+
+    def _rebuild(self, name: str, tensors: Mapping[str, torch.Tensor], config: LoraConfig) -> None:
+        """Replace adapter `name` with PEFT layers of `config` holding `tensors`."""
         if name in self.configs:
             self.unload(name)
         with warnings.catch_warnings():  # PEFT warns on every second adapter; several is the point here
             warnings.filterwarnings("ignore", message="Already found a `peft_config` attribute")
             self.model.add_adapter(config, adapter_name=name)
-        adapter_to_float32(self.model, name)
         self.configs[name] = config
         self._active = None
-        try:
-            result = set_peft_model_state_dict(self.model, tensors, adapter_name=name)
-            if result.unexpected_keys:  # checked above; a PEFT that maps keys differently lands here
-                raise ValueError(f"LoRA {name!r}: PEFT did not place tensors {result.unexpected_keys[:3]}")
-        except BaseException:
-            self.unload(name)
-            raise
-        bound = self.bound_modules(name)
-        logger.info("loaded LoRA %r (rank %d) on %d modules", name, config.r, bound)
-        return bound
+        adapter_to_float32(self.model, name)
+        result = set_peft_model_state_dict(self.model, tensors, adapter_name=name)
+        if result.unexpected_keys:  # checked before; a PEFT that maps keys differently lands here
+            raise RuntimeError(f"PEFT did not place tensors {result.unexpected_keys[:3]}")
 
     def _copy_in_place(self, name: str, tensors: Mapping[str, torch.Tensor]) -> int:
         """Hot swap with the same layout: copy into the adapter's tensors (40x faster than PEFT

@@ -154,6 +154,14 @@ def _fail_on_last_rank(worker, last):
     return worker.rank
 
 
+class WorkerSideLookupError(LookupError):
+    """An exception class of the caller's own, raised in a worker."""
+
+
+def _raise_own_error(worker):
+    raise WorkerSideLookupError("not here")
+
+
 def test_worker_exception_returns_rank_and_remote_traceback(engine):
     last = _ranks(engine)[-1]
     with pytest.raises(WorkerError) as error:
@@ -161,6 +169,12 @@ def test_worker_exception_returns_rank_and_remote_traceback(engine):
     assert error.value.rank == last
     assert f"ValueError: rank {last} refuses" in error.value.error
     assert "_fail_on_last_rank" in error.value.remote_traceback
+    # The remote type travels as a type, so callers never parse the message.
+    assert error.value.error_type == "builtins.ValueError" and error.value.error_class is ValueError
+    assert error.value.raised(ValueError) and error.value.raised(Exception) and not error.value.raised(KeyError)
+    with pytest.raises(WorkerError) as own:
+        engine.collective_rpc(_raise_own_error)
+    assert own.value.raised(LookupError) and own.value.message == "not here"
     engine.check_health()  # the workers live on
     assert engine.collective_rpc("get_rank") == _ranks(engine)
 
@@ -611,6 +625,38 @@ def test_a_lora_load_that_fails_on_a_rank_is_unloaded_everywhere(engine, lora_te
         engine.collective_rpc(_restore_lora_load)
     assert engine.list_loras() == []
     assert engine.collective_rpc(lambda worker: sorted(worker.loras.configs)) == [[] for _ in _ranks(engine)]
+
+
+def _break_add_adapter(worker):
+    def fail(config, adapter_name):
+        raise ValueError("PEFT could not build the layers")
+
+    worker.loras.model.add_adapter = fail
+
+
+def _restore_add_adapter(worker) -> None:
+    vars(worker.loras.model).pop("add_adapter", None)
+
+
+def test_a_new_layout_that_fails_midway_leaves_the_engine_and_workers_agreeing(engine, lora_tensors):
+    """A hot swap to a new layout unloads the old adapter first; if building the new one then fails
+    (even with a ValueError), the engine must not keep listing an adapter the workers lost."""
+    (policy, _), config = lora_tensors
+    engine.load_lora("policy", policy, config)
+    bigger = {**config, "r": 8}
+    tensors = {k: torch.cat([v, v], dim=0 if ".lora_A." in k else 1) for k, v in policy.items()}
+    engine.collective_rpc(_break_add_adapter)
+    try:
+        with pytest.raises(RuntimeError, match="loading LoRA 'policy' failed on rank"):
+            engine.load_lora("policy", tensors, bigger)
+    finally:
+        engine.collective_rpc(_restore_add_adapter)
+    assert engine.list_loras() == []
+    assert engine.collective_rpc(lambda worker: sorted(worker.loras.configs)) == [[] for _ in _ranks(engine)]
+    with pytest.raises(ValueError, match="lora 'policy' is not loaded"):
+        engine.add_request("x", _params(engine, num_inference_steps=2, lora="policy"))
+    engine.load_lora("policy", tensors, bigger)  # the engine still works
+    engine.unload_lora("policy")
 
 
 def test_trainer_recomputes_rollout_log_probs_with_ratio_one(engine, trainer_adapter):
