@@ -107,23 +107,25 @@ class RolloutEngine(HotSwapAPI):
     ) -> list[str]:
         """Queue `params.num_samples` requests for one prompt; returns their ids
         ("{request_id}-{sample_index}"). Seeds derive from `params.seed` (or `base_seed` when
-        the params give none, else a fresh one), `prompt_index` and the sample index."""
+        the params give none, else a fresh one), `prompt_index` and the sample index.
+
+        A `request_id` that an unfinished request's group or sample id already has, or whose
+        sample ids would be one's group id, is refused: `abort` takes both kinds of id."""
         self._check_open()
         self._check_awake()
         params = self._check_request(prompt, params)
         group_id = request_id if request_id is not None else f"req{next(self._request_counter)}"
+        sample_ids = [f"{group_id}-{k}" for k in range(params.num_samples)]
+        self._check_ids_free(group_id, sample_ids)
         if params.seed is not None:
             base_seed = params.seed
         elif base_seed is None:
             base_seed = fresh_base_seed()
-        ids = []
-        for k in range(params.num_samples):
-            sample_id = f"{group_id}-{k}"
-            if sample_id in self._requests:
-                raise ValueError(f"request id {sample_id!r} is already in use; pass another request_id")
+        for k, sample_id in enumerate(sample_ids):
             init_index = 0 if params.same_noise_in_group else k
             request = Request(
                 request_id=sample_id,
+                group_id=group_id,
                 prompt=prompt,
                 prompt_index=prompt_index,
                 sample_index=k,
@@ -133,8 +135,16 @@ class RolloutEngine(HotSwapAPI):
             )
             self._requests[sample_id] = request
             self.scheduler.add(request)
-            ids.append(sample_id)
-        return ids
+        return sample_ids
+
+    def _check_ids_free(self, group_id: str, sample_ids: list[str]) -> None:
+        groups = {request.group_id for request in self._requests.values()}
+        clashes = sorted(({group_id} & (groups | set(self._requests))) | (set(sample_ids) & groups))
+        if clashes:
+            raise ValueError(
+                f"request_id {group_id!r} is refused: {clashes} already name unfinished requests or groups, and "
+                "abort() takes both sample and group ids; pass another request_id"
+            )
 
     def step(self) -> list[RolloutOutput]:
         """Run one engine step (one denoising step for one batch per worker); returns the
@@ -175,7 +185,7 @@ class RolloutEngine(HotSwapAPI):
             if request_id in self._requests:
                 targets.append(request_id)
             else:
-                targets += [rid for rid in self._requests if rid.rpartition("-")[0] == request_id]
+                targets += [rid for rid, request in self._requests.items() if request.group_id == request_id]
         aborted = []
         for request_id in targets:
             request = self.scheduler.abort(request_id)

@@ -33,6 +33,7 @@ class Request:
     """One sample of one prompt (a GRPO group of n samples is n requests)."""
 
     request_id: str
+    group_id: str  # the id add_request was given (or made): "{group_id}-{sample_index}" is request_id
     prompt: str
     prompt_index: int
     sample_index: int

@@ -68,3 +68,19 @@ def test_outputs_parked_by_a_waiting_update_survive_a_generate(engine):
     assert own.prompt == "own"
     assert sorted(o.request_id for o in engine.step()) == sorted(ids)
     assert engine.step() == []
+
+
+def test_group_and_sample_ids_cannot_be_confused(engine):
+    """abort() takes sample ids and group ids, so an id that would name both is refused at once."""
+    params = SamplingParams(num_inference_steps=3, num_samples=2, seed=0)
+    ids = engine.add_request("x", params, request_id="a")
+    assert ids == ["a-0", "a-1"]
+    engine.add_request("y", params, request_id="c-0")  # its group id is a sample id of group "c"
+    for clashing in ("a", "a-1", "c"):
+        with pytest.raises(ValueError, match=f"request_id {clashing!r} is refused"):
+            engine.add_request("z", params, request_id=clashing)
+    assert sorted(o.request_id for o in engine.abort("a")) == ["a-0", "a-1"]
+    assert sorted(o.request_id for o in engine.abort("c-0")) == ["c-0-0", "c-0-1"]
+    _assert_no_state(engine)
+    assert engine.add_request("z", params, request_id="a-1") == ["a-1-0", "a-1-1"]  # free again
+    engine.abort("a-1")
