@@ -4,7 +4,9 @@
    `check_finite`) as it streams past; checked tensors are staged on every rank in buckets of about
    `bucket_bytes`. Staged tensors are invisible to sampling.
 2. If anything was wrong, the staged tensors are dropped and one error lists every offending name.
-3. Otherwise every rank swaps its staged tensors in. If any rank fails, every rank rolls back.
+3. Otherwise every rank swaps its staged tensors in. If any rank fails (or does not answer), every
+   rank rolls back; a rollback that fails too, or a commit that fails on some rank, leaves ranks
+   that may disagree, so the engine stops with `EngineDeadError` naming the original error.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from pathlib import Path
 import torch
 
 from rollout.broadcast_group import BroadcastEntry, plan_buckets
-from rollout.errors import WorkerError
+from rollout.errors import EngineDeadError, WorkerError
 from rollout.safetensors_files import read_specs
 from rollout.weights import TensorSpec, update_problems
 
@@ -48,7 +50,7 @@ class WeightSync:
         seen: set[str] = set()
         bucket: dict[str, torch.Tensor] = {}
         bucket_size = 0
-        with self._staging(component):
+        with self._all_or_nothing(component):
             for name, tensor in items:
                 if name in seen:
                     problems.append(f"{name}: given twice")
@@ -65,7 +67,6 @@ class WeightSync:
             _raise_if_refused(component, problems, seen)
             if bucket:
                 self._rpc("stage_weights", args=(component, bucket))
-            self._apply_everywhere(component)
         return len(seen)
 
     def push_from_files(self, files: list[Path], component: str) -> int:
@@ -73,18 +74,16 @@ class WeightSync:
         checked here first."""
         given = read_specs(files)
         self.check_specs(given, component)
-        with self._staging(component):
+        with self._all_or_nothing(component):
             self._rpc("stage_weights_from_files", args=(component, [str(f) for f in files]))
-            self._apply_everywhere(component)
         return len(given)
 
     def push_from_broadcast(self, entries: list[BroadcastEntry], component: str, bucket_bytes: int) -> int:
         """Like `push`, but the tensors arrive through the trainer's broadcast group; the names,
         shapes and dtypes announced in `entries` are checked here first."""
         self.check_specs({e.name: e.spec for e in entries}, component)
-        with self._staging(component):
+        with self._all_or_nothing(component):
             self._rpc("stage_weights_from_broadcast", args=(component, plan_buckets(entries, bucket_bytes)))
-            self._apply_everywhere(component)
         return len(entries)
 
     def check_specs(self, given: Mapping[str, TensorSpec], component: str) -> None:
@@ -100,21 +99,38 @@ class WeightSync:
         _raise_if_refused(component, problems, given)
 
     @contextmanager
-    def _staging(self, component: str):
-        """Whatever goes wrong (including a refused update), drop what was staged on every rank."""
+    def _all_or_nothing(self, component: str):
+        """Stage in the block, then swap in on every rank and commit. Whatever goes wrong before the
+        commit (a refused update, a rank failing to apply) rolls every rank back."""
         try:
             yield
-        except BaseException:
-            self._rpc("rollback_weights", args=(component,))
-            raise
-
-    def _apply_everywhere(self, component: str) -> None:
-        try:
             self._rpc("apply_staged_weights", args=(component,))
-        except WorkerError:
-            self._rpc("rollback_weights", args=(component,))
+        except BaseException as error:
+            self._roll_back(component, error)
             raise
-        self._rpc("commit_weights", args=(component,))
+        try:
+            self._rpc("commit_weights", args=(component,))
+        except (WorkerError, TimeoutError) as error:
+            raise EngineDeadError(
+                f"committing the update of {component} failed on some rank ({_brief(error)}); ranks that "
+                "committed and ranks that did not may now hold different weights: create a new engine"
+            ) from error
+
+    def _roll_back(self, component: str, cause: BaseException) -> None:
+        try:
+            self._rpc("rollback_weights", args=(component,))
+        except Exception as error:
+            raise EngineDeadError(
+                f"the update of {component} failed ({_brief(cause)}) and rolling it back failed too "
+                f"({_brief(error)}); ranks may hold different weights: create a new engine"
+            ) from cause
+
+
+def _brief(error: BaseException) -> str:
+    """One line for an error: a worker's own exception, or the local one (tracebacks stay chained)."""
+    if isinstance(error, WorkerError):
+        return f"rank {error.rank}: {error.error}"
+    return f"{type(error).__name__}: {error}"
 
 
 def _raise_if_refused(component: str, problems: list[str], names) -> None:

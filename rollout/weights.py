@@ -87,8 +87,12 @@ class WeightSwap:
         self.module = module
         self._real_names = _real_names(module)
         self._old: dict[str, torch.Tensor] = {}
-        for name, tensor in new_tensors.items():
-            self._old[name] = _set_tensor(module, self._real_names[name], tensor)
+        try:
+            for name, tensor in new_tensors.items():
+                self._old[name] = _set_tensor(module, self._real_names[name], tensor)
+        except BaseException:
+            self.rollback()  # a swap that fails part-way leaves the module as it was
+            raise
 
     def rollback(self) -> None:
         for name, tensor in self._old.items():

@@ -325,6 +325,44 @@ def test_a_rank_that_fails_to_apply_rolls_every_rank_back(engine, original_weigh
     assert engine.weights_checksum() == digest
 
 
+def _fail_swap_part_way(worker, rank):
+    """On `rank`, the third tensor swapped in raises (the first two are already in)."""
+    import rollout.weights
+
+    if worker.rank != rank:
+        return
+    swap = rollout.weights._set_tensor
+    calls = []
+
+    def failing(module, name, tensor):
+        calls.append(name)
+        if len(calls) == 3:
+            raise RuntimeError("device error in the middle of the swap")
+        return swap(module, name, tensor)
+
+    worker.saved_set_tensor = swap
+    rollout.weights._set_tensor = failing
+
+
+def _restore_swap(worker):
+    import rollout.weights
+
+    if hasattr(worker, "saved_set_tensor"):
+        rollout.weights._set_tensor = worker.saved_set_tensor
+        del worker.saved_set_tensor
+
+
+def test_a_swap_that_fails_part_way_on_one_rank_leaves_every_rank_as_it_was(engine, original_weights):
+    digest = engine.weights_checksum()
+    engine.collective_rpc(_fail_swap_part_way, args=(engine.config.num_workers - 1,))
+    try:
+        with pytest.raises(WorkerError, match="device error in the middle of the swap"):
+            engine.update_weights({n: t + 1 for n, t in original_weights.items()})
+    finally:
+        engine.collective_rpc(_restore_swap)
+    assert engine.weights_checksum() == digest  # every rank, the failing one too
+
+
 @pytest.mark.parametrize("mode", ["wait", "pause"])
 def test_update_during_a_rollout(engine, original_weights, mode):
     v0 = engine.weight_version
