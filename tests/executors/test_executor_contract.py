@@ -179,6 +179,33 @@ def test_worker_exception_returns_rank_and_remote_traceback(engine):
     assert engine.collective_rpc("get_rank") == _ranks(engine)
 
 
+def _surface(worker) -> dict:
+    """What the README promises a worker function finds on its worker."""
+    adapter = worker.adapter
+    return {
+        "rank": worker.rank,
+        "model": worker.config.model,
+        "components": sorted(adapter.components),
+        "spec": adapter.spec.pipeline_class,
+        "pipeline": type(adapter.pipeline).__name__,
+        "transformer": adapter.transformer is adapter.pipeline.transformer,
+        "device": str(adapter.device),
+        "dtype": str(adapter.dtype),
+        "predict_velocity": callable(adapter.predict_velocity),
+        "loras": dict(worker.loras.configs),
+        "requests": dict(worker.requests),
+    }
+
+
+def test_the_documented_worker_surface(engine):
+    surfaces = engine.collective_rpc(_surface)
+    for rank, surface in enumerate(surfaces):
+        assert surface["rank"] == rank and surface["model"] == engine.config.model
+        assert surface["spec"] == surface["pipeline"] == engine.model_spec.pipeline_class
+        assert {"transformer", "vae", "text_encoder"} <= set(surface["components"]) and surface["transformer"]
+        assert surface["predict_velocity"] and surface["loras"] == {} and surface["requests"] == {}
+
+
 def test_unknown_method_is_refused_before_anything_is_sent(engine):
     with pytest.raises(ValueError, match="unknown worker method 'nope'.*live_latent_norms"):
         engine.collective_rpc("nope")
