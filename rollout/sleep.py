@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from rollout.pipelines.quiet import quiet_third_party
 from rollout.weights import TensorSpec, WeightSwap, base_state
 
 logger = logging.getLogger(__name__)
@@ -83,7 +84,8 @@ class Sleeper:
         """The component's weights as its own class's `from_pretrained` reads them from the model
         folder (so renamed checkpoint keys and tied weights load as they did at start-up)."""
         folder = self.model_folder / component
-        fresh = base_state(type(module).from_pretrained(folder, dtype=module.dtype, local_files_only=True))
+        with quiet_third_party():
+            fresh = base_state(type(module).from_pretrained(folder, dtype=module.dtype, local_files_only=True))
         missing = sorted(set(packed.layout) - set(fresh))
         if missing:
             raise RuntimeError(f"cannot wake up {component}: {folder} lacks {missing[:3]}")

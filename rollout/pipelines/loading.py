@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch
 
+from rollout.pipelines.quiet import quietly
+
 logger = logging.getLogger(__name__)
 
 # Pipeline class -> "module:AdapterClass". Modules are imported only when their family is loaded.
@@ -55,6 +57,7 @@ def adapter_class(pipeline_class: str) -> type:
     return getattr(importlib.import_module(module), name)
 
 
+@quietly
 def load_adapter(path: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32):
     """Load the pipeline with diffusers' `from_pretrained` (local files only) and wrap it in its
     family's `PipelineAdapter`."""

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from rollout.pipelines.quiet import quietly
 from rollout.pipelines.tiny.sd3 import tiny_autoencoder_kl
 from rollout.pipelines.tiny.text_encoders import clip_text_encoder, t5_encoder
 from rollout.pipelines.tiny.tokenizers import clip_tokenizer, t5_tokenizer
@@ -44,6 +45,7 @@ class TinyFluxSizes:
     guidance_embeds: bool = True  # FLUX.1-dev (False: FLUX.1-schnell)
 
 
+@quietly
 def build_tiny_flux(
     path: str | Path,
     seed: int = 0,

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from rollout.pipelines.quiet import quietly
 from rollout.pipelines.tiny.colour import make_causal_decoder_colour_faithful
 from rollout.pipelines.tiny.text_encoders import qwen25_vl_encoder
 from rollout.pipelines.tiny.tokenizers import qwen2_tokenizer
@@ -44,6 +45,7 @@ class TinyQwenImageSizes:
     vae_dim_mult: tuple[int, ...] = (1, 2)  # one spatial upsample per step after the first: scales by 2
 
 
+@quietly
 def build_tiny_qwen_image(
     path: str | Path,
     seed: int = 0,

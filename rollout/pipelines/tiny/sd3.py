@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from rollout.pipelines.quiet import quietly
 from rollout.pipelines.tiny.colour import make_decoder_colour_faithful
 from rollout.pipelines.tiny.text_encoders import clip_text_encoder, t5_encoder
 from rollout.pipelines.tiny.tokenizers import clip_tokenizer, t5_tokenizer
@@ -58,6 +59,7 @@ def tiny_autoencoder_kl(latent_channels: int, block_out_channels: tuple[int, ...
     return vae
 
 
+@quietly
 def build_tiny_sd3(
     path: str | Path,
     seed: int = 0,
