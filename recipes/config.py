@@ -142,6 +142,8 @@ _EXTERNAL_HELP: dict[type, dict[str, str]] = {
         "optimizer_steps": "optimizer steps per rollout: the transitions split into this many minibatches",
         "micro_batch_size": "transitions per forward/backward pass (memory knob; the result is the same)",
         "max_grad_norm": "gradient-norm clip per optimizer step; 0 disables it",
+        "max_log_ratio_before_update": "the update raises above this |log ratio| before its first step (the "
+        "trainer's policy is not the one that sampled); null only reports it",
     },
     DPOSettings: {
         "beta": "preference strength of the DPO loss (Diffusion-DPO: 2000-5000 on mean errors)",

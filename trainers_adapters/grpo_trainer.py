@@ -30,6 +30,10 @@ class GRPOSettings:
     optimizer_steps: int = 1  # optimizer steps per rollout (the transitions split into minibatches)
     micro_batch_size: int = 16  # transitions per forward/backward pass
     max_grad_norm: float = 1.0  # gradient-norm clip per optimizer step; 0 disables it
+    # Above this max |log ratio| before the first optimizer step the update raises PolicyDriftError
+    # instead of training on transitions the policy did not sample (None: only report it). Float32
+    # re-scoring gives under 1e-6; bfloat16 with batches split over ranks up to about 4e-5.
+    max_log_ratio_before_update: float | None = 1e-4
 
     def __post_init__(self) -> None:
         problems = []
@@ -47,6 +51,8 @@ class GRPOSettings:
             problems.append(f"micro_batch_size must be >= 1, got {self.micro_batch_size}")
         if self.max_grad_norm < 0:
             problems.append(f"max_grad_norm must be >= 0 (0 disables clipping), got {self.max_grad_norm}")
+        if self.max_log_ratio_before_update is not None and self.max_log_ratio_before_update <= 0:
+            problems.append(f"max_log_ratio_before_update must be > 0 or None, got {self.max_log_ratio_before_update}")
         if problems:
             raise ValueError("; ".join(problems))
 
@@ -94,6 +100,8 @@ def grpo_step(
                 totals[key] += parts[key] * len(chunk)
             if number == 0:
                 log_ratio_before_update = max(log_ratio_before_update, max_abs_log)
+        if number == 0:
+            _check_ratio(log_ratio_before_update, settings.max_log_ratio_before_update, optimizer)
         grad_norm = clip_and_step(policy.parameters(), optimizer, settings.max_grad_norm)
     optimizer.zero_grad(set_to_none=True)
     count = len(transitions)
@@ -103,6 +111,25 @@ def grpo_step(
         grad_norm=grad_norm,
         advantage_abs_mean=float(advantages.abs().mean()),
         num_transitions=count,
+    )
+
+
+class PolicyDriftError(RuntimeError):
+    """The policy does not re-score the rollout as the engine sampled it (ratio far from 1 before
+    any update): training on would push it in the wrong direction."""
+
+
+def _check_ratio(log_ratio: float, tolerance: float | None, optimizer: torch.optim.Optimizer) -> None:
+    if tolerance is None or log_ratio <= tolerance:
+        return
+    optimizer.zero_grad(set_to_none=True)
+    raise PolicyDriftError(
+        f"before any update the policy re-scores the rollout with max |log ratio| {log_ratio:.2e} > "
+        f"{tolerance:g}: it is not the policy that sampled. Likely causes: the engine's base weights were "
+        "updated (update_weights) and the policy's were not (policy.load_base_weights with the same tensors; "
+        "compare policy.weights_checksum() with engine.weights_checksum()); the adapter was not pushed "
+        "(policy.push(engine)); or the engine and the policy differ in dtype or device. "
+        "GRPOSettings(max_log_ratio_before_update=None) only reports it."
     )
 
 

@@ -21,6 +21,7 @@ from rollout.pipelines.condition import Condition
 from rollout.pipelines.loading import load_adapter
 from rollout.rescoring import score_transitions
 from rollout.samplers import StepOutput
+from rollout.weights import base_state, checksum, specs_of, update_problems
 
 
 class LoraPolicy:
@@ -59,6 +60,26 @@ class LoraPolicy:
     def push(self, engine) -> int:
         """Hot-swap this adapter into the engine under its name; returns the new weight version."""
         return engine.load_lora(self.name, self.lora_state(), self.lora_config)
+
+    def load_base_weights(self, named_tensors: Mapping[str, torch.Tensor], component: str = "transformer") -> None:
+        """Take the base weights the engine took with `engine.update_weights(named_tensors,
+        component=...)`, so the policy re-scores with the model that sampled. Checked as the
+        engine checks them (names, shapes, dtypes); a bad set is refused whole."""
+        module = self.adapter.components[component]
+        problems = update_problems(specs_of(module), named_tensors.items(), check_finite=False)
+        if problems:
+            raise ValueError(
+                f"base weights refused, policy unchanged: {len(problems)} problem(s) in {component}:\n  "
+                + "\n  ".join(problems)
+            )
+        state = base_state(module)
+        with torch.no_grad():
+            for name, tensor in named_tensors.items():
+                state[name].copy_(tensor)
+
+    def weights_checksum(self, component: str = "transformer") -> str:
+        """The digest `engine.weights_checksum(component)` gives for the same base weights."""
+        return checksum(base_state(self.adapter.components[component]))
 
     def save(self, folder: str | Path) -> Path:
         """Write the adapter as diffusers writes LoRAs (`pytorch_lora_weights.safetensors`, PEFT

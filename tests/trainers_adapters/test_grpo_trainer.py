@@ -3,6 +3,7 @@ policy, and its options (minibatches, step subsets, KL) do what they say."""
 
 from __future__ import annotations
 
+import dataclasses
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -71,7 +72,8 @@ def test_kl_to_the_reference_is_zero_for_a_zero_lora_and_positive_otherwise(engi
 
     random_lora = LoraPolicy(tiny_model, LORA | {"init_lora_weights": False})
     optimizer = torch.optim.SGD(random_lora.parameters(), lr=0.0)
-    stats = grpo_step(random_lora, optimizer, rollout, settings, torch.Generator())
+    off_policy = dataclasses.replace(settings, max_log_ratio_before_update=None)  # on purpose: not the sampler
+    stats = grpo_step(random_lora, optimizer, rollout, off_policy, torch.Generator())
     assert stats.kl > 0
     assert stats.loss == pytest.approx(stats.policy_loss + 0.5 * stats.kl, rel=1e-4, abs=1e-7)
     engine.unload_lora(policy.name)
@@ -83,3 +85,33 @@ def test_settings_report_every_bad_value():
     message = str(error.value)
     for name in ("clip_range", "timestep_fraction", "optimizer_steps", "max_grad_norm"):
         assert name in message
+
+
+def test_an_engine_update_the_policy_did_not_take_stops_the_update(engine, tiny_model):
+    """The engine's base weights change and the policy's do not: the first update used to train on
+    with a log ratio of ~1e-3 and most ratios clipped. It now raises, and taking the same weights
+    (checked by checksum) makes it pass."""
+    from rollout.weights import base_state
+    from trainers_adapters.grpo_trainer import PolicyDriftError
+
+    torch.manual_seed(0)
+    policy = LoraPolicy(tiny_model, LORA)
+    policy.push(engine)
+    base = {n: t.detach().clone() for n, t in base_state(policy.adapter.transformer).items()}
+    shifted = {n: t * 1.02 for n, t in base.items()}
+    engine.update_weights(shifted)
+    assert policy.weights_checksum() != engine.weights_checksum()
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-2)
+    before = policy.lora_state()
+    with pytest.raises(PolicyDriftError, match="policy.load_base_weights"):
+        grpo_step(policy, optimizer, rollout_for(engine, policy), GRPOSettings(), torch.Generator().manual_seed(0))
+    assert all(torch.equal(before[k], v) for k, v in policy.lora_state().items())  # no step was taken
+
+    policy.load_base_weights(shifted)
+    assert policy.weights_checksum() == engine.weights_checksum()
+    stats = grpo_step(policy, optimizer, rollout_for(engine, policy), GRPOSettings(), torch.Generator().manual_seed(0))
+    assert stats.log_ratio_before_update < 1e-5
+    with pytest.raises(ValueError, match="base weights refused, policy unchanged: 1 problem"):
+        policy.load_base_weights({"no.such.weight": torch.zeros(1)})
+    engine.update_weights(base)
+    engine.unload_lora(policy.name)
