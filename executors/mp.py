@@ -24,7 +24,16 @@ import cloudpickle
 from executors.base import Executor, method_to_wire
 from executors.messages import Call, Ready, Reply, Shutdown, StartupFailed
 from executors.mp_worker import worker_main
-from executors.shm import Packed, ReusableBlock, block_prefix, discard, pack, remove_blocks, unpack
+from executors.shm import (
+    Packed,
+    ReusableBlock,
+    block_prefix,
+    discard,
+    pack,
+    remove_blocks,
+    remove_stale_blocks,
+    unpack,
+)
 from rollout.config import EngineConfig
 from rollout.errors import EngineDeadError, WorkerError
 from rollout.model_runner import RunnerOutput
@@ -38,6 +47,9 @@ _JOIN_TIMEOUT_S = 5.0
 class MPExecutor(Executor):
     def __init__(self, config: EngineConfig):
         super().__init__(config)
+        stale = remove_stale_blocks()
+        if stale:
+            logger.info("removed %d shared-memory blocks left by engines whose process is gone", stale)
         self._prefix = block_prefix()
         self._argument_block = ReusableBlock(self._prefix)
         self._call_ids = itertools.count()

@@ -2,14 +2,18 @@
 block, everything else as a small pickle.
 
 `pack` pickles an object with every tensor replaced by a reference into a block it allocates in
-/dev/shm (tmpfs: POSIX shared memory on Linux); `unpack` rebuilds the object with tensors that are
-views of that block, so the data is copied once, into the block. The pickle that crosses the pipe
-stays a few hundred bytes however large the tensors are. Blocks are plain files named with a
-per-engine prefix, so whoever owns the prefix can remove any block a crashed process left behind.
+/dev/shm (tmpfs: POSIX shared memory on Linux); `unpack` rebuilds the object with the tensors read
+into the reader's own memory, so nothing a caller keeps pins shared memory (Docker gives /dev/shm
+64 MB by default). The pickle that crosses the pipe stays a few hundred bytes however large the
+tensors are. Blocks are files only their user can read (0600), with their space reserved up front so
+a full /dev/shm is a clear `SharedMemoryFull` error, never a SIGBUS. They are named with the
+engine's pid, so whoever owns the prefix, or any later engine once that pid is gone, can remove
+what a crashed process left behind.
 """
 
 from __future__ import annotations
 
+import errno
 import io
 import mmap
 import os
@@ -26,6 +30,37 @@ _ALIGN = 64  # bytes; keeps every tensor's data aligned for fast copies
 
 def shm_dir() -> Path:
     return Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+
+
+class SharedMemoryFull(OSError):
+    """A block did not fit in the shared-memory folder."""
+
+
+def free_bytes(directory: Path) -> int:
+    stats = os.statvfs(directory)
+    return stats.f_bavail * stats.f_frsize
+
+
+def _create(name: str, size: int) -> int:
+    """A new block of `size` bytes that only this user can read, its space reserved; returns its fd."""
+    path = shm_dir() / name
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.ftruncate(fd, max(size, 1))
+        if size:
+            os.posix_fallocate(fd, 0, size)
+    except OSError as error:
+        os.close(fd)
+        path.unlink(missing_ok=True)
+        if error.errno != errno.ENOSPC:
+            raise
+        raise SharedMemoryFull(
+            errno.ENOSPC,
+            f"{shm_dir()} has {free_bytes(shm_dir()) / 2**20:.1f} MiB free, too little for a block of "
+            f"{size / 2**20:.1f} MiB; give it more room (docker run --shm-size=2g) or send less at once "
+            "(a smaller bucket_bytes or max_batch_size)",
+        ) from None
+    return fd
 
 
 @dataclass(frozen=True)
@@ -91,37 +126,45 @@ def pack(obj, prefix: str, reusable: ReusableBlock | None = None) -> Packed:
     if reusable is not None:
         return Packed(buffer.getvalue(), reusable.write(tensors, refs, size), tuple(refs), reused=True)
     name = f"{prefix}-{uuid.uuid4().hex}"
-    with open(shm_dir() / name, "w+b") as file:
-        file.truncate(max(size, 1))
+    fd = _create(name, size)
+    try:
         for t, ref in zip(tensors, refs, strict=True):
             if ref.nbytes:
                 # A plain write is about twice as fast as copying into a fresh mapping, which
                 # page-faults on every page it touches.
-                os.pwrite(file.fileno(), _bytes(t).numpy(), ref.offset)
+                os.pwrite(fd, _bytes(t).numpy(), ref.offset)
+    finally:
+        os.close(fd)
     return Packed(buffer.getvalue(), name, tuple(refs))
 
 
 def unpack(packed: Packed, remove: bool) -> object:
-    """Rebuild the object. Its tensors are views of a fresh block (no copy: the mapping lives as
-    long as any of them does), or copies out of a reusable one. With `remove`, a fresh block's
-    name is deleted at once (the last reader does this; the memory is freed with the last view)."""
+    """Rebuild the object, its tensors read into this process's own memory (one copy; a view of
+    the block would pin it for as long as the caller keeps the tensor). With `remove`, the block is
+    deleted once read (the last reader does this; a reused block is never removed here)."""
     tensors = []
     if packed.block is not None:
         path = shm_dir() / packed.block
-        used = max(1, max(ref.offset + ref.nbytes for ref in packed.refs))  # a reused block may be larger
-        with open(path, "r+b") as file:
-            # Populating the mapping at once is cheaper than faulting it in page by page.
-            memory = mmap.mmap(file.fileno(), used, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            tensors = [_read(fd, ref) for ref in packed.refs]
+        finally:
+            os.close(fd)
         if remove and not packed.reused:
             path.unlink(missing_ok=True)
-        for ref in packed.refs:
-            if ref.nbytes == 0:
-                tensors.append(torch.empty(ref.shape, dtype=ref.dtype))
-                continue
-            data = torch.frombuffer(memory, dtype=torch.uint8, count=ref.nbytes, offset=ref.offset)
-            tensors.append(data.clone() if packed.reused else data)
-        tensors = [t.view(ref.dtype).reshape(ref.shape) for t, ref in zip(tensors, packed.refs, strict=True)]
     return _Unpickler(io.BytesIO(packed.payload), tensors).load()
+
+
+def _read(fd: int, ref: TensorRef) -> torch.Tensor:
+    data = torch.empty(ref.nbytes, dtype=torch.uint8)
+    view = memoryview(data.numpy())
+    done = 0
+    while done < ref.nbytes:  # one read returns at most about 2 GiB
+        read = os.preadv(fd, [view[done:]], ref.offset + done)
+        if read == 0:
+            raise EOFError(f"shared-memory block ended {ref.nbytes - done} bytes early")
+        done += read
+    return data.view(ref.dtype).reshape(ref.shape) if ref.nbytes else torch.empty(ref.shape, dtype=ref.dtype)
 
 
 class ReusableBlock:
@@ -129,7 +172,7 @@ class ReusableBlock:
     large update does not pay for fresh zeroed pages on each call. Safe because readers copy the
     tensors out before they reply, and the engine waits for the replies before the next write; a
     call that timed out may still be reading, so after a timeout the engine `abandon`s the block
-    (readers keep their own mapping of it) and the next call gets a new one."""
+    (readers have it open) and the next call gets a new one."""
 
     def __init__(self, prefix: str):
         self.prefix = prefix
@@ -143,9 +186,11 @@ class ReusableBlock:
             size = max(size, 1, 3 * self._view.numel() // 2 if self._view is not None else 0)
             self.abandon()
             self.name = f"{self.prefix}-args-{uuid.uuid4().hex}"
-            with open(shm_dir() / self.name, "w+b") as file:
-                file.truncate(size)
-                self._memory = mmap.mmap(file.fileno(), size)
+            fd = _create(self.name, size)
+            try:
+                self._memory = mmap.mmap(fd, size)
+            finally:
+                os.close(fd)
             self._view = torch.frombuffer(self._memory, dtype=torch.uint8)
         for t, ref in zip(tensors, refs, strict=True):
             if ref.nbytes:
@@ -176,6 +221,31 @@ def remove_blocks(prefix: str) -> None:
     """Delete every block named `prefix`-*: what a crashed process may have left behind."""
     for path in shm_dir().glob(f"{prefix}-*"):
         path.unlink(missing_ok=True)
+
+
+def remove_stale_blocks() -> int:
+    """Delete the blocks of engines whose process is gone (killed before it could clean up);
+    returns how many. Blocks of live processes, this user's or others', are left alone."""
+    removed = 0
+    for path in shm_dir().glob("rollout-*"):
+        pid = path.name.split("-")[1]
+        if pid.isdigit() and not _alive(int(pid)):
+            try:
+                path.unlink()
+                removed += 1
+            except (FileNotFoundError, PermissionError):
+                pass
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def block_prefix() -> str:
