@@ -15,7 +15,7 @@ import multiprocessing
 import os
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
@@ -53,7 +53,6 @@ class MPExecutor(Executor):
         self._prefix = block_prefix()
         self._argument_block = ReusableBlock(self._prefix)
         self._call_ids = itertools.count()
-        self._dead: str | None = None
         context = multiprocessing.get_context("spawn")  # fork would copy the parent's threads and CUDA state
         threads = config.threads_per_worker or max(1, (os.cpu_count() or 1) // self.num_workers)
         config_bytes = cloudpickle.dumps(config)
@@ -72,47 +71,32 @@ class MPExecutor(Executor):
             self._conns.append(parent_end)
             self._procs.append(process)
         # Runs at shutdown(), at garbage collection, or at interpreter exit, whichever comes first.
-        self._stop = weakref.finalize(self, _stop_workers, self._procs, self._conns, self._prefix)
+        self._stop = weakref.finalize(self, _stop_processes, self._procs, self._conns, self._prefix)
         self.pids = self._await_ready(config.startup_timeout_s)
         logger.info("started %d worker processes %s (%d torch threads each)", self.num_workers, self.pids, threads)
 
-    # The Executor contract.
+    # The transport (the failure policy is the Executor base class's).
 
-    def execute(self, scheduler_output: SchedulerOutput) -> list[RunnerOutput]:
+    def _execute(self, scheduler_output: SchedulerOutput, timeout: float) -> list[RunnerOutput]:
         calls = {
             rank: ("execute", pack(((work,), {}), self._prefix))
             for rank, work in scheduler_output.worker_inputs.items()
             if not work.is_empty
         }
         try:
-            replies = self._round("execute", calls, self.config.step_timeout_s)
-        except TimeoutError as error:
-            # A step still running in a worker cannot be trusted or waited for: stop the engine.
-            self._die(f"{error}; create a new engine (raise step_timeout_s if steps are that slow)")
-        except BaseException as error:
-            if not isinstance(error, EngineDeadError | WorkerError):
-                # Interrupted (e.g. Ctrl-C) with a step in flight: the workers' state is unknown.
-                self._die(f"interrupted during an engine step ({type(error).__name__})", raise_error=False)
-            raise
+            replies = self._round("execute", calls, timeout)
         finally:
             for _, arguments in calls.values():
                 discard(arguments)
         results = self._results("execute", replies)
         return [results.get(rank, RunnerOutput()) for rank in range(self.num_workers)]
 
-    def collective_rpc(
-        self,
-        method: str | Callable,
-        args: Sequence = (),
-        kwargs: dict | None = None,
-        timeout: float | None = None,
-        ranks: Sequence[int] | None = None,
+    def _collective_rpc(
+        self, name: str, method: str | Callable, args: tuple, kwargs: dict, timeout: float, ranks: list[int]
     ) -> list[Any]:
-        name, _ = self.resolve_method(method)
-        ranks = self.resolve_ranks(ranks)
         wire_method = method_to_wire(method)
         # One block, read (copied out) by every rank before it replies.
-        arguments = pack((tuple(args), dict(kwargs or {})), self._prefix, self._argument_block)
+        arguments = pack((args, kwargs), self._prefix, self._argument_block)
         try:
             replies = self._round(name, {rank: (wire_method, arguments) for rank in ranks}, timeout)
         except BaseException as error:
@@ -126,6 +110,15 @@ class MPExecutor(Executor):
         self.collective_rpc("check_health")
 
     def shutdown(self) -> None:
+        if self._dead is None:
+            self._dead = "the executor is shut down"
+        self._argument_block.abandon()
+        self._stop()
+
+    def _stop_workers(self) -> None:
+        for process in self._procs:  # no polite shutdown: the others may be busy for a long time
+            if process.is_alive():
+                process.kill()
         self._argument_block.abandon()
         self._stop()
 
@@ -133,15 +126,13 @@ class MPExecutor(Executor):
 
     def _round(self, name: str, calls: dict[int, tuple[str | bytes, Packed]], timeout: float | None) -> dict:
         """Send one call to each addressed rank, then wait for all replies (or a death, or the timeout)."""
-        self._check_alive()
-        timeout = self.config.rpc_timeout_s if timeout is None else timeout
         expected = {}
         for rank, (method, arguments) in calls.items():
             call_id = next(self._call_ids)
             try:
                 self._conns[rank].send(Call(call_id, method, arguments))
             except (BrokenPipeError, EOFError, OSError):
-                self._die(self._death_message(rank, name))
+                raise EngineDeadError(self._death_message(rank, name)) from None
             expected[rank] = call_id
         return self._gather(name, expected, timeout)
 
@@ -161,12 +152,12 @@ class MPExecutor(Executor):
                 )
             for handle in ready:
                 if handle in sentinels:
-                    self._die(self._death_message(sentinels[handle], name))
+                    raise EngineDeadError(self._death_message(sentinels[handle], name))
                 rank = pending[handle]
                 try:
                     reply = handle.recv()
                 except (EOFError, OSError):
-                    self._die(self._death_message(rank, name))
+                    raise EngineDeadError(self._death_message(rank, name)) from None
                 if reply.call_id != expected[rank]:  # the late reply of an earlier, timed-out call
                     self._discard_results({rank: reply})
                     continue
@@ -226,25 +217,8 @@ class MPExecutor(Executor):
         process.join(0.1)
         return f"worker rank {rank} (pid {process.pid}) died (exit code {process.exitcode}) during {name!r}"
 
-    def _die(self, reason: str, raise_error: bool = True) -> None:
-        """Mark the engine dead, stop every worker, and raise EngineDeadError."""
-        self._dead = reason
-        logger.error("engine is dead: %s", reason)
-        for process in self._procs:  # no polite shutdown: the others may be busy for a long time
-            if process.is_alive():
-                process.kill()
-        self._stop()
-        if raise_error:
-            raise EngineDeadError(reason)
 
-    def _check_alive(self) -> None:
-        if self._dead:
-            raise EngineDeadError(self._dead)
-        if not self._stop.alive:
-            raise EngineDeadError("the executor is shut down")
-
-
-def _stop_workers(procs, conns, prefix: str) -> None:
+def _stop_processes(procs, conns, prefix: str) -> None:
     """Ask each worker to exit, then terminate and kill what is left; remove leftover shm blocks."""
     for conn in conns:
         try:

@@ -11,7 +11,8 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable, Sequence
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,19 +72,21 @@ class RayExecutor(Executor):
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        self._remove_placement_group = remove_placement_group
-        self._actors: list | None = []
-        self._dead: str | None = None
-        self._started_ray = False
+        self._actors: list = []
+        started_ray = False
         if not ray.is_initialized():
             if os.environ.get("RAY_ADDRESS"):
                 ray.init(address=os.environ["RAY_ADDRESS"])
             else:
                 ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
-                self._started_ray = True
+                started_ray = True
         threads = config.threads_per_worker or max(1, (os.cpu_count() or 1) // self.num_workers)
         bundle = {"CPU": threads} | ({"GPU": 1} if config.device.startswith("cuda") else {})
         self._placement_group = placement_group([bundle] * self.num_workers, strategy=config.ray_placement_strategy)
+        # Runs at shutdown(), at garbage collection (an engine dropped without shutdown), or at exit.
+        self._release = weakref.finalize(
+            self, _release, ray, remove_placement_group, self._actors, self._placement_group, started_ray
+        )
         try:
             ray.get(self._placement_group.ready(), timeout=config.startup_timeout_s)
         except ray.exceptions.GetTimeoutError:
@@ -94,7 +97,7 @@ class RayExecutor(Executor):
             ) from None
         actor_cls = ray.remote(RayWorkerHost)
         config_bytes = cloudpickle.dumps(config)
-        self._actors = [
+        self._actors += [  # in place: the finalizer holds this list
             actor_cls.options(
                 num_cpus=threads,
                 num_gpus=bundle.get("GPU", 0),
@@ -111,51 +114,40 @@ class RayExecutor(Executor):
             raise RuntimeError(f"Ray workers failed to start: {error}") from None
         logger.info("started %d Ray workers %s (%d CPUs each)", self.num_workers, self.pids, threads)
 
-    # The Executor contract.
+    # The transport (the failure policy is the Executor base class's).
 
-    def execute(self, scheduler_output: SchedulerOutput) -> list[RunnerOutput]:
+    def _execute(self, scheduler_output: SchedulerOutput, timeout: float) -> list[RunnerOutput]:
         calls = {rank: ((work,), {}) for rank, work in scheduler_output.worker_inputs.items() if not work.is_empty}
-        try:
-            results = self._call_ranks("execute", "execute", calls, self.config.step_timeout_s)
-        except TimeoutError as error:
-            self._die(f"{error}; create a new engine (raise step_timeout_s if steps are that slow)")
+        results = self._call_ranks("execute", "execute", calls, timeout)
         by_rank = dict(zip(calls, results, strict=True))
         return [by_rank.get(rank, RunnerOutput()) for rank in range(self.num_workers)]
 
-    def collective_rpc(
-        self,
-        method: str | Callable,
-        args: Sequence = (),
-        kwargs: dict | None = None,
-        timeout: float | None = None,
-        ranks: Sequence[int] | None = None,
+    def _collective_rpc(
+        self, name: str, method: str | Callable, args: tuple, kwargs: dict, timeout: float, ranks: list[int]
     ) -> list[Any]:
-        name, _ = self.resolve_method(method)
-        ranks = self.resolve_ranks(ranks)
-        wire_method = method_to_wire(method)
-        arguments = tensors_to_wire((tuple(args), dict(kwargs or {})))
+        arguments = tensors_to_wire((args, kwargs))
         if len(ranks) > 1 and _tensor_bytes(arguments) > _PUT_ONCE_BYTES:
             arguments = self._ray.put(arguments)  # one copy in the object store, read by every rank
-        timeout = self.config.rpc_timeout_s if timeout is None else timeout
-        return self._call_ranks(name, wire_method, {rank: arguments for rank in ranks}, timeout)
+        return self._call_ranks(name, method_to_wire(method), {rank: arguments for rank in ranks}, timeout)
 
     def check_health(self) -> None:
         self.collective_rpc("check_health")
 
     def shutdown(self) -> None:
-        if self._actors is not None:
-            self._release()
+        if self._dead is None:
+            self._dead = "the executor is shut down"
+        self._release()
+
+    def _stop_workers(self) -> None:
+        self._release()
 
     # Internals.
 
     def _call_ranks(self, name: str, method: str | bytes, arguments: dict, timeout: float) -> list:
         """Call `method` on each rank of `arguments` (rank -> (args, kwargs), inline or as an object
-        ref, which Ray resolves in the actor); results in rank order."""
+        ref, which Ray resolves in the actor); results in rank order. Any Ray error other than the
+        worker function's own exception means a worker or Ray itself is gone: EngineDeadError."""
         ray = self._ray
-        if self._dead:
-            raise EngineDeadError(self._dead)
-        if self._actors is None:
-            raise EngineDeadError("the executor is shut down")
         refs = {rank: self._actors[rank].call.remote(method, args) for rank, args in arguments.items()}
         pending = {ref: rank for rank, ref in refs.items()}
         results, errors = {}, {}
@@ -172,32 +164,29 @@ class RayExecutor(Executor):
             rank = pending.pop(ready[0])
             try:
                 results[rank] = ray.get(ready[0])
-            except ray.exceptions.RayActorError as error:
-                self._die(f"worker rank {rank} (Ray actor) died during {name!r}: {error}")
             except ray.exceptions.RayTaskError as error:
                 errors[rank] = error
+            except ray.exceptions.RayActorError as error:
+                raise EngineDeadError(f"worker rank {rank} (Ray actor) died during {name!r}: {error}") from None
+            except ray.exceptions.RayError as error:  # an object was lost, Ray itself failed, ...
+                raise EngineDeadError(
+                    f"worker rank {rank} (Ray actor) failed during {name!r}: {type(error).__name__}: {error}"
+                ) from None
         if errors:
             rank = min(errors)
             cause = errors[rank].cause
             raise WorkerError(name, rank, WorkerError.type_path(cause), str(cause), str(errors[rank]))
         return [results[rank] for rank in refs]
 
-    def _die(self, reason: str) -> None:
-        self._dead = reason
-        logger.error("engine is dead: %s", reason)
-        self._release()
-        raise EngineDeadError(reason)
 
-    def _release(self) -> None:
-        """Kill the actors, free their placement group, and stop Ray if this executor started it."""
-        ray = self._ray
-        for actor in self._actors or []:
-            ray.kill(actor)
-        self._actors = None
-        self._remove_placement_group(self._placement_group)
-        if self._started_ray:
-            ray.shutdown()
-            self._started_ray = False
+def _release(ray, remove_placement_group, actors: list, placement_group, started_ray: bool) -> None:
+    """Kill the actors, free their placement group, and stop Ray if the executor started it."""
+    for actor in actors:
+        ray.kill(actor)
+    actors.clear()
+    remove_placement_group(placement_group)
+    if started_ray:
+        ray.shutdown()
 
 
 @dataclass(frozen=True)

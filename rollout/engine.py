@@ -246,19 +246,27 @@ class RolloutEngine(HotSwapAPI):
             raise RuntimeError(f"the engine is asleep (level {self.sleep_level}); call wake_up() before generating")
 
     def _on_executor(self, call: Callable, *args, **kwargs):
-        """Run an executor call; if a worker died, fail every request at once and stay dead."""
+        """Run an executor call; if the workers are gone (dead, or stopped by an interrupt in the
+        middle of a step), fail every request at once and stay dead."""
         try:
             return call(*args, **kwargs)
         except EngineDeadError as error:
-            self._dead = error
-            lost = list(self._requests)
-            for request_id in lost:
-                self.scheduler.abort(request_id)
-            self._requests.clear()
-            self.scheduler.take_frees()  # nobody is left to free them
-            if lost:
-                logger.error("engine is dead; %d unfinished requests failed: %s", len(lost), error)
+            self._die(error)
             raise
+        except BaseException:
+            if self.executor.dead is not None:  # e.g. Ctrl-C during a step: the executor stopped
+                self._die(EngineDeadError(self.executor.dead))
+            raise
+
+    def _die(self, error: EngineDeadError) -> None:
+        self._dead = error
+        lost = list(self._requests)
+        for request_id in lost:
+            self.scheduler.abort(request_id)
+        self._requests.clear()
+        self.scheduler.take_frees()  # nobody is left to free them
+        if lost:
+            logger.error("engine is dead; %d unfinished requests failed: %s", len(lost), error)
 
     def _params_per_prompt(self, prompts, params) -> list[SamplingParams]:
         if len(prompts) == 0:

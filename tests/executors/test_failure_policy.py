@@ -1,0 +1,108 @@
+"""One failure policy for every backend (the Executor base class's): an interrupted step or a step
+past its timeout leaves the engine dead with a clear error and no worker behind; an RPC past its
+timeout leaves it usable; a Ray engine dropped without shutdown frees its placement group."""
+
+from __future__ import annotations
+
+import gc
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from rollout import EngineConfig, RolloutEngine, SamplingParams
+from rollout.errors import EngineDeadError
+from tests.executors.worker_functions import slow_down_steps, wait_gone, worker_pid
+
+pytestmark = pytest.mark.timeout(180)
+
+BACKENDS = {
+    "uni": {"executor": "uni"},
+    "mp": {"executor": "mp", "num_workers": 2},
+    "ray": {"executor": "ray", "num_workers": 2},
+}
+
+INTERRUPTED = """
+import os, sys
+import cloudpickle
+from rollout import EngineConfig, RolloutEngine, SamplingParams
+from rollout.errors import EngineDeadError
+from tests.executors import worker_functions
+from tests.executors.worker_functions import slow_down_steps, worker_pid
+
+cloudpickle.register_pickle_by_value(worker_functions)  # Ray workers cannot import the tests
+
+if __name__ == "__main__":
+    executor, workers = sys.argv[2], int(sys.argv[3])
+    engine = RolloutEngine(EngineConfig(model=sys.argv[1], executor=executor, num_workers=workers))
+    pids = engine.collective_rpc(worker_pid)
+    engine.collective_rpc(slow_down_steps, args=(0.05,))
+    print(*pids, flush=True)
+    try:
+        engine.generate("x", SamplingParams(num_inference_steps=100_000, num_samples=2, seed=0))  # until Ctrl-C
+    except KeyboardInterrupt:
+        print("interrupted", flush=True)
+    try:
+        engine.generate("y", SamplingParams(num_inference_steps=2, seed=0))
+    except EngineDeadError as error:
+        print(f"EngineDeadError: {error}", flush=True)
+    print("requests left:", engine.has_unfinished_requests(), flush=True)
+    engine.shutdown()
+"""
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_ctrl_c_during_a_step_leaves_every_backend_dead_with_a_clear_error(tiny_model, tmp_path, backend):
+    script = tmp_path / "interrupted.py"
+    script.write_text(textwrap.dedent(INTERRUPTED))
+    settings = BACKENDS[backend]
+    command = [sys.executable, str(script), tiny_model, settings["executor"], str(settings.get("num_workers", 1))]
+    environment = os.environ | {"PYTHONPATH": os.getcwd()}  # the script imports the tests' worker functions
+    caller = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment)
+    try:
+        pids = [int(pid) for pid in caller.stdout.readline().split()]
+        assert pids, caller.stderr.read()[-3000:]
+        time.sleep(1.5)
+        caller.send_signal(signal.SIGINT)
+        stdout, stderr = caller.communicate(timeout=90)
+    finally:
+        caller.kill()
+    assert "interrupted" in stdout, stderr[-3000:]
+    assert "EngineDeadError: interrupted during an engine step (KeyboardInterrupt); create a new engine" in stdout
+    assert "requests left: False" in stdout
+    assert "KeyError" not in stderr
+    if backend != "uni":
+        assert wait_gone(pids) == []
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_a_step_past_its_timeout_stops_every_backend_the_same_way(request, tiny_model, backend):
+    if backend == "ray":
+        request.getfixturevalue("ray_cluster")
+    config = EngineConfig(model=tiny_model, step_timeout_s=0.5, **BACKENDS[backend])
+    with RolloutEngine(config) as engine:
+        engine.collective_rpc(slow_down_steps, args=(2.0,))
+        with pytest.raises(EngineDeadError, match=r"worker call 'execute' timed out after 0.5s; ranks that did not"):
+            engine.generate("x", SamplingParams(num_inference_steps=3, seed=0))
+        assert not engine.has_unfinished_requests()
+        start = time.monotonic()
+        with pytest.raises(EngineDeadError, match="timed out after 0.5s"):
+            engine.collective_rpc("get_rank")
+        assert time.monotonic() - start < 0.5
+
+
+def test_a_ray_engine_dropped_without_shutdown_frees_its_placement_group(ray_cluster, tiny_model):
+    engine = RolloutEngine(EngineConfig(model=tiny_model, executor="ray", num_workers=2))
+    pids = engine.collective_rpc(worker_pid)
+    assert ray_cluster.available_resources().get("CPU", 0) < ray_cluster.cluster_resources()["CPU"]
+    del engine
+    gc.collect()
+    assert wait_gone(pids) == []
+    deadline = time.monotonic() + 10
+    while ray_cluster.available_resources().get("CPU", 0) < ray_cluster.cluster_resources()["CPU"]:
+        assert time.monotonic() < deadline, "the placement group's CPUs were not given back"
+        time.sleep(0.1)
