@@ -15,7 +15,7 @@ import torch
 from peft import LoraConfig
 
 from rollout.broadcast_group import BroadcastEntry
-from rollout.errors import WorkerError
+from rollout.errors import EngineDeadError, WorkerError
 from rollout.safetensors_files import safetensors_files
 from rollout.weight_sync import DEFAULT_BUCKET_BYTES
 from rollout.weights import TensorSpec
@@ -25,8 +25,8 @@ logger = logging.getLogger(__name__)
 
 class HotSwapAPI:
     """Needs from the engine: `collective_rpc`, `_check_open`, `_check_awake`, `_on_executor`,
-    `_finish_running_requests`, `scheduler`, `_requests`, `_weight_sync`, `_conditions`, and the
-    state set in `_init_hot_swap`."""
+    `_finish_running_requests`, `_die`, `config`, `scheduler`, `_requests`, `_weight_sync`,
+    `_conditions`, and the state set in `_init_hot_swap`."""
 
     def _init_hot_swap(self) -> None:
         self.weight_version = 0
@@ -175,6 +175,11 @@ class HotSwapAPI:
             bound = self.collective_rpc(
                 "load_lora", args=(name, source if isinstance(source, str) else dict(source), config)
             )
+        except TimeoutError as error:
+            timeout = self._reread_after("load_lora", error)
+            if name in self._loras:  # the late call loaded it: the adapter may have changed
+                self.weight_version = self.weight_version + 1 if version is None else version
+            raise timeout from error
         except WorkerError as error:
             if error.raised(ValueError):  # refused by the checks, before anything changed
                 raise ValueError(error.message) from error
@@ -197,7 +202,10 @@ class HotSwapAPI:
         users = [r.request_id for r in self._requests.values() if r.params.lora == name]
         if users:
             raise RuntimeError(f"{len(users)} unfinished requests use LoRA {name!r}; finish or abort them first")
-        self.collective_rpc("unload_lora", args=(name,))
+        try:
+            self.collective_rpc("unload_lora", args=(name,))
+        except TimeoutError as error:
+            raise self._reread_after("unload_lora", error) from error
         del self._loras[name]
 
     def lora_modules(self, name: str) -> int:
@@ -225,7 +233,10 @@ class HotSwapAPI:
                 f"cannot sleep with {len(self._requests)} unfinished requests; step() them to completion or "
                 "abort() them first"
             )
-        self.collective_rpc("sleep", args=(level,))
+        try:
+            self.collective_rpc("sleep", args=(level,))
+        except TimeoutError as error:
+            raise self._reread_after("sleep", error) from error
         self.sleep_level = max(self.sleep_level, level)
 
     def wake_up(self) -> None:
@@ -233,11 +244,56 @@ class HotSwapAPI:
         self._check_open()
         if self.sleep_level == 0:
             return
-        self.collective_rpc("wake_up")
+        deepest = self.sleep_level
+        try:
+            self.collective_rpc("wake_up")
+        except TimeoutError as error:
+            timeout = self._reread_after("wake_up", error)
+            if self.sleep_level == 0:  # the late call woke them
+                self._woke(deepest)
+            raise timeout from error
+        self._woke(deepest)
+
+    def _woke(self, deepest: int) -> None:
         self._conditions.generation += 1
-        if self.sleep_level == 2:
+        if deepest == 2:
             self.weight_version = 0
         self.sleep_level = 0
+
+    # After a timeout.
+
+    def _reread_after(self, method: str, error: TimeoutError) -> TimeoutError:
+        """A state-changing call timed out, and may still finish in a worker. Instead of guessing,
+        read what the workers hold (a worker runs this read after the late call), make the engine's
+        record match, and return the timeout to raise. Ranks left holding different adapters drop
+        them; ranks at different sleep levels, or no answer, leave the engine dead."""
+        # The read waits behind the late call; give it as long as a step may take.
+        wait = max(self.config.rpc_timeout_s, self.config.step_timeout_s)
+        try:
+            states = self.collective_rpc("hot_swap_state", timeout=wait)
+        except (TimeoutError, WorkerError) as reread_error:
+            raise self._dead_after(method, f"their state could not be read back ({reread_error})") from error
+        names = [set(state["loras"]) for state in states]
+        split = sorted(set.union(*names) - set.intersection(*names))
+        if split:
+            for name in split:
+                self.collective_rpc("discard_lora", args=(name,))
+        levels = {state["sleep_level"] for state in states}
+        if len(levels) > 1:
+            raise self._dead_after(method, f"ranks are at different sleep levels {sorted(levels)}") from error
+        self._loras = {name: bound for name, bound in states[0]["loras"].items() if name not in split}
+        self.sleep_level = levels.pop()
+        return TimeoutError(
+            f"{error}; it may have finished in the workers since, so the engine read their state back: "
+            f"LoRAs {self.list_loras()}"
+            + (f" (dropped {split}: not on every rank)" if split else "")
+            + f", sleep level {self.sleep_level}"
+        )
+
+    def _dead_after(self, method: str, why: str) -> EngineDeadError:
+        dead = EngineDeadError(f"{method!r} timed out and {why}; create a new engine")
+        self._die(dead)
+        return dead
 
 
 def _broadcast_entries(names: list[str], dtypes: list[torch.dtype], shapes: list[tuple[int, ...]]) -> list:

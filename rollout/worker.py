@@ -128,6 +128,13 @@ class Worker:
     def sleep(self, level: int) -> None:
         self.sleeper.sleep(level)
 
+    def hot_swap_state(self) -> dict:
+        """What the engine tracks of this worker: adapters (name -> modules bound) and sleep level."""
+        return {
+            "loras": {name: self.loras.bound_modules(name) for name in self.loras.configs},
+            "sleep_level": self.sleeper.level,
+        }
+
     def wake_up(self) -> None:
         self.sleeper.wake_up()
         self.runner.encoder_generation += 1
