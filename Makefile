@@ -36,6 +36,7 @@ bench: setup
 	$(PY) -m benchmarks.rollout_throughput --family flux
 	$(PY) -m benchmarks.rollout_throughput --family qwen_image
 	$(PY) -m benchmarks.output_memory
+	$(PY) -m benchmarks.faults
 	$(PY) -m benchmarks.executor_overhead
 	$(PY) -m benchmarks.weight_sync
 	$(PY) -m benchmarks.lora_swap
