@@ -3,18 +3,16 @@ packed latents), all random."""
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from rollout.pipelines.quiet import quietly
+from rollout.pipelines.tiny.saving import save
 from rollout.pipelines.tiny.sd3 import tiny_autoencoder_kl
 from rollout.pipelines.tiny.text_encoders import clip_text_encoder, t5_encoder
 from rollout.pipelines.tiny.tokenizers import clip_tokenizer, t5_tokenizer
-
-logger = logging.getLogger(__name__)
 
 # FLUX.1-dev's scheduler_config.json: the shift grows with the image's token count.
 FLUX_SCHEDULER = {
@@ -93,8 +91,4 @@ def build_tiny_flux(
         tokenizer_2=tokenizer_2,
         transformer=transformer,
     )
-    if dtype != torch.float32:  # built in float32 (diffusers warns about casting a float32 pipeline to itself)
-        pipeline.to(dtype=dtype)
-    pipeline.save_pretrained(path)
-    logger.info("saved a tiny FluxPipeline to %s", path)
-    return path
+    return save(pipeline, path, dtype)

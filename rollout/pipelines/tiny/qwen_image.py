@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -11,10 +10,9 @@ import torch
 
 from rollout.pipelines.quiet import quietly
 from rollout.pipelines.tiny.colour import make_causal_decoder_colour_faithful
+from rollout.pipelines.tiny.saving import save
 from rollout.pipelines.tiny.text_encoders import qwen25_vl_encoder
 from rollout.pipelines.tiny.tokenizers import qwen2_tokenizer
-
-logger = logging.getLogger(__name__)
 
 # Qwen-Image's scheduler_config.json: exponential dynamic shift, stretched to end at sigma 0.02.
 QWEN_IMAGE_SCHEDULER = {
@@ -101,8 +99,4 @@ def build_tiny_qwen_image(
         tokenizer=tokenizer,
         transformer=transformer,
     )
-    if dtype != torch.float32:  # built in float32 (diffusers warns about casting a float32 pipeline to itself)
-        pipeline.to(dtype=dtype)
-    pipeline.save_pretrained(path)
-    logger.info("saved a tiny QwenImagePipeline to %s", path)
-    return path
+    return save(pipeline, path, dtype)

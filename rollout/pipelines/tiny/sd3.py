@@ -3,7 +3,6 @@ transformer and a colour-faithful VAE, all random."""
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -11,10 +10,9 @@ import torch
 
 from rollout.pipelines.quiet import quietly
 from rollout.pipelines.tiny.colour import make_decoder_colour_faithful
+from rollout.pipelines.tiny.saving import save
 from rollout.pipelines.tiny.text_encoders import clip_text_encoder, t5_encoder
 from rollout.pipelines.tiny.tokenizers import clip_tokenizer, t5_tokenizer
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -120,8 +118,4 @@ def build_tiny_sd3(
         text_encoder_3=text_encoder_3,
         tokenizer_3=tokenizer_3,
     )
-    if dtype != torch.float32:  # built in float32 (diffusers warns about casting a float32 pipeline to itself)
-        pipeline.to(dtype=dtype)
-    pipeline.save_pretrained(path)
-    logger.info("saved a tiny StableDiffusion3Pipeline to %s", path)
-    return path
+    return save(pipeline, path, dtype)
