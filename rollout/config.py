@@ -64,6 +64,14 @@ class EngineConfig:
         unchecked.__dict__.update(defaults | settings)
         return unchecked._settings_problems()
 
+    @classmethod
+    def described(cls, settings: dict) -> EngineConfig:
+        """A config as a rollout server reports it, unchecked: its model folder and classes are on
+        the server's machine, not necessarily on this one."""
+        config = object.__new__(cls)  # skips __post_init__
+        config.__dict__.update(settings)
+        return config
+
     def _settings_problems(self) -> list[str]:
         problems = self._class_problems()
         if self.dtype not in _DTYPES:

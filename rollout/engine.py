@@ -70,20 +70,12 @@ class RolloutEngine(HotSwapAPI):
         """
         self._check_open()
         self._check_awake()
-        if isinstance(prompts, str):
-            prompts = [prompts]
-        params_list = self._params_per_prompt(prompts, params)
         if self.scheduler.has_unfinished():
             raise RuntimeError(
                 f"generate() drives the engine itself, but {len(self._requests)} requests added with "
                 "add_request() are unfinished; step() them to completion or abort() them first"
             )
-        for prompt, p in zip(prompts, params_list, strict=True):
-            self._check_request(prompt, p)  # all of them before any is queued
-        base_seed = fresh_base_seed()
-        request_ids = []
-        for prompt_index, (prompt, p) in enumerate(zip(prompts, params_list, strict=True)):
-            request_ids += self.add_request(prompt, p, prompt_index=prompt_index, base_seed=base_seed)
+        request_ids = self.add_requests(prompts, params)
         requests = [self._requests[request_id] for request_id in request_ids]
         total_steps = sum(r.params.num_inference_steps for r in requests)
         outputs: dict[str, RolloutOutput] = {}
@@ -95,6 +87,27 @@ class RolloutEngine(HotSwapAPI):
                 bar.update(sum(r.steps_done for r in requests) - bar.n)
                 bar.set_postfix(samples=f"{len(outputs)}/{len(requests)}")
         return [outputs[request_id] for request_id in request_ids]
+
+    def add_requests(
+        self,
+        prompts: str | Sequence[str],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[str]:
+        """Queue what `generate` would run, without running it; returns the sample ids in the order
+        `generate` returns outputs. Every request is checked before any is queued, and prompts
+        without a seed share one fresh base seed, as in `generate`."""
+        self._check_open()
+        self._check_awake()
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        params_list = self._params_per_prompt(prompts, params)
+        for prompt, p in zip(prompts, params_list, strict=True):
+            self._check_request(prompt, p)  # all of them before any is queued
+        base_seed = fresh_base_seed()
+        request_ids = []
+        for prompt_index, (prompt, p) in enumerate(zip(prompts, params_list, strict=True)):
+            request_ids += self.add_request(prompt, p, prompt_index=prompt_index, base_seed=base_seed)
+        return request_ids
 
     def add_request(
         self,
@@ -146,15 +159,28 @@ class RolloutEngine(HotSwapAPI):
                 "abort() takes both sample and group ids; pass another request_id"
             )
 
-    def step(self) -> list[RolloutOutput]:
+    def step(self, *, admit: bool = True) -> list[RolloutOutput]:
         """Run one engine step (one denoising step for one batch per worker); returns the
-        outputs of requests that finished in it."""
+        outputs of requests that finished in it, and of those that finished outside `step`
+        (while an update with mode="wait" ran them to the end). `admit=False` steps only the
+        requests already running, leaving waiting ones queued (a pause that lets work finish)."""
         self._check_open()
-        outputs, self._stashed_outputs = self._stashed_outputs, []
-        return outputs + self._step_once()
+        return self.take_finished() + self._step_once(admit)
 
-    def _step_once(self) -> list[RolloutOutput]:
-        scheduled = self.scheduler.schedule()
+    def take_finished(self) -> list[RolloutOutput]:
+        """Outputs of requests that finished outside `step` (during an update with mode="wait")
+        and were not returned yet; each is returned once, by this or by `step`."""
+        outputs, self._stashed_outputs = self._stashed_outputs, []
+        return outputs
+
+    def unfinished_request_ids(self, *, running_only: bool = False) -> list[str]:
+        """Sample ids of the unfinished requests; `running_only`: of those admitted to a worker."""
+        if running_only:
+            return list(self.scheduler.running)
+        return list(self._requests)
+
+    def _step_once(self, admit: bool = True) -> list[RolloutOutput]:
+        scheduled = self.scheduler.schedule(admit)
         outputs: list[RolloutOutput] = []
         if scheduled.is_empty:
             return outputs
@@ -219,6 +245,11 @@ class RolloutEngine(HotSwapAPI):
     def check_health(self) -> None:
         self._check_open()
         self._on_executor(self.executor.check_health)
+
+    @property
+    def dead(self) -> EngineDeadError | None:
+        """Why the engine can no longer serve (a worker is gone), or None."""
+        return self._dead
 
     # Lifetime.
 
@@ -298,12 +329,8 @@ class RolloutEngine(HotSwapAPI):
     def _finish_running_requests(self) -> None:
         """Step the admitted requests to the end (admitting no new ones); keep their outputs for
         the next `step()`."""
-        self.scheduler.admitting = False
-        try:
-            while self.scheduler.running:
-                self._stashed_outputs += self._step_once()
-        finally:
-            self.scheduler.admitting = True
+        while self.scheduler.running:
+            self._stashed_outputs += self._step_once(admit=False)
 
     def _flush_frees(self) -> None:
         """Send pending frees now, so aborted requests leave no worker state behind."""

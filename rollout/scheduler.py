@@ -49,7 +49,6 @@ class Scheduler:
         self.running: dict[str, Request] = {}
         self._pending_frees: dict[int, list[str]] = {rank: [] for rank in range(num_ranks)}
         self._tick = 0
-        self.admitting = True  # False while a weight update waits for running requests to finish
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -57,8 +56,10 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> SchedulerOutput:
-        self._admit_waiting()
+    def schedule(self, admit: bool = True) -> SchedulerOutput:
+        """The next step's work; `admit=False` leaves waiting requests queued (only running ones step)."""
+        if admit:
+            self._admit_waiting()
         inputs = {}
         for rank in range(self.num_ranks):
             work = WorkerInput(free_ids=self._pending_frees[rank])
@@ -107,7 +108,7 @@ class Scheduler:
         load = [0] * self.num_ranks
         for request in self.running.values():
             load[request.rank] += 1
-        while self.waiting and self.admitting:
+        while self.waiting:
             rank = min(range(self.num_ranks), key=load.__getitem__)
             if load[rank] >= self.max_batch_size:
                 return
