@@ -1,0 +1,2 @@
+"""The rollout service: `python -m rollout.serve --model DIR` (see `__main__` for the options, the
+README for the routes and their bodies, `app` for the routes themselves)."""

@@ -1,0 +1,385 @@
+"""The rollout service's routes: each parses one body, calls the async engine, and returns its answer.
+
+Errors become status codes in one place (`_STATUS`), with the engine's own message in the body:
+{"error": {"type": "ValueError", "message": "invalid request: ..."}}. Bad input is a 4xx and the
+server stays up; a dead engine answers 503 everywhere, `/health` included.
+"""
+
+# No `from __future__ import annotations` here: FastAPI reads the routes' annotations, and those
+# name dependencies made inside `build_app`, which only eager evaluation can see.
+import asyncio
+import dataclasses
+import json
+import logging
+import secrets
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Annotated
+
+import torch
+from fastapi import APIRouter, Depends, FastAPI, HTTPException, Request, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ValidationError
+
+from rollout.async_engine import AsyncRolloutEngine, OutputStream
+from rollout.errors import EngineDeadError, WorkerError
+from rollout.sampling_params import SamplingParams
+from rollout.serve import protocol
+from rollout.wire import (
+    FRAMES_MEDIA_TYPE,
+    SAFETENSORS_MEDIA_TYPE,
+    OutputEncoder,
+    WireError,
+    error_frame,
+    frame,
+    tensors_from_bytes,
+)
+
+logger = logging.getLogger(__name__)
+
+# Most specific first: an exception gets the status of the first class it is an instance of.
+_STATUS: list[tuple[type[BaseException], int]] = [
+    (EngineDeadError, 503),
+    (WorkerError, 500),
+    (TimeoutError, 504),
+    (WireError, 400),
+    (ValueError, 400),
+    (TypeError, 400),
+    (RuntimeError, 409),  # the engine's state forbids it now (asleep, adapter in use, ...)
+]
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """api_key: required as `Authorization: Bearer <key>` on every route but /health (None: open).
+    max_body_bytes: of a JSON body; max_upload_bytes: of a safetensors body (weights, adapters);
+    max_samples_per_request: prompts x num_samples of one generate call."""
+
+    api_key: str | None = None
+    max_body_bytes: int = 1 << 20
+    max_upload_bytes: int = 8 << 30
+    max_samples_per_request: int = 1024
+
+
+def build_app(engine: AsyncRolloutEngine, settings: ServerSettings) -> FastAPI:
+    app = FastAPI(title="diffusion-rollout", summary="RL rollouts of diffusion policies, with hot-swappable weights")
+    for error_class, status in _STATUS:
+        app.add_exception_handler(error_class, _error_handler(status))
+    app.add_exception_handler(HTTPException, _http_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+
+    @app.get("/health")
+    async def health() -> dict:
+        """200 while every worker answers; 503 with the reason once one is gone."""
+        await engine.check_health()
+        return {"status": "ok"}
+
+    router = APIRouter(dependencies=[Depends(_auth(settings.api_key))])
+    json_body = _json_body_parser(settings.max_body_bytes)
+
+    @router.get("/server_info")
+    async def server_info() -> dict:
+        config = dataclasses.asdict(engine.engine.config)
+        config["executor"] = str(config["executor"])
+        config["worker_extension_cls"] = _name_of(config["worker_extension_cls"])
+        return {
+            "engine_config": config,
+            "model_spec": dataclasses.asdict(engine.engine.model_spec),
+            **await engine.state(),
+        }
+
+    @router.post("/rollout/generate")
+    async def generate(request: Request, body: Annotated[protocol.GenerateBody, json_body(protocol.GenerateBody)]):
+        prompts = [body.prompts] if isinstance(body.prompts, str) else body.prompts
+        params = _sampling_params(body.params)
+        counts = [p.num_samples for p in params] if isinstance(params, list) else [params.num_samples] * len(prompts)
+        if sum(counts) > settings.max_samples_per_request:
+            raise HTTPException(
+                413,
+                f"the request asks for {sum(counts)} samples; this server takes at most "
+                f"{settings.max_samples_per_request} per request (--max-samples-per-request); split it",
+            )
+        if body.request_id is not None:
+            if len(prompts) != 1 or isinstance(params, list):
+                raise ValueError("request_id names one prompt's group: send exactly one prompt and one params")
+            stream = await engine.add_request(
+                prompts[0],
+                params,
+                prompt_index=body.prompt_index,
+                request_id=body.request_id,
+                base_seed=body.base_seed,
+            )
+        else:
+            if body.prompt_index != 0 or body.base_seed is not None:
+                raise ValueError("prompt_index and base_seed go with request_id (one prompt); drop them")
+            stream = await engine.add_requests(prompts, params)
+        if body.stream:
+            return StreamingResponse(_stream_frames(stream), media_type=FRAMES_MEDIA_TYPE)
+        outputs = await _collect(stream, request)
+        return Response(_frames(stream.request_ids, outputs), media_type=FRAMES_MEDIA_TYPE)
+
+    @router.post("/abort_requests")
+    async def abort_requests(body: Annotated[protocol.AbortBody, json_body(protocol.AbortBody)]):
+        """Returns once the workers have freed the requests' state; the body holds their outputs."""
+        aborted = await engine.abort(body.request_ids)
+        return Response(_frames([o.request_id for o in aborted], aborted), media_type=FRAMES_MEDIA_TYPE)
+
+    @router.post("/pause")
+    async def pause(body: Annotated[protocol.PauseBody, json_body(protocol.PauseBody)]) -> dict:
+        await engine.pause(body.mode)
+        return {"paused": True, "mode": body.mode}
+
+    @router.post("/resume")
+    async def resume() -> dict:
+        await engine.resume()
+        return {"paused": False}
+
+    @router.post("/update_weights_from_tensor")
+    async def update_weights_from_tensor(request: Request) -> dict:
+        """Body: a safetensors file of the tensors; its metadata "request" holds the options (JSON)."""
+        tensors, options = await _tensor_body(request, settings.max_upload_bytes, protocol.UpdateFromTensorBody)
+        version = await engine.update_weights(tensors, **options.model_dump())
+        return {"weight_version": version}
+
+    @router.post("/update_weights_from_disk")
+    async def update_weights_from_disk(
+        body: Annotated[protocol.UpdateFromDiskBody, json_body(protocol.UpdateFromDiskBody)],
+    ):
+        options = body.model_dump(exclude={"model_path"})
+        return {"weight_version": await engine.update_weights_from_disk(body.model_path, **options)}
+
+    @router.post("/get_weights_checksum")
+    async def get_weights_checksum(body: Annotated[protocol.ChecksumBody, json_body(protocol.ChecksumBody)]) -> dict:
+        return {"checksum": await engine.weights_checksum(body.component)}
+
+    @router.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request: Request) -> dict:
+        """JSON {"lora_name", "lora_path"} for a folder on the server; or a safetensors body of the
+        adapter's PEFT tensors with metadata "request": {"lora_name", "lora_config", "version"}."""
+        if request.headers.get("content-type", "").startswith(SAFETENSORS_MEDIA_TYPE):
+            tensors, body = await _tensor_body(request, settings.max_upload_bytes, protocol.LoadLoraTensorsBody)
+            version = await engine.load_lora(body.lora_name, tensors, body.lora_config, version=body.version)
+        else:
+            body = await _parse_json(request, settings.max_body_bytes, protocol.LoadLoraBody)
+            version = await engine.load_lora(body.lora_name, body.lora_path, version=body.version)
+        return {"weight_version": version, "loras": (await engine.state())["loras"]}
+
+    @router.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(
+        body: Annotated[protocol.UnloadLoraBody, json_body(protocol.UnloadLoraBody)],
+    ) -> dict:
+        await engine.unload_lora(body.lora_name)
+        return {"loras": (await engine.state())["loras"]}
+
+    @router.post("/release_memory_occupation")
+    async def release_memory_occupation(
+        body: Annotated[protocol.ReleaseMemoryBody, json_body(protocol.ReleaseMemoryBody)],
+    ) -> dict:
+        await engine.sleep(body.level)
+        return {"sleep_level": (await engine.state())["sleep_level"]}
+
+    @router.post("/resume_memory_occupation")
+    async def resume_memory_occupation() -> dict:
+        await engine.wake_up()
+        return {"sleep_level": 0}
+
+    @router.post("/init_weight_update_group")
+    async def init_weight_update_group(
+        body: Annotated[protocol.InitWeightUpdateGroupBody, json_body(protocol.InitWeightUpdateGroupBody)],
+    ) -> dict:
+        return {"group_ranks": await engine.init_weight_update_group(**body.model_dump())}
+
+    @router.post("/update_weights_from_distributed")
+    async def update_weights_from_distributed(
+        body: Annotated[protocol.UpdateFromDistributedBody, json_body(protocol.UpdateFromDistributedBody)],
+    ) -> dict:
+        options = body.model_dump(exclude={"names", "dtypes", "shapes"})
+        dtypes = [_dtype(name) for name in body.dtypes]
+        version = await engine.update_weights_from_distributed(body.names, dtypes, body.shapes, **options)
+        return {"weight_version": version}
+
+    @router.post("/check_weight_update")
+    async def check_weight_update(
+        body: Annotated[protocol.CheckWeightUpdateBody, json_body(protocol.CheckWeightUpdateBody)],
+    ):
+        dtypes = [_dtype(name) for name in body.dtypes]
+        await engine.check_weight_update(body.names, dtypes, body.shapes, body.component)
+        return {"ok": True}
+
+    @router.post("/collective_rpc")
+    async def collective_rpc(
+        body: Annotated[protocol.CollectiveRpcBody, json_body(protocol.CollectiveRpcBody)],
+    ) -> dict:
+        results = await engine.collective_rpc(
+            body.method, args=body.args, kwargs=body.kwargs, timeout=body.timeout, ranks=body.ranks
+        )
+        try:
+            json.dumps(results)
+        except TypeError as error:
+            raise HTTPException(
+                500,
+                f"worker method {body.method!r} returned values that are not JSON ({error}); over HTTP, "
+                "return plain values (numbers, strings, lists, dicts)",
+            ) from None
+        return {"results": results}
+
+    app.include_router(router)
+    return app
+
+
+# Bodies.
+
+
+def _json_body_parser(limit: int):
+    def json_body(model: type[BaseModel]):
+        async def parse(request: Request) -> BaseModel:
+            return await _parse_json(request, limit, model)
+
+        return Depends(parse)
+
+    return json_body
+
+
+async def _parse_json(request: Request, limit: int, model: type[BaseModel]) -> BaseModel:
+    raw = await _read_body(request, limit, "--max-body-mb")
+    try:
+        return model.model_validate_json(raw or b"{}")
+    except ValidationError as error:
+        raise HTTPException(422, _describe(error)) from None
+
+
+async def _tensor_body(request: Request, limit: int, model: type[BaseModel]):
+    """The tensors of a safetensors body and its options (metadata "request", checked by `model`)."""
+    raw = await _read_body(request, limit, "--max-upload-mb")
+    tensors, metadata = tensors_from_bytes(raw, "the request body")
+    try:
+        options = model.model_validate_json(metadata.get("request", "{}"))
+    except ValidationError as error:
+        raise HTTPException(422, "the body's metadata 'request': " + _describe(error)) from None
+    return tensors, options
+
+
+async def _read_body(request: Request, limit: int, flag: str) -> bytes:
+    too_big = HTTPException(413, f"the request body is over this server's limit of {limit} bytes ({flag})")
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise too_big
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_big
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _sampling_params(params) -> SamplingParams | list[SamplingParams]:
+    if params is None:
+        return protocol.to_sampling_params(protocol.SamplingParamsBody())
+    if isinstance(params, list):
+        return [protocol.to_sampling_params(p) for p in params]
+    return protocol.to_sampling_params(params)
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"dtypes: {name!r} is not a torch dtype name; use e.g. 'float32' or 'bfloat16'")
+    return dtype
+
+
+def _name_of(value) -> str | None:
+    if value is None or isinstance(value, str):
+        return value
+    return f"{value.__module__}.{value.__qualname__}"
+
+
+# Outputs.
+
+
+def _frames(request_ids: list[str], outputs) -> bytes:
+    encoder = OutputEncoder()
+    return frame("requests", {"request_ids": request_ids}) + b"".join(encoder.encode(o) for o in outputs)
+
+
+async def _stream_frames(stream: OutputStream) -> AsyncIterator[bytes]:
+    """Frames of `stream` as its outputs finish. A closed connection cancels this generator, and
+    leaving the `async with` aborts what is left."""
+    encoder = OutputEncoder()
+    async with stream:
+        yield frame("requests", {"request_ids": stream.request_ids})
+        try:
+            async for output in stream:
+                yield encoder.encode(output)
+        except Exception as error:  # the status line has gone out: the client reads the error frame
+            logger.warning("a generate stream failed: %s", error)
+            yield error_frame(error)
+
+
+async def _collect(stream: OutputStream, request: Request) -> list:
+    """Every output of `stream`, in request order; aborts them if the client goes away first."""
+    outputs = {}
+    async with stream:
+        iterator = aiter(stream)
+        while len(outputs) < len(stream.request_ids):
+            next_output = asyncio.ensure_future(anext(iterator))
+            while not next_output.done():
+                await asyncio.wait({next_output}, timeout=1.0)
+                if not next_output.done() and await request.is_disconnected():
+                    next_output.cancel()
+                    return []  # leaving the block aborts the requests
+            output = next_output.result()
+            outputs[output.request_id] = output
+    return [outputs[request_id] for request_id in stream.request_ids]
+
+
+# Auth and errors.
+
+
+def _auth(api_key: str | None):
+    async def check(request: Request) -> None:
+        if api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not token:
+            missing = "missing API key: send 'Authorization: Bearer <key>'"
+            raise HTTPException(401, missing, {"WWW-Authenticate": "Bearer"})
+        if not secrets.compare_digest(token.encode(), api_key.encode()):
+            raise HTTPException(403, "wrong API key")
+
+    return check
+
+
+def _error_body(status: int, error_type: str, message: str, headers=None) -> JSONResponse:
+    return JSONResponse({"error": {"type": error_type, "message": message}}, status_code=status, headers=headers)
+
+
+def _error_handler(status: int):
+    async def handle(request: Request, error: Exception) -> JSONResponse:
+        if status >= 500:
+            logger.error("%s %s failed: %s", request.method, request.url.path, error)
+        return _error_body(status, type(error).__name__, str(error))
+
+    return handle
+
+
+async def _http_error(request: Request, error: HTTPException) -> JSONResponse:
+    return _error_body(error.status_code, "HTTPError", str(error.detail), error.headers)
+
+
+async def _validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
+    return _error_body(422, "ValidationError", _describe(error))
+
+
+def _describe(error: ValidationError | RequestValidationError) -> str:
+    """'field.path: problem' for each problem, e.g. "params.num_samples: Input should be a valid integer"."""
+    problems = []
+    for item in error.errors():
+        where = ".".join(str(part) for part in item["loc"] if part not in ("body", *protocol.UNION_TAGS)) or "body"
+        message = item["msg"]
+        if item["type"] == "extra_forbidden":
+            message = "unknown field; remove it (see the README for this route's fields)"
+        problems.append(f"{where}: {message}")
+    return "invalid request body: " + "; ".join(problems)

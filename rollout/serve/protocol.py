@@ -1,0 +1,146 @@
+"""The JSON bodies of the rollout service's routes, as pydantic models (unknown fields are refused).
+
+Field names follow the post-training APIs people already use (sglang's `update_weights_from_disk`
+takes `model_path`, vLLM's and sglang's LoRA routes take `lora_name` and `lora_path`). Tensors never
+travel as JSON: see `rollout.wire`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from typing import Annotated, Any, Literal
+
+import pydantic
+from pydantic import BaseModel, ConfigDict, Discriminator, Tag
+
+from rollout.async_engine import PAUSE_MODES
+from rollout.sampling_params import SamplingParams
+from rollout.weight_sync import DEFAULT_BUCKET_BYTES
+
+
+class Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+def _sampling_params_model() -> type[BaseModel]:
+    """A pydantic model with `SamplingParams`'s fields (types, defaults), so a wrong type or an
+    unknown field is named before `SamplingParams` runs its own checks."""
+    hints = typing.get_type_hints(SamplingParams)
+    fields = {f.name: (hints[f.name], f.default) for f in dataclasses.fields(SamplingParams)}
+    return pydantic.create_model("SamplingParamsBody", __config__=ConfigDict(extra="forbid"), **fields)
+
+
+SamplingParamsBody = _sampling_params_model()
+# One params for every prompt, or a list with one per prompt. The discriminator picks the arm by the
+# JSON's shape, so an error is reported against that arm only (its tag is left out of messages).
+OneOrMoreParams = Annotated[
+    Annotated[SamplingParamsBody, Tag("one")] | Annotated[list[SamplingParamsBody], Tag("per_prompt")],
+    Discriminator(lambda value: "per_prompt" if isinstance(value, list) else "one"),
+]
+UNION_TAGS = ("one", "per_prompt")
+
+
+def to_sampling_params(body: BaseModel) -> SamplingParams:
+    return SamplingParams(**body.model_dump(exclude_unset=True))
+
+
+class GenerateBody(Body):
+    """`prompts` with one `params` for all or one per prompt, as `RolloutEngine.generate` takes them.
+    With `request_id` (one prompt only) it is `add_request`: the group's id, `prompt_index` and
+    `base_seed` as there. `stream`: frames go out as each sample finishes, rather than all at the end."""
+
+    prompts: str | list[str]
+    params: OneOrMoreParams | None = None
+    stream: bool = False
+    request_id: str | None = None
+    prompt_index: int = 0
+    base_seed: int | None = None
+
+
+class AbortBody(Body):
+    request_ids: list[str]  # sample ids, or group ids (all their samples)
+
+
+class PauseBody(Body):
+    mode: Literal[PAUSE_MODES] = "abort"  # type: ignore[valid-type]
+
+
+class UpdateFromTensorBody(Body):
+    """The options of /update_weights_from_tensor, in its safetensors body's metadata "request"."""
+
+    component: str = "transformer"
+    version: int | None = None
+    mode: Literal["wait", "pause"] = "wait"
+    check_finite: bool = False
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+
+
+class LoadLoraTensorsBody(Body):
+    """The options of /v1/load_lora_adapter with a safetensors body, in its metadata "request"."""
+
+    lora_name: str
+    lora_config: dict[str, Any]  # peft.LoraConfig as a dict (LoraConfig.to_dict(), sets as lists)
+    version: int | None = None
+
+
+class UpdateFromDiskBody(Body):
+    model_path: str  # a .safetensors file or a diffusers component folder, on the server's machine
+    component: str = "transformer"
+    version: int | None = None
+    mode: Literal["wait", "pause"] = "wait"
+
+
+class LoadLoraBody(Body):
+    lora_name: str
+    lora_path: str  # a PEFT or diffusers LoRA folder on the server's machine
+    version: int | None = None
+
+
+class UnloadLoraBody(Body):
+    lora_name: str
+
+
+class ChecksumBody(Body):
+    component: str = "transformer"
+
+
+class ReleaseMemoryBody(Body):
+    level: Literal[1, 2] = 1
+
+
+class InitWeightUpdateGroupBody(Body):
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    backend: str = "gloo"
+    timeout_s: float = 300.0
+
+
+class UpdateFromDistributedBody(Body):
+    names: list[str]
+    dtypes: list[str]  # torch dtype names: "float32", "bfloat16", ...
+    shapes: list[list[int]]
+    component: str = "transformer"
+    version: int | None = None
+    mode: Literal["wait", "pause"] = "wait"
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+
+
+class CheckWeightUpdateBody(Body):
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    component: str = "transformer"
+
+
+class CollectiveRpcBody(Body):
+    """A worker method by name (built in, or of the server's `--worker-extension-cls`); arguments
+    and results are JSON. A callable cannot be sent."""
+
+    method: str
+    args: list[Any] = []
+    kwargs: dict[str, Any] = {}
+    timeout: float | None = None
+    ranks: list[int] | None = None
