@@ -8,7 +8,8 @@ import logging
 import os
 import sys
 
-API_KEY_ENV = "ROLLOUT_API_KEY"
+from rollout.serve import API_KEY_ENV
+
 _MB = 1 << 20
 
 

@@ -1,0 +1,85 @@
+"""Start a rollout service in a child process and wait until it answers (tests, benchmarks, and a
+trainer that runs its own server):
+
+    with ServerProcess.start("path/to/pipeline", "--executor", "mp", api_key=key) as server:
+        engine = RemoteRolloutEngine(server.url, api_key=key)
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+
+from rollout.serve import API_KEY_ENV
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nothing listens on now (the OS picks it)."""
+    with socket.socket() as probe:
+        probe.bind((host, 0))
+        return probe.getsockname()[1]
+
+
+class ServerProcess:
+    """A `python -m rollout.serve` child process on a free loopback port; `stop()` ends it."""
+
+    def __init__(self, process: subprocess.Popen, url: str):
+        self.process = process
+        self.url = url
+
+    @classmethod
+    def start(
+        cls, model: str, *flags: str, api_key: str | None = None, timeout_s: float = 180.0, log_level: str = "warning"
+    ) -> ServerProcess:
+        """Start the server with `flags` (those of `python -m rollout.serve`) and wait for /health.
+        The key goes through the environment, not the command line. Raises RuntimeError with the
+        server's exit code if it stops before it answers, TimeoutError after `timeout_s`."""
+        port = free_port()
+        env = dict(os.environ)
+        env.pop(API_KEY_ENV, None)
+        if api_key is not None:
+            env[API_KEY_ENV] = api_key
+        command = [sys.executable, "-m", "rollout.serve", "--model", str(model), "--port", str(port)]
+        process = subprocess.Popen([*command, "--log-level", log_level, *flags], env=env)
+        server = cls(process, f"http://127.0.0.1:{port}")
+        try:
+            server._wait_until_healthy(timeout_s)
+        except BaseException:
+            server.stop()
+            raise
+        return server
+
+    def _wait_until_healthy(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"the rollout server exited with code {self.process.returncode} before it answered")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=5.0).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass  # not listening yet
+            time.sleep(0.2)
+        raise TimeoutError(f"the rollout server at {self.url} did not answer /health within {timeout_s} s")
+
+    def stop(self, timeout_s: float = 30.0) -> int:
+        """Stop the server (SIGTERM, then SIGKILL after `timeout_s`); returns its exit code."""
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        return self.process.returncode
+
+    def __enter__(self) -> ServerProcess:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()
