@@ -1,0 +1,177 @@
+"""AsyncRolloutEngine: concurrent callers share the engine, every output reaches its caller once,
+aborts are acknowledged, pauses take effect, and hot swaps run between steps."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from rollout import EngineConfig, RolloutEngine, SamplingParams
+from rollout.async_engine import AsyncRolloutEngine
+from tests.executors.worker_functions import slow_down_steps
+
+pytestmark = pytest.mark.timeout(180)
+
+PARAMS = SamplingParams(num_inference_steps=4, num_samples=2, seed=5)
+
+
+@pytest.fixture
+def async_engine(tiny_model):
+    engine = AsyncRolloutEngine(RolloutEngine(EngineConfig(model=tiny_model, max_batch_size=8)))
+    yield engine
+    engine.shutdown()
+
+
+def run(coroutine):
+    return asyncio.run(asyncio.wait_for(coroutine, timeout=120))
+
+
+def _close(a, b) -> bool:
+    return a.seed == b.seed and torch.allclose(a.trajectory.latents, b.trajectory.latents, atol=1e-4)
+
+
+def test_generate_matches_the_sync_engine_bitwise(async_engine, engine):
+    expected = engine.generate(["red", "blue"], PARAMS)
+    got = run(async_engine.generate(["red", "blue"], PARAMS))
+    assert [o.request_id for o in got] == [o.request_id for o in expected]
+    assert all(torch.equal(a.trajectory.latents, b.trajectory.latents) for a, b in zip(got, expected, strict=True))
+    assert all(torch.equal(a.image, b.image) for a, b in zip(got, expected, strict=True))
+
+
+def test_concurrent_callers_each_get_their_outputs_once(async_engine, engine):
+    expected = {f"p{i}": engine.generate([f"p{i}"], PARAMS) for i in range(6)}  # each alone: prompt_index 0
+
+    async def main():
+        async def one_caller(index):
+            outputs = []
+            async for output in async_engine.generate_stream([f"p{index}"], PARAMS):
+                outputs.append(output)
+            return outputs
+
+        results = await asyncio.gather(*(one_caller(i) for i in range(6)))
+        return results, await async_engine.state()
+
+    results, state = run(main())
+    for index, outputs in enumerate(results):
+        assert sorted(o.sample_index for o in outputs) == [0, 1]  # each sample exactly once
+        assert all(o.prompt == f"p{index}" and o.status == "finished" for o in outputs)
+        # Batched with other callers' requests: the same samples, up to float sums in a larger batch.
+        outputs.sort(key=lambda o: o.sample_index)
+        assert all(_close(a, b) for a, b in zip(outputs, expected[f"p{index}"], strict=True))
+    assert state["unfinished_requests"] == 0 and async_engine.engine.collective_rpc("request_ids") == [[]]
+
+
+def test_abort_returns_after_the_worker_freed_the_state(async_engine):
+    async def main():
+        await async_engine.collective_rpc(slow_down_steps, args=(0.05,))
+        stream = await async_engine.add_requests(["slow"], SamplingParams(num_inference_steps=50, num_samples=3))
+        await asyncio.sleep(0.3)  # some steps in
+        aborted = await async_engine.abort([stream.request_ids[0].rpartition("-")[0]])
+        live = await async_engine.collective_rpc("request_ids")
+        streamed = [output async for output in stream]
+        return aborted, live, streamed
+
+    aborted, live, streamed = run(main())
+    assert [o.status for o in aborted] == ["aborted"] * 3
+    assert live == [[]]
+    assert sorted(o.request_id for o in streamed) == sorted(o.request_id for o in aborted)
+
+
+def test_pause_keep_holds_progress_and_resume_continues_to_the_same_result(async_engine, engine):
+    params = SamplingParams(num_inference_steps=12, num_samples=2, seed=9)
+    expected = engine.generate(["kept"], params)
+
+    async def main():
+        await async_engine.collective_rpc(slow_down_steps, args=(0.02,))
+        stream = await async_engine.add_requests(["kept"], params)
+        await asyncio.sleep(0.1)
+        await async_engine.pause("keep")
+        progress = [r.steps_done for r in async_engine.engine.scheduler.running.values()]
+        await asyncio.sleep(0.3)
+        still = [r.steps_done for r in async_engine.engine.scheduler.running.values()]
+        await async_engine.resume()
+        return progress, still, [output async for output in stream]
+
+    progress, still, outputs = run(main())
+    assert progress == still and all(0 < done < 12 for done in progress)  # held mid-way, not restarted
+    outputs.sort(key=lambda o: o.sample_index)
+    assert all(torch.equal(a.trajectory.latents, b.trajectory.latents) for a, b in zip(outputs, expected, strict=True))
+
+
+def test_pause_wait_finishes_running_and_holds_waiting(tiny_model):
+    engine = AsyncRolloutEngine(RolloutEngine(EngineConfig(model=tiny_model, max_batch_size=2)))
+
+    async def main():
+        running = await engine.add_requests(["first"], SamplingParams(num_inference_steps=6, num_samples=2))
+        waiting = await engine.add_requests(["second"], SamplingParams(num_inference_steps=6, num_samples=2))
+        await engine.pause("wait")
+        first = [output async for output in running]
+        state = await engine.state()
+        await engine.resume()
+        second = [output async for output in waiting]
+        return first, state, second
+
+    try:
+        first, state, second = run(main())
+    finally:
+        engine.shutdown()
+    assert [o.status for o in first] == ["finished"] * 2
+    assert state["paused"] and state["unfinished_requests"] == 2  # the second prompt stayed queued
+    assert [o.status for o in second] == ["finished"] * 2
+
+
+def test_pause_abort_ends_everything_and_new_requests_wait_for_resume(async_engine):
+    async def main():
+        stream = await async_engine.add_requests(["a", "b"], SamplingParams(num_inference_steps=30))
+        await async_engine.pause("abort")
+        aborted = [output async for output in stream]
+        later = asyncio.ensure_future(async_engine.generate(["c"], PARAMS))
+        await asyncio.sleep(0.2)
+        held = not later.done()
+        await async_engine.resume()
+        return aborted, held, await later
+
+    aborted, held, later = run(main())
+    assert [o.status for o in aborted] == ["aborted", "aborted"]
+    assert held and [o.status for o in later] == ["finished", "finished"]
+
+
+def test_weight_update_during_requests_runs_between_steps(async_engine):
+    state = async_engine.engine.collective_rpc("weight_specs", args=("transformer",))[0]
+    assert state
+    transformer = {name: torch.zeros(spec.shape, dtype=spec.dtype) for name, spec in state.items()}
+
+    async def main():
+        await async_engine.collective_rpc(slow_down_steps, args=(0.01,))
+        stream = await async_engine.add_requests(["x"], SamplingParams(num_inference_steps=10, num_samples=2))
+        await asyncio.sleep(0.05)
+        version = await async_engine.update_weights(transformer, mode="pause")
+        return version, [output async for output in stream]
+
+    version, outputs = run(main())
+    assert version == 1
+    assert all(o.weight_versions == (0, 1) for o in outputs)  # started on 0, finished on 1
+
+
+def test_a_closed_stream_aborts_its_requests(async_engine):
+    async def main():
+        stream = await async_engine.add_requests(["gone"], SamplingParams(num_inference_steps=40, num_samples=2))
+        await stream.aclose()
+        await asyncio.sleep(0.1)
+        return await async_engine.state(), await async_engine.collective_rpc("request_ids")
+
+    state, live = run(main())
+    assert state["unfinished_requests"] == 0 and live == [[]]
+
+
+def test_bad_requests_raise_to_their_caller_and_others_go_on(async_engine):
+    async def main():
+        with pytest.raises(ValueError, match="height=33"):
+            await async_engine.generate(["bad"], SamplingParams(height=33))
+        with pytest.raises(ValueError, match="pause mode"):
+            await async_engine.pause("sometimes")
+        return await async_engine.generate(["good"], PARAMS)
+
+    assert [o.status for o in run(main())] == ["finished", "finished"]
