@@ -30,10 +30,13 @@ from typing import Any
 import yaml
 
 from rollout.config import EngineConfig
+from rollout.engine import RolloutEngine
 from rollout.pipelines.tiny import TINY_BUILDERS
 from rollout.sampling_params import SamplingParams
+from rollout.serve import API_KEY_ENV
 from trainers_adapters.dpo_trainer import DPOSettings
 from trainers_adapters.grpo_trainer import GRPOSettings
+from trainers_adapters.remote_engine import RemoteRolloutEngine
 
 logger = logging.getLogger(__name__)
 
@@ -92,8 +95,14 @@ class ModelSection:
 
 @dataclass(kw_only=True)
 class EngineSection:
-    """The `EngineConfig` knobs a recipe sets; `model` comes from the model section."""
+    """The `EngineConfig` knobs a recipe sets; `model` comes from the model section. With `url`, the
+    recipe uses a running rollout service instead, and the server's own settings apply."""
 
+    url: str | None = option(
+        None,
+        "http://host:port of a rollout service (python -m rollout.serve) to use instead of an engine in this "
+        f"process; its API key comes from ${API_KEY_ENV}; null: run the engine here",
+    )
     executor: str = option("uni", "'uni' (in-process), 'mp', 'ray', or a dotted path to an Executor subclass")
     num_workers: int = option(1, "model replicas (data parallel); 'uni' runs exactly one")
     device: str = option("cpu", "'cpu', 'cuda' or 'cuda:N'")
@@ -101,12 +110,26 @@ class EngineSection:
     max_batch_size: int = option(16, "most samples one worker denoises in one forward pass")
 
     def __post_init__(self) -> None:
-        problems = EngineConfig.problems_without_model(**dataclasses.asdict(self))
+        problems = EngineConfig.problems_without_model(**self._engine_settings())
+        if self.url is not None and not self.url.startswith(("http://", "https://")):
+            problems.append(f"url must start with http:// or https://, got {self.url!r}")
         if problems:
             raise ValueError("; ".join(problems))
 
     def to_engine_config(self, model_path: str) -> EngineConfig:
-        return EngineConfig(model=model_path, **dataclasses.asdict(self))
+        return EngineConfig(model=model_path, **self._engine_settings())
+
+    def open_engine(self, model_path: str) -> RolloutEngine | RemoteRolloutEngine:
+        """The engine a recipe drives: a client of the service at `url`, or an engine in this process."""
+        if self.url is None:
+            return RolloutEngine(self.to_engine_config(model_path))
+        logger.info("using the rollout service at %s (its own engine settings apply)", self.url)
+        return RemoteRolloutEngine(self.url, api_key=os.environ.get(API_KEY_ENV))
+
+    def _engine_settings(self) -> dict:
+        settings = dataclasses.asdict(self)
+        del settings["url"]
+        return settings
 
 
 # Help for fields of dataclasses that the engine owns (they carry no metadata).

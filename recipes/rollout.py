@@ -19,7 +19,7 @@ from pathlib import Path
 from PIL import Image
 
 from recipes.config import EngineSection, ModelSection, RecipeConfig, option, to_dict
-from rollout import RolloutEngine, RolloutOutput, SamplingParams
+from rollout import RolloutOutput, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ def run(config: Config) -> dict:
     """Run the rollout and write its files; returns the summary written to summary.json."""
     model_path = config.model.resolve_path()
     started = time.perf_counter()
-    with RolloutEngine(config.engine.to_engine_config(model_path)) as engine:
+    with config.engine.open_engine(model_path) as engine:
         engine_start_s = time.perf_counter() - started
         generate_started = time.perf_counter()
         outputs = engine.generate(config.prompts, config.sampling, use_tqdm=True)

@@ -50,6 +50,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per HTTP call with engine.url
     try:
         config = load_config(args.config, args.overrides)
     except (ValueError, OSError, yaml.YAMLError) as error:

@@ -28,7 +28,7 @@ from tqdm import tqdm
 from recipes.config import EngineSection, ModelSection, RecipeConfig, option, to_dict
 from recipes.plots import plot_reward
 from recipes.rollout import image_grid
-from rollout import RolloutEngine, SamplingParams
+from rollout import SamplingParams
 from rollout.seeding import derive_seed
 from trainers_adapters.lora_policy import LoraPolicy
 from trainers_adapters.rewarded_rollout import RewardedRollout, generate_with_rewards
@@ -187,7 +187,7 @@ def train(config: TrainingConfig, update: UpdateFn, postfix: Callable[[Any], dic
     started = time.perf_counter()
     metrics_path = output_dir / "metrics.jsonl"
     with (
-        RolloutEngine(engine_config) as engine,
+        config.engine.open_engine(model_path) as engine,
         ThreadPoolExecutor(1, thread_name_prefix="reward") as pool,
         metrics_path.open("w") as metrics,
     ):
