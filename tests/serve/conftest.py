@@ -1,0 +1,26 @@
+"""A real rollout server (a child process on a free loopback port) on the tiny SD3 pipeline, shared
+by the tests of one module, and a client for it."""
+
+from __future__ import annotations
+
+import pytest
+
+from rollout.serve.launch import ServerProcess
+from trainers_adapters.remote_engine import RemoteRolloutEngine
+
+API_KEY = "test-key-0123456789"
+EXTENSION = "tests.serve.worker_extension.ServeTestExtension"
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model):
+    flags = ("--worker-extension-cls", EXTENSION, "--max-samples-per-request", "64", "--max-body-mb", "0.05")
+    with ServerProcess.start(tiny_model, *flags, "--max-upload-mb", "64", api_key=API_KEY) as running:
+        yield running
+
+
+@pytest.fixture
+def remote(server):
+    with RemoteRolloutEngine(server.url, api_key=API_KEY) as client:
+        yield client
+        client.resume()  # leave the shared server running for the next test

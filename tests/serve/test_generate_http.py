@@ -1,0 +1,156 @@
+"""Generation over HTTP: bitwise what the engine gives in process, every request answered once
+under many concurrent clients, pauses and aborts that take effect, nothing left behind."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+
+from rollout import SamplingParams
+from tests.serve.conftest import API_KEY
+from trainers_adapters.remote_engine import RemoteRolloutEngine
+
+pytestmark = pytest.mark.timeout(240)
+
+PARAMS = SamplingParams(num_inference_steps=4, num_samples=2, seed=11)
+
+
+def assert_same_output(got, expected):
+    assert (got.request_id, got.prompt, got.prompt_index, got.sample_index, got.seed, got.status) == (
+        expected.request_id,
+        expected.prompt,
+        expected.prompt_index,
+        expected.sample_index,
+        expected.seed,
+        expected.status,
+    )
+    assert (got.weight_version, got.weight_versions, got.lora) == (
+        expected.weight_version,
+        expected.weight_versions,
+        expected.lora,
+    )
+    assert torch.equal(got.image, expected.image)
+    a, b = got.trajectory, expected.trajectory
+    for name in ("latents", "log_probs", "timesteps", "sigmas", "sde_mask"):
+        assert getattr(a, name).dtype == getattr(b, name).dtype
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+    for name in ("height", "width", "sampler", "noise_level", "guidance_scale", "true_cfg_scale"):
+        assert getattr(a, name) == getattr(b, name), name
+    for part in ("prompt", "negative"):
+        got_embeds, expected_embeds = getattr(a.condition, part), getattr(b.condition, part)
+        assert type(got_embeds) is type(expected_embeds)
+        for name, tensor in expected_embeds.tensors().items():
+            assert torch.equal(got_embeds.tensors()[name], tensor), (part, name)
+
+
+def test_generate_over_http_equals_in_process_bitwise(remote, engine):
+    params = [PARAMS, SamplingParams(num_inference_steps=3, num_samples=1, seed=4, sampler="cps")]
+    expected = engine.generate(["a red square", "a blue circle"], params)
+    got = remote.generate(["a red square", "a blue circle"], params)
+    assert len(got) == len(expected) == 3
+    for g, e in zip(got, expected, strict=True):
+        assert_same_output(g, e)
+    # The samples of a prompt share one embedding tensor, as in process.
+    assert got[0].trajectory.condition.prompt is got[1].trajectory.condition.prompt
+
+
+def test_add_request_and_step_over_http_equal_in_process(remote, engine):
+    expected = engine.add_request("green", PARAMS, prompt_index=3, request_id="g")
+    expected_outputs = []
+    while engine.has_unfinished_requests():
+        expected_outputs += engine.step()
+    ids = remote.add_request("green", PARAMS, prompt_index=3, request_id="g")
+    assert ids == expected
+    outputs = []
+    while remote.has_unfinished_requests():
+        outputs += remote.step()
+    assert remote.step() == []
+    outputs.sort(key=lambda o: o.sample_index)
+    expected_outputs.sort(key=lambda o: o.sample_index)
+    for g, e in zip(outputs, expected_outputs, strict=True):
+        assert_same_output(g, e)
+
+
+def test_32_concurrent_clients_each_get_every_answer_once(server, remote):
+    answers: dict[int, list] = {}
+    errors = []
+
+    def client(index):
+        try:
+            with RemoteRolloutEngine(server.url, api_key=API_KEY) as own:
+                outputs = []
+                for k in range(3):
+                    params = SamplingParams(num_inference_steps=3, num_samples=2, seed=index * 10 + k)
+                    outputs += own.generate([f"client {index} request {k}"], params)
+                answers[index] = outputs
+        except Exception as error:  # reported below: a thread's exception would be lost
+            errors.append(error)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(32)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(200)
+    assert not errors
+    assert sorted(answers) == list(range(32))
+    for index, outputs in answers.items():
+        assert [(o.prompt, o.sample_index) for o in outputs] == [
+            (f"client {index} request {k}", s) for k in range(3) for s in range(2)
+        ]
+        assert all(o.status == "finished" and o.trajectory.num_steps == 3 for o in outputs)
+    info = remote.server_info()
+    assert info["unfinished_requests"] == 0
+    assert remote.collective_rpc("request_ids") == [[]]
+
+
+def test_pause_keep_then_resume_gives_the_result_without_pause(remote, engine):
+    params = SamplingParams(num_inference_steps=10, num_samples=2, seed=21)
+    engine.add_request("held", params, request_id="held")
+    expected = []
+    while engine.has_unfinished_requests():
+        expected += engine.step()
+    expected.sort(key=lambda o: o.sample_index)
+    remote.collective_rpc("set_step_delay", args=(0.03,))
+    try:
+        remote.add_request("held", params, request_id="held")
+        time.sleep(0.15)
+        remote.pause("keep")
+        live = remote.collective_rpc("request_ids")
+        time.sleep(0.3)
+        assert remote.collective_rpc("request_ids") == live == [["held-0", "held-1"]]  # kept, not dropped
+        assert remote.server_info()["paused"]
+        remote.resume()
+        outputs = []
+        while remote.has_unfinished_requests():
+            outputs += remote.step()
+    finally:
+        remote.collective_rpc("set_step_delay", args=(0.0,))
+    outputs.sort(key=lambda o: o.sample_index)
+    for g, e in zip(outputs, expected, strict=True):
+        assert_same_output(g, e)
+
+
+def test_abort_over_http_leaves_nothing_behind(remote):
+    remote.add_request("stop me", SamplingParams(num_inference_steps=200, num_samples=3), request_id="stop")
+    aborted = remote.abort("stop")
+    assert sorted(o.request_id for o in aborted) == ["stop-0", "stop-1", "stop-2"]
+    assert all(o.status == "aborted" and o.trajectory is None for o in aborted)
+    assert not remote.has_unfinished_requests() and remote.step() == []
+    assert remote.collective_rpc("request_ids") == [[]]
+
+
+def test_a_client_that_goes_away_aborts_its_requests(server, remote):
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    body = {"prompts": ["abandoned"], "params": {"num_inference_steps": 400, "num_samples": 2}, "stream": True}
+    with httpx.stream("POST", f"{server.url}/rollout/generate", json=body, headers=headers) as response:
+        assert response.status_code == 200
+        next(response.iter_raw())  # the first frame (the request ids) has arrived; then hang up
+    deadline = time.monotonic() + 20
+    while remote.server_info()["unfinished_requests"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert remote.server_info()["unfinished_requests"] == 0
+    assert remote.collective_rpc("request_ids") == [[]]
