@@ -1,0 +1,142 @@
+"""The hot-swap API over HTTP: weights and adapters pushed while requests run, with the versions the
+outputs carry, and worker functions by name."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from peft import LoraConfig
+from peft.utils import get_peft_model_state_dict
+
+from rollout import SamplingParams
+from rollout.pipelines.loading import load_adapter
+from rollout.weights import base_state, checksum
+
+pytestmark = pytest.mark.timeout(240)
+
+
+@pytest.fixture(scope="module")
+def transformer_state(tiny_model):
+    return base_state(load_adapter(tiny_model).transformer)
+
+
+def _drain(remote) -> list:
+    outputs = []
+    while remote.has_unfinished_requests():
+        outputs += remote.step()
+    return outputs
+
+
+def test_weight_update_during_running_requests(remote, transformer_state):
+    start = remote.weight_version
+    new_state = {name: tensor + 0.01 for name, tensor in transformer_state.items()}
+    remote.collective_rpc("set_step_delay", args=(0.02,))
+    try:
+        remote.add_request("before", SamplingParams(num_inference_steps=8, num_samples=2, seed=1), request_id="w0")
+        time.sleep(0.1)
+        version = remote.update_weights(new_state, mode="pause")  # lands between two steps
+        remote.add_request("after", SamplingParams(num_inference_steps=2, seed=2), request_id="w1")
+        outputs = {o.request_id: o for o in _drain(remote)}
+    finally:
+        remote.collective_rpc("set_step_delay", args=(0.0,))
+    assert version == start + 1 == remote.weight_version
+    assert outputs["w0-0"].weight_versions == (start, version)  # started on the old weights
+    assert outputs["w1-0"].weight_versions == (version,)
+    assert remote.weights_checksum() == checksum(new_state)
+    # Back to the model's own weights (other tests of this module compare with in-process outputs).
+    remote.update_weights(transformer_state, version=start)
+    assert remote.weights_checksum() == checksum(transformer_state)
+
+
+def test_refused_update_over_http_leaves_the_weights(remote, transformer_state):
+    before = remote.weights_checksum()
+    name = next(iter(transformer_state))
+    with pytest.raises(ValueError, match="update refused, weights unchanged"):
+        remote.update_weights({name: torch.zeros(3, 3)})
+    assert remote.weights_checksum() == before
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_model):
+    """Two random rank-2 adapters (PEFT keys) and their config."""
+    transformer = load_adapter(tiny_model).transformer
+    config = LoraConfig(r=2, lora_alpha=4, target_modules=["to_q", "to_v"], init_lora_weights=False)
+    tensors = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        transformer.add_adapter(config, adapter_name=f"a{seed}")
+        state = get_peft_model_state_dict(transformer, adapter_name=f"a{seed}")
+        tensors.append({key: value.detach().clone() for key, value in state.items()})
+        transformer.delete_adapters(f"a{seed}")
+    return tensors, config
+
+
+def test_lora_hot_swap_while_requests_run_and_unload(remote, engine, adapters):
+    (first, second), config = adapters
+    params = SamplingParams(num_inference_steps=6, num_samples=1, seed=3, lora="policy")
+    v1 = remote.load_lora("policy", first, config)
+    assert remote.list_loras() == ["policy"] and remote.lora_modules("policy") > 0
+    remote.collective_rpc("set_step_delay", args=(0.02,))
+    try:
+        remote.add_request("lora", params, request_id="l0")
+        time.sleep(0.05)
+        v2 = remote.load_lora("policy", second, config)  # waits: running requests keep their adapter
+        outputs = _drain(remote) + remote.generate("lora", params)
+    finally:
+        remote.collective_rpc("set_step_delay", args=(0.0,))
+    assert v2 == v1 + 1
+    assert [o.weight_versions for o in outputs] == [(v1,), (v2,)]
+    # The same adapter in process gives the same sample, bitwise.
+    engine.load_lora("policy", second, config)
+    try:
+        expected = engine.generate("lora", params)[0]
+    finally:
+        engine.unload_lora("policy")
+    assert torch.equal(outputs[1].trajectory.latents, expected.trajectory.latents)
+    assert not torch.equal(outputs[0].trajectory.latents, outputs[1].trajectory.latents)
+    remote.unload_lora("policy")
+    assert remote.list_loras() == []
+    with pytest.raises(ValueError, match="lora 'policy' is not loaded"):
+        remote.generate("lora", params)
+
+
+def test_lora_from_a_folder_on_the_server(remote, adapters, tmp_path):
+    from safetensors.torch import save_file
+
+    (first, _), config = adapters
+    folder = tmp_path / "adapter"
+    folder.mkdir()
+    save_file(first, folder / "adapter_model.safetensors")
+    config.save_pretrained(folder)
+    remote.load_lora("from_disk", folder)
+    try:
+        assert "from_disk" in remote.list_loras()
+    finally:
+        remote.unload_lora("from_disk")
+
+
+def test_update_from_disk_checksum_sleep_and_wake(remote, transformer_state, tmp_path):
+    from safetensors.torch import save_file
+
+    before = remote.weights_checksum()
+    start = remote.weight_version
+    save_file(transformer_state, tmp_path / "transformer.safetensors")
+    assert remote.update_weights_from_disk(tmp_path / "transformer.safetensors") == start + 1
+    assert remote.weights_checksum() == before == checksum(transformer_state)
+    remote.sleep(1)
+    assert remote.sleep_level == 1
+    with pytest.raises(RuntimeError, match="asleep"):
+        remote.generate("zzz", SamplingParams(num_inference_steps=1))
+    remote.wake_up()
+    assert remote.sleep_level == 0 and remote.weights_checksum() == before
+
+
+def test_worker_functions_by_name_and_callables_refused(remote):
+    assert remote.collective_rpc("get_rank") == [0]
+    assert isinstance(remote.collective_rpc("pid")[0], int)
+    with pytest.raises(ValueError, match="unknown worker method"):
+        remote.collective_rpc("no_such_method")
+    with pytest.raises(TypeError, match="cannot be sent over HTTP"):
+        remote.collective_rpc(lambda worker: 1)
