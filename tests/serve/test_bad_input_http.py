@@ -1,0 +1,134 @@
+"""Auth, limits and bad bodies: each gets its 4xx with a message naming the field, and the server
+stays up for the next good request. A dead worker turns every answer into a 503 with the reason."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import httpx
+import pytest
+
+from rollout import SamplingParams
+from rollout.serve.launch import ServerProcess
+from rollout.wire import SAFETENSORS_MEDIA_TYPE, tensors_to_bytes
+from tests.executors.worker_functions import wait_gone
+from tests.serve.conftest import API_KEY, EXTENSION
+from trainers_adapters.remote_engine import RemoteRolloutEngine
+
+pytestmark = pytest.mark.timeout(240)
+
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+GOOD = {"prompts": ["ok"], "params": {"num_inference_steps": 1, "num_samples": 1, "seed": 0}}
+
+
+def post(server, path, headers=AUTH, **kwargs) -> httpx.Response:
+    return httpx.post(f"{server.url}{path}", headers=headers, timeout=60, **kwargs)
+
+
+def error_of(response: httpx.Response) -> str:
+    return response.json()["error"]["message"]
+
+
+def assert_still_serving(server):
+    response = post(server, "/rollout/generate", json=GOOD)
+    assert response.status_code == 200, response.text
+
+
+def test_health_is_open_and_every_other_route_needs_the_key(server):
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    missing = post(server, "/rollout/generate", headers={}, json=GOOD)
+    assert missing.status_code == 401 and "Bearer" in error_of(missing)
+    assert missing.headers["www-authenticate"] == "Bearer"
+    wrong = post(server, "/rollout/generate", headers={"Authorization": "Bearer nope"}, json=GOOD)
+    assert wrong.status_code == 403
+    assert httpx.get(f"{server.url}/server_info").status_code == 401
+    with pytest.raises(PermissionError):
+        RemoteRolloutEngine(server.url, api_key="nope")
+    assert_still_serving(server)
+
+
+def test_a_non_loopback_bind_without_a_key_is_refused(tiny_model):
+    env = {key: value for key, value in os.environ.items() if key != "ROLLOUT_API_KEY"}
+    command = [sys.executable, "-m", "rollout.serve", "--model", tiny_model, "--host", "0.0.0.0"]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0
+    assert "API key" in done.stderr and "ROLLOUT_API_KEY" in done.stderr
+
+
+@pytest.mark.parametrize(
+    "body, status, names",
+    [
+        ({"prompts": ["x"], "params": {"num_inference_steps": "many"}}, 422, "params.num_inference_steps"),
+        ({"prompts": ["x"], "params": {"guidance": 3}}, 422, "params.guidance: unknown field"),
+        ({"prompts": ["x"], "temperature": 1.0}, 422, "temperature: unknown field"),
+        ({"prompts": 7}, 422, "prompts"),
+        ({"prompts": ["x"], "params": {"height": 33}}, 400, "height=33 is not divisible"),
+        ({"prompts": ["x"], "params": {"lora": "nope"}}, 400, "lora 'nope' is not loaded"),
+        ({"prompts": ["x"], "params": {"sampler": "euler"}}, 400, "sampler must be one of"),
+        ({"prompts": ["x"] * 40, "params": {"num_samples": 2}}, 413, "--max-samples-per-request"),
+    ],
+)
+def test_bad_generate_bodies_get_their_4xx(server, body, status, names):
+    response = post(server, "/rollout/generate", json=body)
+    assert response.status_code == status, response.text
+    assert names in error_of(response)
+    assert_still_serving(server)
+
+
+def test_a_body_over_the_limit_is_413(server):
+    response = post(server, "/rollout/generate", json={"prompts": ["x" * 100_000]})
+    assert response.status_code == 413 and "--max-body-mb" in error_of(response)
+    chunked = post(server, "/rollout/generate", content=iter([b"{" + b" " * 100_000 + b"}"]))  # no length header
+    assert chunked.status_code == 413
+    assert_still_serving(server)
+
+
+def test_malformed_and_oversized_safetensors_are_refused(server, remote):
+    before = remote.weights_checksum()
+    headers = {**AUTH, "content-type": SAFETENSORS_MEDIA_TYPE}
+    not_json = (16).to_bytes(8, "little") + b"{not json at all"
+    garbage = post(server, "/update_weights_from_tensor", headers=headers, content=not_json)
+    assert garbage.status_code == 400 and "not a valid safetensors file" in error_of(garbage)
+    truncated = post(server, "/update_weights_from_tensor", headers=headers, content=b"\xff" * 12)
+    assert truncated.status_code == 400
+    bad_options = tensors_to_bytes({}, {"request": json.dumps({"component": "transformer", "colour": "red"})})
+    refused = post(server, "/update_weights_from_tensor", headers=headers, content=bad_options)
+    assert refused.status_code == 422 and "colour: unknown field" in error_of(refused)
+    huge = post(server, "/update_weights_from_tensor", headers=headers, content=b"\0" * (65 << 20))
+    assert huge.status_code == 413 and "--max-upload-mb" in error_of(huge)
+    assert remote.weights_checksum() == before
+    assert_still_serving(server)
+
+
+def test_unknown_adapters_and_bad_values_elsewhere(server, remote):
+    unload = post(server, "/v1/unload_lora_adapter", json={"lora_name": "nope"})
+    assert unload.status_code == 400 and "no LoRA named 'nope'" in error_of(unload)
+    missing_folder = post(server, "/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/no/such/folder"})
+    assert missing_folder.status_code == 400
+    pause = post(server, "/pause", json={"mode": "sometimes"})
+    assert pause.status_code == 422 and "mode" in error_of(pause)
+    with pytest.raises(ValueError, match="lora 'nope' is not loaded"):
+        remote.generate("x", SamplingParams(num_inference_steps=1, lora="nope"))
+    assert_still_serving(server)
+
+
+@pytest.mark.timeout(180)
+def test_a_dead_worker_fails_health_and_every_call_with_503(tiny_model):
+    flags = ("--executor", "mp", "--worker-extension-cls", EXTENSION, "--rpc-timeout-s", "20")
+    with ServerProcess.start(tiny_model, *flags, api_key=API_KEY) as server:
+        with RemoteRolloutEngine(server.url, api_key=API_KEY) as remote:
+            (pid,) = remote.collective_rpc("pid")
+            os.kill(pid, signal.SIGKILL)
+            assert wait_gone([pid]) == []
+            health = httpx.get(f"{server.url}/health", timeout=30)
+            assert health.status_code == 503 and "worker" in error_of(health).lower()
+            generate = post(server, "/rollout/generate", json=GOOD)
+            assert generate.status_code == 503
+            assert error_of(generate) == error_of(health)  # the reason, every time
+            with pytest.raises(Exception, match="worker") as raised:
+                remote.generate("x", SamplingParams(num_inference_steps=1))
+            assert type(raised.value).__name__ == "EngineDeadError"
