@@ -154,3 +154,20 @@ def test_a_client_that_goes_away_aborts_its_requests(server, remote):
         time.sleep(0.1)
     assert remote.server_info()["unfinished_requests"] == 0
     assert remote.collective_rpc("request_ids") == [[]]
+
+
+def test_a_plain_http_client_reads_the_same_frames_without_streaming(server, remote):
+    from rollout.wire import FRAMES_MEDIA_TYPE, FrameReader, OutputDecoder
+
+    body = {"prompts": ["plain"], "params": {"num_inference_steps": 3, "num_samples": 2, "seed": 5}}
+    response = httpx.post(f"{server.url}/rollout/generate", json=body, headers={"Authorization": f"Bearer {API_KEY}"})
+    assert response.status_code == 200 and response.headers["content-type"] == FRAMES_MEDIA_TYPE
+    frames = list(FrameReader().feed(response.content))
+    first, _ = frames[0]
+    assert first["kind"] == "requests" and [i.rpartition("-")[2] for i in first["request_ids"]] == ["0", "1"]
+    decoder = OutputDecoder()
+    outputs = [o for o in (decoder.decode(fields, tensors) for fields, tensors in frames[1:]) if o is not None]
+    expected = remote.generate("plain", SamplingParams(num_inference_steps=3, num_samples=2, seed=5))
+    assert [o.sample_index for o in outputs] == [0, 1]  # in request order
+    for got, want in zip(outputs, expected, strict=True):
+        assert torch.equal(got.trajectory.latents, want.trajectory.latents) and torch.equal(got.image, want.image)

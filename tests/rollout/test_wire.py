@@ -1,0 +1,104 @@
+"""The wire format round trip: outputs encoded into frames and decoded back are bitwise the same,
+however the byte stream is cut; anything malformed is a WireError, never an arbitrary import."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from rollout import SamplingParams
+from rollout.wire import (
+    FrameReader,
+    OutputDecoder,
+    OutputEncoder,
+    WireError,
+    frame,
+    tensors_from_bytes,
+    tensors_to_bytes,
+)
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def outputs(engine):
+    params = SamplingParams(num_inference_steps=3, num_samples=2, seed=1)
+    return engine.generate(["a red square", "a blue circle"], params) + engine.generate(
+        "no image", SamplingParams(num_inference_steps=2, seed=2, return_image=False)
+    )
+
+
+def _decode(data: bytes, chunk: int) -> list:
+    reader, decoder, decoded = FrameReader(), OutputDecoder(), []
+    for start in range(0, len(data), chunk):
+        for fields, tensors in reader.feed(data[start : start + chunk]):
+            output = decoder.decode(fields, tensors)
+            if output is not None:
+                decoded.append(output)
+    reader.close()
+    return decoded
+
+
+@pytest.mark.parametrize("chunk", [7, 4096, 1 << 30])
+def test_outputs_round_trip_bitwise_however_the_stream_is_cut(outputs, chunk):
+    encoder = OutputEncoder()
+    data = b"".join(encoder.encode(output) for output in outputs)
+    decoded = _decode(data, chunk)
+    assert len(decoded) == len(outputs)
+    for got, expected in zip(decoded, outputs, strict=True):
+        assert (got.request_id, got.seed, got.weight_versions, got.timings) == (
+            expected.request_id,
+            expected.seed,
+            expected.weight_versions,
+            expected.timings,
+        )
+        assert (got.image is None) == (expected.image is None)
+        if expected.image is not None:
+            assert torch.equal(got.image, expected.image)
+        for name in ("latents", "log_probs", "timesteps", "sigmas", "sde_mask"):
+            assert torch.equal(getattr(got.trajectory, name), getattr(expected.trajectory, name))
+        for name, tensor in expected.trajectory.condition.prompt.tensors().items():
+            assert torch.equal(got.trajectory.condition.prompt.tensors()[name], tensor)
+    # Each text's embeddings cross once, and are shared again on arrival.
+    kinds = [fields["kind"] for fields, _ in FrameReader().feed(data)]
+    assert kinds.count("embeds") == 4  # three prompts and one negative prompt (""), for five outputs
+    assert decoded[0].trajectory.condition.prompt is decoded[1].trajectory.condition.prompt
+    assert decoded[0].trajectory.condition.negative is decoded[2].trajectory.condition.negative
+
+
+def test_tensor_bodies_round_trip_with_their_metadata():
+    tensors = {"w": torch.randn(3, 4, dtype=torch.bfloat16), "mask": torch.tensor([True, False])}
+    data = tensors_to_bytes(tensors, {"request": json.dumps({"version": 3})})
+    back, metadata = tensors_from_bytes(data)
+    assert json.loads(metadata["request"]) == {"version": 3}
+    assert all(torch.equal(back[name], tensor) for name, tensor in tensors.items())
+
+
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        (b"\x01\x02", "shorter than its header"),
+        ((1 << 40).to_bytes(8, "little") + b"{}", "runs past the end"),
+        ((4).to_bytes(8, "little") + b"{no}", "not JSON"),
+    ],
+)
+def test_malformed_safetensors_are_wire_errors(data, message):
+    with pytest.raises(WireError, match=message):
+        tensors_from_bytes(data, "the body")
+
+
+def test_frames_cannot_name_classes_outside_the_families():
+    decoder = OutputDecoder()
+    for name in ("os.system", "builtins.eval", "rollout.pipelines.sd3.SD3Adapter"):
+        [(fields, tensors)] = FrameReader().feed(frame("embeds", {"key": "e0", "class": name}))
+        with pytest.raises(WireError):
+            decoder.decode(fields, tensors)
+
+
+def test_a_stream_cut_inside_a_frame_is_an_error():
+    reader = FrameReader()
+    assert list(reader.feed(frame("requests", {"request_ids": ["a"]})[:-3])) == []
+    with pytest.raises(WireError, match="ended inside a frame"):
+        reader.close()
