@@ -60,7 +60,7 @@ class OutputStream:
         """Abort the requests not yet delivered; their worker state is freed in the engine's thread."""
         if self._pending:
             pending, self._pending = list(self._pending), set()
-            self._engine._submit(self._engine._abort_quietly, pending)  # not awaited: may run on cancel
+            self._engine.abort_in_background(pending)
 
     async def __aenter__(self) -> OutputStream:
         return self
@@ -91,9 +91,7 @@ class AsyncRolloutEngine:
     ) -> OutputStream:
         """Queue what `generate` runs (checked as `RolloutEngine.add_requests` checks it); returns
         the stream of its outputs."""
-        sink = _Sink(asyncio.get_running_loop())
-        ids = await self._call(self._open, sink, self.engine.add_requests, prompts, params)
-        return OutputStream(self, ids, sink.items)
+        return await self._open_stream(self.engine.add_requests, prompts, params)
 
     async def add_request(
         self,
@@ -105,11 +103,9 @@ class AsyncRolloutEngine:
         base_seed: int | None = None,
     ) -> OutputStream:
         """`RolloutEngine.add_request`; returns the stream of the prompt's outputs."""
-        sink = _Sink(asyncio.get_running_loop())
         add = self.engine.add_request
         kwargs = {"prompt_index": prompt_index, "request_id": request_id, "base_seed": base_seed}
-        ids = await self._call(self._open, sink, lambda: add(prompt, params, **kwargs))
-        return OutputStream(self, ids, sink.items)
+        return await self._open_stream(lambda: add(prompt, params, **kwargs))
 
     async def generate(
         self, prompts: str | Sequence[str], params: SamplingParams | Sequence[SamplingParams] | None = None
@@ -127,6 +123,23 @@ class AsyncRolloutEngine:
         async with await self.add_requests(prompts, params) as stream:
             async for output in stream:
                 yield output
+
+    async def _open_stream(self, add: Callable, *args) -> OutputStream:
+        sink = _Sink(asyncio.get_running_loop())
+        added = self._submit(self._open, sink, add, *args)
+        try:
+            ids = await asyncio.wrap_future(added)
+        except asyncio.CancelledError:
+            # The caller left while its requests were being added: abort them once they are.
+            added.add_done_callback(lambda done: done.exception() or self.abort_in_background(done.result()))
+            raise
+        return OutputStream(self, ids, sink.items)
+
+    def abort_in_background(self, request_ids: Sequence[str]) -> None:
+        """Queue an abort of requests whose caller is gone, without waiting for it (a closing
+        stream may be in a cancelled task, which cannot wait)."""
+        if not self._stopped:
+            self._submit(self._abort_quietly, list(request_ids))
 
     async def abort(self, request_ids: str | Sequence[str]) -> list[RolloutOutput]:
         """Abort by sample or group id; returns once the workers have freed the requests' state.
@@ -268,7 +281,8 @@ class AsyncRolloutEngine:
             self._fail_streams(EngineDeadError(str(self.engine.dead)))
         else:
             self._deliver(self.engine.take_finished())
-        if self._draining and not (self.engine.dead is None and self.engine.unfinished_request_ids(running_only=True)):
+        drained = self.engine.dead is not None or not self.engine.unfinished_request_ids(running_only=True)
+        if self._draining and drained:
             for future in self._draining:
                 future.set_result(None)
             self._draining = []
