@@ -292,8 +292,8 @@ class AsyncRolloutEngine:
             return  # _after_engine_call fails every stream
         # A worker raised inside a step: its batch's state is unknown, so end every request with the error.
         logger.error("an engine step failed; failing %d requests: %s", len(self._streams), error)
-        self._abort_quietly(self.engine.unfinished_request_ids())
         self._fail_streams(error)
+        self._abort_quietly(self.engine.unfinished_request_ids())
 
     def _open(self, sink: _Sink, add: Callable, *args) -> list[str]:
         ids = add(*args)

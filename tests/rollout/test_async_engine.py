@@ -175,3 +175,27 @@ def test_bad_requests_raise_to_their_caller_and_others_go_on(async_engine):
         return await async_engine.generate(["good"], PARAMS)
 
     assert [o.status for o in run(main())] == ["finished", "finished"]
+
+
+def _fail_next_step(worker) -> None:
+    step = worker.runner.step
+
+    def failing_step(states):
+        worker.runner.step = step  # once
+        raise RuntimeError("injected step failure")
+
+    worker.runner.step = failing_step
+
+
+def test_a_failed_step_fails_its_streams_and_the_engine_serves_on(async_engine):
+    async def main():
+        await async_engine.collective_rpc(_fail_next_step)
+        with pytest.raises(Exception, match="injected step failure"):
+            await async_engine.generate(["doomed"], PARAMS)
+        state = await async_engine.state()
+        live = await async_engine.collective_rpc("request_ids")
+        return state, live, await async_engine.generate(["fine"], PARAMS)
+
+    state, live, outputs = run(main())
+    assert state["unfinished_requests"] == 0 and live == [[]]
+    assert [o.status for o in outputs] == ["finished", "finished"]
