@@ -168,7 +168,7 @@ def train(config: TrainingConfig, update: UpdateFn, postfix: Callable[[Any], dic
     output_dir = Path(config.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     model_path = config.model.resolve_path()
-    engine_config = config.engine.to_engine_config(model_path)  # checks the model folder before loading it
+    config.engine.to_engine_config(model_path)  # checks the model folder (and engine settings) before any load
     torch.manual_seed(config.seed)
     generator = torch.Generator().manual_seed(config.seed)
     policy = LoraPolicy(

@@ -203,17 +203,19 @@ class AsyncRolloutEngine:
         return await self._call(self.engine.check_health)
 
     async def state(self) -> dict:
-        """What a client needs to mirror the engine: weight version, adapters, sleep level, load."""
+        """What a client needs to mirror the engine: weight version, adapters, sleep level, load.
+        Raises EngineDeadError once the engine is dead."""
         engine = self.engine
 
         def read() -> dict:
+            if engine.dead is not None:
+                raise EngineDeadError(str(engine.dead))
             return {
                 "weight_version": engine.weight_version,
                 "loras": {name: engine.lora_modules(name) for name in engine.list_loras()},
                 "sleep_level": engine.sleep_level,
                 "paused": self._paused,
                 "unfinished_requests": len(engine.unfinished_request_ids()),
-                "dead": str(engine.dead) if engine.dead is not None else None,
             }
 
         return await self._call(read)

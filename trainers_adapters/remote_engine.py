@@ -61,7 +61,11 @@ class RemoteRolloutEngine:
         self._ready: collections.deque = collections.deque()
         self._unfinished: set[str] = set()
         self._changed = threading.Condition()
-        info = self.server_info()
+        try:
+            info = self.server_info()
+        except BaseException:
+            self.shutdown()  # no thread left behind by a server that is down or refuses the key
+            raise
         self.config = EngineConfig.described(info["engine_config"])
         self.model_spec = ModelSpec(**info["model_spec"])
 

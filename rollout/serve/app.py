@@ -81,7 +81,7 @@ def build_app(engine: AsyncRolloutEngine, settings: ServerSettings) -> FastAPI:
     @router.get("/server_info")
     async def server_info() -> dict:
         config = dataclasses.asdict(engine.engine.config)
-        config["executor"] = str(config["executor"])
+        config["executor"] = _name_of(config["executor"])
         config["worker_extension_cls"] = _name_of(config["worker_extension_cls"])
         return {
             "engine_config": config,
