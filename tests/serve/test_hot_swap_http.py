@@ -140,3 +140,19 @@ def test_worker_functions_by_name_and_callables_refused(remote):
         remote.collective_rpc("no_such_method")
     with pytest.raises(TypeError, match="cannot be sent over HTTP"):
         remote.collective_rpc(lambda worker: 1)
+
+
+def test_broadcast_group_through_the_server(remote, transformer_state):
+    """The trainer (this process, rank 0) forms a gloo group with the server's worker and pushes;
+    only the control calls cross HTTP."""
+    from rollout.serve.launch import free_port
+    from trainers_adapters.weight_broadcast import join_engine
+
+    start = remote.weight_version
+    broadcaster = join_engine(remote, "127.0.0.1", free_port())
+    new_state = {name: tensor * 0.5 for name, tensor in transformer_state.items()}
+    assert broadcaster.push(remote, new_state, bucket_bytes=1 << 16) == start + 1
+    assert remote.weights_checksum() == checksum(new_state)
+    with pytest.raises(ValueError, match="update refused"):
+        remote.check_weight_update(["no.such.weight"], [torch.float32], [(2, 2)])
+    remote.update_weights(transformer_state, version=start)
