@@ -1,5 +1,5 @@
 """A real rollout server (a child process on a free loopback port) on the tiny SD3 pipeline, shared
-by the tests of one module, and a client for it."""
+by every service test (each leaves it as it found it: weights, adapters, no requests), and a client."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ API_KEY = "test-key-0123456789"
 EXTENSION = "tests.serve.worker_extension.ServeTestExtension"
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def server(tiny_model):
     flags = ("--worker-extension-cls", EXTENSION, "--max-samples-per-request", "64", "--max-body-mb", "0.05")
     with ServerProcess.start(tiny_model, *flags, "--max-upload-mb", "64", api_key=API_KEY) as running:
