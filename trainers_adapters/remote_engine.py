@@ -55,7 +55,10 @@ class RemoteRolloutEngine:
         self._thread = threading.Thread(target=self._loop.run_forever, name="remote-rollout-engine", daemon=True)
         self._thread.start()
         timeout = httpx.Timeout(timeout_s, connect=10.0)
-        self._client = httpx.AsyncClient(base_url=self.url, headers=headers, timeout=timeout)
+        # Idle connections are dropped well before the server's keep-alive timeout (60 s) closes
+        # them: reusing one the server is closing fails the call.
+        limits = httpx.Limits(keepalive_expiry=10.0)
+        self._client = httpx.AsyncClient(base_url=self.url, headers=headers, timeout=timeout, limits=limits)
         self._closed = False
         # Outputs of add_request() streams that step() has not returned yet, and who is still running.
         self._ready: collections.deque = collections.deque()

@@ -11,6 +11,9 @@ import sys
 from rollout.serve import API_KEY_ENV
 
 _MB = 1 << 20
+# Longer than clients keep idle connections (RemoteRolloutEngine: 10 s; httpx's default: 5 s), so the
+# server never closes a connection a client is about to reuse (uvicorn's default is 5 s).
+KEEP_ALIVE_S = 60
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -116,7 +119,13 @@ def main(argv: list[str] | None = None) -> int:
     engine = AsyncRolloutEngine(RolloutEngine(config))
     try:
         server = uvicorn.Server(
-            uvicorn.Config(build_app(engine, settings), args.host, args.port, log_level=args.log_level)
+            uvicorn.Config(
+                build_app(engine, settings),
+                args.host,
+                args.port,
+                log_level=args.log_level,
+                timeout_keep_alive=KEEP_ALIVE_S,
+            )
         )
         server.run()
     finally:

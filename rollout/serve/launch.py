@@ -34,13 +34,20 @@ class ServerProcess:
 
     @classmethod
     def start(
-        cls, model: str, *flags: str, api_key: str | None = None, timeout_s: float = 180.0, log_level: str = "warning"
+        cls,
+        model: str,
+        *flags: str,
+        api_key: str | None = None,
+        env: dict[str, str] | None = None,
+        timeout_s: float = 180.0,
+        log_level: str = "warning",
     ) -> ServerProcess:
         """Start the server with `flags` (those of `python -m rollout.serve`) and wait for /health.
-        The key goes through the environment, not the command line. Raises RuntimeError with the
-        server's exit code if it stops before it answers, TimeoutError after `timeout_s`."""
+        `env` adds to this process's environment (e.g. OMP_NUM_THREADS). The key goes through the
+        environment, not the command line. Raises RuntimeError with the server's exit code if it
+        stops before it answers, TimeoutError after `timeout_s`."""
         port = free_port()
-        env = dict(os.environ)
+        env = {**os.environ, **(env or {})}
         env.pop(API_KEY_ENV, None)
         if api_key is not None:
             env[API_KEY_ENV] = api_key
