@@ -40,6 +40,7 @@ bench: setup
 	$(PY) -m benchmarks.executor_overhead
 	$(PY) -m benchmarks.weight_sync
 	$(PY) -m benchmarks.lora_swap
+	$(PY) -m benchmarks.serve_load
 
 clean:
 	rm -rf $(VENV) outputs .cache .pytest_cache .ruff_cache

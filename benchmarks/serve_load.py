@@ -1,0 +1,496 @@
+"""Serve load: what the HTTP service (`python -m rollout.serve`) costs against the same work in process.
+
+Starts the service with `rollout.serve.launch.ServerProcess` (executor uni, an API key) on a tiny SD3
+pipeline (random weights, built in a temporary folder unless `--model` names an SD3 folder) and
+measures, side by side in one run:
+
+  rollouts    `--clients` threads, each with its own `RemoteRolloutEngine`, each sending
+              `--requests-per-client` requests one after another (`add_request(prompt, params,
+              request_id=...)`, then `step()` until its `--samples` outputs are back): that many
+              streamed HTTP requests in flight at once. The same requests (seeds, ids) also go
+              through an in-process `AsyncRolloutEngine` (one asyncio task per client, the same
+              closed loop) and an in-process `RolloutEngine` (`add_request` all, `step()` until
+              done), both executor uni with the same `--max-batch-size`. Reported: samples/s of each,
+              server / in-process ratios (target >= 0.9), p50 and p99 latency per request as its
+              client saw it next to the engine's own (`timings.total_s`), and the answers: every
+              request answered exactly once with its own ids (lost, duplicated, misrouted and
+              unfinished outputs must be 0), and `GET /server_info` shows `unfinished_requests == 0`
+              after every server round;
+  LoRA push   `load_lora("policy", tensors, config)` of a random rank-`--rank` PEFT adapter on the
+              attention projections, over HTTP vs. in process, alternating two adapters so every
+              push is a hot swap to new values; after each round (untimed) a 1-step sample with the
+              adapter must be bitwise equal through both engines;
+  weight push `update_weights(state)` of a ~219 MB float32 transformer (`--weight-*` sizes) over HTTP
+              (one safetensors body) vs. in process, with MB/s (1e6 bytes); the trainer's copy is
+              perturbed before each round and `weights_checksum()` must equal
+              `rollout.weights.checksum(state)` on both engines after it (untimed).
+
+Rounds are interleaved (each runs every mode, in a rotated order), warmup rounds are discarded and
+medians are reported. The client threads run in this process, on the server's machine: their CPU
+time counts against the server. `--threads` sets the torch threads of the server and of this
+process (the in-process engines) alike; 1 by default, as in `benchmarks.weight_sync`: a torch with
+more threads than idle cores waits for descheduled threads at every op, and with the clients (or
+anything else) busy, that made every mode several times slower and the ratios noise on 2 cores.
+(Past the ~400-line guide: the three parts share the rounds, the server and the report, and a
+benchmark reads best as one script.)
+
+    python -m benchmarks.serve_load                           # about 4 minutes on 2 CPU cores
+    python -m benchmarks.serve_load --clients 16 --threads 2 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import secrets
+import statistics
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from benchmarks.common import interleaved_rounds, json_args, per_round_ratio, spread, timed_call, write_json
+from benchmarks.lora_swap import LORA_TARGETS, make_adapters, quiet_peft_warnings
+from benchmarks.weight_sync import perturb
+from rollout import EngineConfig, RolloutEngine, RolloutOutput, SamplingParams
+from rollout.async_engine import AsyncRolloutEngine
+from rollout.pipelines.tiny import TinySD3Sizes, build_tiny_sd3
+from rollout.serve.launch import ServerProcess
+from rollout.weights import base_state, checksum
+from trainers_adapters.remote_engine import RemoteRolloutEngine
+
+logger = logging.getLogger("benchmarks.serve_load")
+TARGET_THROUGHPUT_RATIO = 0.9  # the project's target: server samples/s over in-process samples/s
+CLIENT_TIMEOUT_S = 300.0  # the longest wait for the server's next bytes: a stuck server fails the run
+ROLLOUT_MODES = {
+    "server": "server ({clients} HTTP clients)",
+    "async": "in-process AsyncRolloutEngine ({clients} tasks)",
+    "sync": "in-process RolloutEngine (add all, step)",
+}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.serve_load",
+        description=__doc__.split("\n\n")[0]
+        + " Prints samples/s of concurrent clients through the server and in process, the server's latency"
+        " percentiles, and the milliseconds and MB/s of LoRA and weight pushes over HTTP and in process.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    run = parser.add_argument_group("what to run")
+    run.add_argument("--model", type=Path, help="SD3 pipeline folder for rollouts and LoRA (default: build tiny SD3)")
+    run.add_argument("--clients", type=int, default=64, help="concurrent clients")
+    # The defaults are a GRPO rollout's shape (a group of 4 samples, 10 steps); with 1-sample, 4-step
+    # requests each request's HTTP cost is a larger share of its work (0.68-0.90 measured on 2 cores).
+    run.add_argument("--requests-per-client", type=int, default=1, help="requests each client sends, one at a time")
+    run.add_argument("--samples", type=int, default=4, help="num_samples of each request (its group)")
+    run.add_argument("--steps", type=int, default=10, help="num_inference_steps of each request")
+    run.add_argument("--max-batch-size", type=int, default=16, help="of the server and the in-process engines")
+    run.add_argument("--threads", type=int, default=1, help="torch threads of the server and of this process")
+    run.add_argument("--prompt", default="a red cube on a blue table", help="every request's prompt")
+    run.add_argument("--rank", type=int, default=32, help="LoRA rank r (lora_alpha = r)")
+    run.add_argument("--repeats", type=int, default=3, help="timed rollout rounds; each runs every mode once")
+    run.add_argument("--push-repeats", type=int, default=5, help="timed rounds of LoRA and of weight pushes")
+    run.add_argument("--warmup", type=int, default=1, help="untimed rounds first, in each part")
+    run.add_argument("--json", type=Path, metavar="PATH", help="also write the results as JSON to PATH")
+    sizes = parser.add_argument_group("weight push model", "the SD3 transformer of the weight pushes")
+    sizes.add_argument("--weight-layers", type=int, default=6, help="transformer blocks")
+    sizes.add_argument("--weight-heads", type=int, default=8, help="attention heads")
+    sizes.add_argument("--weight-head-dim", type=int, default=64, help="width of one head")
+    args = parser.parse_args(argv)
+    positive = (
+        "clients", "requests_per_client", "samples", "steps", "max_batch_size", "threads", "rank", "repeats",
+        "push_repeats", "weight_layers", "weight_heads", "weight_head_dim",
+    )  # fmt: skip
+    bad = [f"--{name.replace('_', '-')}" for name in positive if getattr(args, name) < 1]
+    if bad or args.warmup < 0:
+        parser.error(f"{', '.join(bad) or 'these options'} must be >= 1 (and --warmup >= 0)")
+    return args
+
+
+# Part 1: rollouts. A request is one prompt's group of `--samples` samples, id "r{round}-c{client}-{k}".
+
+
+@dataclass(frozen=True)
+class Answer:
+    group: str
+    latency_s: float | None  # from sending the request to its last output, as its client saw it
+    outputs: list[RolloutOutput]
+
+
+def request_params(args: argparse.Namespace, client: int, k: int) -> SamplingParams:
+    seed = client * args.requests_per_client + k  # the same requests in every mode and round
+    return SamplingParams(num_inference_steps=args.steps, num_samples=args.samples, seed=seed)
+
+
+def group_id(round_index: int, client: int, k: int) -> str:
+    return f"r{round_index}-c{client}-{k}"
+
+
+def run_server(clients: list[RemoteRolloutEngine], args, round_index: int) -> tuple[float, list[Answer]]:
+    """Each client thread sends its requests one at a time; wall seconds from the release of all threads."""
+    answers: list[Answer] = []  # list.append is atomic
+    barrier = threading.Barrier(len(clients) + 1)
+
+    def client_loop(index: int, client: RemoteRolloutEngine) -> None:
+        barrier.wait()
+        for k in range(args.requests_per_client):
+            group, start, outputs = group_id(round_index, index, k), time.perf_counter(), []
+            client.add_request(args.prompt, request_params(args, index, k), request_id=group)
+            while client.has_unfinished_requests():
+                outputs += client.step()
+            answers.append(Answer(group, time.perf_counter() - start, outputs))
+
+    with ThreadPoolExecutor(len(clients)) as pool:
+        futures = [pool.submit(client_loop, index, client) for index, client in enumerate(clients)]
+        barrier.wait()
+        start = time.perf_counter()
+        for future in futures:
+            future.result()
+        return time.perf_counter() - start, answers
+
+
+def run_async(engine: AsyncRolloutEngine, loop: asyncio.AbstractEventLoop, args, round_index: int):
+    """One task per client: the server's closed loop without HTTP."""
+
+    async def client(index: int) -> list[Answer]:
+        answers = []
+        for k in range(args.requests_per_client):
+            group, start = group_id(round_index, index, k), time.perf_counter()
+            params = request_params(args, index, k)
+            async with await engine.add_request(args.prompt, params, request_id=group) as stream:
+                outputs = [output async for output in stream]
+            answers.append(Answer(group, time.perf_counter() - start, outputs))
+        return answers
+
+    async def all_clients() -> tuple[float, list[Answer]]:
+        start = time.perf_counter()
+        per_client = await asyncio.gather(*(client(index) for index in range(args.clients)))
+        return time.perf_counter() - start, [answer for answers in per_client for answer in answers]
+
+    return loop.run_until_complete(all_clients())
+
+
+def run_sync(engine: RolloutEngine, args, round_index: int) -> tuple[float, list[Answer]]:
+    """Every request queued at once, then `step()` until done (no per-request latency)."""
+    start = time.perf_counter()
+    for index in range(args.clients):
+        for k in range(args.requests_per_client):
+            group = group_id(round_index, index, k)
+            engine.add_request(args.prompt, request_params(args, index, k), request_id=group)
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    elapsed = time.perf_counter() - start
+    return elapsed, [Answer(output.request_id.rpartition("-")[0], None, [output]) for output in outputs]
+
+
+def check_answers(mode: str, answers: list[Answer], args, round_index: int) -> dict[str, int]:
+    """Counts of outputs expected, received, lost, duplicated, misrouted (an id nobody asked for, or
+    under another request's answer) and not finished; raises unless the last four are 0."""
+    expected = {
+        f"{group_id(round_index, index, k)}-{s}"
+        for index in range(args.clients)
+        for k in range(args.requests_per_client)
+        for s in range(args.samples)
+    }
+    outputs = [(answer.group, output) for answer in answers for output in answer.outputs]
+    received = [output.request_id for _, output in outputs]
+    counts = {
+        "expected": len(expected),
+        "received": len(received),
+        "lost": len(expected - set(received)),
+        "duplicated": len(received) - len(set(received)),
+        "misrouted": sum(o.request_id not in expected or o.request_id.rpartition("-")[0] != g for g, o in outputs),
+        "not_finished": sum(output.status != "finished" for _, output in outputs),
+    }
+    if any(counts[name] for name in ("lost", "duplicated", "misrouted", "not_finished")):
+        raise AssertionError(f"{mode}, round {round_index}: wrong answers {counts}")
+    return counts
+
+
+def time_rollouts(runs: dict[str, Callable], server: RemoteRolloutEngine, args) -> dict[str, list[dict]]:
+    """Per mode, one record per timed round: seconds, samples/s, latencies and the answer counts."""
+    records: dict[str, list[dict]] = {mode: [] for mode in runs}
+    samples = args.clients * args.requests_per_client * args.samples
+    for round_ in interleaved_rounds(runs, args.warmup, args.repeats):
+        for mode in round_.order:
+            (elapsed, answers), _ = timed_call(runs[mode], round_.index)
+            counts = check_answers(mode, answers, args, round_.index)
+            if mode == "server":
+                counts["unfinished_after"] = server.server_info()["unfinished_requests"]
+                if counts["unfinished_after"]:
+                    raise AssertionError(f"server, round {round_.index}: after it, /server_info shows {counts}")
+            logger.info(f"  [{round_.tag}] {mode:<7} {elapsed:7.2f} s {samples / elapsed:7.2f} samples/s")
+            if round_.timed:
+                latencies = [a.latency_s for a in answers if a.latency_s is not None]
+                engine = [max(o.timings.total_s for o in a.outputs) for a in answers]
+                records[mode].append({"seconds": elapsed, "latencies": latencies, "engine": engine, **counts})
+    return records
+
+
+def percentile(values: list[float], q: int) -> float | None:
+    return statistics.quantiles(values, n=100, method="inclusive")[q - 1] if values else None
+
+
+def summarize_rollouts(records: dict[str, list[dict]], samples: int) -> dict:
+    summary = {}
+    for mode, rounds in records.items():
+        latencies = [s for r in rounds for s in r["latencies"]]
+        engine = [s for r in rounds for s in r["engine"]]
+        summary[mode] = {
+            "samples_per_s": samples / statistics.median(r["seconds"] for r in rounds),
+            **spread([r["seconds"] for r in rounds]),
+            **{f"latency_p{q}_s": percentile(latencies, q) for q in (50, 99)},
+            **{f"engine_latency_p{q}_s": percentile(engine, q) for q in (50, 99)},
+            "rounds": [{k: v for k, v in r.items() if k not in ("latencies", "engine")} for r in rounds],
+        }
+    server = [r["seconds"] for r in records["server"]]
+    for baseline in ("sync", "async"):
+        summary[f"server_over_{baseline}"] = summary["server"]["samples_per_s"] / summary[baseline]["samples_per_s"]
+        # seconds in, so the ratio of samples/s is the inverse
+        summary[f"server_over_{baseline}_per_round"] = per_round_ratio(
+            [r["seconds"] for r in records[baseline]], server
+        )
+    return summary
+
+
+# Parts 2 and 3: pushes. Each mode is `run(round_index)`, the push alone.
+
+
+def time_pushes(runs: dict[str, Callable], before: Callable[[], None], check: Callable[[], str], args):
+    """Seconds per push of each mode; `before()` runs ahead of each round and `check()` after it
+    (untimed: each engine has taken one push, which must have landed)."""
+    times: dict[str, list[float]] = {mode: [] for mode in runs}
+    for round_ in interleaved_rounds(runs, args.warmup, args.push_repeats):
+        before()
+        pushed = []
+        for mode in round_.order:
+            _, elapsed = timed_call(runs[mode], round_.index)
+            if round_.timed:
+                times[mode].append(elapsed)
+            pushed.append(f"{mode} {1e3 * elapsed:7.1f} ms")
+        logger.info(f"  [{round_.tag}] {'  '.join(pushed)}  {check()}")
+    return times
+
+
+def summarize_pushes(times: dict[str, list[float]], nbytes: int) -> dict:
+    summary = {mode: {**spread(seconds, "ms", 1e3), "times_s": seconds} for mode, seconds in times.items()}
+    for row in summary.values():
+        row["mb_per_s"] = nbytes / 1e6 / (row["median_ms"] / 1e3)
+    summary["http_over_in_process"] = summary["http"]["median_ms"] / summary["in-process"]["median_ms"]
+    summary["http_over_in_process_per_round"] = per_round_ratio(times["http"], times["in-process"])
+    return summary
+
+
+def check_lora(engines: dict, prompt: str) -> str:
+    """A 1-step sample with the adapter must be bitwise the same through every engine."""
+    params = SamplingParams(num_inference_steps=1, seed=7, lora="policy", return_trajectory=False)
+    first, *others = (engine.generate([prompt], params)[0].image for engine in engines.values())
+    if not all(torch.equal(first, image) for image in others):
+        raise AssertionError("the adapter pushed over HTTP does not sample as the one pushed in process")
+    return "adapter samples bitwise equal"
+
+
+# The engines of each part, started and stopped there.
+
+
+def start_server(model: Path, api_key: str, args, *flags: str) -> ServerProcess:
+    # Executor uni has no flag for its torch threads; the child's torch reads OMP_NUM_THREADS.
+    threads = {"OMP_NUM_THREADS": str(args.threads)}
+    return ServerProcess.start(str(model), "--executor", "uni", *flags, api_key=api_key, env=threads)
+
+
+def measure_on_tiny(model: Path, api_key: str, args) -> tuple[dict, dict, dict]:
+    """Parts 1 and 2: they share the server and the in-process sync engine."""
+    config = EngineConfig(model=str(model), executor="uni", max_batch_size=args.max_batch_size)
+    with (
+        start_server(model, api_key, args, "--max-batch-size", str(args.max_batch_size)) as server,
+        RolloutEngine(config) as sync_engine,
+    ):
+        async_engine, loop = AsyncRolloutEngine(RolloutEngine(config)), asyncio.new_event_loop()
+        clients = [RemoteRolloutEngine(server.url, api_key, timeout_s=CLIENT_TIMEOUT_S) for _ in range(args.clients)]
+        try:
+            logger.info(f"rollouts: {args.clients} clients of the server at {server.url}")
+            runs = {
+                "server": lambda index: run_server(clients, args, index),
+                "async": lambda index: run_async(async_engine, loop, args, index),
+                "sync": lambda index: run_sync(sync_engine, args, index),
+            }
+            samples = args.clients * args.requests_per_client * args.samples
+            rollouts = summarize_rollouts(time_rollouts(runs, clients[0], args), samples)
+            lora, adapter = measure_lora(model, {"http": clients[0], "in-process": sync_engine}, args)
+        finally:
+            for client in clients:
+                client.shutdown()
+            async_engine.shutdown()
+            loop.close()
+    return rollouts, lora, adapter
+
+
+def measure_lora(model: Path, engines: dict, args) -> tuple[dict, dict]:
+    from diffusers import SD3Transformer2DModel
+    from peft import LoraConfig
+
+    transformer = SD3Transformer2DModel.from_pretrained(model, subfolder="transformer", local_files_only=True)
+    config = {"r": args.rank, "lora_alpha": args.rank, "target_modules": LORA_TARGETS}
+    adapters = make_adapters(transformer, LoraConfig(**config, init_lora_weights=False))
+    for engine in engines.values():
+        engine.load_lora("policy", adapters[1], config)  # resident: every timed push is a hot swap
+    adapter = {
+        "rank": args.rank,
+        "modules": engines["http"].lora_modules("policy"),
+        "bytes": sum(t.numel() * t.element_size() for t in adapters[0].values()),
+    }
+    logger.info(f"LoRA push: rank {args.rank}, {adapter['modules']} modules")
+    runs = {
+        mode: lambda index, engine=engine: engine.load_lora("policy", adapters[index % 2], config)
+        for mode, engine in engines.items()
+    }
+    times = time_pushes(runs, lambda: None, lambda: check_lora(engines, args.prompt), args)
+    return summarize_pushes(times, adapter["bytes"]), adapter
+
+
+def measure_weight_push(folder: Path, api_key: str, args) -> tuple[dict, dict]:
+    from diffusers import SD3Transformer2DModel
+
+    sizes = TinySD3Sizes(
+        num_layers=args.weight_layers, num_attention_heads=args.weight_heads, attention_head_dim=args.weight_head_dim
+    )
+    build_tiny_sd3(folder, seed=0, sizes=sizes)
+    trainer = SD3Transformer2DModel.from_pretrained(folder, subfolder="transformer", local_files_only=True)
+    state = base_state(trainer)  # views of the trainer's parameters: `perturb` changes them in place
+    model = {"parameters": sum(t.numel() for t in state.values()), "tensors": len(state)}
+    model["bytes"] = sum(t.numel() * t.element_size() for t in state.values())
+    logger.info(f"weight push: {model['parameters'] / 1e6:.1f}M parameters, {model['bytes'] / 1e6:.1f} MB")
+    with (
+        start_server(folder, api_key, args) as server,
+        RemoteRolloutEngine(server.url, api_key, timeout_s=CLIENT_TIMEOUT_S) as remote,
+        RolloutEngine(EngineConfig(model=str(folder), executor="uni")) as local,
+    ):
+        engines = {"http": remote, "in-process": local}
+        expected = []
+
+        def before() -> None:
+            perturb(trainer)
+            expected.append(checksum(state))
+
+        def check() -> str:
+            for mode, engine in engines.items():
+                got = engine.weights_checksum()
+                if got != expected[-1]:
+                    raise AssertionError(f"{mode}: engine checksum {got[:12]} != pushed state's {expected[-1][:12]}")
+            return f"checksums equal {expected[-1][:12]}"
+
+        runs = {mode: lambda index, engine=engine: engine.update_weights(state) for mode, engine in engines.items()}
+        times = time_pushes(runs, before, check, args)
+    return summarize_pushes(times, model["bytes"]), model
+
+
+# Report.
+
+
+def print_report(rollouts: dict, lora: dict, adapter: dict, weights: dict, model: dict, args) -> None:
+    samples = args.clients * args.requests_per_client * args.samples
+    print(
+        f"\nrollouts: {args.clients} clients x {args.requests_per_client} requests x {args.samples} samples = "
+        f"{samples} samples per round, {args.steps} steps, max batch {args.max_batch_size}, {args.threads} threads"
+    )
+    header = f"{f'mode (median of {args.repeats})':<47} {'samples/s':>9} {'median s':>8} {'min s':>6} {'max s':>6}"
+    header += f" {'p50 ms':>7} {'p99 ms':>7} {'engine p50':>10} {'engine p99':>10}"
+    print(header + "\n" + "-" * len(header))
+    for mode, label in ROLLOUT_MODES.items():
+        row = rollouts[mode]
+        ms = {key: "-" if value is None else f"{1e3 * value:.0f}" for key, value in row.items() if key.endswith("_s")}
+        print(
+            f"{label.format(clients=args.clients):<47} {row['samples_per_s']:>9.2f} {row['median_s']:>8.2f}"
+            f" {row['min_s']:>6.2f} {row['max_s']:>6.2f} {ms['latency_p50_s']:>7} {ms['latency_p99_s']:>7}"
+            f" {ms['engine_latency_p50_s']:>10} {ms['engine_latency_p99_s']:>10}"
+        )
+    print("  (p50/p99: per request, as its client saw it; engine: its timings.total_s, queued + denoising)")
+    for baseline in ("sync", "async"):
+        ratio = rollouts[f"server_over_{baseline}"]
+        print(
+            f"server / in-process {baseline:<5} samples/s: {ratio:.3f} (median of per-round ratios "
+            f"{rollouts[f'server_over_{baseline}_per_round']:.3f})   target >= {TARGET_THROUGHPUT_RATIO}: "
+            f"{'met' if ratio >= TARGET_THROUGHPUT_RATIO else 'MISSED'}"
+        )
+    rounds = rollouts["server"]["rounds"]
+    total = {key: sum(r[key] for r in rounds) for key in ("expected", "received", "lost", "duplicated", "misrouted")}
+    print(
+        f"server answers over {len(rounds)} rounds: {total['received']} of {total['expected']} outputs, lost "
+        f"{total['lost']}, duplicated {total['duplicated']}, misrouted {total['misrouted']}; unfinished_requests "
+        f"after each round {[r['unfinished_after'] for r in rounds]}"
+    )
+
+    print(f"\npushes (median of {args.push_repeats})")
+    header = f"{'push':<47} {'median ms':>9} {'min ms':>8} {'max ms':>8} {'MB/s':>8}"
+    print(header + "\n" + "-" * len(header))
+    what = {
+        "LoRA": f"rank-{adapter['rank']} LoRA, {adapter['modules']} modules, {adapter['bytes'] / 1e6:.2f} MB",
+        "weights": f"weights, {model['parameters'] / 1e6:.1f}M parameters, {model['bytes'] / 1e6:.0f} MB",
+    }
+    for kind, summary in (("LoRA", lora), ("weights", weights)):
+        print(what[kind])
+        for mode in ("http", "in-process"):
+            row = summary[mode]
+            print(
+                f"  {mode:<45} {row['median_ms']:>9.1f} {row['min_ms']:>8.1f} {row['max_ms']:>8.1f}"
+                f" {row['mb_per_s']:>8.0f}"
+            )
+        print(
+            f"  http / in-process time: {summary['http_over_in_process']:.2f}x (median of per-round ratios "
+            f"{summary['http_over_in_process_per_round']:.2f}x)"
+        )
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")  # httpx and the engines: quiet
+    logger.setLevel(logging.INFO)  # the progress lines
+    from diffusers.utils import logging as diffusers_logging
+
+    diffusers_logging.set_verbosity_error()
+    quiet_peft_warnings()
+    previous_threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads)  # the in-process engines run in this process
+    start = time.perf_counter()
+    print(
+        f"torch {torch.__version__}, threads {args.threads} (server and this process), cpus {os.cpu_count()}, "
+        f"load average {os.getloadavg()[0]:.2f}; rounds {args.warmup} warmup + {args.repeats} timed "
+        f"(pushes {args.warmup} + {args.push_repeats})",
+        flush=True,
+    )
+    api_key = secrets.token_hex(16)
+    try:
+        with tempfile.TemporaryDirectory(prefix="rollout-bench-serve-") as tmp:
+            model = args.model or build_tiny_sd3(Path(tmp) / "tiny", seed=0)
+            rollouts, lora, adapter = measure_on_tiny(model, api_key, args)
+            weights, weight_model = measure_weight_push(Path(tmp) / "weights", api_key, args)
+    finally:
+        torch.set_num_threads(previous_threads)
+    print_report(rollouts, lora, adapter, weights, weight_model, args)
+    total = time.perf_counter() - start
+    print(f"\ntotal {total:.1f} s; load average now {os.getloadavg()[0]:.2f}")
+    result = {
+        "args": json_args(args),
+        "torch_version": torch.__version__,
+        "target_throughput_ratio": TARGET_THROUGHPUT_RATIO,
+        "rollouts": rollouts,
+        "lora_push": {**lora, "adapter": adapter},
+        "weight_push": {**weights, "model": weight_model},
+        "total_s": total,
+    }
+    write_json(args.json, result)
+    return result
+
+
+if __name__ == "__main__":
+    main()
