@@ -100,9 +100,12 @@ def build_app(engine: AsyncRolloutEngine, settings: ServerSettings) -> FastAPI:
                 f"the request asks for {sum(counts)} samples; this server takes at most "
                 f"{settings.max_samples_per_request} per request (--max-samples-per-request); split it",
             )
-        if body.request_id is not None:
+        if body.request_id is not None or body.prompt_index != 0 or body.base_seed is not None:
             if len(prompts) != 1 or isinstance(params, list):
-                raise ValueError("request_id names one prompt's group: send exactly one prompt and one params")
+                raise ValueError(
+                    "request_id, prompt_index and base_seed make this add_request, for one prompt's group: "
+                    "send exactly one prompt and one params"
+                )
             stream = await engine.add_request(
                 prompts[0],
                 params,
@@ -111,8 +114,6 @@ def build_app(engine: AsyncRolloutEngine, settings: ServerSettings) -> FastAPI:
                 base_seed=body.base_seed,
             )
         else:
-            if body.prompt_index != 0 or body.base_seed is not None:
-                raise ValueError("prompt_index and base_seed go with request_id (one prompt); drop them")
             stream = await engine.add_requests(prompts, params)
         if body.stream:
             return StreamingResponse(_stream_frames(stream), media_type=FRAMES_MEDIA_TYPE)

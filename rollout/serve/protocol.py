@@ -47,8 +47,9 @@ def to_sampling_params(body: BaseModel) -> SamplingParams:
 
 class GenerateBody(Body):
     """`prompts` with one `params` for all or one per prompt, as `RolloutEngine.generate` takes them.
-    With `request_id` (one prompt only) it is `add_request`: the group's id, `prompt_index` and
-    `base_seed` as there. `stream`: frames go out as each sample finishes, rather than all at the end."""
+    With any of `request_id`, `prompt_index` and `base_seed` (one prompt only) it is `add_request`,
+    and they mean what they mean there. `stream`: frames go out as each sample finishes, rather than
+    all at the end."""
 
     prompts: str | list[str]
     params: OneOrMoreParams | None = None

@@ -171,3 +171,18 @@ def test_a_plain_http_client_reads_the_same_frames_without_streaming(server, rem
     assert [o.sample_index for o in outputs] == [0, 1]  # in request order
     for got, want in zip(outputs, expected, strict=True):
         assert torch.equal(got.trajectory.latents, want.trajectory.latents) and torch.equal(got.image, want.image)
+
+
+def test_add_request_with_a_prompt_index_and_no_id(remote, engine):
+    expected = engine.add_request("indexed", PARAMS, prompt_index=2)
+    expected_outputs = []
+    while engine.has_unfinished_requests():
+        expected_outputs += engine.step()
+    ids = remote.add_request("indexed", PARAMS, prompt_index=2)
+    assert [i.rpartition("-")[2] for i in ids] == [i.rpartition("-")[2] for i in expected]
+    outputs = []
+    while remote.has_unfinished_requests():
+        outputs += remote.step()
+    by_sample = lambda o: o.sample_index  # noqa: E731
+    for g, e in zip(sorted(outputs, key=by_sample), sorted(expected_outputs, key=by_sample), strict=True):
+        assert_same_output(g, e)
