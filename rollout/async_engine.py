@@ -283,8 +283,9 @@ class AsyncRolloutEngine:
             self._fail_streams(EngineDeadError(str(self.engine.dead)))
         else:
             self._deliver(self.engine.take_finished())
-        drained = self.engine.dead is not None or not self.engine.unfinished_request_ids(running_only=True)
-        if self._draining and drained:
+        if self._draining and (
+            self.engine.dead is not None or not self.engine.unfinished_request_ids(running_only=True)
+        ):
             for future in self._draining:
                 future.set_result(None)
             self._draining = []

@@ -112,8 +112,6 @@ class RemoteRolloutEngine:
     ) -> list[str]:
         """`RolloutEngine.add_request`: queue one prompt's samples; returns their ids. Their outputs
         come from `step()`."""
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         body = {
             "prompts": prompt,
             "params": _params_json(params),
