@@ -16,7 +16,7 @@ import cloudpickle
 import torch
 
 from rollout.config import EngineConfig
-from rollout.errors import EngineDeadError, WorkerError
+from rollout.errors import EngineDeadError, WorkerError, interrupted_reason
 from rollout.model_runner import RunnerOutput
 from rollout.scheduler import SchedulerOutput
 from rollout.worker import build_worker_class, worker_methods
@@ -62,7 +62,7 @@ class Executor(ABC):
             # A step still running in a worker cannot be trusted or waited for.
             self._die(f"{error}; create a new engine (raise step_timeout_s if steps are that slow)")
         except BaseException as error:
-            self._die(f"interrupted during an engine step ({type(error).__name__}); create a new engine", False)
+            self.kill(interrupted_reason(error))
             raise
 
     def collective_rpc(
@@ -112,6 +112,10 @@ class Executor(ABC):
     def dead(self) -> str | None:
         """Why the workers can no longer be used (shut down, gone, interrupted); None while they can."""
         return self._dead
+
+    def kill(self, reason: str) -> None:
+        """Mark the executor dead with `reason` and stop the workers at once (no-op once dead)."""
+        self._die(reason, False)
 
     def _check_alive(self) -> None:
         if self._dead is not None:

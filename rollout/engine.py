@@ -10,13 +10,14 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 from tqdm.auto import tqdm
 
 from rollout.config import EngineConfig
-from rollout.errors import EngineDeadError
+from rollout.errors import EngineDeadError, interrupted_reason
 from rollout.hot_swap import HotSwapAPI
 from rollout.outputs import RequestTimings, RolloutOutput
 from rollout.request import Request, RequestStatus
@@ -80,7 +81,10 @@ class RolloutEngine(HotSwapAPI):
         total_steps = sum(r.params.num_inference_steps for r in requests)
         outputs: dict[str, RolloutOutput] = {}
         # Progress in denoising steps, not samples: a group of samples finishes all at once.
-        with tqdm(total=total_steps, desc="rollout", unit="step", disable=not use_tqdm) as bar:
+        with (
+            self._interrupts_are_fatal(),
+            tqdm(total=total_steps, desc="rollout", unit="step", disable=not use_tqdm) as bar,
+        ):
             while self.scheduler.has_unfinished():
                 for output in self._step_once():  # not step(): parked outputs are someone else's
                     outputs[output.request_id] = output
@@ -165,7 +169,8 @@ class RolloutEngine(HotSwapAPI):
         (while an update with mode="wait" ran them to the end). `admit=False` steps only the
         requests already running, leaving waiting ones queued (a pause that lets work finish)."""
         self._check_open()
-        return self.take_finished() + self._step_once(admit)
+        with self._interrupts_are_fatal():
+            return self.take_finished() + self._step_once(admit)
 
     def take_finished(self) -> list[RolloutOutput]:
         """Outputs of requests that finished outside `step` (during an update with mode="wait")
@@ -286,6 +291,21 @@ class RolloutEngine(HotSwapAPI):
             raise
         except BaseException:
             if self.executor.dead is not None:  # e.g. Ctrl-C during a step: the executor stopped
+                self._die(EngineDeadError(self.executor.dead))
+            raise
+
+    @contextmanager
+    def _interrupts_are_fatal(self) -> Iterator[None]:
+        """Ctrl-C (or SystemExit) inside a step can land between the scheduler's, the requests'
+        and the workers' updates and leave them out of step: the engine stops its workers and is
+        dead, wherever in the step it landed (one rule, not a race the caller has to read)."""
+        try:
+            yield
+        except Exception:
+            raise
+        except BaseException as error:
+            if self._dead is None:
+                self.executor.kill(interrupted_reason(error))
                 self._die(EngineDeadError(self.executor.dead))
             raise
 

@@ -46,3 +46,8 @@ class WorkerError(RuntimeError):
 
 class EngineDeadError(RuntimeError):
     """A worker is gone; the engine cannot serve requests any more and must be rebuilt."""
+
+
+def interrupted_reason(error: BaseException) -> str:
+    """Why an engine is dead after `error` (Ctrl-C, SystemExit) interrupted one of its steps."""
+    return f"interrupted during an engine step ({type(error).__name__}); create a new engine"

@@ -79,6 +79,33 @@ def test_ctrl_c_during_a_step_leaves_every_backend_dead_with_a_clear_error(tiny_
         assert wait_gone(pids) == []
 
 
+@pytest.mark.parametrize("where", ["generate", "step"])
+def test_ctrl_c_in_the_engines_own_part_of_a_step_leaves_it_dead_too(tiny_model, monkeypatch, where):
+    # Ctrl-C lands wherever the caller's thread is: with the uni executor that is often the engine's
+    # bookkeeping between two worker calls, with the scheduler, requests and workers half updated.
+    with RolloutEngine(EngineConfig(model=tiny_model)) as engine:
+        monkeypatch.setattr(engine, "_make_output", mock_ctrl_c)
+        params = SamplingParams(num_inference_steps=2, num_samples=2, seed=0)
+        with pytest.raises(KeyboardInterrupt):
+            if where == "generate":
+                engine.generate("x", params)
+            else:
+                engine.add_request("x", params)
+                while True:
+                    engine.step()
+        assert engine.dead is not None
+        assert not engine.has_unfinished_requests()
+        message = r"interrupted during an engine step \(KeyboardInterrupt\); create a new engine"
+        with pytest.raises(EngineDeadError, match=message):
+            engine.generate("y", params)
+        with pytest.raises(EngineDeadError, match=message):
+            engine.collective_rpc("get_rank")
+
+
+def mock_ctrl_c(*args, **kwargs):
+    raise KeyboardInterrupt
+
+
 @pytest.mark.parametrize("backend", list(BACKENDS))
 def test_a_step_past_its_timeout_stops_every_backend_the_same_way(request, tiny_model, backend):
     if backend == "ray":
