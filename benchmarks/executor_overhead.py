@@ -191,7 +191,6 @@ def overhead_workload(engine: RolloutEngine, timer: ExecuteTimer, args: argparse
             seed=seed * 1000 + i,
             sampler="flow_sde",
             return_trajectory=True,
-            return_image=True,
         )
         engine.add_request(f"prompt {i} of round {seed}", params, prompt_index=i)
     records = []
@@ -396,7 +395,6 @@ def run_scaling(args: argparse.Namespace) -> dict:
                         seed=round_.index,
                         sampler="flow_sde",
                         return_trajectory=True,
-                        return_image=True,
                     )
                     timers[label].take()
                     outputs, elapsed = timed_call(engines[label].generate, ["a red cube on a blue table"], params)

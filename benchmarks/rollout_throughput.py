@@ -128,7 +128,6 @@ def make_engine_run(engine: RolloutEngine, args: argparse.Namespace) -> Callable
             width=args.size,
             seed=seed,
             return_trajectory=True,
-            return_image=True,
             **guidance_fields(args.family, args.cfg == "on"),
         )
         outputs = engine.generate([args.prompt], params)

@@ -154,7 +154,12 @@ _EXTERNAL_HELP: dict[type, dict[str, str]] = {
         "lora": "name of a loaded LoRA adapter to sample with, or null",
         "lora_scale": "strength of that adapter",
         "return_trajectory": "return latents, log-probs, sigmas and timesteps",
-        "return_image": "decode and return the image",
+        "output_type": "image (decode), latent (final latents, no decode) or none",
+        "sigmas": "one noise level per step, decreasing in (0, 1], or null for the pipeline's schedule",
+        "branch_steps": "step indices before which every path splits into branch_factor children (tree rollouts)",
+        "branch_factor": "children per path at each branch step",
+        "record": "extra per-step tensors to keep: x0, mean, std",
+        "record_steps": "keep trajectory entries only for these step indices, or null for all",
     },
     GRPOSettings: {
         "clip_range": "PPO clip range of the policy ratio (Flow-GRPO: 1e-4)",

@@ -62,7 +62,7 @@ def run(config: Config) -> dict:
         image_grid(outputs, config.grid_scale).save(grid_path)
         logger.info("wrote %s (rows: %s)", grid_path, " | ".join(config.prompts))
     else:
-        logger.info("no grid.png: sampling.return_image is false")
+        logger.info("no grid.png: sampling.output_type is not image")
     summary = {
         "config": to_dict(config),
         "model_path": model_path,
@@ -123,7 +123,7 @@ def sample_summary(output: RolloutOutput) -> dict:
                 lp if sde else None for lp, sde in zip(trajectory.log_probs.tolist(), mask.tolist(), strict=True)
             ],
             "sde_mask": mask.tolist(),
-            "latent_shape": list(trajectory.latents.shape),
+            "latent_shape": [trajectory.latents.length, *trajectory.latents.entry_shape],
             "final_latent_mean": float(final.mean()),
             "final_latent_std": float(final.std()),
         }

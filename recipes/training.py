@@ -146,8 +146,8 @@ def _sampling_problems(sampling: SamplingParams) -> list[str]:
     problems = []
     if sampling.lora is not None:
         problems.append(f"sampling.lora must be null: the recipe samples with its own adapter {POLICY_ADAPTER!r}")
-    if not (sampling.return_trajectory and sampling.return_image):
-        problems.append("sampling.return_trajectory and sampling.return_image must both be true for training")
+    if not (sampling.return_trajectory and sampling.output_type == "image"):
+        problems.append("sampling.return_trajectory must be true and sampling.output_type 'image' for training")
     if sampling.num_samples < 2:
         problems.append(
             f"sampling.num_samples (the group size) is {sampling.num_samples}; training compares the samples "

@@ -20,11 +20,12 @@ from rollout.config import EngineConfig
 from rollout.errors import EngineDeadError, interrupted_reason
 from rollout.hot_swap import HotSwapAPI
 from rollout.outputs import RequestTimings, RolloutOutput
-from rollout.request import Request, RequestStatus
+from rollout.request import Request, RequestStatus, step_stream
 from rollout.sampling_params import SamplingParams
 from rollout.scheduler import Scheduler
 from rollout.seeding import derive_seed, fresh_base_seed
 from rollout.shared_conditions import SharedConditions
+from rollout.shared_parts import SharedTreeParts
 from rollout.weight_sync import WeightSync
 
 logger = logging.getLogger(__name__)
@@ -51,6 +52,8 @@ class RolloutEngine(HotSwapAPI):
         self._stashed_outputs: list[RolloutOutput] = []  # finished while an update waited for them
         self._weight_sync = WeightSync(self.collective_rpc)
         self._conditions = SharedConditions()
+        self._tree_parts = SharedTreeParts()
+        self._tree_ids = itertools.count()
         self._init_hot_swap()
 
     # Generation.
@@ -77,10 +80,9 @@ class RolloutEngine(HotSwapAPI):
                 "add_request() are unfinished; step() them to completion or abort() them first"
             )
         request_ids = self.add_requests(prompts, params)
-        requests = [self._requests[request_id] for request_id in request_ids]
-        total_steps = sum(r.params.num_inference_steps for r in requests)
+        total_steps = sum(len(r.leaves()) * r.params.num_inference_steps for r in self._requests.values())
         outputs: dict[str, RolloutOutput] = {}
-        # Progress in denoising steps, not samples: a group of samples finishes all at once.
+        # Progress in denoising steps of the leaves, not samples: a group of samples finishes all at once.
         with (
             self._interrupts_are_fatal(),
             tqdm(total=total_steps, desc="rollout", unit="step", disable=not use_tqdm) as bar,
@@ -88,8 +90,10 @@ class RolloutEngine(HotSwapAPI):
             while self.scheduler.has_unfinished():
                 for output in self._step_once():  # not step(): parked outputs are someone else's
                     outputs[output.request_id] = output
-                bar.update(sum(r.steps_done for r in requests) - bar.n)
-                bar.set_postfix(samples=f"{len(outputs)}/{len(requests)}")
+                done = sum(len(r.leaves()) * r.steps_done for r in self._requests.values())
+                done += sum(o.trajectory.num_steps for o in outputs.values() if o.trajectory is not None)
+                bar.update(done - bar.n)
+                bar.set_postfix(samples=f"{len(outputs)}/{len(request_ids)}")
         return [outputs[request_id] for request_id in request_ids]
 
     def add_requests(
@@ -122,15 +126,20 @@ class RolloutEngine(HotSwapAPI):
         request_id: str | None = None,
         base_seed: int | None = None,
     ) -> list[str]:
-        """Queue `params.num_samples` requests for one prompt; returns their ids
-        ("{request_id}-{sample_index}"). Seeds derive from `params.seed` (or `base_seed` when
-        the params give none, else a fresh one), `prompt_index` and the sample index.
+        """Queue `params.num_samples` requests for one prompt; returns the ids of their outputs:
+        "{request_id}-{sample_index}", and with branching one per leaf,
+        "{request_id}-{sample_index}.{child}.{child}...", in branch-path order. Seeds derive from
+        `params.seed` (or `base_seed` when the params give none, else a fresh one), `prompt_index`,
+        the sample index and the branch path.
 
         A `request_id` that an unfinished request's group or sample id already has, or whose
-        sample ids would be one's group id, is refused: `abort` takes both kinds of id."""
+        sample ids would be one's group id, is refused: `abort` takes both kinds of id. It may not
+        hold "." (which separates the branches of a tree rollout)."""
         self._check_open()
         self._check_awake()
         params = self._check_request(prompt, params)
+        if request_id is not None and "." in request_id:
+            raise ValueError(f"request_id {request_id!r} holds '.', which names tree branches; pass one without")
         group_id = request_id if request_id is not None else f"req{next(self._request_counter)}"
         sample_ids = [f"{group_id}-{k}" for k in range(params.num_samples)]
         self._check_ids_free(group_id, sample_ids)
@@ -138,6 +147,7 @@ class RolloutEngine(HotSwapAPI):
             base_seed = params.seed
         elif base_seed is None:
             base_seed = fresh_base_seed()
+        output_ids = []
         for k, sample_id in enumerate(sample_ids):
             init_index = 0 if params.same_noise_in_group else k
             request = Request(
@@ -147,16 +157,20 @@ class RolloutEngine(HotSwapAPI):
                 prompt_index=prompt_index,
                 sample_index=k,
                 params=params,
-                seed=derive_seed(base_seed, prompt_index, k, "step"),
+                seed=derive_seed(base_seed, prompt_index, k, step_stream(())),
                 init_noise_seed=derive_seed(base_seed, prompt_index, init_index, "init"),
+                base_seed=base_seed,
+                tree_id=next(self._tree_ids),
             )
             self._requests[sample_id] = request
             self.scheduler.add(request)
-        return sample_ids
+            output_ids += [leaf_id for leaf_id, _ in request.leaves()]
+        return output_ids
 
     def _check_ids_free(self, group_id: str, sample_ids: list[str]) -> None:
         groups = {request.group_id for request in self._requests.values()}
-        clashes = sorted(({group_id} & (groups | set(self._requests))) | (set(sample_ids) & groups))
+        roots = {r.ancestors[0] if r.ancestors else r.request_id for r in self._requests.values()}
+        clashes = sorted(({group_id} & (groups | roots)) | (set(sample_ids) & groups))
         if clashes:
             raise ValueError(
                 f"request_id {group_id!r} is refused: {clashes} already name unfinished requests or groups, and "
@@ -192,6 +206,12 @@ class RolloutEngine(HotSwapAPI):
         for work in scheduled.worker_inputs.values():
             for data in work.new_requests:  # encoded in this step, with the weights of now
                 self._requests[data.request_id].encoder_generation = self._conditions.generation
+        for parent, children in scheduled.branched:
+            del self._requests[parent.request_id]
+            for child in children:
+                child.encoder_generation = parent.encoder_generation
+                self._requests[child.request_id] = child
+        for work in scheduled.worker_inputs.values():
             for request_id in work.step_ids:
                 self._requests[request_id].note_weight_version(self.weight_version)
         for runner_output in self._on_executor(self.executor.execute, scheduled):
@@ -201,30 +221,41 @@ class RolloutEngine(HotSwapAPI):
                 trajectory = finished.trajectory
                 if trajectory is not None:
                     trajectory.condition = self._conditions.share(request, trajectory.condition)
-                outputs.append(self._make_output(request, finished.image, trajectory))
+                    self._tree_parts.share(request.tree_id, trajectory, finished.part_nodes)
+                outputs.append(self._make_output(request, finished.image, trajectory, finished.latents))
         return outputs
 
     def abort(self, request_ids: str | Iterable[str]) -> list[RolloutOutput]:
-        """Abort requests by sample id, or by the group id `add_request` was given (all its
-        samples). Their worker state is freed before this returns. Unknown ids are ignored (the
-        request may have just finished). Returns outputs with status "aborted"."""
+        """Abort requests by sample id, by the group id `add_request` was given (all its samples),
+        or, in a tree rollout, by the id of any branch or leaf (that subtree; its siblings run on).
+        Their worker state is freed before this returns. Unknown ids are ignored (the request may
+        have just finished). Returns one output with status "aborted" per leaf aborted."""
         self._check_open()
         if isinstance(request_ids, str):
             request_ids = [request_ids]
-        targets = []
-        for request_id in request_ids:
-            if request_id in self._requests:
-                targets.append(request_id)
-            else:
-                targets += [rid for rid, request in self._requests.items() if request.group_id == request_id]
         aborted = []
-        for request_id in targets:
-            request = self.scheduler.abort(request_id)
-            if request is not None:
-                del self._requests[request_id]
-                aborted.append(self._make_output(request, None, None))
+        for target in request_ids:
+            for request in list(self._requests.values()):
+                if request.request_id not in self._requests:
+                    continue  # aborted by an earlier target
+                if target in (request.request_id, request.group_id) or target in request.ancestors:
+                    aborted += self._abort_request(request, request.leaves())
+                elif request.descendant_path(target) is not None:
+                    # A branch it has not split into yet: its leaves end now, the others run on.
+                    pruned = [(i, p) for i, p in request.leaves() if i == target or i.startswith(target + ".")]
+                    request.pruned.add(target)
+                    if request.leaves():
+                        aborted += [self._make_output(request, None, None, None, leaf) for leaf in pruned]
+                    else:
+                        aborted += self._abort_request(request, pruned)
         self._flush_frees()
         return aborted
+
+    def _abort_request(self, request: Request, leaves: list[tuple[str, tuple[int, ...]]]) -> list[RolloutOutput]:
+        """Drop a live request; one aborted output per leaf in `leaves`."""
+        self.scheduler.abort(request.request_id)
+        del self._requests[request.request_id]
+        return [self._make_output(request, None, None, None, leaf) for leaf in leaves]
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -358,17 +389,23 @@ class RolloutEngine(HotSwapAPI):
         if not frees.is_empty:
             self._on_executor(self.executor.execute, frees)
 
-    def _make_output(self, request: Request, image, trajectory) -> RolloutOutput:
+    def _make_output(
+        self, request: Request, image, trajectory, latents, leaf: tuple[str, tuple[int, ...]] | None = None
+    ) -> RolloutOutput:
+        """The output of `request`, or of one of its future leaves `(id, branch path)` (aborted)."""
         now = time.monotonic()
         first = request.first_step_time
+        request_id, branch_path = leaf if leaf is not None else (request.request_id, request.branch_path)
         return RolloutOutput(
-            request_id=request.request_id,
+            request_id=request_id,
             prompt=request.prompt,
             prompt_index=request.prompt_index,
             sample_index=request.sample_index,
             seed=request.seed,
-            status="aborted" if request.status is RequestStatus.ABORTED else "finished",
+            status="aborted" if leaf is not None or request.status is RequestStatus.ABORTED else "finished",
             image=image,
+            latents=latents,
+            branch_path=branch_path,
             trajectory=trajectory,
             weight_version=request.weight_versions[-1] if request.weight_versions else self.weight_version,
             weight_versions=tuple(request.weight_versions),

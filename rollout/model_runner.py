@@ -11,6 +11,7 @@ the same prompt (or negative prompt), so every sample of a prompt references one
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -18,15 +19,16 @@ import torch
 
 from rollout.lora import LoraManager
 from rollout.outputs import Trajectory
+from rollout.path_history import PathHistory
 from rollout.pipelines.condition import Condition, PromptEmbeds
-from rollout.request import NewRequestData
+from rollout.request import Fork, NewRequestData
 from rollout.samplers import get_sampler
 from rollout.seeding import make_generator
 
 
 @dataclass
 class RequestState:
-    """A worker's live state for one request."""
+    """A worker's live state for one request (one path of a tree rollout)."""
 
     data: NewRequestData
     condition: Condition  # on the model's device and dtype, shared with the prompt's other samples
@@ -36,13 +38,24 @@ class RequestState:
     sde_mask: list[bool]
     step_generator: torch.Generator
     latents: torch.Tensor  # [*latent_shape] float32 on the device: the current x_t
-    history: list[torch.Tensor]  # latents after each step, index 0 the initial noise
+    history: PathHistory  # the latents and records this path keeps
     log_probs: list[torch.Tensor] = field(default_factory=list)  # [] float32 per step
     step_index: int = 0
 
     @property
     def done(self) -> bool:
         return self.step_index == len(self.sde_mask)
+
+    def fork(self, child_id: str, step_noise_seed: int, prefix: PathHistory) -> RequestState:
+        """A child that continues from this state's latents with its own step noise; `prefix` is
+        this state's history sealed into shared parts (`PathHistory.seal`)."""
+        return dataclasses.replace(
+            self,
+            data=dataclasses.replace(self.data, request_id=child_id, step_noise_seed=step_noise_seed),
+            step_generator=make_generator(step_noise_seed),
+            history=prefix.child(),
+            log_probs=list(self.log_probs),
+        )
 
     def encoded_texts(self) -> dict[tuple[str, int], PromptEmbeds]:
         """(text, max_sequence_length) -> embeddings, for the texts this request holds."""
@@ -57,7 +70,11 @@ class RequestState:
 class FinishedRequest:
     request_id: str
     image: torch.Tensor | None  # [3, H, W] uint8, CPU
+    latents: torch.Tensor | None  # final latents, CPU float32, for output_type "latent"
     trajectory: Trajectory | None
+    # Per series of the trajectory, the tree node each inherited part came from, so the engine can
+    # share the parts of one node between leaves that arrive in different steps.
+    part_nodes: dict[str, list[str]] = field(default_factory=dict)
 
 
 @dataclass
@@ -94,10 +111,14 @@ class ModelRunner:
         params = data.params
         length = params.max_sequence_length
         negative = encoded[(params.negative_prompt, length)] if params.negative_prompt is not None else None
-        timesteps, sigmas = self.adapter.schedule(params.num_inference_steps, params.height, params.width)
+        timesteps, sigmas = self.adapter.schedule(
+            params.num_inference_steps, params.height, params.width, params.sigmas
+        )
         shape = self.adapter.spec.latent_shape(params.height, params.width)
         initial = torch.randn(shape, generator=make_generator(data.init_noise_seed), dtype=torch.float32)
         initial = initial.to(self.adapter.device)
+        history = PathHistory.for_params(params)
+        history.add("latents", 0, initial)
         return RequestState(
             data=data,
             condition=Condition(encoded[(data.prompt, length)], negative),
@@ -107,8 +128,14 @@ class ModelRunner:
             sde_mask=params.sde_mask(),
             step_generator=make_generator(data.step_noise_seed),
             latents=initial,
-            history=[initial],
+            history=history,
         )
+
+    @staticmethod
+    def fork(parent: RequestState, fork: Fork) -> list[RequestState]:
+        """The children of `fork`; the parent's recorded history becomes one part they all share."""
+        prefix = parent.history.seal(parent.data.request_id)
+        return [parent.fork(child_id, seed, prefix) for child_id, seed in fork.children]
 
     @torch.no_grad()
     def step(self, states: list[RequestState]) -> None:
@@ -150,28 +177,39 @@ class ModelRunner:
             )
             for j, i in enumerate(indices):
                 state = states[i]
+                step, history = state.step_index, state.history
+                if step in history.kept_steps:
+                    if history.wants("x0"):  # x_t = (1 - sigma) x0 + sigma * noise and v = noise - x0
+                        history.add("x0", step, latents[i].float() - sigma[i] * velocity[i])
+                    history.add("mean", step, out.mean[j])
+                    history.add("std", step, out.std[j].reshape(()))
                 state.latents = out.prev_sample[j]
-                state.history.append(state.latents)
+                history.add("latents", step + 1, state.latents)
                 state.log_probs.append(out.log_prob[j] if out.log_prob is not None else zero)
                 state.step_index += 1
 
     def finish(self, states: list[RequestState]) -> list[FinishedRequest]:
         """Decode images (batched) and package trajectories of finished requests, on CPU."""
-        to_decode = [s for s in states if s.data.params.return_image]
+        to_decode = [s for s in states if s.data.params.output_type == "image"]
         images = {}
         if to_decode:
             decoded = self._decode_by_shape(to_decode)
             images = {s.data.request_id: img for s, img in zip(to_decode, decoded, strict=True)}
         # One CPU copy per embeddings object, however many finished samples share it.
         on_cpu: dict[int, PromptEmbeds] = {}
-        return [
-            FinishedRequest(
-                request_id=s.data.request_id,
-                image=images.get(s.data.request_id),
-                trajectory=self._trajectory(s, on_cpu) if s.data.params.return_trajectory else None,
+        finished = []
+        for s in states:
+            params = s.data.params
+            finished.append(
+                FinishedRequest(
+                    request_id=s.data.request_id,
+                    image=images.get(s.data.request_id),
+                    latents=s.latents.to("cpu", torch.float32) if params.output_type == "latent" else None,
+                    trajectory=self._trajectory(s, on_cpu) if params.return_trajectory else None,
+                    part_nodes=s.history.part_nodes() if params.return_trajectory else {},
+                )
             )
-            for s in states
-        ]
+        return finished
 
     def _decode_by_shape(self, states: list[RequestState]) -> list[torch.Tensor]:
         images: list[torch.Tensor | None] = [None] * len(states)
@@ -195,8 +233,10 @@ class ModelRunner:
                 on_cpu[id(embeds)] = embeds.to("cpu", torch.float32)
             return on_cpu[id(embeds)]
 
+        series = state.history.series(len(state.sde_mask))
         return Trajectory(
-            latents=torch.stack(state.history).to("cpu", torch.float32),
+            latents=series.pop("latents"),
+            records=series,
             log_probs=torch.stack(state.log_probs).to("cpu", torch.float32),
             timesteps=state.timesteps.clone(),
             sigmas=state.sigmas.clone(),

@@ -7,15 +7,18 @@ from dataclasses import dataclass, field
 import torch
 
 from rollout.pipelines.condition import Condition
+from rollout.step_series import StepSeries
 
 
 @dataclass
 class Trajectory:
     """Everything a policy-gradient trainer needs to re-score the denoising chain of one sample.
 
-    latents: [T+1, *latent_shape] float32; index 0 is the initial noise, index T the final latents.
-        Each entry has the form the model's diffusers pipeline takes as `latents=`: [C, h, w] for
-        SD3, packed 2x2 patches [h/2 * w/2, C*4] for FLUX.1 and Qwen-Image.
+    latents: the chain x_0..x_T as a `StepSeries` of float32 entries: `latents[i]` is x_i (0 the
+        initial noise, T or -1 the final latents), `latents[steps]` stacks several. Each entry has
+        the form the model's diffusers pipeline takes as `latents=`: [C, h, w] for SD3, packed 2x2
+        patches [h/2 * w/2, C*4] for FLUX.1 and Qwen-Image. With `record_steps` only the entries
+        around those steps (and x_T) are kept; the leaves of a tree rollout share their prefix.
     log_probs: [T] float32; log-density of latents[i+1] given latents[i] for SDE steps (averaged
         over the latent's elements), 0 where `sde_mask` is False.
     timesteps: [T] float32, the model timesteps (sigma * num_train_timesteps).
@@ -26,9 +29,12 @@ class Trajectory:
     height, width: the image size in pixels (packed latents do not show it).
     sampler, noise_level, guidance_scale, true_cfg_scale: what the steps used (None where the model
         does not use a guidance field), so re-scoring needs nothing else.
+    records: the per-step tensors `SamplingParams.record` asked for, each a `StepSeries` over the
+        T steps (at `record_steps`): "x0" the clean-sample prediction x_i - sigma_i * v_i, "mean"
+        and "std" the transition x_i -> x_{i+1} (std 0 at ODE steps).
     """
 
-    latents: torch.Tensor
+    latents: StepSeries
     log_probs: torch.Tensor
     timesteps: torch.Tensor
     sigmas: torch.Tensor
@@ -40,10 +46,24 @@ class Trajectory:
     noise_level: float
     guidance_scale: float | None
     true_cfg_scale: float | None
+    records: dict[str, StepSeries] = field(default_factory=dict)
 
     @property
     def num_steps(self) -> int:
         return self.log_probs.shape[0]
+
+    @property
+    def kept_steps(self) -> torch.Tensor:
+        """Step indices whose transition x_i -> x_{i+1} is kept (every step unless `record_steps`)."""
+        kept = [i for i in range(self.num_steps) if i in self.latents and i + 1 in self.latents]
+        return torch.tensor(kept, dtype=torch.int64)
+
+    @property
+    def scorable_steps(self) -> torch.Tensor:
+        """The stochastic steps whose transition is kept: those a trainer can re-score."""
+        kept = torch.zeros(self.num_steps, dtype=torch.bool)
+        kept[self.kept_steps] = True
+        return (self.sde_mask & kept).nonzero(as_tuple=True)[0]
 
 
 @dataclass
@@ -59,8 +79,10 @@ class RequestTimings:
 class RolloutOutput:
     """One generated sample. Tensors are on CPU.
 
-    status: "finished", or "aborted" (then image and trajectory are None).
-    image: [3, H, W] uint8, or None when `return_image` was False.
+    status: "finished", or "aborted" (then image, latents and trajectory are None).
+    image: [3, H, W] uint8 with output_type "image", else None.
+    latents: the final latents [*latent_shape] float32 with output_type "latent", else None.
+    branch_path: in a tree rollout, the child taken at each branch step; () without branching.
     weight_version: the engine's weight version of the sample's last step.
     weight_versions: every version its steps used, in order (more than one only when an update
         with mode="pause" landed while it ran).
@@ -73,6 +95,8 @@ class RolloutOutput:
     seed: int
     status: str = "finished"
     image: torch.Tensor | None = None
+    latents: torch.Tensor | None = None
+    branch_path: tuple[int, ...] = ()
     trajectory: Trajectory | None = None
     weight_version: int = 0
     weight_versions: tuple[int, ...] = ()

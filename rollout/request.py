@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
+import itertools
 import time
 from dataclasses import dataclass, field
 
 from rollout.sampling_params import SamplingParams
+from rollout.seeding import derive_seed
+
+
+def step_stream(branch_path: tuple[int, ...]) -> str:
+    """The seed stream of a path's step noise: "step" for a root, one more name per branch taken."""
+    return "step" + "".join(f"/{c}" for c in branch_path)
 
 
 class RequestStatus(enum.Enum):
@@ -28,18 +36,33 @@ class NewRequestData:
     step_noise_seed: int
 
 
+@dataclass(frozen=True)
+class Fork:
+    """Wire format: split request `parent_id` into children that continue from its latents, each
+    with its own step-noise seed. The parent's state becomes the children's."""
+
+    parent_id: str
+    children: tuple[tuple[str, int], ...]  # (child id, step-noise seed), in child order
+
+
 @dataclass
 class Request:
-    """One sample of one prompt (a GRPO group of n samples is n requests)."""
+    """One sample of one prompt (a GRPO group of n samples is n requests), or one path of a tree
+    rollout: a request that reaches a branch step is replaced by its children, "{request_id}.{c}"."""
 
     request_id: str
-    group_id: str  # the id add_request was given (or made): "{group_id}-{sample_index}" is request_id
+    group_id: str  # the id add_request was given (or made): "{group_id}-{sample_index}" is the root's id
     prompt: str
     prompt_index: int
     sample_index: int
     params: SamplingParams  # resolved against the model
-    seed: int  # this sample's step-noise seed, reported in its output
+    seed: int  # this path's step-noise seed, reported in its output
     init_noise_seed: int
+    base_seed: int  # what the seeds derive from (children's too)
+    tree_id: int  # unique per root in the engine's life, shared by its children
+    branch_path: tuple[int, ...] = ()  # the child taken at each branch step so far
+    ancestors: tuple[str, ...] = ()  # ids of the paths it branched from, root first
+    pruned: set[str] = field(default_factory=set)  # ids of its descendants aborted before they existed
     status: RequestStatus = RequestStatus.WAITING
     rank: int | None = None
     sent_to_worker: bool = False
@@ -53,6 +76,62 @@ class Request:
     def note_weight_version(self, version: int) -> None:
         if not self.weight_versions or self.weight_versions[-1] != version:
             self.weight_versions.append(version)
+
+    @property
+    def branches_now(self) -> bool:
+        """Whether its next step is a branch step: it splits before that step runs."""
+        steps = self.params.branch_steps
+        depth = len(self.branch_path)
+        return depth < len(steps) and steps[depth] == self.steps_done
+
+    @property
+    def slots(self) -> int:
+        """Paths it will have at its widest (its leaves): what admission reserves for it."""
+        return self.params.branch_factor ** (len(self.params.branch_steps) - len(self.branch_path))
+
+    def leaves(self) -> list[tuple[str, tuple[int, ...]]]:
+        """(id, branch path) of the leaves it will yield, in path order, without the pruned ones."""
+        remaining = len(self.params.branch_steps) - len(self.branch_path)
+        found = []
+        for suffix in itertools.product(range(self.params.branch_factor), repeat=remaining):
+            leaf_id = self.request_id + "".join(f".{c}" for c in suffix)
+            if not any(leaf_id == p or leaf_id.startswith(p + ".") for p in self.pruned):
+                found.append((leaf_id, self.branch_path + suffix))
+        return found
+
+    def descendant_path(self, node_id: str) -> tuple[int, ...] | None:
+        """The relative branch path of a (future) descendant with id `node_id`; None if it is not one."""
+        if not node_id.startswith(self.request_id + "."):
+            return None
+        suffix = node_id[len(self.request_id) + 1 :].split(".")
+        if not all(part.isdigit() for part in suffix):
+            return None
+        path = tuple(int(part) for part in suffix)
+        remaining = len(self.params.branch_steps) - len(self.branch_path)
+        if len(path) > remaining or any(c >= self.params.branch_factor for c in path):
+            return None
+        return path
+
+    def children(self) -> list[Request]:
+        """Its children at this branch step, each with its own step-noise seed (the pruned left out)."""
+        made = []
+        for c in range(self.params.branch_factor):
+            child_id = f"{self.request_id}.{c}"
+            if child_id in self.pruned:
+                continue
+            path = self.branch_path + (c,)
+            made.append(
+                dataclasses.replace(
+                    self,
+                    request_id=child_id,
+                    seed=derive_seed(self.base_seed, self.prompt_index, self.sample_index, step_stream(path)),
+                    branch_path=path,
+                    ancestors=self.ancestors + (self.request_id,),
+                    pruned={p for p in self.pruned if p.startswith(child_id + ".")},
+                    weight_versions=list(self.weight_versions),
+                )
+            )
+        return made
 
     @property
     def batch_key(self) -> tuple:

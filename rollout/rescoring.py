@@ -58,9 +58,9 @@ def score_transitions(
 
 
 def recompute_log_probs(adapter, trajectory: Trajectory) -> torch.Tensor:
-    """Log-probs [T] float32 of every step of `trajectory` (0 where `sde_mask` is False), computed
-    in one batched forward over its stochastic steps."""
-    steps = trajectory.sde_mask.nonzero(as_tuple=True)[0]
+    """Log-probs [T] float32 of the steps of `trajectory` (0 at ODE steps and at steps whose
+    transition `record_steps` did not keep), computed in one batched forward over its stochastic steps."""
+    steps = trajectory.scorable_steps
     log_probs = torch.zeros(trajectory.num_steps, dtype=torch.float32)
     if len(steps) == 0:
         return log_probs

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 from rollout.samplers import SAMPLERS, is_stochastic_step
+
+OUTPUT_TYPES = ("image", "latent", "none")
+RECORDS = ("x0", "mean", "std")
 
 
 @dataclass(frozen=True)
@@ -28,6 +32,20 @@ class SamplingParams:
     same_noise_in_group: the samples of one prompt start from the same initial noise (their SDE
         noise still differs), as in Flow-GRPO.
     height, width: image size in pixels; None takes the model's default.
+    sigmas: the noise levels of the steps, one per step, decreasing in (0, 1], passed to the
+        scheduler as the model's diffusers pipeline passes `sigmas=` (its shift still applies);
+        None takes the pipeline's schedule.
+    branch_steps, branch_factor: tree rollouts (BranchGRPO, Flow-GRPO-Fast): before each listed
+        step index every path of a sample splits into `branch_factor` children that continue from
+        the same latents with their own step noise. `num_samples` counts the roots; each root
+        yields `branch_factor ** len(branch_steps)` outputs, one per leaf. A branch step must be a
+        stochastic step (children of an ODE step could not differ).
+    record: extra per-step tensors in the trajectory: "x0" (the model's clean-sample prediction
+        x - sigma * v), "mean" and "std" (the sampler's transition, as re-scoring computes it).
+    record_steps: keep trajectory entries (latents around the step, records) only for these step
+        indices; None keeps every step. The final latents are always kept.
+    output_type: "image" decodes; "latent" returns the final latents (`RolloutOutput.latents`)
+        without decoding; "none" returns neither.
     """
 
     num_inference_steps: int = 10
@@ -47,11 +65,17 @@ class SamplingParams:
     lora: str | None = None
     lora_scale: float = 1.0
     return_trajectory: bool = True
-    return_image: bool = True
+    output_type: str = "image"
+    sigmas: tuple[float, ...] | None = None
+    branch_steps: tuple[int, ...] = ()
+    branch_factor: int = 2
+    record: tuple[str, ...] = ()
+    record_steps: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.sde_window, list):  # YAML and JSON give lists
-            object.__setattr__(self, "sde_window", tuple(self.sde_window))
+        for name in ("sde_window", "sigmas", "branch_steps", "record", "record_steps"):
+            if isinstance(getattr(self, name), list):  # YAML and JSON give lists
+                object.__setattr__(self, name, tuple(getattr(self, name)))
         problems = self.problems()
         if problems:
             raise ValueError("invalid SamplingParams: " + "; ".join(problems))
@@ -85,8 +109,67 @@ class SamplingParams:
                 problems.append(f"{name} must be a positive integer or None, got {value!r}")
         if self.seed is not None and not isinstance(self.seed, int):
             problems.append(f"seed must be an integer or None, got {self.seed!r}")
-        if self.sde_window is not None and isinstance(steps, int) and steps >= 1:
-            problems += self._window_problems(steps)
+        if self.output_type not in OUTPUT_TYPES:
+            problems.append(f"output_type must be one of {OUTPUT_TYPES}, got {self.output_type!r}")
+        if isinstance(self.record, str) or not set(self.record) <= set(RECORDS):
+            problems.append(f"record must be a tuple of names from {RECORDS}, got {self.record!r}")
+        if isinstance(steps, int) and steps >= 1:
+            window = self._window_problems(steps) if self.sde_window is not None else []
+            problems += window
+            problems += self._sigmas_problems(steps)
+            problems += self._step_list_problems("record_steps", self.record_steps, steps)
+            if not window:  # the branch checks read the window
+                problems += self._branch_problems(steps)
+        return problems
+
+    @property
+    def leaves_per_sample(self) -> int:
+        """Outputs each of the `num_samples` roots yields."""
+        return self.branch_factor ** len(self.branch_steps)
+
+    def _sigmas_problems(self, steps: int) -> list[str]:
+        sigmas = self.sigmas
+        if sigmas is None:
+            return []
+        if not all(isinstance(s, int | float) for s in sigmas):
+            return [f"sigmas must be numbers, got {sigmas!r}"]
+        if len(sigmas) != steps:
+            return [
+                f"sigmas has {len(sigmas)} entries but num_inference_steps is {steps}; "
+                f"pass one sigma per step (num_inference_steps={len(sigmas)})"
+            ]
+        if not all(0 < s <= 1 for s in sigmas) or any(a <= b for a, b in itertools.pairwise(sigmas)):
+            return [f"sigmas must decrease strictly and lie in (0, 1], got {tuple(sigmas)}"]
+        return []
+
+    @staticmethod
+    def _step_list_problems(name: str, indices: tuple | None, steps: int) -> list[str]:
+        if indices is None:
+            return []
+        if not all(isinstance(i, int) and 0 <= i < steps for i in indices):
+            return [f"{name} must be step indices in [0, {steps}), got {indices!r}"]
+        if any(a >= b for a, b in itertools.pairwise(indices)):
+            return [f"{name} must be increasing without repeats, got {tuple(indices)}"]
+        return []
+
+    def _branch_problems(self, steps: int) -> list[str]:
+        if not isinstance(self.branch_factor, int) or self.branch_factor < 1:
+            return [f"branch_factor must be an integer >= 1, got {self.branch_factor!r}"]
+        if not self.branch_steps:
+            return []
+        problems = self._step_list_problems("branch_steps", self.branch_steps, steps)
+        if problems:
+            return problems
+        if self.branch_factor < 2:
+            problems.append(f"branch_factor must be >= 2 to branch at steps {self.branch_steps}")
+        if self.sampler in SAMPLERS:
+            mask = self.sde_mask()
+            deterministic = [i for i in self.branch_steps if not mask[i]]
+            if deterministic:
+                problems.append(
+                    f"branch_steps {deterministic} are ODE steps of this schedule (sampler {self.sampler!r}, "
+                    f"sde_window {self.sde_window}), where children could not differ; branch at a stochastic step"
+                )
         return problems
 
     def _window_problems(self, steps: int) -> list[str]:

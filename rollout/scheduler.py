@@ -12,7 +12,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from rollout.request import NewRequestData, Request, RequestStatus
+from rollout.request import Fork, NewRequestData, Request, RequestStatus
 
 
 @dataclass
@@ -20,12 +20,13 @@ class WorkerInput:
     """Wire format of one engine step for one worker."""
 
     new_requests: list[NewRequestData] = field(default_factory=list)  # first step: full data
+    forks: list[Fork] = field(default_factory=list)  # tree rollouts: split these (after new ones start)
     step_ids: list[str] = field(default_factory=list)  # denoise these one step (new ones included)
     free_ids: list[str] = field(default_factory=list)  # aborted: drop their state
 
     @property
     def is_empty(self) -> bool:
-        return not (self.new_requests or self.step_ids or self.free_ids)
+        return not (self.new_requests or self.forks or self.step_ids or self.free_ids)
 
 
 @dataclass
@@ -33,6 +34,7 @@ class SchedulerOutput:
     """What the scheduler decided for one engine step: one `WorkerInput` per rank."""
 
     worker_inputs: dict[int, WorkerInput]
+    branched: list[tuple[Request, list[Request]]] = field(default_factory=list)  # (parent, its children)
 
     @property
     def is_empty(self) -> bool:
@@ -40,7 +42,12 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    """Keeps waiting and running requests; each rank runs at most `max_batch_size` at a time."""
+    """Keeps waiting and running requests; each rank steps at most `max_batch_size` at a time.
+
+    A request that reaches a branch step is replaced by its children on its rank (the worker holds
+    its latents). Admission reserves a request's leaves, so a rank takes a tree only when its
+    leaves fit (or when the rank is idle: a tree wider than a batch still runs, in turns).
+    """
 
     def __init__(self, num_ranks: int, max_batch_size: int):
         self.num_ranks = num_ranks
@@ -60,21 +67,39 @@ class Scheduler:
         """The next step's work; `admit=False` leaves waiting requests queued (only running ones step)."""
         if admit:
             self._admit_waiting()
-        inputs = {}
-        for rank in range(self.num_ranks):
-            work = WorkerInput(free_ids=self._pending_frees[rank])
-            self._pending_frees[rank] = []
+        inputs = {rank: WorkerInput(free_ids=ids) for rank, ids in self._pending_frees.items()}
+        self._pending_frees = {rank: [] for rank in range(self.num_ranks)}
+        branched = [
+            (parent, self._branch(parent, inputs[parent.rank]))
+            for parent in list(self.running.values())
+            if parent.branches_now
+        ]
+        for rank, work in inputs.items():
             for request in self._next_batch(rank):
-                if not request.sent_to_worker:
-                    work.new_requests.append(request.new_request_data())
-                    request.sent_to_worker = True
-                    request.first_step_time = time.monotonic()
+                self._start(request, work)
                 request.last_scheduled_tick = self._tick
                 request.steps_done += 1
                 work.step_ids.append(request.request_id)
-            inputs[rank] = work
         self._tick += 1
-        return SchedulerOutput(worker_inputs=inputs)
+        return SchedulerOutput(worker_inputs=inputs, branched=branched)
+
+    def _start(self, request: Request, work: WorkerInput) -> None:
+        """Send a request's full data with its first step (or its first fork)."""
+        if not request.sent_to_worker:
+            work.new_requests.append(request.new_request_data())
+            request.sent_to_worker = True
+            request.first_step_time = time.monotonic()
+
+    def _branch(self, parent: Request, work: WorkerInput) -> list[Request]:
+        """Replace `parent` by its children on its rank."""
+        self._start(parent, work)
+        children = parent.children()
+        del self.running[parent.request_id]
+        parent.status = RequestStatus.FINISHED
+        for child in children:
+            self.running[child.request_id] = child
+        work.forks.append(Fork(parent.request_id, tuple((child.request_id, child.seed) for child in children)))
+        return children
 
     def take_frees(self) -> SchedulerOutput:
         """A step that only drops the state of aborted requests (no denoising)."""
@@ -107,21 +132,26 @@ class Scheduler:
         """Move waiting requests (first come, first served) to the rank with the most free slots."""
         load = [0] * self.num_ranks
         for request in self.running.values():
-            load[request.rank] += 1
+            load[request.rank] += request.slots
         while self.waiting:
             rank = min(range(self.num_ranks), key=load.__getitem__)
-            if load[rank] >= self.max_batch_size:
+            slots = self.waiting[0].slots
+            if load[rank] and load[rank] + slots > self.max_batch_size:
                 return
             request = self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             request.rank = rank
             request.last_scheduled_tick = self._tick  # newcomers queue behind requests already stepped
             self.running[request.request_id] = request
-            load[rank] += 1
+            load[rank] += slots
 
     def _next_batch(self, rank: int) -> list[Request]:
         candidates = [r for r in self.running.values() if r.rank == rank]
         if not candidates:
             return []
         key = min(candidates, key=lambda r: r.last_scheduled_tick).batch_key
-        return [r for r in candidates if r.batch_key == key]
+        batch = [r for r in candidates if r.batch_key == key]
+        if len(batch) > self.max_batch_size:  # a tree wider than a batch: the least recently stepped go first
+            chosen = {id(r) for r in sorted(batch, key=lambda r: r.last_scheduled_tick)[: self.max_batch_size]}
+            batch = [r for r in batch if id(r) in chosen]
+        return batch

@@ -9,8 +9,11 @@ Outputs travel as a stream of frames, so each one can go out as soon as it finis
 - {"kind": "embeds", "key": ..., "class": ...}: one text's embeddings (a family's `PromptEmbeds`),
   a tensor per field; sent once per stream, before the first output that uses them (the samples of
   a prompt share them, as in process);
-- {"kind": "output", ...}: one `RolloutOutput`, its tensors "image" and "trajectory.<field>", and
-  the keys of its condition's prompt and negative embeddings;
+- {"kind": "part", "key": ...}: one part of a trajectory's `StepSeries` (the latents or a record),
+  sent once per stream: the leaves of a tree rollout share the parts of their common history;
+- {"kind": "output", ...}: one `RolloutOutput`, its tensors "image", "latents" and
+  "trajectory.<field>", the keys of its condition's prompt and negative embeddings, and per series
+  its positions (a tensor), its length and the keys of its parts;
 - {"kind": "error", "type": ..., "message": ...}: the stream failed (the engine died).
 The same functions encode and decode, on both sides.
 """
@@ -30,12 +33,13 @@ import torch
 from rollout.outputs import RequestTimings, RolloutOutput, Trajectory
 from rollout.pipelines.condition import Condition, PromptEmbeds
 from rollout.pipelines.loading import FAMILIES
+from rollout.step_series import StepSeries
 
 FRAMES_MEDIA_TYPE = "application/x-rollout-frames"
 SAFETENSORS_MEDIA_TYPE = "application/octet-stream"
 _LENGTH = struct.Struct("<Q")
 # Trajectory fields that are tensors; the rest (sizes, sampler settings) travel as JSON.
-_TRAJECTORY_TENSORS = ("latents", "log_probs", "timesteps", "sigmas", "sde_mask")
+_TRAJECTORY_TENSORS = ("log_probs", "timesteps", "sigmas", "sde_mask")
 _TRAJECTORY_VALUES = ("height", "width", "sampler", "noise_level", "guidance_scale", "true_cfg_scale")
 
 
@@ -124,7 +128,8 @@ class OutputEncoder:
 
     def __init__(self):
         self._embeds_keys: dict[int, str] = {}  # id(PromptEmbeds) -> key sent
-        self._kept: list[PromptEmbeds] = []  # keeps those ids unique while the stream lives
+        self._part_keys: dict[int, str] = {}  # id(part tensor) -> key sent
+        self._kept: list[PromptEmbeds | torch.Tensor] = []  # keeps those ids unique while the stream lives
 
     def encode(self, output: RolloutOutput) -> bytes:
         frames = b""
@@ -137,10 +142,12 @@ class OutputEncoder:
             "weight_versions": list(output.weight_versions),
             "lora": output.lora,
             "timings": dataclasses.asdict(output.timings),
+            "branch_path": list(output.branch_path),
         }
         tensors = {}
-        if output.image is not None:
-            tensors["image"] = output.image
+        for name in ("image", "latents"):
+            if getattr(output, name) is not None:
+                tensors[name] = getattr(output, name)
         trajectory = output.trajectory
         if trajectory is not None:
             values = {name: getattr(trajectory, name) for name in _TRAJECTORY_VALUES}
@@ -151,9 +158,28 @@ class OutputEncoder:
                     key, embeds_frame = self._embeds(embeds)
                     frames += embeds_frame
                 values[part] = key
+            series = {"latents": trajectory.latents} | trajectory.records
+            values["series"] = {}
+            for name, one in series.items():
+                keys = []
+                for part in one.parts:
+                    key, part_frame = self._part(part)
+                    frames += part_frame
+                    keys.append(key)
+                values["series"][name] = {"length": one.length, "parts": keys}
+                tensors[f"trajectory.{name}.positions"] = one.positions
             fields["trajectory"] = values
             tensors |= {f"trajectory.{name}": getattr(trajectory, name) for name in _TRAJECTORY_TENSORS}
         return frames + frame("output", fields, tensors)
+
+    def _part(self, part: torch.Tensor) -> tuple[str, bytes]:
+        key = self._part_keys.get(id(part))
+        if key is not None:
+            return key, b""
+        key = f"p{len(self._part_keys)}"
+        self._part_keys[id(part)] = key
+        self._kept.append(part)
+        return key, frame("part", {"key": key}, {"part": part})
 
     def _embeds(self, embeds: PromptEmbeds) -> tuple[str, bytes]:
         key = self._embeds_keys.get(id(embeds))
@@ -171,12 +197,16 @@ class OutputDecoder:
 
     def __init__(self):
         self._embeds: dict[str, PromptEmbeds] = {}
+        self._parts: dict[str, torch.Tensor] = {}
 
     def decode(self, fields: dict, tensors: dict[str, torch.Tensor]) -> RolloutOutput | None:
         """The output a frame completes, or None for a frame that only sets up later ones."""
         kind = fields["kind"]
         if kind == "embeds":
             self._embeds[fields["key"]] = _embeds_class(fields["class"])(**tensors)
+            return None
+        if kind == "part":
+            self._parts[fields["key"]] = tensors["part"]
             return None
         if kind != "output":
             raise WireError(f"unexpected frame {kind!r} among outputs")
@@ -185,8 +215,16 @@ class OutputDecoder:
             values = dict(fields["trajectory"])
             prompt, negative = values.pop("prompt"), values.pop("negative")
             condition = Condition(self._embeds[prompt], self._embeds[negative] if negative is not None else None)
+            series = {
+                name: StepSeries(
+                    tensors[f"trajectory.{name}.positions"], [self._parts[key] for key in one["parts"]], one["length"]
+                )
+                for name, one in values.pop("series").items()
+            }
             trajectory = Trajectory(
                 **{name: tensors[f"trajectory.{name}"] for name in _TRAJECTORY_TENSORS},
+                latents=series.pop("latents"),
+                records=series,
                 condition=condition,
                 **values,
             )
@@ -198,6 +236,8 @@ class OutputDecoder:
             seed=fields["seed"],
             status=fields["status"],
             image=tensors.get("image"),
+            latents=tensors.get("latents"),
+            branch_path=tuple(fields["branch_path"]),
             trajectory=trajectory,
             weight_version=fields["weight_version"],
             weight_versions=tuple(fields["weight_versions"]),

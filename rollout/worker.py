@@ -44,6 +44,9 @@ class Worker:
             self.requests.pop(request_id, None)
         for state in self.runner.prepare(work.new_requests, self.requests.values()):
             self.requests[state.data.request_id] = state
+        for fork in work.forks:  # tree rollouts: a path splits before the step it branches at
+            for child in self.runner.fork(self.requests.pop(fork.parent_id), fork):
+                self.requests[child.data.request_id] = child
         batch = [self.requests[request_id] for request_id in work.step_ids]
         if batch:
             self.runner.step(batch)

@@ -134,10 +134,11 @@ def _check_ratio(log_ratio: float, tolerance: float | None, optimizer: torch.opt
 
 
 def _pick_transitions(rollout: RewardedRollout, fraction: float, generator: torch.Generator) -> list[tuple[int, int]]:
-    """(sample index, step index) pairs: a random `fraction` (at least one) of each sample's SDE steps."""
+    """(sample index, step index) pairs: a random `fraction` (at least one) of each sample's SDE steps
+    (of those it kept)."""
     transitions = []
     for index, trajectory in enumerate(rollout.trajectories):
-        steps = trajectory.sde_mask.nonzero(as_tuple=True)[0]
+        steps = trajectory.scorable_steps
         if len(steps) == 0:
             continue
         keep = max(1, round(fraction * len(steps)))

@@ -47,8 +47,8 @@ def generate_with_rewards(
     """Generate `params.num_samples` samples of every prompt and reward each group on `pool` as it
     finishes. The reward gets (images [n, 3, H, W] uint8, prompts, metadata) with metadata per
     sample: prompt_index, sample_index, seed, weight_version."""
-    if not params.return_image:
-        raise ValueError("a rewarded rollout needs images; set return_image=True in the sampling params")
+    if params.output_type != "image":
+        raise ValueError("a rewarded rollout needs images; set output_type='image' in the sampling params")
     started = time.perf_counter()
     group_of: dict[str, int] = {}
     finished: list[list[RolloutOutput]] = [[] for _ in prompts]

@@ -6,7 +6,7 @@ with exactly the computation that sampled it. A family supplies hooks, never a d
 
     make_spec()                          its ModelSpec (sizes, latent layout, guidance fields, defaults)
     encode_prompt(text, max_length)      one text -> its own PromptEmbeds type, on the model's device
-    set_timesteps(scheduler, n, h, w)    the sigma schedule exactly as its diffusers pipeline sets it
+    set_timesteps(scheduler, n, h, w, sigmas)  the schedule exactly as its diffusers pipeline sets it
     run_transformer(...)                 one forward pass over a batch of rows
     combine_cfg(cond, uncond, scale)     how guidance combines the two predictions (linear by default)
     decode(latents, height, width)       uint8 images
@@ -51,7 +51,7 @@ class PipelineAdapter(ABC):
         self.transformer = pipeline.transformer
         # A private scheduler: set_timesteps mutates it, and the pipeline's own must stay untouched.
         self._scheduler = FlowMatchEulerDiscreteScheduler.from_config(pipeline.scheduler.config)
-        self._schedules: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._schedules: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self.spec = self.make_spec()
         self.spec = dataclasses.replace(self.spec, min_inference_steps=self._min_inference_steps())
 
@@ -79,8 +79,16 @@ class PipelineAdapter(ABC):
         at a time, so a sample's conditioning never depends on what else was encoded with it."""
 
     @abstractmethod
-    def set_timesteps(self, scheduler: FlowMatchEulerDiscreteScheduler, num_steps: int, height: int, width: int):
-        """Call `scheduler.set_timesteps` with the arguments the family's pipeline passes."""
+    def set_timesteps(
+        self,
+        scheduler: FlowMatchEulerDiscreteScheduler,
+        num_steps: int,
+        height: int,
+        width: int,
+        sigmas: Sequence[float] | None,
+    ):
+        """Call `scheduler.set_timesteps` with the arguments the family's pipeline passes, given the
+        pipeline's `sigmas=` argument (None: the pipeline's own choice)."""
 
     @abstractmethod
     def run_transformer(
@@ -120,11 +128,14 @@ class PipelineAdapter(ABC):
     def dtype(self) -> torch.dtype:
         return self.transformer.dtype
 
-    def schedule(self, num_steps: int, height: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(timesteps [T], sigmas [T+1]) float32 on CPU, exactly as the family's pipeline computes them."""
-        key = (num_steps, height, width)
+    def schedule(
+        self, num_steps: int, height: int, width: int, sigmas: Sequence[float] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(timesteps [T], sigmas [T+1]) float32 on CPU, exactly as the family's pipeline computes
+        them (with `sigmas=` when given)."""
+        key = (num_steps, height, width, None if sigmas is None else tuple(sigmas))
         if key not in self._schedules:
-            self.set_timesteps(self._scheduler, num_steps, height, width)
+            self.set_timesteps(self._scheduler, num_steps, height, width, sigmas)
             timesteps, sigmas = self._scheduler.timesteps, self._scheduler.sigmas
             self._schedules[key] = (timesteps.to("cpu", torch.float32), sigmas.to("cpu", torch.float32))
         return self._schedules[key]

@@ -72,10 +72,13 @@ class FluxAdapter(PipelineAdapter):
         )
         return FluxEmbeds(embeds[0], pooled[0]).to(self.device, self.dtype)
 
-    def set_timesteps(self, scheduler, num_steps: int, height: int, width: int) -> None:
+    def set_timesteps(self, scheduler, num_steps: int, height: int, width: int, sigmas) -> None:
         # FluxPipeline.__call__ step 5, on this scheduler.
         config = scheduler.config
-        sigmas = None if config.get("use_flow_sigmas") else np.linspace(1.0, 1 / num_steps, num_steps)
+        if sigmas is None:
+            sigmas = np.linspace(1.0, 1 / num_steps, num_steps)
+        if config.get("use_flow_sigmas"):
+            sigmas = None
         mu = calculate_shift(
             self.spec.latent_shape(height, width)[0],
             config.get("base_image_seq_len", 256),

@@ -64,7 +64,7 @@ class QwenImageAdapter(PipelineAdapter):
         mask = torch.ones(embeds.shape[1], dtype=torch.bool, device=self.device) if mask is None else mask[0].bool()
         return QwenImageEmbeds(embeds[0], mask).to(self.device, self.dtype)
 
-    def set_timesteps(self, scheduler, num_steps: int, height: int, width: int) -> None:
+    def set_timesteps(self, scheduler, num_steps: int, height: int, width: int, sigmas) -> None:
         # QwenImagePipeline.__call__ step 4, on this scheduler.
         config = scheduler.config
         mu = calculate_shift(
@@ -74,7 +74,9 @@ class QwenImageAdapter(PipelineAdapter):
             config.get("base_shift", 0.5),
             config.get("max_shift", 1.15),
         )
-        retrieve_timesteps(scheduler, num_steps, "cpu", sigmas=np.linspace(1.0, 1 / num_steps, num_steps), mu=mu)
+        if sigmas is None:
+            sigmas = np.linspace(1.0, 1 / num_steps, num_steps)
+        retrieve_timesteps(scheduler, num_steps, "cpu", sigmas=sigmas, mu=mu)
 
     def run_transformer(self, latents, sigmas, embeds: QwenImageEmbeds, guidance_scale, height, width) -> torch.Tensor:
         grid = self.spec.vae_scale_factor * 2

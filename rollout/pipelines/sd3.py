@@ -61,7 +61,7 @@ class SD3Adapter(PipelineAdapter):
         )
         return SD3Embeds(embeds[0], pooled[0]).to(self.device, self.dtype)
 
-    def set_timesteps(self, scheduler, num_steps: int, height: int, width: int) -> None:
+    def set_timesteps(self, scheduler, num_steps: int, height: int, width: int, sigmas) -> None:
         config = scheduler.config
         kwargs = {}
         if config.get("use_dynamic_shifting", False):
@@ -74,7 +74,7 @@ class SD3Adapter(PipelineAdapter):
                 config.get("base_shift", 0.5),
                 config.get("max_shift", 1.16),
             )
-        scheduler.set_timesteps(num_steps, device="cpu", **kwargs)
+        scheduler.set_timesteps(num_steps, device="cpu", sigmas=sigmas, **kwargs)
 
     def run_transformer(self, latents, sigmas, embeds: SD3Embeds, guidance_scale, height, width) -> torch.Tensor:
         return self.transformer(

@@ -62,7 +62,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--max-upload-mb", type=float, default=8192.0, help="largest safetensors body: weights, adapters (413 past it)"
     )
     server.add_argument(
-        "--max-samples-per-request", type=int, default=1024, help="most samples (prompts x num_samples) per generate"
+        "--max-samples-per-request",
+        type=int,
+        default=1024,
+        help="most outputs (prompts x num_samples x leaves per sample) per generate",
     )
     server.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="logging")
     args = parser.parse_args(argv)

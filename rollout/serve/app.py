@@ -54,7 +54,7 @@ _STATUS: list[tuple[type[BaseException], int]] = [
 class ServerSettings:
     """api_key: required as `Authorization: Bearer <key>` on every route but /health (None: open).
     max_body_bytes: of a JSON body; max_upload_bytes: of a safetensors body (weights, adapters);
-    max_samples_per_request: prompts x num_samples of one generate call."""
+    max_samples_per_request: outputs of one generate call (prompts x num_samples x a tree's leaves per sample)."""
 
     api_key: str | None = None
     max_body_bytes: int = 1 << 20
@@ -93,7 +93,8 @@ def build_app(engine: AsyncRolloutEngine, settings: ServerSettings) -> FastAPI:
     async def generate(request: Request, body: Annotated[protocol.GenerateBody, json_body(protocol.GenerateBody)]):
         prompts = [body.prompts] if isinstance(body.prompts, str) else body.prompts
         params = _sampling_params(body.params)
-        counts = [p.num_samples for p in params] if isinstance(params, list) else [params.num_samples] * len(prompts)
+        per_prompt = params if isinstance(params, list) else [params] * len(prompts)
+        counts = [p.num_samples * p.leaves_per_sample for p in per_prompt]  # outputs: a tree's leaves count
         if sum(counts) > settings.max_samples_per_request:
             raise HTTPException(
                 413,

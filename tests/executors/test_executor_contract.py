@@ -242,7 +242,7 @@ def test_same_numbers_on_every_backend(engine, model_path):
     # a few ULPs (measured up to 3e-6 on latents of magnitude ~3). Same batches and threads are
     # bitwise equal (test_mp_executor.py).
     for got, want in zip(outputs, reference, strict=True):
-        assert (got.trajectory.latents - want.trajectory.latents).abs().max() < 1e-5
+        assert (got.trajectory.latents.stack() - want.trajectory.latents.stack()).abs().max() < 1e-5
         assert (got.trajectory.log_probs - want.trajectory.log_probs).abs().max() < 1e-5
         assert (got.image.int() - want.image.int()).abs().max() <= 1
 
@@ -513,7 +513,7 @@ def test_several_adapters_resident_and_never_mixed_in_a_batch(engine, lora_tenso
             solo = []
             while engine.has_unfinished_requests():
                 solo += engine.step()
-            assert (solo[0].trajectory.latents - mixed[i].trajectory.latents).abs().max() < 1e-5
+            assert (solo[0].trajectory.latents.stack() - mixed[i].trajectory.latents.stack()).abs().max() < 1e-5
             assert mixed[i].lora == p.lora
     finally:
         engine.unload_lora("policy")
@@ -732,6 +732,49 @@ def test_trainer_recomputes_rollout_log_probs_with_ratio_one(engine, trainer_ada
         trajectory = output.trajectory
         log_ratio = recompute_log_probs(trainer_adapter, trajectory) - trajectory.log_probs
         assert log_ratio.abs().max() < 1e-5
+
+
+def test_tree_rollouts_batch_with_flat_requests_and_rescore_with_ratio_one(engine, model_path, trainer_adapter):
+    from rollout.rescoring import recompute_log_probs
+
+    prompts = ["a red square", "a blue circle"]
+    params = [
+        _params(engine, num_inference_steps=4, num_samples=2, seed=21, branch_steps=(1, 2), branch_factor=2),
+        _params(engine, num_inference_steps=4, num_samples=2, seed=21),  # flat, in the same batches
+    ]
+    outputs = engine.generate(prompts, params)
+    with RolloutEngine(EngineConfig(model=model_path)) as reference_engine:
+        reference = reference_engine.generate(prompts, params)
+    assert [(o.prompt_index, o.sample_index, o.branch_path) for o in outputs] == [
+        (0, k, (a, b)) for k in range(2) for a in range(2) for b in range(2)
+    ] + [(1, k, ()) for k in range(2)]
+    for got, want in zip(outputs, reference, strict=True):
+        assert got.request_id == want.request_id and got.seed == want.seed
+        assert (got.trajectory.latents.stack() - want.trajectory.latents.stack()).abs().max() < 1e-5
+        log_ratio = recompute_log_probs(trainer_adapter, got.trajectory) - got.trajectory.log_probs
+        assert log_ratio.abs().max() < 1e-5
+    # Each root's history before its first branch is one tensor in this process, for its 4 leaves.
+    assert len({id(o.trajectory.latents.parts[0]) for o in outputs[:4]}) == 1
+    assert engine.collective_rpc("request_ids") == [[] for _ in _ranks(engine)]
+
+
+def test_aborting_a_subtree_frees_it_and_its_siblings_run_on(engine):
+    params = _params(engine, num_inference_steps=4, num_samples=2, seed=3, branch_steps=(1,), branch_factor=2)
+    ids = engine.add_request("x", params, request_id="tree")
+    assert ids == ["tree-0.0", "tree-0.1", "tree-1.0", "tree-1.1"]
+    for _ in range(2):
+        engine.step()
+    assert sorted(i for held in engine.collective_rpc("request_ids") for i in held) == ids
+    aborted = engine.abort(["tree-0.1", "tree-1"])  # one leaf, and the whole second root
+    assert sorted((o.request_id, o.status) for o in aborted) == [
+        (i, "aborted") for i in ("tree-0.1", "tree-1.0", "tree-1.1")
+    ]
+    assert [i for held in engine.collective_rpc("request_ids") for i in held] == ["tree-0.0"]
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    assert [(o.request_id, o.status, o.branch_path) for o in outputs] == [("tree-0.0", "finished", (0,))]
+    assert engine.collective_rpc("request_ids") == [[] for _ in _ranks(engine)]
 
 
 def test_the_engine_never_aliases_the_callers_tensors(engine, original_weights):

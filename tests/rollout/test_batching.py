@@ -16,7 +16,7 @@ TOL = 1e-5
 
 def _assert_same(a, b):
     ta, tb = a.trajectory, b.trajectory
-    assert (ta.latents - tb.latents).abs().max() < TOL
+    assert (ta.latents.stack() - tb.latents.stack()).abs().max() < TOL
     assert (ta.log_probs - tb.log_probs).abs().max() < TOL
     assert torch.equal(ta.sde_mask, tb.sde_mask)
 
@@ -26,9 +26,9 @@ def test_same_seed_same_trajectory(engine):
     first = engine.generate("a red square", params)
     second = engine.generate("a red square", params)
     for a, b in zip(first, second, strict=True):
-        assert torch.equal(a.trajectory.latents, b.trajectory.latents)
+        assert torch.equal(a.trajectory.latents.stack(), b.trajectory.latents.stack())
         assert torch.equal(a.trajectory.log_probs, b.trajectory.log_probs)
-    assert not torch.equal(first[0].trajectory.latents, first[1].trajectory.latents)
+    assert not torch.equal(first[0].trajectory.latents.stack(), first[1].trajectory.latents.stack())
 
 
 def test_sample_alone_equals_sample_in_a_full_batch(engine):

@@ -35,16 +35,16 @@ def test_a_sample_alone_equals_the_sample_in_a_mixed_batch(family_engine):
     ]
     crowd = engine.generate(prompts, crowd_params)
     a, b = alone.trajectory, crowd[0].trajectory
-    assert (a.latents - b.latents).abs().max() < 1e-5
+    assert (a.latents.stack() - b.latents.stack()).abs().max() < 1e-5
     assert (a.log_probs - b.log_probs).abs().max() < 1e-5
-    assert not torch.equal(crowd[0].trajectory.latents, crowd[3].trajectory.latents)
+    assert not torch.equal(crowd[0].trajectory.latents.stack(), crowd[3].trajectory.latents.stack())
 
 
 def test_trajectory_form_is_the_pipelines_latents_argument(family_engine):
     family, engine = family_engine
     (output,) = engine.generate("x", family.params(num_inference_steps=3, seed=0))
     expected = {"sd3": (4, 4, 16, 16), "flux": (4, 64, 16), "qwen_image": (4, 64, 16)}[family.name]
-    assert tuple(output.trajectory.latents.shape) == expected  # packed 2x2 patches for FLUX, Qwen-Image
+    assert tuple(output.trajectory.latents.stack().shape) == expected  # packed 2x2 patches for FLUX, Qwen-Image
     assert (output.trajectory.height, output.trajectory.width) == (32, 32)
     assert output.image.shape == (3, 32, 32)
 

@@ -62,3 +62,23 @@ def test_schedule_matches_diffusers(family_setup):
     pipeline("x", callback_on_step_end=capture, **call)
     assert torch.equal(output.trajectory.sigmas, captured["sigmas"])
     assert torch.equal(output.trajectory.timesteps, captured["timesteps"])
+
+
+def test_sigmas_dictated_by_the_trainer_match_the_pipelines_sigmas_argument(family_setup):
+    """`SamplingParams.sigmas` is the pipeline's `sigmas=`: the family's shift still applies, the
+    schedule ends at 0, and the ODE path is the pipeline's."""
+    family, engine, pipeline = family_setup
+    sigmas = (1.0, 0.8, 0.45, 0.2)
+    params = family.params(cfg=False, sampler="ode", num_inference_steps=4, seed=4, sigmas=sigmas)
+    (output,) = engine.generate("a red square", params)
+    default = engine.generate("a red square", family.params(cfg=False, sampler="ode", num_inference_steps=4, seed=4))
+    assert not torch.equal(output.trajectory.sigmas, default[0].trajectory.sigmas)
+    call = {"num_inference_steps": 4, "height": 32, "width": 32, "sigmas": list(sigmas), **family.no_cfg}
+    if family.name == "sd3":
+        call["guidance_scale"] = 1.0
+    elif family.name == "qwen_image":
+        call["true_cfg_scale"] = 1.0
+    initial = output.trajectory.latents[0][None]
+    reference = pipeline("a red square", latents=initial.clone(), output_type="latent", **call).images
+    assert (output.trajectory.latents[-1] - reference[0]).abs().max() < 1e-4
+    assert torch.allclose(output.trajectory.sigmas, pipeline.scheduler.sigmas.float())

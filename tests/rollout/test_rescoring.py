@@ -52,7 +52,7 @@ def test_trajectory_layout(engine):
     params = SamplingParams(num_inference_steps=5, sde_window=(1, 3), seed=0)
     (output,) = engine.generate("a red square", params)
     t = output.trajectory
-    assert t.latents.shape == (6, 4, 16, 16) and t.latents.dtype == torch.float32
+    assert t.latents.stack().shape == (6, 4, 16, 16) and t.latents.stack().dtype == torch.float32
     assert t.log_probs.shape == (5,) and t.log_probs.dtype == torch.float32
     assert t.sigmas.shape == (6,) and t.sigmas[-1] == 0 and t.sigmas[0] == 1
     assert t.timesteps.shape == (5,)

@@ -52,7 +52,7 @@ def test_a_timed_out_load_that_finishes_later_is_known_to_the_engine(tiny_model)
         engine.collective_rpc(_on_time, args=("loras", "load"))
         assert engine.list_loras() == ["policy"] and engine.weight_version == version + 1
         (output,) = engine.generate("x", SamplingParams(num_inference_steps=2, seed=0, lora="policy"))
-        assert output.weight_version == version + 1 and torch.isfinite(output.trajectory.latents).all()
+        assert output.weight_version == version + 1 and torch.isfinite(output.trajectory.latents.stack()).all()
 
 
 def test_a_timed_out_sleep_and_wake_up_leave_the_engine_knowing_the_level(tiny_model):

@@ -25,9 +25,31 @@ pytestmark = pytest.mark.timeout(120)
 @pytest.fixture(scope="module")
 def outputs(engine):
     params = SamplingParams(num_inference_steps=3, num_samples=2, seed=1)
-    return engine.generate(["a red square", "a blue circle"], params) + engine.generate(
-        "no image", SamplingParams(num_inference_steps=2, seed=2, return_image=False)
+    return (
+        engine.generate(["a red square", "a blue circle"], params)
+        + engine.generate("no image", SamplingParams(num_inference_steps=2, seed=2, output_type="none"))
+        + engine.generate("latents", SamplingParams(num_inference_steps=2, seed=2, output_type="latent"))
     )
+
+
+def test_a_tree_with_records_round_trips_and_its_leaves_share_parts_again(engine):
+    params = SamplingParams(
+        num_inference_steps=4, seed=1, branch_steps=(1, 2), record=("x0", "std"), record_steps=(0, 1, 3)
+    )
+    leaves = engine.generate("a tree", params)
+    encoder = OutputEncoder()
+    data = b"".join(encoder.encode(output) for output in leaves)
+    decoded = _decode(data, 4096)
+    for got, expected in zip(decoded, leaves, strict=True):
+        assert got.branch_path == expected.branch_path and got.request_id == expected.request_id
+        for name, series in {"latents": expected.trajectory.latents, **expected.trajectory.records}.items():
+            got_series = got.trajectory.latents if name == "latents" else got.trajectory.records[name]
+            assert torch.equal(got_series.positions, series.positions) and got_series.length == series.length
+            assert torch.equal(got_series.stack(), series.stack())
+    parts = {id(p) for o in leaves for s in (o.trajectory.latents, *o.trajectory.records.values()) for p in s.parts}
+    kinds = [fields["kind"] for fields, _ in FrameReader().feed(data)]
+    assert kinds.count("part") == len(parts)  # each shared part crossed once
+    assert decoded[0].trajectory.latents.parts[0] is decoded[3].trajectory.latents.parts[0]
 
 
 def _decode(data: bytes, chunk: int) -> list:
@@ -57,13 +79,17 @@ def test_outputs_round_trip_bitwise_however_the_stream_is_cut(outputs, chunk):
         assert (got.image is None) == (expected.image is None)
         if expected.image is not None:
             assert torch.equal(got.image, expected.image)
-        for name in ("latents", "log_probs", "timesteps", "sigmas", "sde_mask"):
+        assert (got.latents is None) == (expected.latents is None)
+        if expected.latents is not None:
+            assert torch.equal(got.latents, expected.latents)
+        assert torch.equal(got.trajectory.latents.stack(), expected.trajectory.latents.stack())
+        for name in ("log_probs", "timesteps", "sigmas", "sde_mask"):
             assert torch.equal(getattr(got.trajectory, name), getattr(expected.trajectory, name))
         for name, tensor in expected.trajectory.condition.prompt.tensors().items():
             assert torch.equal(got.trajectory.condition.prompt.tensors()[name], tensor)
     # Each text's embeddings cross once, and are shared again on arrival.
     kinds = [fields["kind"] for fields, _ in FrameReader().feed(data)]
-    assert kinds.count("embeds") == 4  # three prompts and one negative prompt (""), for five outputs
+    assert kinds.count("embeds") == 5  # four prompts and one negative prompt (""), for six outputs
     assert decoded[0].trajectory.condition.prompt is decoded[1].trajectory.condition.prompt
     assert decoded[0].trajectory.condition.negative is decoded[2].trajectory.condition.negative
 

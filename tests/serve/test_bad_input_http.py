@@ -70,6 +70,9 @@ def test_a_non_loopback_bind_without_a_key_is_refused(tiny_model):
         ({"prompts": ["x"], "params": {"lora": "nope"}}, 400, "lora 'nope' is not loaded"),
         ({"prompts": ["x"], "params": {"sampler": "euler"}}, 400, "sampler must be one of"),
         ({"prompts": ["x"] * 40, "params": {"num_samples": 2}}, 413, "--max-samples-per-request"),
+        ({"prompts": ["x"] * 3, "params": {"branch_steps": [1, 2], "branch_factor": 5}}, 413, "asks for 75 samples"),
+        ({"prompts": ["x"], "params": {"branch_steps": [1], "sde_window": [2, 4]}}, 400, "branch_steps [1] are ODE"),
+        ({"prompts": ["x"], "params": {"record": ["x1"]}}, 400, "record must be a tuple of names"),
     ],
 )
 def test_bad_generate_bodies_get_their_4xx(server, body, status, names):

@@ -33,9 +33,17 @@ def assert_same_output(got, expected):
         expected.weight_versions,
         expected.lora,
     )
-    assert torch.equal(got.image, expected.image)
+    assert got.branch_path == expected.branch_path
+    for name in ("image", "latents"):
+        assert (getattr(got, name) is None) == (getattr(expected, name) is None), name
+        assert getattr(expected, name) is None or torch.equal(getattr(got, name), getattr(expected, name)), name
     a, b = got.trajectory, expected.trajectory
-    for name in ("latents", "log_probs", "timesteps", "sigmas", "sde_mask"):
+    assert set(a.records) == set(b.records)
+    for name, series in {"latents": b.latents, **b.records}.items():
+        got_series = a.latents if name == "latents" else a.records[name]
+        assert torch.equal(got_series.positions, series.positions) and got_series.length == series.length, name
+        assert torch.equal(got_series.stack(), series.stack()), name
+    for name in ("log_probs", "timesteps", "sigmas", "sde_mask"):
         assert getattr(a, name).dtype == getattr(b, name).dtype
         assert torch.equal(getattr(a, name), getattr(b, name)), name
     for name in ("height", "width", "sampler", "noise_level", "guidance_scale", "true_cfg_scale"):
@@ -56,6 +64,26 @@ def test_generate_over_http_equals_in_process_bitwise(remote, engine):
         assert_same_output(g, e)
     # The samples of a prompt share one embedding tensor, as in process.
     assert got[0].trajectory.condition.prompt is got[1].trajectory.condition.prompt
+
+
+def test_a_tree_with_records_and_latent_output_over_http_equals_in_process(remote, engine):
+    params = SamplingParams(
+        num_inference_steps=4,
+        num_samples=2,
+        seed=8,
+        branch_steps=(1,),
+        branch_factor=3,
+        record=("x0", "mean", "std"),
+        record_steps=(1, 2),
+        output_type="latent",
+        sigmas=(1.0, 0.7, 0.4, 0.2),
+    )
+    expected = engine.generate(["a tree"], params)
+    got = remote.generate(["a tree"], params)
+    assert [o.branch_path for o in got] == [(c,) for _ in range(2) for c in range(3)]
+    for g, e in zip(got, expected, strict=True):
+        assert_same_output(g, e)
+    assert got[0].trajectory.latents.parts[0] is got[2].trajectory.latents.parts[0]  # shared again on arrival
 
 
 def test_add_request_and_step_over_http_equal_in_process(remote, engine):
@@ -170,7 +198,9 @@ def test_a_plain_http_client_reads_the_same_frames_without_streaming(server, rem
     expected = remote.generate("plain", SamplingParams(num_inference_steps=3, num_samples=2, seed=5))
     assert [o.sample_index for o in outputs] == [0, 1]  # in request order
     for got, want in zip(outputs, expected, strict=True):
-        assert torch.equal(got.trajectory.latents, want.trajectory.latents) and torch.equal(got.image, want.image)
+        assert torch.equal(got.trajectory.latents.stack(), want.trajectory.latents.stack()) and torch.equal(
+            got.image, want.image
+        )
 
 
 def test_add_request_with_a_prompt_index_and_no_id(remote, engine):

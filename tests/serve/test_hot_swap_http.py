@@ -94,8 +94,8 @@ def test_lora_hot_swap_while_requests_run_and_unload(remote, engine, adapters):
         expected = engine.generate("lora", params)[0]
     finally:
         engine.unload_lora("policy")
-    assert torch.equal(outputs[1].trajectory.latents, expected.trajectory.latents)
-    assert not torch.equal(outputs[0].trajectory.latents, outputs[1].trajectory.latents)
+    assert torch.equal(outputs[1].trajectory.latents.stack(), expected.trajectory.latents.stack())
+    assert not torch.equal(outputs[0].trajectory.latents.stack(), outputs[1].trajectory.latents.stack())
     remote.unload_lora("policy")
     assert remote.list_loras() == []
     with pytest.raises(ValueError, match="lora 'policy' is not loaded"):

@@ -87,7 +87,7 @@ def test_a_flux_lora_from_the_policy_reproduces_the_engine_in_diffusers(tiny_mod
     pipeline = FluxPipeline.from_pretrained(path)
     pipeline.set_progress_bar_config(disable=True)
     pipeline.load_lora_weights(folder)
-    latents = with_lora.trajectory.latents
+    latents = with_lora.trajectory.latents.stack()
     call = {"num_inference_steps": 4, "height": 32, "width": 32, "guidance_scale": 3.5, "output_type": "latent"}
     reference = pipeline("a red square", latents=latents[0][None].clone(), **call).images
     assert (latents[-1] - reference[0]).abs().max() < 1e-4

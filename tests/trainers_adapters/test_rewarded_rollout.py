@@ -81,4 +81,4 @@ def test_an_interrupted_rollout_aborts_its_requests(small_batch_engine, monkeypa
 
 def test_images_are_required():
     with pytest.raises(ValueError, match="needs images"):
-        generate_with_rewards(None, PROMPTS, SamplingParams(return_image=False), colour_target, None)
+        generate_with_rewards(None, PROMPTS, SamplingParams(output_type="latent"), colour_target, None)
