@@ -148,10 +148,10 @@ def _sampling_problems(sampling: SamplingParams) -> list[str]:
         problems.append(f"sampling.lora must be null: the recipe samples with its own adapter {POLICY_ADAPTER!r}")
     if not (sampling.return_trajectory and sampling.output_type == "image"):
         problems.append("sampling.return_trajectory must be true and sampling.output_type 'image' for training")
-    if sampling.num_samples < 2:
+    if sampling.num_samples * sampling.leaves_per_sample < 2:
         problems.append(
             f"sampling.num_samples (the group size) is {sampling.num_samples}; training compares the samples "
-            "of a prompt with each other, so it needs at least 2"
+            "of a prompt with each other, so it needs at least 2 (or a tree: sampling.branch_steps)"
         )
     return problems
 
@@ -268,6 +268,10 @@ def _eval_samples(
         sampler=config.eval.sampler,
         sde_window=None,
         seed=config.eval.seed,
+        sigmas=None,  # the eval's step count may differ
+        branch_steps=(),  # one plain sample per grid cell
+        record=(),
+        record_steps=None,
     )
     return generate_with_rewards(engine, prompts[: config.eval.num_prompts], params, reward, pool, "eval")
 

@@ -1,10 +1,13 @@
 """One GRPO update from one rewarded rollout (Flow-GRPO, arXiv 2505.05470; DanceGRPO).
 
 The rollout's SDE transitions (a random `timestep_fraction` of each trajectory's stochastic steps)
-are shuffled and split into `optimizer_steps` minibatches; each minibatch is re-scored by the
-policy in micro-batches, with gradients, through the same sampler functions the engine used, and
-ends with one optimizer step. Before the first optimizer step the policy is exactly the one that
-sampled, so the ratio of that first minibatch must be 1: `log_ratio_before_update` reports it.
+are credited with their sample's group advantage; in a tree rollout each transition belongs to the
+tree node that ran it, is trained on once (not once per leaf below it) and gets that node's
+advantage (BranchGRPO, see `trainers_adapters.tree`). They are shuffled and split into
+`optimizer_steps` minibatches; each minibatch is re-scored by the policy in micro-batches, with
+gradients, through the same sampler functions the engine used, and ends with one optimizer step.
+Before the first optimizer step the policy is exactly the one that sampled, so the ratio of that
+first minibatch must be 1: `log_ratio_before_update` reports it.
 """
 
 from __future__ import annotations
@@ -13,11 +16,11 @@ from dataclasses import dataclass
 
 import torch
 
-from trainers_adapters.advantages import group_advantages
 from trainers_adapters.grpo import gaussian_kl, grpo_policy_loss
 from trainers_adapters.lora_policy import LoraPolicy
 from trainers_adapters.optim import clip_and_step
 from trainers_adapters.rewarded_rollout import RewardedRollout
+from trainers_adapters.tree import RolloutTree, build_tree, tree_advantages
 
 
 @dataclass(kw_only=True)
@@ -79,10 +82,9 @@ def grpo_step(
 ) -> GRPOStepStats:
     """Run `settings.optimizer_steps` optimizer steps on `rollout`. The caller pushes the policy to
     the engine afterwards (the engine samples only with pushed weights)."""
-    advantages = group_advantages(
-        rollout.rewards, rollout.group_ids, global_std=settings.global_std, clip_max=settings.adv_clip_max
-    )
-    transitions = _pick_transitions(rollout, settings.timestep_fraction, generator)
+    tree = build_tree(rollout.outputs, rollout.rewards, rollout.branch_steps, rollout.trajectories[0].num_steps)
+    advantages = tree_advantages(tree, global_std=settings.global_std, clip_max=settings.adv_clip_max)
+    transitions = _pick_transitions(rollout, tree, advantages, settings.timestep_fraction, generator)
     if not transitions:
         raise ValueError("the rollout has no SDE steps to train on; check sampling.sde_window and the sampler")
     order = torch.randperm(len(transitions), generator=generator).tolist()
@@ -94,7 +96,7 @@ def grpo_step(
         optimizer.zero_grad(set_to_none=True)
         for start in range(0, len(minibatch), settings.micro_batch_size):
             chunk = [transitions[i] for i in minibatch[start : start + settings.micro_batch_size]]
-            loss, parts, max_abs_log = _chunk_loss(policy, rollout, advantages, chunk, settings)
+            loss, parts, max_abs_log = _chunk_loss(policy, rollout, chunk, settings)
             (loss * len(chunk) / len(minibatch)).backward()
             for key in totals:
                 totals[key] += parts[key] * len(chunk)
@@ -109,7 +111,7 @@ def grpo_step(
         **{key: value / count for key, value in totals.items()},
         log_ratio_before_update=log_ratio_before_update,
         grad_norm=grad_norm,
-        advantage_abs_mean=float(advantages.abs().mean()),
+        advantage_abs_mean=float(torch.tensor([advantage for _, _, advantage in transitions]).abs().mean()),
         num_transitions=count,
     )
 
@@ -133,34 +135,41 @@ def _check_ratio(log_ratio: float, tolerance: float | None, optimizer: torch.opt
     )
 
 
-def _pick_transitions(rollout: RewardedRollout, fraction: float, generator: torch.Generator) -> list[tuple[int, int]]:
-    """(sample index, step index) pairs: a random `fraction` (at least one) of each sample's SDE steps
-    (of those it kept)."""
+def _pick_transitions(
+    rollout: RewardedRollout,
+    tree: RolloutTree,
+    advantages: torch.Tensor,
+    fraction: float,
+    generator: torch.Generator,
+) -> list[tuple[int, int, float]]:
+    """(sample index, step index, advantage): a random `fraction` (at least one) of the SDE steps
+    each tree node ran (each sample's, without branching), read from the first leaf below it."""
     transitions = []
-    for index, trajectory in enumerate(rollout.trajectories):
-        steps = trajectory.scorable_steps
+    for node, advantage in zip(tree.nodes, advantages.tolist(), strict=True):
+        index = node.leaves[0]
+        scorable = set(rollout.trajectories[index].scorable_steps.tolist())
+        steps = torch.tensor([step for step in node.steps if step in scorable], dtype=torch.int64)
         if len(steps) == 0:
             continue
         keep = max(1, round(fraction * len(steps)))
         chosen = steps[torch.randperm(len(steps), generator=generator)[:keep]]
-        transitions += [(index, int(step)) for step in chosen]
+        transitions += [(index, int(step), advantage) for step in chosen]
     return transitions
 
 
 def _chunk_loss(
     policy: LoraPolicy,
     rollout: RewardedRollout,
-    advantages: torch.Tensor,
-    chunk: list[tuple[int, int]],
+    chunk: list[tuple[int, int, float]],
     settings: GRPOSettings,
 ) -> tuple[torch.Tensor, dict[str, float], float]:
     """The chunk's loss (to backpropagate), its statistics, and its max |log ratio|."""
-    trajectories = [rollout.outputs[index].trajectory for index, _ in chunk]
-    steps = [step for _, step in chunk]
+    trajectories = [rollout.outputs[index].trajectory for index, _, _ in chunk]
+    steps = [step for _, step, _ in chunk]
     scored = policy.score(trajectories, steps)
     device = scored.log_prob.device
     old = torch.stack([t.log_probs[step] for t, step in zip(trajectories, steps, strict=True)]).to(device)
-    chunk_advantages = advantages[[index for index, _ in chunk]].to(device)
+    chunk_advantages = torch.tensor([advantage for _, _, advantage in chunk], device=device)
     policy_loss, stats = grpo_policy_loss(scored.log_prob, old, chunk_advantages, settings.clip_range)
     kl = torch.zeros((), device=policy_loss.device)
     if settings.kl_beta > 0:

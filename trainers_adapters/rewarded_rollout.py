@@ -22,14 +22,15 @@ from trainers_adapters.rewards import Reward
 
 @dataclass
 class RewardedRollout:
-    """outputs: ordered by prompt, then sample; rewards [N] float32 and group_ids [N] (the prompt
-    index) follow that order."""
+    """outputs: ordered by prompt, then sample (then branch path, in a tree rollout: one output per
+    leaf); rewards [N] float32 and group_ids [N] (the prompt index) follow that order."""
 
     outputs: list[RolloutOutput]
     rewards: torch.Tensor
     group_ids: torch.Tensor
     rollout_s: float  # wall time from the first request to the last reward
     reward_wait_s: float  # of which the rollout waited for rewards after the last sample finished
+    branch_steps: tuple[int, ...] = ()  # the sampling params' (the leaves' trees: `trainers_adapters.tree`)
 
     @property
     def trajectories(self):
@@ -44,9 +45,10 @@ def generate_with_rewards(
     pool: ThreadPoolExecutor,
     request_prefix: str = "rollout",
 ) -> RewardedRollout:
-    """Generate `params.num_samples` samples of every prompt and reward each group on `pool` as it
-    finishes. The reward gets (images [n, 3, H, W] uint8, prompts, metadata) with metadata per
-    sample: prompt_index, sample_index, seed, weight_version."""
+    """Generate `params.num_samples` samples of every prompt (each a tree of leaves when `params`
+    branch) and reward each group on `pool` as it finishes. The reward gets (images [n, 3, H, W]
+    uint8, prompts, metadata) with metadata per sample: prompt_index, sample_index, branch_path,
+    seed, weight_version."""
     if params.output_type != "image":
         raise ValueError("a rewarded rollout needs images; set output_type='image' in the sampling params")
     started = time.perf_counter()
@@ -61,7 +63,7 @@ def generate_with_rewards(
             for output in engine.step():
                 group = finished[group_of[output.request_id]]
                 group.append(output)
-                if len(group) == params.num_samples:
+                if len(group) == params.num_samples * params.leaves_per_sample:
                     futures[output.prompt_index] = pool.submit(_reward_group, reward, group)
     except BaseException:
         # Leave no requests behind in the engine; a dead engine cannot abort, and then the
@@ -72,23 +74,29 @@ def generate_with_rewards(
     last_sample_done = time.perf_counter()
     rewards = [futures[index].result() for index in range(len(prompts))]
     done = time.perf_counter()
-    outputs = [output for group in finished for output in sorted(group, key=lambda o: o.sample_index)]
+    outputs = [output for group in finished for output in sorted(group, key=_sample_order)]
     return RewardedRollout(
         outputs=outputs,
         rewards=torch.cat(rewards),
         group_ids=torch.tensor([output.prompt_index for output in outputs]),
         rollout_s=done - started,
         reward_wait_s=done - last_sample_done,
+        branch_steps=params.branch_steps,
     )
 
 
+def _sample_order(output: RolloutOutput) -> tuple:
+    return output.sample_index, output.branch_path
+
+
 def _reward_group(reward: Reward, group: list[RolloutOutput]) -> torch.Tensor:
-    group = sorted(group, key=lambda o: o.sample_index)
+    group = sorted(group, key=_sample_order)
     images = torch.stack([output.image for output in group])
     metadata = [
         {
             "prompt_index": o.prompt_index,
             "sample_index": o.sample_index,
+            "branch_path": o.branch_path,
             "seed": o.seed,
             "weight_version": o.weight_version,
         }

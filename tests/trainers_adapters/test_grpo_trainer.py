@@ -115,3 +115,18 @@ def test_an_engine_update_the_policy_did_not_take_stops_the_update(engine, tiny_
         policy.load_base_weights({"no.such.weight": torch.zeros(1)})
     engine.update_weights(base)
     engine.unload_lora(policy.name)
+
+
+def test_a_tree_rollout_trains_each_shared_step_once_from_ratio_one(engine, tiny_model):
+    policy = LoraPolicy(tiny_model, LORA)
+    policy.push(engine)
+    # 2 roots x 2 x 2 leaves per prompt; steps 0-1 per root, 2-3 per branch, 4-5 per leaf.
+    rollout = rollout_for(engine, policy, steps=6, samples=2, branch_steps=(2, 4), branch_factor=2)
+    assert len(rollout.outputs) == 2 * 8 and rollout.branch_steps == (2, 4)
+    assert [o.branch_path for o in rollout.outputs[:4]] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    optimizer = torch.optim.SGD(policy.parameters(), lr=0.0)
+    stats = grpo_step(policy, optimizer, rollout, GRPOSettings(), torch.Generator())
+    assert stats.log_ratio_before_update < 1e-5
+    per_prompt = 2 * 2 + 4 * 2 + 8 * 2  # each node's own steps, not once per leaf below it (6 x 8 = 48)
+    assert stats.num_transitions == 2 * per_prompt
+    engine.unload_lora(policy.name)
