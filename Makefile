@@ -41,6 +41,7 @@ bench: setup
 	$(PY) -m benchmarks.weight_sync
 	$(PY) -m benchmarks.lora_swap
 	$(PY) -m benchmarks.serve_load
+	$(PY) -m benchmarks.branching
 
 clean:
 	rm -rf $(VENV) outputs .cache .pytest_cache .ruff_cache

@@ -342,6 +342,9 @@ def _match(value: Any, annotation: Any) -> Any:
     if origin is list and isinstance(value, list):
         items = [_match(item, args[0]) for item in value]
         return _NO_MATCH if _NO_MATCH in items else items
+    if origin is tuple and args[-1] is Ellipsis and isinstance(value, list | tuple):  # tuple[int, ...]
+        items = tuple(_match(item, args[0]) for item in value)
+        return _NO_MATCH if _NO_MATCH in items else items
     if origin is tuple and isinstance(value, list | tuple) and len(value) == len(args):
         items = tuple(_match(item, arm) for item, arm in zip(value, args, strict=True))
         return _NO_MATCH if _NO_MATCH in items else items
@@ -358,6 +361,8 @@ def _type_name(annotation: Any) -> str:
     if annotation is type(None):
         return "null"
     if origin is list:
+        return f"a list of {_type_name(args[0])}"
+    if origin is tuple and args[-1] is Ellipsis:
         return f"a list of {_type_name(args[0])}"
     if origin is tuple:
         return f"a list [{', '.join(_type_name(arm) for arm in args)}]"

@@ -1,6 +1,8 @@
 """GRPO on the tiny models raises the reward: a statistical check over three seeds, each of which must
-clear its own noise by a wide margin (not one lucky seed). SD3 (the main job) runs in the default
-suite; FLUX.1 and Qwen-Image with `make test-slow`."""
+clear its own noise by a wide margin (not one lucky seed), with the policy re-scoring the first
+rollout at ratio 1 (every transition of every leaf is in the first minibatch). SD3 (the main job)
+runs in the default suite; FLUX.1, Qwen-Image and the tree recipes (BranchGRPO, Flow-GRPO-Fast,
+whose branch steps need all 8 steps) with `make test-slow`."""
 
 from __future__ import annotations
 
@@ -20,14 +22,16 @@ WINDOW = 5  # steps averaged at the start and at the end
 
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize(
-    "config_name, family",
+    "config_name, family, steps",
     [
-        pytest.param("grpo_tiny.yaml", "sd3", id="sd3"),
-        pytest.param("grpo_flux_tiny.yaml", "flux", id="flux", marks=pytest.mark.slow),
-        pytest.param("grpo_qwen_image_tiny.yaml", "qwen_image", id="qwen_image", marks=pytest.mark.slow),
+        pytest.param("grpo_tiny.yaml", "sd3", 6, id="sd3"),
+        pytest.param("grpo_flux_tiny.yaml", "flux", 6, id="flux", marks=pytest.mark.slow),
+        pytest.param("grpo_qwen_image_tiny.yaml", "qwen_image", 6, id="qwen_image", marks=pytest.mark.slow),
+        pytest.param("branch_grpo_tiny.yaml", "sd3", 8, id="branch_grpo", marks=pytest.mark.slow),
+        pytest.param("grpo_fast_tiny.yaml", "sd3", 8, id="grpo_fast", marks=pytest.mark.slow),
     ],
 )
-def test_reward_rises_on_every_seed(tmp_path, tiny_models, config_name, family):
+def test_reward_rises_on_every_seed(tmp_path, tiny_models, config_name, family, steps):
     margins = []
     for seed in (0, 1, 2):
         out = tmp_path / f"seed{seed}"
@@ -39,14 +43,15 @@ def test_reward_rises_on_every_seed(tmp_path, tiny_models, config_name, family):
                 f"seed={seed}",
                 "steps=15",
                 "prompts_per_step=2",
-                "sampling.num_inference_steps=6",
+                f"sampling.num_inference_steps={steps}",
                 "optimizer.learning_rate=0.02",
                 "eval.num_prompts=1",
                 "eval.num_samples=1",
                 "eval.num_inference_steps=2",
             ],
         )
-        run(config)
+        summary = run(config)
+        assert summary["log_ratio_before_first_update"] < 1e-5
         records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         first, last = records[:WINDOW], records[-WINDOW:]
         margin = mean(r["reward_mean"] for r in last) - mean(r["reward_mean"] for r in first)

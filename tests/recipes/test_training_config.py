@@ -122,3 +122,18 @@ def test_prompts_file_adds_prompts(tmp_path):
     prompts.write_text("a red kite\n\n  a red bus  \n")
     config = load_config(CONFIG_DIR / "grpo_tiny.yaml", ["prompts=[a red cup]", f"prompts_file={prompts}"])
     assert config.all_prompts() == ["a red cup", "a red kite", "a red bus"]
+
+
+def test_tree_recipes_describe_their_trees():
+    tree = load_config(CONFIG_DIR / "branch_grpo_tiny.yaml").sampling
+    assert (tree.num_samples, tree.branch_steps, tree.leaves_per_sample) == (2, (2, 4), 4)
+    fast = load_config(CONFIG_DIR / "grpo_fast_tiny.yaml").sampling
+    assert (fast.num_samples, fast.branch_steps, fast.leaves_per_sample) == (1, (5,), 8)
+    assert fast.sde_mask() == [False] * 5 + [True, True, False]  # ODE prefix, 2-step window, ODE
+    # Lists from YAML or --set become the tuples SamplingParams holds; a bad tree is named.
+    config = load_config(CONFIG_DIR / "grpo_tiny.yaml", ["sampling.branch_steps=[1, 3]", "sampling.record=[x0]"])
+    assert config.sampling.branch_steps == (1, 3) and config.sampling.record == ("x0",)
+    with pytest.raises(ValueError, match="sampling.branch_steps: expected a list of int"):
+        load_config(CONFIG_DIR / "grpo_tiny.yaml", ["sampling.branch_steps=[one]"])
+    with pytest.raises(ValueError, match=r"branch_steps \[1\] are ODE steps"):
+        load_config(CONFIG_DIR / "grpo_fast_tiny.yaml", ["sampling.branch_steps=[1]"])
