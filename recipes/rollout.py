@@ -87,17 +87,23 @@ def run(config: Config) -> dict:
 
 
 def image_grid(outputs: list[RolloutOutput], scale: int) -> Image.Image:
-    """A grid with one row per prompt and one column per sample; every image upscaled `scale` times."""
+    """A grid with one row per prompt and one column per output of it (a sample, or a leaf of a tree
+    rollout), in the order given; every image upscaled `scale` times."""
     _, height, width = outputs[0].image.shape
     cell_h, cell_w = height * scale, width * scale
-    rows = 1 + max(output.prompt_index for output in outputs)
-    cols = 1 + max(output.sample_index for output in outputs)
+    column_of = []
+    taken: dict[int, int] = {}  # prompt index -> columns used
+    for output in outputs:
+        column_of.append(taken.get(output.prompt_index, 0))
+        taken[output.prompt_index] = column_of[-1] + 1
+    rows = 1 + max(taken)
+    cols = max(taken.values())
     size = (cols * cell_w + (cols - 1) * GRID_GAP_PX, rows * cell_h + (rows - 1) * GRID_GAP_PX)
     grid = Image.new("RGB", size, "white")
-    for output in outputs:
+    for output, column in zip(outputs, column_of, strict=True):
         tile = Image.fromarray(output.image.permute(1, 2, 0).numpy())
         tile = tile.resize((cell_w, cell_h), Image.Resampling.NEAREST)
-        grid.paste(tile, (output.sample_index * (cell_w + GRID_GAP_PX), output.prompt_index * (cell_h + GRID_GAP_PX)))
+        grid.paste(tile, (column * (cell_w + GRID_GAP_PX), output.prompt_index * (cell_h + GRID_GAP_PX)))
     return grid
 
 
@@ -108,6 +114,7 @@ def sample_summary(output: RolloutOutput) -> dict:
         "prompt": output.prompt,
         "prompt_index": output.prompt_index,
         "sample_index": output.sample_index,
+        "branch_path": list(output.branch_path),
         "seed": output.seed,
         "status": output.status,
         "weight_version": output.weight_version,

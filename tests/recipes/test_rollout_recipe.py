@@ -70,3 +70,29 @@ def test_rollout_recipe_writes_grid_and_summary(tmp_path, monkeypatch, executor)
         assert math.isfinite(sample["final_latent_mean"]) and sample["final_latent_std"] > 0
         assert sample["timings"]["total_s"] > 0
     assert len({s["request_id"] for s in samples}) == 4
+
+
+def test_grid_has_a_column_per_leaf_of_a_tree_rollout():
+    import torch
+
+    from recipes.rollout import image_grid
+    from rollout import RolloutOutput
+
+    outputs = [
+        RolloutOutput(
+            request_id=f"r{p}-{k}.{c}",
+            prompt="x",
+            prompt_index=p,
+            sample_index=k,
+            seed=0,
+            branch_path=(c,),
+            image=torch.full((3, 2, 2), 10 * (4 * p + 2 * k + c), dtype=torch.uint8),
+        )
+        for p in range(2)
+        for k in range(2)
+        for c in range(2)
+    ]
+    grid = image_grid(outputs, scale=1)
+    assert grid.size == (4 * 2 + 3 * GRID_GAP_PX, 2 * 2 + GRID_GAP_PX)
+    step = 2 + GRID_GAP_PX
+    assert [grid.getpixel((column * step, step))[0] for column in range(4)] == [40, 50, 60, 70]
