@@ -80,7 +80,7 @@ class RolloutEngine(HotSwapAPI):
                 "add_request() are unfinished; step() them to completion or abort() them first"
             )
         request_ids = self.add_requests(prompts, params)
-        total_steps = sum(len(r.leaves()) * r.params.num_inference_steps for r in self._requests.values())
+        total_steps = sum(r.num_leaves * r.params.num_inference_steps for r in self._requests.values())
         outputs: dict[str, RolloutOutput] = {}
         # Progress in denoising steps of the leaves, not samples: a group of samples finishes all at once.
         with (
@@ -90,7 +90,7 @@ class RolloutEngine(HotSwapAPI):
             while self.scheduler.has_unfinished():
                 for output in self._step_once():  # not step(): parked outputs are someone else's
                     outputs[output.request_id] = output
-                done = sum(len(r.leaves()) * r.steps_done for r in self._requests.values())
+                done = sum(r.num_leaves * r.steps_done for r in self._requests.values())
                 done += sum(o.trajectory.num_steps for o in outputs.values() if o.trajectory is not None)
                 bar.update(done - bar.n)
                 bar.set_postfix(samples=f"{len(outputs)}/{len(request_ids)}")
@@ -401,7 +401,7 @@ class RolloutEngine(HotSwapAPI):
             prompt=request.prompt,
             prompt_index=request.prompt_index,
             sample_index=request.sample_index,
-            seed=request.seed,
+            seed=request.leaf_seed(branch_path),
             status="aborted" if leaf is not None or request.status is RequestStatus.ABORTED else "finished",
             image=image,
             latents=latents,

@@ -89,6 +89,15 @@ class Request:
         """Paths it will have at its widest (its leaves): what admission reserves for it."""
         return self.params.branch_factor ** (len(self.params.branch_steps) - len(self.branch_path))
 
+    @property
+    def num_leaves(self) -> int:
+        """Leaves it will yield (without the pruned ones)."""
+        return len(self.leaves()) if self.pruned else self.slots
+
+    def leaf_seed(self, branch_path: tuple[int, ...]) -> int:
+        """The step-noise seed of its descendant (or itself) at `branch_path`."""
+        return derive_seed(self.base_seed, self.prompt_index, self.sample_index, step_stream(branch_path))
+
     def leaves(self) -> list[tuple[str, tuple[int, ...]]]:
         """(id, branch path) of the leaves it will yield, in path order, without the pruned ones."""
         remaining = len(self.params.branch_steps) - len(self.branch_path)
@@ -124,7 +133,7 @@ class Request:
                 dataclasses.replace(
                     self,
                     request_id=child_id,
-                    seed=derive_seed(self.base_seed, self.prompt_index, self.sample_index, step_stream(path)),
+                    seed=self.leaf_seed(path),
                     branch_path=path,
                     ancestors=self.ancestors + (self.request_id,),
                     pruned={p for p in self.pruned if p.startswith(child_id + ".")},

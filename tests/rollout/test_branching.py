@@ -105,6 +105,7 @@ def test_a_leaf_aborted_before_its_branch_exists_is_never_made(engine):
     engine.step()  # the root has not split yet
     aborted = engine.abort("early-0.1")
     assert [(o.request_id, o.status, o.branch_path) for o in aborted] == [("early-0.1", "aborted", (1,))]
+    assert aborted[0].seed == derive_seed(2, 0, 0, "step/1")  # the seed the leaf would have drawn with
     outputs = []
     while engine.has_unfinished_requests():
         outputs += engine.step()
