@@ -216,6 +216,7 @@ class AsyncRolloutEngine:
                 "sleep_level": engine.sleep_level,
                 "paused": self._paused,
                 "unfinished_requests": len(engine.unfinished_request_ids()),
+                "running_requests": len(engine.unfinished_request_ids(running_only=True)),
             }
 
         return await self._call(read)

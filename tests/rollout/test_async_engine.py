@@ -111,6 +111,8 @@ def test_pause_wait_finishes_running_and_holds_waiting(tiny_model):
 
     async def main():
         running = await engine.add_requests(["first"], SamplingParams(num_inference_steps=6, num_samples=2))
+        while (await engine.state())["running_requests"] < 2:  # admitted by a step (a busy machine is slow)
+            await asyncio.sleep(0.01)
         waiting = await engine.add_requests(["second"], SamplingParams(num_inference_steps=6, num_samples=2))
         await engine.pause("wait")
         first = [output async for output in running]
