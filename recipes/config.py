@@ -136,8 +136,9 @@ class EngineSection:
 _EXTERNAL_HELP: dict[type, dict[str, str]] = {
     SamplingParams: {
         "num_inference_steps": "denoising steps per sample",
-        "guidance_scale": "SD3: classifier-free guidance (<= 1 skips the unconditional pass); FLUX.1-dev: "
+        "guidance_scale": "SD3, Wan: classifier-free guidance (<= 1 skips the unconditional pass); FLUX.1-dev: "
         "its distilled guidance input; null takes the model's default; refused where unused (Qwen-Image)",
+        "guidance_scale_2": "Wan 2.2: guidance of the low-noise expert; null takes guidance_scale; refused elsewhere",
         "true_cfg_scale": "FLUX.1 / Qwen-Image: real classifier-free guidance, > 1 needs negative_prompt; "
         "null takes the model's default (1: off); refused by SD3",
         "negative_prompt": "text of the unconditional branch of classifier-free guidance; null: SD3 uses ''",

@@ -19,6 +19,7 @@ from tqdm.auto import tqdm
 from rollout.config import EngineConfig
 from rollout.errors import EngineDeadError, interrupted_reason
 from rollout.hot_swap import HotSwapAPI
+from rollout.model_runner import FinishedRequest
 from rollout.outputs import RequestTimings, RolloutOutput
 from rollout.request import Request, RequestStatus, step_stream
 from rollout.sampling_params import SamplingParams
@@ -222,7 +223,7 @@ class RolloutEngine(HotSwapAPI):
                 if trajectory is not None:
                     trajectory.condition = self._conditions.share(request, trajectory.condition)
                     self._tree_parts.share(request.tree_id, trajectory, finished.part_nodes)
-                outputs.append(self._make_output(request, finished.image, trajectory, finished.latents))
+                outputs.append(self._make_output(request, finished))
         return outputs
 
     def abort(self, request_ids: str | Iterable[str]) -> list[RolloutOutput]:
@@ -245,7 +246,7 @@ class RolloutEngine(HotSwapAPI):
                     pruned = [(i, p) for i, p in request.leaves() if i == target or i.startswith(target + ".")]
                     request.pruned.add(target)
                     if request.leaves():
-                        aborted += [self._make_output(request, None, None, None, leaf) for leaf in pruned]
+                        aborted += [self._make_output(request, None, leaf) for leaf in pruned]
                     else:
                         aborted += self._abort_request(request, pruned)
         self._flush_frees()
@@ -255,7 +256,7 @@ class RolloutEngine(HotSwapAPI):
         """Drop a live request; one aborted output per leaf in `leaves`."""
         self.scheduler.abort(request.request_id)
         del self._requests[request.request_id]
-        return [self._make_output(request, None, None, None, leaf) for leaf in leaves]
+        return [self._make_output(request, None, leaf) for leaf in leaves]
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -390,9 +391,13 @@ class RolloutEngine(HotSwapAPI):
             self._on_executor(self.executor.execute, frees)
 
     def _make_output(
-        self, request: Request, image, trajectory, latents, leaf: tuple[str, tuple[int, ...]] | None = None
+        self,
+        request: Request,
+        finished: FinishedRequest | None,
+        leaf: tuple[str, tuple[int, ...]] | None = None,
     ) -> RolloutOutput:
-        """The output of `request`, or of one of its future leaves `(id, branch path)` (aborted)."""
+        """The output of `request` (`finished` by a worker, or None when aborted), or of one of its
+        future leaves `(id, branch path)` (aborted)."""
         now = time.monotonic()
         first = request.first_step_time
         request_id, branch_path = leaf if leaf is not None else (request.request_id, request.branch_path)
@@ -403,10 +408,11 @@ class RolloutEngine(HotSwapAPI):
             sample_index=request.sample_index,
             seed=request.leaf_seed(branch_path),
             status="aborted" if leaf is not None or request.status is RequestStatus.ABORTED else "finished",
-            image=image,
-            latents=latents,
+            image=finished.image if finished is not None else None,
+            video=finished.video if finished is not None else None,
+            latents=finished.latents if finished is not None else None,
             branch_path=branch_path,
-            trajectory=trajectory,
+            trajectory=finished.trajectory if finished is not None else None,
             weight_version=request.weight_versions[-1] if request.weight_versions else self.weight_version,
             weight_versions=tuple(request.weight_versions),
             lora=request.params.lora,

@@ -70,6 +70,7 @@ class RequestState:
 class FinishedRequest:
     request_id: str
     image: torch.Tensor | None  # [3, H, W] uint8, CPU
+    video: torch.Tensor | None  # [F, 3, H, W] uint8, CPU (video models)
     latents: torch.Tensor | None  # final latents, CPU float32, for output_type "latent"
     trajectory: Trajectory | None
     # Per series of the trajectory, the tree node each inherited part came from, so the engine can
@@ -114,7 +115,7 @@ class ModelRunner:
         timesteps, sigmas = self.adapter.schedule(
             params.num_inference_steps, params.height, params.width, params.sigmas
         )
-        shape = self.adapter.spec.latent_shape(params.height, params.width)
+        shape = self.adapter.spec.latent_shape(params.height, params.width, params.num_frames)
         initial = torch.randn(shape, generator=make_generator(data.init_noise_seed), dtype=torch.float32)
         initial = initial.to(self.adapter.device)
         history = PathHistory.for_params(params)
@@ -154,6 +155,7 @@ class ModelRunner:
             height=params.height,
             width=params.width,
             guidance_scale=_per_sample(states, "guidance_scale"),
+            guidance_scale_2=_per_sample(states, "guidance_scale_2"),
             true_cfg_scale=_per_sample(states, "true_cfg_scale"),
         )
 
@@ -191,10 +193,11 @@ class ModelRunner:
     def finish(self, states: list[RequestState]) -> list[FinishedRequest]:
         """Decode images (batched) and package trajectories of finished requests, on CPU."""
         to_decode = [s for s in states if s.data.params.output_type == "image"]
-        images = {}
+        decoded = {}
         if to_decode:
-            decoded = self._decode_by_shape(to_decode)
-            images = {s.data.request_id: img for s, img in zip(to_decode, decoded, strict=True)}
+            media = self._decode_by_shape(to_decode)
+            decoded = {s.data.request_id: one for s, one in zip(to_decode, media, strict=True)}
+        video = self.adapter.spec.is_video
         # One CPU copy per embeddings object, however many finished samples share it.
         on_cpu: dict[int, PromptEmbeds] = {}
         finished = []
@@ -203,7 +206,8 @@ class ModelRunner:
             finished.append(
                 FinishedRequest(
                     request_id=s.data.request_id,
-                    image=images.get(s.data.request_id),
+                    image=None if video else decoded.get(s.data.request_id),
+                    video=decoded.get(s.data.request_id) if video else None,
                     latents=s.latents.to("cpu", torch.float32) if params.output_type == "latent" else None,
                     trajectory=self._trajectory(s, on_cpu) if params.return_trajectory else None,
                     part_nodes=s.history.part_nodes() if params.return_trajectory else {},
@@ -213,10 +217,11 @@ class ModelRunner:
 
     def _decode_by_shape(self, states: list[RequestState]) -> list[torch.Tensor]:
         images: list[torch.Tensor | None] = [None] * len(states)
-        by_size: dict[tuple[int, int], list[int]] = {}
+        by_size: dict[tuple[int, int, int | None], list[int]] = {}
         for i, s in enumerate(states):
-            by_size.setdefault((s.data.params.height, s.data.params.width), []).append(i)
-        for (height, width), indices in by_size.items():
+            params = s.data.params
+            by_size.setdefault((params.height, params.width, params.num_frames), []).append(i)
+        for (height, width, _), indices in by_size.items():
             decoded = self.adapter.decode(torch.stack([states[i].latents for i in indices]), height, width)
             for j, i in enumerate(indices):
                 images[i] = decoded[j]
@@ -247,7 +252,9 @@ class ModelRunner:
             sampler=params.sampler,
             noise_level=params.noise_level,
             guidance_scale=params.guidance_scale,
+            guidance_scale_2=params.guidance_scale_2,
             true_cfg_scale=params.true_cfg_scale,
+            num_frames=params.num_frames,
         )
 
 

@@ -26,9 +26,10 @@ class Trajectory:
     sde_mask: [T] bool, which steps were stochastic.
     condition: the prompt (and, with classifier-free guidance, negative prompt) embeddings the
         velocities were computed with, float32; shared with the other samples of the prompt.
-    height, width: the image size in pixels (packed latents do not show it).
-    sampler, noise_level, guidance_scale, true_cfg_scale: what the steps used (None where the model
-        does not use a guidance field), so re-scoring needs nothing else.
+    height, width: the image size in pixels (packed latents do not show it); num_frames: a video's
+        frames (None for images).
+    sampler, noise_level, guidance_scale, true_cfg_scale, guidance_scale_2: what the steps used
+        (None where the model does not use a guidance field), so re-scoring needs nothing else.
     records: the per-step tensors `SamplingParams.record` asked for, each a `StepSeries` over the
         T steps (at `record_steps`): "x0" the clean-sample prediction x_i - sigma_i * v_i, "mean"
         and "std" the transition x_i -> x_{i+1} (std 0 at ODE steps).
@@ -46,6 +47,8 @@ class Trajectory:
     noise_level: float
     guidance_scale: float | None
     true_cfg_scale: float | None
+    guidance_scale_2: float | None = None
+    num_frames: int | None = None
     records: dict[str, StepSeries] = field(default_factory=dict)
 
     @property
@@ -80,7 +83,8 @@ class RolloutOutput:
     """One generated sample. Tensors are on CPU.
 
     status: "finished", or "aborted" (then image, latents and trajectory are None).
-    image: [3, H, W] uint8 with output_type "image", else None.
+    image: [3, H, W] uint8 with output_type "image", else None (and None for video models).
+    video: [F, 3, H, W] uint8 frames of a video model with output_type "image", else None.
     latents: the final latents [*latent_shape] float32 with output_type "latent", else None.
     branch_path: in a tree rollout, the child taken at each branch step; () without branching.
     weight_version: the engine's weight version of the sample's last step.
@@ -95,6 +99,7 @@ class RolloutOutput:
     seed: int
     status: str = "finished"
     image: torch.Tensor | None = None
+    video: torch.Tensor | None = None
     latents: torch.Tensor | None = None
     branch_path: tuple[int, ...] = ()
     trajectory: Trajectory | None = None

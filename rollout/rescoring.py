@@ -29,6 +29,7 @@ def score_transitions(
     height: int,
     width: int,
     guidance_scale: torch.Tensor | float | None = None,
+    guidance_scale_2: torch.Tensor | float | None = None,
     true_cfg_scale: torch.Tensor | float | None = None,
 ) -> StepOutput:
     """Log-prob of `next_latents` given `latents` for a batch of transitions, with a fresh velocity.
@@ -44,6 +45,7 @@ def score_transitions(
         height=height,
         width=width,
         guidance_scale=guidance_scale,
+        guidance_scale_2=guidance_scale_2,
         true_cfg_scale=true_cfg_scale,
     )
     device = velocity.device
@@ -76,6 +78,7 @@ def recompute_log_probs(adapter, trajectory: Trajectory) -> torch.Tensor:
         height=trajectory.height,
         width=trajectory.width,
         guidance_scale=trajectory.guidance_scale,
+        guidance_scale_2=trajectory.guidance_scale_2,
         true_cfg_scale=trajectory.true_cfg_scale,
     )
     log_probs[steps] = scored.log_prob.detach().cpu()

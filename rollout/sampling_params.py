@@ -17,14 +17,16 @@ class SamplingParams:
 
     Fields named like an argument of the model's diffusers pipeline mean what that argument means
     there; None takes the model's default, and a field the model does not use is refused:
-    guidance_scale: SD3's classifier-free guidance; FLUX.1-dev's distilled guidance (an input of
-        the model, no second pass).
+    guidance_scale: SD3's and Wan's classifier-free guidance; FLUX.1-dev's distilled guidance (an
+        input of the model, no second pass).
+    guidance_scale_2: Wan 2.2's guidance for its low-noise expert (`transformer_2`); None takes
+        `guidance_scale`, as its pipeline does.
     true_cfg_scale: real classifier-free guidance for FLUX.1 and Qwen-Image (> 1 turns it on and
         needs a `negative_prompt`; Qwen-Image rescales the guided prediction to the conditional
         one's norm, as its pipeline does).
     negative_prompt: the unconditional branch of classifier-free guidance (SD3 uses "" when unset).
     max_sequence_length: text tokens the pipeline encodes (SD3's T5: 256, FLUX: 512 by default).
-    num_frames: for video pipelines; image pipelines refuse it.
+    num_frames: frames of a video (Wan: k * 4 + 1, 81 by default); image pipelines refuse it.
     sde_window: half-open range `(start, stop)` of step indices that use the stochastic sampler;
         the other steps are deterministic ODE steps with `sde_mask` False. None means every step.
     seed: base seed; each sample's seed is derived from it, the prompt index and the sample index,
@@ -50,6 +52,7 @@ class SamplingParams:
 
     num_inference_steps: int = 10
     guidance_scale: float | None = None
+    guidance_scale_2: float | None = None
     true_cfg_scale: float | None = None
     negative_prompt: str | None = None
     height: int | None = None
@@ -95,7 +98,7 @@ class SamplingParams:
                 f"noise_level 0 gives sampler {self.sampler!r} no noise and no log-prob; "
                 "use sampler='ode' for deterministic sampling or a noise_level > 0"
             )
-        for name in ("guidance_scale", "true_cfg_scale"):
+        for name in ("guidance_scale", "guidance_scale_2", "true_cfg_scale"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int | float) or value < 0):
                 problems.append(f"{name} must be a number >= 0 or None, got {value!r}")

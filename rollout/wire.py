@@ -40,7 +40,16 @@ SAFETENSORS_MEDIA_TYPE = "application/octet-stream"
 _LENGTH = struct.Struct("<Q")
 # Trajectory fields that are tensors; the rest (sizes, sampler settings) travel as JSON.
 _TRAJECTORY_TENSORS = ("log_probs", "timesteps", "sigmas", "sde_mask")
-_TRAJECTORY_VALUES = ("height", "width", "sampler", "noise_level", "guidance_scale", "true_cfg_scale")
+_TRAJECTORY_VALUES = (
+    "height",
+    "width",
+    "num_frames",
+    "sampler",
+    "noise_level",
+    "guidance_scale",
+    "guidance_scale_2",
+    "true_cfg_scale",
+)
 
 
 class WireError(ValueError):
@@ -145,7 +154,7 @@ class OutputEncoder:
             "branch_path": list(output.branch_path),
         }
         tensors = {}
-        for name in ("image", "latents"):
+        for name in ("image", "video", "latents"):
             if getattr(output, name) is not None:
                 tensors[name] = getattr(output, name)
         trajectory = output.trajectory
@@ -236,6 +245,7 @@ class OutputDecoder:
             seed=fields["seed"],
             status=fields["status"],
             image=tensors.get("image"),
+            video=tensors.get("video"),
             latents=tensors.get("latents"),
             branch_path=tuple(fields["branch_path"]),
             trajectory=trajectory,

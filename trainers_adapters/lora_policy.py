@@ -130,6 +130,7 @@ class LoraPolicy:
             height=first.height,
             width=first.width,
             guidance_scale=first.guidance_scale,
+            guidance_scale_2=first.guidance_scale_2,
             true_cfg_scale=first.true_cfg_scale,
         )
 

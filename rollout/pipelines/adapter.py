@@ -50,7 +50,7 @@ class PipelineAdapter(ABC):
         self.pipeline = pipeline
         self.transformer = pipeline.transformer
         # A private scheduler: set_timesteps mutates it, and the pipeline's own must stay untouched.
-        self._scheduler = FlowMatchEulerDiscreteScheduler.from_config(pipeline.scheduler.config)
+        self._scheduler = self.make_scheduler()
         self._schedules: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self.spec = self.make_spec()
         self.spec = dataclasses.replace(self.spec, min_inference_steps=self._min_inference_steps())
@@ -107,11 +107,20 @@ class PipelineAdapter(ABC):
 
     @abstractmethod
     def decode(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
-        """Images [B, 3, H, W] uint8 on CPU from latents [B, *latent_shape]."""
+        """Images [B, 3, H, W] (videos [B, F, 3, H, W]) uint8 on CPU from latents [B, *latent_shape]."""
 
     def combine_cfg(self, cond: torch.Tensor, uncond: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         """Classifier-free guidance of the rows that use it, in float32; `scale` broadcasts."""
         return uncond + scale * (cond - uncond)
+
+    def cfg_scale(self, scales: dict[str, torch.Tensor | None], sigmas: torch.Tensor) -> torch.Tensor:
+        """Each row's classifier-free guidance scale [B], from the guidance fields' values per row
+        (Wan 2.2 takes another field for the rows its low-noise expert runs)."""
+        return scales[self.spec.cfg_field]
+
+    def make_scheduler(self) -> FlowMatchEulerDiscreteScheduler:
+        """The flow-matching Euler scheduler whose schedule the engine follows, from the pipeline's."""
+        return FlowMatchEulerDiscreteScheduler.from_config(self.pipeline.scheduler.config)
 
     # What the engine and the trainer call.
 
@@ -160,15 +169,16 @@ class PipelineAdapter(ABC):
         height: int,
         width: int,
         guidance_scale: torch.Tensor | float | None = None,
+        guidance_scale_2: torch.Tensor | float | None = None,
         true_cfg_scale: torch.Tensor | float | None = None,
     ) -> torch.Tensor:
         """Velocity [B, *latent_shape] float32.
 
         latents: [B, *latent_shape] of images of `height` x `width` pixels; sigmas: [B] noise
         levels; conditions: one per sample (those with a negative prompt use classifier-free
-        guidance); guidance_scale, true_cfg_scale: scalars or [B], as the trajectory recorded them
-        (None where the model does not use them). Runs with autograd enabled when the caller has it
-        enabled (the trainer does).
+        guidance); guidance_scale, guidance_scale_2, true_cfg_scale: scalars or [B], as the
+        trajectory recorded them (None where the model does not use them). Runs with autograd
+        enabled when the caller has it enabled (the trainer does).
         """
         batch = latents.shape[0]
         device, dtype = self.device, self.dtype
@@ -177,6 +187,7 @@ class PipelineAdapter(ABC):
         negatives = [c.negative for c in conditions if c.negative is not None]
         scales = {
             "guidance_scale": _per_sample(guidance_scale, batch, device),
+            "guidance_scale_2": _per_sample(guidance_scale_2, batch, device),
             "true_cfg_scale": _per_sample(true_cfg_scale, batch, device),
         }
         guidance = scales["guidance_scale"]
@@ -197,7 +208,7 @@ class PipelineAdapter(ABC):
             uncond = run(cfg, negatives).to(torch.float32) if negatives else None
         if uncond is None:
             return velocity
-        scale = scales[self.spec.cfg_field][cfg].view(-1, *([1] * (velocity.ndim - 1)))
+        scale = self.cfg_scale(scales, sigmas)[cfg].view(-1, *([1] * (velocity.ndim - 1)))
         guided = self.combine_cfg(velocity[cfg], uncond, scale)
         return velocity.index_put((cfg.nonzero(as_tuple=True)[0],), guided)
 

@@ -22,6 +22,7 @@ FAMILIES = {
     "StableDiffusion3Pipeline": "rollout.pipelines.sd3:SD3Adapter",
     "FluxPipeline": "rollout.pipelines.flux:FluxAdapter",
     "QwenImagePipeline": "rollout.pipelines.qwen_image:QwenImageAdapter",
+    "WanPipeline": "rollout.pipelines.wan:WanAdapter",
 }
 
 

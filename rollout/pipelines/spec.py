@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from rollout.sampling_params import SamplingParams
 
 # The fields whose meaning (and whether they are used at all) depends on the model.
-GUIDANCE_FIELDS = ("guidance_scale", "true_cfg_scale")
+GUIDANCE_FIELDS = ("guidance_scale", "guidance_scale_2", "true_cfg_scale")
 
 
 @dataclass(frozen=True)
@@ -23,11 +23,16 @@ class ModelSpec:
     latent_packing: 1 when latents are [C, h, w]; 2 when the pipeline packs 2x2 latent patches into
         channels, [h/2 * w/2, C*4] (FLUX.1, Qwen-Image). Trajectories store the pipeline's own form.
     guidance_defaults: the guidance fields of `SamplingParams` this model uses, with their defaults
-        (None: required). Any other guidance field set on a request is refused.
+        (None: required, unless `guidance_fallbacks` names another field whose value it takes).
+        Any other guidance field set on a request is refused.
+    guidance_fallbacks: field -> the field whose value it takes when a request leaves it unset
+        (Wan 2.2's `guidance_scale_2` defaults to `guidance_scale`, as in its pipeline).
     cfg_field: the field whose value > 1 turns on classifier-free guidance with a negative prompt.
     default_negative_prompt: the negative prompt of a request with CFG that names none (SD3's
         pipeline uses ""); None: such a request must name one.
     default_num_frames: None for image models (a request with `num_frames` is refused).
+    frame_multiple: video models take `num_frames` = k * frame_multiple + 1 (the VAE's temporal
+        compression keeps the first frame on its own).
     min_inference_steps: the fewest steps whose schedule is finite (Qwen-Image's scheduler
         stretches its schedule to a terminal sigma, which one step cannot reach).
     """
@@ -42,19 +47,28 @@ class ModelSpec:
     default_max_sequence_length: int
     max_sequence_length_limit: int
     guidance_defaults: dict[str, float | None] = field(default_factory=dict)
+    guidance_fallbacks: dict[str, str] = field(default_factory=dict)
     cfg_field: str | None = None
     default_negative_prompt: str | None = None
     default_num_frames: int | None = None
+    frame_multiple: int = 1
     min_inference_steps: int = 1
+
+    @property
+    def is_video(self) -> bool:
+        return self.default_num_frames is not None
 
     @property
     def size_multiple(self) -> int:
         """Height and width must be multiples of this many pixels."""
         return self.vae_scale_factor * self.patch_size * self.latent_packing
 
-    def latent_shape(self, height: int, width: int) -> tuple[int, ...]:
-        """The shape of one sample's latents, in the form the pipeline takes as `latents=`."""
+    def latent_shape(self, height: int, width: int, num_frames: int | None = None) -> tuple[int, ...]:
+        """The shape of one sample's latents, in the form the pipeline takes as `latents=`:
+        [C, F', h, w] for video (F' = (num_frames - 1) / frame_multiple + 1 latent frames)."""
         h, w = height // self.vae_scale_factor, width // self.vae_scale_factor
+        if self.is_video:
+            return (self.latent_channels, (num_frames - 1) // self.frame_multiple + 1, h, w)
         p = self.latent_packing
         if p == 1:
             return (self.latent_channels, h, w)
@@ -83,8 +97,18 @@ class ModelSpec:
                 f"num_inference_steps={params.num_inference_steps} is too few for {model}: its scheduler gives no "
                 f"finite schedule for fewer than {self.min_inference_steps} steps"
             )
-        if params.num_frames is not None and self.default_num_frames is None:
+        num_frames = params.num_frames
+        if num_frames is not None and not self.is_video:
             problems.append(f"num_frames is for video pipelines; {model} makes images, so leave num_frames unset")
+        if self.is_video:
+            num_frames = num_frames if num_frames is not None else self.default_num_frames
+            if (num_frames - 1) % self.frame_multiple:
+                nearest = max(1, round((num_frames - 1) / self.frame_multiple)) * self.frame_multiple + 1
+                problems.append(
+                    f"num_frames={num_frames} does not fit {model}'s VAE, which compresses time by "
+                    f"{self.frame_multiple} after the first frame: use k * {self.frame_multiple} + 1 frames, "
+                    f"e.g. num_frames={nearest}"
+                )
         max_length = params.max_sequence_length or self.default_max_sequence_length
         if max_length > self.max_sequence_length_limit:
             problems.append(
@@ -98,7 +122,11 @@ class ModelSpec:
                     problems.append(f"{name} is not used by {model}; leave it unset ({self._guidance_hint()})")
                 continue
             guidance[name] = value if value is not None else self.guidance_defaults[name]
-            if guidance[name] is None:
+        for name, source in self.guidance_fallbacks.items():
+            if guidance.get(name) is None:
+                guidance[name] = guidance.get(source)
+        for name, value in guidance.items():
+            if value is None:
                 problems.append(f"{name} is required by this {model} (a guidance-distilled model); set it")
         negative = self._negative_prompt(params, guidance, problems)
         resolved = dataclasses.replace(
@@ -106,6 +134,7 @@ class ModelSpec:
             height=height,
             width=width,
             max_sequence_length=max_length,
+            num_frames=num_frames,
             negative_prompt=negative,
             **{name: guidance.get(name) for name in GUIDANCE_FIELDS},
         )

@@ -7,7 +7,7 @@ plain `PipelineClass.from_pretrained(path)`. Tokenizers are written locally (`to
 the VAE decoders are set close to a colour map (`colour.py`), so an image's colours follow its
 latents and the demos' colour reward is something a policy can learn.
 
-    python -m rollout.pipelines.tiny OUT_DIR [--family sd3|flux|qwen_image] [--seed N]
+    python -m rollout.pipelines.tiny OUT_DIR [--family sd3|flux|qwen_image|wan|wan22] [--seed N]
 """
 
 from __future__ import annotations
@@ -18,18 +18,28 @@ import logging
 from rollout.pipelines.tiny.flux import TinyFluxSizes, build_tiny_flux
 from rollout.pipelines.tiny.qwen_image import TinyQwenImageSizes, build_tiny_qwen_image
 from rollout.pipelines.tiny.sd3 import TinySD3Sizes, build_tiny_sd3
+from rollout.pipelines.tiny.wan import TinyWanSizes, build_tiny_wan, build_tiny_wan22
 
 # Family name -> builder(path, seed) -> path.
-TINY_BUILDERS = {"sd3": build_tiny_sd3, "flux": build_tiny_flux, "qwen_image": build_tiny_qwen_image}
+TINY_BUILDERS = {
+    "sd3": build_tiny_sd3,
+    "flux": build_tiny_flux,
+    "qwen_image": build_tiny_qwen_image,
+    "wan": build_tiny_wan,
+    "wan22": build_tiny_wan22,
+}
 
 __all__ = [
     "TINY_BUILDERS",
     "TinyFluxSizes",
     "TinyQwenImageSizes",
     "TinySD3Sizes",
+    "TinyWanSizes",
     "build_tiny_flux",
     "build_tiny_qwen_image",
     "build_tiny_sd3",
+    "build_tiny_wan",
+    "build_tiny_wan22",
 ]
 
 
@@ -43,7 +53,8 @@ def main(argv: list[str] | None = None) -> None:
         "--family",
         choices=sorted(TINY_BUILDERS),
         default="sd3",
-        help="sd3: StableDiffusion3Pipeline (default); flux: FluxPipeline; qwen_image: QwenImagePipeline",
+        help="sd3: StableDiffusion3Pipeline (default); flux: FluxPipeline; qwen_image: QwenImagePipeline; "
+        "wan: WanPipeline (Wan 2.1); wan22: WanPipeline with two experts (Wan 2.2)",
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
     args = parser.parse_args(argv)
