@@ -1,9 +1,14 @@
-"""LoRA adapters on a worker's transformer: load (or hot-swap), unload, and pick one per batch.
+"""LoRA adapters on a worker's transformer(s): load (or hot-swap), unload, and pick one per batch.
 
 Adapters are PEFT LoRA layers injected through diffusers' adapter support. An adapter is checked
 before it touches the model: every tensor must belong to a module of the model, and every module
 its config targets must get its tensors. An adapter that binds nothing is refused, never silently
 ignored (a peer project once sampled the base policy for a whole run that way).
+
+A model with several denoisers (Wan 2.2's two experts) has one LoRA target per component. Tensor
+keys name theirs with a component prefix (`transformer_2.blocks.0.attn1.to_q.lora_A.weight`); keys
+without one (or with `transformer.`) go to the first. An adapter may hold tensors for any of them:
+a component it has none for runs its base weights when the adapter is picked.
 """
 
 from __future__ import annotations
@@ -11,7 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -74,6 +79,17 @@ def normalize_keys(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tenso
     return normalized
 
 
+def split_by_component(tensors: Mapping[str, torch.Tensor], components: Sequence[str]) -> dict[str, dict]:
+    """The tensors of each component that has any, keyed as `normalize_keys` keys them. A key names
+    its component with a prefix (`transformer_2.`); without one it is the first component's."""
+    parts: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in tensors.items():
+        key = key.removeprefix("base_model.model.")
+        component = next((name for name in components[1:] if key.startswith(name + ".")), components[0])
+        parts.setdefault(component, {})[key.removeprefix(component + ".")] = tensor
+    return {component: normalize_keys(part) for component, part in parts.items()}
+
+
 def infer_config(tensors: Mapping[str, torch.Tensor]) -> LoraConfig:
     """A config for a diffusers LoRA file: its rank from lora_A, alpha = rank, its modules as targets."""
     ranks = {t.shape[0] for key, t in tensors.items() if ".lora_A." in key}
@@ -85,21 +101,26 @@ def infer_config(tensors: Mapping[str, torch.Tensor]) -> LoraConfig:
 
 
 class LoraManager:
-    def __init__(self, model: nn.Module):
-        self.model = model
+    """The adapters of one worker, on `components` (name -> module; the first is the default)."""
+
+    def __init__(self, components: Mapping[str, nn.Module]):
+        self.components = dict(components)
         self.configs: dict[str, LoraConfig] = {}
-        self._active: tuple[str | None, float] | None = None  # what the model is set up for now
+        self.placed: dict[str, tuple[str, ...]] = {}  # adapter -> the components it has layers on
+        self._active: tuple[str | None, float] | None = None  # what the models are set up for now
 
     def load(self, name: str, tensors: Mapping[str, torch.Tensor], config: LoraConfig | Mapping | None) -> int:
         """Load adapter `name` (replacing one of that name); returns how many modules it binds."""
-        tensors = normalize_keys(tensors)
-        config = infer_config(tensors) if config is None else config
+        parts = split_by_component(tensors, list(self.components))
+        config = infer_config({k: t for part in parts.values() for k, t in part.items()}) if config is None else config
         config = config_from_dict(config) if isinstance(config, Mapping) else config
-        self._check_fits(name, tensors, config)
-        if name in self.configs and _layout(self.configs[name]) == _layout(config):
-            return self._copy_in_place(name, tensors)
+        for component, part in parts.items():
+            self._check_fits(name, self.components[component], part, config)
+        same_layout = name in self.configs and _layout(self.configs[name]) == _layout(config)
+        if same_layout and self.placed[name] == tuple(parts):
+            return sum(self._copy_in_place(name, self.components[c], part) for c, part in parts.items())
         try:
-            self._rebuild(name, tensors, config)
+            self._rebuild(name, parts, config)
         except Exception as error:
             # Past the checks the old adapter may be gone: say so with a type that is not a refusal
             # (ValueError), so the engine does not take it for "nothing changed".
@@ -113,28 +134,32 @@ class LoraManager:
         logger.info("loaded LoRA %r (rank %d) on %d modules", name, config.r, bound)
         return bound
 
-    def _rebuild(self, name: str, tensors: Mapping[str, torch.Tensor], config: LoraConfig) -> None:
-        """Replace adapter `name` with PEFT layers of `config` holding `tensors`."""
+    def _rebuild(self, name: str, parts: Mapping[str, Mapping[str, torch.Tensor]], config: LoraConfig) -> None:
+        """Replace adapter `name` with PEFT layers of `config` holding each component's tensors."""
         if name in self.configs:
             self.unload(name)
-        with warnings.catch_warnings():  # PEFT warns on every second adapter; several is the point here
-            warnings.filterwarnings("ignore", message="Already found a `peft_config` attribute")
-            self.model.add_adapter(config, adapter_name=name)
         self.configs[name] = config
+        self.placed[name] = ()
         self._active = None
-        adapter_to_float32(self.model, name)
-        result = set_peft_model_state_dict(self.model, tensors, adapter_name=name)
-        if result.unexpected_keys:  # checked before; a PEFT that maps keys differently lands here
-            raise RuntimeError(f"PEFT did not place tensors {result.unexpected_keys[:3]}")
+        for component, tensors in parts.items():
+            model = self.components[component]
+            with warnings.catch_warnings():  # PEFT warns on every second adapter; several is the point here
+                warnings.filterwarnings("ignore", message="Already found a `peft_config` attribute")
+                model.add_adapter(config, adapter_name=name)
+            self.placed[name] += (component,)
+            adapter_to_float32(model, name)
+            result = set_peft_model_state_dict(model, tensors, adapter_name=name)
+            if result.unexpected_keys:  # checked before; a PEFT that maps keys differently lands here
+                raise RuntimeError(f"PEFT did not place tensors {result.unexpected_keys[:3]}")
 
-    def _copy_in_place(self, name: str, tensors: Mapping[str, torch.Tensor]) -> int:
+    def _copy_in_place(self, name: str, model: nn.Module, tensors: Mapping[str, torch.Tensor]) -> int:
         """Hot swap with the same layout: copy into the adapter's tensors (40x faster than PEFT
         rebuilding its layers). Every shape is checked before the first copy."""
         targets = {}
         for key, tensor in tensors.items():
             module_name, _, rest = key.partition(".lora_")
             kind, _, leaf = rest.partition(".")  # "A" / "B", "weight"
-            target = getattr(self.model.get_submodule(f"{module_name}.lora_{kind}.{name}"), leaf)
+            target = getattr(model.get_submodule(f"{module_name}.lora_{kind}.{name}"), leaf)
             if target.shape != tensor.shape:
                 raise ValueError(
                     f"LoRA {name!r} refused: {key} expected {list(target.shape)}, got {list(tensor.shape)}"
@@ -143,32 +168,37 @@ class LoraManager:
         with torch.no_grad():
             for key, target in targets.items():
                 target.copy_(tensors[key])
-        return self.bound_modules(name)
+        return _bound_modules(model, name)
 
     def unload(self, name: str) -> None:
         if name not in self.configs:
             raise ValueError(f"no LoRA named {name!r} is loaded; loaded: {sorted(self.configs)}")
-        self.model.delete_adapters(name)
+        for component in self.placed.pop(name):
+            self.components[component].delete_adapters(name)
         del self.configs[name]
         self._active = None
 
     def activate(self, name: str | None, scale: float) -> None:
-        """Set the model up to run adapter `name` at `scale`, or the base model for None."""
+        """Set the models up to run adapter `name` at `scale` (the base weights where it has no
+        layers), or the base models for None."""
         if self._active == (name, scale) or (name is None and not self.configs):
             return
-        if name is None:
-            self.model.disable_lora()
-        else:
-            self.model.enable_lora()
-            self.model.set_adapters([name], [scale])
+        for component, model in self.components.items():
+            if name is not None and component in self.placed[name]:
+                model.enable_lora()
+                model.set_adapters([name], [scale])
+            elif any(component in placed for placed in self.placed.values()):
+                model.disable_lora()
         self._active = (name, scale)
 
     def bound_modules(self, name: str) -> int:
-        return sum(1 for module in self.model.modules() if isinstance(module, LoraLayer) and name in module.lora_A)
+        return sum(_bound_modules(self.components[component], name) for component in self.placed[name])
 
-    def _check_fits(self, name: str, tensors: Mapping[str, torch.Tensor], config: LoraConfig) -> None:
+    def _check_fits(
+        self, name: str, model: nn.Module, tensors: Mapping[str, torch.Tensor], config: LoraConfig
+    ) -> None:
         """Refuse, before anything changes, an adapter that does not fit the model exactly."""
-        modules = _base_module_names(self.model)
+        modules = _base_module_names(model)
         given = {key.split(".lora_")[0] for key in tensors}
         if not given & modules:
             raise ValueError(
@@ -193,6 +223,10 @@ class LoraManager:
             )
         if problems:
             raise ValueError(f"LoRA {name!r} refused: " + "; ".join(problems))
+
+
+def _bound_modules(model: nn.Module, name: str) -> int:
+    return sum(1 for module in model.modules() if isinstance(module, LoraLayer) and name in module.lora_A)
 
 
 def adapter_to_float32(model: nn.Module, name: str) -> None:

@@ -30,7 +30,7 @@ class Worker:
         self.config = config
         self.rank = rank
         self.adapter = load_adapter(config.model, config.device, config.torch_dtype)
-        self.loras = LoraManager(self.adapter.transformer)
+        self.loras = LoraManager(self.adapter.denoisers)
         self.runner = ModelRunner(self.adapter, self.loras)
         self.requests: dict[str, RequestState] = {}
         self.updates = StagedUpdates(self.adapter.components)

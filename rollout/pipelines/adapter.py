@@ -130,6 +130,12 @@ class PipelineAdapter(ABC):
         return {name: module for name, module in self.pipeline.components.items() if isinstance(module, nn.Module)}
 
     @property
+    def denoisers(self) -> dict[str, nn.Module]:
+        """The modules that predict velocities, by component name (what LoRA adapters attach to);
+        the first is `transformer`."""
+        return {"transformer": self.transformer}
+
+    @property
     def device(self) -> torch.device:
         return self.transformer.device
 

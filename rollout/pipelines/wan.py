@@ -47,6 +47,13 @@ class WanAdapter(PipelineAdapter):
         num_train_timesteps = self._scheduler.config.num_train_timesteps
         self.boundary_timestep = None if ratio is None else ratio * num_train_timesteps
 
+    @property
+    def denoisers(self) -> dict[str, torch.nn.Module]:
+        experts = {"transformer": self.transformer}
+        if self.pipeline.transformer_2 is not None:
+            experts["transformer_2"] = self.pipeline.transformer_2
+        return experts
+
     def make_scheduler(self) -> FlowMatchEulerDiscreteScheduler:
         config = self.pipeline.scheduler.config
         shift = config.get("flow_shift", config.get("shift", 1.0))  # UniPC names Wan's shift flow_shift

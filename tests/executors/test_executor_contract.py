@@ -696,11 +696,11 @@ def _break_add_adapter(worker):
     def fail(config, adapter_name):
         raise ValueError("PEFT could not build the layers")
 
-    worker.loras.model.add_adapter = fail
+    worker.adapter.transformer.add_adapter = fail
 
 
 def _restore_add_adapter(worker) -> None:
-    vars(worker.loras.model).pop("add_adapter", None)
+    vars(worker.adapter.transformer).pop("add_adapter", None)
 
 
 def test_a_new_layout_that_fails_midway_leaves_the_engine_and_workers_agreeing(engine, lora_tensors):
