@@ -57,12 +57,11 @@ def run(config: Config) -> dict:
 
     output_dir = Path(config.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
-    if all(output.image is not None for output in outputs):
-        grid_path = output_dir / "grid.png"
-        image_grid(outputs, config.grid_scale).save(grid_path)
+    if config.sampling.output_type == "image":
+        grid_path = save_samples(outputs, config.grid_scale, output_dir / "grid")
         logger.info("wrote %s (rows: %s)", grid_path, " | ".join(config.prompts))
     else:
-        logger.info("no grid.png: sampling.output_type is not image")
+        logger.info("no grid: sampling.output_type is not image")
     summary = {
         "config": to_dict(config),
         "model_path": model_path,
@@ -86,10 +85,25 @@ def run(config: Config) -> dict:
     return summary
 
 
-def image_grid(outputs: list[RolloutOutput], scale: int) -> Image.Image:
+def save_samples(outputs: list[RolloutOutput], scale: int, stem: Path) -> Path:
+    """Save the outputs' grid: `stem`.png for images, an animated `stem`.gif for videos (one grid
+    per frame, 8 frames per second); returns the file's path."""
+    if outputs[0].video is None:
+        path = stem.with_suffix(".png")
+        image_grid(outputs, scale).save(path)
+        return path
+    num_frames = outputs[0].video.shape[0]
+    frames = [image_grid(outputs, scale, frame=index) for index in range(num_frames)]
+    path = stem.with_suffix(".gif")
+    frames[0].save(path, save_all=True, append_images=frames[1:], duration=125, loop=0)
+    return path
+
+
+def image_grid(outputs: list[RolloutOutput], scale: int, frame: int | None = None) -> Image.Image:
     """A grid with one row per prompt and one column per output of it (a sample, or a leaf of a tree
-    rollout), in the order given; every image upscaled `scale` times."""
-    _, height, width = outputs[0].image.shape
+    rollout), in the order given; every image upscaled `scale` times. For videos, of frame `frame`."""
+    pictures = [output.image if frame is None else output.video[frame] for output in outputs]
+    _, height, width = pictures[0].shape
     cell_h, cell_w = height * scale, width * scale
     column_of = []
     taken: dict[int, int] = {}  # prompt index -> columns used
@@ -100,8 +114,8 @@ def image_grid(outputs: list[RolloutOutput], scale: int) -> Image.Image:
     cols = max(taken.values())
     size = (cols * cell_w + (cols - 1) * GRID_GAP_PX, rows * cell_h + (rows - 1) * GRID_GAP_PX)
     grid = Image.new("RGB", size, "white")
-    for output, column in zip(outputs, column_of, strict=True):
-        tile = Image.fromarray(output.image.permute(1, 2, 0).numpy())
+    for output, picture, column in zip(outputs, pictures, column_of, strict=True):
+        tile = Image.fromarray(picture.permute(1, 2, 0).numpy())
         tile = tile.resize((cell_w, cell_h), Image.Resampling.NEAREST)
         grid.paste(tile, (column * (cell_w + GRID_GAP_PX), output.prompt_index * (cell_h + GRID_GAP_PX)))
     return grid

@@ -5,8 +5,8 @@ Every step: pick prompts, roll them out with the policy's adapter (each group re
 background thread as soon as it finishes), run the update, push the adapter back to the engine and
 check the version it reports. The run writes, under `output_dir`: `metrics.jsonl` (one line per
 step), `reward.png` (reward against step), `samples_start.png` / `samples_end.png` (the same eval
-prompts and noise before and after training), `lora/` (the final adapter in the diffusers LoRA
-format) and `summary.json`.
+prompts and noise before and after training; animated `.gif` grids for a video model), `lora/` (the
+final adapter in the diffusers LoRA format) and `summary.json`.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from recipes.config import EngineSection, ModelSection, RecipeConfig, option, to_dict
 from recipes.plots import plot_reward
-from recipes.rollout import image_grid
+from recipes.rollout import save_samples
 from rollout import SamplingParams
 from rollout.seeding import derive_seed
 from trainers_adapters.lora_policy import LoraPolicy
@@ -220,8 +220,8 @@ def train(config: TrainingConfig, update: UpdateFn, postfix: Callable[[Any], dic
         eval_end = _eval_samples(engine, config, prompts, reward, pool)
     train_s = time.perf_counter() - started
 
-    image_grid(eval_start.outputs, config.grid_scale).save(output_dir / "samples_start.png")
-    image_grid(eval_end.outputs, config.grid_scale).save(output_dir / "samples_end.png")
+    save_samples(eval_start.outputs, config.grid_scale, output_dir / "samples_start")
+    save_samples(eval_end.outputs, config.grid_scale, output_dir / "samples_end")
     plot_reward(history, output_dir / "reward.png", title=f"{config.recipe}: reward {config.reward}")
     lora_file = policy.save(output_dir / "lora")
     summary = _summary(config, history, eval_start, eval_end, train_s, model_path, lora_file)

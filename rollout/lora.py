@@ -36,6 +36,8 @@ class LoraLoadFailed(RuntimeError):
 # Prefixes that LoRA files put before module names: PEFT's wrapper and diffusers' component name.
 _KEY_PREFIXES = ("base_model.model.", "transformer.")
 DIFFUSERS_LORA_FILE = "pytorch_lora_weights.safetensors"
+# Wan 2.2's low-noise expert: a second diffusers LoRA file, keyed like the first.
+DIFFUSERS_LORA_FILE_2 = "pytorch_lora_weights_transformer_2.safetensors"
 # Where diffusers' save_lora_weights stores the LoRA config (JSON, keys prefixed by component).
 _DIFFUSERS_METADATA_KEY = "lora_adapter_metadata"
 
@@ -43,7 +45,8 @@ _DIFFUSERS_METADATA_KEY = "lora_adapter_metadata"
 def read_lora_folder(folder: str | Path) -> tuple[dict[str, torch.Tensor], LoraConfig | None]:
     """(tensors, config) of a PEFT folder (adapter_config.json + adapter_model.safetensors), or of a
     diffusers LoRA folder (pytorch_lora_weights.safetensors; its config is read from the file's
-    metadata where diffusers stored one, else None: inferred from shapes)."""
+    metadata where diffusers stored one, else None: inferred from shapes). A folder with
+    `DIFFUSERS_LORA_FILE_2` adds its tensors for `transformer_2` (Wan 2.2's low-noise expert)."""
     from safetensors import safe_open
     from safetensors.torch import load_file
 
@@ -57,7 +60,11 @@ def read_lora_folder(folder: str | Path) -> tuple[dict[str, torch.Tensor], LoraC
             metadata = json.loads((file.metadata() or {}).get(_DIFFUSERS_METADATA_KEY, "{}"))
         prefix = "transformer."
         config = {key.removeprefix(prefix): value for key, value in metadata.items() if key.startswith(prefix)}
-        return load_file(path), config_from_dict(config) if config else None
+        tensors = load_file(path)
+        if (folder / DIFFUSERS_LORA_FILE_2).is_file():
+            second = load_file(folder / DIFFUSERS_LORA_FILE_2)
+            tensors |= {"transformer_2." + key.removeprefix(prefix): tensor for key, tensor in second.items()}
+        return tensors, config_from_dict(config) if config else None
     raise ValueError(
         f"LoRA folder {str(folder)!r} holds neither adapter_config.json + adapter_model.safetensors (PEFT) "
         f"nor {DIFFUSERS_LORA_FILE} (diffusers)"

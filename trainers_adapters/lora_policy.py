@@ -1,6 +1,7 @@
 """The trainer's own trainable copy of the policy: the pipeline adapter with a PEFT LoRA on its
-transformer. It re-scores rollouts with gradients through the same `predict_velocity` and sampler
-functions the engine sampled with, and hands its LoRA tensors to `engine.load_lora`.
+transformer (on each of Wan 2.2's two experts). It re-scores rollouts with gradients through the
+same `predict_velocity` and sampler functions the engine sampled with, and hands its LoRA tensors
+to `engine.load_lora`.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 from peft import LoraConfig
 from peft.utils import get_peft_model_state_dict
 
-from rollout.lora import DIFFUSERS_LORA_FILE, adapter_to_float32
+from rollout.lora import DIFFUSERS_LORA_FILE, DIFFUSERS_LORA_FILE_2, adapter_to_float32
 from rollout.outputs import Trajectory
 from rollout.pipelines.condition import Condition
 from rollout.pipelines.loading import load_adapter
@@ -25,8 +26,9 @@ from rollout.weights import base_state, checksum, specs_of, update_problems
 
 
 class LoraPolicy:
-    """A frozen base model plus one trainable LoRA adapter named `name`. A config that names no
-    `target_modules` gets the model family's default targets."""
+    """A frozen base model plus one trainable LoRA adapter named `name` on every denoiser (the
+    transformer; both experts of Wan 2.2). A config that names no `target_modules` gets the model
+    family's default targets."""
 
     def __init__(
         self,
@@ -42,20 +44,26 @@ class LoraPolicy:
         if config.target_modules is None:
             config = dataclasses.replace(config, target_modules=set(self.adapter.default_lora_targets))
         self.lora_config = config
-        transformer = self.adapter.transformer
-        transformer.requires_grad_(False)
-        transformer.add_adapter(self.lora_config, adapter_name=name)
-        transformer.set_adapters([name])
-        adapter_to_float32(transformer, name)  # trained in float32, and the engine computes with float32 too
+        self.denoisers = self.adapter.denoisers
+        for denoiser in self.denoisers.values():
+            denoiser.requires_grad_(False)
+            denoiser.add_adapter(self.lora_config, adapter_name=name)
+            denoiser.set_adapters([name])
+            adapter_to_float32(denoiser, name)  # trained in float32, and the engine computes with float32 too
 
     def parameters(self) -> list[torch.nn.Parameter]:
         """The trainable LoRA parameters (what the optimizer updates)."""
-        return [p for p in self.adapter.transformer.parameters() if p.requires_grad]
+        return [p for denoiser in self.denoisers.values() for p in denoiser.parameters() if p.requires_grad]
 
     def lora_state(self) -> dict[str, torch.Tensor]:
-        """The adapter's tensors in PEFT keys, detached copies: what `engine.load_lora` takes."""
-        state = get_peft_model_state_dict(self.adapter.transformer, adapter_name=self.name)
-        return {key: tensor.detach().clone() for key, tensor in state.items()}
+        """The adapter's tensors in PEFT keys, detached copies: what `engine.load_lora` takes. Keys
+        of a second denoiser carry its component name (`transformer_2.blocks...`)."""
+        state = {}
+        for index, (component, denoiser) in enumerate(self.denoisers.items()):
+            prefix = "" if index == 0 else f"{component}."
+            tensors = get_peft_model_state_dict(denoiser, adapter_name=self.name)
+            state |= {prefix + key: tensor.detach().clone() for key, tensor in tensors.items()}
+        return state
 
     def push(self, engine) -> int:
         """Hot-swap this adapter into the engine under its name; returns the new weight version."""
@@ -84,28 +92,34 @@ class LoraPolicy:
     def save(self, folder: str | Path) -> Path:
         """Write the adapter as diffusers writes LoRAs (`pytorch_lora_weights.safetensors`, PEFT
         key names under `transformer.`, the LoRA config in the file's metadata), which the
-        pipeline's `load_lora_weights(folder)` and `engine.load_lora(name, folder)` both accept."""
+        pipeline's `load_lora_weights(folder)` and `engine.load_lora(name, folder)` both accept.
+        Wan 2.2's low-noise expert gets a file of its own, as diffusers loads it
+        (`load_lora_weights(folder, weight_name=DIFFUSERS_LORA_FILE_2, load_into_transformer_2=True)`)."""
         pipeline_class = type(self.adapter.pipeline)
         config = json.loads(json.dumps(self.lora_config.to_dict(), default=sorted))  # sets -> lists
-        pipeline_class.save_lora_weights(
-            folder,
-            transformer_lora_layers=self.lora_state(),
-            transformer_lora_adapter_metadata=config,
-            weight_name=DIFFUSERS_LORA_FILE,
-        )
+        files = {"transformer": DIFFUSERS_LORA_FILE, "transformer_2": DIFFUSERS_LORA_FILE_2}
+        for component, denoiser in self.denoisers.items():
+            tensors = get_peft_model_state_dict(denoiser, adapter_name=self.name)
+            pipeline_class.save_lora_weights(
+                folder,
+                transformer_lora_layers={key: tensor.detach().clone() for key, tensor in tensors.items()},
+                transformer_lora_adapter_metadata=config,
+                weight_name=files[component],
+            )
         return Path(folder) / DIFFUSERS_LORA_FILE
 
     @contextlib.contextmanager
     def reference(self) -> Iterator[None]:
         """Inside this block the model is the frozen reference (the base, LoRA disabled) and runs
         without gradients."""
-        transformer = self.adapter.transformer
-        transformer.disable_lora()
+        for denoiser in self.denoisers.values():
+            denoiser.disable_lora()
         try:
             with torch.no_grad():
                 yield
         finally:
-            transformer.enable_lora()
+            for denoiser in self.denoisers.values():
+                denoiser.enable_lora()
 
     def score(self, trajectories: Sequence[Trajectory], steps: int | Sequence[int]) -> StepOutput:
         """Re-score step `steps[i]` of trajectory i (one int: that step of each) in one batched

@@ -47,10 +47,10 @@ def generate_with_rewards(
 ) -> RewardedRollout:
     """Generate `params.num_samples` samples of every prompt (each a tree of leaves when `params`
     branch) and reward each group on `pool` as it finishes. The reward gets (images [n, 3, H, W]
-    uint8, prompts, metadata) with metadata per sample: prompt_index, sample_index, branch_path,
-    seed, weight_version."""
+    or videos [n, F, 3, H, W] uint8, prompts, metadata) with metadata per sample: prompt_index,
+    sample_index, branch_path, seed, weight_version."""
     if params.output_type != "image":
-        raise ValueError("a rewarded rollout needs images; set output_type='image' in the sampling params")
+        raise ValueError("a rewarded rollout needs images (or videos); set output_type='image' in the sampling params")
     started = time.perf_counter()
     group_of: dict[str, int] = {}
     finished: list[list[RolloutOutput]] = [[] for _ in prompts]
@@ -91,7 +91,7 @@ def _sample_order(output: RolloutOutput) -> tuple:
 
 def _reward_group(reward: Reward, group: list[RolloutOutput]) -> torch.Tensor:
     group = sorted(group, key=_sample_order)
-    images = torch.stack([output.image for output in group])
+    images = torch.stack([output.image if output.video is None else output.video for output in group])
     metadata = [
         {
             "prompt_index": o.prompt_index,

@@ -1,7 +1,8 @@
 """Rewards: callables `(images, prompts, metadata) -> tensor [N] float32`, higher is better.
 
-images: uint8 [N, 3, H, W] (or a list of [3, H, W]); prompts: N strings; metadata: N dicts.
-The built-ins need no downloaded model. A user's reward is named by dotted path.
+images: uint8 [N, 3, H, W] (or a list of [3, H, W]); for a video model uint8 videos
+[N, F, 3, H, W]; prompts: N strings; metadata: N dicts. The built-ins need no downloaded model. A
+user's reward is named by dotted path.
 """
 
 from __future__ import annotations
@@ -68,6 +69,17 @@ def colour_target(images, prompts, metadata) -> torch.Tensor:
     return -(means - targets).norm(dim=1)
 
 
+def colour_agreement(videos, prompts, metadata) -> torch.Tensor:
+    """How steady a video's colour is over time: minus the mean distance (RGB in [0, 1]) of each
+    frame's mean colour from the whole video's. 0 for a video whose frames all share one mean
+    colour; it needs the time axis, so an image reward cannot stand in for it."""
+    videos = torch.stack(list(videos)) if not isinstance(videos, torch.Tensor) else videos
+    if videos.dtype != torch.uint8 or videos.ndim != 5 or videos.shape[2] != 3:
+        raise ValueError(f"videos must be uint8 [N, F, 3, H, W], got {videos.dtype} {tuple(videos.shape)}")
+    frame_means = videos.float().mean(dim=(3, 4)) / 255  # [N, F, 3]
+    return -(frame_means - frame_means.mean(dim=1, keepdim=True)).norm(dim=2).mean(dim=1)
+
+
 def _named_colour(prompt: str) -> str:
     for word in re.findall(r"[a-z]+", prompt.lower()):
         if word in COLOURS:
@@ -79,6 +91,7 @@ BUILTIN_REWARDS: dict[str, Reward] = {
     "jpeg_compressibility": jpeg_compressibility,
     "jpeg_incompressibility": jpeg_incompressibility,
     "colour": colour_target,
+    "colour_agreement": colour_agreement,
 }
 
 

@@ -22,16 +22,18 @@ WINDOW = 5  # steps averaged at the start and at the end
 
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize(
-    "config_name, family, steps",
+    "config_name, family, steps, min_margin",
     [
-        pytest.param("grpo_tiny.yaml", "sd3", 6, id="sd3"),
-        pytest.param("grpo_flux_tiny.yaml", "flux", 6, id="flux", marks=pytest.mark.slow),
-        pytest.param("grpo_qwen_image_tiny.yaml", "qwen_image", 6, id="qwen_image", marks=pytest.mark.slow),
-        pytest.param("branch_grpo_tiny.yaml", "sd3", 8, id="branch_grpo", marks=pytest.mark.slow),
-        pytest.param("grpo_fast_tiny.yaml", "sd3", 8, id="grpo_fast", marks=pytest.mark.slow),
+        pytest.param("grpo_tiny.yaml", "sd3", 6, 0.03, id="sd3"),
+        pytest.param("grpo_flux_tiny.yaml", "flux", 6, 0.03, id="flux", marks=pytest.mark.slow),
+        pytest.param("grpo_qwen_image_tiny.yaml", "qwen_image", 6, 0.03, id="qwen_image", marks=pytest.mark.slow),
+        pytest.param("branch_grpo_tiny.yaml", "sd3", 8, 0.03, id="branch_grpo", marks=pytest.mark.slow),
+        pytest.param("grpo_fast_tiny.yaml", "sd3", 8, 0.03, id="grpo_fast", marks=pytest.mark.slow),
+        # Colour agreement starts near -0.1 (the tiny VAE's frames already agree roughly): a smaller scale.
+        pytest.param("grpo_wan_tiny.yaml", "wan", 8, 0.003, id="wan", marks=pytest.mark.slow),
     ],
 )
-def test_reward_rises_on_every_seed(tmp_path, tiny_models, config_name, family, steps):
+def test_reward_rises_on_every_seed(tmp_path, tiny_models, config_name, family, steps, min_margin):
     margins = []
     for seed in (0, 1, 2):
         out = tmp_path / f"seed{seed}"
@@ -61,7 +63,7 @@ def test_reward_rises_on_every_seed(tmp_path, tiny_models, config_name, family, 
         std_error = math.sqrt(variance)
         assert margin > 5 * std_error, f"seed {seed}: margin {margin:.4f}, std error {std_error:.4f}"
         margins.append(margin)
-    assert min(margins) > 0.03, margins
+    assert min(margins) > min_margin, margins
 
 
 def mean(values) -> float:

@@ -59,6 +59,8 @@ def test_qwen_image_config_carries_the_published_flow_grpo_settings():
         ("grpo_qwen_image_lora.yaml", "qwen_image"),
         ("grpo_flux_tiny.yaml", "flux"),
         ("grpo_qwen_image_tiny.yaml", "qwen_image"),
+        ("grpo_wan_tiny.yaml", "wan"),
+        ("grpo_wan22_a14b_lora.yaml", "wan22"),
     ],
 )
 def test_sampling_settings_fit_their_model_family(tiny_models, name, family):

@@ -85,6 +85,21 @@ def test_family_recipes_run_and_start_at_ratio_one(tmp_path, monkeypatch, config
 
 @pytest.mark.filterwarnings("ignore:.*found in sys.modules:RuntimeWarning")
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("family", ["wan", "wan22"])
+def test_the_video_recipe_writes_animated_grids_and_starts_at_ratio_one(tmp_path, monkeypatch, family):
+    out = tmp_path / "out"
+    run_cli(monkeypatch, "grpo_wan_tiny.yaml", *small_run(tmp_path, "uni"), f"model.tiny_family={family}")
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["log_ratio_before_update"] < 1e-5 for r in records)
+    for name in ("samples_start.gif", "samples_end.gif"):
+        with Image.open(out / name) as grid:
+            assert grid.n_frames == 9 and grid.size == (2 * 32 * 4 + 2, 2 * 32 * 4 + 2)
+    assert (out / "lora" / "pytorch_lora_weights.safetensors").is_file()
+    assert (out / "lora" / "pytorch_lora_weights_transformer_2.safetensors").is_file() == (family == "wan22")
+
+
+@pytest.mark.filterwarnings("ignore:.*found in sys.modules:RuntimeWarning")
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("executor", ["uni", "mp"])
 def test_dpo_recipe_runs(tmp_path, monkeypatch, executor):
     run_cli(monkeypatch, "dpo_tiny.yaml", *small_run(tmp_path, executor))

@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from rollout import EngineConfig, RolloutEngine
+from rollout import EngineConfig, RolloutEngine, SamplingParams
 from tests.families import FAMILIES
 from trainers_adapters.dpo_trainer import DPOSettings, dpo_step
 from trainers_adapters.grpo_trainer import GRPOSettings, grpo_step
@@ -92,3 +92,35 @@ def test_a_flux_lora_from_the_policy_reproduces_the_engine_in_diffusers(tiny_mod
     reference = pipeline("a red square", latents=latents[0][None].clone(), **call).images
     assert (latents[-1] - reference[0]).abs().max() < 1e-4
     assert (latents[-1] - base.trajectory.latents[-1]).abs().max() > 1e-2  # the adapter changed the samples
+
+
+def test_a_wan22_policy_trains_both_experts_from_ratio_one_and_saves_both(tiny_models, tmp_path):
+    from tests.families import VIDEO_FAMILIES
+    from trainers_adapters.rewards import colour_agreement
+
+    family = VIDEO_FAMILIES["wan22"]
+    path = tiny_models("wan22")
+    torch.manual_seed(0)
+    policy = LoraPolicy(path, LORA | {"init_lora_weights": False})  # random B: both experts' adapters act
+    assert set(policy.denoisers) == {"transformer", "transformer_2"}
+    with RolloutEngine(EngineConfig(model=path)) as engine, ThreadPoolExecutor(1) as pool:
+        policy.push(engine)
+        assert engine.lora_modules(policy.name) == 2 * 4 * 2  # q, k, v, out of 2 attentions, on each expert
+        params = family.params(cfg=True, num_inference_steps=4, num_samples=3, seed=2, lora=policy.name)
+        rollout = generate_with_rewards(engine, ["a calm lake", "a still room"], params, colour_agreement, pool)
+        assert rollout.outputs[0].video.shape == (9, 3, 32, 32)
+        optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-2)
+        before = policy.lora_state()
+        stats = grpo_step(policy, optimizer, rollout, GRPOSettings(), torch.Generator().manual_seed(0))
+        assert stats.log_ratio_before_update < 1e-5  # steps on both sides of the boundary, both experts
+        after = policy.lora_state()
+        for prefix in ("", "transformer_2."):
+            changed = [k for k in before if k.startswith(prefix) and not torch.equal(before[k], after[k])]
+            assert changed, f"no {prefix or 'transformer.'} tensor moved"
+        folder = policy.save(tmp_path / "lora")
+        engine.load_lora("saved", str(folder.parent))
+        policy.push(engine)
+        p = family.params(num_inference_steps=3, seed=1)
+        saved = engine.generate("x", SamplingParams(**{**p.__dict__, "lora": "saved"}))
+        pushed = engine.generate("x", SamplingParams(**{**p.__dict__, "lora": policy.name}))
+        assert torch.equal(saved[0].trajectory.latents.stack(), pushed[0].trajectory.latents.stack())
