@@ -1,6 +1,6 @@
-"""Wan 2.2's two experts as hot-swap components, on the in-process and the worker-process executor:
-weights per expert (update, checksum, a refused update), LoRA on either expert or both, sleep and
-wake, and an abort that leaves nothing behind."""
+"""Wan 2.2's two experts as hot-swap components, on every executor (uni in the default suite, mp and
+ray with `make test-slow`): weights per expert (update, checksum, a refused update), LoRA on either
+expert or both, sleep and wake, and an abort that leaves nothing behind."""
 
 from __future__ import annotations
 
@@ -16,11 +16,24 @@ pytestmark = pytest.mark.timeout(240)
 WAN22 = VIDEO_FAMILIES["wan22"]
 EXPERTS = ("transformer", "transformer_2")
 LORA_TARGETS = ["to_q", "to_v"]
-BACKENDS = {"uni": {"executor": "uni"}, "mp": {"executor": "mp", "num_workers": 2}}
+BACKENDS = {
+    "uni": {"executor": "uni"},
+    "mp": {"executor": "mp", "num_workers": 2},
+    "ray": {"executor": "ray", "num_workers": 2},
+}
 
 
-@pytest.fixture(scope="module", params=list(BACKENDS))
+@pytest.fixture(
+    scope="module",
+    params=[
+        "uni",
+        pytest.param("mp", marks=pytest.mark.slow),
+        pytest.param("ray", marks=pytest.mark.slow),
+    ],
+)
 def engine(request, tiny_models):
+    if request.param == "ray":
+        request.getfixturevalue("ray_cluster")
     with RolloutEngine(EngineConfig(model=tiny_models("wan22"), **BACKENDS[request.param])) as engine:
         yield engine
 

@@ -153,3 +153,19 @@ def test_a_batch_never_mixes_experts(wan):
     assert {name for name, _ in calls} == set(EXPERTS)
     for name, timesteps in calls:
         assert all((t >= 875) == (name == "transformer") for t in timesteps), (name, timesteps)
+
+
+def test_videos_cross_the_wire_bitwise(wan):
+    from rollout.wire import FrameReader, OutputDecoder, OutputEncoder
+
+    family, engine, _, _ = wan
+    outputs = engine.generate("a red square", family.params(cfg=True, num_inference_steps=2, num_samples=2, seed=9))
+    encoder, decoder = OutputEncoder(), OutputDecoder()
+    data = b"".join(encoder.encode(output) for output in outputs)
+    decoded = [decoder.decode(f, t) for f, t in FrameReader().feed(data)]
+    decoded = [output for output in decoded if output is not None]
+    for got, expected in zip(decoded, outputs, strict=True):
+        assert torch.equal(got.video, expected.video) and got.image is None
+        assert torch.equal(got.trajectory.latents.stack(), expected.trajectory.latents.stack())
+        for name in ("num_frames", "guidance_scale", "guidance_scale_2"):
+            assert getattr(got.trajectory, name) == getattr(expected.trajectory, name)
