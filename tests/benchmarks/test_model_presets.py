@@ -6,7 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from benchmarks.model_presets import FLUX1_DEV, QWEN_IMAGE, SD35_MEDIUM, build
+from benchmarks.model_presets import (
+    FLUX1_DEV,
+    QWEN_IMAGE,
+    SD35_MEDIUM,
+    WAN21_T2V_1_3B,
+    WAN22_T2V_A14B_EXPERT,
+    build,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -17,6 +24,8 @@ pytestmark = pytest.mark.timeout(120)
         ("SD3Transformer2DModel", SD35_MEDIUM, 2.24),
         ("FluxTransformer2DModel", FLUX1_DEV, 11.9),
         ("QwenImageTransformer2DModel", QWEN_IMAGE, 20.4),
+        ("WanTransformer3DModel", WAN21_T2V_1_3B, 1.42),  # Wan 2.1 T2V 1.3B
+        ("WanTransformer3DModel", WAN22_T2V_A14B_EXPERT, 14.3),  # each of Wan 2.2 T2V A14B's two experts
     ],
 )
 def test_real_transformers_have_the_published_size(class_name, config, billions):
