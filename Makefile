@@ -35,6 +35,8 @@ bench: setup
 	$(PY) -m benchmarks.rollout_throughput --family sd3
 	$(PY) -m benchmarks.rollout_throughput --family flux
 	$(PY) -m benchmarks.rollout_throughput --family qwen_image
+	$(PY) -m benchmarks.rollout_throughput --family wan
+	$(PY) -m benchmarks.rollout_throughput --family wan22
 	$(PY) -m benchmarks.output_memory
 	$(PY) -m benchmarks.faults
 	$(PY) -m benchmarks.executor_overhead

@@ -163,7 +163,7 @@ def _build_real(family: str, folder, device: str, dtype: torch.dtype) -> Path:
         sizes = TinyWanSizes(
             latent_channels=16,
             text_hidden_size=4096,  # umt5-xxl
-            vae_base_dim=24,
+            vae_base_dim=24,  # narrow (Wan's VAE has 96), as the other real presets' VAEs
             vae_dim_mult=(1, 2, 4, 4),  # space / 8
             vae_temporal_downsample=(False, True, True),  # time / 4, as Wan 2.1's VAE
         )

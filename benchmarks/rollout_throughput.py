@@ -1,13 +1,19 @@
 """Rollout throughput: the engine vs. the family's diffusers pipeline vs. the transformer forwards alone.
 
-Builds a pipeline of the chosen family (SD3, FLUX.1 or Qwen-Image; random weights, see
-benchmarks/model_presets.py) in a temporary folder and measures, at the same batch size, steps,
-image size and guidance:
+Builds a pipeline of the chosen family (SD3, FLUX.1, Qwen-Image, Wan 2.1 or Wan 2.2 with its two
+experts; random weights, see benchmarks/model_presets.py) in a temporary folder and measures, at the
+same batch size, steps, image size (and frames) and guidance:
 
-  engine     `RolloutEngine` (executor "uni"), sampler flow_sde, trajectories recorded, images decoded;
+  engine     `RolloutEngine` (executor "uni"), sampler flow_sde, trajectories recorded, images (videos)
+             decoded;
   diffusers  the family's diffusers pipeline from the same folder, ODE sampling, output_type="np";
   floor      the same number of transformer calls on the same input shapes (2 x batch with CFG),
-             embeddings precomputed, under torch.no_grad: what any sampler must at least spend.
+             embeddings precomputed, under torch.no_grad: what any sampler must at least spend
+             (Wan 2.2: each step on the expert the real schedule gives it).
+
+Video families (wan, wan22) report frames/s (videos/s x frames). On CUDA the table adds each mode's
+memory peak above what was allocated when its call began (both copies of the weights, the engine's
+and the diffusers pipeline's, stay allocated throughout and are printed once).
 
 The three are interleaved (each round runs all three, in a rotated order) so machine noise hits all
 alike; warmup rounds are discarded and the median of the timed rounds is reported. All three run on
@@ -21,6 +27,9 @@ each step's forwards, counted by torch's FLOP counter).
     python -m benchmarks.rollout_throughput --family flux           # CPU-sized model, batch 16, 10 steps
     python -m benchmarks.rollout_throughput --family sd3 --preset real --device cuda --dtype bfloat16 \\
         --peak-tflops 989                                            # SD3.5 Medium's transformer on an H200
+    python -m benchmarks.rollout_throughput --family wan            # CPU-sized Wan 2.1: batch 16, 9 frames of 32x32
+    python -m benchmarks.rollout_throughput --family wan --preset real --device cuda --dtype bfloat16
+                                                                     # Wan 2.1 1.3B: batch 1, 33 frames of 480x832
 """
 
 from __future__ import annotations
@@ -46,16 +55,27 @@ from benchmarks.common import (
     timed_call,
     write_json,
 )
-from benchmarks.model_presets import DEFAULT_SIZE, PRESETS, build
+from benchmarks.model_presets import (
+    DEFAULT_NUM_FRAMES,
+    DEFAULT_SIZE,
+    DEFAULT_VIDEO_SIZE,
+    PRESETS,
+    VIDEO_FAMILIES,
+    build,
+)
 from rollout import EngineConfig, RolloutEngine, SamplingParams
 from rollout.pipelines.loading import adapter_class
 
-FAMILIES = ("sd3", "flux", "qwen_image")
+FAMILIES = ("sd3", "flux", "qwen_image", *VIDEO_FAMILIES)
 MODES = ("engine", "diffusers", "floor")
 # The project's targets on CPU.
 TARGET_SPEED_VS_DIFFUSERS = 0.95
 TARGET_TIME_VS_FLOOR = 1.10
 NEGATIVE_PROMPT = " "  # FLUX.1 and Qwen-Image need one for true CFG; SD3's default is ""
+DEFAULT_BATCH_SIZE = 16
+# Videos per call: a small-preset video is 9 frames of 32x32 (320 tokens, about an image's 256), a
+# real one 33 frames of 480x832 (14040 tokens; RL recipes for Wan run 1-2 videos per GPU).
+DEFAULT_VIDEO_BATCH_SIZE = {"small": 16, "real": 1}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -72,21 +92,40 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=PRESETS,
         default="small",
         help="small: a CPU-sized transformer; real: the published transformer (SD3.5 Medium, FLUX.1-dev, "
-        "Qwen-Image) with random weights, for a GPU",
+        "Qwen-Image, Wan 2.1 T2V 1.3B, Wan 2.2 T2V A14B) with random weights, for a GPU",
     )
     model.add_argument("--device", default="cpu", help="cpu or cuda[:N]; the real preset is built there too")
     model.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"), help="model dtype")
     run = parser.add_argument_group("what to run")
-    run.add_argument("--batch-size", type=int, default=16, help="images per call (engine max_batch_size too)")
-    run.add_argument("--steps", type=int, default=10, help="denoising steps per image")
-    run.add_argument("--size", type=int, help="image height and width in pixels (default: 64 for small, 512 for real)")
+    run.add_argument(
+        "--batch-size",
+        type=int,
+        help=f"images or videos per call (engine max_batch_size too): {DEFAULT_BATCH_SIZE}, "
+        f"{DEFAULT_VIDEO_BATCH_SIZE['real']} for the real video presets",
+    )
+    run.add_argument("--steps", type=int, default=10, help="denoising steps per image or video")
+    run.add_argument(
+        "--size",
+        type=int,
+        help="image height and width in pixels (default: 64 for small, 512 for real; video: "
+        "32x32 for small, 480x832 for real)",
+    )
+    run.add_argument("--height", type=int, help="height in pixels (default: --size)")
+    run.add_argument("--width", type=int, help="width in pixels (default: --size)")
+    run.add_argument(
+        "--num-frames",
+        type=int,
+        help=f"video families: frames per video (default {DEFAULT_NUM_FRAMES['small']} for small, "
+        f"{DEFAULT_NUM_FRAMES['real']} for real)",
+    )
     run.add_argument(
         "--cfg",
         choices=("on", "off"),
         default="on",
         help="classifier-free guidance (2 x batch per forward): SD3 guidance_scale 4.5, FLUX.1 / Qwen-Image "
-        "true_cfg_scale 4 with a negative prompt; off: SD3 guidance_scale 1, the others no true CFG "
-        "(FLUX.1-dev keeps its distilled guidance 3.5)",
+        "true_cfg_scale 4 with a negative prompt, Wan 2.1 guidance_scale 5, Wan 2.2 guidance_scale 4 / "
+        'guidance_scale_2 3 (negative prompt ""); off: SD3 and Wan guidance_scale 1, the others no true '
+        "CFG (FLUX.1-dev keeps its distilled guidance 3.5)",
     )
     run.add_argument("--noise-level", type=float, default=0.7, help="the engine's flow_sde noise level")
     run.add_argument("--repeats", type=int, default=5, help="timed rounds; each runs all three modes once")
@@ -100,17 +139,38 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     run.add_argument("--json", type=Path, metavar="PATH", help="also write the results as JSON to PATH")
     args = parser.parse_args(argv)
+    video = args.family in VIDEO_FAMILIES
+    if args.batch_size is None:
+        args.batch_size = DEFAULT_VIDEO_BATCH_SIZE[args.preset] if video else DEFAULT_BATCH_SIZE
     if args.batch_size < 1 or args.steps < 1 or args.repeats < 1 or args.warmup < 0:
         parser.error("--batch-size, --steps and --repeats must be >= 1 and --warmup >= 0")
-    if args.size is None:
-        args.size = DEFAULT_SIZE[args.preset]
+    if args.size is not None:
+        default_height = default_width = args.size
+    elif video:
+        default_height, default_width = DEFAULT_VIDEO_SIZE[args.preset]
+    else:
+        default_height = default_width = args.size = DEFAULT_SIZE[args.preset]
+    args.height = default_height if args.height is None else args.height
+    args.width = default_width if args.width is None else args.width
+    if video and args.num_frames is None:
+        args.num_frames = DEFAULT_NUM_FRAMES[args.preset]
+    if not video and args.num_frames is not None:
+        parser.error(f"--num-frames is for the video families ({', '.join(VIDEO_FAMILIES)})")
     return args
+
+
+def is_video(args: argparse.Namespace) -> bool:
+    return args.num_frames is not None
 
 
 def guidance_fields(family: str, cfg: bool) -> dict:
     """SamplingParams fields (and diffusers call arguments) for CFG on or off."""
     if family == "sd3":
         return {"guidance_scale": 4.5 if cfg else 1.0}
+    if family == "wan":
+        return {"guidance_scale": 5.0 if cfg else 1.0}
+    if family == "wan22":  # Wan 2.2 A14B's defaults: 4 on the high-noise expert, 3 on the low-noise one
+        return {"guidance_scale": 4.0, "guidance_scale_2": 3.0} if cfg else {"guidance_scale": 1.0}
     return {"true_cfg_scale": 4.0, "negative_prompt": NEGATIVE_PROMPT} if cfg else {"true_cfg_scale": 1.0}
 
 
@@ -124,14 +184,16 @@ def make_engine_run(engine: RolloutEngine, args: argparse.Namespace) -> Callable
             sampler="flow_sde",
             noise_level=args.noise_level,
             num_samples=args.batch_size,
-            height=args.size,
-            width=args.size,
+            height=args.height,
+            width=args.width,
+            num_frames=args.num_frames,
             seed=seed,
             return_trajectory=True,
             **guidance_fields(args.family, args.cfg == "on"),
         )
         outputs = engine.generate([args.prompt], params)
-        assert len(outputs) == args.batch_size and outputs[0].trajectory is not None and outputs[0].image is not None
+        decoded = outputs[0].video if is_video(args) else outputs[0].image
+        assert len(outputs) == args.batch_size and outputs[0].trajectory is not None and decoded is not None
 
     return run
 
@@ -146,18 +208,24 @@ def on_worker_thread(engine: RolloutEngine, run: Callable[[int], None]) -> Calla
 
 
 def make_diffusers_run(pipeline, args: argparse.Namespace) -> Callable[[int], None]:
+    if is_video(args):  # WanPipeline: videos per prompt, frames out
+        shape = {"num_videos_per_prompt": args.batch_size, "num_frames": args.num_frames}
+    else:
+        shape = {"num_images_per_prompt": args.batch_size}
+
     def run(seed: int) -> None:
-        images = pipeline(
+        output = pipeline(
             prompt=args.prompt,
-            num_images_per_prompt=args.batch_size,
             num_inference_steps=args.steps,
-            height=args.size,
-            width=args.size,
+            height=args.height,
+            width=args.width,
             generator=torch.Generator("cpu").manual_seed(seed),
             output_type="np",
+            **shape,
             **guidance_fields(args.family, args.cfg == "on"),
-        ).images
-        assert len(images) == args.batch_size
+        )
+        decoded = output.frames if is_video(args) else output.images
+        assert len(decoded) == args.batch_size
 
     return run
 
@@ -165,11 +233,14 @@ def make_diffusers_run(pipeline, args: argparse.Namespace) -> Callable[[int], No
 class FloorRun:
     """`steps` rounds of the family's transformer forwards (`run_transformer`, the hook the engine's
     `predict_velocity` calls) on the rows diffusers feeds it: the batch and, with CFG, its
-    unconditional copy, in one pass or two as the family's pipeline does. Calling it runs one batch."""
+    unconditional copy, in one pass or two as the family's pipeline does. Calling it runs one batch.
+    With several denoisers (Wan 2.2's experts) the noise levels are the real schedule's, so each step
+    runs on the expert the engine and diffusers run it on."""
 
     def __init__(self, adapter, args: argparse.Namespace):
         fields = guidance_fields(args.family, args.cfg == "on")
-        resolved, problems = adapter.spec.resolve(SamplingParams(height=args.size, width=args.size, **fields))
+        size = {"height": args.height, "width": args.width, "num_frames": args.num_frames}
+        resolved, problems = adapter.spec.resolve(SamplingParams(**size, **fields))
         assert not problems, problems
         with torch.no_grad():
             prompts = [adapter.encode_prompt(args.prompt, resolved.max_sequence_length)] * args.batch_size
@@ -180,22 +251,26 @@ class FloorRun:
         embeds_type = type(prompts[0])
         passes = [prompts + negatives] if adapter.cfg_in_one_pass else [prompts, negatives]
         self.passes = [embeds_type.stack(rows) for rows in passes if rows]
-        shape = adapter.spec.latent_shape(args.size, args.size)
+        shape = adapter.spec.latent_shape(args.height, args.width, args.num_frames)
         rows = 2 * args.batch_size if negatives else args.batch_size
         latents = torch.randn(rows, *shape, generator=torch.Generator().manual_seed(0))
         self.latents = latents.to(adapter.device, adapter.dtype)
         self.guidance = None
         if resolved.guidance_scale is not None:
             self.guidance = torch.full((rows,), resolved.guidance_scale, device=adapter.device)
-        self.sigmas = torch.linspace(1.0, 0.1, args.steps).to(adapter.device)
-        self.adapter, self.size = adapter, args.size
+        if len(adapter.denoisers) > 1:
+            _, sigmas = adapter.schedule(args.steps, args.height, args.width)
+            self.sigmas = sigmas[:-1].to(adapter.device)
+        else:
+            self.sigmas = torch.linspace(1.0, 0.1, args.steps).to(adapter.device)
+        self.adapter, self.height, self.width = adapter, args.height, args.width
 
     def forward(self, sigma: torch.Tensor) -> None:
         for embeds in self.passes:
             rows = embeds.prompt_embeds.shape[0]
             guidance = self.guidance[:rows] if self.guidance is not None else None
             self.adapter.run_transformer(
-                self.latents[:rows], sigma.expand(rows), embeds, guidance, self.size, self.size
+                self.latents[:rows], sigma.expand(rows), embeds, guidance, self.height, self.width
             )
 
     @torch.no_grad()
@@ -214,16 +289,30 @@ def forward_flops(floor: FloorRun) -> float:
     return float(counter.get_total_flops())
 
 
-def time_rounds(runs: dict[str, Callable[[int], None]], args: argparse.Namespace) -> dict[str, list[float]]:
-    """Seconds per batch for each mode, over the timed rounds."""
+def time_rounds(
+    runs: dict[str, Callable[[int], None]], args: argparse.Namespace
+) -> tuple[dict[str, list[float]], dict[str, list[tuple[int, int]]]]:
+    """Seconds per batch for each mode over the timed rounds, and on CUDA each timed call's memory:
+    (bytes allocated when it began, its peak bytes allocated)."""
     times: dict[str, list[float]] = {mode: [] for mode in runs}
+    memory: dict[str, list[tuple[int, int]]] = {mode: [] for mode in runs}
+    cuda = args.device.startswith("cuda")
     for round_ in interleaved_rounds(runs, args.warmup, args.repeats):
         for mode in round_.order:
+            if cuda:
+                gc.collect()
+                torch.cuda.synchronize(args.device)
+                torch.cuda.reset_peak_memory_stats(args.device)
+                start = torch.cuda.memory_allocated(args.device)
             _, elapsed = timed_call(runs[mode], round_.index, device=args.device)
+            peak = torch.cuda.max_memory_allocated(args.device) if cuda else None
             if round_.timed:
                 times[mode].append(elapsed)
-            print(f"  [{round_.tag}] {mode:<9} {elapsed:7.2f} s", flush=True)
-    return times
+                if cuda:
+                    memory[mode].append((start, peak))
+            above = f", peak +{(peak - start) / 2**30:.2f} GiB" if cuda else ""
+            print(f"  [{round_.tag}] {mode:<9} {elapsed:7.2f} s{above}", flush=True)
+    return times, memory
 
 
 # The breakdown: timers on the worker's pieces (see benchmarks.common.install_timers).
@@ -240,9 +329,13 @@ _TIMED_PIECES = (
 )
 
 
-def engine_breakdown(engine: RolloutEngine, run: Callable[[int], None], args: argparse.Namespace) -> dict:
-    """One engine batch with timers: seconds per piece (pieces nest; `other` rows are the rest)."""
-    engine.collective_rpc(install_timers, args=(_TIMED_PIECES, args.device))
+def engine_breakdown(
+    engine: RolloutEngine, run: Callable[[int], None], args: argparse.Namespace, denoisers: list[str]
+) -> dict:
+    """One engine batch with timers: seconds per piece (pieces nest; `other` rows are the rest). The
+    forwards of every denoiser (Wan 2.2: both experts) count as `transformer`."""
+    pieces = _TIMED_PIECES + tuple((name, f"adapter.pipeline.{name}.forward") for name in denoisers[1:])
+    engine.collective_rpc(install_timers, args=(pieces, args.device))
     try:
         gc.collect()
         start = time.perf_counter()
@@ -250,6 +343,8 @@ def engine_breakdown(engine: RolloutEngine, run: Callable[[int], None], args: ar
         wall = time.perf_counter() - start
     finally:
         timings = engine.collective_rpc(remove_timers)[0]
+    for name in denoisers[1:]:
+        timings["transformer"] += timings.pop(name)
     s = {name: sum(seconds) for name, seconds in timings.items()}
     rows = {
         "outside the worker (scheduler, executor hop, outputs)": wall - s["execute"],
@@ -268,11 +363,27 @@ def engine_breakdown(engine: RolloutEngine, run: Callable[[int], None], args: ar
 # Reporting.
 
 
-def summarize(times: dict[str, list[float]], batch_size: int) -> dict[str, dict]:
-    return {
-        mode: {**spread(values), "images_per_s": batch_size / statistics.median(values), "times_s": values}
-        for mode, values in times.items()
-    }
+def summarize(
+    times: dict[str, list[float]],
+    batch_size: int,
+    num_frames: int | None = None,
+    memory: dict[str, list[tuple[int, int]]] | None = None,
+) -> dict[str, dict]:
+    """Per mode: time spread, images/s (video: videos/s and frames/s), and with `memory` (CUDA) the
+    largest peak above the start of a call and the largest absolute peak, in GiB."""
+    summary = {}
+    for mode, values in times.items():
+        per_s = batch_size / statistics.median(values)
+        if num_frames is None:
+            row = {**spread(values), "images_per_s": per_s}
+        else:
+            row = {**spread(values), "videos_per_s": per_s, "frames_per_s": per_s * num_frames}
+        if memory and memory[mode]:
+            row["peak_above_start_gib"] = max(peak - start for start, peak in memory[mode]) / 2**30
+            row["peak_gib"] = max(peak for _, peak in memory[mode]) / 2**30
+            row["allocated_at_start_gib"] = min(start for start, _ in memory[mode]) / 2**30
+        summary[mode] = row | {"times_s": values}
+    return summary
 
 
 def ratios_of(summary: dict[str, dict], times: dict[str, list[float]]) -> dict[str, float]:
@@ -304,17 +415,29 @@ def print_report(summary, ratios, breakdown, mfu, label: str) -> None:
         "diffusers": f"diffusers {label} (ODE)",
         "floor": "transformer forwards only",
     }
-    header = f"{'mode':<42} {'median s':>9} {'min s':>8} {'max s':>8} {'images/s':>9} {'x floor':>8}"
+    video = "frames_per_s" in summary["engine"]
+    memory = "peak_above_start_gib" in summary["engine"]
+    rates = (("videos/s", "videos_per_s"), ("frames/s", "frames_per_s")) if video else (("images/s", "images_per_s"),)
+    header = f"{'mode':<42} {'median s':>9} {'min s':>8} {'max s':>8}"
+    header += "".join(f" {title:>9}" for title, _ in rates) + f" {'x floor':>8}"
     header += f" {'MFU':>6}" if mfu else ""
+    header += f" {'peak +GiB':>9}" if memory else ""
     print("\n" + header)
     print("-" * len(header))
     for mode in MODES:
         row = summary[mode]
-        line = (
-            f"{labels[mode]:<42} {row['median_s']:>9.3f} {row['min_s']:>8.3f} {row['max_s']:>8.3f} "
-            f"{row['images_per_s']:>9.3f} {row['median_s'] / floor_median:>8.3f}"
+        line = f"{labels[mode]:<42} {row['median_s']:>9.3f} {row['min_s']:>8.3f} {row['max_s']:>8.3f}"
+        line += "".join(f" {row[key]:>9.3f}" for _, key in rates) + f" {row['median_s'] / floor_median:>8.3f}"
+        line += f" {100 * mfu[mode]:>5.1f}%" if mfu else ""
+        print(line + (f" {row['peak_above_start_gib']:>9.2f}" if memory else ""))
+    if memory:
+        at_start = min(summary[mode]["allocated_at_start_gib"] for mode in MODES)
+        peak = max(summary[mode]["peak_gib"] for mode in MODES)
+        print(
+            f"peak +GiB: a call's memory peak above what was allocated when it began. Allocated between calls\n"
+            f"(the engine's and the diffusers pipeline's copies of the weights): {at_start:.2f} GiB; highest peak: "
+            f"{peak:.2f} GiB"
         )
-        print(line + (f" {100 * mfu[mode]:>5.1f}%" if mfu else ""))
     speed_ok = ratios["engine_speed_vs_diffusers"] >= TARGET_SPEED_VS_DIFFUSERS
     floor_ok = ratios["engine_time_vs_floor"] <= TARGET_TIME_VS_FLOOR
     header = f"{'ratio':<28} {'medians':>8} {'minima':>8} {'per-round':>10}   target (on medians)"
@@ -349,9 +472,10 @@ def main(argv: list[str] | None = None) -> dict:
     diffusers_logging.set_verbosity_error()
     dtype = getattr(torch, args.dtype)
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, device {args.device}, dtype {args.dtype}")
+    frames = f" x {args.num_frames} frames" if is_video(args) else ""
     print(
         f"family {args.family}, preset {args.preset}, batch {args.batch_size}, steps {args.steps}, "
-        f"{args.size}x{args.size}, CFG {args.cfg}, rounds {args.warmup} warmup + {args.repeats} timed"
+        f"{args.height}x{args.width}{frames}, CFG {args.cfg}, rounds {args.warmup} warmup + {args.repeats} timed"
     )
     with tempfile.TemporaryDirectory(prefix="rollout-bench-") as folder:
         build(args.family, args.preset, folder, args.device, dtype)
@@ -360,11 +484,14 @@ def main(argv: list[str] | None = None) -> dict:
         pipeline.to(args.device)
         pipeline.set_progress_bar_config(disable=True)
         params = sum(p.numel() for p in pipeline.transformer.parameters())
-        print(f"{class_name}, transformer parameters: {params / 1e6:.2f}M")
+        adapter = adapter_class(class_name)(pipeline)
+        denoisers = list(adapter.denoisers)
+        experts = f" (each of {len(denoisers)} experts: {', '.join(denoisers)})" if len(denoisers) > 1 else ""
+        print(f"{class_name}, transformer parameters: {params / 1e6:.2f}M{experts}")
         config = EngineConfig(
             model=folder, executor="uni", device=args.device, dtype=args.dtype, max_batch_size=args.batch_size
         )
-        floor = FloorRun(adapter_class(class_name)(pipeline), args)
+        floor = FloorRun(adapter, args)
         flops = forward_flops(floor) if args.peak_tflops else None
         with RolloutEngine(config) as engine:
             runs = {
@@ -372,9 +499,9 @@ def main(argv: list[str] | None = None) -> dict:
                 "diffusers": on_worker_thread(engine, make_diffusers_run(pipeline, args)),
                 "floor": on_worker_thread(engine, floor),
             }
-            times = time_rounds(runs, args)
-            breakdown = None if args.no_breakdown else engine_breakdown(engine, runs["engine"], args)
-    summary = summarize(times, args.batch_size)
+            times, memory = time_rounds(runs, args)
+            breakdown = None if args.no_breakdown else engine_breakdown(engine, runs["engine"], args, denoisers)
+    summary = summarize(times, args.batch_size, args.num_frames, memory)
     ratios = ratios_of(summary, times)
     mfu = utilisation(summary, flops, args) if flops else None
     print_report(summary, ratios, breakdown, mfu, class_name)
@@ -384,6 +511,7 @@ def main(argv: list[str] | None = None) -> dict:
         "torch_threads": torch.get_num_threads(),
         "pipeline_class": class_name,
         "transformer_parameters": params,
+        "denoisers": denoisers,
         "transformer_forward_flops": flops,
         "modes": summary,
         "ratios": ratios,

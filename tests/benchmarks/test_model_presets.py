@@ -37,10 +37,11 @@ def test_real_transformers_have_the_published_size(class_name, config, billions)
     assert parameters == pytest.approx(billions, rel=0.02)
 
 
-@pytest.mark.parametrize("family", ["sd3", "flux", "qwen_image"])
+@pytest.mark.parametrize("family", ["sd3", "flux", "qwen_image", "wan", "wan22"])
 def test_small_preset_builds_a_loadable_pipeline(tmp_path, family):
     from rollout.pipelines.loading import load_adapter
 
     build(family, "small", tmp_path / family, "cpu", torch.float32)
     adapter = load_adapter(tmp_path / family)
     assert adapter.spec.size_multiple <= 64 and sum(p.numel() for p in adapter.transformer.parameters()) > 1e6
+    assert len(adapter.denoisers) == (2 if family == "wan22" else 1)  # Wan 2.2: two experts

@@ -47,8 +47,9 @@ def make_causal_decoder_colour_faithful(vae) -> None:
     add_identity(decoder.conv_in, latent_channels)
     for resnet in [*decoder.mid_block.resnets, *(r for block in decoder.up_blocks for r in block.resnets)]:
         add_identity(resnet.conv2, 0)
-        if isinstance(resnet.conv_shortcut, torch.nn.Conv3d):
-            add_identity(resnet.conv_shortcut, resnet.conv_shortcut.out_channels, texture=0.0)
+        if isinstance(resnet.conv_shortcut, torch.nn.Conv3d):  # channels change: pass the ones both sides have
+            shortcut = resnet.conv_shortcut
+            add_identity(shortcut, min(shortcut.in_channels, shortcut.out_channels), texture=0.0)
     for block in decoder.up_blocks:
         for upsampler in block.upsamplers or []:
             conv = upsampler.resample[1]  # after the nearest-neighbour upsample
