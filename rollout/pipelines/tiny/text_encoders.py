@@ -28,8 +28,19 @@ def t5_encoder(tokenizer, width: int):
     """A one-layer `T5EncoderModel` (gated-GELU, as T5 v1.1 XXL in SD3.5 and FLUX.1)."""
     from transformers import T5Config, T5EncoderModel
 
+    return T5EncoderModel(T5Config(**_t5_sizes(tokenizer, width)))
+
+
+def umt5_encoder(tokenizer, width: int):
+    """A one-layer `UMT5EncoderModel` (gated-GELU, as Wan's umt5-xxl)."""
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    return UMT5EncoderModel(UMT5Config(**_t5_sizes(tokenizer, width)))
+
+
+def _t5_sizes(tokenizer, width: int) -> dict:
     heads = max(4, width // 64)
-    config = T5Config(
+    return dict(
         vocab_size=len(tokenizer),
         d_model=width,
         d_kv=width // heads,
@@ -42,7 +53,6 @@ def t5_encoder(tokenizer, width: int):
         eos_token_id=tokenizer.eos_token_id,
         decoder_start_token_id=tokenizer.pad_token_id,
     )
-    return T5EncoderModel(config)
 
 
 def qwen25_vl_encoder(tokenizer, width: int, layers: int):

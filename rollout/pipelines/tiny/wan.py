@@ -11,6 +11,7 @@ import torch
 from rollout.pipelines.quiet import quietly
 from rollout.pipelines.tiny.colour import make_causal_decoder_colour_faithful
 from rollout.pipelines.tiny.saving import save
+from rollout.pipelines.tiny.text_encoders import umt5_encoder
 from rollout.pipelines.tiny.tokenizers import t5_tokenizer
 
 # Wan's flow-matching shift for 480p (the published recipes use 3.0 there, 5.0 at 720p).
@@ -84,7 +85,7 @@ def _build(path, seed, sizes, transformer_config, boundary_ratio, device, dtype)
             scale_factor_temporal=2 ** sum(sizes.vae_temporal_downsample),
         )
         make_causal_decoder_colour_faithful(vae)
-        text_encoder = _umt5_encoder(tokenizer, sizes.text_hidden_size)
+        text_encoder = umt5_encoder(tokenizer, sizes.text_hidden_size)
     pipeline = WanPipeline(
         tokenizer=tokenizer,
         text_encoder=text_encoder,
@@ -115,24 +116,3 @@ def _transformer(sizes: TinyWanSizes, config: dict | None):
             "rope_max_seq_len": 64,
         }
     )
-
-
-def _umt5_encoder(tokenizer, width: int):
-    """A one-layer `UMT5EncoderModel` (gated-GELU, as Wan's umt5-xxl)."""
-    from transformers import UMT5Config, UMT5EncoderModel
-
-    heads = max(4, width // 64)
-    config = UMT5Config(
-        vocab_size=len(tokenizer),
-        d_model=width,
-        d_kv=width // heads,
-        d_ff=2 * width,
-        num_layers=1,
-        num_heads=heads,
-        relative_attention_num_buckets=8,
-        feed_forward_proj="gated-gelu",
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        decoder_start_token_id=tokenizer.pad_token_id,
-    )
-    return UMT5EncoderModel(config)
