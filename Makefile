@@ -44,6 +44,7 @@ bench: setup
 	$(PY) -m benchmarks.lora_swap
 	$(PY) -m benchmarks.serve_load
 	$(PY) -m benchmarks.branching
+	$(PY) -m benchmarks.expert_update
 
 clean:
 	rm -rf $(VENV) outputs .cache .pytest_cache .ruff_cache
