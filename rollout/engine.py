@@ -241,7 +241,7 @@ class RolloutEngine(HotSwapAPI):
                     continue  # aborted by an earlier target
                 if target in (request.request_id, request.group_id) or target in request.ancestors:
                     aborted += self._abort_request(request, request.leaves())
-                elif request.descendant_path(target) is not None:
+                elif request.has_descendant(target):
                     # A branch it has not split into yet: its leaves end now, the others run on.
                     pruned = [(i, p) for i, p in request.leaves() if i == target or i.startswith(target + ".")]
                     request.pruned.add(target)

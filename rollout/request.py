@@ -108,18 +108,15 @@ class Request:
                 found.append((leaf_id, self.branch_path + suffix))
         return found
 
-    def descendant_path(self, node_id: str) -> tuple[int, ...] | None:
-        """The relative branch path of a (future) descendant with id `node_id`; None if it is not one."""
+    def has_descendant(self, node_id: str) -> bool:
+        """Whether `node_id` names one of its (future) branches or leaves."""
         if not node_id.startswith(self.request_id + "."):
-            return None
+            return False
         suffix = node_id[len(self.request_id) + 1 :].split(".")
-        if not all(part.isdigit() for part in suffix):
-            return None
-        path = tuple(int(part) for part in suffix)
         remaining = len(self.params.branch_steps) - len(self.branch_path)
-        if len(path) > remaining or any(c >= self.params.branch_factor for c in path):
-            return None
-        return path
+        return len(suffix) <= remaining and all(
+            part.isdigit() and int(part) < self.params.branch_factor for part in suffix
+        )
 
     def children(self) -> list[Request]:
         """Its children at this branch step, each with its own step-noise seed (the pruned left out)."""
