@@ -28,17 +28,8 @@ class StepSeries:
                 f"{len(self.positions)} positions"
             )
         # Where each kept position lives: (part, row).
-        self._where: dict[int, tuple[int, int]] = {}
-        offsets = [0]
-        for index, part in enumerate(self.parts):
-            for row in range(len(part)):
-                self._where[int(self.positions[offsets[-1] + row])] = (index, row)
-            offsets.append(offsets[-1] + len(part))
-
-    @classmethod
-    def dense(cls, tensor: torch.Tensor) -> StepSeries:
-        """Every position of a [length, ...] tensor, in one part."""
-        return cls(torch.arange(len(tensor)), [tensor], len(tensor))
+        where = [(index, row) for index, part in enumerate(self.parts) for row in range(len(part))]
+        self._where = dict(zip(self.positions.tolist(), where, strict=True))
 
     def __len__(self) -> int:
         """Kept entries."""
