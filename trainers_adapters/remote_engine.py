@@ -273,7 +273,11 @@ class RemoteRolloutEngine:
         return self._post("/update_weights_from_distributed", body)["weight_version"]
 
     def check_weight_update(
-        self, names: list[str], dtypes: list[torch.dtype], shapes: list[tuple], component: str = "transformer"
+        self,
+        names: list[str],
+        dtypes: list[torch.dtype],
+        shapes: list[tuple[int, ...]],
+        component: str = "transformer",
     ) -> None:
         self._post("/check_weight_update", {**_tensor_layout(names, dtypes, shapes), "component": component})
 
