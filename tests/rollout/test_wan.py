@@ -169,3 +169,48 @@ def test_videos_cross_the_wire_bitwise(wan):
         assert torch.equal(got.trajectory.latents.stack(), expected.trajectory.latents.stack())
         for name in ("num_frames", "guidance_scale", "guidance_scale_2"):
             assert getattr(got.trajectory, name) == getattr(expected.trajectory, name)
+
+
+def _spy_on_timesteps(transformer, shapes: list) -> None:
+    """Record the shape of every timestep `transformer` is called with (an instance attribute
+    shadows the class's forward)."""
+
+    def spied(*args, _forward=transformer.forward, **kwargs):
+        shapes.append(tuple(kwargs["timestep"].shape))
+        return _forward(*args, **kwargs)
+
+    transformer.forward = spied
+
+
+def test_ti2v_layout_takes_one_timestep_per_token_as_wan_pipeline_does(tmp_path):
+    """Wan 2.2 TI2V-5B (`expand_timesteps`): the transformer gets a timestep per latent token.
+    With one per row instead, the latents still come within 1.3e-6 of the pipeline's, so the
+    timesteps' shapes are checked too."""
+    from rollout.pipelines.tiny import build_tiny_wan22_ti2v
+
+    path = build_tiny_wan22_ti2v(tmp_path / "ti2v")
+    pipeline = WanPipeline.from_pretrained(path)
+    pipeline.set_progress_bar_config(disable=True)
+    params = SamplingParams(
+        height=32, width=32, num_frames=9, guidance_scale=4.0, sampler="ode", num_inference_steps=4
+    )
+    with RolloutEngine(EngineConfig(model=str(path))) as engine:
+        engine_shapes: list = []
+        engine.collective_rpc(lambda worker: _spy_on_timesteps(worker.adapter.pipeline.transformer, engine_shapes))
+        (output,) = engine.generate("a red square", params)
+        t = output.trajectory
+        assert t.latents[0].shape == (8, 5, 8, 8)  # 48 channels and 16x space in the real model
+        pipeline_shapes: list = []
+        _spy_on_timesteps(pipeline.transformer, pipeline_shapes)
+        call = {"num_inference_steps": 4, "height": 32, "width": 32, "num_frames": 9, "guidance_scale": 4.0}
+        reference = pipeline("a red square", latents=t.latents[0][None].clone(), output_type="latent", **call)
+        assert (t.latents[-1] - reference.frames[0]).abs().max() < 1e-4
+        tokens = 5 * 4 * 4  # latent frames x (8 / 2) x (8 / 2) patches
+        assert set(engine_shapes) == set(pipeline_shapes) == {(1, tokens)}  # CFG: two passes of one row
+        assert output.video.shape == (9, 3, 32, 32)
+
+        trainer_adapter = load_adapter(str(path))
+        sde = SamplingParams(**{**params.__dict__, "sampler": "flow_sde", "noise_level": 0.5, "num_samples": 2})
+        for sample in engine.generate("a red square", sde):
+            log_ratio = recompute_log_probs(trainer_adapter, sample.trajectory) - sample.trajectory.log_probs
+            assert log_ratio.abs().max() < 1e-5

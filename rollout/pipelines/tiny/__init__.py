@@ -18,7 +18,7 @@ import logging
 from rollout.pipelines.tiny.flux import TinyFluxSizes, build_tiny_flux
 from rollout.pipelines.tiny.qwen_image import TinyQwenImageSizes, build_tiny_qwen_image
 from rollout.pipelines.tiny.sd3 import TinySD3Sizes, build_tiny_sd3
-from rollout.pipelines.tiny.wan import TinyWanSizes, build_tiny_wan, build_tiny_wan22
+from rollout.pipelines.tiny.wan import TinyWanSizes, build_tiny_wan, build_tiny_wan22, build_tiny_wan22_ti2v
 
 # Family name -> builder(path, seed) -> path.
 TINY_BUILDERS = {
@@ -40,6 +40,7 @@ __all__ = [
     "build_tiny_sd3",
     "build_tiny_wan",
     "build_tiny_wan22",
+    "build_tiny_wan22_ti2v",
 ]
 
 

@@ -1,5 +1,6 @@
 """Tiny `WanPipeline`s: Wan 2.1 (one transformer) and Wan 2.2 (a high-noise and a low-noise expert
-split at a boundary), with a UMT5 encoder, a causal video VAE made colour-faithful, all random."""
+split at a boundary), with a UMT5 encoder, a causal video VAE made colour-faithful, all random; and
+Wan 2.2 TI2V's layout (one timestep per latent token, a residual VAE that patchifies its input)."""
 
 from __future__ import annotations
 
@@ -64,27 +65,32 @@ def build_tiny_wan22(
     return _build(Path(path), seed, sizes, transformer_config, WAN22_BOUNDARY_RATIO, device, dtype)
 
 
-def _build(path, seed, sizes, transformer_config, boundary_ratio, device, dtype) -> Path:
-    from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline
+# Wan 2.2 TI2V's sizes, shrunk: its residual VAE patchifies 2x2 pixels (12 input channels) before
+# one spatial and temporal down block, so 32x32 x 9 frames become 8x8 x 5 latents of 8 channels.
+TI2V_SIZES = TinyWanSizes(latent_channels=8, vae_dim_mult=(2, 2), vae_temporal_downsample=(True,))
+
+
+@quietly
+def build_tiny_wan22_ti2v(
+    path: str | Path, seed: int = 0, device: str = "cpu", dtype: torch.dtype = torch.float32
+) -> Path:
+    """Build a `WanPipeline` in Wan 2.2 TI2V-5B's layout (`expand_timesteps`: the transformer takes
+    one timestep per latent token; the VAE is the residual, patchifying one) and save it to `path`.
+    Its decoder is random, not colour-faithful: for the TI2V code path, not for colour rewards."""
+    return _build(Path(path), seed, TI2V_SIZES, None, None, device, dtype, ti2v=True)
+
+
+def _build(path, seed, sizes, transformer_config, boundary_ratio, device, dtype, ti2v=False) -> Path:
+    from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline
 
     tokenizer = t5_tokenizer()
     torch.manual_seed(seed)
-    channels = sizes.latent_channels
     with torch.device(device):
         transformer = _transformer(sizes, transformer_config)
         transformer_2 = _transformer(sizes, transformer_config) if boundary_ratio is not None else None
-        vae = AutoencoderKLWan(
-            base_dim=sizes.vae_base_dim,
-            z_dim=channels,
-            dim_mult=list(sizes.vae_dim_mult),
-            num_res_blocks=1,
-            temperal_downsample=list(sizes.vae_temporal_downsample),
-            latents_mean=[0.0] * channels,
-            latents_std=[1.0] * channels,
-            scale_factor_spatial=2 ** (len(sizes.vae_dim_mult) - 1),
-            scale_factor_temporal=2 ** sum(sizes.vae_temporal_downsample),
-        )
-        make_causal_decoder_colour_faithful(vae)
+        vae = _vae(sizes, residual=ti2v)
+        if not ti2v:
+            make_causal_decoder_colour_faithful(vae)
         text_encoder = umt5_encoder(tokenizer, sizes.text_hidden_size)
     pipeline = WanPipeline(
         tokenizer=tokenizer,
@@ -94,8 +100,32 @@ def _build(path, seed, sizes, transformer_config, boundary_ratio, device, dtype)
         vae=vae,
         scheduler=FlowMatchEulerDiscreteScheduler(shift=WAN_SHIFT),
         boundary_ratio=boundary_ratio,
+        expand_timesteps=ti2v,
     )
     return save(pipeline, path, dtype)
+
+
+def _vae(sizes: TinyWanSizes, residual: bool):
+    """Wan's causal VAE; `residual`: Wan 2.2's, with residual down/up blocks and 2x2 patches."""
+    from diffusers import AutoencoderKLWan
+
+    channels = sizes.latent_channels
+    patch = 2 if residual else 1
+    # Every block but the last halves space; the patches halve it once more.
+    spatial = 2 ** (len(sizes.vae_dim_mult) - 1) * patch
+    layout = {"is_residual": True, "patch_size": patch, "in_channels": 12, "out_channels": 12} if residual else {}
+    return AutoencoderKLWan(
+        base_dim=sizes.vae_base_dim,
+        z_dim=channels,
+        dim_mult=list(sizes.vae_dim_mult),
+        num_res_blocks=1,
+        temperal_downsample=list(sizes.vae_temporal_downsample),
+        latents_mean=[0.0] * channels,
+        latents_std=[1.0] * channels,
+        scale_factor_spatial=spatial,
+        scale_factor_temporal=2 ** sum(sizes.vae_temporal_downsample),
+        **layout,
+    )
 
 
 def _transformer(sizes: TinyWanSizes, config: dict | None):
