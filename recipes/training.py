@@ -108,6 +108,11 @@ class TrainingConfig(RecipeConfig):
     prompts: list[str] = option(help="training prompts; each step takes `prompts_per_step` of them in turn")
     prompts_file: str | None = option(None, "a text file with one more training prompt per line (optional)")
     prompts_per_step: int = option(4, "prompts per training step; each is sampled sampling.num_samples times")
+    sde_window_range: tuple[int, int] | None = option(
+        None,
+        "[start, stop): each step slides sampling.sde_window, and sampling.branch_steps with it, to a random "
+        "place inside this range (Flow-GRPO-Fast's sde_window_range); null: the window stays where it is",
+    )
     steps: int = option(60, "training steps (one rollout, its updates and one push each)")
     seed: int = option(0, "seed of the LoRA init, prompt order, rollout noise and training randomness")
     output_dir: str = option("outputs/train", "folder for metrics, plots, sample grids and the final LoRA")
@@ -132,6 +137,9 @@ class TrainingConfig(RecipeConfig):
         sampling = values.get("sampling")
         if sampling is not None:
             problems += _sampling_problems(sampling)
+        window_range = values.get("sde_window_range")
+        if window_range is not None and sampling is not None:
+            problems += _window_range_problems(window_range, sampling)
         return problems
 
     def all_prompts(self) -> list[str]:
@@ -154,6 +162,32 @@ def _sampling_problems(sampling: SamplingParams) -> list[str]:
             "of a prompt with each other, so it needs at least 2 (or a tree: sampling.branch_steps)"
         )
     return problems
+
+
+def _window_range_problems(window_range: tuple[int, int], sampling: SamplingParams) -> list[str]:
+    if sampling.sde_window is None:
+        return ["sde_window_range slides sampling.sde_window, which is null; set it (e.g. [0, 2] for 2 SDE steps)"]
+    start, stop = window_range
+    steps = sampling.num_inference_steps
+    if not 0 <= start < stop <= steps:
+        return [f"sde_window_range {list(window_range)} must satisfy 0 <= start < stop <= {steps} (the steps)"]
+    size = sampling.sde_window[1] - sampling.sde_window[0]
+    if stop - start < size:
+        return [f"sde_window_range {list(window_range)} is narrower than sampling.sde_window's {size} steps"]
+    return []
+
+
+def slide_window(params: SamplingParams, window_range: tuple[int, int], rng: random.Random) -> SamplingParams:
+    """`params` with its SDE window moved to a start drawn uniformly so that the window stays inside
+    `window_range`; branch steps keep their offsets from the window's start."""
+    start, stop = params.sde_window
+    new_start = rng.randint(window_range[0], window_range[1] - (stop - start))
+    shift = new_start - start
+    return dataclasses.replace(
+        params,
+        sde_window=(new_start, new_start + stop - start),
+        branch_steps=tuple(step + shift for step in params.branch_steps),
+    )
 
 
 # update(policy, optimizer, rollout, generator) -> a dataclass of statistics for metrics.jsonl
@@ -196,6 +230,9 @@ def train(config: TrainingConfig, update: UpdateFn, postfix: Callable[[Any], dic
         bar = tqdm(range(config.steps), desc=config.recipe, unit="step")
         for step in bar:
             step_params = dataclasses.replace(params, seed=derive_seed(config.seed, step, 0, "rollout"))
+            if config.sde_window_range is not None:
+                window_rng = random.Random(derive_seed(config.seed, step, 0, "sde_window"))
+                step_params = slide_window(step_params, config.sde_window_range, window_rng)
             rollout = generate_with_rewards(
                 engine, prompt_order.take(config.prompts_per_step), step_params, reward, pool, f"step{step}-"
             )
@@ -211,6 +248,7 @@ def train(config: TrainingConfig, update: UpdateFn, postfix: Callable[[Any], dic
                 raise RuntimeError(f"step {step}: the push returned weight version {new_version}, not above {version}")
             version = new_version
             record = _step_record(step, rollout, stats, version, update_s, time.perf_counter() - push_started)
+            record["sde_window"] = list(step_params.sde_window) if step_params.sde_window is not None else None
             if step == 0:
                 _log_first_ratio(record)
             history.append(record)

@@ -139,3 +139,33 @@ def test_tree_recipes_describe_their_trees():
         load_config(CONFIG_DIR / "grpo_tiny.yaml", ["sampling.branch_steps=[one]"])
     with pytest.raises(ValueError, match=r"branch_steps \[1\] are ODE steps"):
         load_config(CONFIG_DIR / "grpo_fast_tiny.yaml", ["sampling.branch_steps=[1]"])
+
+
+def test_sde_window_range_slides_the_window_and_its_branches():
+    """Flow-GRPO-Fast's moving window: every start that keeps the window inside the range is drawn,
+    and branch steps keep their offset from the window's start."""
+    import random
+
+    from recipes.training import slide_window
+
+    fast = load_config(CONFIG_DIR / "grpo_fast_tiny.yaml", ["sde_window_range=[1, 8]"])
+    assert fast.sde_window_range == (1, 8)
+    starts = set()
+    for seed in range(200):
+        slid = slide_window(fast.sampling, fast.sde_window_range, random.Random(seed))
+        start, stop = slid.sde_window
+        assert stop - start == 2 and slid.branch_steps == (start,)
+        starts.add(start)
+    assert starts == set(range(1, 7))
+    same_seed = [slide_window(fast.sampling, (2, 6), random.Random(5)) for _ in range(2)]
+    assert same_seed[0] == same_seed[1]
+
+
+def test_bad_sde_window_ranges_are_named():
+    for overrides, message in [
+        (["sde_window_range=[0, 9]"], r"sde_window_range \[0, 9\] must satisfy 0 <= start < stop <= 8"),
+        (["sde_window_range=[3, 4]"], r"sde_window_range \[3, 4\] is narrower than sampling.sde_window's 2 steps"),
+        (["sde_window_range=[0, 4]", "sampling.sde_window=null", "sampling.branch_steps=[]"], "which is null"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            load_config(CONFIG_DIR / "grpo_fast_tiny.yaml", overrides)

@@ -140,3 +140,33 @@ def test_final_lora_loads_into_diffusers_and_the_engine(tmp_path, monkeypatch):
         assert engine.lora_modules("trained") == 15  # 8 projections x 2 blocks; the last has no to_add_out
         outputs = engine.generate("a red square", SamplingParams(num_inference_steps=2, lora="trained", seed=0))
         assert outputs[0].lora == "trained"
+
+
+@pytest.mark.filterwarnings("ignore:.*found in sys.modules:RuntimeWarning")
+@pytest.mark.timeout(300)
+def test_a_sliding_sde_window_moves_each_step_with_its_branch_and_stays_at_ratio_one(tmp_path, monkeypatch):
+    """Flow-GRPO-Fast with the window drawn per step: the tree branches where the window starts
+    (a branch left behind would sit on an ODE step and be refused) and trains only its 2 steps."""
+    out = tmp_path / "out"
+    run_cli(
+        monkeypatch,
+        "grpo_fast_tiny.yaml",
+        f"output_dir={out}",
+        f"model.tiny_cache_dir={tmp_path / 'tiny'}",
+        f"steps={STEPS}",
+        "prompts_per_step=1",
+        "sampling.num_inference_steps=6",
+        "sampling.sde_window=[4, 6]",
+        "sampling.branch_steps=[4]",
+        "sampling.branch_factor=3",
+        "sde_window_range=[0, 6]",
+        "eval.num_prompts=1",
+        "eval.num_samples=1",
+        "eval.num_inference_steps=2",
+    )
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    windows = [tuple(r["sde_window"]) for r in records]
+    assert all(0 <= start and stop == start + 2 <= 6 for start, stop in windows)
+    assert len(set(windows)) > 1, windows  # seed 0 draws different places
+    assert all(r["num_transitions"] == 3 * 2 for r in records)  # 3 leaves x the window's 2 steps
+    assert all(r["log_ratio_before_update"] < 1e-5 for r in records)
