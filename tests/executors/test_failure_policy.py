@@ -27,7 +27,7 @@ BACKENDS = {
 }
 
 INTERRUPTED = """
-import os, sys
+import os, signal, sys
 import cloudpickle
 from rollout import EngineConfig, RolloutEngine, SamplingParams
 from rollout.errors import EngineDeadError
@@ -37,6 +37,7 @@ from tests.executors.worker_functions import slow_down_steps, worker_pid
 cloudpickle.register_pickle_by_value(worker_functions)  # Ray workers cannot import the tests
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # a shell's background job starts with it ignored
     executor, workers = sys.argv[2], int(sys.argv[3])
     engine = RolloutEngine(EngineConfig(model=sys.argv[1], executor=executor, num_workers=workers))
     pids = engine.collective_rpc(worker_pid)

@@ -104,13 +104,14 @@ def _children() -> list[int]:
 
 
 CALLER = """
-import os, sys
+import os, signal, sys
 from rollout import EngineConfig, RolloutEngine, SamplingParams
 
 def pid(worker):
     return os.getpid()
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # a shell's background job starts with it ignored
     engine = RolloutEngine(EngineConfig(model=sys.argv[1], executor="mp", num_workers=2))
     print(*engine.collective_rpc(pid), flush=True)
     if sys.argv[2] == "raise":
