@@ -160,6 +160,11 @@ class AsyncRolloutEngine:
         """Step again after `pause`."""
         await self._call(self._resume)
 
+    async def fail_all(self, error: BaseException) -> None:
+        """End every unfinished request now: its stream ends with `error` (not an aborted output),
+        and its worker state is freed. For a server that is going away."""
+        await self._call(self._fail_all, error)
+
     @property
     def paused(self) -> bool:
         return self._paused
@@ -325,6 +330,11 @@ class AsyncRolloutEngine:
                 self.engine.abort(request_ids)
             except Exception as error:  # the engine is failing anyway; the streams are told
                 logger.warning("could not abort %d requests: %s", len(request_ids), error)
+
+    def _fail_all(self, error: BaseException) -> None:
+        request_ids = self.engine.unfinished_request_ids()
+        self._fail_streams(error)
+        self._abort_quietly(request_ids)
 
     def _pause(self, mode: str) -> concurrent.futures.Future:
         """Returns a future that completes when the pause has taken effect."""

@@ -132,14 +132,17 @@ class RemoteRolloutEngine:
 
     def step(self) -> list[RolloutOutput]:
         """The outputs of `add_request` calls that arrived since the last call; waits for at least
-        one while any request is unfinished, and returns [] when none is."""
+        one while any request is unfinished, and returns [] when none is. A stream's error is
+        raised once the outputs that arrived before it have been returned."""
         with self._changed:
             self._changed.wait_for(lambda: self._ready or not self._unfinished)
-            ready, self._ready = list(self._ready), collections.deque()
-        for item in ready:
-            if isinstance(item, BaseException):
-                raise item
-        return ready
+            outputs = [item for item in self._ready if not isinstance(item, BaseException)]
+            errors = [item for item in self._ready if isinstance(item, BaseException)]
+            # Outputs first: an error waits for the next call, so none that arrived with it is lost.
+            self._ready = collections.deque(errors if outputs else errors[1:])
+        if errors and not outputs:
+            raise errors[0]
+        return outputs
 
     def abort(self, request_ids: str | Iterable[str]) -> list[RolloutOutput]:
         """`RolloutEngine.abort`: by sample or group id; returns once the server's workers have freed

@@ -67,6 +67,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=1024,
         help="most outputs (prompts x num_samples x leaves per sample) per generate",
     )
+    server.add_argument(
+        "--shutdown-grace-s",
+        type=float,
+        default=20.0,
+        help="on SIGTERM or Ctrl-C, how long running requests may take to finish; then every unfinished request "
+        "ends with an error naming the shutdown, and the workers stop",
+    )
     server.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="logging")
     args = parser.parse_args(argv)
     if args.api_key is None and not is_loopback(args.host):
@@ -95,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     from rollout import EngineConfig, RolloutEngine
     from rollout.async_engine import AsyncRolloutEngine
     from rollout.serve.app import ServerSettings, build_app
+    from rollout.serve.server import RolloutServer
 
     try:
         config = EngineConfig(
@@ -121,16 +129,20 @@ def main(argv: list[str] | None = None) -> int:
     )
     engine = AsyncRolloutEngine(RolloutEngine(config))
     try:
-        server = uvicorn.Server(
+        server = RolloutServer(
             uvicorn.Config(
                 build_app(engine, settings),
                 args.host,
                 args.port,
                 log_level=args.log_level,
                 timeout_keep_alive=KEEP_ALIVE_S,
-            )
+            ),
+            engine,
+            grace_s=args.shutdown_grace_s,
         )
         server.run()
+    except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C once it has shut down; nothing is left to report
+        return 130
     finally:
         engine.shutdown()
     return 0

@@ -207,3 +207,19 @@ def test_a_failed_step_fails_its_streams_and_the_engine_serves_on(async_engine):
     state, live, outputs = run(main())
     assert state["unfinished_requests"] == 0 and live == [[]]
     assert [o.status for o in outputs] == ["finished", "finished"]
+
+
+def test_fail_all_ends_every_stream_with_the_error_and_frees_the_workers(async_engine):
+    async def main():
+        await async_engine.collective_rpc(slow_down_steps, args=(0.05,))
+        running = await async_engine.add_requests(["a"], SamplingParams(num_inference_steps=200, num_samples=2))
+        queued = await async_engine.add_requests(["b"], SamplingParams(num_inference_steps=200, num_samples=8))
+        await asyncio.sleep(0.3)
+        await async_engine.fail_all(RuntimeError("going away"))
+        for stream in (running, queued):
+            with pytest.raises(RuntimeError, match="going away"):
+                await anext(stream)
+        return await async_engine.state(), await async_engine.collective_rpc("request_ids")
+
+    state, live = run(main())
+    assert state["unfinished_requests"] == 0 and live == [[]]

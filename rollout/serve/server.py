@@ -1,0 +1,45 @@
+"""The rollout service's uvicorn server, which stops the engine within a bound when told to stop.
+
+uvicorn alone waits without limit for open responses on SIGTERM or Ctrl-C (a streamed rollout may
+run for minutes), then re-raises the signal, which skips whatever follows `run()`. Here running
+requests get `grace_s` to finish while no new one starts; then every unfinished request ends with
+an error naming the shutdown (a streamed answer gets it as its error frame), and the engine and its
+workers stop before the process exits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+
+import uvicorn
+
+from rollout.async_engine import AsyncRolloutEngine
+from rollout.errors import EngineDeadError
+
+logger = logging.getLogger(__name__)
+
+
+class RolloutServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, engine: AsyncRolloutEngine, grace_s: float):
+        super().__init__(config)
+        self.engine = engine
+        self.grace_s = grace_s
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        # uvicorn's own shutdown waits for every open response; the engine's requests end in time.
+        ending = asyncio.create_task(self._end_requests())
+        try:
+            await super().shutdown(sockets)
+        finally:
+            ending.cancel()
+            await asyncio.to_thread(self.engine.shutdown)
+
+    async def _end_requests(self) -> None:
+        try:
+            # "wait": the running requests finish, the queued ones are not started.
+            await asyncio.wait_for(self.engine.pause("wait"), self.grace_s)
+        except TimeoutError:
+            logger.warning("running requests did not finish within --shutdown-grace-s %s; ending them", self.grace_s)
+        await self.engine.fail_all(EngineDeadError("the rollout server is shutting down; send the request again"))

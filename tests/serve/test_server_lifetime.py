@@ -1,0 +1,46 @@
+"""Stopping a server (SIGTERM, as a process manager does) while requests run: those that finish
+within `--shutdown-grace-s` are delivered, the rest end at once with an error naming the shutdown
+instead of hanging, and no worker process or shared memory block outlives the server."""
+
+from __future__ import annotations
+
+import glob
+import signal
+import time
+
+import pytest
+
+from rollout import SamplingParams
+from rollout.errors import EngineDeadError
+from rollout.serve.launch import ServerProcess
+from tests.executors.worker_functions import wait_gone
+from tests.serve.conftest import API_KEY, EXTENSION
+from trainers_adapters.remote_engine import RemoteRolloutEngine
+
+STEP_DELAY_S = 0.5
+
+
+@pytest.mark.timeout(180)
+def test_sigterm_finishes_what_fits_in_the_grace_and_ends_the_rest(tiny_model):
+    flags = ("--executor", "mp", "--num-workers", "2", "--worker-extension-cls", EXTENSION, "--shutdown-grace-s", "6")
+    with ServerProcess.start(tiny_model, *flags, api_key=API_KEY) as server:
+        with RemoteRolloutEngine(server.url, api_key=API_KEY) as remote:
+            pids = remote.collective_rpc("pid")
+            remote.collective_rpc("set_step_delay", args=(STEP_DELAY_S,))
+            (short,) = remote.add_request("short", SamplingParams(num_inference_steps=3, seed=0))  # ~1.5 s
+            (long,) = remote.add_request("long", SamplingParams(num_inference_steps=50, seed=0))  # ~25 s
+            deadline = time.monotonic() + 30
+            while remote.server_info()["running_requests"] < 2 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            stopping = time.monotonic()
+            # uvicorn re-raises the signal once it has shut down, so the exit status names SIGTERM.
+            assert server.stop() == -signal.SIGTERM
+            assert time.monotonic() - stopping < 6 + 10  # the grace, then the workers' stop: not the 25 s left
+            delivered = remote.step()
+            assert [output.request_id for output in delivered] == [short]
+            assert delivered[0].status == "finished"
+            with pytest.raises(EngineDeadError, match="the rollout server is shutting down"):
+                remote.step()
+            assert not remote.has_unfinished_requests()
+    assert wait_gone(pids) == []
+    assert glob.glob(f"/dev/shm/rollout-{server.process.pid}-*") == []
