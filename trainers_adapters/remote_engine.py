@@ -6,7 +6,8 @@ give bitwise the same outputs, trajectories included. Tensors cross as safetenso
 
 `add_request` opens one streamed request per prompt; `step()` returns the outputs that arrived
 since the last call, waiting for at least one while any request is unfinished. Errors come back as
-the exception the engine raised (ValueError for a bad request, EngineDeadError when a worker is gone).
+the exception the engine raised (ValueError for a bad request, EngineDeadError when a worker is gone);
+a server that is gone is an EngineDeadError too, and a call past `timeout_s` a TimeoutError.
 """
 
 from __future__ import annotations
@@ -348,7 +349,19 @@ class RemoteRolloutEngine:
         if self._closed:
             coroutine.close()
             raise RuntimeError("this RemoteRolloutEngine is shut down; create a new one")
-        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
+        try:
+            return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
+        except httpx.TransportError as error:
+            raise self._transport_failure(error) from error
+
+    def _transport_failure(self, error: httpx.TransportError) -> Exception:
+        """The engine's exception for a call that got no answer: a timeout, or a server gone."""
+        if isinstance(error, httpx.TimeoutException):
+            return TimeoutError(f"the rollout server at {self.url} did not answer within timeout_s: {error!r}")
+        return EngineDeadError(
+            f"lost the rollout server at {self.url} ({type(error).__name__}: {error}); is it running? "
+            "Requests it was running are gone"
+        )
 
     def _request(self, method: str, path: str, **kwargs) -> dict:
         async def call() -> dict:
@@ -402,6 +415,9 @@ class RemoteRolloutEngine:
             if missing:
                 raise WireError(f"the server's stream ended without outputs for {sorted(missing)}")
         except Exception as error:  # the stream failed: step() raises it, and its requests are gone
+            if isinstance(error, httpx.TransportError):
+                failure = self._transport_failure(error)
+                failure.__cause__, error = error, failure
             with self._changed:
                 self._unfinished.difference_update(ids)
                 self._ready.append(error)

@@ -44,3 +44,21 @@ def test_sigterm_finishes_what_fits_in_the_grace_and_ends_the_rest(tiny_model):
             assert not remote.has_unfinished_requests()
     assert wait_gone(pids) == []
     assert glob.glob(f"/dev/shm/rollout-{server.process.pid}-*") == []
+
+
+@pytest.mark.timeout(120)
+def test_a_killed_server_fails_every_call_at_once_with_engine_dead(tiny_model):
+    with ServerProcess.start(tiny_model, "--worker-extension-cls", EXTENSION, api_key=API_KEY) as server:
+        with RemoteRolloutEngine(server.url, api_key=API_KEY) as remote:
+            remote.collective_rpc("set_step_delay", args=(STEP_DELAY_S,))
+            remote.add_request("long", SamplingParams(num_inference_steps=50, seed=0))
+            server.process.kill()  # no shutdown of any kind: an OOM kill, a lost node
+            server.process.wait()
+            killed = time.monotonic()
+            with pytest.raises(EngineDeadError, match=f"lost the rollout server at {server.url}"):
+                remote.step()
+            with pytest.raises(EngineDeadError, match="is it running"):
+                remote.generate("x", SamplingParams(num_inference_steps=2))
+            assert time.monotonic() - killed < 5
+    with pytest.raises(EngineDeadError, match="ConnectError"):
+        RemoteRolloutEngine(server.url, api_key=API_KEY)  # nothing listens there any more
