@@ -184,6 +184,20 @@ def test_a_client_that_goes_away_aborts_its_requests(server, remote):
     assert remote.collective_rpc("request_ids") == [[]]
 
 
+def test_a_call_past_timeout_s_is_a_timeout_error_and_its_requests_are_aborted(server, remote):
+    remote.collective_rpc("set_step_delay", args=(0.05,))  # 400 steps: 20 s
+    try:
+        with RemoteRolloutEngine(server.url, api_key=API_KEY, timeout_s=1.0) as impatient:
+            with pytest.raises(TimeoutError, match="did not answer within timeout_s"):
+                impatient.generate("slow", SamplingParams(num_inference_steps=400, num_samples=2))
+    finally:
+        remote.collective_rpc("set_step_delay", args=(0.0,))
+    deadline = time.monotonic() + 20  # the server sees the client hang up and aborts what it ran
+    while remote.server_info()["unfinished_requests"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert remote.server_info()["unfinished_requests"] == 0
+
+
 def test_a_plain_http_client_reads_the_same_frames_without_streaming(server, remote):
     from rollout.wire import FRAMES_MEDIA_TYPE, FrameReader, OutputDecoder
 
