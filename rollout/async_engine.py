@@ -81,6 +81,7 @@ class AsyncRolloutEngine:
         self._paused = False
         self._draining: list[concurrent.futures.Future] = []  # pause("wait") calls waiting for the drain
         self._stopped = False
+        self._failure: BaseException | None = None  # what ended the engine's thread, if not shutdown
         self._thread = threading.Thread(target=self._run, name="rollout-engine", daemon=True)
         self._thread.start()
 
@@ -242,6 +243,8 @@ class AsyncRolloutEngine:
         return await asyncio.wrap_future(self._submit(fn, *args, **kwargs))
 
     def _submit(self, fn: Callable, *args, **kwargs) -> concurrent.futures.Future:
+        if self._failure is not None:
+            raise RuntimeError(f"this AsyncRolloutEngine's thread failed ({self._failure!r}); create a new one")
         if self._stopped:
             raise RuntimeError("this AsyncRolloutEngine is shut down; create a new one")
         future: concurrent.futures.Future = concurrent.futures.Future()
@@ -249,6 +252,30 @@ class AsyncRolloutEngine:
         return future
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        except BaseException as error:  # a fault in this loop itself: fail everyone rather than leave them waiting
+            logger.exception("the AsyncRolloutEngine's thread failed; failing every stream and queued call")
+            self._failure = error
+            failure = RuntimeError(f"the AsyncRolloutEngine's thread failed: {error!r}")
+            self._fail_streams(failure)
+            self._fail_queued_calls(failure)
+            return
+        self._fail_streams(RuntimeError("the AsyncRolloutEngine shut down"))
+
+    def _fail_queued_calls(self, error: BaseException) -> None:
+        for future in self._draining:
+            if not future.done():
+                future.set_exception(error)
+        while True:
+            try:
+                call = self._calls.get(block=False)
+            except queue.Empty:
+                return
+            if call is not None and call[0].set_running_or_notify_cancel():
+                call[0].set_exception(error)
+
+    def _serve(self) -> None:
         while True:
             stepping = self._wants_step()
             try:
@@ -266,7 +293,6 @@ class AsyncRolloutEngine:
             except BaseException as error:  # goes to the caller
                 future.set_exception(error)
             self._after_engine_call()
-        self._fail_streams(RuntimeError("the AsyncRolloutEngine shut down"))
 
     def _wants_step(self) -> bool:
         if self.engine.dead is not None:
@@ -292,9 +318,7 @@ class AsyncRolloutEngine:
         if self._draining and (
             self.engine.dead is not None or not self.engine.unfinished_request_ids(running_only=True)
         ):
-            for future in self._draining:
-                future.set_result(None)
-            self._draining = []
+            self._end_drains()
 
     def _step_failed(self, error: Exception) -> None:
         if self.engine.dead is not None:
@@ -350,8 +374,12 @@ class AsyncRolloutEngine:
 
     def _resume(self) -> None:
         self._paused = False
-        for future in self._draining:  # a resume ends a drain early: nothing is paused any more
-            future.set_result(None)
+        self._end_drains()  # a resume ends a drain early: nothing is paused any more
+
+    def _end_drains(self) -> None:
+        for future in self._draining:
+            if not future.cancelled():  # cancelled: its caller stopped waiting (a timeout around pause)
+                future.set_result(None)
         self._draining = []
 
     def _fail_streams(self, error: BaseException) -> None:

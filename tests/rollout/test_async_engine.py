@@ -223,3 +223,36 @@ def test_fail_all_ends_every_stream_with_the_error_and_frees_the_workers(async_e
 
     state, live = run(main())
     assert state["unfinished_requests"] == 0 and live == [[]]
+
+
+def test_a_pause_wait_whose_caller_stops_waiting_leaves_the_engine_serving(async_engine):
+    """wait_for() around pause("wait") cancels the drain its caller waited for; the engine thread
+    must not trip over it when the drain ends (it raised InvalidStateError there)."""
+
+    async def main():
+        await async_engine.collective_rpc(slow_down_steps, args=(0.05,))
+        stream = await async_engine.add_requests(["a"], SamplingParams(num_inference_steps=20, num_samples=1))
+        await asyncio.sleep(0.2)  # running
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(async_engine.pause("wait"), 0.1)
+        finished = [output async for output in stream]  # the drain runs on and ends
+        await async_engine.resume()
+        return finished, await async_engine.generate(["b"], SamplingParams(num_inference_steps=2))
+
+    finished, after = run(main())
+    assert [o.status for o in finished] == ["finished"] and [o.status for o in after] == ["finished"]
+
+
+def test_a_fault_in_the_engine_thread_fails_its_callers_instead_of_leaving_them_waiting(async_engine, monkeypatch):
+    def faulty() -> bool:
+        raise RuntimeError("a fault")
+
+    async def main():
+        stream = await async_engine.add_requests(["a"], SamplingParams(num_inference_steps=50))
+        monkeypatch.setattr(async_engine, "_wants_step", faulty)  # the thread's next turn meets it
+        with pytest.raises(RuntimeError, match=r"thread failed: RuntimeError\('a fault'\)"):
+            await anext(stream)
+        with pytest.raises(RuntimeError, match="thread failed .* create a new one"):
+            await async_engine.state()
+
+    run(main())
