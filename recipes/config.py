@@ -168,6 +168,9 @@ _EXTERNAL_HELP: dict[type, dict[str, str]] = {
         "global_std": "normalise advantages by the std of all rewards of the step, not the group's",
         "kl_beta": "weight of the KL to the reference policy (the base, LoRA off); 0 skips the reference pass",
         "timestep_fraction": "share of each trajectory's SDE steps trained on, drawn at random per sample",
+        "prune_steps": "denoising steps the loss skips, sampled and rewarded as usual (BranchGRPO's depth pruning)",
+        "width_ratio": "share of leaves whose own steps are trained on: the best and worst halves by advantage "
+        "(BranchGRPO's width pruning); 1 keeps all",
         "optimizer_steps": "optimizer steps per rollout: the transitions split into this many minibatches",
         "micro_batch_size": "transitions per forward/backward pass (memory knob; the result is the same)",
         "max_grad_norm": "gradient-norm clip per optimizer step; 0 disables it",

@@ -30,6 +30,13 @@ class GRPOSettings:
     global_std: bool = False  # normalise advantages by the std of the whole batch, not the group's
     kl_beta: float = 0.0  # weight of the KL to the reference policy (0: no reference forward)
     timestep_fraction: float = 1.0  # share of each trajectory's SDE steps trained on, drawn per sample
+    # BranchGRPO's pruning (Li et al., arXiv 2509.06040): what the loss skips; sampling and rewards
+    # are unchanged. `prune_steps`: denoising steps never trained on (their depth pruning).
+    # `width_ratio`: share of the leaves whose own steps (after the last branch step; every step
+    # without branching) are trained on: the best and the worst half each by advantage, over the
+    # whole rollout (their width pruning, mode 2); 1 keeps every leaf.
+    prune_steps: tuple[int, ...] = ()
+    width_ratio: float = 1.0
     optimizer_steps: int = 1  # optimizer steps per rollout (the transitions split into minibatches)
     micro_batch_size: int = 16  # transitions per forward/backward pass
     max_grad_norm: float = 1.0  # gradient-norm clip per optimizer step; 0 disables it
@@ -48,6 +55,10 @@ class GRPOSettings:
             problems.append(f"kl_beta must be >= 0, got {self.kl_beta}")
         if not 0 < self.timestep_fraction <= 1:
             problems.append(f"timestep_fraction must be in (0, 1], got {self.timestep_fraction}")
+        if any(step < 0 for step in self.prune_steps):
+            problems.append(f"prune_steps must be step indices >= 0, got {self.prune_steps}")
+        if not 0 < self.width_ratio <= 1:
+            problems.append(f"width_ratio must be in (0, 1], got {self.width_ratio}")
         if self.optimizer_steps < 1:
             problems.append(f"optimizer_steps must be >= 1, got {self.optimizer_steps}")
         if self.micro_batch_size < 1:
@@ -84,9 +95,14 @@ def grpo_step(
     the engine afterwards (the engine samples only with pushed weights)."""
     tree = build_tree(rollout.outputs, rollout.rewards, rollout.branch_steps, rollout.trajectories[0].num_steps)
     advantages = tree_advantages(tree, global_std=settings.global_std, clip_max=settings.adv_clip_max)
-    transitions = _pick_transitions(rollout, tree, advantages, settings.timestep_fraction, generator)
+    trained = _trained_nodes(tree, advantages, settings.width_ratio)
+    transitions = _pick_transitions(
+        rollout, tree, advantages, trained, set(settings.prune_steps), settings.timestep_fraction, generator
+    )
     if not transitions:
-        raise ValueError("the rollout has no SDE steps to train on; check sampling.sde_window and the sampler")
+        raise ValueError(
+            "the rollout has no SDE steps to train on; check sampling.sde_window, the sampler and grpo.prune_steps"
+        )
     order = torch.randperm(len(transitions), generator=generator).tolist()
     minibatches = [mb.tolist() for mb in torch.tensor_split(torch.tensor(order), settings.optimizer_steps)]
     totals = dict.fromkeys(("loss", "policy_loss", "kl", "ratio_mean", "clip_fraction"), 0.0)
@@ -135,19 +151,37 @@ def _check_ratio(log_ratio: float, tolerance: float | None, optimizer: torch.opt
     )
 
 
+def _trained_nodes(tree: RolloutTree, advantages: torch.Tensor, width_ratio: float) -> list[int]:
+    """The nodes whose steps are trained on: every inner node, and the leaves width pruning keeps
+    (the best and the worst by advantage; at least one of each)."""
+    leaf_depth = len(tree.branch_steps)
+    inner = [i for i, node in enumerate(tree.nodes) if node.depth < leaf_depth]
+    leaves = [i for i, node in enumerate(tree.nodes) if node.depth == leaf_depth]
+    leaves.sort(key=lambda i: -float(advantages[i]))  # best first
+    keep = max(2, round(width_ratio * len(leaves)))
+    if keep >= len(leaves):
+        return inner + leaves
+    best = keep // 2
+    return inner + leaves[:best] + leaves[len(leaves) - (keep - best) :]
+
+
 def _pick_transitions(
     rollout: RewardedRollout,
     tree: RolloutTree,
     advantages: torch.Tensor,
+    trained: list[int],
+    pruned_steps: set[int],
     fraction: float,
     generator: torch.Generator,
 ) -> list[tuple[int, int, float]]:
     """(sample index, step index, advantage): a random `fraction` (at least one) of the SDE steps
-    each tree node ran (each sample's, without branching), read from the first leaf below it."""
+    each trained node ran (each sample's, without branching), outside `pruned_steps`, read from
+    the first leaf below it."""
     transitions = []
-    for node, advantage in zip(tree.nodes, advantages.tolist(), strict=True):
+    for number in sorted(trained):
+        node, advantage = tree.nodes[number], float(advantages[number])
         index = node.leaves[0]
-        scorable = set(rollout.trajectories[index].scorable_steps.tolist())
+        scorable = set(rollout.trajectories[index].scorable_steps.tolist()) - pruned_steps
         steps = torch.tensor([step for step in node.steps if step in scorable], dtype=torch.int64)
         if len(steps) == 0:
             continue

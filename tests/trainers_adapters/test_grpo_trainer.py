@@ -130,3 +130,28 @@ def test_a_tree_rollout_trains_each_shared_step_once_from_ratio_one(engine, tiny
     per_prompt = 2 * 2 + 4 * 2 + 8 * 2  # each node's own steps, not once per leaf below it (6 x 8 = 48)
     assert stats.num_transitions == 2 * per_prompt
     engine.unload_lora(policy.name)
+
+
+def test_branchgrpo_pruning_skips_the_pruned_steps_and_the_middle_leaves(engine, tiny_model):
+    from trainers_adapters.grpo_trainer import _trained_nodes
+    from trainers_adapters.tree import build_tree, tree_advantages
+
+    policy = LoraPolicy(tiny_model, LORA)
+    policy.push(engine)
+    rollout = rollout_for(engine, policy, steps=6, samples=2, branch_steps=(2, 4), branch_factor=2)
+    settings = GRPOSettings(prune_steps=(0, 5), width_ratio=0.25)
+    stats = grpo_step(policy, torch.optim.SGD(policy.parameters(), lr=0.0), rollout, settings, torch.Generator())
+    assert stats.log_ratio_before_update < 1e-5
+    # Roots: step 1 only (0 pruned); branches: steps 2-3; 4 of the 16 leaves: step 4 only (5 pruned).
+    assert stats.num_transitions == 2 * 2 * 1 + 2 * 4 * 2 + 4 * 1
+
+    tree = build_tree(rollout.outputs, rollout.rewards, rollout.branch_steps, 6)
+    advantages = tree_advantages(tree)
+    leaves = [i for i, node in enumerate(tree.nodes) if node.depth == 2]
+    kept = set(_trained_nodes(tree, advantages, 0.25)) & set(leaves)
+    ranked = sorted(leaves, key=lambda i: -float(advantages[i]))
+    assert kept == set(ranked[:2] + ranked[-2:])  # the best and the worst two
+    assert set(_trained_nodes(tree, advantages, 1.0)) == set(range(len(tree.nodes)))
+    with pytest.raises(ValueError, match="prune_steps must be step indices >= 0.*width_ratio must be in"):
+        GRPOSettings(prune_steps=(-1,), width_ratio=0.0)
+    engine.unload_lora(policy.name)
