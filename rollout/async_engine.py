@@ -325,8 +325,7 @@ class AsyncRolloutEngine:
             return  # _after_engine_call fails every stream
         # A worker raised inside a step: its batch's state is unknown, so end every request with the error.
         logger.error("an engine step failed; failing %d requests: %s", len(self._streams), error)
-        self._fail_streams(error)
-        self._abort_quietly(self.engine.unfinished_request_ids())
+        self._fail_all(error)
 
     def _open(self, sink: _Sink, add: Callable, *args) -> list[str]:
         ids = add(*args)
@@ -356,9 +355,8 @@ class AsyncRolloutEngine:
                 logger.warning("could not abort %d requests: %s", len(request_ids), error)
 
     def _fail_all(self, error: BaseException) -> None:
-        request_ids = self.engine.unfinished_request_ids()
         self._fail_streams(error)
-        self._abort_quietly(request_ids)
+        self._abort_quietly(self.engine.unfinished_request_ids())
 
     def _pause(self, mode: str) -> concurrent.futures.Future:
         """Returns a future that completes when the pause has taken effect."""

@@ -415,9 +415,9 @@ class RemoteRolloutEngine:
             if missing:
                 raise WireError(f"the server's stream ended without outputs for {sorted(missing)}")
         except Exception as error:  # the stream failed: step() raises it, and its requests are gone
-            if isinstance(error, httpx.TransportError):
-                failure = self._transport_failure(error)
-                failure.__cause__, error = error, failure
+            if isinstance(error, httpx.TransportError):  # the engine's exception, as _run raises it
+                cause, error = error, self._transport_failure(error)
+                error.__cause__ = cause
             with self._changed:
                 self._unfinished.difference_update(ids)
                 self._ready.append(error)
