@@ -1,7 +1,8 @@
 """Update rules for one denoising step. Each module's `step` both samples and re-scores, so the
 engine (sampling) and the trainer (recomputing log-probs) call the very same function.
 
-step(x, v, sigma, sigma_next, noise_level, noise=None, prev_sample=None) -> StepOutput
+step(x, v, sigma, sigma_next, noise_level, noise=None, prev_sample=None, log_prob_form="gaussian")
+    -> StepOutput
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from rollout.samplers import cps, dance_sde, flow_sde, ode
-from rollout.samplers.step_output import StepOutput
+from rollout.samplers.step_output import LOG_PROB_FORMS, NoDensityError, StepOutput
 
 SAMPLERS: dict[str, Callable[..., StepOutput]] = {
     "ode": ode.step,
@@ -35,4 +36,4 @@ def is_stochastic_step(sampler: str, step_index: int, num_steps: int) -> bool:
     return True
 
 
-__all__ = ["SAMPLERS", "StepOutput", "get_sampler", "is_stochastic_step"]
+__all__ = ["LOG_PROB_FORMS", "SAMPLERS", "NoDensityError", "StepOutput", "get_sampler", "is_stochastic_step"]

@@ -3,13 +3,17 @@ diffusion coefficient eta (the noise level) and the score term added to the drif
 
 std = eta * sqrt(sigma - sigma_next); x0 = x - sigma * v; score = -(x - (1 - sigma) * x0) / sigma^2
 mean = x + dt * v - 0.5 * eta^2 * score * dt;  x' = mean + std * eps
+
+The log-prob is the Gaussian density (DanceGRPO's), in both `log_prob_form`s: Flow-GRPO's code
+writes the density for its Euler-Maruyama SDE, and "flow_grpo" applies that rule here.
+`std_dev_t` is eta, the diffusion coefficient.
 """
 
 from __future__ import annotations
 
 import torch
 
-from rollout.samplers.step_output import StepOutput, gaussian_step, per_sample
+from rollout.samplers.step_output import StepOutput, check_log_prob_form, gaussian_step, per_sample
 
 
 def step(
@@ -20,8 +24,10 @@ def step(
     noise_level: torch.Tensor | float,
     noise: torch.Tensor | None = None,
     prev_sample: torch.Tensor | None = None,
+    log_prob_form: str = "gaussian",
 ) -> StepOutput:
     """Sample x' (or re-score `prev_sample`). x, v: [B, C, h, w]; sigmas, noise_level: scalars or [B]."""
+    check_log_prob_form(log_prob_form)
     x = x.to(torch.float32)
     v = v.to(torch.float32)
     sigma = per_sample(sigma, x)
@@ -31,4 +37,4 @@ def step(
     x0 = x - sigma * v
     score = -(x - (1 - sigma) * x0) / sigma**2
     mean = x + dt * v - 0.5 * eta**2 * score * dt
-    return gaussian_step(mean, eta * torch.sqrt(-dt), noise, prev_sample)
+    return gaussian_step(mean, eta * torch.sqrt(-dt), eta, noise, prev_sample)

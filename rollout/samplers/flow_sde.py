@@ -5,13 +5,16 @@ std_t = a * sqrt(sigma / (1 - sigma)); at sigma = 1 the denominator uses the sch
 (the published rule uses sigmas[1], which is sigma_next for the only step that starts at sigma = 1).
 mean = x * (1 + std_t^2 * dt / (2 sigma)) + v * (1 + std_t^2 * (1 - sigma) / (2 sigma)) * dt
 x'   = mean + std_t * sqrt(-dt) * eps
+
+The log-prob is the Gaussian density in both `log_prob_form`s: Flow-GRPO's code computes the
+density for this rule. `std_dev_t` is std_t, the diffusion coefficient (what Flow-GRPO's KL divides by).
 """
 
 from __future__ import annotations
 
 import torch
 
-from rollout.samplers.step_output import StepOutput, gaussian_step, per_sample
+from rollout.samplers.step_output import StepOutput, check_log_prob_form, gaussian_step, per_sample
 
 
 def step(
@@ -22,8 +25,10 @@ def step(
     noise_level: torch.Tensor | float,
     noise: torch.Tensor | None = None,
     prev_sample: torch.Tensor | None = None,
+    log_prob_form: str = "gaussian",
 ) -> StepOutput:
     """Sample x' (or re-score `prev_sample`). x, v: [B, C, h, w]; sigmas, noise_level: scalars or [B]."""
+    check_log_prob_form(log_prob_form)
     x = x.to(torch.float32)
     v = v.to(torch.float32)
     sigma = per_sample(sigma, x)
@@ -32,4 +37,4 @@ def step(
     dt = sigma_next - sigma
     std_t = a * torch.sqrt(sigma / (1 - torch.where(sigma == 1, sigma_next, sigma)))
     mean = x * (1 + std_t**2 / (2 * sigma) * dt) + v * (1 + std_t**2 * (1 - sigma) / (2 * sigma)) * dt
-    return gaussian_step(mean, std_t * torch.sqrt(-dt), noise, prev_sample)
+    return gaussian_step(mean, std_t * torch.sqrt(-dt), std_t, noise, prev_sample)

@@ -15,9 +15,12 @@ def step(
     noise_level: torch.Tensor | float = 0.0,
     noise: torch.Tensor | None = None,
     prev_sample: torch.Tensor | None = None,
+    log_prob_form: str = "gaussian",
 ) -> StepOutput:
-    """Euler step; `noise_level`, `noise` and `prev_sample` are ignored: the ODE has no density."""
+    """Euler step; `noise_level`, `noise`, `prev_sample` and `log_prob_form` are ignored: the ODE
+    has no density (scoring goes through a stochastic rule, which refuses std 0)."""
     x = x.to(torch.float32)
     dt = per_sample(sigma_next, x) - per_sample(sigma, x)
     mean = x + v.to(torch.float32) * dt
-    return StepOutput(prev_sample=mean, log_prob=None, mean=mean, std=torch.zeros_like(dt))
+    zero = torch.zeros_like(dt)
+    return StepOutput(prev_sample=mean, log_prob=None, mean=mean, std=zero, std_dev_t=zero)

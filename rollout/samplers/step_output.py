@@ -9,21 +9,38 @@ import torch
 
 _LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
 
+# How a stochastic step's log-prob is written. "gaussian": the log-density of N(mean, std^2), per
+# element. "flow_grpo": what Flow-GRPO's step function computes for the same rule: the Gaussian
+# density for its SDE, and for CPS only -(x' - mean)^2, every constant and the 1 / (2 std^2)
+# factor dropped (its `sde_type="cps"`), which scales CPS log-ratios by 2 std^2.
+LOG_PROB_FORMS = ("gaussian", "flow_grpo")
+
+
+class NoDensityError(ValueError):
+    """A transition without a log-density (std 0: an ODE step, CPS's last step, noise level 0) was
+    given to be scored."""
+
 
 @dataclass
 class StepOutput:
     """One transition x_t -> x_{t-1} for a batch.
 
     prev_sample: [B, C, h, w] float32, the sampled (or given) next latents.
-    log_prob: [B] float32, log-density of prev_sample averaged over non-batch dims; None for ODE.
+    log_prob: [B] float32, log-prob of prev_sample (in the step's `log_prob_form`), averaged over
+        non-batch dims; None for ODE, and 0 for rows whose std is 0 (no density, as at ODE steps).
     mean: [B, C, h, w] float32, mean of the transition (equals prev_sample for ODE).
     std: [B, 1, 1, 1] float32, standard deviation of the transition (zeros for ODE).
+    std_dev_t: [B, 1, 1, 1] float32, the step's noise scale as Flow-GRPO's step function returns
+        it (its `std_dev_t`, which its KL divides by): for the Euler-Maruyama rules (flow_sde,
+        dance_sde) the SDE's diffusion coefficient, std / sqrt(sigma - sigma_next); for CPS the
+        std itself; zeros for ODE.
     """
 
     prev_sample: torch.Tensor
     log_prob: torch.Tensor | None
     mean: torch.Tensor
     std: torch.Tensor
+    std_dev_t: torch.Tensor
 
 
 def per_sample(value: torch.Tensor | float, like: torch.Tensor) -> torch.Tensor:
@@ -34,22 +51,45 @@ def per_sample(value: torch.Tensor | float, like: torch.Tensor) -> torch.Tensor:
     return value.reshape(-1, *([1] * (like.ndim - 1)))
 
 
+def check_log_prob_form(log_prob_form: str) -> None:
+    if log_prob_form not in LOG_PROB_FORMS:
+        raise ValueError(f"log_prob_form must be one of {LOG_PROB_FORMS}, got {log_prob_form!r}")
+
+
 def gaussian_step(
     mean: torch.Tensor,
     std: torch.Tensor,
+    std_dev_t: torch.Tensor,
     noise: torch.Tensor | None,
     prev_sample: torch.Tensor | None,
+    constant_free: bool = False,
 ) -> StepOutput:
     """Sample (or re-score a given `prev_sample`) from N(mean, std^2), per element.
 
     The log-prob is averaged over all non-batch dims, as in Flow-GRPO and DanceGRPO, so its scale
-    does not depend on the image size.
+    does not depend on the image size. `constant_free`: -(x' - mean)^2 instead of the density
+    (Flow-GRPO's CPS form). Rows with std 0 have no density: sampled, they are the mean (the ODE's
+    result) with log-prob 0; given a `prev_sample` to re-score, they raise `NoDensityError`.
     """
+    has_density = std > 0
     if prev_sample is None:
         if noise is None:
             raise ValueError("a stochastic step needs either `noise` to sample or `prev_sample` to re-score")
         prev_sample = mean + std * noise.to(torch.float32)
+    elif not bool(has_density.all()):
+        rows = (~has_density).reshape(-1).nonzero().flatten().tolist()
+        raise NoDensityError(
+            f"{len(rows)} of the {mean.shape[0]} transitions to score have no log-density (std 0: an ODE step, "
+            f"CPS's last step, or noise_level 0), at batch rows {rows[:8]}; score only the steps a trajectory "
+            "lists in `trajectory.scorable_steps`"
+        )
     prev_sample = prev_sample.to(torch.float32)
-    log_density = -((prev_sample.detach() - mean) ** 2) / (2 * std**2) - torch.log(std) - _LOG_SQRT_2PI
+    squared = (prev_sample.detach() - mean) ** 2
+    if constant_free:
+        log_density = -squared
+    else:
+        safe_std = torch.where(has_density, std, torch.ones_like(std))  # no 0/0 in rows without density
+        log_density = -squared / (2 * safe_std**2) - torch.log(safe_std) - _LOG_SQRT_2PI
     log_prob = log_density.mean(dim=tuple(range(1, log_density.ndim)))
-    return StepOutput(prev_sample=prev_sample, log_prob=log_prob, mean=mean, std=std)
+    log_prob = torch.where(has_density.reshape(-1), log_prob, torch.zeros_like(log_prob))
+    return StepOutput(prev_sample=prev_sample, log_prob=log_prob, mean=mean, std=std, std_dev_t=std_dev_t)

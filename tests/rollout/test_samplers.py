@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from rollout.samplers import SAMPLERS, get_sampler, is_stochastic_step
+from rollout.samplers import SAMPLERS, NoDensityError, get_sampler, is_stochastic_step
 from rollout.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.timeout(30)
@@ -112,3 +112,76 @@ def test_unknown_sampler_names_the_choices():
     with pytest.raises(ValueError, match="unknown sampler 'euler'.*flow_sde"):
         get_sampler("euler")
     assert set(SAMPLERS) == {"ode", "flow_sde", "cps", "dance_sde"}
+
+
+# Log-prob forms, Flow-GRPO's std_dev_t, and steps without a density.
+
+
+def test_cps_flow_grpo_form_is_minus_the_mean_squared_gap():
+    x, v, noise = _inputs()
+    sigma, sigma_next, a = torch.tensor([0.9, 0.6, 0.3]), torch.tensor([0.8, 0.4, 0.1]), 0.5
+    gaussian = get_sampler("cps")(x, v, sigma, sigma_next, a, noise=noise)
+    flow_grpo = get_sampler("cps")(x, v, sigma, sigma_next, a, noise=noise, log_prob_form="flow_grpo")
+    assert torch.equal(flow_grpo.prev_sample, gaussian.prev_sample)
+    # Flow-GRPO's CPS: -(x' - mean)^2 averaged over the latent, every constant dropped.
+    gap = (flow_grpo.prev_sample.double() - flow_grpo.mean.double()) ** 2
+    torch.testing.assert_close(flow_grpo.log_prob.double(), -gap.mean(dim=(1, 2, 3)), atol=1e-7, rtol=1e-6)
+    # The relation between the forms: gaussian = flow_grpo / (2 s^2) - log s - log sqrt(2 pi).
+    s = (sigma_next * math.sin(a * math.pi / 2)).double()
+    related = flow_grpo.log_prob.double() / (2 * s**2) - torch.log(s) - 0.5 * math.log(2 * math.pi)
+    torch.testing.assert_close(gaussian.log_prob.double(), related, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["flow_sde", "dance_sde"])
+def test_flow_grpo_form_of_an_euler_maruyama_sde_is_its_gaussian_density(name):
+    x, v, noise = _inputs()
+    sigma, sigma_next = torch.tensor([1.0, 0.6, 0.3]), torch.tensor([0.8, 0.4, 0.0])
+    gaussian = get_sampler(name)(x, v, sigma, sigma_next, 0.6, noise=noise)
+    flow_grpo = get_sampler(name)(x, v, sigma, sigma_next, 0.6, noise=noise, log_prob_form="flow_grpo")
+    assert torch.equal(flow_grpo.log_prob, gaussian.log_prob)
+
+
+def test_std_dev_t_is_what_flow_grpo_s_step_function_returns():
+    x, v, noise = _inputs()
+    sigma, sigma_next, a = torch.tensor([1.0, 0.6, 0.3]), torch.tensor([0.8, 0.4, 0.1]), 0.6
+    flow_sde = get_sampler("flow_sde")(x, v, sigma, sigma_next, a, noise=noise)
+    # sqrt(sigma / (1 - sigma)) * a, with sigmas[1] in the denominator where sigma = 1: no sqrt(dt).
+    expected = a * torch.sqrt(sigma / (1 - torch.tensor([0.8, 0.6, 0.3])))
+    torch.testing.assert_close(flow_sde.std_dev_t.reshape(-1), expected)
+    torch.testing.assert_close(flow_sde.std, flow_sde.std_dev_t * torch.sqrt(sigma - sigma_next).view(-1, 1, 1, 1))
+    cps = get_sampler("cps")(x, v, sigma, sigma_next, a, noise=noise)
+    torch.testing.assert_close(cps.std_dev_t.reshape(-1), sigma_next * math.sin(a * math.pi / 2))
+    assert torch.equal(cps.std_dev_t, cps.std)
+    dance = get_sampler("dance_sde")(x, v, sigma, sigma_next, 0.3, noise=noise)
+    torch.testing.assert_close(dance.std_dev_t.reshape(-1), torch.full((3,), 0.3))
+
+
+def test_cps_at_sigma_next_zero_gives_the_ode_result_and_no_nan():
+    x, v, noise = _inputs()
+    sigma, sigma_next = torch.tensor([0.3, 0.1, 0.05]), torch.tensor([0.1, 0.0, 0.0])
+    for form in ("gaussian", "flow_grpo"):
+        out = get_sampler("cps")(x, v, sigma, sigma_next, 0.7, noise=noise, log_prob_form=form)
+        ode = get_sampler("ode")(x[1:], v[1:], sigma[1:], sigma_next[1:])
+        assert torch.equal(out.prev_sample[1:], ode.prev_sample)
+        assert torch.isfinite(out.log_prob).all() and out.log_prob[1:].eq(0).all()
+        assert out.log_prob[0] != 0  # the row with a density keeps it
+        with pytest.raises(NoDensityError, match=r"2 of the 3 transitions.*rows \[1, 2\].*scorable_steps"):
+            get_sampler("cps")(x, v, sigma, sigma_next, 0.7, prev_sample=out.prev_sample, log_prob_form=form)
+
+
+@pytest.mark.parametrize("name", ["flow_sde", "cps", "dance_sde"])
+def test_noise_level_zero_samples_the_mean_without_nan(name):
+    x, v, noise = _inputs()
+    out = get_sampler(name)(x, v, torch.tensor([1.0, 0.6, 0.3]), torch.tensor([0.8, 0.4, 0.1]), 0.0, noise=noise)
+    assert torch.equal(out.prev_sample, out.mean)
+    assert torch.equal(out.log_prob, torch.zeros(3))
+    with pytest.raises(NoDensityError):
+        get_sampler(name)(x, v, 0.6, 0.4, 0.0, prev_sample=out.prev_sample)
+
+
+def test_an_unknown_log_prob_form_is_refused():
+    x, v, noise = _inputs(batch=1)
+    with pytest.raises(ValueError, match="log_prob_form must be one of"):
+        get_sampler("cps")(x, v, 0.6, 0.4, 0.5, noise=noise, log_prob_form="constant_free")
+    with pytest.raises(ValueError, match="log_prob_form must be one of"):
+        SamplingParams(log_prob_form="exact")
