@@ -159,23 +159,28 @@ class ModelRunner:
             true_cfg_scale=_per_sample(states, "true_cfg_scale"),
         )
 
-        # Group samples by the rule they use at this step: their sampler if the step is stochastic,
-        # the ODE otherwise.
-        groups: dict[str, list[int]] = {}
+        # Group samples by the rule they use at this step (their sampler and log-prob form if the
+        # step is stochastic, the ODE otherwise).
+        groups: dict[tuple[str, str], list[int]] = {}
         for i, s in enumerate(states):
-            rule = s.data.params.sampler if s.sde_mask[s.step_index] else "ode"
+            p = s.data.params
+            rule = (p.sampler, p.log_prob_form) if s.sde_mask[s.step_index] else ("ode", "gaussian")
             groups.setdefault(rule, []).append(i)
         zero = torch.zeros((), dtype=torch.float32, device=device)  # log-prob of an ODE step
-        for rule, indices in groups.items():
+        for (rule, log_prob_form), indices in groups.items():
             # One rule for the whole batch (the common case) needs no gather.
             idx = slice(None) if len(indices) == len(states) else torch.tensor(indices, device=device)
             noise = None
             if rule != "ode":
-                noise = torch.stack(
-                    [torch.randn(states[i].latents.shape, generator=states[i].step_generator) for i in indices]
-                ).to(device)
+                noise = torch.stack([_step_noise(states[i]) for i in indices]).to(device)
             out = get_sampler(rule)(
-                latents[idx], velocity[idx], sigma[idx], sigma_next[idx], noise_level[idx], noise=noise
+                latents[idx],
+                velocity[idx],
+                sigma[idx],
+                sigma_next[idx],
+                noise_level[idx],
+                noise=noise,
+                log_prob_form=log_prob_form,
             )
             for j, i in enumerate(indices):
                 state = states[i]
@@ -251,11 +256,22 @@ class ModelRunner:
             width=params.width,
             sampler=params.sampler,
             noise_level=params.noise_level,
+            log_prob_form=params.log_prob_form,
             guidance_scale=params.guidance_scale,
             guidance_scale_2=params.guidance_scale_2,
             true_cfg_scale=params.true_cfg_scale,
             num_frames=params.num_frames,
         )
+
+
+def _step_noise(state: RequestState) -> torch.Tensor:
+    """The standard normal noise of a state's current step, from its own generator; at a branch
+    step scaled by `branch_noise_scale` (BranchGRPO's children: drawn wider, scored with the step's std)."""
+    params = state.data.params
+    noise = torch.randn(state.latents.shape, generator=state.step_generator)
+    if params.branch_noise_scale != 1 and state.step_index in params.branch_steps:
+        noise = noise * params.branch_noise_scale
+    return noise
 
 
 def _per_sample(states: list[RequestState], name: str) -> torch.Tensor | None:

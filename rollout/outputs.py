@@ -28,8 +28,9 @@ class Trajectory:
         velocities were computed with, float32; shared with the other samples of the prompt.
     height, width: the image size in pixels (packed latents do not show it); num_frames: a video's
         frames (None for images).
-    sampler, noise_level, guidance_scale, true_cfg_scale, guidance_scale_2: what the steps used
-        (None where the model does not use a guidance field), so re-scoring needs nothing else.
+    sampler, noise_level, log_prob_form, guidance_scale, true_cfg_scale, guidance_scale_2: what
+        the steps used (None where the model does not use a guidance field), so re-scoring needs
+        nothing else.
     records: the per-step tensors `SamplingParams.record` asked for, each a `StepSeries` over the
         T steps (at `record_steps`): "x0" the clean-sample prediction x_i - sigma_i * v_i, "mean"
         and "std" the transition x_i -> x_{i+1} (std 0 at ODE steps).
@@ -49,6 +50,7 @@ class Trajectory:
     true_cfg_scale: float | None
     guidance_scale_2: float | None = None
     num_frames: int | None = None
+    log_prob_form: str = "gaussian"
     records: dict[str, StepSeries] = field(default_factory=dict)
 
     @property

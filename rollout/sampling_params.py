@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass
 
-from rollout.samplers import SAMPLERS, is_stochastic_step
+from rollout.samplers import LOG_PROB_FORMS, SAMPLERS, is_stochastic_step
 
 OUTPUT_TYPES = ("image", "latent", "none")
 RECORDS = ("x0", "mean", "std")
@@ -27,6 +28,12 @@ class SamplingParams:
     negative_prompt: the unconditional branch of classifier-free guidance (SD3 uses "" when unset).
     max_sequence_length: text tokens the pipeline encodes (SD3's T5: 256, FLUX: 512 by default).
     num_frames: frames of a video (Wan: k * 4 + 1, 81 by default); image pipelines refuse it.
+    log_prob_form: how stochastic steps write their log-prob, so that sampling, re-scoring and the
+        ratio use one form: "gaussian" (the Gaussian log-density) or "flow_grpo" (what Flow-GRPO's
+        step function computes: the same density for flow_sde and dance_sde; for cps
+        -mean((x' - mean)^2), without the constants and the 1 / (2 std^2) factor, so its CPS
+        log-ratios are the Gaussian ones times 2 std^2). A clip range tuned with Flow-GRPO's CPS
+        needs "flow_grpo"; the docs' training page tabulates the forms.
     sde_window: half-open range `(start, stop)` of step indices that use the stochastic sampler;
         the other steps are deterministic ODE steps with `sde_mask` False. None means every step.
     seed: base seed; each sample's seed is derived from it, the prompt index and the sample index,
@@ -42,6 +49,11 @@ class SamplingParams:
         the same latents with their own step noise. `num_samples` counts the roots; each root
         yields `branch_factor ** len(branch_steps)` outputs, one per leaf. A branch step must be a
         stochastic step (children of an ODE step could not differ).
+    branch_noise_scale: at a branch step the children draw their noise at this multiple of the
+        step's std, and their log-probs are still scored with the step's own std, as BranchGRPO's
+        published script does (its `tree_split_noise_scale`, 4.0 there). Re-scoring uses the same
+        std, so the ratio stays 1; the log-prob is then not the density the child was drawn from.
+        1 draws children like any other step.
     record: extra per-step tensors in the trajectory: "x0" (the model's clean-sample prediction
         x - sigma * v), "mean" and "std" (the sampler's transition, as re-scoring computes it).
     record_steps: keep trajectory entries (latents around the step, records) only for these step
@@ -61,6 +73,7 @@ class SamplingParams:
     num_frames: int | None = None
     sampler: str = "flow_sde"
     noise_level: float = 0.7
+    log_prob_form: str = "gaussian"
     sde_window: tuple[int, int] | None = None
     seed: int | None = None
     num_samples: int = 1
@@ -72,6 +85,7 @@ class SamplingParams:
     sigmas: tuple[float, ...] | None = None
     branch_steps: tuple[int, ...] = ()
     branch_factor: int = 2
+    branch_noise_scale: float = 1.0
     record: tuple[str, ...] = ()
     record_steps: tuple[int, ...] | None = None
 
@@ -98,6 +112,8 @@ class SamplingParams:
                 f"noise_level 0 gives sampler {self.sampler!r} no noise and no log-prob; "
                 "use sampler='ode' for deterministic sampling or a noise_level > 0"
             )
+        if self.log_prob_form not in LOG_PROB_FORMS:
+            problems.append(f"log_prob_form must be one of {LOG_PROB_FORMS}, got {self.log_prob_form!r}")
         for name in ("guidance_scale", "guidance_scale_2", "true_cfg_scale"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int | float) or value < 0):
@@ -159,12 +175,13 @@ class SamplingParams:
         if not isinstance(self.branch_factor, int) or self.branch_factor < 1:
             return [f"branch_factor must be an integer >= 1, got {self.branch_factor!r}"]
         if not self.branch_steps:
-            return []
+            return self._branch_noise_problems()
         problems = self._step_list_problems("branch_steps", self.branch_steps, steps)
         if problems:
             return problems
         if self.branch_factor < 2:
             problems.append(f"branch_factor must be >= 2 to branch at steps {self.branch_steps}")
+        problems += self._branch_noise_problems()
         if self.sampler in SAMPLERS:
             mask = self.sde_mask()
             deterministic = [i for i in self.branch_steps if not mask[i]]
@@ -174,6 +191,14 @@ class SamplingParams:
                     f"sde_window {self.sde_window}), where children could not differ; branch at a stochastic step"
                 )
         return problems
+
+    def _branch_noise_problems(self) -> list[str]:
+        scale = self.branch_noise_scale
+        if isinstance(scale, bool) or not isinstance(scale, int | float) or not math.isfinite(scale) or scale <= 0:
+            return [f"branch_noise_scale must be a finite number > 0, got {scale!r}"]
+        if scale != 1 and not self.branch_steps:
+            return [f"branch_noise_scale {scale} scales the noise of branch steps, but branch_steps is empty"]
+        return []
 
     def _window_problems(self, steps: int) -> list[str]:
         window = self.sde_window

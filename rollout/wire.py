@@ -46,6 +46,7 @@ _TRAJECTORY_VALUES = (
     "num_frames",
     "sampler",
     "noise_level",
+    "log_prob_form",
     "guidance_scale",
     "guidance_scale_2",
     "true_cfg_scale",
