@@ -3,6 +3,10 @@
 The same adapter `predict_velocity` and the same sampler `step` that produced a trajectory compute
 its log-probs again, now (optionally) with gradients through the model. Before any update the ratio
 exp(new - old) is 1 up to float error.
+
+Only stochastic steps have a log-density. Scoring any other transition (an ODE step outside the
+SDE window, CPS's last step, a step whose std is 0) raises `NoDensityError` instead of returning
+NaN: one NaN log-prob turns every trained parameter into NaN at the next optimizer step.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import torch
 
 from rollout.outputs import Trajectory
 from rollout.pipelines.condition import Condition
-from rollout.samplers import StepOutput, get_sampler
+from rollout.samplers import NoDensityError, StepOutput, get_sampler
 
 
 def score_transitions(
@@ -28,6 +32,7 @@ def score_transitions(
     *,
     height: int,
     width: int,
+    log_prob_form: str = "gaussian",
     guidance_scale: torch.Tensor | float | None = None,
     guidance_scale_2: torch.Tensor | float | None = None,
     true_cfg_scale: torch.Tensor | float | None = None,
@@ -35,9 +40,16 @@ def score_transitions(
     """Log-prob of `next_latents` given `latents` for a batch of transitions, with a fresh velocity.
 
     latents, next_latents: [B, *latent_shape] float32 of `height` x `width` images; sigmas,
-    sigmas_next: [B]; conditions: one per transition; guidance as the trajectories recorded it.
-    Gradients flow through the model when autograd is enabled.
+    sigmas_next: [B]; conditions: one per transition; guidance and `log_prob_form` as the
+    trajectories recorded them. Gradients flow through the model when autograd is enabled.
+    Raises `NoDensityError` for transitions without a density (checked after the forward, since
+    the std comes from the sampler; `check_scorable` checks trajectory steps before it).
     """
+    if sampler == "ode":
+        raise NoDensityError(
+            "sampler 'ode' has no log-density to score; only a stochastic sampler's steps can be scored "
+            "(see trajectory.scorable_steps)"
+        )
     velocity = adapter.predict_velocity(
         latents,
         sigmas,
@@ -56,6 +68,30 @@ def score_transitions(
         sigmas_next.to(device),
         torch.as_tensor(noise_level, dtype=torch.float32, device=device),
         prev_sample=next_latents.to(device),
+        log_prob_form=log_prob_form,
+    )
+
+
+def check_scorable(trajectories: Sequence[Trajectory], steps: Sequence[int]) -> None:
+    """Raise `NoDensityError` if any (trajectory, step) pair is not among the trajectory's
+    `scorable_steps` (ODE steps, CPS's last step, steps `record_steps` did not keep), naming the
+    first and counting the others."""
+    scorable: dict[int, set[int]] = {}  # per trajectory object: many pairs share one
+    bad = []
+    for number, (trajectory, step) in enumerate(zip(trajectories, steps, strict=True)):
+        if id(trajectory) not in scorable:
+            scorable[id(trajectory)] = set(trajectory.scorable_steps.tolist())
+        if step not in scorable[id(trajectory)]:
+            bad.append((number, step, trajectory))
+    if not bad:
+        return
+    number, step, trajectory = bad[0]
+    kind = "is not a step" if not 0 <= step < trajectory.num_steps else "has no log-density or was not kept"
+    more = f" (and {len(bad) - 1} more pairs)" if len(bad) > 1 else ""
+    raise NoDensityError(
+        f"step {step} of trajectory {number} {kind}{more}: only stochastic steps whose transition the "
+        f"trajectory keeps can be scored (ODE steps outside sde_window and CPS's last step have std 0). "
+        f"Score the steps in trajectory.scorable_steps, here {trajectory.scorable_steps.tolist()}"
     )
 
 
@@ -77,6 +113,7 @@ def recompute_log_probs(adapter, trajectory: Trajectory) -> torch.Tensor:
         trajectory.noise_level,
         height=trajectory.height,
         width=trajectory.width,
+        log_prob_form=trajectory.log_prob_form,
         guidance_scale=trajectory.guidance_scale,
         guidance_scale_2=trajectory.guidance_scale_2,
         true_cfg_scale=trajectory.true_cfg_scale,

@@ -20,7 +20,7 @@ from rollout.lora import DIFFUSERS_LORA_FILE, DIFFUSERS_LORA_FILE_2, adapter_to_
 from rollout.outputs import Trajectory
 from rollout.pipelines.condition import Condition
 from rollout.pipelines.loading import load_adapter
-from rollout.rescoring import score_transitions
+from rollout.rescoring import check_scorable, score_transitions
 from rollout.samplers import StepOutput
 from rollout.weights import base_state, checksum, specs_of, update_problems
 
@@ -74,7 +74,7 @@ class LoraPolicy:
         component=...)`, so the policy re-scores with the model that sampled. Checked as the
         engine checks them (names, shapes, dtypes); a bad set is refused whole."""
         module = self.adapter.components[component]
-        problems = update_problems(specs_of(module), named_tensors.items(), check_finite=False)
+        problems = update_problems(specs_of(module), named_tensors.items(), check_finite=True)
         if problems:
             raise ValueError(
                 f"base weights refused, policy unchanged: {len(problems)} problem(s) in {component}:\n  "
@@ -126,10 +126,13 @@ class LoraPolicy:
         forward, with gradients through the LoRA. Under `with policy.reference():` the same call
         scores under the reference policy.
 
-        The trajectories must share image size, sampler, noise level and guidance (one rollout
-        call's do when its requests share them)."""
+        The trajectories must share image size, sampler, noise level, log-prob form and guidance
+        (one rollout call's do when its requests share them); each step must be one of its
+        trajectory's `scorable_steps` (else `NoDensityError`, before any forward)."""
         if isinstance(steps, int):
             steps = [steps] * len(trajectories)
+        check_scorable(trajectories, steps)
+        _check_shared_settings(trajectories)
         first = trajectories[0]
         pairs = list(zip(trajectories, steps, strict=True))
         return score_transitions(
@@ -143,6 +146,7 @@ class LoraPolicy:
             first.noise_level,
             height=first.height,
             width=first.width,
+            log_prob_form=first.log_prob_form,
             guidance_scale=first.guidance_scale,
             guidance_scale_2=first.guidance_scale_2,
             true_cfg_scale=first.true_cfg_scale,
@@ -158,4 +162,35 @@ class LoraPolicy:
         conditions = [Condition(t.condition.prompt) for t in trajectories]
         return self.adapter.predict_velocity(
             latents, sigmas, conditions, height=first.height, width=first.width, guidance_scale=first.guidance_scale
+        )
+
+
+# What one batched re-scoring applies to every transition: a trajectory that differs would be
+# scored under another trajectory's settings, silently.
+_SHARED_SETTINGS = (
+    "height",
+    "width",
+    "num_frames",
+    "sampler",
+    "noise_level",
+    "log_prob_form",
+    "guidance_scale",
+    "guidance_scale_2",
+    "true_cfg_scale",
+)
+
+
+def _check_shared_settings(trajectories: Sequence[Trajectory]) -> None:
+    first = trajectories[0]
+    differ = [
+        f"{name} ({getattr(first, name)!r} vs {getattr(t, name)!r} in trajectory {number})"
+        for name in _SHARED_SETTINGS
+        for number, t in enumerate(trajectories)
+        if getattr(t, name) != getattr(first, name)
+    ]
+    if differ:
+        raise ValueError(
+            "policy.score batches transitions that share their sampling settings, but these differ: "
+            + "; ".join(dict.fromkeys(differ[:4]))
+            + "; score each kind in its own call"
         )
