@@ -14,7 +14,7 @@ import torch
 
 from trainers_adapters.dpo import dpo_loss, flow_matching_error, preference_pairs
 from trainers_adapters.lora_policy import LoraPolicy
-from trainers_adapters.optim import clip_and_step
+from trainers_adapters.optim import check_finite_loss, clip_and_step
 from trainers_adapters.rewarded_rollout import RewardedRollout
 
 
@@ -61,8 +61,10 @@ def dpo_step(
     for start in range(0, len(pairs), settings.micro_batch_size):
         chunk = pairs[start : start + settings.micro_batch_size]
         loss, favoured = _chunk_loss(policy, rollout, chunk, settings.beta, generator)
+        value = loss.item()
+        check_finite_loss(value, optimizer, f"DPO pairs (winner, loser) {chunk[:6]}")
         (loss * len(chunk) / len(pairs)).backward()
-        total_loss += loss.item() * len(chunk)
+        total_loss += value * len(chunk)
         correct += favoured
     grad_norm = clip_and_step(policy.parameters(), optimizer, settings.max_grad_norm)
     optimizer.zero_grad(set_to_none=True)

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
-from trainers_adapters.grpo import gaussian_kl, grpo_policy_loss
+from trainers_adapters.grpo import KL_FORMS, grpo_policy_loss, kl_to_reference
 from trainers_adapters.lora_policy import LoraPolicy
-from trainers_adapters.optim import clip_and_step
+from trainers_adapters.optim import check_finite_loss, clip_and_step
 from trainers_adapters.rewarded_rollout import RewardedRollout
 from trainers_adapters.tree import RolloutTree, build_tree, tree_advantages
 
@@ -29,6 +29,10 @@ class GRPOSettings:
     adv_clip_max: float = 5.0  # advantages are clipped to [-adv_clip_max, adv_clip_max]
     global_std: bool = False  # normalise advantages by the std of the whole batch, not the group's
     kl_beta: float = 0.0  # weight of the KL to the reference policy (0: no reference forward)
+    # Which KL `kl_beta` weighs (`trainers_adapters.grpo.KL_FORMS`): "flow_grpo" divides by the
+    # step's std_dev_t^2 as Flow-GRPO's code does (for flow_sde the exact KL times |dt|), so a
+    # Flow-GRPO beta means what it means there; "gaussian" is the exact KL of the transitions.
+    kl_form: str = "flow_grpo"
     timestep_fraction: float = 1.0  # share of each trajectory's SDE steps trained on, drawn per sample
     # BranchGRPO's pruning (Li et al., arXiv 2509.06040): what the loss skips; sampling and rewards
     # are unchanged. `prune_steps`: denoising steps never trained on (their depth pruning).
@@ -53,6 +57,8 @@ class GRPOSettings:
             problems.append(f"adv_clip_max must be > 0, got {self.adv_clip_max}")
         if self.kl_beta < 0:
             problems.append(f"kl_beta must be >= 0, got {self.kl_beta}")
+        if self.kl_form not in KL_FORMS:
+            problems.append(f"kl_form must be one of {KL_FORMS}, got {self.kl_form!r}")
         if not 0 < self.timestep_fraction <= 1:
             problems.append(f"timestep_fraction must be in (0, 1], got {self.timestep_fraction}")
         if any(step < 0 for step in self.prune_steps):
@@ -113,6 +119,7 @@ def grpo_step(
         for start in range(0, len(minibatch), settings.micro_batch_size):
             chunk = [transitions[i] for i in minibatch[start : start + settings.micro_batch_size]]
             loss, parts, max_abs_log = _chunk_loss(policy, rollout, chunk, settings)
+            check_finite_loss(parts["loss"], optimizer, _describe(chunk, parts))
             (loss * len(chunk) / len(minibatch)).backward()
             for key in totals:
                 totals[key] += parts[key] * len(chunk)
@@ -209,7 +216,7 @@ def _chunk_loss(
     if settings.kl_beta > 0:
         with policy.reference():
             reference = policy.score(trajectories, steps)
-        kl = gaussian_kl(scored.mean, reference.mean, scored.std).mean()
+        kl = kl_to_reference(scored, reference.mean, settings.kl_form).mean()
     loss = policy_loss + settings.kl_beta * kl
     parts = {
         "loss": loss.item(),
@@ -219,3 +226,11 @@ def _chunk_loss(
         "clip_fraction": stats.clip_fraction,
     }
     return loss, parts, stats.ratio_max_abs_log
+
+
+def _describe(chunk: list[tuple[int, int, float]], parts: dict[str, float]) -> str:
+    pairs = [(index, step) for index, step, _ in chunk]
+    return (
+        f"GRPO micro-batch (policy loss {parts['policy_loss']}, kl {parts['kl']}) over (sample, step) "
+        f"{pairs[:6]}{' ...' if len(pairs) > 6 else ''}"
+    )
