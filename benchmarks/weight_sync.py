@@ -11,7 +11,10 @@ and measures, for the same bytes (every tensor of `base_state(trainer)`):
               the allocator cannot reuse freed pages);
   uni / mp / ray
               `engine.update_weights(state, bucket_bytes=...)` on an engine with that executor and
-              one worker (mp once per `--mp-bucket-mib`);
+              one worker (mp once per `--mp-bucket-mib`), NaN/inf check included (the default);
+  uni no check
+              the same push on the uni engine with `check_finite=False`: the side-by-side cost of
+              the finite check;
   naive       `safetensors.torch.save_file(state)` to a folder, then
               `SD3Transformer2DModel.from_pretrained(folder)`: what a trainer does without a
               hot-swap API (and it would still have to put the loaded model into the engine).
@@ -64,6 +67,7 @@ from rollout.weights import base_state, checksum
 
 BACKENDS = ("uni", "mp", "ray")
 MIB = 2**20
+NO_CHECK_MODE = "uni no check"  # check_finite=False, beside the uni mode that checks
 # The project's targets.
 TARGET_COPY_FRACTION = {"uni": 0.50, "mp": 0.25}  # of the copy floor's GB/s
 TARGET_SPEEDUP_VS_NAIVE = 5.0  # every backend
@@ -161,9 +165,11 @@ def make_clone_run(state: dict[str, torch.Tensor]) -> Callable[[], None]:
     return run
 
 
-def make_engine_run(engine: RolloutEngine, state: dict[str, torch.Tensor], bucket_bytes: int) -> Callable[[], None]:
+def make_engine_run(
+    engine: RolloutEngine, state: dict[str, torch.Tensor], bucket_bytes: int, check_finite: bool = True
+) -> Callable[[], None]:
     def run() -> None:
-        engine.update_weights(state, bucket_bytes=bucket_bytes)
+        engine.update_weights(state, bucket_bytes=bucket_bytes, check_finite=check_finite)
 
     return run
 
@@ -383,6 +389,27 @@ def print_report(summary: dict[str, dict], verdicts: dict, breakdowns: dict[str,
     print(f"{'buckets per push':<50}" + "".join(f" {breakdowns[mode]['buckets']:>16d}" for mode in modes))
 
 
+def finite_check_cost(summary: dict[str, dict], bucket_mib: int) -> dict[str, float] | None:
+    """What the NaN/inf check adds to a uni push: median seconds with it minus without, from the
+    medians and as the median of per-round differences; printed, and None without both modes."""
+    checked = summary.get(f"uni ({bucket_mib} MiB)")
+    unchecked = summary.get(NO_CHECK_MODE)
+    if checked is None or unchecked is None:
+        return None
+    per_round = statistics.median(a - b for a, b in zip(checked["times_s"], unchecked["times_s"], strict=True))
+    cost = {
+        "seconds": checked["median_s"] - unchecked["median_s"],
+        "seconds_per_round": per_round,
+        "fraction_of_push": per_round / checked["median_s"],
+    }
+    print(
+        f"\nthe NaN/inf check (check_finite, on by default) adds {1e3 * cost['seconds']:.1f} ms to a uni push "
+        f"({1e3 * per_round:.1f} ms as the median per-round difference, {100 * cost['fraction_of_push']:.0f} % of "
+        "the checked push)"
+    )
+    return cost
+
+
 def summarize_breakdowns(pieces: dict[str, list[dict[str, float]]]) -> dict[str, dict]:
     return {
         mode: {
@@ -450,6 +477,9 @@ def main(argv: list[str] | None = None) -> dict:
                     mode = f"{backend} ({mib} MiB)"
                     runs[mode] = make_engine_run(engines[backend], state, mib * MIB)
                     mode_engines[mode] = engines[backend]
+            if "uni" in engines:
+                runs[NO_CHECK_MODE] = make_engine_run(engines["uni"], state, args.bucket_mib * MIB, check_finite=False)
+                mode_engines[NO_CHECK_MODE] = engines["uni"]
             if not args.no_naive:
                 runs["naive"] = make_naive_run(trainer, state, Path(tmp) / "naive")
             perturb(trainer)
@@ -472,6 +502,7 @@ def main(argv: list[str] | None = None) -> dict:
     verdicts = targets_met(summary)
     breakdowns = summarize_breakdowns(pieces)
     print_report(summary, verdicts, breakdowns, nbytes)
+    check_cost = finite_check_cost(summary, args.bucket_mib)
     result = {
         "args": json_args(args),
         "torch_version": torch.__version__,
@@ -482,6 +513,7 @@ def main(argv: list[str] | None = None) -> dict:
         "modes": summary,
         "targets_met": verdicts,
         "breakdown": breakdowns,
+        "finite_check": check_cost,
     }
     write_json(args.json, result)
     return result

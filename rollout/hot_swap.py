@@ -42,17 +42,19 @@ class HotSwapAPI:
         component: str = "transformer",
         version: int | None = None,
         mode: str = "wait",
-        check_finite: bool = False,
+        check_finite: bool = True,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     ) -> int:
         """Replace weights of `component` on every worker, all at once; returns the new weight version.
 
         `named_tensors`: a name -> tensor mapping or an iterator of (name, tensor) pairs (streamed in
-        buckets of about `bucket_bytes`); names, shapes and dtypes must match the component's own.
-        A bad update is refused whole (ValueError listing every offending tensor) and nothing
-        changes. `mode="wait"`: running requests finish on the old weights first (their outputs come
-        from the next `step()`); `mode="pause"`: the update applies now, between two steps, and
-        running requests continue on the new weights (`RolloutOutput.weight_versions` lists both).
+        buckets of about `bucket_bytes`); names, shapes and dtypes must match the component's own,
+        and with `check_finite` every value must be finite (one summing pass over the bytes;
+        `benchmarks/weight_sync` measures it; False skips it). A bad update is refused whole
+        (ValueError listing every offending tensor) and nothing changes. `mode="wait"`: running
+        requests finish on the old weights first (their outputs come from the next `step()`);
+        `mode="pause"`: the update applies now, between two steps, and running requests continue
+        on the new weights (`RolloutOutput.weight_versions` lists both).
         The version becomes `version`, or the current one plus 1.
         """
         self._check_open()
@@ -74,13 +76,21 @@ class HotSwapAPI:
         return self.weight_version
 
     def update_weights_from_disk(
-        self, path: str | Path, *, component: str = "transformer", version: int | None = None, mode: str = "wait"
+        self,
+        path: str | Path,
+        *,
+        component: str = "transformer",
+        version: int | None = None,
+        mode: str = "wait",
+        check_finite: bool = True,
     ) -> int:
         """`update_weights` from a .safetensors file or a diffusers component folder: every worker
-        reads the files itself. Names, shapes and dtypes are checked from the file headers first."""
+        reads the files itself. Names, shapes and dtypes are checked from the file headers first,
+        the values (`check_finite`) by the workers as they read them."""
         self._check_open()
         files = safetensors_files(path)
-        return self._update(self._weight_sync.push_from_files, (files, component), component, version, mode)
+        push_args = (files, component, check_finite)
+        return self._update(self._weight_sync.push_from_files, push_args, component, version, mode)
 
     def init_weight_update_group(
         self,
@@ -114,12 +124,14 @@ class HotSwapAPI:
         version: int | None = None,
         mode: str = "wait",
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        check_finite: bool = True,
     ) -> int:
         """`update_weights` whose tensors the trainer broadcasts through the group (in this order, in
-        buckets of `bucket_bytes`) while this call waits; names, dtypes and shapes are checked first."""
+        buckets of `bucket_bytes`) while this call waits; names, dtypes and shapes are checked first,
+        the values (`check_finite`) by the workers once received."""
         self._check_open()
         entries = _broadcast_entries(names, dtypes, shapes)
-        push_args = (entries, component, bucket_bytes)
+        push_args = (entries, component, bucket_bytes, check_finite)
         return self._update(self._weight_sync.push_from_broadcast, push_args, component, version, mode)
 
     def check_weight_update(
@@ -152,6 +164,7 @@ class HotSwapAPI:
         config: LoraConfig | Mapping | None = None,
         *,
         version: int | None = None,
+        check_finite: bool = True,
     ) -> int:
         """Load a LoRA adapter on every worker, or hot-swap the one of that name; returns the new
         weight version (the current one plus 1, or `version`), as `update_weights` does, so a
@@ -161,7 +174,8 @@ class HotSwapAPI:
         folder (pytorch_lora_weights.safetensors), or a mapping of PEFT LoRA tensors with `config`
         (a `peft.LoraConfig` or its dict). Requests pick it with `SamplingParams(lora=name)`.
         Running requests finish on the adapter they started with. An adapter whose keys do not fit
-        the model is refused (ValueError) and the one loaded before stays.
+        the model, or (with `check_finite`) that holds NaN or infinity, is refused (ValueError) and
+        the one loaded before stays.
         """
         self._check_open()
         if isinstance(source, str | Path):
@@ -173,7 +187,7 @@ class HotSwapAPI:
         self._finish_running_requests()
         try:
             bound = self.collective_rpc(
-                "load_lora", args=(name, source if isinstance(source, str) else dict(source), config)
+                "load_lora", args=(name, source if isinstance(source, str) else dict(source), config, check_finite)
             )
         except TimeoutError as error:
             timeout = self._reread_after("load_lora", error)

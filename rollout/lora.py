@@ -26,6 +26,8 @@ from peft.tuners.tuners_utils import _ExcludedModule, check_target_module_exists
 from peft.utils import set_peft_model_state_dict
 from torch import nn
 
+from rollout.weights import all_finite
+
 logger = logging.getLogger(__name__)
 
 
@@ -116,8 +118,23 @@ class LoraManager:
         self.placed: dict[str, tuple[str, ...]] = {}  # adapter -> the components it has layers on
         self._active: tuple[str | None, float] | None = None  # what the models are set up for now
 
-    def load(self, name: str, tensors: Mapping[str, torch.Tensor], config: LoraConfig | Mapping | None) -> int:
-        """Load adapter `name` (replacing one of that name); returns how many modules it binds."""
+    def load(
+        self,
+        name: str,
+        tensors: Mapping[str, torch.Tensor],
+        config: LoraConfig | Mapping | None,
+        check_finite: bool = True,
+    ) -> int:
+        """Load adapter `name` (replacing one of that name); returns how many modules it binds.
+        `check_finite` refuses an adapter holding NaN or infinity (ValueError), the old one staying."""
+        if check_finite:
+            bad = [key for key, tensor in tensors.items() if not all_finite(tensor)]
+            if bad:
+                raise ValueError(
+                    f"LoRA {name!r} refused: {len(bad)} of its tensors hold NaN or infinite values "
+                    f"({sorted(bad)[:5]}); the adapter loaded before under this name (if any) stays. "
+                    "A trainer step that diverged usually causes this; pass check_finite=False only to load it anyway"
+                )
         parts = split_by_component(tensors, list(self.components))
         config = infer_config({k: t for part in parts.values() for k, t in part.items()}) if config is None else config
         config = config_from_dict(config) if isinstance(config, Mapping) else config

@@ -2,7 +2,8 @@
 
 1. Every tensor is checked against the component's names, shapes and dtypes (and for NaN/inf with
    `check_finite`) as it streams past; checked tensors are staged on every rank in buckets of about
-   `bucket_bytes`. Staged tensors are invisible to sampling.
+   `bucket_bytes`. Staged tensors are invisible to sampling. Tensors the workers read themselves
+   (files, a broadcast) have their headers checked here and their values on the workers.
 2. If anything was wrong, the staged tensors are dropped and one error lists every offending name.
 3. Otherwise every rank swaps its staged tensors in. If any rank fails (or does not answer), every
    rank rolls back; a rollback that fails too, or a commit that fails on some rank, leaves ranks
@@ -20,7 +21,7 @@ import torch
 from rollout.broadcast_group import BroadcastEntry, plan_buckets
 from rollout.errors import EngineDeadError, WorkerError
 from rollout.safetensors_files import read_specs
-from rollout.weights import TensorSpec, update_problems
+from rollout.weights import TensorSpec, refusal_message, update_problems
 
 DEFAULT_BUCKET_BYTES = 512 * 2**20
 
@@ -69,22 +70,35 @@ class WeightSync:
                 self._rpc("stage_weights", args=(component, bucket))
         return len(seen)
 
-    def push_from_files(self, files: list[Path], component: str) -> int:
+    def push_from_files(self, files: list[Path], component: str, check_finite: bool) -> int:
         """Like `push`, but every rank reads the safetensors `files` itself; the headers are
-        checked here first."""
+        checked here first, the values (with `check_finite`) on the ranks."""
         given = read_specs(files)
         self.check_specs(given, component)
         with self._all_or_nothing(component):
-            self._rpc("stage_weights_from_files", args=(component, [str(f) for f in files]))
+            self._stage_on_ranks("stage_weights_from_files", component, [str(f) for f in files], check_finite)
         return len(given)
 
-    def push_from_broadcast(self, entries: list[BroadcastEntry], component: str, bucket_bytes: int) -> int:
+    def push_from_broadcast(
+        self, entries: list[BroadcastEntry], component: str, bucket_bytes: int, check_finite: bool
+    ) -> int:
         """Like `push`, but the tensors arrive through the trainer's broadcast group; the names,
-        shapes and dtypes announced in `entries` are checked here first."""
+        shapes and dtypes announced in `entries` are checked here first, the values (with
+        `check_finite`) on the ranks once received."""
         self.check_specs({e.name: e.spec for e in entries}, component)
         with self._all_or_nothing(component):
-            self._rpc("stage_weights_from_broadcast", args=(component, plan_buckets(entries, bucket_bytes)))
+            buckets = plan_buckets(entries, bucket_bytes)
+            self._stage_on_ranks("stage_weights_from_broadcast", component, buckets, check_finite)
         return len(entries)
+
+    def _stage_on_ranks(self, method: str, *args) -> None:
+        """Run a staging worker function; a rank's refusal (ValueError) is the update's refusal."""
+        try:
+            self._rpc(method, args=args)
+        except WorkerError as error:
+            if error.raised(ValueError):
+                raise ValueError(error.message) from error
+            raise
 
     def check_specs(self, given: Mapping[str, TensorSpec], component: str) -> None:
         """Raise ValueError listing every name that is unknown or has the wrong shape or dtype."""
@@ -137,5 +151,4 @@ def _raise_if_refused(component: str, problems: list[str], names) -> None:
     if not names:
         problems = ["the update holds no tensors", *problems]
     if problems:
-        listing = "\n  ".join(problems)
-        raise ValueError(f"update refused, weights unchanged: {len(problems)} problem(s) in {component}:\n  {listing}")
+        raise ValueError(refusal_message(component, problems))

@@ -55,9 +55,30 @@ def update_problems(
             problems.append(f"{name}: not a weight of this component")
         elif given != spec:
             problems.append(f"{name}: expected {spec}, got {given}")
-        elif check_finite and tensor.is_floating_point() and not torch.isfinite(tensor).all():
+        elif check_finite and not all_finite(tensor):
             problems.append(f"{name}: holds NaN or infinite values")
     return problems
+
+
+def all_finite(tensor: torch.Tensor) -> bool:
+    """Whether every element of `tensor` is finite (always, for integer tensors).
+
+    One summing pass, without the elementwise mask `torch.isfinite(t).all()` writes: a NaN or an
+    infinity makes the sum NaN or infinite. Only a sum that overflows although every element is
+    finite pays for the exact elementwise check."""
+    if not tensor.is_floating_point() or tensor.numel() == 0:
+        return True
+    return bool(torch.isfinite(tensor.sum())) or bool(torch.isfinite(tensor).all())
+
+
+def non_finite_problems(named_tensors: Mapping[str, torch.Tensor]) -> list[str]:
+    """One line per tensor holding NaN or infinite values."""
+    return [f"{name}: holds NaN or infinite values" for name, t in named_tensors.items() if not all_finite(t)]
+
+
+def refusal_message(component: str, problems: list[str]) -> str:
+    listing = "\n  ".join(problems)
+    return f"update refused, weights unchanged: {len(problems)} problem(s) in {component}:\n  {listing}"
 
 
 def checksum(named_tensors: Mapping[str, torch.Tensor]) -> str:
@@ -147,11 +168,19 @@ class StagedUpdates:
             staged[name] = tensor.to(device=state[name].device)
         return len(staged)
 
-    def stage_from_files(self, component: str, files: list[str]) -> int:
-        from safetensors.torch import load_file
-
-        for file in files:
-            self.stage(component, load_file(file))
+    def stage_checked(self, component: str, parts: Iterable[Mapping[str, torch.Tensor]], check_finite: bool) -> int:
+        """Stage every part (a file's or a bucket's tensors, read as they are iterated), refusing
+        NaN and infinity with `check_finite`. Every part is read even after a refusal, so a sender
+        streaming them (a broadcast) is never left waiting; then ValueError lists every offender."""
+        problems: list[str] = []
+        for tensors in parts:
+            if check_finite:
+                problems += non_finite_problems(tensors)
+            if not problems:
+                self.stage(component, tensors)
+        if problems:
+            self._staged.pop(component, None)
+            raise ValueError(refusal_message(component, problems))
         return len(self._staged.get(component, {}))
 
     def apply(self, component: str) -> int:

@@ -81,8 +81,10 @@ class Worker:
     def stage_weights(self, component: str, named_tensors: dict[str, torch.Tensor]) -> int:
         return self.updates.stage(component, named_tensors)
 
-    def stage_weights_from_files(self, component: str, files: list[str]) -> int:
-        return self.updates.stage_from_files(component, files)
+    def stage_weights_from_files(self, component: str, files: list[str], check_finite: bool) -> int:
+        from safetensors.torch import load_file
+
+        return self.updates.stage_checked(component, (load_file(file) for file in files), check_finite)
 
     def init_weight_update_group(
         self, master_address: str, master_port: int, rank_offset: int, world_size: int, backend: str, timeout_s: float
@@ -92,14 +94,14 @@ class Worker:
         self.broadcast_group = connect(master_address, master_port, group_rank, world_size, backend, timeout_s)
         return group_rank
 
-    def stage_weights_from_broadcast(self, component: str, buckets: list[list[BroadcastEntry]]) -> int:
+    def stage_weights_from_broadcast(
+        self, component: str, buckets: list[list[BroadcastEntry]], check_finite: bool
+    ) -> int:
         if self.broadcast_group is None:
             raise RuntimeError("no weight update group: call init_weight_update_group first")
         device = self.adapter.device
-        count = 0
-        for bucket in buckets:
-            count = self.updates.stage(component, receive_bucket(self.broadcast_group, bucket, device))
-        return count
+        received = (receive_bucket(self.broadcast_group, bucket, device) for bucket in buckets)
+        return self.updates.stage_checked(component, received, check_finite)
 
     def apply_staged_weights(self, component: str) -> int:
         return self.updates.apply(component)
@@ -114,11 +116,13 @@ class Worker:
     def weights_checksum(self, component: str) -> str:
         return checksum(base_state(self.updates.module(component)))
 
-    def load_lora(self, name: str, source: str | dict[str, torch.Tensor], config: dict | None) -> int:
+    def load_lora(
+        self, name: str, source: str | dict[str, torch.Tensor], config: dict | None, check_finite: bool = True
+    ) -> int:
         """Load (or hot-swap) adapter `name` from a folder path or from tensors; returns the number
-        of modules it binds."""
+        of modules it binds. `check_finite`: refuse (ValueError, nothing changes) NaN or infinity."""
         tensors, folder_config = read_lora_folder(source) if isinstance(source, str) else (source, None)
-        return self.loras.load(name, tensors, config if config is not None else folder_config)
+        return self.loras.load(name, tensors, config if config is not None else folder_config, check_finite)
 
     def unload_lora(self, name: str) -> None:
         self.loras.unload(name)

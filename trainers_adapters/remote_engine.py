@@ -216,7 +216,7 @@ class RemoteRolloutEngine:
         component: str = "transformer",
         version: int | None = None,
         mode: str = "wait",
-        check_finite: bool = False,
+        check_finite: bool = True,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     ) -> int:
         """`RolloutEngine.update_weights`: the tensors travel as one safetensors body."""
@@ -231,10 +231,22 @@ class RemoteRolloutEngine:
         return self._post_tensors("/update_weights_from_tensor", tensors, options)["weight_version"]
 
     def update_weights_from_disk(
-        self, path: str | Path, *, component: str = "transformer", version: int | None = None, mode: str = "wait"
+        self,
+        path: str | Path,
+        *,
+        component: str = "transformer",
+        version: int | None = None,
+        mode: str = "wait",
+        check_finite: bool = True,
     ) -> int:
         """`RolloutEngine.update_weights_from_disk`; `path` is on the server's machine."""
-        body = {"model_path": str(path), "component": component, "version": version, "mode": mode}
+        body = {
+            "model_path": str(path),
+            "component": component,
+            "version": version,
+            "mode": mode,
+            "check_finite": check_finite,
+        }
         return self._post("/update_weights_from_disk", body)["weight_version"]
 
     def init_weight_update_group(
@@ -266,6 +278,7 @@ class RemoteRolloutEngine:
         version: int | None = None,
         mode: str = "wait",
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        check_finite: bool = True,
     ) -> int:
         body = {
             **_tensor_layout(names, dtypes, shapes),
@@ -273,6 +286,7 @@ class RemoteRolloutEngine:
             "version": version,
             "mode": mode,
             "bucket_bytes": bucket_bytes,
+            "check_finite": check_finite,
         }
         return self._post("/update_weights_from_distributed", body)["weight_version"]
 
@@ -295,17 +309,23 @@ class RemoteRolloutEngine:
         config: LoraConfig | Mapping | None = None,
         *,
         version: int | None = None,
+        check_finite: bool = True,
     ) -> int:
         """`RolloutEngine.load_lora`: a folder on the server's machine, or tensors with their config
         (sent as a safetensors body)."""
         if isinstance(source, str | Path):
-            body = {"lora_name": name, "lora_path": str(source), "version": version}
+            body = {"lora_name": name, "lora_path": str(source), "version": version, "check_finite": check_finite}
             return self._post("/v1/load_lora_adapter", body)["weight_version"]
         if not isinstance(source, Mapping):
             raise TypeError(f"LoRA source must be a folder path or a mapping of tensors, got {type(source).__name__}")
         if config is None:
             raise ValueError(f"LoRA {name!r} from tensors needs a config (a peft.LoraConfig or its dict)")
-        options = {"lora_name": name, "lora_config": _lora_config_json(config), "version": version}
+        options = {
+            "lora_name": name,
+            "lora_config": _lora_config_json(config),
+            "version": version,
+            "check_finite": check_finite,
+        }
         return self._post_tensors("/v1/load_lora_adapter", dict(source), options)["weight_version"]
 
     def unload_lora(self, name: str) -> None:

@@ -161,10 +161,14 @@ def build_app(engine: AsyncRolloutEngine, settings: ServerSettings) -> FastAPI:
         adapter's PEFT tensors with metadata "request": {"lora_name", "lora_config", "version"}."""
         if request.headers.get("content-type", "").startswith(SAFETENSORS_MEDIA_TYPE):
             tensors, body = await _tensor_body(request, settings.max_upload_bytes, protocol.LoadLoraTensorsBody)
-            version = await engine.load_lora(body.lora_name, tensors, body.lora_config, version=body.version)
+            version = await engine.load_lora(
+                body.lora_name, tensors, body.lora_config, version=body.version, check_finite=body.check_finite
+            )
         else:
             body = await _parse_json(request, settings.max_body_bytes, protocol.LoadLoraBody)
-            version = await engine.load_lora(body.lora_name, body.lora_path, version=body.version)
+            version = await engine.load_lora(
+                body.lora_name, body.lora_path, version=body.version, check_finite=body.check_finite
+            )
         return {"weight_version": version, "loras": (await engine.state())["loras"]}
 
     @router.post("/v1/unload_lora_adapter")

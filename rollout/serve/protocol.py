@@ -73,7 +73,7 @@ class UpdateFromTensorBody(Body):
     component: str = "transformer"
     version: int | None = None
     mode: Literal["wait", "pause"] = "wait"
-    check_finite: bool = False
+    check_finite: bool = True  # refuse NaN and infinity (the engine's default)
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
 
 
@@ -83,6 +83,7 @@ class LoadLoraTensorsBody(Body):
     lora_name: str
     lora_config: dict[str, Any]  # peft.LoraConfig as a dict (LoraConfig.to_dict(), sets as lists)
     version: int | None = None
+    check_finite: bool = True
 
 
 class UpdateFromDiskBody(Body):
@@ -90,12 +91,14 @@ class UpdateFromDiskBody(Body):
     component: str = "transformer"
     version: int | None = None
     mode: Literal["wait", "pause"] = "wait"
+    check_finite: bool = True
 
 
 class LoadLoraBody(Body):
     lora_name: str
     lora_path: str  # a PEFT or diffusers LoRA folder on the server's machine
     version: int | None = None
+    check_finite: bool = True
 
 
 class UnloadLoraBody(Body):
@@ -127,6 +130,7 @@ class UpdateFromDistributedBody(Body):
     version: int | None = None
     mode: Literal["wait", "pause"] = "wait"
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    check_finite: bool = True
 
 
 class CheckWeightUpdateBody(Body):

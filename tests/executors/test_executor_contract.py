@@ -316,9 +316,9 @@ def test_bad_updates_are_refused_whole(engine, original_weights):
         "wrong dtype": ({**good, name: tensor.double()}, f"{name}: expected .* float32, got .* float64"),
         "NaN": ({**good, name: torch.full_like(tensor, float("nan"))}, f"{name}: holds NaN or infinite values"),
     }
-    for label, (update, message) in bad_updates.items():
+    for label, (update, message) in bad_updates.items():  # NaN and infinity are refused by default
         with pytest.raises(ValueError, match=f"update refused, weights unchanged: 1 problem.*\n.*{message}"):
-            engine.update_weights(update, check_finite=True, bucket_bytes=1)
+            engine.update_weights(update, bucket_bytes=1)
         assert engine.weights_checksum() == digest, label
         assert engine.weight_version == version
     with pytest.raises(ValueError, match="2 problem"):  # every offending name at once
@@ -431,6 +431,41 @@ def test_update_weights_from_disk(engine, original_weights, model_path, tmp_path
     assert engine.weights_checksum() == checksum(original_weights)
 
 
+def test_non_finite_weights_are_refused_from_tensors_disk_and_broadcast_unless_asked(
+    engine, original_weights, tmp_path
+):
+    """Every rank checks the values it reads itself (files, a broadcast); a refusal is whole, the
+    old weights stay, and check_finite=False (for those who measured the check) lets them in."""
+    from safetensors.torch import save_file
+
+    from rollout.weights import checksum
+    from trainers_adapters.weight_broadcast import join_engine
+
+    digest, version = engine.weights_checksum(), engine.weight_version
+    names = [n for n, t in original_weights.items() if t.is_floating_point()][:3]
+    poisoned = dict(original_weights)
+    poisoned[names[0]] = original_weights[names[0]].clone().index_fill_(0, torch.tensor([0]), float("nan"))
+    poisoned[names[2]] = original_weights[names[2]].clone().index_fill_(0, torch.tensor([0]), float("-inf"))
+    save_file(poisoned, tmp_path / "poisoned.safetensors")
+    broadcaster = join_engine(engine, "127.0.0.1", _free_port())
+    pushes = {
+        "tensors": lambda **kw: engine.update_weights(poisoned, **kw),
+        "disk": lambda **kw: engine.update_weights_from_disk(tmp_path / "poisoned.safetensors", **kw),
+        "broadcast": lambda **kw: broadcaster.push(engine, poisoned, bucket_bytes=32 * 1024, **kw),
+    }
+    refused = f"update refused, weights unchanged: 2 problem.*\n  {names[0]}: holds NaN"
+    for label, push in pushes.items():
+        with pytest.raises(ValueError, match=refused):
+            push()
+        assert (engine.weights_checksum(), engine.weight_version) == (digest, version), label
+    # The group still works after a refusal: the ranks read every bucket.
+    assert broadcaster.push(engine, original_weights, bucket_bytes=32 * 1024) == version + 1
+    # Opting out lets the same tensors in.
+    assert pushes["tensors"](check_finite=False) == version + 2
+    assert engine.weights_checksum() == checksum(poisoned)
+    engine.update_weights(original_weights)
+
+
 # The hot-swap API: LoRA adapters.
 
 LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
@@ -533,6 +568,12 @@ def test_an_adapter_that_does_not_fit_is_refused_and_the_old_one_stays(engine, l
             engine.load_lora("policy", partial, config)
         with pytest.raises(ValueError, match="needs a config"):
             engine.load_lora("policy", policy)
+        key = sorted(policy)[0]
+        diverged = {**policy, key: torch.full_like(policy[key], float("nan"))}
+        version = engine.weight_version
+        with pytest.raises(ValueError, match=f"LoRA 'policy' refused: 1 of its tensors hold NaN.*{re.escape(key)}"):
+            engine.load_lora("policy", diverged, config)
+        assert engine.weight_version == version
         assert engine.list_loras() == ["policy"]
         assert _same(before, _lora_images(engine, "policy"))
     finally:
@@ -669,8 +710,8 @@ def _break_lora_load(worker, rank):
     if worker.rank == rank:
         load = worker.loras.load
 
-        def load_then_fail(name, tensors, config):
-            load(name, tensors, config)
+        def load_then_fail(*args):
+            load(*args)
             raise RuntimeError("device lost while loading")
 
         worker.loras.load = load_then_fail

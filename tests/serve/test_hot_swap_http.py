@@ -3,6 +3,7 @@ outputs carry, and worker functions by name."""
 
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
@@ -156,3 +157,33 @@ def test_broadcast_group_through_the_server(remote, transformer_state):
     with pytest.raises(ValueError, match="update refused"):
         remote.check_weight_update(["no.such.weight"], [torch.float32], [(2, 2)])
     remote.update_weights(transformer_state, version=start)
+
+
+def test_non_finite_pushes_are_refused_over_http_and_the_opt_out_travels(remote, adapters, transformer_state):
+    """What the engine refuses in process it refuses over HTTP, with its own message; the served
+    adapter and weights stay. `check_finite=False` reaches the server (the NaN weights go in)."""
+    (first, _), config = adapters
+    params = SamplingParams(num_inference_steps=2, seed=4, lora="policy")
+    remote.load_lora("policy", first, config)
+    try:
+        before, version = remote.generate("kept", params)[0], remote.weight_version
+        key = sorted(first)[0]
+        diverged = {**first, key: torch.full_like(first[key], float("nan"))}
+        with pytest.raises(ValueError, match="LoRA 'policy' refused: 1 of its tensors hold NaN"):
+            remote.load_lora("policy", diverged, config)
+        assert remote.weight_version == version
+        after = remote.generate("kept", params)[0]
+        assert torch.equal(after.image, before.image)
+    finally:
+        remote.unload_lora("policy")
+    name = next(iter(transformer_state))
+    digest = remote.weights_checksum()
+    poisoned = {name: torch.full_like(transformer_state[name], float("inf"))}
+    refused = f"update refused, weights unchanged: 1 problem.*\n  {re.escape(name)}: holds NaN"
+    with pytest.raises(ValueError, match=refused):
+        remote.update_weights(poisoned)
+    assert remote.weights_checksum() == digest
+    remote.update_weights(poisoned, check_finite=False)
+    assert remote.weights_checksum() != digest
+    remote.update_weights(transformer_state, version=version)
+    assert remote.weights_checksum() == digest
