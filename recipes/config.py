@@ -148,6 +148,8 @@ _EXTERNAL_HELP: dict[type, dict[str, str]] = {
         "num_frames": "frames per sample, for video pipelines only; image pipelines refuse it",
         "sampler": "update rule: ode, flow_sde, cps or dance_sde",
         "noise_level": "SDE noise strength (Flow-GRPO's a, DanceGRPO's eta); > 0 for stochastic samplers",
+        "log_prob_form": "how stochastic steps write log-probs: gaussian (the density) or flow_grpo (Flow-GRPO's "
+        "code: the density, except -mean((x'-mean)^2) for cps, whose log-ratios are then 2 std^2 times larger)",
         "sde_window": "[start, stop) step indices that are stochastic; null means every step",
         "seed": "base seed; per-sample seeds derive from it; null draws a fresh one",
         "num_samples": "samples per prompt (the GRPO group size)",
@@ -159,6 +161,8 @@ _EXTERNAL_HELP: dict[type, dict[str, str]] = {
         "sigmas": "one noise level per step, decreasing in (0, 1], or null for the pipeline's schedule",
         "branch_steps": "step indices before which every path splits into branch_factor children (tree rollouts)",
         "branch_factor": "children per path at each branch step",
+        "branch_noise_scale": "children of a branch step draw their noise at this multiple of its std and are "
+        "scored with its std (BranchGRPO's tree_split_noise_scale; 1: like any step)",
         "record": "extra per-step tensors to keep: x0, mean, std",
         "record_steps": "keep trajectory entries only for these step indices, or null for all",
     },
@@ -167,6 +171,8 @@ _EXTERNAL_HELP: dict[type, dict[str, str]] = {
         "adv_clip_max": "advantages are clipped to [-adv_clip_max, adv_clip_max]",
         "global_std": "normalise advantages by the std of all rewards of the step, not the group's",
         "kl_beta": "weight of the KL to the reference policy (the base, LoRA off); 0 skips the reference pass",
+        "kl_form": "the KL kl_beta weighs: flow_grpo (Flow-GRPO's code: mean gap^2 / (2 std_dev_t^2), for flow_sde "
+        "the exact KL times |dt|) or gaussian (the exact KL of the Gaussian transitions)",
         "timestep_fraction": "share of each trajectory's SDE steps trained on, drawn at random per sample",
         "prune_steps": "denoising steps the loss skips, sampled and rewarded as usual (BranchGRPO's depth pruning)",
         "width_ratio": "share of leaves whose own steps are trained on: the best and worst halves by advantage "

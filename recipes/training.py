@@ -308,6 +308,7 @@ def _eval_samples(
         seed=config.eval.seed,
         sigmas=None,  # the eval's step count may differ
         branch_steps=(),  # one plain sample per grid cell
+        branch_noise_scale=1.0,
         record=(),
         record_steps=None,
     )

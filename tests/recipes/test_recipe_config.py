@@ -51,6 +51,7 @@ def test_rollout_tiny_values():
         num_inference_steps=10,
         sampler="flow_sde",
         noise_level=0.7,
+        log_prob_form="flow_grpo",
         guidance_scale=4.5,
         seed=0,
         same_noise_in_group=True,

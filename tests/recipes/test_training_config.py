@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import yaml
 
 import recipes.config
 from recipes.config import load_config
@@ -73,6 +74,42 @@ def test_sampling_settings_fit_their_model_family(tiny_models, name, family):
     _, problems = spec.resolve(config.sampling)
     assert problems == []
     assert config.model.tiny_family == family
+
+
+# The settings whose meaning depends on the code that defined them (docs/training.md), per paper:
+# a config that quotes the paper must name each one (a default could be another paper's form), with
+# the paper's value, or None: named, and its YAML comment says why it differs from the paper's.
+PAPER_FORMS = {
+    "Flow-GRPO": {("sampling", "log_prob_form"): "flow_grpo", ("grpo", "kl_form"): "flow_grpo"},
+    "DanceGRPO": {("sampling", "log_prob_form"): "gaussian"},
+    # BranchGRPO's script (finetune_flux_branchgrpo_8gpus.sh) splits at tree_split_noise_scale 4.0,
+    # on its own SDE; a config on another sampler says what it chose.
+    "BranchGRPO": {("sampling", "branch_noise_scale"): None},
+}
+
+
+@pytest.mark.parametrize("path", sorted(CONFIG_DIR.glob("*.yaml")), ids=lambda p: p.name)
+def test_configs_that_quote_a_paper_name_the_forms_of_its_code(path):
+    text = path.read_text()
+    raw = yaml.safe_load(text)
+    quoted = [paper for paper in PAPER_FORMS if paper in text]
+    for paper in quoted:
+        for (section, key), value in PAPER_FORMS[paper].items():
+            if section not in raw:  # e.g. a rollout recipe has no grpo section
+                continue
+            assert key in raw[section], f"{path.name} quotes {paper} but leaves {section}.{key} to the default"
+            if value is not None:
+                assert raw[section][key] == value, f"{path.name}: {section}.{key} is not {paper}'s {value!r}"
+            else:
+                line = next(line for line in text.splitlines() if line.strip().startswith(f"{key}:"))
+                assert paper in line, f"{path.name}: the comment on {section}.{key} does not say what {paper} uses"
+    assert quoted or path.name == "dpo_tiny.yaml"  # every GRPO config follows a paper's code
+
+
+def test_flow_grpo_s_kl_weight_keeps_its_meaning():
+    config = load_config(CONFIG_DIR / "grpo_sd35_medium_lora.yaml")
+    assert (config.grpo.kl_beta, config.grpo.kl_form) == (0.04, "flow_grpo")
+    assert config.sampling.log_prob_form == "flow_grpo"
 
 
 def test_main_job_is_grpo_on_the_tiny_model():

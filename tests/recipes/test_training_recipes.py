@@ -146,7 +146,8 @@ def test_final_lora_loads_into_diffusers_and_the_engine(tmp_path, monkeypatch):
 @pytest.mark.timeout(300)
 def test_a_sliding_sde_window_moves_each_step_with_its_branch_and_stays_at_ratio_one(tmp_path, monkeypatch):
     """Flow-GRPO-Fast with the window drawn per step: the tree branches where the window starts
-    (a branch left behind would sit on an ODE step and be refused) and trains only its 2 steps."""
+    (a branch left behind would sit on an ODE step and be refused) and trains only its 2 steps.
+    The children draw at BranchGRPO's 4x noise, and the eval's plain samples drop the scale."""
     out = tmp_path / "out"
     run_cli(
         monkeypatch,
@@ -159,6 +160,7 @@ def test_a_sliding_sde_window_moves_each_step_with_its_branch_and_stays_at_ratio
         "sampling.sde_window=[4, 6]",
         "sampling.branch_steps=[4]",
         "sampling.branch_factor=3",
+        "sampling.branch_noise_scale=4.0",
         "sde_window_range=[0, 6]",
         "eval.num_prompts=1",
         "eval.num_samples=1",
