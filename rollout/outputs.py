@@ -9,6 +9,20 @@ import torch
 from rollout.pipelines.condition import Condition
 from rollout.step_series import StepSeries
 
+# The plain-value fields of a `Trajectory` that say how its steps were computed: what re-scoring
+# needs beside its tensors, and what the transitions of one batched re-score must share.
+TRAJECTORY_SETTINGS = (
+    "height",
+    "width",
+    "num_frames",
+    "sampler",
+    "noise_level",
+    "log_prob_form",
+    "guidance_scale",
+    "guidance_scale_2",
+    "true_cfg_scale",
+)
+
 
 @dataclass
 class Trajectory:

@@ -30,7 +30,7 @@ from typing import Any
 import safetensors.torch
 import torch
 
-from rollout.outputs import RequestTimings, RolloutOutput, Trajectory
+from rollout.outputs import TRAJECTORY_SETTINGS, RequestTimings, RolloutOutput, Trajectory
 from rollout.pipelines.condition import Condition, PromptEmbeds
 from rollout.pipelines.loading import FAMILIES
 from rollout.step_series import StepSeries
@@ -38,19 +38,8 @@ from rollout.step_series import StepSeries
 FRAMES_MEDIA_TYPE = "application/x-rollout-frames"
 SAFETENSORS_MEDIA_TYPE = "application/octet-stream"
 _LENGTH = struct.Struct("<Q")
-# Trajectory fields that are tensors; the rest (sizes, sampler settings) travel as JSON.
+# Trajectory fields that are tensors; the rest (TRAJECTORY_SETTINGS: sizes, sampler settings) travel as JSON.
 _TRAJECTORY_TENSORS = ("log_probs", "timesteps", "sigmas", "sde_mask")
-_TRAJECTORY_VALUES = (
-    "height",
-    "width",
-    "num_frames",
-    "sampler",
-    "noise_level",
-    "log_prob_form",
-    "guidance_scale",
-    "guidance_scale_2",
-    "true_cfg_scale",
-)
 
 
 class WireError(ValueError):
@@ -160,7 +149,7 @@ class OutputEncoder:
                 tensors[name] = getattr(output, name)
         trajectory = output.trajectory
         if trajectory is not None:
-            values = {name: getattr(trajectory, name) for name in _TRAJECTORY_VALUES}
+            values = {name: getattr(trajectory, name) for name in TRAJECTORY_SETTINGS}
             for part in ("prompt", "negative"):
                 embeds = getattr(trajectory.condition, part)
                 key = None

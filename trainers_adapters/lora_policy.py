@@ -17,7 +17,7 @@ from peft import LoraConfig
 from peft.utils import get_peft_model_state_dict
 
 from rollout.lora import DIFFUSERS_LORA_FILE, DIFFUSERS_LORA_FILE_2, adapter_to_float32
-from rollout.outputs import Trajectory
+from rollout.outputs import TRAJECTORY_SETTINGS, Trajectory
 from rollout.pipelines.condition import Condition
 from rollout.pipelines.loading import load_adapter
 from rollout.rescoring import check_scorable, score_transitions
@@ -165,26 +165,13 @@ class LoraPolicy:
         )
 
 
-# What one batched re-scoring applies to every transition: a trajectory that differs would be
-# scored under another trajectory's settings, silently.
-_SHARED_SETTINGS = (
-    "height",
-    "width",
-    "num_frames",
-    "sampler",
-    "noise_level",
-    "log_prob_form",
-    "guidance_scale",
-    "guidance_scale_2",
-    "true_cfg_scale",
-)
-
-
 def _check_shared_settings(trajectories: Sequence[Trajectory]) -> None:
+    """One batched re-score applies the first trajectory's settings to every transition: refuse a
+    batch where another's differ (it would be scored under settings it was not sampled with)."""
     first = trajectories[0]
     differ = [
         f"{name} ({getattr(first, name)!r} vs {getattr(t, name)!r} in trajectory {number})"
-        for name in _SHARED_SETTINGS
+        for name in TRAJECTORY_SETTINGS
         for number, t in enumerate(trajectories)
         if getattr(t, name) != getattr(first, name)
     ]
