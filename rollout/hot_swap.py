@@ -58,6 +58,7 @@ class HotSwapAPI:
         The version becomes `version`, or the current one plus 1.
         """
         self._check_open()
+        _check_bucket_bytes(bucket_bytes)
         push_args = (named_tensors, component, check_finite, bucket_bytes)
         return self._update(self._weight_sync.push, push_args, component, version, mode)
 
@@ -130,6 +131,7 @@ class HotSwapAPI:
         buckets of `bucket_bytes`) while this call waits; names, dtypes and shapes are checked first,
         the values (`check_finite`) by the workers once received."""
         self._check_open()
+        _check_bucket_bytes(bucket_bytes)
         entries = _broadcast_entries(names, dtypes, shapes)
         push_args = (entries, component, bucket_bytes, check_finite)
         return self._update(self._weight_sync.push_from_broadcast, push_args, component, version, mode)
@@ -308,6 +310,11 @@ class HotSwapAPI:
         dead = EngineDeadError(f"{method!r} timed out and {why}; create a new engine")
         self._die(dead)
         return dead
+
+
+def _check_bucket_bytes(bucket_bytes: int) -> None:
+    if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes must be an integer >= 1 (bytes per bucket), got {bucket_bytes!r}")
 
 
 def _broadcast_entries(names: list[str], dtypes: list[torch.dtype], shapes: list[tuple[int, ...]]) -> list:

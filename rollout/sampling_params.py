@@ -10,6 +10,12 @@ from rollout.samplers import LOG_PROB_FORMS, SAMPLERS, is_stochastic_step
 
 OUTPUT_TYPES = ("image", "latent", "none")
 RECORDS = ("x0", "mean", "std")
+# Far past any published setting (guidance 1-10, noise levels up to 1.2): beyond them a step
+# overflows (a guidance of 1e308 gave NaN log-probs and black images). CPS's noise scale
+# sin(a * pi / 2) turns back past a = 1, so CPS takes noise levels up to 1.
+MAX_GUIDANCE = 1000.0
+MAX_NOISE_LEVEL = 10.0
+MAX_LORA_SCALE = 100.0
 
 
 @dataclass(frozen=True)
@@ -101,33 +107,35 @@ class SamplingParams:
         """Every problem with these settings, each naming the field and what is allowed."""
         problems = []
         steps = self.num_inference_steps
-        if not isinstance(steps, int) or steps < 1:
+        if not _is_int(steps) or steps < 1:
             problems.append(f"num_inference_steps must be an integer >= 1, got {steps!r}")
         if self.sampler not in SAMPLERS:
             problems.append(f"sampler must be one of {sorted(SAMPLERS)}, got {self.sampler!r}")
-        if self.noise_level < 0:
-            problems.append(f"noise_level must be >= 0, got {self.noise_level}")
-        elif self.noise_level == 0 and self.sampler in SAMPLERS and self.sampler != "ode":
-            problems.append(
-                f"noise_level 0 gives sampler {self.sampler!r} no noise and no log-prob; "
-                "use sampler='ode' for deterministic sampling or a noise_level > 0"
-            )
+        problems += self._noise_level_problems()
         if self.log_prob_form not in LOG_PROB_FORMS:
             problems.append(f"log_prob_form must be one of {LOG_PROB_FORMS}, got {self.log_prob_form!r}")
         for name in ("guidance_scale", "guidance_scale_2", "true_cfg_scale"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int | float) or value < 0):
-                problems.append(f"{name} must be a number >= 0 or None, got {value!r}")
-        if self.negative_prompt is not None and not isinstance(self.negative_prompt, str):
-            problems.append(f"negative_prompt must be a str or None, got {self.negative_prompt!r}")
-        if not isinstance(self.num_samples, int) or self.num_samples < 1:
+            if value is not None and not (_is_number(value) and 0 <= value <= MAX_GUIDANCE):
+                problems.append(f"{name} must be a number in [0, {MAX_GUIDANCE:g}] or None, got {value!r}")
+        if not (_is_number(self.lora_scale) and abs(self.lora_scale) <= MAX_LORA_SCALE):
+            problems.append(
+                f"lora_scale must be a number in [-{MAX_LORA_SCALE:g}, {MAX_LORA_SCALE:g}], got {self.lora_scale!r}"
+            )
+        for name in ("negative_prompt", "lora"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                problems.append(f"{name} must be a str or None, got {getattr(self, name)!r}")
+        if not _is_int(self.num_samples) or self.num_samples < 1:
             problems.append(f"num_samples must be an integer >= 1, got {self.num_samples!r}")
         for name in ("height", "width", "max_sequence_length", "num_frames"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 1):
+            if value is not None and (not _is_int(value) or value < 1):
                 problems.append(f"{name} must be a positive integer or None, got {value!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
+        if self.seed is not None and not _is_int(self.seed):
             problems.append(f"seed must be an integer or None, got {self.seed!r}")
+        for name in ("same_noise_in_group", "return_trajectory"):
+            if not isinstance(getattr(self, name), bool):
+                problems.append(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.output_type not in OUTPUT_TYPES:
             problems.append(f"output_type must be one of {OUTPUT_TYPES}, got {self.output_type!r}")
         if isinstance(self.record, str) or not set(self.record) <= set(RECORDS):
@@ -141,6 +149,23 @@ class SamplingParams:
                 problems += self._branch_problems(steps)
         return problems
 
+    def _noise_level_problems(self) -> list[str]:
+        level = self.noise_level
+        most = 1.0 if self.sampler == "cps" else MAX_NOISE_LEVEL
+        if not _is_number(level):
+            return [f"noise_level must be a finite number, got {level!r}"]
+        if level < 0:
+            return [f"noise_level must be >= 0, got {level}"]
+        if level > most:
+            why = " for CPS, whose sin(a * pi / 2) turns back past 1" if self.sampler == "cps" else ""
+            return [f"noise_level must be <= {most:g}{why}, got {level}"]
+        if level == 0 and self.sampler in SAMPLERS and self.sampler != "ode":
+            return [
+                f"noise_level 0 gives sampler {self.sampler!r} no noise and no log-prob; "
+                "use sampler='ode' for deterministic sampling or a noise_level > 0"
+            ]
+        return []
+
     @property
     def leaves_per_sample(self) -> int:
         """Outputs each of the `num_samples` roots yields."""
@@ -150,7 +175,7 @@ class SamplingParams:
         sigmas = self.sigmas
         if sigmas is None:
             return []
-        if not all(isinstance(s, int | float) for s in sigmas):
+        if not all(_is_number(s) for s in sigmas):
             return [f"sigmas must be numbers, got {sigmas!r}"]
         if len(sigmas) != steps:
             return [
@@ -165,14 +190,14 @@ class SamplingParams:
     def _step_list_problems(name: str, indices: tuple | None, steps: int) -> list[str]:
         if indices is None:
             return []
-        if not all(isinstance(i, int) and 0 <= i < steps for i in indices):
+        if not all(_is_int(i) and 0 <= i < steps for i in indices):
             return [f"{name} must be step indices in [0, {steps}), got {indices!r}"]
         if any(a >= b for a, b in itertools.pairwise(indices)):
             return [f"{name} must be increasing without repeats, got {tuple(indices)}"]
         return []
 
     def _branch_problems(self, steps: int) -> list[str]:
-        if not isinstance(self.branch_factor, int) or self.branch_factor < 1:
+        if not _is_int(self.branch_factor) or self.branch_factor < 1:
             return [f"branch_factor must be an integer >= 1, got {self.branch_factor!r}"]
         if not self.branch_steps:
             return self._branch_noise_problems()
@@ -194,7 +219,7 @@ class SamplingParams:
 
     def _branch_noise_problems(self) -> list[str]:
         scale = self.branch_noise_scale
-        if isinstance(scale, bool) or not isinstance(scale, int | float) or not math.isfinite(scale) or scale <= 0:
+        if not _is_number(scale) or scale <= 0:
             return [f"branch_noise_scale must be a finite number > 0, got {scale!r}"]
         if scale != 1 and not self.branch_steps:
             return [f"branch_noise_scale {scale} scales the noise of branch steps, but branch_steps is empty"]
@@ -202,7 +227,7 @@ class SamplingParams:
 
     def _window_problems(self, steps: int) -> list[str]:
         window = self.sde_window
-        if len(window) != 2 or not all(isinstance(i, int) for i in window):
+        if len(window) != 2 or not all(_is_int(i) for i in window):
             return [f"sde_window must be a pair (start, stop) of step indices, got {window!r}"]
         start, stop = window
         if not 0 <= start < stop <= steps:
@@ -221,3 +246,13 @@ class SamplingParams:
         steps = self.num_inference_steps
         start, stop = self.sde_window if self.sde_window is not None else (0, steps)
         return [start <= i < stop and is_stochastic_step(self.sampler, i, steps) for i in range(steps)]
+
+
+def _is_int(value) -> bool:
+    """An integer, and not a bool (which Python counts as one)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    """A finite int or float, not a bool."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)

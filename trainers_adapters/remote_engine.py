@@ -16,6 +16,7 @@ import asyncio
 import collections
 import dataclasses
 import json
+import os
 import threading
 from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
 from pathlib import Path
@@ -31,6 +32,7 @@ from rollout.errors import EngineDeadError
 from rollout.outputs import RolloutOutput
 from rollout.pipelines.spec import ModelSpec
 from rollout.sampling_params import SamplingParams
+from rollout.serve import API_KEY_ENV
 from rollout.weight_sync import DEFAULT_BUCKET_BYTES
 from rollout.wire import SAFETENSORS_MEDIA_TYPE, FrameReader, OutputDecoder, WireError, tensors_to_bytes
 
@@ -44,13 +46,15 @@ _BY_STATUS = {401: PermissionError, 403: PermissionError, 409: RuntimeError, 503
 class RemoteRolloutEngine:
     """`RolloutEngine`'s API over HTTP. `config` and `model_spec` are the server's.
 
-    url: "http://host:port" of a rollout service; api_key: its key (or None for an open server);
+    url: "http://host:port" of a rollout service; api_key: its key (None reads $ROLLOUT_API_KEY, as
+    the server and the recipes do; a server started with --no-auth needs none);
     timeout_s: how long one call may wait for its answer (None: as long as the server works on it;
     a closed connection still fails at once).
     """
 
     def __init__(self, url: str, api_key: str | None = None, *, timeout_s: float | None = None):
         self.url = url.rstrip("/")
+        api_key = api_key if api_key is not None else os.environ.get(API_KEY_ENV)
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="remote-rollout-engine", daemon=True)

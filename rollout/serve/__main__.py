@@ -6,9 +6,14 @@ import argparse
 import ipaddress
 import logging
 import os
+import secrets
+import signal
 import sys
+from pathlib import Path
 
 from rollout.serve import API_KEY_ENV
+
+logger = logging.getLogger("rollout.serve")
 
 _MB = 1 << 20
 # Longer than clients keep idle connections (RemoteRolloutEngine: 10 s; httpx's default: 5 s), so the
@@ -49,13 +54,35 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--ray-placement-strategy", default="PACK", help="PACK, SPREAD, STRICT_PACK or STRICT_SPREAD (executor ray)"
     )
     server = parser.add_argument_group("server")
-    server.add_argument("--host", default="127.0.0.1", help="address to bind; any but loopback needs an API key")
+    server.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: every interface)")
     server.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
     server.add_argument(
+        "--allowed-host",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="another name clients reach the server by (its DNS name, a proxy's); requests whose Host header "
+        "names neither it nor the bound address are refused. Repeatable",
+    )
+    auth = server.add_mutually_exclusive_group()
+    auth.add_argument(
         "--api-key",
-        default=os.environ.get(API_KEY_ENV),
-        help=f"require 'Authorization: Bearer KEY' on every route but /health (default: ${API_KEY_ENV}; "
-        "prefer the variable: a flag shows in the process list)",
+        default=None,
+        help=f"require 'Authorization: Bearer KEY' on every route but /health (default: ${API_KEY_ENV}, else a "
+        "key generated at start and written to --api-key-file; prefer the variable: a flag shows in the process "
+        "list)",
+    )
+    auth.add_argument(
+        "--no-auth",
+        action="store_true",
+        help="serve without a key, to every program on this machine (loopback binds only)",
+    )
+    server.add_argument(
+        "--api-key-file",
+        type=Path,
+        default=None,
+        help="where a generated key is written, readable by this user only, and removed at exit "
+        "(default: $XDG_RUNTIME_DIR/diffusion-rollout/serve-PORT.key, else ~/.cache/diffusion-rollout/...)",
     )
     server.add_argument("--max-body-mb", type=float, default=1.0, help="largest JSON request body (413 past it)")
     server.add_argument(
@@ -76,12 +103,38 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     server.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="logging")
     args = parser.parse_args(argv)
-    if args.api_key is None and not is_loopback(args.host):
+    if args.api_key is None and not args.no_auth:
+        args.api_key = os.environ.get(API_KEY_ENV)  # read here, so --help never shows it
+    if args.api_key is not None and not args.api_key.strip():
+        parser.error(f"the API key (--api-key or ${API_KEY_ENV}) is empty; give a real one, or unset it to get one")
+    if args.no_auth and not is_loopback(args.host):
         parser.error(
-            f"--host {args.host} is reachable from other machines, and without an API key anyone there could "
-            f"push weights; set {API_KEY_ENV} (or --api-key), or bind 127.0.0.1"
+            f"--no-auth with --host {args.host}: the server would be reachable from other machines, where anyone "
+            "could push weights; bind 127.0.0.1 or drop --no-auth"
         )
     return args
+
+
+def key_file_path(args: argparse.Namespace) -> Path:
+    if args.api_key_file is not None:
+        return args.api_key_file
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    folder = Path(runtime) if runtime else Path.home() / ".cache"
+    return folder / "diffusion-rollout" / f"serve-{args.port}.key"
+
+
+def write_generated_key(path: Path) -> str:
+    """A fresh key, written to `path` readable and writable by this user only (as Jupyter writes
+    its tokens), the folder made private too if this makes it."""
+    key = secrets.token_urlsafe(32)
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.fchmod(descriptor, 0o600)  # a file that existed keeps its mode through O_CREAT
+        os.write(descriptor, key.encode())
+    finally:
+        os.close(descriptor)
+    return key
 
 
 def is_loopback(host: str) -> bool:
@@ -97,12 +150,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # Imported after the checks, so a refused command line answers at once.
-    import uvicorn
-
-    from rollout import EngineConfig, RolloutEngine
-    from rollout.async_engine import AsyncRolloutEngine
-    from rollout.serve.app import ServerSettings, build_app
-    from rollout.serve.server import RolloutServer
+    from rollout import EngineConfig
+    from rollout.serve.app import ServerSettings
+    from rollout.serve.guard import allowed_hosts
 
     try:
         config = EngineConfig(
@@ -121,12 +171,53 @@ def main(argv: list[str] | None = None) -> int:
         )
     except ValueError as error:
         sys.exit(f"error: {error}")
+    generated_key_file = None
+    if args.api_key is None and not args.no_auth:
+        generated_key_file = key_file_path(args)
+        args.api_key = write_generated_key(generated_key_file)
+        _remove_on_sigterm(generated_key_file)
+        logger.warning(
+            "no API key was given: generated one into %s (readable by you only); clients read it with "
+            "export %s=$(cat %s)",
+            generated_key_file,
+            API_KEY_ENV,
+            generated_key_file,
+        )
     settings = ServerSettings(
         api_key=args.api_key,
+        allowed_hosts=allowed_hosts(args.host, tuple(args.allowed_host)),
         max_body_bytes=int(args.max_body_mb * _MB),
         max_upload_bytes=int(args.max_upload_mb * _MB),
         max_samples_per_request=args.max_samples_per_request,
     )
+    try:
+        return _serve(args, config, settings)
+    finally:
+        if generated_key_file is not None:
+            generated_key_file.unlink(missing_ok=True)
+
+
+def _remove_on_sigterm(path: Path) -> None:
+    """uvicorn re-raises SIGTERM once it has shut down, which ends the process past every `finally`:
+    remove the file then, and let the signal end the process as before (its status names SIGTERM)."""
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def remove_then_exit(sig: int, frame) -> None:
+        path.unlink(missing_ok=True)
+        signal.signal(sig, previous)
+        signal.raise_signal(sig)
+
+    signal.signal(signal.SIGTERM, remove_then_exit)
+
+
+def _serve(args: argparse.Namespace, config, settings) -> int:
+    import uvicorn
+
+    from rollout import RolloutEngine
+    from rollout.async_engine import AsyncRolloutEngine
+    from rollout.serve.app import build_app
+    from rollout.serve.server import RolloutServer
+
     engine = AsyncRolloutEngine(RolloutEngine(config))
     try:
         server = RolloutServer(

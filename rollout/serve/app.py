@@ -19,13 +19,16 @@ from typing import Annotated
 import torch
 from fastapi import APIRouter, Depends, FastAPI, HTTPException, Request, Response
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from rollout.async_engine import AsyncRolloutEngine, OutputStream
 from rollout.errors import EngineDeadError, WorkerError
 from rollout.sampling_params import SamplingParams
 from rollout.serve import protocol
+from rollout.serve.guard import LOOPBACK_NAMES, RequestGuard
 from rollout.wire import (
     FRAMES_MEDIA_TYPE,
     SAFETENSORS_MEDIA_TYPE,
@@ -52,21 +55,33 @@ _STATUS: list[tuple[type[BaseException], int]] = [
 
 @dataclass(frozen=True)
 class ServerSettings:
-    """api_key: required as `Authorization: Bearer <key>` on every route but /health (None: open).
-    max_body_bytes: of a JSON body; max_upload_bytes: of a safetensors body (weights, adapters);
-    max_samples_per_request: outputs of one generate call (prompts x num_samples x a tree's leaves per sample)."""
+    """api_key: required as `Authorization: Bearer <key>` on every route but /health (None: open;
+    the command line makes that an explicit --no-auth). allowed_hosts: the names a request's Host
+    header may carry (None: any; see `guard.allowed_hosts`). max_body_bytes: of a JSON body;
+    max_upload_bytes: of a safetensors body (weights, adapters); max_samples_per_request: outputs
+    of one generate call (prompts x num_samples x a tree's leaves per sample)."""
 
     api_key: str | None = None
+    allowed_hosts: frozenset[str] | None = LOOPBACK_NAMES
     max_body_bytes: int = 1 << 20
     max_upload_bytes: int = 8 << 30
     max_samples_per_request: int = 1024
 
 
 def build_app(engine: AsyncRolloutEngine, settings: ServerSettings) -> FastAPI:
-    app = FastAPI(title="diffusion-rollout", summary="RL rollouts of diffusion policies, with hot-swappable weights")
+    # The schema and its pages are served below, behind the key like every route but /health.
+    app = FastAPI(
+        title="diffusion-rollout",
+        summary="RL rollouts of diffusion policies, with hot-swappable weights",
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+    )
+    app.add_middleware(RequestGuard, hosts=settings.allowed_hosts)
     for error_class, status in _STATUS:
         app.add_exception_handler(error_class, _error_handler(status))
-    app.add_exception_handler(HTTPException, _http_error)
+    # Starlette's own (404 for an unknown path, 405 for a wrong method) included: one error format.
+    app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
 
     @app.get("/health")
@@ -77,6 +92,14 @@ def build_app(engine: AsyncRolloutEngine, settings: ServerSettings) -> FastAPI:
 
     router = APIRouter(dependencies=[Depends(_auth(settings.api_key))])
     json_body = _json_body_parser(settings.max_body_bytes)
+
+    @router.get("/openapi.json", include_in_schema=False)
+    async def openapi() -> dict:
+        return app.openapi()
+
+    @router.get("/docs", include_in_schema=False)
+    async def docs() -> Response:
+        return get_swagger_ui_html(openapi_url="/openapi.json", title="diffusion-rollout")
 
     @router.get("/server_info")
     async def server_info() -> dict:
@@ -371,7 +394,7 @@ def _error_handler(status: int):
     return handle
 
 
-async def _http_error(request: Request, error: HTTPException) -> JSONResponse:
+async def _http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
     return _error_body(error.status_code, "HTTPError", str(error.detail), error.headers)
 
 

@@ -44,14 +44,17 @@ class ServerProcess:
     ) -> ServerProcess:
         """Start the server with `flags` (those of `python -m rollout.serve`) and wait for /health.
         `env` adds to this process's environment (e.g. OMP_NUM_THREADS). The key goes through the
-        environment, not the command line. Raises RuntimeError with the server's exit code if it
-        stops before it answers, TimeoutError after `timeout_s`."""
+        environment, not the command line; without one the server runs with --no-auth. Raises
+        RuntimeError with the server's exit code if it stops before it answers, TimeoutError after
+        `timeout_s`."""
         port = free_port()
         env = {**os.environ, **(env or {})}
         env.pop(API_KEY_ENV, None)
         if api_key is not None:
             env[API_KEY_ENV] = api_key
         command = [sys.executable, "-m", "rollout.serve", "--model", str(model), "--port", str(port)]
+        if api_key is None:
+            command.append("--no-auth")
         process = subprocess.Popen([*command, "--log-level", log_level, *flags], env=env)
         server = cls(process, f"http://127.0.0.1:{port}")
         try:

@@ -1,4 +1,7 @@
-"""The JSON bodies of the rollout service's routes, as pydantic models (unknown fields are refused).
+"""The JSON bodies of the rollout service's routes, as pydantic models.
+
+Every body is strict: unknown fields are refused, numbers and booleans are not read from strings
+(nor booleans as numbers), and NaN and infinity are refused in every float field.
 
 Field names follow the post-training APIs people already use (sglang's `update_weights_from_disk`
 takes `model_path`, vLLM's and sglang's LoRA routes take `lora_name` and `lora_path`). Tensors never
@@ -12,15 +15,19 @@ import typing
 from typing import Annotated, Any, Literal
 
 import pydantic
-from pydantic import BaseModel, ConfigDict, Discriminator, Tag
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
 from rollout.async_engine import PAUSE_MODES
 from rollout.sampling_params import SamplingParams
 from rollout.weight_sync import DEFAULT_BUCKET_BYTES
 
+STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+Positive = Annotated[int, Field(gt=0)]
+PositiveSeconds = Annotated[float, Field(gt=0)]
+
 
 class Body(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
 
 
 def _sampling_params_model() -> type[BaseModel]:
@@ -28,7 +35,7 @@ def _sampling_params_model() -> type[BaseModel]:
     unknown field is named before `SamplingParams` runs its own checks."""
     hints = typing.get_type_hints(SamplingParams)
     fields = {f.name: (hints[f.name], f.default) for f in dataclasses.fields(SamplingParams)}
-    return pydantic.create_model("SamplingParamsBody", __config__=ConfigDict(extra="forbid"), **fields)
+    return pydantic.create_model("SamplingParamsBody", __config__=STRICT, **fields)
 
 
 SamplingParamsBody = _sampling_params_model()
@@ -74,7 +81,7 @@ class UpdateFromTensorBody(Body):
     version: int | None = None
     mode: Literal["wait", "pause"] = "wait"
     check_finite: bool = True  # refuse NaN and infinity (the engine's default)
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    bucket_bytes: Positive = DEFAULT_BUCKET_BYTES
 
 
 class LoadLoraTensorsBody(Body):
@@ -115,28 +122,28 @@ class ReleaseMemoryBody(Body):
 
 class InitWeightUpdateGroupBody(Body):
     master_address: str
-    master_port: int
-    rank_offset: int
-    world_size: int
+    master_port: Annotated[int, Field(ge=1, le=65535)]
+    rank_offset: Positive
+    world_size: Positive
     backend: str = "gloo"
-    timeout_s: float = 300.0
+    timeout_s: PositiveSeconds = 300.0
 
 
 class UpdateFromDistributedBody(Body):
     names: list[str]
     dtypes: list[str]  # torch dtype names: "float32", "bfloat16", ...
-    shapes: list[list[int]]
+    shapes: list[list[Annotated[int, Field(ge=0)]]]
     component: str = "transformer"
     version: int | None = None
     mode: Literal["wait", "pause"] = "wait"
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    bucket_bytes: Positive = DEFAULT_BUCKET_BYTES
     check_finite: bool = True
 
 
 class CheckWeightUpdateBody(Body):
     names: list[str]
     dtypes: list[str]
-    shapes: list[list[int]]
+    shapes: list[list[Annotated[int, Field(ge=0)]]]
     component: str = "transformer"
 
 
@@ -147,5 +154,5 @@ class CollectiveRpcBody(Body):
     method: str
     args: list[Any] = []
     kwargs: dict[str, Any] = {}
-    timeout: float | None = None
-    ranks: list[int] | None = None
+    timeout: PositiveSeconds | None = None
+    ranks: list[Annotated[int, Field(ge=0)]] | None = None

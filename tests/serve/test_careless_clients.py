@@ -1,0 +1,157 @@
+"""A shared server against careless and hostile clients: strict types and finite numbers, the
+documented error body everywhere, no door for a web page (foreign Host, non-JSON bodies), the schema
+behind the key, and a key by default. Each probe gets its 4xx within a second and the server
+serves the next good request."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from rollout.serve.launch import ServerProcess, free_port
+from tests.serve.conftest import API_KEY
+
+pytestmark = pytest.mark.timeout(240)
+
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+GOOD = {"prompts": ["ok"], "params": {"num_inference_steps": 1, "num_samples": 1, "seed": 0}}
+
+
+def post(server, path, *, json_body=None, raw=None, headers=None) -> httpx.Response:
+    headers = {**AUTH, **(headers or {})}
+    if raw is not None:
+        headers.setdefault("content-type", "application/json")
+        return httpx.post(f"{server.url}{path}", content=raw, headers=headers, timeout=60)
+    return httpx.post(f"{server.url}{path}", json=json_body, headers=headers, timeout=60)
+
+
+def refused_in_a_second(server, path, status, names, **kwargs) -> None:
+    start = time.monotonic()
+    response = post(server, path, **kwargs)
+    assert time.monotonic() - start < 1.0
+    assert response.status_code == status, response.text
+    assert names in response.json()["error"]["message"], response.text
+    assert post(server, "/rollout/generate", json_body=GOOD).status_code == 200
+
+
+def params(**fields) -> bytes:
+    """A generate body with `fields` written into its params as raw JSON text (NaN is not JSON)."""
+    return ('{"prompts": ["x"], "params": {' + ", ".join(f'"{k}": {v}' for k, v in fields.items()) + "}}").encode()
+
+
+@pytest.mark.parametrize(
+    "raw, status, names",
+    [
+        (params(num_samples='"2"'), 422, "params.num_samples: Input should be a valid integer"),
+        (params(num_inference_steps="true"), 422, "params.num_inference_steps: Input should be a valid integer"),
+        (params(num_inference_steps="1e30"), 422, "params.num_inference_steps: Input should be a valid integer"),
+        (params(same_noise_in_group='"yes"'), 422, "params.same_noise_in_group: Input should be a valid boolean"),
+        (params(noise_level="NaN"), 422, "params.noise_level: Input should be a finite number"),
+        (params(noise_level="Infinity"), 422, "params.noise_level: Input should be a finite number"),
+        (params(guidance_scale="NaN"), 422, "params.guidance_scale: Input should be a finite number"),
+        (params(guidance_scale="1e308"), 400, "guidance_scale must be a number in [0, 1000]"),
+        (params(noise_level="1e30"), 400, "noise_level must be <= 10, got 1e+30"),
+        (params(sampler='"cps"', noise_level="3"), 400, "noise_level must be <= 1 for CPS"),
+        (params(height="-32"), 400, "height must be a positive integer"),
+    ],
+)
+def test_numbers_are_strict_and_finite(server, raw, status, names):
+    refused_in_a_second(server, "/rollout/generate", status, names, raw=raw)
+
+
+def test_negative_sizes_and_timeouts_are_refused(server):
+    rpc = {"method": "get_rank", "timeout": -1}
+    refused_in_a_second(server, "/collective_rpc", 422, "timeout: Input should be greater than 0", json_body=rpc)
+    distributed = {"names": ["w"], "dtypes": ["float32"], "shapes": [[2]], "bucket_bytes": -1}
+    refused_in_a_second(
+        server,
+        "/update_weights_from_distributed",
+        422,
+        "bucket_bytes: Input should be greater than 0",
+        json_body=distributed,
+    )
+
+
+def test_unknown_routes_and_methods_use_the_documented_error_body(server):
+    missing = httpx.get(f"{server.url}/no/such/route", headers=AUTH)
+    assert missing.status_code == 404 and missing.json() == {"error": {"type": "HTTPError", "message": "Not Found"}}
+    wrong_method = httpx.get(f"{server.url}/rollout/generate", headers=AUTH)
+    assert wrong_method.status_code == 405 and wrong_method.json()["error"]["message"] == "Method Not Allowed"
+
+
+def test_a_web_page_finds_no_door(server):
+    """DNS rebinding sends a foreign Host; a page's cross-origin POST without a preflight can only
+    be text/plain (or a form): both are refused before the key is even looked at."""
+    rebound = httpx.post(
+        f"{server.url}/rollout/generate", json=GOOD, headers={**AUTH, "host": "attacker.example:8000"}, timeout=60
+    )
+    assert rebound.status_code == 400 and "does not name this server" in rebound.json()["error"]["message"]
+    assert httpx.get(f"{server.url}/health", headers={"host": "attacker.example"}).status_code == 400
+    for content_type in ("text/plain", "application/x-www-form-urlencoded", None):
+        headers = {**AUTH} if content_type is None else {**AUTH, "content-type": content_type}
+        response = httpx.post(f"{server.url}/resume", content=b"{}", headers=headers, timeout=60)
+        assert response.status_code == 415, response.text
+        assert "must be sent as application/json" in response.json()["error"]["message"]
+    assert httpx.post(f"{server.url}/resume", json={}, headers={**AUTH, "host": "localhost"}).status_code == 200
+
+
+def test_the_schema_and_its_pages_follow_the_key(server):
+    for path in ("/openapi.json", "/docs"):
+        assert httpx.get(f"{server.url}{path}").status_code == 401
+        assert httpx.get(f"{server.url}{path}", headers=AUTH).status_code == 200
+    assert httpx.get(f"{server.url}/redoc", headers=AUTH).status_code == 404
+    schema = httpx.get(f"{server.url}/openapi.json", headers=AUTH).json()
+    assert "/rollout/generate" in schema["paths"] and "/openapi.json" not in schema["paths"]
+
+
+def run_cli(*flags: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    environment = {k: v for k, v in os.environ.items() if k != "ROLLOUT_API_KEY"} | (env or {})
+    command = [sys.executable, "-m", "rollout.serve", *flags]
+    return subprocess.run(command, env=environment, capture_output=True, text=True, timeout=60)
+
+
+def test_keys_on_the_command_line(tiny_model):
+    helped = run_cli("--help", env={"ROLLOUT_API_KEY": "s3cret-from-the-environment"})
+    assert helped.returncode == 0 and "s3cret" not in helped.stdout and "--no-auth" in helped.stdout
+    empty = run_cli("--model", tiny_model, env={"ROLLOUT_API_KEY": "  "})
+    assert empty.returncode != 0 and "the API key (--api-key or $ROLLOUT_API_KEY) is empty" in empty.stderr
+    both = run_cli("--model", tiny_model, "--api-key", "k", "--no-auth")
+    assert both.returncode != 0 and "not allowed with argument" in both.stderr
+
+
+@pytest.mark.timeout(180)
+def test_without_a_key_the_server_makes_one_only_its_user_can_read(tiny_model, tmp_path):
+    key_file = tmp_path / "keys" / "serve.key"
+    port = free_port()
+    command = [sys.executable, "-m", "rollout.serve", "--model", tiny_model, "--port", str(port)]
+    environment = {k: v for k, v in os.environ.items() if k != "ROLLOUT_API_KEY"}
+    process = subprocess.Popen(
+        [*command, "--api-key-file", str(key_file), "--log-level", "warning"], env=environment, stderr=subprocess.PIPE
+    )
+    server = ServerProcess(process, f"http://127.0.0.1:{port}")
+    try:
+        server._wait_until_healthy(120)
+        assert stat.S_IMODE(key_file.stat().st_mode) == 0o600
+        key = key_file.read_text()
+        assert len(key) >= 32
+        assert httpx.post(f"{server.url}/resume", json={}).status_code == 401
+        assert (
+            httpx.post(f"{server.url}/resume", json={}, headers={"Authorization": f"Bearer {key}"}).status_code == 200
+        )
+    finally:
+        assert server.stop() == -signal.SIGTERM
+    assert not key_file.exists()  # removed at exit
+    assert f"generated one into {key_file}" in process.stderr.read().decode()
+
+
+def test_server_info_never_shows_the_key(server):
+    info = httpx.get(f"{server.url}/server_info", headers=AUTH)
+    assert API_KEY not in json.dumps(info.json())
