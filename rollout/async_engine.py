@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from rollout.engine import RolloutEngine
-from rollout.errors import EngineDeadError
+from rollout.errors import EngineDeadError, RequestFailedError
 from rollout.outputs import RolloutOutput
 from rollout.sampling_params import SamplingParams
 
@@ -35,7 +35,8 @@ PAUSE_MODES = ("abort", "wait", "keep")
 class OutputStream:
     """The outputs of one submission, as they finish: `async for output in stream`. `request_ids`
     lists its sample ids. Closing it early (`aclose`, or leaving an `async with` block) aborts the
-    requests it still waits for. An engine failure ends it with the error."""
+    requests it still waits for. An engine failure ends it with the error; a request that failed
+    alone in its worker raises `RequestFailedError` (closing the stream then aborts the others)."""
 
     def __init__(self, engine: AsyncRolloutEngine, request_ids: list[str], items: asyncio.Queue):
         self.request_ids = request_ids
@@ -54,6 +55,8 @@ class OutputStream:
             self._pending.clear()
             raise item
         self._pending.discard(item.request_id)
+        if item.status == "failed":
+            raise RequestFailedError(item.request_id, item.error)
         return item
 
     async def aclose(self) -> None:

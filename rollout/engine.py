@@ -17,7 +17,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from rollout.config import EngineConfig
-from rollout.errors import EngineDeadError, interrupted_reason
+from rollout.errors import EngineDeadError, RequestFailedError, interrupted_reason
 from rollout.hot_swap import HotSwapAPI
 from rollout.model_runner import FinishedRequest
 from rollout.outputs import RequestTimings, RolloutOutput
@@ -81,6 +81,16 @@ class RolloutEngine(HotSwapAPI):
                 "add_request() are unfinished; step() them to completion or abort() them first"
             )
         request_ids = self.add_requests(prompts, params)
+        try:
+            outputs = self._run_to_the_end(request_ids, use_tqdm)
+        except BaseException:
+            # A generate that fails leaves none of its requests behind (they are all its own).
+            if self._dead is None and self.scheduler.has_unfinished():
+                self.abort(self.unfinished_request_ids())
+            raise
+        return [outputs[request_id] for request_id in request_ids]
+
+    def _run_to_the_end(self, request_ids: list[str], use_tqdm: bool) -> dict[str, RolloutOutput]:
         total_steps = sum(r.num_leaves * r.params.num_inference_steps for r in self._requests.values())
         outputs: dict[str, RolloutOutput] = {}
         # Progress in denoising steps of the leaves, not samples: a group of samples finishes all at once.
@@ -90,12 +100,14 @@ class RolloutEngine(HotSwapAPI):
         ):
             while self.scheduler.has_unfinished():
                 for output in self._step_once():  # not step(): parked outputs are someone else's
+                    if output.status == "failed":
+                        raise RequestFailedError(output.request_id, output.error)
                     outputs[output.request_id] = output
                 done = sum(r.num_leaves * r.steps_done for r in self._requests.values())
                 done += sum(o.trajectory.num_steps for o in outputs.values() if o.trajectory is not None)
                 bar.update(done - bar.n)
                 bar.set_postfix(samples=f"{len(outputs)}/{len(request_ids)}")
-        return [outputs[request_id] for request_id in request_ids]
+        return outputs
 
     def add_requests(
         self,
@@ -216,6 +228,11 @@ class RolloutEngine(HotSwapAPI):
             for request_id in work.step_ids:
                 self._requests[request_id].note_weight_version(self.weight_version)
         for runner_output in self._on_executor(self.executor.execute, scheduled):
+            for request_id, error in runner_output.failed.items():
+                request = self.scheduler.finish(request_id)
+                del self._requests[request_id]
+                logger.warning("request %s failed alone in its worker: %s", request_id, error)
+                outputs += [self._make_output(request, None, leaf, error=error) for leaf in request.leaves()]
             for finished in runner_output.finished:
                 request = self.scheduler.finish(finished.request_id)
                 del self._requests[finished.request_id]
@@ -395,9 +412,10 @@ class RolloutEngine(HotSwapAPI):
         request: Request,
         finished: FinishedRequest | None,
         leaf: tuple[str, tuple[int, ...]] | None = None,
+        error: str | None = None,
     ) -> RolloutOutput:
         """The output of `request` (`finished` by a worker, or None when aborted), or of one of its
-        future leaves `(id, branch path)` (aborted)."""
+        future leaves `(id, branch path)` (aborted, or failed with `error`)."""
         now = time.monotonic()
         first = request.first_step_time
         request_id, branch_path = leaf if leaf is not None else (request.request_id, request.branch_path)
@@ -407,7 +425,7 @@ class RolloutEngine(HotSwapAPI):
             prompt_index=request.prompt_index,
             sample_index=request.sample_index,
             seed=request.leaf_seed(branch_path),
-            status="aborted" if leaf is not None or request.status is RequestStatus.ABORTED else "finished",
+            status=_status(request, leaf, error),
             image=finished.image if finished is not None else None,
             video=finished.video if finished is not None else None,
             latents=finished.latents if finished is not None else None,
@@ -421,4 +439,11 @@ class RolloutEngine(HotSwapAPI):
                 denoise_s=now - first if first is not None else 0.0,
                 total_s=now - request.arrival_time,
             ),
+            error=error,
         )
+
+
+def _status(request: Request, leaf: tuple | None, error: str | None) -> str:
+    if error is not None:
+        return "failed"
+    return "aborted" if leaf is not None or request.status is RequestStatus.ABORTED else "finished"

@@ -44,6 +44,17 @@ class WorkerError(RuntimeError):
         return f"{type(error).__module__}.{type(error).__qualname__}"
 
 
+class RequestFailedError(ValueError):
+    """A request failed in a worker with an error of its own; the requests batched with it went on
+    (the worker ran the batch's rows one by one to find it). A ValueError: what failed was the
+    request, so the service answers it with a 4xx."""
+
+    def __init__(self, request_id: str, error: str):
+        self.request_id = request_id
+        self.error = error
+        super().__init__(f"request {request_id} failed in a worker, alone (its batch-mates went on): {error}")
+
+
 class EngineDeadError(RuntimeError):
     """A worker is gone; the engine cannot serve requests any more and must be rebuilt."""
 

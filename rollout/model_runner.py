@@ -12,6 +12,7 @@ the same prompt (or negative prompt), so every sample of a prompt references one
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -24,6 +25,8 @@ from rollout.pipelines.condition import Condition, PromptEmbeds
 from rollout.request import Fork, NewRequestData
 from rollout.samplers import get_sampler
 from rollout.seeding import make_generator
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -83,7 +86,20 @@ class RunnerOutput:
     """What one worker returns for one engine step."""
 
     finished: list[FinishedRequest] = field(default_factory=list)
+    # Requests that failed alone in this step: request id -> "ErrorType: message". The worker holds
+    # no state for them any more; their batch-mates went on.
+    failed: dict[str, str] = field(default_factory=dict)
     compute_s: float = 0.0  # time spent in this worker's step, for overhead accounting
+
+
+class BatchLost(RuntimeError):
+    """A step failed after its batch drew its noise: the states moved on and cannot be re-run to
+    find which row failed, so every request of the batch fails with the original error."""
+
+
+def describe(error: BaseException) -> str:
+    """How a request's failure is reported: the error's type and message, never a traceback."""
+    return f"{type(error).__name__}: {error}"
 
 
 class ModelRunner:
@@ -93,20 +109,41 @@ class ModelRunner:
         # Bumped whenever weights change: embeddings of an older generation are not reused.
         self.encoder_generation = 0
 
-    def prepare(self, new_requests: list[NewRequestData], live: Iterable[RequestState]) -> list[RequestState]:
-        """Encode the texts no live request holds (one at a time), draw initial noise, fetch schedules."""
+    def prepare(
+        self, new_requests: list[NewRequestData], live: Iterable[RequestState]
+    ) -> tuple[list[RequestState], dict[str, str]]:
+        """Encode the texts no live request holds (one at a time), draw initial noise, fetch
+        schedules. Returns the new states, and the requests that failed (id -> error): a text that
+        does not encode or a state that cannot be made fails its requests only."""
         if not new_requests:
-            return []
+            return [], {}
         encoded: dict[tuple[str, int], PromptEmbeds] = {}
         for state in live:
             if state.encoder_generation == self.encoder_generation:
                 encoded |= state.encoded_texts()
         wanted = [(r.prompt, r.params.max_sequence_length) for r in new_requests]
         wanted += [(r.params.negative_prompt, r.params.max_sequence_length) for r in new_requests]
+        unencodable: dict[tuple[str, int], str] = {}
         for text, length in dict.fromkeys(wanted):  # first-seen order, no repeats
             if text is not None and (text, length) not in encoded:
-                encoded[(text, length)] = self.adapter.encode_prompts([text], length)[0]
-        return [self._new_state(data, encoded) for data in new_requests]
+                try:
+                    encoded[(text, length)] = self.adapter.encode_prompts([text], length)[0]
+                except Exception as error:
+                    logger.warning("a text of %d characters did not encode", len(text), exc_info=True)
+                    unencodable[(text, length)] = describe(error)
+        states, failed = [], {}
+        for data in new_requests:
+            length = data.params.max_sequence_length
+            bad = unencodable.get((data.prompt, length)) or unencodable.get((data.params.negative_prompt, length))
+            if bad is not None:
+                failed[data.request_id] = bad
+                continue
+            try:
+                states.append(self._new_state(data, encoded))
+            except Exception as error:
+                logger.warning("request %s could not start", data.request_id, exc_info=True)
+                failed[data.request_id] = describe(error)
+        return states, failed
 
     def _new_state(self, data: NewRequestData, encoded: dict[tuple[str, int], PromptEmbeds]) -> RequestState:
         params = data.params
@@ -140,7 +177,10 @@ class ModelRunner:
 
     @torch.no_grad()
     def step(self, states: list[RequestState]) -> None:
-        """Advance every state by one denoising step, recording latents and log-probs."""
+        """Advance every state by one denoising step, recording latents and log-probs.
+
+        A failure in the forward pass leaves every state as it was (the caller may re-run the rows
+        one by one); one after it raises `BatchLost`."""
         device = self.adapter.device
         latents = torch.stack([s.latents for s in states])
         sigma = torch.stack([s.sigmas[s.step_index] for s in states]).to(device)
@@ -159,6 +199,16 @@ class ModelRunner:
             true_cfg_scale=_per_sample(states, "true_cfg_scale"),
         )
 
+        try:
+            self._apply_update(states, latents, velocity, sigma, sigma_next, noise_level)
+        except Exception as error:
+            raise BatchLost(
+                f"a step of {len(states)} requests failed after its forward pass: {describe(error)}"
+            ) from error
+
+    def _apply_update(self, states, latents, velocity, sigma, sigma_next, noise_level) -> None:
+        """Each state's update rule on the batch's velocity: draws the step noise, moves the states."""
+        device = velocity.device
         # Group samples by the rule they use at this step (their sampler and log-prob form if the
         # step is stochastic, the ODE otherwise).
         groups: dict[tuple[str, str], list[int]] = {}
@@ -195,18 +245,18 @@ class ModelRunner:
                 state.log_probs.append(out.log_prob[j] if out.log_prob is not None else zero)
                 state.step_index += 1
 
-    def finish(self, states: list[RequestState]) -> list[FinishedRequest]:
-        """Decode images (batched) and package trajectories of finished requests, on CPU."""
+    def finish(self, states: list[RequestState]) -> tuple[list[FinishedRequest], dict[str, str]]:
+        """Decode images (batched) and package trajectories of finished requests, on CPU. Returns
+        them and the requests whose decode failed (id -> error; their size group's only)."""
         to_decode = [s for s in states if s.data.params.output_type == "image"]
-        decoded = {}
-        if to_decode:
-            media = self._decode_by_shape(to_decode)
-            decoded = {s.data.request_id: one for s, one in zip(to_decode, media, strict=True)}
+        decoded, failed = self._decode_by_shape(to_decode)
         video = self.adapter.spec.is_video
         # One CPU copy per embeddings object, however many finished samples share it.
         on_cpu: dict[int, PromptEmbeds] = {}
         finished = []
         for s in states:
+            if s.data.request_id in failed:
+                continue
             params = s.data.params
             finished.append(
                 FinishedRequest(
@@ -218,19 +268,26 @@ class ModelRunner:
                     part_nodes=s.history.part_nodes() if params.return_trajectory else {},
                 )
             )
-        return finished
+        return finished, failed
 
-    def _decode_by_shape(self, states: list[RequestState]) -> list[torch.Tensor]:
-        images: list[torch.Tensor | None] = [None] * len(states)
-        by_size: dict[tuple[int, int, int | None], list[int]] = {}
-        for i, s in enumerate(states):
+    def _decode_by_shape(self, states: list[RequestState]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+        """Request id -> its decoded image or video, batched per size; and the ids whose size
+        group failed to decode (id -> error)."""
+        by_size: dict[tuple[int, int, int | None], list[RequestState]] = {}
+        for s in states:
             params = s.data.params
-            by_size.setdefault((params.height, params.width, params.num_frames), []).append(i)
-        for (height, width, _), indices in by_size.items():
-            decoded = self.adapter.decode(torch.stack([states[i].latents for i in indices]), height, width)
-            for j, i in enumerate(indices):
-                images[i] = decoded[j]
-        return images
+            by_size.setdefault((params.height, params.width, params.num_frames), []).append(s)
+        decoded, failed = {}, {}
+        for (height, width, _), group in by_size.items():
+            ids = [s.data.request_id for s in group]
+            try:
+                media = self.adapter.decode(torch.stack([s.latents for s in group]), height, width)
+            except Exception as error:
+                logger.warning("decoding %d requests of size %dx%d failed", len(group), height, width, exc_info=True)
+                failed |= dict.fromkeys(ids, describe(error))
+                continue
+            decoded |= dict(zip(ids, media, strict=True))
+        return decoded, failed
 
     @staticmethod
     def _trajectory(state: RequestState, on_cpu: dict[int, PromptEmbeds]) -> Trajectory:

@@ -98,7 +98,9 @@ class RequestTimings:
 class RolloutOutput:
     """One generated sample. Tensors are on CPU.
 
-    status: "finished", or "aborted" (then image, latents and trajectory are None).
+    status: "finished"; "aborted"; or "failed": the worker raised for this request alone, `error`
+        says what ("ValueError: ..."), and its batch-mates went on. Without "finished", image,
+        latents and trajectory are None.
     image: [3, H, W] uint8 with output_type "image", else None (and None for video models).
     video: [F, 3, H, W] uint8 frames of a video model with output_type "image", else None.
     latents: the final latents [*latent_shape] float32 with output_type "latent", else None.
@@ -123,3 +125,4 @@ class RolloutOutput:
     weight_versions: tuple[int, ...] = ()
     lora: str | None = None
     timings: RequestTimings = field(default_factory=RequestTimings)
+    error: str | None = None

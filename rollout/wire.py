@@ -134,7 +134,7 @@ class OutputEncoder:
         frames = b""
         fields = {
             name: getattr(output, name)
-            for name in ("request_id", "prompt", "prompt_index", "sample_index", "seed", "status")
+            for name in ("request_id", "prompt", "prompt_index", "sample_index", "seed", "status", "error")
         }
         fields |= {
             "weight_version": output.weight_version,
@@ -243,6 +243,7 @@ class OutputDecoder:
             weight_versions=tuple(fields["weight_versions"]),
             lora=fields["lora"],
             timings=RequestTimings(**fields["timings"]),
+            error=fields["error"],
         )
 
 

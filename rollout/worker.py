@@ -15,7 +15,7 @@ from rollout.broadcast_group import BroadcastEntry, connect, receive_bucket
 from rollout.config import EngineConfig
 from rollout.imports import import_by_path
 from rollout.lora import LoraManager, read_lora_folder
-from rollout.model_runner import ModelRunner, RequestState, RunnerOutput
+from rollout.model_runner import BatchLost, ModelRunner, RequestState, RunnerOutput, describe
 from rollout.pipelines.loading import load_adapter
 from rollout.pipelines.spec import ModelSpec
 from rollout.scheduler import WorkerInput
@@ -38,23 +38,51 @@ class Worker:
         self.broadcast_group = None  # joined by init_weight_update_group
 
     def execute(self, work: WorkerInput) -> RunnerOutput:
-        """Run one engine step: drop aborted requests, start new ones, denoise, return finished."""
+        """Run one engine step: drop aborted requests, start new ones, denoise, return finished.
+
+        A request that fails fails alone: its state is dropped and it is reported in
+        `RunnerOutput.failed`, while the rest of the step goes on (see `_step_isolating`)."""
         start = time.perf_counter()
         for request_id in work.free_ids:
             self.requests.pop(request_id, None)
-        for state in self.runner.prepare(work.new_requests, self.requests.values()):
+        states, failed = self.runner.prepare(work.new_requests, self.requests.values())
+        for state in states:
             self.requests[state.data.request_id] = state
         for fork in work.forks:  # tree rollouts: a path splits before the step it branches at
+            if fork.parent_id in failed:  # it failed to start: so do its children, which the engine tracks now
+                why = failed.pop(fork.parent_id)
+                failed |= dict.fromkeys((child_id for child_id, _ in fork.children), why)
+                continue
             for child in self.runner.fork(self.requests.pop(fork.parent_id), fork):
                 self.requests[child.data.request_id] = child
-        batch = [self.requests[request_id] for request_id in work.step_ids]
-        if batch:
-            self.runner.step(batch)
-        done = [s for s in batch if s.done]
+        batch = [self.requests[request_id] for request_id in work.step_ids if request_id not in failed]
+        failed |= self._step_isolating(batch)
+        done = [s for s in batch if s.done and s.data.request_id not in failed]
         for state in done:
             del self.requests[state.data.request_id]
-        finished = self.runner.finish(done)
-        return RunnerOutput(finished=finished, compute_s=time.perf_counter() - start)
+        finished, decode_failed = self.runner.finish(done)
+        failed |= decode_failed
+        for request_id in failed:
+            self.requests.pop(request_id, None)
+        return RunnerOutput(finished=finished, failed=failed, compute_s=time.perf_counter() - start)
+
+    def _step_isolating(self, batch: list[RequestState]) -> dict[str, str]:
+        """Step `batch`; if its forward fails, step each of its requests alone, so only those that
+        fail alone fail (request id -> error). The failure is logged with its traceback here."""
+        if not batch:
+            return {}
+        try:
+            self.runner.step(batch)
+        except BatchLost as error:
+            logger.error("%s; failing its requests", error, exc_info=True)
+            return dict.fromkeys((s.data.request_id for s in batch), describe(error.__cause__))
+        except Exception as error:
+            if len(batch) == 1:
+                logger.warning("request %s failed in its step", batch[0].data.request_id, exc_info=True)
+                return {batch[0].data.request_id: describe(error)}
+            logger.warning("a step of %d requests failed (%s); stepping them one by one", len(batch), describe(error))
+            return {request_id: why for state in batch for request_id, why in self._step_isolating([state]).items()}
+        return {}
 
     def model_spec(self) -> ModelSpec:
         return self.adapter.spec

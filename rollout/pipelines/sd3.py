@@ -47,6 +47,8 @@ class SD3Adapter(PipelineAdapter):
             guidance_defaults={"guidance_scale": 4.5},
             cfg_field="guidance_scale",
             default_negative_prompt="",
+            max_grid=config.pos_embed_max_size,
+            max_grid_source="pos_embed_max_size",
         )
 
     def encode_prompt(self, text: str, max_sequence_length: int) -> SD3Embeds:

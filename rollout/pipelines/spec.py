@@ -35,6 +35,12 @@ class ModelSpec:
         compression keeps the first frame on its own).
     min_inference_steps: the fewest steps whose schedule is finite (Qwen-Image's scheduler
         stretches its schedule to a terminal sigma, which one step cannot reach).
+    max_grid: the most transformer tokens along each axis of the latent grid (height and width
+        in patches, and a video's latent frames per temporal patch), as the transformer's
+        positional embeddings allow (`max_grid_source` names the config field: SD3's
+        pos_embed_max_size, Wan's rope_max_seq_len); None: any size (rotary embeddings made per
+        request, as FLUX.1's and Qwen-Image's are).
+    temporal_patch_size: latent frames per transformer token (video).
     """
 
     pipeline_class: str
@@ -53,6 +59,9 @@ class ModelSpec:
     default_num_frames: int | None = None
     frame_multiple: int = 1
     min_inference_steps: int = 1
+    max_grid: int | None = None
+    max_grid_source: str = ""
+    temporal_patch_size: int = 1
 
     @property
     def is_video(self) -> bool:
@@ -62,6 +71,13 @@ class ModelSpec:
     def size_multiple(self) -> int:
         """Height and width must be multiples of this many pixels."""
         return self.vae_scale_factor * self.patch_size * self.latent_packing
+
+    @property
+    def max_num_frames(self) -> int | None:
+        """The most frames a video's latent grid allows (None: no limit, or an image model)."""
+        if self.max_grid is None or not self.is_video:
+            return None
+        return (self.max_grid * self.temporal_patch_size - 1) * self.frame_multiple + 1
 
     def latent_shape(self, height: int, width: int, num_frames: int | None = None) -> tuple[int, ...]:
         """The shape of one sample's latents, in the form the pipeline takes as `latents=`:
@@ -92,6 +108,11 @@ class ModelSpec:
                     f"{name}={value} is not divisible by {multiple} ({why}); "
                     f"use e.g. {max(multiple, value // multiple * multiple)}"
                 )
+            elif self.max_grid is not None and value > self.max_grid * multiple:
+                problems.append(
+                    f"{name}={value} is above the {self.max_grid * multiple} pixels {model}'s transformer takes "
+                    f"({self.max_grid_source} {self.max_grid} tokens x {why}); use at most {self.max_grid * multiple}"
+                )
         if params.num_inference_steps < self.min_inference_steps:
             problems.append(
                 f"num_inference_steps={params.num_inference_steps} is too few for {model}: its scheduler gives no "
@@ -108,6 +129,12 @@ class ModelSpec:
                     f"num_frames={num_frames} does not fit {model}'s VAE, which compresses time by "
                     f"{self.frame_multiple} after the first frame: use k * {self.frame_multiple} + 1 frames, "
                     f"e.g. num_frames={nearest}"
+                )
+            elif self.max_grid is not None and num_frames > self.max_num_frames:
+                problems.append(
+                    f"num_frames={num_frames} is above the {self.max_num_frames} frames {model}'s transformer takes "
+                    f"({self.max_grid_source} {self.max_grid} latent frames x {self.temporal_patch_size} per token); "
+                    f"use at most {self.max_num_frames}"
                 )
         max_length = params.max_sequence_length or self.default_max_sequence_length
         if max_length > self.max_sequence_length_limit:

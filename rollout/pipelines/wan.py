@@ -80,6 +80,9 @@ class WanAdapter(PipelineAdapter):
             default_negative_prompt="",
             default_num_frames=81,
             frame_multiple=pipeline.vae_scale_factor_temporal,
+            max_grid=config.rope_max_seq_len,
+            max_grid_source="rope_max_seq_len",
+            temporal_patch_size=config.patch_size[0],
         )
 
     def encode_prompt(self, text: str, max_sequence_length: int) -> WanEmbeds:

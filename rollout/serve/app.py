@@ -44,7 +44,6 @@ logger = logging.getLogger(__name__)
 # Most specific first: an exception gets the status of the first class it is an instance of.
 _STATUS: list[tuple[type[BaseException], int]] = [
     (EngineDeadError, 503),
-    (WorkerError, 500),
     (TimeoutError, 504),
     (WireError, 400),
     (ValueError, 400),
@@ -80,6 +79,7 @@ def build_app(engine: AsyncRolloutEngine, settings: ServerSettings) -> FastAPI:
     app.add_middleware(RequestGuard, hosts=settings.allowed_hosts)
     for error_class, status in _STATUS:
         app.add_exception_handler(error_class, _error_handler(status))
+    app.add_exception_handler(WorkerError, _worker_error)
     # Starlette's own (404 for an unknown path, 405 for a wrong method) included: one error format.
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
@@ -392,6 +392,15 @@ def _error_handler(status: int):
         return _error_body(status, type(error).__name__, str(error))
 
     return handle
+
+
+async def _worker_error(request: Request, error: WorkerError) -> JSONResponse:
+    """A worker function raised: 400 for the caller's bad input (a ValueError or TypeError in the
+    worker), else 500. The body has the worker's error; its traceback goes to the log only."""
+    status = 400 if error.raised(ValueError) or error.raised(TypeError) else 500
+    log = logger.warning if status < 500 else logger.error
+    log("%s %s failed in a worker: %s", request.method, request.url.path, error)
+    return _error_body(status, error.error_type.rpartition(".")[2], f"worker rank {error.rank}: {error.message}")
 
 
 async def _http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:

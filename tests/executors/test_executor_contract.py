@@ -3,6 +3,7 @@ tiny SD3; and uni and mp on the tiny FLUX.1 and Qwen-Image (weights, checksums, 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import sys
@@ -14,12 +15,15 @@ import torch
 
 from executors.uni import UniExecutor
 from rollout import EngineConfig, RolloutEngine, SamplingParams
-from rollout.errors import WorkerError
+from rollout.errors import RequestFailedError, WorkerError
 from rollout.weights import base_state
+from tests.executors import worker_functions
+from tests.executors.worker_functions import fail_decodes_of_height, fail_requests_of, stop_failing
 from tests.families import FAMILIES
 
-# Ray workers cannot import this test module: ship its functions by value.
+# Ray workers cannot import the test modules: ship their functions by value.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
+cloudpickle.register_pickle_by_value(worker_functions)
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -119,6 +123,39 @@ def test_abort_leaves_no_state_on_any_rank(engine):
         assert sorted(o.request_id for o in engine.abort(f"a{i}")) == sorted(ids)
         assert engine.collective_rpc("request_ids") == [[] for _ in _ranks(engine)]
     assert not engine.has_unfinished_requests()
+
+
+def _drain(engine) -> dict:
+    outputs = {}
+    while engine.has_unfinished_requests():
+        outputs |= {o.request_id: o for o in engine.step()}
+    return outputs
+
+
+@pytest.mark.parametrize("stage", ["step", "encode", "decode"])
+def test_a_request_that_fails_in_its_worker_fails_alone(engine, stage):
+    """Its output is "failed" with the worker's error (no traceback); a request that shared its
+    batch finishes with the same bytes as alone; nothing of it stays on any rank."""
+    params = _params(engine, cfg=False, num_inference_steps=2, num_samples=1, seed=3)
+    doomed_params = dataclasses.replace(params, height=64) if stage == "decode" else params
+    (alone,) = engine.generate("fine", params)
+    inject = (fail_decodes_of_height, (64,)) if stage == "decode" else (fail_requests_of, ("doomed", stage))
+    engine.collective_rpc(inject[0], args=inject[1])
+    try:
+        (doomed_id,) = engine.add_request("doomed", doomed_params, request_id=f"doomed_{stage}")
+        (fine_id,) = engine.add_request("fine", params, request_id=f"fine_{stage}")
+        outputs = _drain(engine)
+        with pytest.raises(RequestFailedError, match="failed in a worker, alone.*injected"):
+            engine.generate(["also fine", "doomed"], [params, doomed_params])  # the whole call fails...
+        assert not engine.has_unfinished_requests()  # ...and leaves none of its requests behind
+    finally:
+        engine.collective_rpc(stop_failing)
+    doomed, fine = outputs[doomed_id], outputs[fine_id]
+    assert doomed.status == "failed" and doomed.image is None and doomed.trajectory is None
+    assert doomed.error.startswith("RuntimeError: injected") and "Traceback" not in doomed.error
+    assert fine.status == "finished" and torch.equal(fine.image, alone.image)
+    assert engine.collective_rpc("request_ids") == [[] for _ in _ranks(engine)]
+    assert engine.generate("doomed", doomed_params)[0].status == "finished"
 
 
 def test_collective_rpc_by_name_extension_callable_and_rank_subset(engine):

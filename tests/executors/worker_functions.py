@@ -24,6 +24,49 @@ def slow_down_steps(worker, seconds: float) -> None:
     worker.runner.step = slow_step
 
 
+def fail_requests_of(worker, prompt: str, stage: str = "step") -> None:
+    """From now on the worker fails for requests of `prompt` as a request the model cannot take
+    makes it fail: at "step", the forward pass of any batch holding one; at "encode", encoding
+    that text."""
+    runner = worker.runner
+    if stage == "step":
+        step = runner.step
+
+        def failing_step(states):
+            if any(state.data.prompt == prompt for state in states):
+                raise RuntimeError(f"injected step failure for {prompt!r}")
+            step(states)
+
+        runner.step = failing_step
+    else:
+        encode = runner.adapter.encode_prompts
+
+        def failing_encode(texts, length):
+            if prompt in texts:
+                raise RuntimeError(f"injected encode failure for {prompt!r}")
+            return encode(texts, length)
+
+        runner.adapter.encode_prompts = failing_encode
+
+
+def fail_decodes_of_height(worker, height: int) -> None:
+    """From now on decoding images `height` pixels high fails (the batch of that size)."""
+    decode = worker.runner.adapter.decode
+
+    def failing_decode(latents, image_height, width):
+        if image_height == height:
+            raise RuntimeError(f"injected decode failure at height {height}")
+        return decode(latents, image_height, width)
+
+    worker.runner.adapter.decode = failing_decode
+
+
+def stop_failing(worker) -> None:
+    vars(worker.runner).pop("step", None)
+    vars(worker.runner.adapter).pop("encode_prompts", None)
+    vars(worker.runner.adapter).pop("decode", None)
+
+
 def sleep_in_worker(worker, seconds: float) -> None:
     time.sleep(seconds)
 

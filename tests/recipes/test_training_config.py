@@ -3,6 +3,7 @@ error listing every problem before any model loads."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -70,7 +71,9 @@ def test_sampling_settings_fit_their_model_family(tiny_models, name, family):
     from rollout.pipelines.loading import load_adapter
 
     config = load_config(CONFIG_DIR / name)
-    spec = load_adapter(tiny_models(family)).spec
+    # The tiny transformer's positional table is far smaller than the published model's (64 vs
+    # 6144 pixels for SD3.5): the size limit is the real model's, checked by the family's own tests.
+    spec = dataclasses.replace(load_adapter(tiny_models(family)).spec, max_grid=None)
     _, problems = spec.resolve(config.sampling)
     assert problems == []
     assert config.model.tiny_family == family

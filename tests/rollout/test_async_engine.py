@@ -4,12 +4,14 @@ aborts are acknowledged, pauses take effect, and hot swaps run between steps."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 import torch
 
 from rollout import EngineConfig, RolloutEngine, SamplingParams
 from rollout.async_engine import AsyncRolloutEngine
+from rollout.errors import RequestFailedError
 from tests.executors.worker_functions import slow_down_steps
 
 pytestmark = pytest.mark.timeout(180)
@@ -185,28 +187,50 @@ def test_bad_requests_raise_to_their_caller_and_others_go_on(async_engine):
     assert [o.status for o in run(main())] == ["finished", "finished"]
 
 
-def _fail_next_step(worker) -> None:
+def _fail_steps_of(worker, prompt: str) -> None:
+    """From now on, a step of a batch holding a request for `prompt` raises (as a shape the model
+    cannot take would), in its forward pass: nothing of the batch has moved."""
     step = worker.runner.step
 
     def failing_step(states):
-        worker.runner.step = step  # once
-        raise RuntimeError("injected step failure")
+        if any(state.data.prompt == prompt for state in states):
+            raise RuntimeError(f"injected failure for {prompt!r}")
+        step(states)
 
     worker.runner.step = failing_step
 
 
-def test_a_failed_step_fails_its_streams_and_the_engine_serves_on(async_engine):
+def _restore_step(worker) -> None:
+    vars(worker.runner).pop("step", None)
+
+
+def test_a_request_that_fails_in_its_worker_fails_alone_and_its_batch_mates_go_on(async_engine):
+    """The worker steps the failed batch's requests one by one: the doomed one fails (its whole
+    generate, which leaves nothing behind), the one batched with it finishes as if it ran alone."""
+
+    one = dataclasses.replace(PARAMS, num_samples=1)
+
     async def main():
-        await async_engine.collective_rpc(_fail_next_step)
-        with pytest.raises(Exception, match="injected step failure"):
-            await async_engine.generate(["doomed"], PARAMS)
+        (alone,) = await async_engine.generate(["fine"], one)
+        await async_engine.collective_rpc(_fail_steps_of, args=("doomed",))
+        doomed = asyncio.ensure_future(async_engine.generate(["doomed"], one))
+        fine = asyncio.ensure_future(async_engine.generate(["fine"], one))  # shares doomed's batch
+        with pytest.raises(RequestFailedError, match="request req.-0 failed in a worker, alone.*injected failure"):
+            await doomed
+        (together,) = await fine
+        with pytest.raises(RequestFailedError):
+            await async_engine.generate(["doomed", "also mine"], PARAMS)  # its whole call fails
         state = await async_engine.state()
         live = await async_engine.collective_rpc("request_ids")
-        return state, live, await async_engine.generate(["fine"], PARAMS)
+        await async_engine.collective_rpc(_restore_step)
+        return alone, together, state, live, await async_engine.generate(["fine"], PARAMS)
 
-    state, live, outputs = run(main())
-    assert state["unfinished_requests"] == 0 and live == [[]]
-    assert [o.status for o in outputs] == ["finished", "finished"]
+    alone, together, state, live, after = run(main())
+    assert together.status == "finished"
+    assert torch.equal(alone.trajectory.latents.stack(), together.trajectory.latents.stack())
+    assert torch.equal(alone.image, together.image)
+    assert state["unfinished_requests"] == 0 and live == [[]]  # "also mine" was aborted with its call
+    assert [o.status for o in after] == ["finished", "finished"]
 
 
 def test_fail_all_ends_every_stream_with_the_error_and_frees_the_workers(async_engine):

@@ -47,6 +47,15 @@ def test_height_and_width_must_fit_the_model(engine):
     assert not engine.has_unfinished_requests()
 
 
+def test_sizes_past_the_positional_embeddings_are_refused_at_admission(engine):
+    """SD3's transformer has pos_embed_max_size patches per side (16 on the tiny model): 68 pixels
+    failed inside the worker; it is refused before anything is queued, with the most it takes."""
+    with pytest.raises(ValueError, match=r"height=68 is above the 64 pixels .*pos_embed_max_size 16 tokens"):
+        engine.generate("x", SamplingParams(height=68))
+    assert not engine.has_unfinished_requests()
+    assert engine.generate("x", SamplingParams(height=64, num_inference_steps=1))[0].status == "finished"
+
+
 def test_empty_prompt_list(engine):
     with pytest.raises(ValueError, match="prompts is empty"):
         engine.generate([], SamplingParams())

@@ -12,10 +12,13 @@ import stat
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+import torch
 
+from rollout import SamplingParams
 from rollout.serve.launch import ServerProcess, free_port
 from tests.serve.conftest import API_KEY
 
@@ -112,19 +115,27 @@ def test_the_schema_and_its_pages_follow_the_key(server):
     assert "/rollout/generate" in schema["paths"] and "/openapi.json" not in schema["paths"]
 
 
-def run_cli(*flags: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    environment = {k: v for k, v in os.environ.items() if k != "ROLLOUT_API_KEY"} | (env or {})
-    command = [sys.executable, "-m", "rollout.serve", *flags]
-    return subprocess.run(command, env=environment, capture_output=True, text=True, timeout=60)
+def test_keys_on_the_command_line(monkeypatch, capsys):
+    from rollout.serve.__main__ import parse_args
 
+    def refused(*argv: str) -> str:
+        with pytest.raises(SystemExit) as exited:
+            parse_args(list(argv))
+        assert exited.value.code != 0
+        return capsys.readouterr().err
 
-def test_keys_on_the_command_line(tiny_model):
-    helped = run_cli("--help", env={"ROLLOUT_API_KEY": "s3cret-from-the-environment"})
-    assert helped.returncode == 0 and "s3cret" not in helped.stdout and "--no-auth" in helped.stdout
-    empty = run_cli("--model", tiny_model, env={"ROLLOUT_API_KEY": "  "})
-    assert empty.returncode != 0 and "the API key (--api-key or $ROLLOUT_API_KEY) is empty" in empty.stderr
-    both = run_cli("--model", tiny_model, "--api-key", "k", "--no-auth")
-    assert both.returncode != 0 and "not allowed with argument" in both.stderr
+    monkeypatch.setenv("ROLLOUT_API_KEY", "s3cret-from-the-environment")
+    with pytest.raises(SystemExit) as exited:
+        parse_args(["--help"])
+    helped = capsys.readouterr().out
+    assert exited.value.code == 0 and "s3cret" not in helped and "--no-auth" in helped
+    assert parse_args(["--model", "m"]).api_key == "s3cret-from-the-environment"
+    monkeypatch.setenv("ROLLOUT_API_KEY", "  ")
+    assert "the API key (--api-key or $ROLLOUT_API_KEY) is empty" in refused("--model", "m")
+    monkeypatch.delenv("ROLLOUT_API_KEY")
+    assert "not allowed with argument" in refused("--model", "m", "--api-key", "k", "--no-auth")
+    assert "--no-auth with --host 0.0.0.0" in refused("--model", "m", "--host", "0.0.0.0", "--no-auth")
+    assert parse_args(["--model", "m", "--no-auth"]).api_key is None
 
 
 @pytest.mark.timeout(180)
@@ -150,6 +161,39 @@ def test_without_a_key_the_server_makes_one_only_its_user_can_read(tiny_model, t
         assert server.stop() == -signal.SIGTERM
     assert not key_file.exists()  # removed at exit
     assert f"generated one into {key_file}" in process.stderr.read().decode()
+
+
+def test_a_request_that_fails_in_the_worker_fails_alone(server, remote):
+    """The worker raises for one request (as for a shape its model cannot take): that request gets
+    a 400 with the engine's message and no traceback, within a second; a request running at the
+    same time finishes with the same bytes as alone; /health answers throughout."""
+    params = SamplingParams(num_inference_steps=4, num_samples=1, seed=21)
+    (alone,) = remote.generate("fine", params)
+    doomed = {"prompts": ["doomed"], "params": {"num_inference_steps": 4, "num_samples": 1, "seed": 0}}
+    remote.collective_rpc("fail_prompt", args=("doomed",))
+    remote.collective_rpc("set_step_delay", args=(0.1,))  # the two share steps
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            fine = pool.submit(remote.generate, "fine", params)
+            time.sleep(0.15)
+            start = time.monotonic()
+            refused = post(server, "/rollout/generate", json_body=doomed)
+            elapsed = time.monotonic() - start
+            health_start = time.monotonic()
+            assert httpx.get(f"{server.url}/health", timeout=5).status_code == 200
+            assert time.monotonic() - health_start < 2.0
+            (together,) = fine.result(timeout=60)
+    finally:
+        remote.collective_rpc("set_step_delay", args=(0.0,))
+        remote.collective_rpc("fail_prompt", args=(None,))
+    assert refused.status_code == 400 and elapsed < 1.0, (refused.status_code, elapsed)
+    message = refused.json()["error"]["message"]
+    assert "failed in a worker, alone" in message and "injected failure" in message
+    assert "Traceback" not in refused.text and 'File "' not in refused.text
+    assert torch.equal(together.image, alone.image)
+    assert torch.equal(together.trajectory.latents.stack(), alone.trajectory.latents.stack())
+    assert remote.server_info()["unfinished_requests"] == 0
+    assert remote.collective_rpc("request_ids") == [[]]
 
 
 def test_server_info_never_shows_the_key(server):

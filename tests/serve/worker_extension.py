@@ -8,6 +8,21 @@ import time
 
 class ServeTestExtension:
     step_delay_s = 0.0
+    failing_prompts: frozenset[str] = frozenset()
+
+    def fail_prompt(self, prompt: str | None) -> None:
+        """From now on a step of a batch that holds a request for `prompt` raises in its forward
+        pass, as a request the model cannot take makes it; None stops that."""
+        if "failing_prompts" not in vars(self):
+            step = self.runner.step
+
+            def failing_step(states):
+                if any(state.data.prompt in self.failing_prompts for state in states):
+                    raise RuntimeError(f"injected failure for one of {sorted(self.failing_prompts)}")
+                step(states)
+
+            self.runner.step = failing_step
+        self.failing_prompts = frozenset() if prompt is None else frozenset({prompt})
 
     def pid(self) -> int:
         return os.getpid()
