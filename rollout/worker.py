@@ -175,6 +175,13 @@ class Worker:
         self.runner.encoder_generation += 1
 
 
+# The worker's own functions that only read. The others change what the engine keeps (the requests,
+# the weights and their version, the adapters, the sleep level) and have engine calls of their own;
+# the service lets a client call only these (and an extension's) by name.
+READ_ONLY_METHODS = frozenset(
+    {"model_spec", "check_health", "get_rank", "request_ids", "weight_specs", "weights_checksum", "hot_swap_state"}
+)
+
 # Instance attributes a worker sets in __init__; an extension method of the same name would be hidden.
 _WORKER_ATTRIBUTES = {
     "config",

@@ -84,6 +84,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="where a generated key is written, readable by this user only, and removed at exit "
         "(default: $XDG_RUNTIME_DIR/diffusion-rollout/serve-PORT.key, else ~/.cache/diffusion-rollout/...)",
     )
+    server.add_argument(
+        "--rpc-allow",
+        action="append",
+        default=[],
+        metavar="METHOD",
+        help="a worker method of the engine's own that changes its state (sleep, load_lora, ...) which "
+        "/collective_rpc may call by name anyway; by default it calls only read-only ones and the extension's "
+        "(the engine's routes keep its record of weights, adapters and sleep). Repeatable",
+    )
     server.add_argument("--max-body-mb", type=float, default=1.0, help="largest JSON request body (413 past it)")
     server.add_argument(
         "--max-upload-mb", type=float, default=8192.0, help="largest safetensors body: weights, adapters (413 past it)"
@@ -186,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = ServerSettings(
         api_key=args.api_key,
         allowed_hosts=allowed_hosts(args.host, tuple(args.allowed_host)),
+        rpc_allow=frozenset(args.rpc_allow),
         max_body_bytes=int(args.max_body_mb * _MB),
         max_upload_bytes=int(args.max_upload_mb * _MB),
         max_samples_per_request=args.max_samples_per_request,

@@ -38,6 +38,7 @@ from rollout.wire import (
     frame,
     tensors_from_bytes,
 )
+from rollout.worker import READ_ONLY_METHODS, Worker, worker_methods
 
 logger = logging.getLogger(__name__)
 
@@ -58,10 +59,12 @@ class ServerSettings:
     the command line makes that an explicit --no-auth). allowed_hosts: the names a request's Host
     header may carry (None: any; see `guard.allowed_hosts`). max_body_bytes: of a JSON body;
     max_upload_bytes: of a safetensors body (weights, adapters); max_samples_per_request: outputs
-    of one generate call (prompts x num_samples x a tree's leaves per sample)."""
+    of one generate call (prompts x num_samples x a tree's leaves per sample). rpc_allow: the
+    worker's own state-changing functions /collective_rpc may call too (see `_rpc_refusal`)."""
 
     api_key: str | None = None
     allowed_hosts: frozenset[str] | None = LOOPBACK_NAMES
+    rpc_allow: frozenset[str] = frozenset()
     max_body_bytes: int = 1 << 20
     max_upload_bytes: int = 8 << 30
     max_samples_per_request: int = 1024
@@ -236,10 +239,14 @@ def build_app(engine: AsyncRolloutEngine, settings: ServerSettings) -> FastAPI:
         await engine.check_weight_update(body.names, dtypes, body.shapes, body.component)
         return {"ok": True}
 
+    callable_by_name = READ_ONLY_METHODS | _extension_methods(engine) | settings.rpc_allow
+
     @router.post("/collective_rpc")
     async def collective_rpc(
         body: Annotated[protocol.CollectiveRpcBody, json_body(protocol.CollectiveRpcBody)],
     ) -> dict:
+        if body.method not in callable_by_name and body.method in worker_methods(Worker):
+            raise HTTPException(403, _rpc_refusal(body.method))
         results = await engine.collective_rpc(
             body.method, args=body.args, kwargs=body.kwargs, timeout=body.timeout, ranks=body.ranks
         )
@@ -255,6 +262,42 @@ def build_app(engine: AsyncRolloutEngine, settings: ServerSettings) -> FastAPI:
 
     app.include_router(router)
     return app
+
+
+# Worker functions by name.
+
+# The engine's own route for what a state-changing worker function does.
+_ENGINE_ROUTES = {
+    "execute": "/rollout/generate",
+    "stage_weights": "/update_weights_from_tensor",
+    "apply_staged_weights": "/update_weights_from_tensor",
+    "commit_weights": "/update_weights_from_tensor",
+    "rollback_weights": "/update_weights_from_tensor",
+    "stage_weights_from_files": "/update_weights_from_disk",
+    "init_weight_update_group": "/init_weight_update_group",
+    "stage_weights_from_broadcast": "/update_weights_from_distributed",
+    "load_lora": "/v1/load_lora_adapter",
+    "unload_lora": "/v1/unload_lora_adapter",
+    "discard_lora": "/v1/unload_lora_adapter",
+    "sleep": "/release_memory_occupation",
+    "wake_up": "/resume_memory_occupation",
+}
+
+
+def _extension_methods(engine: AsyncRolloutEngine) -> frozenset[str]:
+    """The methods the server's --worker-extension-cls adds: its operator chose them."""
+    return frozenset(worker_methods(engine.engine.executor.worker_cls) - worker_methods(Worker))
+
+
+def _rpc_refusal(method: str) -> str:
+    """Over HTTP a client reaches the worker's own state-changing functions only through the
+    engine, which keeps their effects in its books (sleep level, weight version, adapters)."""
+    route = _ENGINE_ROUTES.get(method)
+    instead = f"use {route}, which keeps the engine's record of it" if route else "the engine does this itself"
+    return (
+        f"worker method {method!r} changes state the engine keeps, so /collective_rpc does not call it: {instead}; "
+        f"or start the server with --rpc-allow {method} if you accept that the engine's record may be wrong"
+    )
 
 
 # Bodies.

@@ -196,6 +196,55 @@ def test_a_request_that_fails_in_the_worker_fails_alone(server, remote):
     assert remote.collective_rpc("request_ids") == [[]]
 
 
+@pytest.mark.parametrize(
+    "method, args, route",
+    [
+        ("sleep", [1], "/release_memory_occupation"),
+        ("wake_up", [], "/resume_memory_occupation"),
+        ("unload_lora", ["policy"], "/v1/unload_lora_adapter"),
+        ("stage_weights", ["transformer", {}], "/update_weights_from_tensor"),
+        ("init_weight_update_group", ["0.0.0.0", 29500, 0, 1, "gloo", 1.0], "/init_weight_update_group"),
+        ("execute", [{}], "/rollout/generate"),
+    ],
+)
+def test_collective_rpc_reaches_only_what_keeps_the_engine_s_books(server, remote, method, args, route):
+    """Over HTTP a client may call the read-only worker functions and the extension's; the ones that
+    change what the engine keeps (asleep while /server_info says awake, weights without a version, a
+    TCPStore on every interface) are refused with the route that does it properly."""
+    body = {"method": method, "args": args}
+    refused_in_a_second(server, "/collective_rpc", 403, f"use {route}", json_body=body)
+    refused = post(server, "/collective_rpc", json_body=body).json()["error"]["message"]
+    assert f"--rpc-allow {method}" in refused
+    assert remote.server_info()["sleep_level"] == 0 and remote.collective_rpc("hot_swap_state")[0]["sleep_level"] == 0
+    assert remote.collective_rpc("weights_checksum", args=("transformer",)) == [remote.weights_checksum()]
+
+
+def test_rpc_allow_lets_the_operator_open_a_method(tiny_model):
+    from starlette.testclient import TestClient
+
+    from rollout import EngineConfig, RolloutEngine
+    from rollout.async_engine import AsyncRolloutEngine
+    from rollout.serve.app import ServerSettings, build_app
+
+    engine = AsyncRolloutEngine(RolloutEngine(EngineConfig(model=tiny_model)))
+    try:
+        settings = ServerSettings(allowed_hosts=None, rpc_allow=frozenset({"check_health", "sleep"}))
+        with TestClient(build_app(engine, settings)) as client:
+            assert client.post("/collective_rpc", json={"method": "sleep", "args": [1]}).status_code == 200
+            assert client.post("/collective_rpc", json={"method": "wake_up"}).status_code == 403
+    finally:
+        engine.shutdown()
+
+
+def test_every_worker_function_is_either_read_only_or_has_an_engine_route():
+    """A new worker function must be placed: callable by name over HTTP, or refused with its route."""
+    from rollout.serve.app import _ENGINE_ROUTES
+    from rollout.worker import READ_ONLY_METHODS, Worker, worker_methods
+
+    assert worker_methods(Worker) == READ_ONLY_METHODS | set(_ENGINE_ROUTES)
+    assert not READ_ONLY_METHODS & set(_ENGINE_ROUTES)
+
+
 def test_server_info_never_shows_the_key(server):
     info = httpx.get(f"{server.url}/server_info", headers=AUTH)
     assert API_KEY not in json.dumps(info.json())
