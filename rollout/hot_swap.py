@@ -8,6 +8,7 @@ adapters, sleep level), and runs between engine steps.
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
@@ -21,6 +22,8 @@ from rollout.weight_sync import DEFAULT_BUCKET_BYTES
 from rollout.weights import TensorSpec
 
 logger = logging.getLogger(__name__)
+
+_LORA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
 class HotSwapAPI:
@@ -180,6 +183,10 @@ class HotSwapAPI:
         the one loaded before stays.
         """
         self._check_open()
+        if not (isinstance(name, str) and _LORA_NAME.fullmatch(name)):
+            raise ValueError(
+                f"a LoRA name is 1-64 letters, digits, '_' or '-' (PEFT keys its layers by it), got {name!r}"
+            )
         if isinstance(source, str | Path):
             source = str(source)
         elif not isinstance(source, Mapping):
@@ -187,28 +194,42 @@ class HotSwapAPI:
         elif config is None:
             raise ValueError(f"LoRA {name!r} from tensors needs a config (a peft.LoraConfig or its dict)")
         self._finish_running_requests()
+        # Every rank stages it beside its live adapter; only once all have does any rank switch.
+        kept = f"the {name!r} it had" if name in self._loras else f"no adapter named {name!r}"
         try:
             bound = self.collective_rpc(
-                "load_lora", args=(name, source if isinstance(source, str) else dict(source), config, check_finite)
+                "stage_lora", args=(name, source if isinstance(source, str) else dict(source), config, check_finite)
             )
         except TimeoutError as error:
-            timeout = self._reread_after("load_lora", error)
-            if name in self._loras:  # the late call loaded it: the adapter may have changed
-                self.weight_version = self.weight_version + 1 if version is None else version
-            raise timeout from error
+            self._roll_back_lora(name, error)
+            raise TimeoutError(f"{error}; the load was rolled back on every rank, which keeps {kept}") from error
         except WorkerError as error:
-            if error.raised(ValueError):  # refused by the checks, before anything changed
+            self._roll_back_lora(name, error)
+            if error.raised(ValueError):  # refused by the checks
                 raise ValueError(error.message) from error
-            # Failed while loading on some rank: ranks must not disagree on what `name` means.
+            raise RuntimeError(
+                f"loading LoRA {name!r} failed on rank {error.rank} ({error.error}); every rank keeps {kept}"
+            ) from error
+        try:
+            self.collective_rpc("commit_lora", args=(name,))
+        except (TimeoutError, WorkerError) as error:
+            # Some ranks may have switched: they must not disagree on what `name` means.
             self.collective_rpc("discard_lora", args=(name,))
             self._loras.pop(name, None)
-            raise RuntimeError(
-                f"loading LoRA {name!r} failed on rank {error.rank}; it is unloaded everywhere"
-            ) from error
+            raise RuntimeError(f"committing LoRA {name!r} failed ({error}); it is unloaded everywhere") from error
         self._loras[name] = bound[0]
         self.weight_version = self.weight_version + 1 if version is None else version
         logger.debug("LoRA %r loaded on %d modules; weight version %d", name, bound[0], self.weight_version)
         return self.weight_version
+
+    def _roll_back_lora(self, name: str, cause: BaseException) -> None:
+        """Drop what any rank staged for `name` (a late stage still running in a worker is done
+        before this runs there). A rollback that fails leaves ranks that may disagree: dead."""
+        wait = max(self.config.rpc_timeout_s, self.config.step_timeout_s)
+        try:
+            self.collective_rpc("rollback_lora", args=(name,), timeout=wait)
+        except (TimeoutError, WorkerError) as error:
+            raise self._dead_after("load_lora", f"rolling it back failed too ({error})") from cause
 
     def unload_lora(self, name: str) -> None:
         """Remove adapter `name` from every worker and free its memory."""

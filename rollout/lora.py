@@ -13,64 +13,90 @@ a component it has none for runs its base weights when the adapter is picked.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
+import struct
 import warnings
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from peft import LoraConfig
 from peft.tuners.lora import LoraLayer
-from peft.tuners.tuners_utils import _ExcludedModule, check_target_module_exists
+from peft.tuners.tuners_utils import BaseTunerLayer, _ExcludedModule, check_target_module_exists
 from peft.utils import set_peft_model_state_dict
 from torch import nn
 
+from rollout.regular_files import open_regular, read_regular
 from rollout.weights import all_finite
 
 logger = logging.getLogger(__name__)
 
 
 class LoraLoadFailed(RuntimeError):
-    """Loading an adapter failed after its checks passed; the worker holds no adapter of its name."""
+    """Building an adapter failed after its checks passed; the worker keeps what it had."""
 
 
 # Prefixes that LoRA files put before module names: PEFT's wrapper and diffusers' component name.
 _KEY_PREFIXES = ("base_model.model.", "transformer.")
 DIFFUSERS_LORA_FILE = "pytorch_lora_weights.safetensors"
+MAX_CONFIG_BYTES = 1 << 20  # an adapter_config.json is a few KB
 # Wan 2.2's low-noise expert: a second diffusers LoRA file, keyed like the first.
 DIFFUSERS_LORA_FILE_2 = "pytorch_lora_weights_transformer_2.safetensors"
+DIFFUSERS_SECOND_COMPONENT = "transformer_2"  # the component whose keys DIFFUSERS_LORA_FILE_2 holds
 # Where diffusers' save_lora_weights stores the LoRA config (JSON, keys prefixed by component).
 _DIFFUSERS_METADATA_KEY = "lora_adapter_metadata"
 
 
-def read_lora_folder(folder: str | Path) -> tuple[dict[str, torch.Tensor], LoraConfig | None]:
+def read_lora_folder(
+    folder: str | Path, max_bytes: int | None = None
+) -> tuple[dict[str, torch.Tensor], LoraConfig | None]:
     """(tensors, config) of a PEFT folder (adapter_config.json + adapter_model.safetensors), or of a
     diffusers LoRA folder (pytorch_lora_weights.safetensors; its config is read from the file's
     metadata where diffusers stored one, else None: inferred from shapes). A folder with
-    `DIFFUSERS_LORA_FILE_2` adds its tensors for `transformer_2` (Wan 2.2's low-noise expert)."""
-    from safetensors import safe_open
-    from safetensors.torch import load_file
-
+    `DIFFUSERS_LORA_FILE_2` adds its tensors for `transformer_2` (Wan 2.2's low-noise expert).
+    Only regular files are read, the weights files of at most `max_bytes` each (None: any size),
+    the JSON config of at most 1 MB."""
     folder = Path(folder)
-    if (folder / "adapter_config.json").is_file():
-        config = json.loads((folder / "adapter_config.json").read_text())
-        return load_file(folder / "adapter_model.safetensors"), config_from_dict(config)
+    if (folder / "adapter_config.json").exists():
+        config = json.loads(read_regular(folder / "adapter_config.json", "LoRA config", MAX_CONFIG_BYTES))
+        return _load_weights(folder / "adapter_model.safetensors", max_bytes), config_from_dict(config)
     path = folder / DIFFUSERS_LORA_FILE
-    if path.is_file():
-        with safe_open(path, framework="pt") as file:
-            metadata = json.loads((file.metadata() or {}).get(_DIFFUSERS_METADATA_KEY, "{}"))
+    if path.exists():
+        tensors, metadata = _load_weights_and_metadata(path, max_bytes)
+        metadata = json.loads(metadata.get(_DIFFUSERS_METADATA_KEY, "{}"))
         prefix = "transformer."
         config = {key.removeprefix(prefix): value for key, value in metadata.items() if key.startswith(prefix)}
-        tensors = load_file(path)
-        if (folder / DIFFUSERS_LORA_FILE_2).is_file():
-            second = load_file(folder / DIFFUSERS_LORA_FILE_2)
-            tensors |= {"transformer_2." + key.removeprefix(prefix): tensor for key, tensor in second.items()}
+        if (folder / DIFFUSERS_LORA_FILE_2).exists():
+            second = _load_weights(folder / DIFFUSERS_LORA_FILE_2, max_bytes)
+            second = {key.removeprefix(prefix): tensor for key, tensor in second.items()}
+            tensors |= {f"{DIFFUSERS_SECOND_COMPONENT}.{key}": tensor for key, tensor in second.items()}
         return tensors, config_from_dict(config) if config else None
     raise ValueError(
         f"LoRA folder {str(folder)!r} holds neither adapter_config.json + adapter_model.safetensors (PEFT) "
         f"nor {DIFFUSERS_LORA_FILE} (diffusers)"
     )
+
+
+def _load_weights(path: Path, max_bytes: int | None) -> dict[str, torch.Tensor]:
+    return _load_weights_and_metadata(path, max_bytes)[0]
+
+
+def _load_weights_and_metadata(path: Path, max_bytes: int | None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """A LoRA weights file's tensors and metadata, read from the descriptor checked to be a regular file."""
+    import safetensors.torch
+
+    with open_regular(path, "LoRA weights file", max_bytes) as handle:
+        data = handle.read()
+    try:
+        tensors = safetensors.torch.load(data)
+        (length,) = struct.unpack_from("<Q", data)
+        metadata = json.loads(data[8 : 8 + length]).get("__metadata__") or {}
+    except Exception as error:  # safetensors raises its own SafetensorError
+        raise ValueError(f"LoRA weights file {str(path)!r} is not a valid safetensors file: {error}") from None
+    return tensors, metadata
 
 
 def config_from_dict(config: Mapping) -> LoraConfig:
@@ -100,7 +126,9 @@ def split_by_component(tensors: Mapping[str, torch.Tensor], components: Sequence
 
 
 def infer_config(tensors: Mapping[str, torch.Tensor]) -> LoraConfig:
-    """A config for a diffusers LoRA file: its rank from lora_A, alpha = rank, its modules as targets."""
+    """A config for a diffusers LoRA file: its rank from lora_A, alpha = rank, its modules as targets
+    (keys as a file or `split_by_component` gives them: the component prefixes do not count)."""
+    tensors = normalize_keys({key.removeprefix(f"{DIFFUSERS_SECOND_COMPONENT}."): t for key, t in tensors.items()})
     ranks = {t.shape[0] for key, t in tensors.items() if ".lora_A." in key}
     if len(ranks) != 1:
         raise ValueError(f"cannot infer one LoRA rank from the tensors (found ranks {sorted(ranks)}); pass a config")
@@ -109,13 +137,94 @@ def infer_config(tensors: Mapping[str, torch.Tensor]) -> LoraConfig:
     return LoraConfig(r=rank, lora_alpha=rank, target_modules=targets)
 
 
+# What a LoRA config from over the network may set: plain LoRA layers on named modules. PEFT reads
+# a string `target_modules` (and the keys of rank_pattern / alpha_pattern, layers_pattern) as
+# regular expressions matched against every module name: a backtracking one froze a server. The
+# other fields build more than LoRA layers (layer_replication, modules_to_save, initialisations
+# that decompose the base weights).
+_REMOTE_FIELDS = {
+    "r",
+    "lora_alpha",
+    "lora_dropout",
+    "target_modules",
+    "exclude_modules",
+    "init_lora_weights",
+    "use_rslora",
+    "use_dora",
+    "bias",
+    "lora_bias",
+    "fan_in_fan_out",
+    # Bookkeeping that changes nothing built.
+    "peft_type",
+    "task_type",
+    "base_model_name_or_path",
+    "revision",
+    "inference_mode",
+    "auto_mapping",
+    "peft_version",
+}
+MAX_REMOTE_RANK = 1024
+
+
+def remote_config_problems(config: LoraConfig | Mapping | None) -> list[str]:
+    """Why a LoRA config sent by a client (a service's upload) is not taken, one line per field;
+    [] when it only builds plain LoRA layers on modules it names (None: inferred from the tensors)."""
+    if config is None:
+        return []
+    values = config.to_dict() if isinstance(config, LoraConfig) else dict(config)
+    defaults = LoraConfig().to_dict()
+    problems = []
+    for key in ("target_modules", "exclude_modules"):
+        names = values.get(key)
+        if names is not None and (isinstance(names, str) or not all(isinstance(n, str) for n in names)):
+            problems.append(
+                f"{key} must be a list of module names (a string is a regular expression PEFT matches against every "
+                f"module name, refused over the network), got {names!r}"
+            )
+    rank = values.get("r", defaults["r"])
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 1 <= rank <= MAX_REMOTE_RANK:
+        problems.append(f"r must be an integer in [1, {MAX_REMOTE_RANK}], got {rank!r}")
+    alpha = values.get("lora_alpha", defaults["lora_alpha"])
+    if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not 0 < alpha <= 1e6:
+        problems.append(f"lora_alpha must be a number in (0, 1e6], got {alpha!r}")
+    dropout = values.get("lora_dropout", defaults["lora_dropout"])
+    if isinstance(dropout, bool) or not isinstance(dropout, int | float) or not 0 <= dropout < 1:
+        problems.append(f"lora_dropout must be a number in [0, 1), got {dropout!r}")
+    if values.get("init_lora_weights", True) not in (True, False, "gaussian"):
+        problems.append(f"init_lora_weights must be true, false or 'gaussian', got {values['init_lora_weights']!r}")
+    for key, value in values.items():
+        if key not in _REMOTE_FIELDS and value not in (defaults.get(key), None, {}, [], ()):
+            problems.append(f"{key} is not taken over the network (it is {value!r}); leave it unset")
+    return problems
+
+
+@dataclass
+class _Staged:
+    """An adapter checked and ready to become the live one of its name."""
+
+    config: LoraConfig
+    placed: tuple[str, ...]
+    layers: str | None  # the PEFT adapter name of newly built layers; None: a copy into the live ones
+    copies: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (live tensor, new value)
+
+
 class LoraManager:
-    """The adapters of one worker, on `components` (name -> module; the first is the default)."""
+    """The adapters of one worker, on `components` (name -> module; the first is the default).
+
+    Loading is two-phase, so that a load that fails anywhere (its checks, PEFT building its layers)
+    leaves the worker as it was, and the engine can have every rank take an adapter or none:
+    `stage` checks the adapter and builds it beside the live one (new PEFT layers under a name of
+    their own; for a hot swap of the same layout, checked copies of the tensors), `commit` makes it
+    the live adapter of its name, `rollback` drops what was staged. `load` does the three.
+    """
 
     def __init__(self, components: Mapping[str, nn.Module]):
         self.components = dict(components)
         self.configs: dict[str, LoraConfig] = {}
         self.placed: dict[str, tuple[str, ...]] = {}  # adapter -> the components it has layers on
+        self._layers: dict[str, str] = {}  # adapter -> the PEFT adapter name its live layers carry
+        self._staged: dict[str, _Staged] = {}
+        self._builds = itertools.count()
         self._active: tuple[str | None, float] | None = None  # what the models are set up for now
 
     def load(
@@ -125,8 +234,24 @@ class LoraManager:
         config: LoraConfig | Mapping | None,
         check_finite: bool = True,
     ) -> int:
-        """Load adapter `name` (replacing one of that name); returns how many modules it binds.
-        `check_finite` refuses an adapter holding NaN or infinity (ValueError), the old one staying."""
+        """Load adapter `name` (replacing one of that name); returns how many modules it binds. A
+        load that fails leaves every adapter as it was."""
+        bound = self.stage(name, tensors, config, check_finite)
+        self.commit(name)
+        return bound
+
+    def stage(
+        self,
+        name: str,
+        tensors: Mapping[str, torch.Tensor],
+        config: LoraConfig | Mapping | None,
+        check_finite: bool = True,
+    ) -> int:
+        """Check adapter `name` and build it beside the live one; returns how many modules it
+        binds. Refused (ValueError) before anything is built when it does not fit the model, or with
+        `check_finite` holds NaN or infinity; a build that fails raises `LoraLoadFailed`. Either
+        way the worker is as it was."""
+        self.rollback(name)
         if check_finite:
             bad = [key for key, tensor in tensors.items() if not all_finite(tensor)]
             if bad:
@@ -142,63 +267,85 @@ class LoraManager:
             self._check_fits(name, self.components[component], part, config)
         same_layout = name in self.configs and _layout(self.configs[name]) == _layout(config)
         if same_layout and self.placed[name] == tuple(parts):
-            return sum(self._copy_in_place(name, self.components[c], part) for c, part in parts.items())
+            copies = [pair for c, part in parts.items() for pair in self._copies(name, self.components[c], part)]
+            self._staged[name] = _Staged(config, tuple(parts), None, copies)
+            return self.bound_modules(name)
+        layers = f"{name}-{next(self._builds)}"
+        self._active = None  # PEFT activates what it builds
         try:
-            self._rebuild(name, parts, config)
+            self._build(layers, parts, config)
         except Exception as error:
-            # Past the checks the old adapter may be gone: say so with a type that is not a refusal
-            # (ValueError), so the engine does not take it for "nothing changed".
-            if name in self.configs:
-                self.unload(name)
+            for component in parts:
+                _forget_peft_adapter(self.components[component], layers)
+            kept = f"its {name!r} from before" if name in self.configs else f"no adapter named {name!r}"
             raise LoraLoadFailed(
-                f"LoRA {name!r} failed to load after its checks passed ({type(error).__name__}: {error}); "
-                "this worker holds no adapter of that name now"
+                f"LoRA {name!r} failed to build after its checks passed ({type(error).__name__}: {error}); "
+                f"this worker keeps {kept}"
             ) from error
-        bound = self.bound_modules(name)
-        logger.info("loaded LoRA %r (rank %d) on %d modules", name, config.r, bound)
-        return bound
+        self._staged[name] = _Staged(config, tuple(parts), layers)
+        return sum(_bound_modules(self.components[c], layers) for c in parts)
 
-    def _rebuild(self, name: str, parts: Mapping[str, Mapping[str, torch.Tensor]], config: LoraConfig) -> None:
-        """Replace adapter `name` with PEFT layers of `config` holding each component's tensors."""
-        if name in self.configs:
-            self.unload(name)
-        self.configs[name] = config
-        self.placed[name] = ()
+    def commit(self, name: str) -> None:
+        """Make the adapter staged under `name` the live one (the previous layers are freed)."""
+        if name not in self._staged:
+            raise ValueError(f"no LoRA {name!r} is staged; stage it first")
+        staged = self._staged.pop(name)
+        if staged.layers is None:
+            with torch.no_grad():
+                for target, value in staged.copies:
+                    target.copy_(value)
+        else:
+            if name in self._layers:
+                for component in self.placed[name]:
+                    _forget_peft_adapter(self.components[component], self._layers[name])
+            self._layers[name] = staged.layers
+            self.placed[name] = staged.placed
+        self.configs[name] = staged.config
         self._active = None
+        logger.info("loaded LoRA %r (rank %d) on %d modules", name, staged.config.r, self.bound_modules(name))
+
+    def rollback(self, name: str) -> None:
+        """Drop what is staged under `name` (nothing staged: nothing to do)."""
+        staged = self._staged.pop(name, None)
+        if staged is not None and staged.layers is not None:
+            for component in staged.placed:
+                _forget_peft_adapter(self.components[component], staged.layers)
+            self._active = None
+
+    def _build(self, layers: str, parts: Mapping[str, Mapping[str, torch.Tensor]], config: LoraConfig) -> None:
+        """PEFT layers named `layers` of `config` holding each component's tensors."""
         for component, tensors in parts.items():
             model = self.components[component]
             with warnings.catch_warnings():  # PEFT warns on every second adapter; several is the point here
                 warnings.filterwarnings("ignore", message="Already found a `peft_config` attribute")
-                model.add_adapter(config, adapter_name=name)
-            self.placed[name] += (component,)
-            adapter_to_float32(model, name)
-            result = set_peft_model_state_dict(model, tensors, adapter_name=name)
+                model.add_adapter(config, adapter_name=layers)
+            adapter_to_float32(model, layers)
+            result = set_peft_model_state_dict(model, tensors, adapter_name=layers)
             if result.unexpected_keys:  # checked before; a PEFT that maps keys differently lands here
                 raise RuntimeError(f"PEFT did not place tensors {result.unexpected_keys[:3]}")
 
-    def _copy_in_place(self, name: str, model: nn.Module, tensors: Mapping[str, torch.Tensor]) -> int:
-        """Hot swap with the same layout: copy into the adapter's tensors (40x faster than PEFT
-        rebuilding its layers). Every shape is checked before the first copy."""
-        targets = {}
+    def _copies(self, name: str, model: nn.Module, tensors: Mapping[str, torch.Tensor]) -> list[tuple]:
+        """A hot swap with the same layout copies into the live adapter's tensors (40x faster than
+        PEFT rebuilding its layers): (target, value) for each, every shape checked, values on the
+        targets' device and dtype."""
+        pairs = []
         for key, tensor in tensors.items():
-            module_name, _, rest = key.partition(".lora_")
-            kind, _, leaf = rest.partition(".")  # "A" / "B", "weight"
-            target = getattr(model.get_submodule(f"{module_name}.lora_{kind}.{name}"), leaf)
+            module_name, kind, leaf = _lora_key(key)
+            target = getattr(model.get_submodule(f"{module_name}.lora_{kind}.{self._layers[name]}"), leaf)
             if target.shape != tensor.shape:
                 raise ValueError(
                     f"LoRA {name!r} refused: {key} expected {list(target.shape)}, got {list(tensor.shape)}"
                 )
-            targets[key] = target
-        with torch.no_grad():
-            for key, target in targets.items():
-                target.copy_(tensors[key])
-        return _bound_modules(model, name)
+            pairs.append((target, tensor.to(target.device, target.dtype)))
+        return pairs
 
     def unload(self, name: str) -> None:
         if name not in self.configs:
             raise ValueError(f"no LoRA named {name!r} is loaded; loaded: {sorted(self.configs)}")
+        self.rollback(name)
+        layers = self._layers.pop(name)
         for component in self.placed.pop(name):
-            self.components[component].delete_adapters(name)
+            _forget_peft_adapter(self.components[component], layers)
         del self.configs[name]
         self._active = None
 
@@ -210,18 +357,24 @@ class LoraManager:
         for component, model in self.components.items():
             if name is not None and component in self.placed[name]:
                 model.enable_lora()
-                model.set_adapters([name], [scale])
+                model.set_adapters([self._layers[name]], [scale])
             elif any(component in placed for placed in self.placed.values()):
                 model.disable_lora()
         self._active = (name, scale)
 
     def bound_modules(self, name: str) -> int:
-        return sum(_bound_modules(self.components[component], name) for component in self.placed[name])
+        return sum(_bound_modules(self.components[c], self._layers[name]) for c in self.placed[name])
 
     def _check_fits(
         self, name: str, model: nn.Module, tensors: Mapping[str, torch.Tensor], config: LoraConfig
     ) -> None:
         """Refuse, before anything changes, an adapter that does not fit the model exactly."""
+        malformed = [key for key in tensors if _lora_key(key) is None]
+        if malformed:
+            raise ValueError(
+                f"LoRA {name!r} refused: {len(malformed)} keys are not LoRA tensor names "
+                f"({sorted(malformed)[:3]}); expected '<module>.lora_A.weight' and '<module>.lora_B.weight'"
+            )
         modules = _base_module_names(model)
         given = {key.split(".lora_")[0] for key in tensors}
         if not given & modules:
@@ -247,6 +400,36 @@ class LoraManager:
             )
         if problems:
             raise ValueError(f"LoRA {name!r} refused: " + "; ".join(problems))
+
+
+def _lora_key(key: str) -> tuple[str, str, str] | None:
+    """(module, kind, leaf) of a LoRA tensor name: `<module>.lora_A.weight` (A or B, weight or bias),
+    or DoRA's `<module>.lora_magnitude_vector.weight`; None for anything else."""
+    module_name, separator, rest = key.partition(".lora_")
+    kind, _, leaf = rest.partition(".")
+    if not (separator and module_name):
+        return None
+    if (kind in ("A", "B") and leaf in ("weight", "bias")) or (kind == "magnitude_vector" and leaf == "weight"):
+        return module_name, kind, leaf
+    return None
+
+
+def _forget_peft_adapter(model: nn.Module, layers: str) -> None:
+    """Remove every trace of PEFT adapter `layers` from `model`, whatever stage it reached: its
+    layers, its config entry, and diffusers' flag that a config is loaded (which a failed first
+    add_adapter leaves set with no config, and every later add_adapter then fails on)."""
+    with warnings.catch_warnings():  # PEFT warns when a deleted adapter was the active one
+        warnings.simplefilter("ignore")
+        for module in model.modules():
+            if isinstance(module, BaseTunerLayer):
+                module.delete_adapter(layers)
+    configs = getattr(model, "peft_config", None)
+    if configs is not None:
+        configs.pop(layers, None)
+        if not configs:
+            del model.peft_config
+    if getattr(model, "peft_config", None) is None:
+        model._hf_peft_config_loaded = False
 
 
 def _bound_modules(model: nn.Module, name: str) -> int:

@@ -1,5 +1,6 @@
 """Weights saved as safetensors: which files a path names, and their tensor specs from the headers
-alone (no tensor data is read), so an update from disk is checked before anything loads."""
+alone (no tensor data is read), so an update from disk is checked before anything loads. Only
+regular files are read (`rollout.regular_files`): a FIFO or a device named like weights is refused."""
 
 from __future__ import annotations
 
@@ -9,7 +10,11 @@ from pathlib import Path
 
 import torch
 
+from rollout.regular_files import check_regular, open_regular
 from rollout.weights import TensorSpec
+
+# safetensors refuses headers past 100 MB; so does this check, before reading one.
+MAX_HEADER_BYTES = 100_000_000
 
 _DTYPES = {
     "F64": torch.float64,
@@ -29,10 +34,10 @@ def safetensors_files(path: str | Path) -> list[Path]:
     """A .safetensors file, or every .safetensors file of a folder (a diffusers component folder,
     possibly sharded). Raises ValueError naming the path when there is none."""
     path = Path(path)
-    if path.is_file() and path.suffix == ".safetensors":
-        return [path]
+    if path.suffix == ".safetensors" and not path.is_dir():
+        return [check_regular(path, "weights file")]
     if path.is_dir():
-        files = sorted(path.glob("*.safetensors"))
+        files = [check_regular(file, "weights file") for file in sorted(path.glob("*.safetensors"))]
         if files:
             return files
     raise ValueError(
@@ -45,13 +50,28 @@ def read_specs(files: list[Path]) -> dict[str, TensorSpec]:
     """Name -> spec of every tensor in the files, from their JSON headers."""
     specs = {}
     for file in files:
-        with open(file, "rb") as handle:
-            (length,) = struct.unpack("<Q", handle.read(8))
-            header = json.loads(handle.read(length))
-        for name, entry in header.items():
+        for name, entry in _header(file).items():
             if name == "__metadata__":
                 continue
+            if not (isinstance(entry, dict) and isinstance(entry.get("shape"), list) and "dtype" in entry):
+                raise ValueError(f"{str(file)!r} is not a safetensors file: its entry for {name!r} is malformed")
             if entry["dtype"] not in _DTYPES:
                 raise ValueError(f"{file}: tensor {name} has dtype {entry['dtype']}, which is not supported")
             specs[name] = TensorSpec(tuple(entry["shape"]), _DTYPES[entry["dtype"]])
     return specs
+
+
+def _header(file: Path) -> dict:
+    not_safetensors = f"{str(file)!r} is not a safetensors file"
+    with open_regular(file, "weights file") as handle:
+        prefix = handle.read(8)
+        (length,) = struct.unpack("<Q", prefix) if len(prefix) == 8 else (None,)
+        if length is None or length > MAX_HEADER_BYTES:
+            raise ValueError(f"{not_safetensors}: its header length is missing or past {MAX_HEADER_BYTES} bytes")
+        try:
+            header = json.loads(handle.read(length))
+        except (UnicodeDecodeError, json.JSONDecodeError) as error:
+            raise ValueError(f"{not_safetensors}: its header is not JSON ({error})") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{not_safetensors}: its header is not a JSON object")
+    return header

@@ -18,6 +18,7 @@ from rollout.lora import LoraManager, read_lora_folder
 from rollout.model_runner import BatchLost, ModelRunner, RequestState, RunnerOutput, describe
 from rollout.pipelines.loading import load_adapter
 from rollout.pipelines.spec import ModelSpec
+from rollout.regular_files import check_regular
 from rollout.scheduler import WorkerInput
 from rollout.sleep import Sleeper
 from rollout.weights import StagedUpdates, TensorSpec, base_state, checksum, specs_of
@@ -112,7 +113,8 @@ class Worker:
     def stage_weights_from_files(self, component: str, files: list[str], check_finite: bool) -> int:
         from safetensors.torch import load_file
 
-        return self.updates.stage_checked(component, (load_file(file) for file in files), check_finite)
+        parts = (load_file(check_regular(file, "weights file")) for file in files)
+        return self.updates.stage_checked(component, parts, check_finite)
 
     def init_weight_update_group(
         self, master_address: str, master_port: int, rank_offset: int, world_size: int, backend: str, timeout_s: float
@@ -147,16 +149,32 @@ class Worker:
     def load_lora(
         self, name: str, source: str | dict[str, torch.Tensor], config: dict | None, check_finite: bool = True
     ) -> int:
-        """Load (or hot-swap) adapter `name` from a folder path or from tensors; returns the number
-        of modules it binds. `check_finite`: refuse (ValueError, nothing changes) NaN or infinity."""
+        """Load (or hot-swap) adapter `name` on this worker alone: `stage_lora` then `commit_lora`."""
+        bound = self.stage_lora(name, source, config, check_finite)
+        self.commit_lora(name)
+        return bound
+
+    def stage_lora(
+        self, name: str, source: str | dict[str, torch.Tensor], config: dict | None, check_finite: bool = True
+    ) -> int:
+        """Check adapter `name` (from a folder path or tensors) and build it beside the live one;
+        returns the number of modules it binds. `check_finite`: refuse NaN or infinity. A refusal
+        (ValueError) or a failed build leaves the worker as it was."""
         tensors, folder_config = read_lora_folder(source) if isinstance(source, str) else (source, None)
-        return self.loras.load(name, tensors, config if config is not None else folder_config, check_finite)
+        return self.loras.stage(name, tensors, config if config is not None else folder_config, check_finite)
+
+    def commit_lora(self, name: str) -> None:
+        self.loras.commit(name)
+
+    def rollback_lora(self, name: str) -> None:
+        self.loras.rollback(name)
 
     def unload_lora(self, name: str) -> None:
         self.loras.unload(name)
 
     def discard_lora(self, name: str) -> None:
-        """Unload `name` if this worker has it (cleanup after a load failed on some rank)."""
+        """Drop `name`, staged or loaded, if this worker has it (cleanup after a failure on some rank)."""
+        self.loras.rollback(name)
         if name in self.loras.configs:
             self.loras.unload(name)
 

@@ -26,6 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from rollout.async_engine import AsyncRolloutEngine, OutputStream
 from rollout.errors import EngineDeadError, WorkerError
+from rollout.lora import infer_config, read_lora_folder, remote_config_problems
 from rollout.sampling_params import SamplingParams
 from rollout.serve import protocol
 from rollout.serve.guard import LOOPBACK_NAMES, RequestGuard
@@ -183,18 +184,23 @@ def build_app(engine: AsyncRolloutEngine, settings: ServerSettings) -> FastAPI:
 
     @router.post("/v1/load_lora_adapter")
     async def load_lora_adapter(request: Request) -> dict:
-        """JSON {"lora_name", "lora_path"} for a folder on the server; or a safetensors body of the
-        adapter's PEFT tensors with metadata "request": {"lora_name", "lora_config", "version"}."""
+        """JSON {"lora_name", "lora_path"} for a folder on the server (read here, its files checked
+        to be regular ones); or a safetensors body of the adapter's PEFT tensors with metadata
+        "request": {"lora_name", "lora_config", "version"}. The config may build plain LoRA layers
+        on the modules it lists, nothing else (`rollout.lora.remote_config_problems`)."""
         if request.headers.get("content-type", "").startswith(SAFETENSORS_MEDIA_TYPE):
             tensors, body = await _tensor_body(request, settings.max_upload_bytes, protocol.LoadLoraTensorsBody)
-            version = await engine.load_lora(
-                body.lora_name, tensors, body.lora_config, version=body.version, check_finite=body.check_finite
-            )
+            config = body.lora_config
         else:
             body = await _parse_json(request, settings.max_body_bytes, protocol.LoadLoraBody)
-            version = await engine.load_lora(
-                body.lora_name, body.lora_path, version=body.version, check_finite=body.check_finite
-            )
+            tensors, config = await asyncio.to_thread(read_lora_folder, body.lora_path, settings.max_upload_bytes)
+            config = config if config is not None else infer_config(tensors)
+        problems = remote_config_problems(config)
+        if problems:
+            raise ValueError(f"LoRA {body.lora_name!r} refused: " + "; ".join(problems))
+        version = await engine.load_lora(
+            body.lora_name, tensors, config, version=body.version, check_finite=body.check_finite
+        )
         return {"weight_version": version, "loras": (await engine.state())["loras"]}
 
     @router.post("/v1/unload_lora_adapter")
@@ -277,6 +283,9 @@ _ENGINE_ROUTES = {
     "init_weight_update_group": "/init_weight_update_group",
     "stage_weights_from_broadcast": "/update_weights_from_distributed",
     "load_lora": "/v1/load_lora_adapter",
+    "stage_lora": "/v1/load_lora_adapter",
+    "commit_lora": "/v1/load_lora_adapter",
+    "rollback_lora": "/v1/load_lora_adapter",
     "unload_lora": "/v1/unload_lora_adapter",
     "discard_lora": "/v1/unload_lora_adapter",
     "sleep": "/release_memory_occupation",

@@ -745,28 +745,37 @@ def test_weights_through_a_broadcast_group(engine, original_weights):
 
 def _break_lora_load(worker, rank):
     if worker.rank == rank:
-        load = worker.loras.load
+        stage = worker.loras.stage
 
-        def load_then_fail(*args):
-            load(*args)
+        def stage_then_fail(*args):
+            stage(*args)
             raise RuntimeError("device lost while loading")
 
-        worker.loras.load = load_then_fail
+        worker.loras.stage = stage_then_fail
 
 
 def _restore_lora_load(worker) -> None:
-    vars(worker.loras).pop("load", None)
+    vars(worker.loras).pop("stage", None)
 
 
-def test_a_lora_load_that_fails_on_a_rank_is_unloaded_everywhere(engine, lora_tensors):
-    (policy, _), config = lora_tensors
+def test_a_lora_load_that_fails_on_a_rank_is_taken_by_no_rank(engine, lora_tensors):
+    """Every rank stages the adapter before any switches to it: one rank failing rolls every rank
+    back to what it had (here its first adapter, which still serves, bitwise)."""
+    (policy, other), config = lora_tensors
+    engine.load_lora("policy", policy, config)
+    before, version = _lora_images(engine, "policy"), engine.weight_version
     engine.collective_rpc(_break_lora_load, args=(engine.config.num_workers - 1,))
     try:
-        with pytest.raises(RuntimeError, match="loading LoRA 'policy' failed on rank .*; it is unloaded everywhere"):
-            engine.load_lora("policy", policy, config)
+        with pytest.raises(
+            RuntimeError, match=r"loading LoRA 'policy' failed on rank .*; every rank keeps the 'policy'"
+        ):
+            engine.load_lora("policy", other, config)
     finally:
         engine.collective_rpc(_restore_lora_load)
-    assert engine.list_loras() == []
+    assert engine.list_loras() == ["policy"] and engine.weight_version == version
+    assert engine.collective_rpc(lambda worker: sorted(worker.loras.configs)) == [["policy"] for _ in _ranks(engine)]
+    assert _same(before, _lora_images(engine, "policy"))
+    engine.unload_lora("policy")
     assert engine.collective_rpc(lambda worker: sorted(worker.loras.configs)) == [[] for _ in _ranks(engine)]
 
 
@@ -781,24 +790,25 @@ def _restore_add_adapter(worker) -> None:
     vars(worker.adapter.transformer).pop("add_adapter", None)
 
 
-def test_a_new_layout_that_fails_midway_leaves_the_engine_and_workers_agreeing(engine, lora_tensors):
-    """A hot swap to a new layout unloads the old adapter first; if building the new one then fails
-    (even with a ValueError), the engine must not keep listing an adapter the workers lost."""
+def test_a_new_layout_that_fails_midway_leaves_the_old_adapter_serving(engine, lora_tensors):
+    """A hot swap to a new layout builds the new layers beside the old ones; if PEFT then fails
+    (even with a ValueError), the old adapter still serves, bitwise, and the next load works."""
     (policy, _), config = lora_tensors
     engine.load_lora("policy", policy, config)
+    before = _lora_images(engine, "policy")
     bigger = {**config, "r": 8}
     tensors = {k: torch.cat([v, v], dim=0 if ".lora_A." in k else 1) for k, v in policy.items()}
     engine.collective_rpc(_break_add_adapter)
     try:
-        with pytest.raises(RuntimeError, match="loading LoRA 'policy' failed on rank"):
+        with pytest.raises(RuntimeError, match="loading LoRA 'policy' failed on rank .*every rank keeps the 'policy'"):
             engine.load_lora("policy", tensors, bigger)
     finally:
         engine.collective_rpc(_restore_add_adapter)
-    assert engine.list_loras() == []
-    assert engine.collective_rpc(lambda worker: sorted(worker.loras.configs)) == [[] for _ in _ranks(engine)]
-    with pytest.raises(ValueError, match="lora 'policy' is not loaded"):
-        engine.add_request("x", _params(engine, num_inference_steps=2, lora="policy"))
+    assert engine.list_loras() == ["policy"]
+    assert engine.collective_rpc(lambda worker: sorted(worker.loras.configs)) == [["policy"] for _ in _ranks(engine)]
+    assert _same(before, _lora_images(engine, "policy"))
     engine.load_lora("policy", tensors, bigger)  # the engine still works
+    assert engine.collective_rpc("hot_swap_state")[0]["loras"]["policy"] == engine.lora_modules("policy")
     engine.unload_lora("policy")
 
 

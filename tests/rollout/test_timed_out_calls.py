@@ -1,5 +1,5 @@
 """A state-changing call that times out may still finish in the worker: the engine reads the workers'
-state back instead of acting on a guess."""
+state back instead of acting on a guess, or (a LoRA load, which is staged first) rolls it back."""
 
 from __future__ import annotations
 
@@ -42,15 +42,17 @@ def _lora_tensors(engine) -> dict:
     return {k: v.detach().clone() for k, v in get_peft_model_state_dict(transformer, adapter_name="made").items()}
 
 
-def test_a_timed_out_load_that_finishes_later_is_known_to_the_engine(tiny_model):
+def test_a_timed_out_load_that_finishes_later_is_rolled_back_everywhere(tiny_model):
     with RolloutEngine(EngineConfig(model=tiny_model, rpc_timeout_s=1.0)) as engine:
         tensors = _lora_tensors(engine)
         version = engine.weight_version
-        engine.collective_rpc(_late, args=("loras", "load", 2.0))
-        with pytest.raises(TimeoutError, match=r"read their state back: LoRAs \['policy'\], sleep level 0"):
+        engine.collective_rpc(_late, args=("loras", "stage", 2.0))
+        with pytest.raises(TimeoutError, match="rolled back on every rank, which keeps no adapter named 'policy'"):
             engine.load_lora("policy", tensors, LORA)
-        engine.collective_rpc(_on_time, args=("loras", "load"))
-        assert engine.list_loras() == ["policy"] and engine.weight_version == version + 1
+        engine.collective_rpc(_on_time, args=("loras", "stage"))
+        assert engine.list_loras() == [] and engine.weight_version == version
+        assert engine.collective_rpc("hot_swap_state")[0]["loras"] == {}
+        assert engine.load_lora("policy", tensors, LORA) == version + 1
         (output,) = engine.generate("x", SamplingParams(num_inference_steps=2, seed=0, lora="policy"))
         assert output.weight_version == version + 1 and torch.isfinite(output.trajectory.latents.stack()).all()
 

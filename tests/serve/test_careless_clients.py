@@ -248,3 +248,106 @@ def test_every_worker_function_is_either_read_only_or_has_an_engine_route():
 def test_server_info_never_shows_the_key(server):
     info = httpx.get(f"{server.url}/server_info", headers=AUTH)
     assert API_KEY not in json.dumps(info.json())
+
+
+@pytest.fixture(scope="module")
+def adapter(tiny_model):
+    """A random rank-2 adapter (PEFT keys) of the tiny transformer and its config."""
+    from peft import LoraConfig
+    from peft.utils import get_peft_model_state_dict
+
+    from rollout.pipelines.loading import load_adapter
+
+    transformer = load_adapter(tiny_model).transformer
+    torch.manual_seed(0)
+    config = LoraConfig(r=2, lora_alpha=4, target_modules=["to_q", "to_v"], init_lora_weights=False)
+    transformer.add_adapter(config, adapter_name="made")
+    tensors = {k: v.detach().clone() for k, v in get_peft_model_state_dict(transformer, adapter_name="made").items()}
+    return tensors, {"r": 2, "lora_alpha": 4, "target_modules": ["to_q", "to_v"]}
+
+
+def upload(server, name: str, tensors: dict, config: dict, version: int) -> httpx.Response:
+    """Upload an adapter under `name`; `version`: the weight version it sets (tests share the
+    server, and others compare its versions with an engine of their own)."""
+    from rollout.wire import SAFETENSORS_MEDIA_TYPE, tensors_to_bytes
+
+    request = {"lora_name": name, "lora_config": config, "version": version}
+    body = tensors_to_bytes(tensors, {"request": json.dumps(request)})
+    return httpx.post(
+        f"{server.url}/v1/load_lora_adapter",
+        content=body,
+        headers={**AUTH, "content-type": SAFETENSORS_MEDIA_TYPE},
+        timeout=60,
+    )
+
+
+def test_lora_uploads_that_cannot_hurt(server, remote, adapter):
+    """A regular expression for target_modules (a backtracking one froze a server), configs that
+    build more than LoRA layers, a bad name, a config PEFT fails on while building, a hot swap with
+    a key that is no LoRA tensor: each is refused, the next good upload works, and the adapter
+    that served before serves on, bitwise."""
+    tensors, config = adapter
+    params = SamplingParams(num_inference_steps=2, seed=4, lora="policy")
+    version = remote.weight_version
+    assert upload(server, "policy", tensors, config, version).status_code == 200
+    (before,) = remote.generate("kept", params)
+    bad_uploads = [
+        ("policy", {**config, "target_modules": "(?:[^.]|[^.]|[^.])*Q"}, 400, "target_modules must be a list"),
+        ("policy", {**config, "r": -1}, 400, "r must be an integer in [1, 1024]"),
+        ("policy", {**config, "layer_replication": [[0, 1]]}, 400, "layer_replication is not taken"),
+        ("policy", {**config, "rank_pattern": {".*": 8}}, 400, "rank_pattern is not taken"),
+        ("", config, 400, "a LoRA name is 1-64 letters"),
+        ("policy", {**config, "lora_dropout": 2.0}, 400, "lora_dropout must be a number in [0, 1)"),
+        # Rank 3 with rank-2 tensors passes the checks and fails inside PEFT, past building its layers.
+        ("policy", {**config, "r": 3}, 409, "every rank keeps the 'policy' it had"),
+        ("fresh", {**config, "r": 3}, 409, "every rank keeps no adapter named 'fresh'"),
+    ]
+    for name, bad, status, message in bad_uploads:
+        start = time.monotonic()
+        response = upload(server, name, tensors, bad, version)
+        assert time.monotonic() - start < 1.0
+        assert response.status_code == status and message in response.json()["error"]["message"], response.text
+    key = sorted(tensors)[0]
+    bogus = {**tensors, key.replace(".lora_A.", ".lora_C."): tensors[key].clone()}
+    refused = upload(server, "policy", bogus, config, version)
+    assert refused.status_code == 400 and "are not LoRA tensor names" in refused.json()["error"]["message"]
+    assert remote.list_loras() == ["policy"] and remote.weight_version == version
+    (after,) = remote.generate("kept", params)
+    assert torch.equal(after.image, before.image)
+    assert upload(server, "fresh", tensors, config, version).status_code == 200  # the next load works
+    remote.unload_lora("fresh")
+    remote.unload_lora("policy")
+
+
+def test_paths_that_are_not_regular_files_are_refused_not_waited_on(server, remote, adapter, tmp_path):
+    from safetensors.torch import save_file
+
+    tensors, config = adapter
+    fifo_folder = tmp_path / "fifo_weights"
+    fifo_folder.mkdir()
+    os.mkfifo(fifo_folder / "diffusion_pytorch_model.safetensors")
+    device_link = tmp_path / "random.safetensors"
+    device_link.symlink_to("/dev/urandom")
+    folder_named_like_weights = tmp_path / "dir_weights"
+    (folder_named_like_weights / "x.safetensors").mkdir(parents=True)
+    fifo_lora = tmp_path / "fifo_lora"
+    fifo_lora.mkdir()
+    (fifo_lora / "adapter_config.json").write_text(json.dumps(config))
+    os.mkfifo(fifo_lora / "adapter_model.safetensors")
+    sparse_lora = tmp_path / "sparse_lora"
+    sparse_lora.mkdir()
+    save_file(tensors, sparse_lora / "adapter_model.safetensors")
+    with open(sparse_lora / "adapter_config.json", "wb") as sparse:
+        sparse.truncate(1 << 30)  # 1 GB that costs no disk
+    digest = remote.weights_checksum()
+    probes = [
+        ("/update_weights_from_disk", {"model_path": str(fifo_folder)}, "is a FIFO (named pipe), not a regular file"),
+        ("/update_weights_from_disk", {"model_path": str(device_link)}, "is a character device, not a regular file"),
+        ("/update_weights_from_disk", {"model_path": str(folder_named_like_weights)}, "is a directory"),
+        ("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": str(fifo_lora)}, "is a FIFO (named pipe)"),
+        ("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": str(sparse_lora)}, "more than the 1048576"),
+    ]
+    for path, body, message in probes:
+        refused_in_a_second(server, path, 400, message, json_body=body)
+    assert httpx.get(f"{server.url}/health", timeout=2).status_code == 200
+    assert remote.weights_checksum() == digest and remote.list_loras() == []

@@ -164,9 +164,10 @@ def test_non_finite_pushes_are_refused_over_http_and_the_opt_out_travels(remote,
     adapter and weights stay. `check_finite=False` reaches the server (the NaN weights go in)."""
     (first, _), config = adapters
     params = SamplingParams(num_inference_steps=2, seed=4, lora="policy")
-    remote.load_lora("policy", first, config)
+    version = remote.weight_version
+    remote.load_lora("policy", first, config, version=version)
     try:
-        before, version = remote.generate("kept", params)[0], remote.weight_version
+        before = remote.generate("kept", params)[0]
         key = sorted(first)[0]
         diverged = {**first, key: torch.full_like(first[key], float("nan"))}
         with pytest.raises(ValueError, match="LoRA 'policy' refused: 1 of its tensors hold NaN"):

@@ -29,7 +29,7 @@ class ServeTestExtension:
 
     def set_step_delay(self, seconds: float) -> None:
         """Make every later denoising step of this worker take `seconds` longer (0: back to normal)."""
-        wrapped = "step" in vars(self.runner)  # the instance attribute is the wrapper below
+        wrapped = "step_delay_s" in vars(self)  # set on the first call, with the wrapper below
         self.step_delay_s = seconds
         if not wrapped:
             step = self.runner.step
