@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import MISSING, dataclass, fields
+from dataclasses import MISSING, dataclass, field, fields
 
 import torch
 
 from rollout.pipelines.loading import read_model_index
+from rollout.request_limits import RequestLimits
 
 _PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -30,6 +31,8 @@ class EngineConfig:
     rpc_timeout_s: default timeout of `collective_rpc`; step_timeout_s: of one engine step;
     startup_timeout_s: for every worker to load the model.
     ray_placement_strategy: how "ray" places its workers: PACK, SPREAD, STRICT_PACK or STRICT_SPREAD.
+    request_limits: what one request may ask for at most (steps, leaves, pixels, frames, prompt
+        bytes, trajectory bytes), checked at admission; see `RequestLimits`.
     """
 
     model: str
@@ -44,6 +47,7 @@ class EngineConfig:
     step_timeout_s: float = 600.0
     startup_timeout_s: float = 600.0
     ray_placement_strategy: str = "PACK"
+    request_limits: RequestLimits = field(default_factory=RequestLimits)
 
     def __post_init__(self) -> None:
         problems = []

@@ -389,6 +389,8 @@ class RolloutEngine(HotSwapAPI):
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         resolved, problems = self.model_spec.resolve(params)
+        if not problems:  # the limits read the sizes the model's rules checked
+            problems += self.config.request_limits.problems(prompt, resolved, self.model_spec)
         if params.lora is not None and params.lora not in self._loras:
             problems.append(f"lora {params.lora!r} is not loaded; loaded: {self.list_loras()} (see load_lora)")
         if problems:

@@ -14,6 +14,10 @@ RECORDS = ("x0", "mean", "std")
 # overflows (a guidance of 1e308 gave NaN log-probs and black images). CPS's noise scale
 # sin(a * pi / 2) turns back past a = 1, so CPS takes noise levels up to 1.
 MAX_GUIDANCE = 1000.0
+# Past these no schedule or tree is meant, and checking one would cost what it asks for (the step
+# masks hold a value per step); an engine's `RequestLimits` bound requests far below them.
+MAX_INFERENCE_STEPS = 100_000
+MAX_LEAVES_LOG2 = 24
 MAX_NOISE_LEVEL = 10.0
 MAX_LORA_SCALE = 100.0
 
@@ -109,6 +113,8 @@ class SamplingParams:
         steps = self.num_inference_steps
         if not _is_int(steps) or steps < 1:
             problems.append(f"num_inference_steps must be an integer >= 1, got {steps!r}")
+        elif steps > MAX_INFERENCE_STEPS:
+            problems.append(f"num_inference_steps must be at most {MAX_INFERENCE_STEPS}, got {steps}")
         if self.sampler not in SAMPLERS:
             problems.append(f"sampler must be one of {sorted(SAMPLERS)}, got {self.sampler!r}")
         problems += self._noise_level_problems()
@@ -140,7 +146,7 @@ class SamplingParams:
             problems.append(f"output_type must be one of {OUTPUT_TYPES}, got {self.output_type!r}")
         if isinstance(self.record, str) or not set(self.record) <= set(RECORDS):
             problems.append(f"record must be a tuple of names from {RECORDS}, got {self.record!r}")
-        if isinstance(steps, int) and steps >= 1:
+        if _is_int(steps) and 1 <= steps <= MAX_INFERENCE_STEPS:
             window = self._window_problems(steps) if self.sde_window is not None else []
             problems += window
             problems += self._sigmas_problems(steps)
@@ -204,6 +210,11 @@ class SamplingParams:
         problems = self._step_list_problems("branch_steps", self.branch_steps, steps)
         if problems:
             return problems
+        if len(self.branch_steps) * math.log2(self.branch_factor) > MAX_LEAVES_LOG2:
+            return [
+                f"branch_factor {self.branch_factor} at {len(self.branch_steps)} branch steps makes more than "
+                f"2**{MAX_LEAVES_LOG2} leaves per sample"
+            ]
         if self.branch_factor < 2:
             problems.append(f"branch_factor must be >= 2 to branch at steps {self.branch_steps}")
         problems += self._branch_noise_problems()

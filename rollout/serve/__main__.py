@@ -110,6 +110,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="on SIGTERM or Ctrl-C, how long running requests may take to finish; then every unfinished request "
         "ends with an error naming the shutdown, and the workers stop",
     )
+    limits = parser.add_argument_group(
+        "request limits", "what one request may ask for at most (RequestLimits); past one, a 400 names it"
+    )
+    for name, (default, help_text) in _limit_flags().items():
+        limits.add_argument(f"--{name.replace('_', '-')}", type=int, default=default, metavar="N", help=help_text)
     server.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="logging")
     args = parser.parse_args(argv)
     if args.api_key is None and not args.no_auth:
@@ -146,6 +151,22 @@ def write_generated_key(path: Path) -> str:
     return key
 
 
+def _limit_flags() -> dict[str, tuple[int, str]]:
+    from rollout.request_limits import RequestLimits
+
+    helps = {
+        "max_inference_steps": "denoising steps of one request",
+        "max_branch_factor": "children per branch step of a tree rollout",
+        "max_leaves": "outputs (leaves) per sample of a tree rollout",
+        "max_pixels": "height x width of an image or of one video frame",
+        "max_num_frames": "frames of a video",
+        "max_prompt_bytes": "UTF-8 bytes of a prompt or negative prompt",
+        "max_trajectory_bytes": "bytes one sample's trajectory will hold (latents of every kept step and leaf)",
+    }
+    defaults = RequestLimits()
+    return {name: (getattr(defaults, name), text) for name, text in helps.items()}
+
+
 def is_loopback(host: str) -> bool:
     if host == "localhost":
         return True
@@ -160,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # Imported after the checks, so a refused command line answers at once.
     from rollout import EngineConfig
+    from rollout.request_limits import RequestLimits
     from rollout.serve.app import ServerSettings
     from rollout.serve.guard import allowed_hosts
 
@@ -177,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
             step_timeout_s=args.step_timeout_s,
             startup_timeout_s=args.startup_timeout_s,
             ray_placement_strategy=args.ray_placement_strategy,
+            request_limits=RequestLimits(**{name: getattr(args, name) for name in _limit_flags()}),
         )
     except ValueError as error:
         sys.exit(f"error: {error}")

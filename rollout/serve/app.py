@@ -119,7 +119,8 @@ def build_app(engine: AsyncRolloutEngine, settings: ServerSettings) -> FastAPI:
     @router.post("/rollout/generate")
     async def generate(request: Request, body: Annotated[protocol.GenerateBody, json_body(protocol.GenerateBody)]):
         prompts = [body.prompts] if isinstance(body.prompts, str) else body.prompts
-        params = _sampling_params(body.params)
+        # Checking many params (each holds a step mask) is work: off the event loop, so /health answers.
+        params = await asyncio.to_thread(_sampling_params, body.params)
         per_prompt = params if isinstance(params, list) else [params] * len(prompts)
         counts = [p.num_samples * p.leaves_per_sample for p in per_prompt]  # outputs: a tree's leaves count
         if sum(counts) > settings.max_samples_per_request:
@@ -311,6 +312,8 @@ def _rpc_refusal(method: str) -> str:
 
 # Bodies.
 
+_PARSE_IN_THREAD_BYTES = 64 << 10
+
 
 def _json_body_parser(limit: int):
     def json_body(model: type[BaseModel]):
@@ -325,6 +328,8 @@ def _json_body_parser(limit: int):
 async def _parse_json(request: Request, limit: int, model: type[BaseModel]) -> BaseModel:
     raw = await _read_body(request, limit, "--max-body-mb")
     try:
+        if len(raw) > _PARSE_IN_THREAD_BYTES:  # off the event loop, so every route keeps answering
+            return await asyncio.to_thread(model.model_validate_json, raw)
         return model.model_validate_json(raw or b"{}")
     except ValidationError as error:
         raise HTTPException(422, _describe(error)) from None
@@ -333,7 +338,7 @@ async def _parse_json(request: Request, limit: int, model: type[BaseModel]) -> B
 async def _tensor_body(request: Request, limit: int, model: type[BaseModel]):
     """The tensors of a safetensors body and its options (metadata "request", checked by `model`)."""
     raw = await _read_body(request, limit, "--max-upload-mb")
-    tensors, metadata = tensors_from_bytes(raw, "the request body")
+    tensors, metadata = await asyncio.to_thread(tensors_from_bytes, raw, "the request body")
     try:
         options = model.model_validate_json(metadata.get("request", "{}"))
     except ValidationError as error:

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
-from rollout import EngineConfig, SamplingParams
+from rollout import EngineConfig, RolloutEngine, SamplingParams
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -97,3 +98,36 @@ def test_unknown_worker_method(engine):
         engine.collective_rpc("no_such_method")
     with pytest.raises(ValueError, match="unknown worker method '_private'"):
         engine.collective_rpc("_private")
+
+
+def test_requests_past_the_engine_s_limits_are_refused_at_admission(tiny_model):
+    """Each bound of RequestLimits names itself and its server flag; nothing is queued."""
+    from rollout.request_limits import RequestLimits
+
+    limits = RequestLimits(
+        max_inference_steps=8,
+        max_branch_factor=3,
+        max_leaves=4,
+        max_pixels=32 * 48,
+        max_prompt_bytes=20,
+        max_trajectory_bytes=50_000,
+    )
+    with RolloutEngine(EngineConfig(model=tiny_model, request_limits=limits)) as engine:
+        cases = [
+            ("x", SamplingParams(num_inference_steps=9), "num_inference_steps=9 is above this engine's limit of 8"),
+            ("x", SamplingParams(branch_steps=(1,), branch_factor=4), "--max-branch-factor"),
+            ("x", SamplingParams(branch_steps=(1, 2, 3), branch_factor=2), "8 leaves per sample is above"),
+            ("x", SamplingParams(height=64, width=64), "height x width = 4096 pixels is above"),
+            ("x" * 21, SamplingParams(), "prompt (21 bytes) is above this engine's limit of 20"),
+            ("x", SamplingParams(negative_prompt="é" * 11), "negative_prompt (22 bytes)"),
+            ("x", SamplingParams(num_inference_steps=8, record=("x0", "mean")), "RequestLimits.max_trajectory_bytes"),
+        ]
+        for prompt, params, message in cases:
+            with pytest.raises(ValueError, match=re.escape(message)):
+                engine.generate(prompt, params)
+            assert not engine.has_unfinished_requests()
+        with pytest.raises(ValueError, match="num_inference_steps must be at most 100000"):
+            SamplingParams(num_inference_steps=10**8, branch_steps=(0,))  # refused before its step mask is built
+        with pytest.raises(ValueError, match=r"makes more than 2\*\*24 leaves"):
+            SamplingParams(branch_steps=(0,), branch_factor=10**30)  # no big-integer arithmetic
+        assert engine.generate("x", SamplingParams(num_inference_steps=2, seed=0))[0].status == "finished"

@@ -64,6 +64,14 @@ def params(**fields) -> bytes:
         (params(noise_level="1e30"), 400, "noise_level must be <= 10, got 1e+30"),
         (params(sampler='"cps"', noise_level="3"), 400, "noise_level must be <= 1 for CPS"),
         (params(height="-32"), 400, "height must be a positive integer"),
+        # Bounds: refused before anything is built (an 83-byte body once froze every route for 12 s).
+        (params(num_inference_steps="100000000", branch_steps="[0]"), 400, "must be at most 100000"),
+        (params(branch_steps="[0]", branch_factor="1" + "0" * 30), 400, "more than 2**24 leaves"),
+        (
+            params(num_inference_steps="5000"),
+            400,
+            "limit of 1000 (RequestLimits.max_inference_steps; a server's --max",
+        ),
     ],
 )
 def test_numbers_are_strict_and_finite(server, raw, status, names):

@@ -1,0 +1,89 @@
+"""Upper bounds on what one request may ask for, checked at admission with the model's own rules.
+
+The model's rules say what it can take (sizes its VAE and positional embeddings allow); these say
+what this engine is willing to spend on one request, so that no client, careless or hostile, costs
+the others their memory or their turn: a `num_inference_steps` of 10^7 was accepted and allocated
+1.8 GB before the first step, a 0.9 MB prompt took 7.6 s of worker time to tokenise. Each bound has
+a server flag of the same name (`--max-inference-steps`, ...), and its error names both.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+
+from rollout.pipelines.spec import ModelSpec
+from rollout.sampling_params import SamplingParams
+
+_FLOAT32_BYTES = 4
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """max_inference_steps: denoising steps of one request. max_branch_factor, max_leaves: children
+    per branch step, and outputs (leaves) per sample of a tree. max_pixels: height x width of an
+    image or of one video frame. max_num_frames: frames of a video. max_prompt_bytes: UTF-8 bytes of
+    a prompt or negative prompt (the text encoders keep at most `max_sequence_length` tokens, but
+    tokenising a long text still costs its length). max_trajectory_bytes: what one sample's
+    trajectory will hold (latents around every kept step, records, for every leaf), in bytes."""
+
+    max_inference_steps: int = 1000
+    max_branch_factor: int = 64
+    max_leaves: int = 1024
+    max_pixels: int = 4096 * 4096
+    max_num_frames: int = 1025
+    max_prompt_bytes: int = 16384
+    max_trajectory_bytes: int = 8 << 30
+
+    def __post_init__(self) -> None:
+        bad = [f.name for f in fields(self) if not isinstance(getattr(self, f.name), int) or getattr(self, f.name) < 1]
+        if bad:
+            raise ValueError(f"RequestLimits: {', '.join(bad)} must be integers >= 1")
+
+    def problems(self, prompt: str, params: SamplingParams, spec: ModelSpec) -> list[str]:
+        """Every bound `params` (resolved against `spec`) and `prompt` exceed, each naming the bound."""
+        problems = []
+        steps = params.num_inference_steps
+        if steps > self.max_inference_steps:
+            problems.append(_over("num_inference_steps", steps, "max_inference_steps", self.max_inference_steps))
+        if params.branch_steps and params.branch_factor > self.max_branch_factor:
+            problems.append(_over("branch_factor", params.branch_factor, "max_branch_factor", self.max_branch_factor))
+        elif params.leaves_per_sample > self.max_leaves:
+            what = f"branch_factor ** len(branch_steps) = {params.leaves_per_sample} leaves per sample"
+            problems.append(_over(what, None, "max_leaves", self.max_leaves))
+        pixels = params.height * params.width
+        if pixels > self.max_pixels:
+            problems.append(_over(f"height x width = {pixels} pixels", None, "max_pixels", self.max_pixels))
+        if params.num_frames is not None and params.num_frames > self.max_num_frames:
+            problems.append(_over("num_frames", params.num_frames, "max_num_frames", self.max_num_frames))
+        for name, text in (("prompt", prompt), ("negative_prompt", params.negative_prompt)):
+            size = len(text.encode()) if text is not None else 0
+            if size > self.max_prompt_bytes:
+                problems.append(_over(f"{name} ({size} bytes)", None, "max_prompt_bytes", self.max_prompt_bytes))
+        if not problems:  # the estimate reads the sizes checked above
+            held = trajectory_bytes(params, spec)
+            if held > self.max_trajectory_bytes:
+                what = f"the trajectory of one sample ({held} bytes: latents around every kept step, for every leaf)"
+                problems.append(_over(what, None, "max_trajectory_bytes", self.max_trajectory_bytes))
+        return problems
+
+
+def trajectory_bytes(params: SamplingParams, spec: ModelSpec) -> int:
+    """What one sample's trajectory will hold at most: its kept latents and its latent-sized records
+    (x0, mean), float32, for every leaf (shared prefixes counted once per leaf: an upper bound)."""
+    if not params.return_trajectory:
+        return 0
+    latent = math.prod(spec.latent_shape(params.height, params.width, params.num_frames)) * _FLOAT32_BYTES
+    steps = params.num_inference_steps
+    kept = steps if params.record_steps is None else len(params.record_steps)
+    entries = min(steps + 1, 2 * kept + 1)  # x_i and x_{i+1} of every kept step, and the final latents
+    records = kept * sum(1 for name in params.record if name != "std")  # std is one number per step
+    return latent * (entries + records) * params.leaves_per_sample
+
+
+def _over(what: str, value, bound: str, limit: int) -> str:
+    shown = f"{what}={value}" if value is not None else what
+    return (
+        f"{shown} is above this engine's limit of {limit} (RequestLimits.{bound}; a server's "
+        f"--{bound.replace('_', '-')}); ask for less or raise the limit"
+    )
