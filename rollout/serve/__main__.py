@@ -104,6 +104,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="most outputs (prompts x num_samples x leaves per sample) per generate",
     )
     server.add_argument(
+        "--header-timeout-s",
+        type=float,
+        default=10.0,
+        help="a connection must finish sending a request's headers this long after it connects (or after the "
+        "first bytes of its next request), or it is closed",
+    )
+    server.add_argument(
+        "--body-timeout-s",
+        type=float,
+        default=30.0,
+        help="a request body may pause this long between two chunks; past it the request is a 408",
+    )
+    server.add_argument(
+        "--max-connections",
+        type=int,
+        default=1024,
+        help="open connections (and their requests) at once; past it a new one gets a 503",
+    )
+    server.add_argument(
         "--shutdown-grace-s",
         type=float,
         default=20.0,
@@ -121,6 +140,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.api_key = os.environ.get(API_KEY_ENV)  # read here, so --help never shows it
     if args.api_key is not None and not args.api_key.strip():
         parser.error(f"the API key (--api-key or ${API_KEY_ENV}) is empty; give a real one, or unset it to get one")
+    for name in ("header_timeout_s", "body_timeout_s", "shutdown_grace_s"):
+        if getattr(args, name) <= 0:
+            parser.error(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
+    if args.max_connections < 1:
+        parser.error(f"--max-connections must be >= 1, got {args.max_connections}")
     if args.no_auth and not is_loopback(args.host):
         parser.error(
             f"--no-auth with --host {args.host}: the server would be reachable from other machines, where anyone "
@@ -222,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         max_body_bytes=int(args.max_body_mb * _MB),
         max_upload_bytes=int(args.max_upload_mb * _MB),
         max_samples_per_request=args.max_samples_per_request,
+        body_timeout_s=args.body_timeout_s,
     )
     try:
         return _serve(args, config, settings)
@@ -249,6 +274,7 @@ def _serve(args: argparse.Namespace, config, settings) -> int:
     from rollout import RolloutEngine
     from rollout.async_engine import AsyncRolloutEngine
     from rollout.serve.app import build_app
+    from rollout.serve.http_protocol import with_header_timeout
     from rollout.serve.server import RolloutServer
 
     engine = AsyncRolloutEngine(RolloutEngine(config))
@@ -260,6 +286,8 @@ def _serve(args: argparse.Namespace, config, settings) -> int:
                 args.port,
                 log_level=args.log_level,
                 timeout_keep_alive=KEEP_ALIVE_S,
+                http=with_header_timeout(args.header_timeout_s),
+                limit_concurrency=args.max_connections,
             ),
             engine,
             grace_s=args.shutdown_grace_s,

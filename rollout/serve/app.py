@@ -66,6 +66,7 @@ class ServerSettings:
     api_key: str | None = None
     allowed_hosts: frozenset[str] | None = LOOPBACK_NAMES
     rpc_allow: frozenset[str] = frozenset()
+    body_timeout_s: float = 30.0  # the longest pause between two chunks of a request body (408 past it)
     max_body_bytes: int = 1 << 20
     max_upload_bytes: int = 8 << 30
     max_samples_per_request: int = 1024
@@ -95,7 +96,7 @@ def build_app(engine: AsyncRolloutEngine, settings: ServerSettings) -> FastAPI:
         return {"status": "ok"}
 
     router = APIRouter(dependencies=[Depends(_auth(settings.api_key))])
-    json_body = _json_body_parser(settings.max_body_bytes)
+    json_body = _json_body_parser(settings)
 
     @router.get("/openapi.json", include_in_schema=False)
     async def openapi() -> dict:
@@ -168,7 +169,7 @@ def build_app(engine: AsyncRolloutEngine, settings: ServerSettings) -> FastAPI:
     @router.post("/update_weights_from_tensor")
     async def update_weights_from_tensor(request: Request) -> dict:
         """Body: a safetensors file of the tensors; its metadata "request" holds the options (JSON)."""
-        tensors, options = await _tensor_body(request, settings.max_upload_bytes, protocol.UpdateFromTensorBody)
+        tensors, options = await _tensor_body(request, settings, protocol.UpdateFromTensorBody)
         version = await engine.update_weights(tensors, **options.model_dump())
         return {"weight_version": version}
 
@@ -190,10 +191,10 @@ def build_app(engine: AsyncRolloutEngine, settings: ServerSettings) -> FastAPI:
         "request": {"lora_name", "lora_config", "version"}. The config may build plain LoRA layers
         on the modules it lists, nothing else (`rollout.lora.remote_config_problems`)."""
         if request.headers.get("content-type", "").startswith(SAFETENSORS_MEDIA_TYPE):
-            tensors, body = await _tensor_body(request, settings.max_upload_bytes, protocol.LoadLoraTensorsBody)
+            tensors, body = await _tensor_body(request, settings, protocol.LoadLoraTensorsBody)
             config = body.lora_config
         else:
-            body = await _parse_json(request, settings.max_body_bytes, protocol.LoadLoraBody)
+            body = await _parse_json(request, settings, protocol.LoadLoraBody)
             tensors, config = await asyncio.to_thread(read_lora_folder, body.lora_path, settings.max_upload_bytes)
             config = config if config is not None else infer_config(tensors)
         problems = remote_config_problems(config)
@@ -315,18 +316,18 @@ def _rpc_refusal(method: str) -> str:
 _PARSE_IN_THREAD_BYTES = 64 << 10
 
 
-def _json_body_parser(limit: int):
+def _json_body_parser(settings: ServerSettings):
     def json_body(model: type[BaseModel]):
         async def parse(request: Request) -> BaseModel:
-            return await _parse_json(request, limit, model)
+            return await _parse_json(request, settings, model)
 
         return Depends(parse)
 
     return json_body
 
 
-async def _parse_json(request: Request, limit: int, model: type[BaseModel]) -> BaseModel:
-    raw = await _read_body(request, limit, "--max-body-mb")
+async def _parse_json(request: Request, settings: ServerSettings, model: type[BaseModel]) -> BaseModel:
+    raw = await _read_body(request, settings.max_body_bytes, "--max-body-mb", settings.body_timeout_s)
     try:
         if len(raw) > _PARSE_IN_THREAD_BYTES:  # off the event loop, so every route keeps answering
             return await asyncio.to_thread(model.model_validate_json, raw)
@@ -335,9 +336,9 @@ async def _parse_json(request: Request, limit: int, model: type[BaseModel]) -> B
         raise HTTPException(422, _describe(error)) from None
 
 
-async def _tensor_body(request: Request, limit: int, model: type[BaseModel]):
+async def _tensor_body(request: Request, settings: ServerSettings, model: type[BaseModel]):
     """The tensors of a safetensors body and its options (metadata "request", checked by `model`)."""
-    raw = await _read_body(request, limit, "--max-upload-mb")
+    raw = await _read_body(request, settings.max_upload_bytes, "--max-upload-mb", settings.body_timeout_s)
     tensors, metadata = await asyncio.to_thread(tensors_from_bytes, raw, "the request body")
     try:
         options = model.model_validate_json(metadata.get("request", "{}"))
@@ -346,18 +347,28 @@ async def _tensor_body(request: Request, limit: int, model: type[BaseModel]):
     return tensors, options
 
 
-async def _read_body(request: Request, limit: int, flag: str) -> bytes:
+async def _read_body(request: Request, limit: int, flag: str, idle_timeout_s: float) -> bytes:
+    """The body, at most `limit` bytes (413 past it), each chunk within `idle_timeout_s` of the last
+    (408 past it: a client that stops sending mid-body would hold its connection forever)."""
     too_big = HTTPException(413, f"the request body is over this server's limit of {limit} bytes ({flag})")
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise too_big
     chunks, size = [], 0
-    async for chunk in request.stream():
+    stream = aiter(request.stream())
+    while True:
+        try:
+            chunk = await asyncio.wait_for(anext(stream), idle_timeout_s)
+        except StopAsyncIteration:
+            return b"".join(chunks)
+        except TimeoutError:
+            raise HTTPException(
+                408, f"the request body stalled for {idle_timeout_s} s after {size} bytes (--body-timeout-s)"
+            ) from None
         size += len(chunk)
         if size > limit:
             raise too_big
         chunks.append(chunk)
-    return b"".join(chunks)
 
 
 def _sampling_params(params) -> SamplingParams | list[SamplingParams]:

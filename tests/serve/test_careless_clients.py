@@ -359,3 +359,52 @@ def test_paths_that_are_not_regular_files_are_refused_not_waited_on(server, remo
         refused_in_a_second(server, path, 400, message, json_body=body)
     assert httpx.get(f"{server.url}/health", timeout=2).status_code == 200
     assert remote.weights_checksum() == digest and remote.list_loras() == []
+
+
+@pytest.mark.timeout(180)
+def test_connections_cannot_be_held_open_for_free(tiny_model):
+    """Half-sent headers and stalled bodies are cut off; an idle kept-alive connection is not;
+    past --max-connections a new request gets a 503."""
+    import socket
+
+    flags = ("--header-timeout-s", "1", "--body-timeout-s", "1", "--max-connections", "12")
+    with ServerProcess.start(tiny_model, *flags, api_key=API_KEY) as server:
+        port = int(server.url.rpartition(":")[2])
+
+        def connect() -> socket.socket:
+            sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+            return sock
+
+        silent = [connect() for _ in range(5)]
+        half = [connect() for _ in range(5)]
+        for sock in half:
+            sock.sendall(b"POST /rollout/generate HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # no blank line: never done
+        with httpx.Client(base_url=server.url, headers=AUTH) as client:
+            assert client.get("/health").status_code == 200  # kept alive now
+            start = time.monotonic()
+            for sock in silent + half:
+                assert sock.recv(1) == b""  # closed by the server
+                sock.close()
+            assert time.monotonic() - start < 5
+            time.sleep(1.5)
+            assert client.get("/health").status_code == 200  # the same idle connection, still open
+        stalled = connect()
+        stalled.sendall(
+            b"POST /pause HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            + f"Authorization: Bearer {API_KEY}\r\nContent-Length: 100\r\n\r\n".encode()
+            + b"{"
+        )
+        answer = b""
+        while b"--body-timeout-s" not in answer and (chunk := stalled.recv(4096)):
+            answer += chunk
+        assert answer.startswith(b"HTTP/1.1 408") and b"--body-timeout-s" in answer
+        stalled.close()
+        held = [connect() for _ in range(12)]
+        crowded = httpx.get(f"{server.url}/health", timeout=10)
+        assert crowded.status_code == 503
+        for sock in held:
+            sock.close()
+        deadline = time.monotonic() + 10
+        while httpx.get(f"{server.url}/health", timeout=10).status_code != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
