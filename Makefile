@@ -43,6 +43,7 @@ bench: setup
 	$(PY) -m benchmarks.weight_sync
 	$(PY) -m benchmarks.lora_swap
 	$(PY) -m benchmarks.serve_load
+	$(PY) -m benchmarks.serve_probes
 	$(PY) -m benchmarks.branching
 	$(PY) -m benchmarks.expert_update
 

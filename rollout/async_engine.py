@@ -173,6 +173,15 @@ class AsyncRolloutEngine:
     def paused(self) -> bool:
         return self._paused
 
+    @property
+    def dead(self) -> EngineDeadError | None:
+        """Why the engine cannot serve, or None; read at once, not between two steps."""
+        if self.engine.dead is not None:
+            return self.engine.dead
+        if self._failure is not None:
+            return EngineDeadError(f"the engine's thread failed: {self._failure}")
+        return None
+
     # The hot-swap API and worker functions, each between two steps.
 
     async def update_weights(self, named_tensors, **kwargs) -> int:

@@ -7,6 +7,7 @@ adapters, sleep level), and runs between engine steps.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 from collections.abc import Callable, Iterable, Mapping
@@ -193,8 +194,8 @@ class HotSwapAPI:
             raise TypeError(f"LoRA source must be a folder path or a mapping of tensors, got {type(source).__name__}")
         elif config is None:
             raise ValueError(f"LoRA {name!r} from tensors needs a config (a peft.LoraConfig or its dict)")
-        self._finish_running_requests()
-        # Every rank stages it beside its live adapter; only once all have does any rank switch.
+        # Every rank stages it beside its live adapter (running requests keep theirs, so a refusal
+        # answers at once); only once all have, and the running requests are done, does any switch.
         kept = f"the {name!r} it had" if name in self._loras else f"no adapter named {name!r}"
         try:
             bound = self.collective_rpc(
@@ -210,6 +211,13 @@ class HotSwapAPI:
             raise RuntimeError(
                 f"loading LoRA {name!r} failed on rank {error.rank} ({error.error}); every rank keeps {kept}"
             ) from error
+        try:
+            self._finish_running_requests()
+        except BaseException:
+            if self._dead is None:  # a dead engine's workers are gone with what they staged
+                with contextlib.suppress(Exception):
+                    self.collective_rpc("rollback_lora", args=(name,))
+            raise
         try:
             self.collective_rpc("commit_lora", args=(name,))
         except (TimeoutError, WorkerError) as error:

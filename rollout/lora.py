@@ -352,13 +352,16 @@ class LoraManager:
     def activate(self, name: str | None, scale: float) -> None:
         """Set the models up to run adapter `name` at `scale` (the base weights where it has no
         layers), or the base models for None."""
-        if self._active == (name, scale) or (name is None and not self.configs):
+        if self._active == (name, scale):
             return
+        # Staged layers count: PEFT activates what it builds, and they must not run before their commit.
+        with_layers = {c for placed in self.placed.values() for c in placed}
+        with_layers |= {c for staged in self._staged.values() for c in staged.placed}
         for component, model in self.components.items():
             if name is not None and component in self.placed[name]:
                 model.enable_lora()
                 model.set_adapters([self._layers[name]], [scale])
-            elif any(component in placed for placed in self.placed.values()):
+            elif component in with_layers:
                 model.disable_lora()
         self._active = (name, scale)
 

@@ -91,8 +91,17 @@ def build_app(engine: AsyncRolloutEngine, settings: ServerSettings) -> FastAPI:
 
     @app.get("/health")
     async def health() -> dict:
-        """200 while every worker answers; 503 with the reason once one is gone."""
-        await engine.check_health()
+        """200 while every worker answers; 503 with the reason once one is gone. The check runs
+        between engine steps; while the engine is in a long call (a hot swap waiting for running
+        requests) the answer comes from what is known at once, within _HEALTH_WAIT_S: "busy"."""
+        check = asyncio.ensure_future(engine.check_health())
+        try:
+            await asyncio.wait_for(asyncio.shield(check), _HEALTH_WAIT_S)
+        except TimeoutError:
+            check.add_done_callback(lambda done: done.cancelled() or done.exception())  # retrieved, not logged
+            if engine.dead is not None:
+                raise engine.dead from None
+            return {"status": "busy"}
         return {"status": "ok"}
 
     router = APIRouter(dependencies=[Depends(_auth(settings.api_key))])
@@ -314,6 +323,7 @@ def _rpc_refusal(method: str) -> str:
 # Bodies.
 
 _PARSE_IN_THREAD_BYTES = 64 << 10
+_HEALTH_WAIT_S = 1.0
 
 
 def _json_body_parser(settings: ServerSettings):

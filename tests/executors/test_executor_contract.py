@@ -568,6 +568,27 @@ def test_lora_changes_outputs_and_unload_restores_the_base_bitwise(engine, lora_
         _lora_images(engine, "policy")
 
 
+def test_a_lora_load_staged_while_requests_run_does_not_touch_them(engine, lora_tensors):
+    """A load is staged (checked, built) before the running requests finish, so a refusal answers
+    at once; the staged layers must not run in those requests' steps: the base model's request,
+    and the old adapter's, end as they would without the load."""
+    (policy, other), config = lora_tensors
+    params = _params(engine, num_inference_steps=6, num_samples=1, seed=9)
+    (base,) = engine.generate("base", params)
+    for lora in (None, "policy"):
+        if lora is not None:
+            engine.load_lora("policy", policy, config)
+            (base,) = engine.generate("base", dataclasses.replace(params, lora="policy"))
+        (request_id,) = engine.add_request("base", dataclasses.replace(params, lora=lora), request_id=f"run_{lora}")
+        outputs = engine.step() + engine.step()  # under way
+        engine.load_lora("policy", other, config, version=engine.weight_version)  # a new adapter, or a hot swap
+        outputs += engine.take_finished() + list(_drain(engine).values())  # the load finished them
+        (output,) = [o for o in outputs if o.request_id == request_id]
+        assert torch.equal(output.image, base.image), lora
+        assert output.weight_versions == base.weight_versions
+    engine.unload_lora("policy")
+
+
 def test_several_adapters_resident_and_never_mixed_in_a_batch(engine, lora_tensors):
     (policy, reference), config = lora_tensors
     engine.load_lora("policy", policy, config)

@@ -1,0 +1,366 @@
+"""Serve probes: a shared rollout server against careless and hostile clients (issue 19's probes).
+
+Starts `python -m rollout.serve` (executor mp, 2 workers, an API key) on a tiny SD3 pipeline built in a
+temporary folder and sends each probe while a well-formed streamed request runs: wrong types, NaN and
+absurd magnitudes, bodies that cost more than they weigh, LoRA uploads that could break PEFT or hang
+it, paths that are FIFOs or devices, worker functions that would bypass the engine, a foreign Host,
+a text/plain body, half-sent connections. Prints one row per probe (what was sent, the status,
+seconds, the start of the message) and checks, for the whole run:
+
+  - every probe got the status it should, within a second (--probe-bound-s);
+  - the good request finished with the same bytes (image and trajectory) as when run alone;
+  - /health, polled every 0.1 s from a thread, always answered within 2 s (--health-bound-s);
+  - afterwards the server's RSS (server and workers) is within --rss-slack-mb of where it was,
+    and /dev/shm holds the server's blocks it held before (the one it rewrites for call arguments).
+
+    python -m benchmarks.serve_probes            # about a minute on 2 CPU cores
+    python -m benchmarks.serve_probes --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import secrets
+import socket
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import torch
+
+from benchmarks.common import json_args, write_json
+from rollout import SamplingParams
+from rollout.pipelines.tiny import build_tiny_sd3
+from rollout.serve.launch import ServerProcess
+from rollout.wire import SAFETENSORS_MEDIA_TYPE, tensors_to_bytes
+from trainers_adapters.remote_engine import RemoteRolloutEngine
+
+# Long enough to run through every probe (checked: it must still be running after the last one).
+GOOD = SamplingParams(num_inference_steps=800, num_samples=2, seed=7)
+
+
+@dataclass
+class Probe:
+    name: str  # what was sent, in a few words
+    send: object  # fn(client) -> httpx.Response
+    status: int  # what it must get
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.serve_probes",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--probe-bound-s", type=float, default=1.0, help="most seconds a probe's answer may take")
+    parser.add_argument("--health-bound-s", type=float, default=2.0, help="most seconds /health may take")
+    parser.add_argument("--rss-slack-mb", type=float, default=200.0, help="RSS growth allowed over the run")
+    parser.add_argument("--json", type=Path, metavar="PATH", help="also write the results as JSON to PATH")
+    return parser.parse_args(argv)
+
+
+def params_body(**fields: str) -> bytes:
+    """A generate body whose params are raw JSON text (NaN and 1e30 are not Python's JSON)."""
+    return ('{"prompts": ["x"], "params": {' + ", ".join(f'"{k}": {v}' for k, v in fields.items()) + "}}").encode()
+
+
+def lora_upload(name: str, tensors: dict, config: dict):
+    body = tensors_to_bytes(tensors, {"request": json.dumps({"lora_name": name, "lora_config": config})})
+    headers = {"content-type": SAFETENSORS_MEDIA_TYPE}
+    return lambda client: client.post("/v1/load_lora_adapter", content=body, headers=headers)
+
+
+def make_adapter(model: Path) -> tuple[dict, dict]:
+    from peft import LoraConfig
+    from peft.utils import get_peft_model_state_dict
+
+    from rollout.pipelines.loading import load_adapter
+
+    transformer = load_adapter(str(model)).transformer
+    torch.manual_seed(0)
+    config = {"r": 2, "lora_alpha": 4, "target_modules": ["to_q", "to_v"]}
+    transformer.add_adapter(LoraConfig(**config, init_lora_weights=False), adapter_name="made")
+    state = get_peft_model_state_dict(transformer, adapter_name="made")
+    return {key: value.detach().clone() for key, value in state.items()}, config
+
+
+def make_files(folder: Path, tensors: dict, config: dict) -> dict[str, Path]:
+    """Paths that are not what they are named: a FIFO of weights, a device, a directory named like a
+    weights file, a LoRA folder whose weights are a FIFO, a 1 GB sparse adapter_config.json."""
+    from safetensors.torch import save_file
+
+    paths = {name: folder / name for name in ("fifo", "device.safetensors", "dir", "fifo_lora", "sparse_lora")}
+    paths["fifo"].mkdir()
+    os.mkfifo(paths["fifo"] / "diffusion_pytorch_model.safetensors")
+    paths["device.safetensors"].symlink_to("/dev/urandom")
+    (paths["dir"] / "x.safetensors").mkdir(parents=True)
+    paths["fifo_lora"].mkdir()
+    (paths["fifo_lora"] / "adapter_config.json").write_text(json.dumps(config))
+    os.mkfifo(paths["fifo_lora"] / "adapter_model.safetensors")
+    paths["sparse_lora"].mkdir()
+    save_file(tensors, paths["sparse_lora"] / "adapter_model.safetensors")
+    with open(paths["sparse_lora"] / "adapter_config.json", "wb") as sparse:
+        sparse.truncate(1 << 30)
+    return paths
+
+
+def probes(tensors: dict, config: dict, files: dict[str, Path]) -> list[Probe]:
+    def generate(raw: bytes):
+        return lambda client: client.post(
+            "/rollout/generate", content=raw, headers={"content-type": "application/json"}
+        )
+
+    def post(path: str, body: dict):
+        return lambda client: client.post(path, json=body)
+
+    key = sorted(tensors)[0]
+    bogus = {**tensors, key.replace(".lora_A.", ".lora_C."): tensors[key].clone()}
+    big_prompt = json.dumps({"prompts": ["x" * 900_000]}).encode()
+    return [
+        Probe("height 68 (the tiny transformer takes 64)", generate(params_body(height="68")), 400),
+        Probe("height 1e30", generate(params_body(height="1e30")), 422),
+        Probe("num_inference_steps 1e30", generate(params_body(num_inference_steps="1e30")), 422),
+        Probe(
+            "num_inference_steps 10^8 with branch_steps [0]",
+            generate(params_body(num_inference_steps="100000000", branch_steps="[0]")),
+            400,
+        ),
+        Probe("num_inference_steps 10^7", generate(params_body(num_inference_steps="10000000")), 400),
+        Probe("branch_factor 10^30", generate(params_body(branch_steps="[0]", branch_factor="1" + "0" * 30)), 400),
+        Probe("a 0.9 MB prompt", generate(big_prompt), 400),
+        Probe("noise_level NaN", generate(params_body(noise_level="NaN")), 422),
+        Probe("noise_level Infinity", generate(params_body(noise_level="Infinity")), 422),
+        Probe("guidance_scale 1e308", generate(params_body(guidance_scale="1e308")), 400),
+        Probe("guidance_scale NaN", generate(params_body(guidance_scale="NaN")), 422),
+        Probe('num_samples "2"', generate(params_body(num_samples='"2"')), 422),
+        Probe("num_inference_steps true", generate(params_body(num_inference_steps="true")), 422),
+        Probe('same_noise_in_group "yes"', generate(params_body(same_noise_in_group='"yes"')), 422),
+        Probe(
+            "LoRA target_modules as a backtracking regex",
+            lora_upload("policy", tensors, {**config, "target_modules": "(?:[^.]|[^.]|[^.])*Q"}),
+            400,
+        ),
+        Probe("LoRA r -1", lora_upload("policy", tensors, {**config, "r": -1}), 400),
+        Probe(
+            "LoRA layer_replication", lora_upload("policy", tensors, {**config, "layer_replication": [[0, 1]]}), 400
+        ),
+        Probe("LoRA with an empty name", lora_upload("", tensors, config), 400),
+        Probe(
+            "LoRA rank 3 with rank-2 tensors (fails in PEFT)", lora_upload("policy", tensors, {**config, "r": 3}), 409
+        ),
+        Probe("LoRA hot swap with one bogus key", lora_upload("policy", bogus, config), 400),
+        Probe(
+            "weights from a folder with a FIFO",
+            post("/update_weights_from_disk", {"model_path": str(files["fifo"])}),
+            400,
+        ),
+        Probe(
+            "weights from a symlink to /dev/urandom",
+            post("/update_weights_from_disk", {"model_path": str(files["device.safetensors"])}),
+            400,
+        ),
+        Probe(
+            "weights from a directory named x.safetensors",
+            post("/update_weights_from_disk", {"model_path": str(files["dir"])}),
+            400,
+        ),
+        Probe(
+            "LoRA folder whose weights are a FIFO",
+            post("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": str(files["fifo_lora"])}),
+            400,
+        ),
+        Probe(
+            "LoRA folder with a 1 GB sparse config",
+            post("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": str(files["sparse_lora"])}),
+            400,
+        ),
+        Probe("collective_rpc sleep", post("/collective_rpc", {"method": "sleep", "args": [1]}), 403),
+        Probe(
+            "collective_rpc unload_lora", post("/collective_rpc", {"method": "unload_lora", "args": ["policy"]}), 403
+        ),
+        Probe(
+            "collective_rpc init_weight_update_group on 0.0.0.0",
+            post(
+                "/collective_rpc",
+                {"method": "init_weight_update_group", "args": ["0.0.0.0", 29500, 0, 1, "gloo", 1.0]},
+            ),
+            403,
+        ),
+        Probe(
+            "bucket_bytes -1",
+            post(
+                "/update_weights_from_distributed",
+                {"names": ["w"], "dtypes": ["float32"], "shapes": [[1]], "bucket_bytes": -1},
+            ),
+            422,
+        ),
+        Probe("no key", lambda client: httpx.post(f"{client.base_url}/resume", json={}), 401),
+        Probe(
+            "a foreign Host (DNS rebinding)",
+            lambda client: client.post("/resume", json={}, headers={"host": "attacker.example"}),
+            400,
+        ),
+        Probe(
+            "a text/plain body",
+            lambda client: client.post("/resume", content=b"{}", headers={"content-type": "text/plain"}),
+            415,
+        ),
+        Probe("GET /openapi.json without the key", lambda client: httpx.get(f"{client.base_url}/openapi.json"), 401),
+        Probe("an unknown route", lambda client: client.get("/no/such/route"), 404),
+        Probe("a wrong method", lambda client: client.get("/rollout/generate"), 405),
+    ]
+
+
+def half_sent_connections(url: str, count: int, header_timeout_s: float) -> float:
+    """Open `count` connections that send half a request; seconds until the server closed them all."""
+    port = int(url.rpartition(":")[2])
+    sockets = [socket.create_connection(("127.0.0.1", port), timeout=header_timeout_s + 20) for _ in range(count)]
+    start = time.monotonic()
+    for sock in sockets:
+        sock.sendall(b"POST /rollout/generate HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+    for sock in sockets:
+        assert sock.recv(1) == b"", "a half-sent connection got an answer"
+        sock.close()
+    return time.monotonic() - start
+
+
+def rss_mb(pids: list[int]) -> float:
+    total = 0
+    for pid in pids:
+        with open(f"/proc/{pid}/status") as status:
+            total += next(int(line.split()[1]) for line in status if line.startswith("VmRSS:"))
+    return total / 1024
+
+
+class HealthWatch(threading.Thread):
+    """Polls /health every 0.1 s; `worst_s` is the slowest answer, `failures` the non-200 ones."""
+
+    def __init__(self, url: str):
+        super().__init__(daemon=True)
+        self.url, self.worst_s, self.failures, self.polls = url, 0.0, 0, 0
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        with httpx.Client(timeout=30) as client:
+            while not self.stop.is_set():
+                start = time.monotonic()
+                ok = client.get(f"{self.url}/health").status_code == 200
+                self.worst_s = max(self.worst_s, time.monotonic() - start)
+                self.failures += not ok
+                self.polls += 1
+                time.sleep(0.1)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    key = secrets.token_hex(16)
+    with tempfile.TemporaryDirectory(prefix="rollout-probes-") as tmp:
+        model = build_tiny_sd3(Path(tmp) / "pipeline", seed=0)
+        tensors, config = make_adapter(Path(model))
+        files = make_files(Path(tmp), tensors, config)
+        flags = ("--executor", "mp", "--num-workers", "2", "--header-timeout-s", "2")
+        with (
+            ServerProcess.start(str(model), *flags, api_key=key) as server,
+            RemoteRolloutEngine(server.url, key) as remote,
+        ):
+            remote.load_lora("policy", tensors, config)  # the adapter the bad hot swaps must leave serving
+            alone = remote.generate("a red square", GOOD)
+            pids = [server.process.pid, *_worker_pids(server.process.pid)]
+            rss_before = rss_mb(pids)
+            shm_before = set(glob.glob(f"/dev/shm/rollout-{server.process.pid}-*"))
+            watch = HealthWatch(server.url)
+            watch.start()
+            (good_id, *_) = remote.add_request("a red square", GOOD, request_id="good")
+            rows = []
+            with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {key}"}, timeout=60) as client:
+                for probe in probes(tensors, config, files):
+                    start = time.monotonic()
+                    response = probe.send(client)
+                    elapsed = time.monotonic() - start
+                    try:
+                        message = response.json().get("error", {}).get("message", "")
+                    except ValueError:
+                        message = response.text
+                    rows.append(
+                        {
+                            "probe": probe.name,
+                            "expected": probe.status,
+                            "status": response.status_code,
+                            "seconds": elapsed,
+                            "message": message[:110],
+                        }
+                    )
+            overlapped = remote.server_info()["running_requests"] > 0
+            half_s = half_sent_connections(server.url, 50, 2.0)
+            together = []
+            while remote.has_unfinished_requests():
+                together += remote.step()
+            watch.stop.set()
+            watch.join()
+            remote.unload_lora("policy")
+            time.sleep(1.0)
+            rss_after = rss_mb(pids)
+            # The mp executor keeps one block it rewrites for every call's arguments ("-args-", made at
+            # the first call with tensors); nothing else may stay.
+            shm = {path for path in glob.glob(f"/dev/shm/rollout-{server.process.pid}-*") if "-args-" not in path}
+            shm -= shm_before
+    together.sort(key=lambda output: output.sample_index)
+    same = all(
+        torch.equal(a.image, b.image) and torch.equal(a.trajectory.latents.stack(), b.trajectory.latents.stack())
+        for a, b in zip(alone, together, strict=True)
+    )
+    print(f"{'probe':<58} {'want':>4} {'got':>4} {'s':>6}  message")
+    print("-" * 150)
+    for row in rows:
+        mark = "" if row["status"] == row["expected"] and row["seconds"] < args.probe_bound_s else "  <-- MISSED"
+        head = f"{row['probe']:<58} {row['expected']:>4} {row['status']:>4} {row['seconds']:>6.3f}"
+        print(f"{head}  {row['message']}{mark}")
+    print(f"\n50 half-sent connections: all closed after {half_s:.2f} s (--header-timeout-s 2)")
+    print(
+        f"the good request ({good_id}, {len(together)} samples, streamed through every probe): "
+        f"{'the same bytes as alone' if same else 'DIFFERENT from alone'}"
+    )
+    print(f"/health: {watch.polls} polls, slowest {watch.worst_s:.3f} s, {watch.failures} not 200")
+    print(
+        f"RSS of the server and its workers: {rss_before:.0f} MB before, {rss_after:.0f} MB after; "
+        f"/dev/shm blocks left beyond the one kept for call arguments: {len(shm)}"
+    )
+    checks = {
+        "every probe answered as it should, in time": all(
+            r["status"] == r["expected"] and r["seconds"] < args.probe_bound_s for r in rows
+        ),
+        "the good request ran through every probe": overlapped,
+        "the good request is bitwise as alone": same,
+        "health always answered in time": watch.failures == 0 and watch.worst_s < args.health_bound_s,
+        "RSS back": rss_after - rss_before < args.rss_slack_mb,
+        "/dev/shm back where it was": not shm,
+    }
+    for name, ok in checks.items():
+        print(f"  {name}: {'met' if ok else 'MISSED'}")
+    print(f"the good request was still running after the last probe: {overlapped}")
+    result = {
+        "args": json_args(args),
+        "probes": rows,
+        "half_sent_close_s": half_s,
+        "health_worst_s": watch.worst_s,
+        "rss_mb": [rss_before, rss_after],
+        "checks": checks,
+    }
+    write_json(args.json, result)
+    return result
+
+
+def _worker_pids(server_pid: int) -> list[int]:
+    """The server's child processes (its mp workers)."""
+    children = Path(f"/proc/{server_pid}/task/{server_pid}/children").read_text().split()
+    return [int(pid) for pid in children]
+
+
+if __name__ == "__main__":
+    main()
