@@ -31,6 +31,7 @@ import os, signal, sys
 import cloudpickle
 from rollout import EngineConfig, RolloutEngine, SamplingParams
 from rollout.errors import EngineDeadError
+from rollout.request_limits import RequestLimits
 from tests.executors import worker_functions
 from tests.executors.worker_functions import slow_down_steps, worker_pid
 
@@ -39,7 +40,9 @@ cloudpickle.register_pickle_by_value(worker_functions)  # Ray workers cannot imp
 if __name__ == "__main__":
     signal.signal(signal.SIGINT, signal.default_int_handler)  # a shell's background job starts with it ignored
     executor, workers = sys.argv[2], int(sys.argv[3])
-    engine = RolloutEngine(EngineConfig(model=sys.argv[1], executor=executor, num_workers=workers))
+    long_requests = RequestLimits(max_inference_steps=100_000)  # one that runs until Ctrl-C
+    config = EngineConfig(model=sys.argv[1], executor=executor, num_workers=workers, request_limits=long_requests)
+    engine = RolloutEngine(config)
     pids = engine.collective_rpc(worker_pid)
     engine.collective_rpc(slow_down_steps, args=(0.05,))
     print(*pids, flush=True)

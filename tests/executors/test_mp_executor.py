@@ -106,13 +106,15 @@ def _children() -> list[int]:
 CALLER = """
 import os, signal, sys
 from rollout import EngineConfig, RolloutEngine, SamplingParams
+from rollout.request_limits import RequestLimits
 
 def pid(worker):
     return os.getpid()
 
 if __name__ == "__main__":
     signal.signal(signal.SIGINT, signal.default_int_handler)  # a shell's background job starts with it ignored
-    engine = RolloutEngine(EngineConfig(model=sys.argv[1], executor="mp", num_workers=2))
+    long_requests = RequestLimits(max_inference_steps=100_000)  # one that runs until Ctrl-C
+    engine = RolloutEngine(EngineConfig(model=sys.argv[1], executor="mp", num_workers=2, request_limits=long_requests))
     print(*engine.collective_rpc(pid), flush=True)
     if sys.argv[2] == "raise":
         raise RuntimeError("the caller failed")
