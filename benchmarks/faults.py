@@ -184,7 +184,7 @@ def abort_figures(model: str, backend: str, cycles: int) -> dict:
         while engine.has_unfinished_requests():
             engine.step()
         left = {
-            "engine": len(engine._requests),
+            "engine": len(engine.scheduler.requests),
             "scheduler": len(engine.scheduler.waiting) + len(engine.scheduler.running),
             "workers": sum(len(ids) for ids in engine.collective_rpc("request_ids")),
         }

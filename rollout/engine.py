@@ -7,6 +7,7 @@ itself (to stream outputs or interleave its own work). Worker functions are reac
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import time
@@ -18,7 +19,7 @@ from tqdm.auto import tqdm
 
 from rollout.config import EngineConfig
 from rollout.errors import EngineDeadError, RequestFailedError, interrupted_reason
-from rollout.hot_swap import HotSwapAPI
+from rollout.hot_swap import HotSwap
 from rollout.model_runner import FinishedRequest
 from rollout.outputs import RequestTimings, RolloutOutput
 from rollout.request import Request, RequestStatus, step_stream
@@ -27,12 +28,21 @@ from rollout.scheduler import Scheduler
 from rollout.seeding import derive_seed, fresh_base_seed
 from rollout.shared_conditions import SharedConditions
 from rollout.shared_parts import SharedTreeParts
-from rollout.weight_sync import WeightSync
 
 logger = logging.getLogger(__name__)
 
 
-class RolloutEngine(HotSwapAPI):
+def _hot_swap_method(method: Callable) -> Callable:
+    """`RolloutEngine.<name>`: `HotSwap.<name>` on the engine's `hot_swap` (same signature and docs)."""
+
+    @functools.wraps(method)
+    def delegated(engine: RolloutEngine, *args, **kwargs):
+        return method(engine.hot_swap, *args, **kwargs)
+
+    return delegated
+
+
+class RolloutEngine:
     """Samples images with their denoising trajectories and log-probs.
 
     >>> with RolloutEngine(EngineConfig(model="path/to/pipeline")) as engine:
@@ -46,16 +56,21 @@ class RolloutEngine(HotSwapAPI):
         self.executor = get_executor_class(config.executor)(config)
         self.model_spec = self.executor.collective_rpc("model_spec")[0]
         self.scheduler = Scheduler(num_ranks=config.num_workers, max_batch_size=config.max_batch_size)
-        self._requests: dict[str, Request] = {}
         self._request_counter = itertools.count()
         self._closed = False
         self._dead: EngineDeadError | None = None
         self._stashed_outputs: list[RolloutOutput] = []  # finished while an update waited for them
-        self._weight_sync = WeightSync(self.collective_rpc)
         self._conditions = SharedConditions()
         self._tree_parts = SharedTreeParts()
         self._tree_ids = itertools.count()
-        self._init_hot_swap()
+        self.hot_swap = HotSwap(
+            rpc=self.collective_rpc,
+            check_open=self._check_open,
+            drain=self._finish_running_requests,
+            die=self._die,
+            unfinished=lambda: self.scheduler.requests.values(),
+            config=config,
+        )
 
     # Generation.
 
@@ -77,7 +92,7 @@ class RolloutEngine(HotSwapAPI):
         self._check_awake()
         if self.scheduler.has_unfinished():
             raise RuntimeError(
-                f"generate() drives the engine itself, but {len(self._requests)} requests added with "
+                f"generate() drives the engine itself, but {len(self.scheduler)} requests added with "
                 "add_request() are unfinished; step() them to completion or abort() them first"
             )
         request_ids = self.add_requests(prompts, params)
@@ -91,7 +106,7 @@ class RolloutEngine(HotSwapAPI):
         return [outputs[request_id] for request_id in request_ids]
 
     def _run_to_the_end(self, request_ids: list[str], use_tqdm: bool) -> dict[str, RolloutOutput]:
-        total_steps = sum(r.num_leaves * r.params.num_inference_steps for r in self._requests.values())
+        total_steps = sum(r.num_leaves * r.params.num_inference_steps for r in self.scheduler.requests.values())
         outputs: dict[str, RolloutOutput] = {}
         # Progress in denoising steps of the leaves, not samples: a group of samples finishes all at once.
         with (
@@ -103,7 +118,7 @@ class RolloutEngine(HotSwapAPI):
                     if output.status == "failed":
                         raise RequestFailedError(output.request_id, output.error)
                     outputs[output.request_id] = output
-                done = sum(r.num_leaves * r.steps_done for r in self._requests.values())
+                done = sum(r.num_leaves * r.steps_done for r in self.scheduler.requests.values())
                 done += sum(o.trajectory.num_steps for o in outputs.values() if o.trajectory is not None)
                 bar.update(done - bar.n)
                 bar.set_postfix(samples=f"{len(outputs)}/{len(request_ids)}")
@@ -175,15 +190,14 @@ class RolloutEngine(HotSwapAPI):
                 base_seed=base_seed,
                 tree_id=next(self._tree_ids),
             )
-            self._requests[sample_id] = request
             self.scheduler.add(request)
             output_ids += [leaf_id for leaf_id, _ in request.leaves()]
         return output_ids
 
     def _check_ids_free(self, group_id: str, sample_ids: list[str]) -> None:
-        groups = {request.group_id for request in self._requests.values()}
-        roots = {r.ancestors[0] if r.ancestors else r.request_id for r in self._requests.values()}
-        clashes = sorted(({group_id} & (groups | roots)) | (set(sample_ids) & groups))
+        table = self.scheduler
+        clashes = [group_id] if table.is_live_group(group_id) or table.is_live_id(group_id) else []
+        clashes = sorted(clashes + [sample_id for sample_id in sample_ids if table.is_live_group(sample_id)])
         if clashes:
             raise ValueError(
                 f"request_id {group_id!r} is refused: {clashes} already name unfinished requests or groups, and "
@@ -209,33 +223,23 @@ class RolloutEngine(HotSwapAPI):
         """Sample ids of the unfinished requests; `running_only`: of those admitted to a worker."""
         if running_only:
             return list(self.scheduler.running)
-        return list(self._requests)
+        return list(self.scheduler.requests)
 
     def _step_once(self, admit: bool = True) -> list[RolloutOutput]:
-        scheduled = self.scheduler.schedule(admit)
+        scheduled = self.scheduler.schedule(admit, self.hot_swap.encoder_generation)
         outputs: list[RolloutOutput] = []
         if scheduled.is_empty:
             return outputs
         for work in scheduled.worker_inputs.values():
-            for data in work.new_requests:  # encoded in this step, with the weights of now
-                self._requests[data.request_id].encoder_generation = self._conditions.generation
-        for parent, children in scheduled.branched:
-            del self._requests[parent.request_id]
-            for child in children:
-                child.encoder_generation = parent.encoder_generation
-                self._requests[child.request_id] = child
-        for work in scheduled.worker_inputs.values():
             for request_id in work.step_ids:
-                self._requests[request_id].note_weight_version(self.weight_version)
+                self.scheduler.requests[request_id].note_weight_version(self.weight_version)
         for runner_output in self._on_executor(self.executor.execute, scheduled):
             for request_id, error in runner_output.failed.items():
                 request = self.scheduler.finish(request_id)
-                del self._requests[request_id]
                 logger.warning("request %s failed alone in its worker: %s", request_id, error)
                 outputs += [self._make_output(request, None, leaf, error=error) for leaf in request.leaves()]
             for finished in runner_output.finished:
                 request = self.scheduler.finish(finished.request_id)
-                del self._requests[finished.request_id]
                 trajectory = finished.trajectory
                 if trajectory is not None:
                     trajectory.condition = self._conditions.share(request, trajectory.condition)
@@ -253,30 +257,53 @@ class RolloutEngine(HotSwapAPI):
             request_ids = [request_ids]
         aborted = []
         for target in request_ids:
-            for request in list(self._requests.values()):
-                if request.request_id not in self._requests:
-                    continue  # aborted by an earlier target
-                if target in (request.request_id, request.group_id) or target in request.ancestors:
-                    aborted += self._abort_request(request, request.leaves())
-                elif request.has_descendant(target):
-                    # A branch it has not split into yet: its leaves end now, the others run on.
-                    pruned = [(i, p) for i, p in request.leaves() if i == target or i.startswith(target + ".")]
-                    request.pruned.add(target)
-                    if request.leaves():
-                        aborted += [self._make_output(request, None, leaf) for leaf in pruned]
-                    else:
-                        aborted += self._abort_request(request, pruned)
+            whole = self.scheduler.matching(target)  # its id, its group's, or one it branched from
+            for request in whole:
+                aborted += self._abort_request(request, request.leaves())
+            request = None if whole else self.scheduler.future_parent(target)
+            if request is not None:
+                # A branch it has not split into yet: its leaves end now, the others run on.
+                pruned = [(i, p) for i, p in request.leaves() if i == target or i.startswith(target + ".")]
+                request.pruned.add(target)
+                if request.leaves():
+                    aborted += [self._make_output(request, None, leaf) for leaf in pruned]
+                else:
+                    aborted += self._abort_request(request, pruned)
         self._flush_frees()
         return aborted
 
     def _abort_request(self, request: Request, leaves: list[tuple[str, tuple[int, ...]]]) -> list[RolloutOutput]:
         """Drop a live request; one aborted output per leaf in `leaves`."""
         self.scheduler.abort(request.request_id)
-        del self._requests[request.request_id]
         return [self._make_output(request, None, leaf) for leaf in leaves]
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    # Weights, adapters and memory: the hot swap's.
+
+    update_weights = _hot_swap_method(HotSwap.update_weights)
+    update_weights_from_disk = _hot_swap_method(HotSwap.update_weights_from_disk)
+    init_weight_update_group = _hot_swap_method(HotSwap.init_weight_update_group)
+    update_weights_from_distributed = _hot_swap_method(HotSwap.update_weights_from_distributed)
+    check_weight_update = _hot_swap_method(HotSwap.check_weight_update)
+    weights_checksum = _hot_swap_method(HotSwap.weights_checksum)
+    load_lora = _hot_swap_method(HotSwap.load_lora)
+    unload_lora = _hot_swap_method(HotSwap.unload_lora)
+    lora_modules = _hot_swap_method(HotSwap.lora_modules)
+    list_loras = _hot_swap_method(HotSwap.list_loras)
+    sleep = _hot_swap_method(HotSwap.sleep)
+    wake_up = _hot_swap_method(HotSwap.wake_up)
+
+    @property
+    def weight_version(self) -> int:
+        """The version of the weights (and adapters) the next steps run with."""
+        return self.hot_swap.weight_version
+
+    @property
+    def sleep_level(self) -> int:
+        """0 when awake, else the level `sleep` was called with."""
+        return self.hot_swap.sleep_level
 
     # Worker functions.
 
@@ -327,8 +354,7 @@ class RolloutEngine(HotSwapAPI):
             raise RuntimeError("this RolloutEngine is shut down; create a new one")
 
     def _check_awake(self) -> None:
-        if self.sleep_level:
-            raise RuntimeError(f"the engine is asleep (level {self.sleep_level}); call wake_up() before generating")
+        self.hot_swap.check_awake()
 
     def _on_executor(self, call: Callable, *args, **kwargs):
         """Run an executor call; if the workers are gone (dead, or stopped by an interrupt in the
@@ -360,11 +386,7 @@ class RolloutEngine(HotSwapAPI):
 
     def _die(self, error: EngineDeadError) -> None:
         self._dead = error
-        lost = list(self._requests)
-        for request_id in lost:
-            self.scheduler.abort(request_id)
-        self._requests.clear()
-        self.scheduler.take_frees()  # nobody is left to free them
+        lost = self.scheduler.abort_all()  # nobody is left to free their worker state
         if lost:
             logger.error("engine is dead; %d unfinished requests failed: %s", len(lost), error)
 
@@ -391,7 +413,7 @@ class RolloutEngine(HotSwapAPI):
         resolved, problems = self.model_spec.resolve(params)
         if not problems:  # the limits read the sizes the model's rules checked
             problems += self.config.request_limits.problems(prompt, resolved, self.model_spec)
-        if params.lora is not None and params.lora not in self._loras:
+        if params.lora is not None and not self.hot_swap.has_lora(params.lora):
             problems.append(f"lora {params.lora!r} is not loaded; loaded: {self.list_loras()} (see load_lora)")
         if problems:
             raise ValueError("invalid request: " + "; ".join(problems))

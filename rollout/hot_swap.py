@@ -1,8 +1,10 @@
-"""The engine's hot-swap API: weights, LoRA adapters, sleep and wake.
+"""The hot-swap API: weights, LoRA adapters, sleep and wake.
 
-Kept apart from request handling (rollout/engine.py); `RolloutEngine` inherits it. Every method here
-is a thin layer over `collective_rpc` plus the engine's bookkeeping (weight version, loaded
-adapters, sleep level), and runs between engine steps.
+A `HotSwap` owns what the engine keeps of its workers' weights (the weight version, the loaded
+adapters, the sleep level, the text encoders' generation) and changes it only through the workers.
+It is built from the few engine callables it needs, so it is tested with a fake RPC; `RolloutEngine`
+delegates its hot-swap methods to it. Every method is a thin layer over `collective_rpc` plus that
+bookkeeping, and runs between engine steps.
 """
 
 from __future__ import annotations
@@ -10,8 +12,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from peft import LoraConfig
@@ -19,23 +22,59 @@ from peft import LoraConfig
 from rollout.broadcast_group import BroadcastEntry
 from rollout.errors import EngineDeadError, WorkerError
 from rollout.safetensors_files import safetensors_files
-from rollout.weight_sync import DEFAULT_BUCKET_BYTES
+from rollout.weight_sync import DEFAULT_BUCKET_BYTES, WeightSync
 from rollout.weights import TensorSpec
+
+if TYPE_CHECKING:
+    from rollout.config import EngineConfig
+    from rollout.request import Request
 
 logger = logging.getLogger(__name__)
 
 _LORA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
-class HotSwapAPI:
-    """Needs from the engine: `collective_rpc`, `_check_open`, `_check_awake`, `_on_executor`,
-    `_finish_running_requests`, `_die`, `config`, `scheduler`, `_requests`, `_weight_sync`,
-    `_conditions`, and the state set in `_init_hot_swap`."""
+class HotSwap:
+    """The engine's weights, adapters and sleep, built from what it needs of the engine:
 
-    def _init_hot_swap(self) -> None:
+    rpc: `collective_rpc(method, args=(), kwargs=None, timeout=None, ranks=None)` on the workers;
+    check_open: raises if the engine is shut down or dead;
+    drain: steps the running requests to the end (their outputs kept for the next step);
+    die: `die(EngineDeadError)` marks the engine dead and fails its requests;
+    unfinished: the unfinished requests;
+    config: the engine's `EngineConfig`.
+    """
+
+    def __init__(
+        self,
+        *,
+        rpc: Callable,
+        check_open: Callable[[], None],
+        drain: Callable[[], None],
+        die: Callable[[EngineDeadError], None],
+        unfinished: Callable[[], Collection[Request]],
+        config: EngineConfig,
+    ):
+        self.collective_rpc = rpc
+        self._check_open = check_open
+        self._drain = drain
+        self._die = die
+        self._unfinished = unfinished
+        self.config = config
+        self._weight_sync = WeightSync(rpc)
         self.weight_version = 0
         self.sleep_level = 0
+        # Counts the changes of the text encoders' weights; the engine sends it with every step, and
+        # embeddings encoded at an older count are never reused.
+        self.encoder_generation = 0
         self._loras: dict[str, int] = {}  # name -> modules it binds
+
+    def check_awake(self) -> None:
+        if self.sleep_level:
+            raise RuntimeError(f"the engine is asleep (level {self.sleep_level}); call wake_up() before generating")
+
+    def has_lora(self, name: str) -> bool:
+        return name in self._loras
 
     # Weights.
 
@@ -67,15 +106,19 @@ class HotSwapAPI:
         return self._update(self._weight_sync.push, push_args, component, version, mode)
 
     def _update(self, push: Callable, push_args: tuple, component: str, version: int | None, mode: str) -> int:
-        self._check_awake()
+        self.check_awake()
         if mode not in ("wait", "pause"):
             raise ValueError(f"mode must be 'wait' or 'pause', got {mode!r}")
         if version is not None and not isinstance(version, int):
             raise ValueError(f"version must be an int or None, got {version!r}")
         if mode == "wait":
-            self._finish_running_requests()
-        self._on_executor(push, *push_args)
-        self._conditions.generation += 1  # as every worker's runner does on commit
+            self._drain()
+        try:
+            push(*push_args)
+        except EngineDeadError as error:  # ranks that may disagree (weight_sync decides): stop serving
+            self._die(error)
+            raise
+        self.encoder_generation += 1
         self.weight_version = self.weight_version + 1 if version is None else version
         logger.info("weights of %s updated to version %d", component, self.weight_version)
         return self.weight_version
@@ -151,11 +194,11 @@ class HotSwapAPI:
         it broadcasts, so receivers are never left waiting for a refused update)."""
         self._check_open()
         entries = _broadcast_entries(names, dtypes, shapes)
-        self._on_executor(self._weight_sync.check_specs, {e.name: e.spec for e in entries}, component)
+        self._weight_sync.check_specs({e.name: e.spec for e in entries}, component)
 
     def weights_checksum(self, component: str = "transformer") -> str:
         """SHA-256 of every weight of `component`; raises if the ranks disagree."""
-        self._check_awake()
+        self.check_awake()
         digests = self.collective_rpc("weights_checksum", args=(component,))
         if len(set(digests)) != 1:
             raise RuntimeError(f"ranks hold different weights of {component}: checksums {digests}")
@@ -212,11 +255,11 @@ class HotSwapAPI:
                 f"loading LoRA {name!r} failed on rank {error.rank} ({error.error}); every rank keeps {kept}"
             ) from error
         try:
-            self._finish_running_requests()
+            self._drain()
         except BaseException:
-            if self._dead is None:  # a dead engine's workers are gone with what they staged
-                with contextlib.suppress(Exception):
-                    self.collective_rpc("rollback_lora", args=(name,))
+            # A dead engine refuses at once (its workers are gone with what they staged).
+            with contextlib.suppress(Exception):
+                self.collective_rpc("rollback_lora", args=(name,))
             raise
         try:
             self.collective_rpc("commit_lora", args=(name,))
@@ -244,7 +287,7 @@ class HotSwapAPI:
         self._check_open()
         if name not in self._loras:
             raise ValueError(f"no LoRA named {name!r} is loaded; loaded: {self.list_loras()}")
-        users = [r.request_id for r in self._requests.values() if r.params.lora == name]
+        users = [r.request_id for r in self._unfinished() if r.params.lora == name]
         if users:
             raise RuntimeError(f"{len(users)} unfinished requests use LoRA {name!r}; finish or abort them first")
         try:
@@ -273,10 +316,10 @@ class HotSwapAPI:
         self._check_open()
         if level not in (1, 2):
             raise ValueError(f"sleep level must be 1 (offload weights) or 2 (discard them), got {level!r}")
-        if self.scheduler.has_unfinished():
+        unfinished = len(self._unfinished())
+        if unfinished:
             raise RuntimeError(
-                f"cannot sleep with {len(self._requests)} unfinished requests; step() them to completion or "
-                "abort() them first"
+                f"cannot sleep with {unfinished} unfinished requests; step() them to completion or abort() them first"
             )
         try:
             self.collective_rpc("sleep", args=(level,))
@@ -300,7 +343,7 @@ class HotSwapAPI:
         self._woke(deepest)
 
     def _woke(self, deepest: int) -> None:
-        self._conditions.generation += 1
+        self.encoder_generation += 1
         if deepest == 2:
             self.weight_version = 0
         self.sleep_level = 0

@@ -106,20 +106,21 @@ class ModelRunner:
     def __init__(self, adapter, loras: LoraManager):
         self.adapter = adapter
         self.loras = loras
-        # Bumped whenever weights change: embeddings of an older generation are not reused.
-        self.encoder_generation = 0
 
     def prepare(
-        self, new_requests: list[NewRequestData], live: Iterable[RequestState]
+        self, new_requests: list[NewRequestData], live: Iterable[RequestState], encoder_generation: int
     ) -> tuple[list[RequestState], dict[str, str]]:
         """Encode the texts no live request holds (one at a time), draw initial noise, fetch
         schedules. Returns the new states, and the requests that failed (id -> error): a text that
-        does not encode or a state that cannot be made fails its requests only."""
+        does not encode or a state that cannot be made fails its requests only.
+
+        `encoder_generation` counts the text encoders' weight changes (the engine's count): a live
+        request's embeddings are reused only when they were encoded at the same count."""
         if not new_requests:
             return [], {}
         encoded: dict[tuple[str, int], PromptEmbeds] = {}
         for state in live:
-            if state.encoder_generation == self.encoder_generation:
+            if state.encoder_generation == encoder_generation:
                 encoded |= state.encoded_texts()
         wanted = [(r.prompt, r.params.max_sequence_length) for r in new_requests]
         wanted += [(r.params.negative_prompt, r.params.max_sequence_length) for r in new_requests]
@@ -139,13 +140,15 @@ class ModelRunner:
                 failed[data.request_id] = bad
                 continue
             try:
-                states.append(self._new_state(data, encoded))
+                states.append(self._new_state(data, encoded, encoder_generation))
             except Exception as error:
                 logger.warning("request %s could not start", data.request_id, exc_info=True)
                 failed[data.request_id] = describe(error)
         return states, failed
 
-    def _new_state(self, data: NewRequestData, encoded: dict[tuple[str, int], PromptEmbeds]) -> RequestState:
+    def _new_state(
+        self, data: NewRequestData, encoded: dict[tuple[str, int], PromptEmbeds], encoder_generation: int
+    ) -> RequestState:
         params = data.params
         length = params.max_sequence_length
         negative = encoded[(params.negative_prompt, length)] if params.negative_prompt is not None else None
@@ -160,7 +163,7 @@ class ModelRunner:
         return RequestState(
             data=data,
             condition=Condition(encoded[(data.prompt, length)], negative),
-            encoder_generation=self.encoder_generation,
+            encoder_generation=encoder_generation,
             timesteps=timesteps,
             sigmas=sigmas,
             sde_mask=params.sde_mask(),

@@ -96,11 +96,15 @@ class Request:
 
     def leaf_seed(self, branch_path: tuple[int, ...]) -> int:
         """The step-noise seed of its descendant (or itself) at `branch_path`."""
+        if branch_path == self.branch_path:
+            return self.seed
         return derive_seed(self.base_seed, self.prompt_index, self.sample_index, step_stream(branch_path))
 
     def leaves(self) -> list[tuple[str, tuple[int, ...]]]:
         """(id, branch path) of the leaves it will yield, in path order, without the pruned ones."""
         remaining = len(self.params.branch_steps) - len(self.branch_path)
+        if not remaining:  # a leaf already (most requests: no tree)
+            return [(self.request_id, self.branch_path)]
         found = []
         for suffix in itertools.product(range(self.params.branch_factor), repeat=remaining):
             leaf_id = self.request_id + "".join(f".{c}" for c in suffix)

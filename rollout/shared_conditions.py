@@ -17,9 +17,9 @@ from rollout.request import Request
 
 class SharedConditions:
     def __init__(self):
+        # Keyed by text, length and the encoders' generation the request was encoded at (embeddings
+        # encoded before and after a weight change are different objects).
         self._alive: weakref.WeakValueDictionary[tuple, PromptEmbeds] = weakref.WeakValueDictionary()
-        # Bumped by every weight change: embeddings encoded before and after are different objects.
-        self.generation = 0
 
     def share(self, request: Request, condition: Condition) -> Condition:
         """`condition` (of a finished `request`) with its embeddings replaced by the shared ones."""

@@ -46,7 +46,7 @@ class Worker:
         start = time.perf_counter()
         for request_id in work.free_ids:
             self.requests.pop(request_id, None)
-        states, failed = self.runner.prepare(work.new_requests, self.requests.values())
+        states, failed = self.runner.prepare(work.new_requests, self.requests.values(), work.encoder_generation)
         for state in states:
             self.requests[state.data.request_id] = state
         for fork in work.forks:  # tree rollouts: a path splits before the step it branches at
@@ -138,7 +138,6 @@ class Worker:
 
     def commit_weights(self, component: str) -> None:
         self.updates.commit(component)
-        self.runner.encoder_generation += 1  # text embeddings encoded before may be stale now
 
     def rollback_weights(self, component: str) -> None:
         self.updates.rollback(component)
@@ -190,7 +189,6 @@ class Worker:
 
     def wake_up(self) -> None:
         self.sleeper.wake_up()
-        self.runner.encoder_generation += 1
 
 
 # The worker's own functions that only read. The others change what the engine keeps (the requests,

@@ -12,7 +12,7 @@ pytestmark = pytest.mark.timeout(120)
 def _assert_no_state(engine):
     assert not engine.scheduler.waiting and not engine.scheduler.running
     assert engine.scheduler.take_frees().is_empty
-    assert engine._requests == {}
+    assert engine.scheduler.requests == {}
     assert engine.collective_rpc("request_ids") == [[]]
 
 

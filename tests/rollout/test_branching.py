@@ -68,7 +68,7 @@ def test_the_shared_prefix_is_one_tensor_however_the_leaves_finished(tiny_model)
     with RolloutEngine(EngineConfig(model=tiny_model, max_batch_size=2)) as engine:
         batches = []
         schedule = engine.scheduler.schedule
-        engine.scheduler.schedule = lambda admit=True: batches.append(schedule(admit)) or batches[-1]
+        engine.scheduler.schedule = lambda *args: batches.append(schedule(*args)) or batches[-1]
         leaves = engine.generate(
             "x", SamplingParams(num_inference_steps=5, seed=1, branch_steps=(1, 3), branch_factor=3)
         )
