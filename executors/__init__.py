@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 
 from executors.base import Executor
+from rollout.imports import import_by_path
 
 # Short name -> "module:Class"; modules are imported only when selected.
 _BACKENDS = {
@@ -20,8 +21,6 @@ def get_executor_class(backend: str | type) -> type[Executor]:
     Raises ValueError for a name that resolves to nothing and TypeError for a class that is not
     an `Executor` subclass.
     """
-    from rollout.imports import import_by_path
-
     if isinstance(backend, str) and backend in _BACKENDS:
         module_name, class_name = _BACKENDS[backend].split(":")
         return getattr(importlib.import_module(module_name), class_name)

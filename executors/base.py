@@ -43,6 +43,12 @@ class Executor(ABC):
     - once dead, every call fails fast with `EngineDeadError` and the reason.
     """
 
+    @classmethod
+    def config_problems(cls, config: EngineConfig) -> list[str]:
+        """What this backend finds wrong with `config` beyond its values (checked before any
+        worker starts, with the model folder and the classes); a backend adds its own rules here."""
+        return []
+
     def __init__(self, config: EngineConfig):
         self.config = config
         self.num_workers = config.num_workers

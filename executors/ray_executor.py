@@ -32,6 +32,8 @@ logger = logging.getLogger(__name__)
 # with each call, which saves a put and a fetch (about 1 ms each here).
 _PUT_ONCE_BYTES = 2**20
 
+PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+
 
 def import_ray():
     try:
@@ -65,6 +67,12 @@ class RayWorkerHost:
 class RayExecutor(Executor):
     """Options come from `EngineConfig`: `num_workers`, `threads_per_worker` (CPUs per actor),
     `device` (a GPU per actor for "cuda"), and `ray_placement_strategy` ("PACK" by default)."""
+
+    @classmethod
+    def config_problems(cls, config: EngineConfig) -> list[str]:
+        if config.ray_placement_strategy in PLACEMENT_STRATEGIES:
+            return []
+        return [f"ray_placement_strategy must be one of {PLACEMENT_STRATEGIES}, got {config.ray_placement_strategy!r}"]
 
     def __init__(self, config: EngineConfig):
         super().__init__(config)

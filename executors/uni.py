@@ -22,6 +22,15 @@ from rollout.scheduler import SchedulerOutput
 
 
 class UniExecutor(Executor):
+    @classmethod
+    def config_problems(cls, config: EngineConfig) -> list[str]:
+        if config.num_workers == 1:
+            return []
+        return [
+            f"executor 'uni' runs one in-process worker, got num_workers={config.num_workers}; "
+            "use executor='mp' or 'ray' for more"
+        ]
+
     def __init__(self, config: EngineConfig):
         super().__init__(config)
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout-worker-0")

@@ -30,6 +30,7 @@ from typing import Any
 import yaml
 
 from rollout.config import EngineConfig
+from rollout.config_check import problems_without_model
 from rollout.engine import RolloutEngine
 from rollout.pipelines.tiny import TINY_BUILDERS
 from rollout.sampling_params import SamplingParams
@@ -110,7 +111,7 @@ class EngineSection:
     max_batch_size: int = option(16, "most samples one worker denoises in one forward pass")
 
     def __post_init__(self) -> None:
-        problems = EngineConfig.problems_without_model(**self._engine_settings())
+        problems = problems_without_model(**self._engine_settings())
         if self.url is not None and not self.url.startswith(("http://", "https://")):
             problems.append(f"url must start with http:// or https://, got {self.url!r}")
         if problems:

@@ -1,15 +1,19 @@
-"""Engine configuration, checked when it is made so a bad setting fails before any model loads."""
+"""Engine configuration: plain data, whose values are checked when it is made.
+
+What needs the file system or imports (the model folder, the executor and worker extension classes,
+the executor's own rules) is checked by `rollout.config_check` when an engine is built, before any
+worker starts, so a typo still fails before any model loads.
+"""
 
 from __future__ import annotations
 
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 import torch
 
-from rollout.pipelines.loading import read_model_index
 from rollout.request_limits import RequestLimits
 
-_PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -50,73 +54,42 @@ class EngineConfig:
     request_limits: RequestLimits = field(default_factory=RequestLimits)
 
     def __post_init__(self) -> None:
-        problems = []
-        try:
-            read_model_index(self.model)
-        except ValueError as error:
-            problems.append(str(error))
-        problems += self._settings_problems()
+        problems = value_problems(self)
         if problems:
             raise ValueError("invalid EngineConfig: " + "; ".join(problems))
 
     @classmethod
-    def problems_without_model(cls, **settings) -> list[str]:
-        """What `EngineConfig(model=..., **settings)` would find wrong apart from the model folder,
-        for configs checked before their model exists (a recipe builds `tiny` only when it runs)."""
-        unchecked = object.__new__(cls)  # skips __post_init__, which reads the model folder
-        defaults = {f.name: f.default for f in fields(cls) if f.default is not MISSING}
-        unchecked.__dict__.update(defaults | settings)
-        return unchecked._settings_problems()
-
-    @classmethod
     def described(cls, settings: dict) -> EngineConfig:
-        """A config as a rollout server reports it, unchecked: its model folder and classes are on
-        the server's machine, not necessarily on this one."""
-        config = object.__new__(cls)  # skips __post_init__
-        config.__dict__.update(settings)
-        return config
-
-    def _settings_problems(self) -> list[str]:
-        problems = self._class_problems()
-        if self.dtype not in _DTYPES:
-            problems.append(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
-        if not isinstance(self.num_workers, int) or self.num_workers < 1:
-            problems.append(f"num_workers must be an integer >= 1, got {self.num_workers!r}")
-        elif self.executor == "uni" and self.num_workers != 1:
-            problems.append(
-                f"executor 'uni' runs one in-process worker, got num_workers={self.num_workers}; "
-                "use executor='mp' or 'ray' for more"
-            )
-        if not isinstance(self.max_batch_size, int) or self.max_batch_size < 1:
-            problems.append(f"max_batch_size must be an integer >= 1, got {self.max_batch_size!r}")
-        if self.threads_per_worker is not None and (
-            not isinstance(self.threads_per_worker, int) or self.threads_per_worker < 1
-        ):
-            problems.append(f"threads_per_worker must be an integer >= 1 or None, got {self.threads_per_worker!r}")
-        for name in ("rpc_timeout_s", "step_timeout_s", "startup_timeout_s"):
-            if getattr(self, name) <= 0:
-                problems.append(f"{name} must be > 0 seconds, got {getattr(self, name)}")
-        if self.ray_placement_strategy not in _PLACEMENT_STRATEGIES:
-            problems.append(
-                f"ray_placement_strategy must be one of {_PLACEMENT_STRATEGIES}, got {self.ray_placement_strategy!r}"
-            )
-        if not (self.device == "cpu" or self.device.startswith("cuda")):
-            problems.append(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
-        return problems
-
-    def _class_problems(self) -> list[str]:
-        """Resolve the executor and worker extension now, so a typo fails before any model loads."""
-        from executors import get_executor_class
-        from rollout.worker import build_worker_class
-
-        problems = []
-        for resolve, value in ((get_executor_class, self.executor), (build_worker_class, self.worker_extension_cls)):
-            try:
-                resolve(value)
-            except (ValueError, TypeError) as error:
-                problems.append(str(error))
-        return problems
+        """A config as a rollout server reports it (`dataclasses.asdict` of its own): its model
+        folder and classes are on the server's machine, and are named here by their paths."""
+        known = {f.name for f in fields(cls)}
+        settings = {name: value for name, value in settings.items() if name in known}
+        if isinstance(settings.get("request_limits"), dict):
+            settings["request_limits"] = RequestLimits(**settings["request_limits"])
+        return cls(**settings)
 
     @property
     def torch_dtype(self) -> torch.dtype:
         return _DTYPES[self.dtype]
+
+
+def value_problems(config: Any) -> list[str]:
+    """What is wrong with the values of `config` (an `EngineConfig`, or any object with its
+    attributes), without reading files or importing classes."""
+    problems = []
+    if config.dtype not in _DTYPES:
+        problems.append(f"dtype must be one of {sorted(_DTYPES)}, got {config.dtype!r}")
+    if not isinstance(config.num_workers, int) or config.num_workers < 1:
+        problems.append(f"num_workers must be an integer >= 1, got {config.num_workers!r}")
+    if not isinstance(config.max_batch_size, int) or config.max_batch_size < 1:
+        problems.append(f"max_batch_size must be an integer >= 1, got {config.max_batch_size!r}")
+    if config.threads_per_worker is not None and (
+        not isinstance(config.threads_per_worker, int) or config.threads_per_worker < 1
+    ):
+        problems.append(f"threads_per_worker must be an integer >= 1 or None, got {config.threads_per_worker!r}")
+    for name in ("rpc_timeout_s", "step_timeout_s", "startup_timeout_s"):
+        if getattr(config, name) <= 0:
+            problems.append(f"{name} must be > 0 seconds, got {getattr(config, name)}")
+    if not (config.device == "cpu" or config.device.startswith("cuda")):
+        problems.append(f"device must be 'cpu' or 'cuda[:N]', got {config.device!r}")
+    return problems

@@ -18,6 +18,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from rollout.config import EngineConfig
+from rollout.config_check import check_engine_config
 from rollout.errors import EngineDeadError, RequestFailedError, interrupted_reason
 from rollout.hot_swap import HotSwap
 from rollout.model_runner import FinishedRequest
@@ -50,10 +51,8 @@ class RolloutEngine:
     """
 
     def __init__(self, config: EngineConfig):
-        from executors import get_executor_class
-
         self.config = config
-        self.executor = get_executor_class(config.executor)(config)
+        self.executor = check_engine_config(config)(config)  # before any worker starts
         self.model_spec = self.executor.collective_rpc("model_spec")[0]
         self.scheduler = Scheduler(num_ranks=config.num_workers, max_batch_size=config.max_batch_size)
         self._request_counter = itertools.count()

@@ -205,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # Imported after the checks, so a refused command line answers at once.
     from rollout import EngineConfig
+    from rollout.config_check import check_engine_config
     from rollout.request_limits import RequestLimits
     from rollout.serve.app import ServerSettings
     from rollout.serve.guard import allowed_hosts
@@ -225,6 +226,7 @@ def main(argv: list[str] | None = None) -> int:
             ray_placement_strategy=args.ray_placement_strategy,
             request_limits=RequestLimits(**{name: getattr(args, name) for name in _limit_flags()}),
         )
+        check_engine_config(config)  # the model folder and classes too, before any key or worker
     except ValueError as error:
         sys.exit(f"error: {error}")
     generated_key_file = None

@@ -115,7 +115,7 @@ class ClashingExtension:
 
 def test_extension_that_redefines_a_worker_method_is_refused(tiny_model):
     with pytest.raises(ValueError, match=r"ClashingExtension redefines worker methods \['execute'\]"):
-        EngineConfig(model=tiny_model, worker_extension_cls=ClashingExtension)
+        RolloutEngine(EngineConfig(model=tiny_model, worker_extension_cls=ClashingExtension))
 
 
 def test_engine_after_shutdown_refuses_calls(tiny_model):

@@ -72,25 +72,35 @@ def test_a_bad_request_in_a_list_starts_nothing(engine):
 
 
 def test_missing_model_folder(tmp_path):
+    config = EngineConfig(model=str(tmp_path / "nope"))  # plain data: nothing is read yet
     with pytest.raises(ValueError, match="does not exist; pass a local diffusers pipeline folder"):
-        EngineConfig(model=str(tmp_path / "nope"))
+        RolloutEngine(config)
 
 
 def test_folder_that_is_not_a_pipeline(tmp_path):
     with pytest.raises(ValueError, match="is not a diffusers pipeline: it has no model_index.json"):
-        EngineConfig(model=str(tmp_path))
+        RolloutEngine(EngineConfig(model=str(tmp_path)))
     (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "UNet2DModel"}))
     with pytest.raises(ValueError, match="holds a UNet2DModel, which is not supported"):
-        EngineConfig(model=str(tmp_path))
+        RolloutEngine(EngineConfig(model=str(tmp_path)))
 
 
 def test_engine_config_errors(tiny_model):
     with pytest.raises(ValueError, match="executor 'uni' runs one in-process worker"):
-        EngineConfig(model=tiny_model, num_workers=2)
+        RolloutEngine(EngineConfig(model=tiny_model, num_workers=2))
     with pytest.raises(ValueError, match="dtype must be one of"):
         EngineConfig(model=tiny_model, dtype="float8")
     with pytest.raises(ValueError, match="unknown executor 'threads'"):
-        EngineConfig(model=tiny_model, executor="threads")
+        RolloutEngine(EngineConfig(model=tiny_model, executor="threads"))
+
+
+def test_every_problem_is_named_at_once_before_any_worker_starts(tmp_path):
+    config = EngineConfig(model=str(tmp_path / "nope"), executor="threads", worker_extension_cls="no.such.Extension")
+    with pytest.raises(ValueError) as error:
+        RolloutEngine(config)
+    message = str(error.value)
+    assert message.startswith("invalid EngineConfig: ")
+    assert "does not exist" in message and "unknown executor 'threads'" in message and "no.such" in message
 
 
 def test_unknown_worker_method(engine):

@@ -1,0 +1,58 @@
+"""The checks of an `EngineConfig` that need the file system or imports, in one place: the model
+folder, the executor and worker extension classes, and the executor's own rules
+(`Executor.config_problems`). The engine runs them before any worker starts, so a typo fails before
+any model loads, with every problem in one error."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from executors import Executor, get_executor_class
+from rollout.config import EngineConfig, value_problems
+from rollout.pipelines.loading import read_model_index
+from rollout.worker import build_worker_class
+
+
+def check_engine_config(config: EngineConfig) -> type[Executor]:
+    """The executor class `config` names; raises ValueError listing everything that would stop an
+    engine from starting with it."""
+    problems = []
+    try:
+        read_model_index(config.model)
+    except ValueError as error:
+        problems.append(str(error))
+    executor_cls, class_problems = _resolve_classes(config)
+    problems += class_problems
+    if problems:
+        raise ValueError("invalid EngineConfig: " + "; ".join(problems))
+    return executor_cls
+
+
+def problems_without_model(**settings) -> list[str]:
+    """What `EngineConfig(model=..., **settings)` and its classes would find wrong apart from the
+    model folder, for configs checked before their model exists (a recipe builds `tiny` only when
+    it runs)."""
+    config = SimpleNamespace(**(_defaults() | settings))
+    problems = value_problems(config)
+    return problems + _resolve_classes(config)[1]
+
+
+def _resolve_classes(config) -> tuple[type[Executor] | None, list[str]]:
+    problems = []
+    executor_cls = None
+    try:
+        executor_cls = get_executor_class(config.executor)
+    except (ValueError, TypeError) as error:
+        problems.append(str(error))
+    try:
+        build_worker_class(config.worker_extension_cls)
+    except (ValueError, TypeError) as error:
+        problems.append(str(error))
+    if executor_cls is not None:
+        problems += executor_cls.config_problems(config)
+    return executor_cls, problems
+
+
+def _defaults() -> dict:
+    """`EngineConfig`'s defaults, from a config made with them (`model` is not read here)."""
+    return vars(EngineConfig(model=""))
