@@ -28,8 +28,10 @@ TRAJECTORY_SETTINGS = (
 class Trajectory:
     """Everything a policy-gradient trainer needs to re-score the denoising chain of one sample.
 
-    latents: the chain x_0..x_T as a `StepSeries` of float32 entries: `latents[i]` is x_i (0 the
-        initial noise, T or -1 the final latents), `latents[steps]` stacks several. Each entry has
+    latents: the chain x_0..x_T as a `StepSeries` of float32 entries that answers like a
+        [T+1, *latent_shape] tensor: `latents[i]` is x_i (0 the initial noise, T or -1 the final
+        latents), `latents[1:-1]` and `latents[steps]` give several, `latents.shape` and
+        `torch.stack([t.latents for t in trajectories])` work, `latents.stack()` is the tensor. Each entry has
         the form the model's diffusers pipeline takes as `latents=`: [C, h, w] for SD3, packed 2x2
         patches [h/2 * w/2, C*4] for FLUX.1 and Qwen-Image. With `record_steps` only the entries
         around those steps (and x_T) are kept; the leaves of a tree rollout share their prefix.
