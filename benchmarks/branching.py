@@ -215,7 +215,7 @@ def remove_forward_counter(worker) -> list[tuple[int, float]]:
 def check_outputs(shape: str, outputs: list[RolloutOutput], params: SamplingParams, prompts: list[str]) -> int:
     """The number of leaves; raises unless every prompt gave its leaves, all finished, with distinct paths."""
     expected = len(prompts) * leaves_per_prompt(params)
-    paths = {(o.request_id.split(".")[0], o.branch_path) for o in outputs}  # (root sample id, branch path)
+    paths = {o.node_id for o in outputs}  # (group, sample, branch path)
     problems = []
     if len(outputs) != expected:
         problems.append(f"{len(outputs)} outputs, expected {expected}")
@@ -224,7 +224,7 @@ def check_outputs(shape: str, outputs: list[RolloutOutput], params: SamplingPara
     if any(len(o.branch_path) != len(params.branch_steps) for o in outputs):
         problems.append(f"branch paths of lengths {sorted({len(o.branch_path) for o in outputs})}")
     if len(paths) != len(outputs):
-        problems.append("repeated (root sample, branch path) pairs")
+        problems.append("repeated output ids (group, sample, branch path)")
     if problems:
         raise AssertionError(f"{shape}: wrong outputs: {'; '.join(problems)}")
     return len(outputs)

@@ -59,7 +59,7 @@ import torch
 from benchmarks.common import interleaved_rounds, json_args, per_round_ratio, spread, timed_call, write_json
 from benchmarks.lora_swap import LORA_TARGETS, make_adapters, quiet_peft_warnings
 from benchmarks.weight_sync import perturb
-from rollout import EngineConfig, RolloutEngine, RolloutOutput, SamplingParams
+from rollout import EngineConfig, NodeId, RolloutEngine, RolloutOutput, SamplingParams
 from rollout.async_engine import AsyncRolloutEngine
 from rollout.pipelines.tiny import TinySD3Sizes, build_tiny_sd3
 from rollout.serve.launch import ServerProcess
@@ -189,26 +189,26 @@ def run_sync(engine: RolloutEngine, args, round_index: int) -> tuple[float, list
     while engine.has_unfinished_requests():
         outputs += engine.step()
     elapsed = time.perf_counter() - start
-    return elapsed, [Answer(output.request_id.rpartition("-")[0], None, [output]) for output in outputs]
+    return elapsed, [Answer(output.group_id, None, [output]) for output in outputs]
 
 
 def check_answers(mode: str, answers: list[Answer], args, round_index: int) -> dict[str, int]:
     """Counts of outputs expected, received, lost, duplicated, misrouted (an id nobody asked for, or
     under another request's answer) and not finished; raises unless the last four are 0."""
     expected = {
-        f"{group_id(round_index, index, k)}-{s}"
+        NodeId(group_id(round_index, index, k), s)
         for index in range(args.clients)
         for k in range(args.requests_per_client)
         for s in range(args.samples)
     }
     outputs = [(answer.group, output) for answer in answers for output in answer.outputs]
-    received = [output.request_id for _, output in outputs]
+    received = [output.node_id for _, output in outputs]
     counts = {
         "expected": len(expected),
         "received": len(received),
         "lost": len(expected - set(received)),
         "duplicated": len(received) - len(set(received)),
-        "misrouted": sum(o.request_id not in expected or o.request_id.rpartition("-")[0] != g for g, o in outputs),
+        "misrouted": sum(o.node_id not in expected or o.group_id != g for g, o in outputs),
         "not_finished": sum(output.status != "finished" for _, output in outputs),
     }
     if any(counts[name] for name in ("lost", "duplicated", "misrouted", "not_finished")):

@@ -144,7 +144,7 @@ def sample_summary(output: RolloutOutput) -> dict:
                 lp if sde else None for lp, sde in zip(trajectory.log_probs.tolist(), mask.tolist(), strict=True)
             ],
             "sde_mask": mask.tolist(),
-            "latent_shape": [trajectory.latents.length, *trajectory.latents.entry_shape],
+            "latent_shape": [trajectory.latents.length, *trajectory.latents.shape[1:]],  # the whole chain
             "final_latent_mean": float(final.mean()),
             "final_latent_std": float(final.std()),
         }

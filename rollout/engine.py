@@ -22,6 +22,7 @@ from rollout.config_check import check_engine_config
 from rollout.errors import EngineDeadError, RequestFailedError, interrupted_reason
 from rollout.hot_swap import HotSwap
 from rollout.model_runner import FinishedRequest
+from rollout.node_id import NodeId
 from rollout.outputs import RequestTimings, RolloutOutput
 from rollout.request import Request, RequestStatus, step_stream
 from rollout.sampling_params import SamplingParams
@@ -168,21 +169,19 @@ class RolloutEngine:
         if request_id is not None and "." in request_id:
             raise ValueError(f"request_id {request_id!r} holds '.', which names tree branches; pass one without")
         group_id = request_id if request_id is not None else f"req{next(self._request_counter)}"
-        sample_ids = [f"{group_id}-{k}" for k in range(params.num_samples)]
-        self._check_ids_free(group_id, sample_ids)
+        roots = [NodeId(group_id, k) for k in range(params.num_samples)]
+        self._check_ids_free(group_id, [str(root) for root in roots])
         if params.seed is not None:
             base_seed = params.seed
         elif base_seed is None:
             base_seed = fresh_base_seed()
         output_ids = []
-        for k, sample_id in enumerate(sample_ids):
+        for k, root in enumerate(roots):
             init_index = 0 if params.same_noise_in_group else k
             request = Request(
-                request_id=sample_id,
-                group_id=group_id,
+                node_id=root,
                 prompt=prompt,
                 prompt_index=prompt_index,
-                sample_index=k,
                 params=params,
                 seed=derive_seed(base_seed, prompt_index, k, step_stream(())),
                 init_noise_seed=derive_seed(base_seed, prompt_index, init_index, "init"),
@@ -190,7 +189,7 @@ class RolloutEngine:
                 tree_id=next(self._tree_ids),
             )
             self.scheduler.add(request)
-            output_ids += [leaf_id for leaf_id, _ in request.leaves()]
+            output_ids += [str(leaf) for leaf in request.leaves()]
         return output_ids
 
     def _check_ids_free(self, group_id: str, sample_ids: list[str]) -> None:
@@ -259,11 +258,12 @@ class RolloutEngine:
             whole = self.scheduler.matching(target)  # its id, its group's, or one it branched from
             for request in whole:
                 aborted += self._abort_request(request, request.leaves())
-            request = None if whole else self.scheduler.future_parent(target)
+            node = None if whole else _node_named(target)
+            request = None if node is None else self.scheduler.future_parent(node)
             if request is not None:
                 # A branch it has not split into yet: its leaves end now, the others run on.
-                pruned = [(i, p) for i, p in request.leaves() if i == target or i.startswith(target + ".")]
-                request.pruned.add(target)
+                pruned = [leaf for leaf in request.leaves() if leaf == node or node.is_ancestor_of(leaf)]
+                request.pruned.add(node)
                 if request.leaves():
                     aborted += [self._make_output(request, None, leaf) for leaf in pruned]
                 else:
@@ -271,7 +271,7 @@ class RolloutEngine:
         self._flush_frees()
         return aborted
 
-    def _abort_request(self, request: Request, leaves: list[tuple[str, tuple[int, ...]]]) -> list[RolloutOutput]:
+    def _abort_request(self, request: Request, leaves: list[NodeId]) -> list[RolloutOutput]:
         """Drop a live request; one aborted output per leaf in `leaves`."""
         self.scheduler.abort(request.request_id)
         return [self._make_output(request, None, leaf) for leaf in leaves]
@@ -434,25 +434,23 @@ class RolloutEngine:
         self,
         request: Request,
         finished: FinishedRequest | None,
-        leaf: tuple[str, tuple[int, ...]] | None = None,
+        leaf: NodeId | None = None,
         error: str | None = None,
     ) -> RolloutOutput:
         """The output of `request` (`finished` by a worker, or None when aborted), or of one of its
-        future leaves `(id, branch path)` (aborted, or failed with `error`)."""
+        future leaves (aborted, or failed with `error`)."""
         now = time.monotonic()
         first = request.first_step_time
-        request_id, branch_path = leaf if leaf is not None else (request.request_id, request.branch_path)
+        node_id = leaf if leaf is not None else request.node_id
         return RolloutOutput(
-            request_id=request_id,
+            node_id=node_id,
             prompt=request.prompt,
             prompt_index=request.prompt_index,
-            sample_index=request.sample_index,
-            seed=request.leaf_seed(branch_path),
+            seed=request.leaf_seed(node_id.branch_path),
             status=_status(request, leaf, error),
             image=finished.image if finished is not None else None,
             video=finished.video if finished is not None else None,
             latents=finished.latents if finished is not None else None,
-            branch_path=branch_path,
             trajectory=finished.trajectory if finished is not None else None,
             weight_version=request.weight_versions[-1] if request.weight_versions else self.weight_version,
             weight_versions=tuple(request.weight_versions),
@@ -466,7 +464,15 @@ class RolloutEngine:
         )
 
 
-def _status(request: Request, leaf: tuple | None, error: str | None) -> str:
+def _node_named(target: str) -> NodeId | None:
+    """The node an abort target names, or None for a group id (or an id of no form)."""
+    try:
+        return NodeId.parse(target)
+    except ValueError:
+        return None
+
+
+def _status(request: Request, leaf: NodeId | None, error: str | None) -> str:
     if error is not None:
         return "failed"
     return "aborted" if leaf is not None or request.status is RequestStatus.ABORTED else "finished"

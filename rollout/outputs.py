@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from rollout.node_id import NodeId
 from rollout.pipelines.condition import Condition
 from rollout.step_series import StepSeries
 
@@ -28,8 +29,10 @@ TRAJECTORY_SETTINGS = (
 class Trajectory:
     """Everything a policy-gradient trainer needs to re-score the denoising chain of one sample.
 
-    latents: the chain x_0..x_T as a `StepSeries` of float32 entries: `latents[i]` is x_i (0 the
-        initial noise, T or -1 the final latents), `latents[steps]` stacks several. Each entry has
+    latents: the chain x_0..x_T as a `StepSeries` of float32 entries that answers like a
+        [T+1, *latent_shape] tensor: `latents[i]` is x_i (0 the initial noise, T or -1 the final
+        latents), `latents[1:-1]` and `latents[steps]` give several, `latents.shape` and
+        `torch.stack([t.latents for t in trajectories])` work, `latents.stack()` is the tensor. Each entry has
         the form the model's diffusers pipeline takes as `latents=`: [C, h, w] for SD3, packed 2x2
         patches [h/2 * w/2, C*4] for FLUX.1 and Qwen-Image. With `record_steps` only the entries
         around those steps (and x_T) are kept; the leaves of a tree rollout share their prefix.
@@ -98,6 +101,9 @@ class RequestTimings:
 class RolloutOutput:
     """One generated sample. Tensors are on CPU.
 
+    node_id: which sample it is, as data: its group (the id `add_request` was given or made), its
+        sample index in the group and its `branch_path`. `request_id`, `group_id`, `sample_index`
+        and `branch_path` read it; `request_id` (`str(node_id)`) is its id on the wire and in logs.
     status: "finished"; "aborted"; or "failed": the worker raised for this request alone, `error`
         says what ("ValueError: ..."), and its batch-mates went on. Without "finished", image,
         latents and trajectory are None.
@@ -110,19 +116,34 @@ class RolloutOutput:
         with mode="pause" landed while it ran).
     """
 
-    request_id: str
+    node_id: NodeId
     prompt: str
     prompt_index: int
-    sample_index: int
     seed: int
     status: str = "finished"
     image: torch.Tensor | None = None
     video: torch.Tensor | None = None
     latents: torch.Tensor | None = None
-    branch_path: tuple[int, ...] = ()
     trajectory: Trajectory | None = None
     weight_version: int = 0
     weight_versions: tuple[int, ...] = ()
     lora: str | None = None
     timings: RequestTimings = field(default_factory=RequestTimings)
     error: str | None = None
+
+    @property
+    def request_id(self) -> str:
+        """Its id on the wire and in logs: "{group_id}-{sample_index}", then ".{child}" per branch."""
+        return str(self.node_id)
+
+    @property
+    def group_id(self) -> str:
+        return self.node_id.group
+
+    @property
+    def sample_index(self) -> int:
+        return self.node_id.sample
+
+    @property
+    def branch_path(self) -> tuple[int, ...]:
+        return self.node_id.branch_path

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import itertools
 import time
 from dataclasses import dataclass, field
 
+from rollout.node_id import NodeId
 from rollout.sampling_params import SamplingParams
 from rollout.seeding import derive_seed
 
@@ -48,21 +50,17 @@ class Fork:
 @dataclass
 class Request:
     """One sample of one prompt (a GRPO group of n samples is n requests), or one path of a tree
-    rollout: a request that reaches a branch step is replaced by its children, "{request_id}.{c}"."""
+    rollout: a request that reaches a branch step is replaced by its children (`node_id.child(c)`)."""
 
-    request_id: str
-    group_id: str  # the id add_request was given (or made): "{group_id}-{sample_index}" is the root's id
+    node_id: NodeId  # its group (the id add_request was given or made), sample index and branch path
     prompt: str
     prompt_index: int
-    sample_index: int
     params: SamplingParams  # resolved against the model
     seed: int  # this path's step-noise seed, reported in its output
     init_noise_seed: int
     base_seed: int  # what the seeds derive from (children's too)
     tree_id: int  # unique per root in the engine's life, shared by its children
-    branch_path: tuple[int, ...] = ()  # the child taken at each branch step so far
-    ancestors: tuple[str, ...] = ()  # ids of the paths it branched from, root first
-    pruned: set[str] = field(default_factory=set)  # ids of its descendants aborted before they existed
+    pruned: set[NodeId] = field(default_factory=set)  # its descendants aborted before they existed
     status: RequestStatus = RequestStatus.WAITING
     rank: int | None = None
     sent_to_worker: bool = False
@@ -72,6 +70,30 @@ class Request:
     last_scheduled_tick: int = -1
     arrival_time: float = field(default_factory=time.monotonic)
     first_step_time: float | None = None
+
+    @functools.cached_property
+    def request_id(self) -> str:
+        """Its id as the scheduler, the workers and the wire know it: `str(node_id)` (kept: the
+        scheduler's table is keyed by it)."""
+        return str(self.node_id)
+
+    @property
+    def group_id(self) -> str:
+        return self.node_id.group
+
+    @property
+    def sample_index(self) -> int:
+        return self.node_id.sample
+
+    @property
+    def branch_path(self) -> tuple[int, ...]:
+        """The child taken at each branch step so far."""
+        return self.node_id.branch_path
+
+    @property
+    def ancestors(self) -> tuple[str, ...]:
+        """Ids of the paths it branched from, root first."""
+        return tuple(str(ancestor) for ancestor in self.node_id.ancestors)
 
     def note_weight_version(self, version: int) -> None:
         if not self.weight_versions or self.weight_versions[-1] != version:
@@ -100,44 +122,39 @@ class Request:
             return self.seed
         return derive_seed(self.base_seed, self.prompt_index, self.sample_index, step_stream(branch_path))
 
-    def leaves(self) -> list[tuple[str, tuple[int, ...]]]:
-        """(id, branch path) of the leaves it will yield, in path order, without the pruned ones."""
+    def leaves(self) -> list[NodeId]:
+        """The leaves it will yield, in path order, without the pruned ones."""
         remaining = len(self.params.branch_steps) - len(self.branch_path)
         if not remaining:  # a leaf already (most requests: no tree)
-            return [(self.request_id, self.branch_path)]
+            return [self.node_id]
         found = []
         for suffix in itertools.product(range(self.params.branch_factor), repeat=remaining):
-            leaf_id = self.request_id + "".join(f".{c}" for c in suffix)
-            if not any(leaf_id == p or leaf_id.startswith(p + ".") for p in self.pruned):
-                found.append((leaf_id, self.branch_path + suffix))
+            leaf = self.node_id.descendant(suffix)
+            if not any(leaf == p or p.is_ancestor_of(leaf) for p in self.pruned):
+                found.append(leaf)
         return found
 
-    def has_descendant(self, node_id: str) -> bool:
-        """Whether `node_id` names one of its (future) branches or leaves."""
-        if not node_id.startswith(self.request_id + "."):
-            return False
-        suffix = node_id[len(self.request_id) + 1 :].split(".")
-        remaining = len(self.params.branch_steps) - len(self.branch_path)
-        return len(suffix) <= remaining and all(
-            part.isdigit() and int(part) < self.params.branch_factor for part in suffix
+    def has_descendant(self, node_id: NodeId) -> bool:
+        """Whether `node_id` is one of its (future) branches or leaves."""
+        return (
+            self.node_id.is_ancestor_of(node_id)
+            and node_id.depth <= len(self.params.branch_steps)
+            and all(c < self.params.branch_factor for c in node_id.branch_path)
         )
 
     def children(self) -> list[Request]:
         """Its children at this branch step, each with its own step-noise seed (the pruned left out)."""
         made = []
         for c in range(self.params.branch_factor):
-            child_id = f"{self.request_id}.{c}"
-            if child_id in self.pruned:
+            child = self.node_id.child(c)
+            if child in self.pruned:
                 continue
-            path = self.branch_path + (c,)
             made.append(
                 dataclasses.replace(
                     self,
-                    request_id=child_id,
-                    seed=self.leaf_seed(path),
-                    branch_path=path,
-                    ancestors=self.ancestors + (self.request_id,),
-                    pruned={p for p in self.pruned if p.startswith(child_id + ".")},
+                    node_id=child,
+                    seed=self.leaf_seed(child.branch_path),
+                    pruned={p for p in self.pruned if child.is_ancestor_of(p)},
                     weight_versions=list(self.weight_versions),
                 )
             )

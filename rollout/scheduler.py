@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from rollout.node_id import NodeId
 from rollout.request import Fork, NewRequestData, Request, RequestStatus
 
 
@@ -91,15 +92,13 @@ class Scheduler:
         ids = self._by_group.get(target) or self._by_ancestor.get(target) or {}
         return [self.requests[request_id] for request_id in ids]
 
-    def future_parent(self, target: str) -> Request | None:
-        """The unfinished request that will branch into `target` (a branch or leaf it has not split
+    def future_parent(self, node: NodeId) -> Request | None:
+        """The unfinished request that will branch into `node` (a branch or leaf it has not split
         into yet), or None."""
-        prefix = target
-        while "." in prefix:
-            prefix = prefix.rpartition(".")[0]
-            request = self.requests.get(prefix)
+        for ancestor in reversed(node.ancestors):  # the nearest live one is its only candidate
+            request = self.requests.get(str(ancestor))
             if request is not None:
-                return request if request.has_descendant(target) else None
+                return request if request.has_descendant(node) else None
         return None
 
     def _insert(self, request: Request) -> None:

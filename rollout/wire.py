@@ -11,7 +11,9 @@ Outputs travel as a stream of frames, so each one can go out as soon as it finis
   a prompt share them, as in process);
 - {"kind": "part", "key": ...}: one part of a trajectory's `StepSeries` (the latents or a record),
   sent once per stream: the leaves of a tree rollout share the parts of their common history;
-- {"kind": "output", ...}: one `RolloutOutput`, its tensors "image", "latents" and
+- {"kind": "output", ...}: one `RolloutOutput`: its id as data ("group_id", "sample_index",
+  "branch_path", from which the decoder rebuilds its `NodeId`) and as text ("request_id", checked
+  against them), its other fields, its tensors "image", "latents" and
   "trajectory.<field>", the keys of its condition's prompt and negative embeddings, and per series
   its positions (a tensor), its length and the keys of its parts;
 - {"kind": "error", "type": ..., "message": ...}: the stream failed (the engine died).
@@ -30,6 +32,7 @@ from typing import Any
 import safetensors.torch
 import torch
 
+from rollout.node_id import NodeId
 from rollout.outputs import TRAJECTORY_SETTINGS, RequestTimings, RolloutOutput, Trajectory
 from rollout.pipelines.condition import Condition, PromptEmbeds
 from rollout.pipelines.loading import FAMILIES
@@ -134,7 +137,7 @@ class OutputEncoder:
         frames = b""
         fields = {
             name: getattr(output, name)
-            for name in ("request_id", "prompt", "prompt_index", "sample_index", "seed", "status", "error")
+            for name in ("request_id", "group_id", "prompt", "prompt_index", "sample_index", "seed", "status", "error")
         }
         fields |= {
             "weight_version": output.weight_version,
@@ -227,17 +230,16 @@ class OutputDecoder:
                 condition=condition,
                 **values,
             )
+        node_id = _node_id(fields)
         return RolloutOutput(
-            request_id=fields["request_id"],
+            node_id=node_id,
             prompt=fields["prompt"],
             prompt_index=fields["prompt_index"],
-            sample_index=fields["sample_index"],
             seed=fields["seed"],
             status=fields["status"],
             image=tensors.get("image"),
             video=tensors.get("video"),
             latents=tensors.get("latents"),
-            branch_path=tuple(fields["branch_path"]),
             trajectory=trajectory,
             weight_version=fields["weight_version"],
             weight_versions=tuple(fields["weight_versions"]),
@@ -245,6 +247,20 @@ class OutputDecoder:
             timings=RequestTimings(**fields["timings"]),
             error=fields["error"],
         )
+
+
+def _node_id(fields: dict) -> NodeId:
+    """An output frame's id, from its parts; its text form must agree (else the peers differ in
+    how they name samples)."""
+    if "group_id" not in fields:
+        raise WireError("an output frame has no group_id; is the server older than this client?")
+    node_id = NodeId(fields["group_id"], fields["sample_index"], tuple(fields["branch_path"]))
+    if str(node_id) != fields["request_id"]:
+        raise WireError(
+            f"an output frame's request_id {fields['request_id']!r} is not its group, sample and branch path "
+            f"{str(node_id)!r}; are the server and this client different versions?"
+        )
+    return node_id
 
 
 def _embeds_class(dotted: str) -> type[PromptEmbeds]:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rollout import RolloutOutput, SamplingParams
+from rollout import NodeId, RolloutOutput, SamplingParams
 from trainers_adapters.rewards import Reward
 
 
@@ -85,8 +85,8 @@ def generate_with_rewards(
     )
 
 
-def _sample_order(output: RolloutOutput) -> tuple:
-    return output.sample_index, output.branch_path
+def _sample_order(output: RolloutOutput) -> NodeId:
+    return output.node_id  # within a group: by sample, then branch path
 
 
 def _reward_group(reward: Reward, group: list[RolloutOutput]) -> torch.Tensor:

@@ -19,21 +19,31 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rollout import RolloutOutput
+from rollout import NodeId, RolloutOutput
 from trainers_adapters.advantages import group_advantages
 
 
 @dataclass
 class TreeNode:
-    """One path segment of a tree: `node_id` is the engine's id of that path ("{root}.{c}.{c}")."""
+    """One path segment of a tree: `node` is the engine's id of that path (a root's is its
+    sample's, a leaf's its output's `node_id`)."""
 
-    node_id: str
+    node: NodeId
     prompt_index: int
-    depth: int  # 0 for a root, len(branch_steps) for a leaf
     parent: int | None  # index of the parent node, None for a root
     steps: range  # the denoising steps this node ran (a leaf's run to the end)
     leaves: list[int] = field(default_factory=list)  # indices of the outputs below it
     value: float = 0.0  # mean reward of those leaves
+
+    @property
+    def node_id(self) -> str:
+        """Its id's text form, as in logs: "{group}-{sample}", then ".{child}" per branch."""
+        return str(self.node)
+
+    @property
+    def depth(self) -> int:
+        """0 for a root, len(branch_steps) for a leaf."""
+        return self.node.depth
 
 
 @dataclass
@@ -64,7 +74,7 @@ def build_tree(
     depth_count = len(branch_steps)
     bounds = (0, *branch_steps, num_steps)
     nodes: list[TreeNode] = []
-    index_of: dict[str, int] = {}
+    index_of: dict[NodeId, int] = {}
     leaf_of_output = []
     for output_index, output in enumerate(outputs):
         if len(output.branch_path) != depth_count:
@@ -72,15 +82,13 @@ def build_tree(
                 f"output {output.request_id!r} has branch path {output.branch_path}, but branch_steps "
                 f"{branch_steps} make paths of length {depth_count}"
             )
-        root_id = output.request_id.split(".")[0]
         parent = None
-        for depth in range(depth_count + 1):
-            node_id = root_id + "".join(f".{c}" for c in output.branch_path[:depth])
-            if node_id not in index_of:
-                index_of[node_id] = len(nodes)
+        for depth, node in enumerate((*output.node_id.ancestors, output.node_id)):  # root first
+            if node not in index_of:
+                index_of[node] = len(nodes)
                 steps = range(bounds[depth], bounds[depth + 1])
-                nodes.append(TreeNode(node_id, output.prompt_index, depth, parent, steps))
-            parent = index_of[node_id]
+                nodes.append(TreeNode(node, output.prompt_index, parent, steps))
+            parent = index_of[node]
             nodes[parent].leaves.append(output_index)
         leaf_of_output.append(parent)
     rewards = rewards.to(torch.float32).reshape(-1)

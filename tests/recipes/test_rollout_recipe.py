@@ -76,16 +76,14 @@ def test_grid_has_a_column_per_leaf_of_a_tree_rollout():
     import torch
 
     from recipes.rollout import image_grid
-    from rollout import RolloutOutput
+    from rollout import NodeId, RolloutOutput
 
     outputs = [
         RolloutOutput(
-            request_id=f"r{p}-{k}.{c}",
+            node_id=NodeId(f"r{p}", k, (c,)),
             prompt="x",
             prompt_index=p,
-            sample_index=k,
             seed=0,
-            branch_path=(c,),
             image=torch.full((3, 2, 2), 10 * (4 * p + 2 * k + c), dtype=torch.uint8),
         )
         for p in range(2)

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from rollout import EngineConfig, RolloutEngine, SamplingParams
+from rollout import EngineConfig, NodeId, RolloutEngine, SamplingParams
 from rollout.request import Request
 from rollout.scheduler import Scheduler
 
@@ -18,11 +18,9 @@ pytestmark = pytest.mark.timeout(120)
 def _request(group: str, sample: int, branch_steps=(), branch_factor=2) -> Request:
     params = SamplingParams(num_inference_steps=4, branch_steps=branch_steps, branch_factor=branch_factor)
     return Request(
-        request_id=f"{group}-{sample}",
-        group_id=group,
+        node_id=NodeId(group, sample),
         prompt="p",
         prompt_index=0,
-        sample_index=sample,
         params=params,
         seed=0,
         init_noise_seed=0,
@@ -67,10 +65,10 @@ def test_indexes_agree_with_a_scan_through_branching_finishing_and_aborting():
 def test_a_future_branch_is_found_through_its_nearest_live_parent():
     table = Scheduler(num_ranks=1, max_batch_size=8)
     table.add(_request("a", 0, branch_steps=(1, 2), branch_factor=3))
-    assert table.future_parent("a-0.2.1").request_id == "a-0"
-    assert table.future_parent("a-0.3") is None  # no child 3 with a branch factor of 3
-    assert table.future_parent("a-0.1.1.1") is None  # deeper than its branch steps
-    assert table.future_parent("a-0") is None and table.future_parent("b-0.1") is None
+    assert table.future_parent(NodeId.parse("a-0.2.1")).request_id == "a-0"
+    assert table.future_parent(NodeId.parse("a-0.3")) is None  # no child 3 with a branch factor of 3
+    assert table.future_parent(NodeId.parse("a-0.1.1.1")) is None  # deeper than its branch steps
+    assert table.future_parent(NodeId("a", 0)) is None and table.future_parent(NodeId.parse("b-0.1")) is None
 
 
 def test_adding_and_aborting_cost_the_same_with_a_long_queue(tiny_model):

@@ -10,7 +10,7 @@ import httpx
 import pytest
 import torch
 
-from rollout import SamplingParams
+from rollout import NodeId, SamplingParams
 from tests.serve.conftest import API_KEY
 from trainers_adapters.remote_engine import RemoteRolloutEngine
 
@@ -81,6 +81,9 @@ def test_a_tree_with_records_and_latent_output_over_http_equals_in_process(remot
     expected = engine.generate(["a tree"], params)
     got = remote.generate(["a tree"], params)
     assert [o.branch_path for o in got] == [(c,) for _ in range(2) for c in range(3)]
+    group = got[0].group_id  # generate's ids count the engine's requests: the two fronts' differ
+    assert [o.node_id for o in got] == [NodeId(group, k, (c,)) for k in range(2) for c in range(3)]
+    assert all(o.request_id == str(o.node_id) for o in got)
     for g, e in zip(got, expected, strict=True):
         assert_same_output(g, e)
     assert got[0].trajectory.latents.parts[0] is got[2].trajectory.latents.parts[0]  # shared again on arrival
@@ -101,6 +104,8 @@ def test_add_request_and_step_over_http_equal_in_process(remote, engine):
     expected_outputs.sort(key=lambda o: o.sample_index)
     for g, e in zip(outputs, expected_outputs, strict=True):
         assert_same_output(g, e)
+    assert [o.node_id for o in outputs] == [o.node_id for o in expected_outputs] == [NodeId("g", 0), NodeId("g", 1)]
+    assert {o.group_id for o in outputs} == {"g"}
 
 
 def test_32_concurrent_clients_each_get_every_answer_once(server, remote):

@@ -7,7 +7,7 @@ import itertools
 import pytest
 import torch
 
-from rollout import RolloutOutput
+from rollout import NodeId, RolloutOutput
 from trainers_adapters.advantages import group_advantages
 from trainers_adapters.tree import build_tree, tree_advantages
 
@@ -16,14 +16,7 @@ pytestmark = pytest.mark.timeout(30)
 
 def leaves(prompts: int, roots: int, factor: int, depth: int) -> list[RolloutOutput]:
     return [
-        RolloutOutput(
-            request_id=f"g{p}-{k}" + "".join(f".{c}" for c in path),
-            prompt="x",
-            prompt_index=p,
-            sample_index=k,
-            seed=0,
-            branch_path=path,
-        )
+        RolloutOutput(node_id=NodeId(f"g{p}", k, path), prompt="x", prompt_index=p, seed=0)
         for p in range(prompts)
         for k in range(roots)
         for path in itertools.product(range(factor), repeat=depth)
