@@ -2,9 +2,14 @@
 
 A recipe's config is a dataclass (subclass of `RecipeConfig`) whose fields are plain values or
 sections; a section is itself a dataclass, so later recipes (GRPO, DPO) add their own sections
-next to the shared `model`, `engine` and `sampling` ones. Every field carries a one-line help in its
-metadata (or in `_EXTERNAL_HELP` for dataclasses owned by the engine), which `python -m recipes.run
---help` lists, so the documentation of the keys cannot drift from the code.
+next to the shared `model`, `engine` and `sampling` ones. Every field is a `rollout.settings.setting`
+carrying its one-line help, the engine's dataclasses (`SamplingParams`, `GRPOSettings`, ...) as much
+as the recipes' own sections, and `python -m recipes.run --help` lists them with their defaults, so
+the documentation of the keys cannot drift from the code. The `engine` section takes its fields'
+defaults and help from `EngineConfig`'s.
+
+Values are matched to each field's declared type; a float field also takes an int, or a number
+written as text: YAML 1.1 (PyYAML) reads `1e-5` without a dot as a string.
 
 Checking collects every problem (unknown keys, wrong types, missing keys, bad values caught by a
 dataclass's `__post_init__`) and raises them together in one ValueError. A dataclass's own value
@@ -19,11 +24,12 @@ import importlib
 import json
 import logging
 import os
+import re
 import shutil
 import types
 import typing
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,10 +39,8 @@ from rollout.config import EngineConfig
 from rollout.config_check import problems_without_model
 from rollout.engine import RolloutEngine
 from rollout.pipelines.tiny import TINY_BUILDERS
-from rollout.sampling_params import SamplingParams
 from rollout.serve import API_KEY_ENV
-from trainers_adapters.dpo_trainer import DPOSettings
-from trainers_adapters.grpo_trainer import GRPOSettings
+from rollout.settings import setting, setting_help, setting_of
 from trainers_adapters.remote_engine import RemoteRolloutEngine
 
 logger = logging.getLogger(__name__)
@@ -48,9 +52,7 @@ RECIPES: dict[str, str] = {"rollout": "recipes.rollout", "grpo": "recipes.grpo",
 TINY_MODEL = "tiny"
 
 
-def option(default: Any = dataclasses.MISSING, help: str = "", *, factory: Any = dataclasses.MISSING) -> Any:
-    """A config field with its one-line help (shown by `--help`)."""
-    return field(default=default, default_factory=factory, metadata={"help": help})
+option = setting  # the recipes' name for a config field with its help (shown by `--help`)
 
 
 @dataclass(kw_only=True)
@@ -104,11 +106,12 @@ class EngineSection:
         "http://host:port of a rollout service (python -m rollout.serve) to use instead of an engine in this "
         f"process; its API key comes from ${API_KEY_ENV}; null: run the engine here",
     )
-    executor: str = option("uni", "'uni' (in-process), 'mp', 'ray', or a dotted path to an Executor subclass")
-    num_workers: int = option(1, "model replicas (data parallel); 'uni' runs exactly one")
-    device: str = option("cpu", "'cpu', 'cuda' or 'cuda:N'")
-    dtype: str = option("float32", "model weights dtype: float32, bfloat16 or float16 (trajectories stay float32)")
-    max_batch_size: int = option(16, "most samples one worker denoises in one forward pass")
+    # YAML can name an executor or extension class only by its dotted path, hence `str` here.
+    executor: str = setting_of(EngineConfig, "executor")
+    num_workers: int = setting_of(EngineConfig, "num_workers")
+    device: str = setting_of(EngineConfig, "device")
+    dtype: str = setting_of(EngineConfig, "dtype")
+    max_batch_size: int = setting_of(EngineConfig, "max_batch_size")
 
     def __post_init__(self) -> None:
         problems = problems_without_model(**self._engine_settings())
@@ -125,71 +128,12 @@ class EngineSection:
         if self.url is None:
             return RolloutEngine(self.to_engine_config(model_path))
         logger.info("using the rollout service at %s (its own engine settings apply)", self.url)
-        return RemoteRolloutEngine(self.url, api_key=os.environ.get(API_KEY_ENV))
+        return RemoteRolloutEngine(self.url)  # its key: $ROLLOUT_API_KEY
 
     def _engine_settings(self) -> dict:
         settings = dataclasses.asdict(self)
         del settings["url"]
         return settings
-
-
-# Help for fields of dataclasses that the engine owns (they carry no metadata).
-_EXTERNAL_HELP: dict[type, dict[str, str]] = {
-    SamplingParams: {
-        "num_inference_steps": "denoising steps per sample",
-        "guidance_scale": "SD3, Wan: classifier-free guidance (<= 1 skips the unconditional pass); FLUX.1-dev: "
-        "its distilled guidance input; null takes the model's default; refused where unused (Qwen-Image)",
-        "guidance_scale_2": "Wan 2.2: guidance of the low-noise expert; null takes guidance_scale; refused elsewhere",
-        "true_cfg_scale": "FLUX.1 / Qwen-Image: real classifier-free guidance, > 1 needs negative_prompt; "
-        "null takes the model's default (1: off); refused by SD3",
-        "negative_prompt": "text of the unconditional branch of classifier-free guidance; null: SD3 uses ''",
-        "height": "image height in pixels; null takes the model's default",
-        "width": "image width in pixels; null takes the model's default",
-        "max_sequence_length": "text tokens encoded per prompt; null takes the pipeline's default",
-        "num_frames": "frames per sample, for video pipelines only; image pipelines refuse it",
-        "sampler": "update rule: ode, flow_sde, cps or dance_sde",
-        "noise_level": "SDE noise strength (Flow-GRPO's a, DanceGRPO's eta); > 0 for stochastic samplers",
-        "log_prob_form": "how stochastic steps write log-probs: gaussian (the density) or flow_grpo (Flow-GRPO's "
-        "code: the density, except -mean((x'-mean)^2) for cps, whose log-ratios are then 2 std^2 times larger)",
-        "sde_window": "[start, stop) step indices that are stochastic; null means every step",
-        "seed": "base seed; per-sample seeds derive from it; null draws a fresh one",
-        "num_samples": "samples per prompt (the GRPO group size)",
-        "same_noise_in_group": "all samples of a prompt start from the same initial noise",
-        "lora": "name of a loaded LoRA adapter to sample with, or null",
-        "lora_scale": "strength of that adapter",
-        "return_trajectory": "return latents, log-probs, sigmas and timesteps",
-        "output_type": "image (decode), latent (final latents, no decode) or none",
-        "sigmas": "one noise level per step, decreasing in (0, 1], or null for the pipeline's schedule",
-        "branch_steps": "step indices before which every path splits into branch_factor children (tree rollouts)",
-        "branch_factor": "children per path at each branch step",
-        "branch_noise_scale": "children of a branch step draw their noise at this multiple of its std and are "
-        "scored with its std (BranchGRPO's tree_split_noise_scale; 1: like any step)",
-        "record": "extra per-step tensors to keep: x0, mean, std",
-        "record_steps": "keep trajectory entries only for these step indices, or null for all",
-    },
-    GRPOSettings: {
-        "clip_range": "PPO clip range of the policy ratio (Flow-GRPO: 1e-4)",
-        "adv_clip_max": "advantages are clipped to [-adv_clip_max, adv_clip_max]",
-        "global_std": "normalise advantages by the std of all rewards of the step, not the group's",
-        "kl_beta": "weight of the KL to the reference policy (the base, LoRA off); 0 skips the reference pass",
-        "kl_form": "the KL kl_beta weighs: flow_grpo (Flow-GRPO's code: mean gap^2 / (2 std_dev_t^2), for flow_sde "
-        "the exact KL times |dt|) or gaussian (the exact KL of the Gaussian transitions)",
-        "timestep_fraction": "share of each trajectory's SDE steps trained on, drawn at random per sample",
-        "prune_steps": "denoising steps the loss skips, sampled and rewarded as usual (BranchGRPO's depth pruning)",
-        "width_ratio": "share of leaves whose own steps are trained on: the best and worst halves by advantage "
-        "(BranchGRPO's width pruning); 1 keeps all",
-        "optimizer_steps": "optimizer steps per rollout: the transitions split into this many minibatches",
-        "micro_batch_size": "transitions per forward/backward pass (memory knob; the result is the same)",
-        "max_grad_norm": "gradient-norm clip per optimizer step; 0 disables it",
-        "max_log_ratio_before_update": "the update raises above this |log ratio| before its first step (the "
-        "trainer's policy is not the one that sampled); null only reports it",
-    },
-    DPOSettings: {
-        "beta": "preference strength of the DPO loss (Diffusion-DPO: 2000-5000 on mean errors)",
-        "micro_batch_size": "preference pairs per forward/backward pass",
-        "max_grad_norm": "gradient-norm clip; 0 disables it",
-    },
-}
 
 
 @dataclass(kw_only=True)
@@ -294,7 +238,7 @@ def build_section(cls: type, data: Any, prefix: str, problems: list[str]) -> Any
         key = f"{prefix}{name}"
         if name not in data:
             if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                problems.append(f"{key}: missing; {_help(cls, f)}")
+                problems.append(f"{key}: missing; {setting_help(cls, name)}")
                 malformed.add(name)
             continue
         before = len(problems)
@@ -328,6 +272,8 @@ def _convert(value: Any, annotation: Any, key: str, problems: list[str]) -> Any:
 
 
 _NO_MATCH = object()
+# A decimal number written as text, as a float field takes it: YAML 1.1 reads 1e-5 (no dot) as a string.
+_NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 
 
 def _match(value: Any, annotation: Any) -> Any:
@@ -347,6 +293,8 @@ def _match(value: Any, annotation: Any) -> Any:
     if annotation is int:  # YAML true/false are bools, which Python counts as ints
         return value if isinstance(value, int) and not isinstance(value, bool) else _NO_MATCH
     if annotation is float:
+        if isinstance(value, str) and _NUMBER.fullmatch(value.strip()):
+            return float(value)
         return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else _NO_MATCH
     if annotation is str:
         return value if isinstance(value, str) else _NO_MATCH
@@ -394,10 +342,6 @@ def _format_problems(path: str | Path, problems: list[str]) -> str:
 # Describing.
 
 
-def _help(cls: type, f: dataclasses.Field) -> str:
-    return f.metadata.get("help") or _EXTERNAL_HELP.get(cls, {}).get(f.name, "(no description)")
-
-
 def config_keys(cls: type, prefix: str = "") -> Iterator[tuple[str, str, str]]:
     """(dotted key, default as YAML/JSON text, one-line help) of every leaf key of config `cls`."""
     hints = typing.get_type_hints(cls)
@@ -413,7 +357,7 @@ def config_keys(cls: type, prefix: str = "") -> Iterator[tuple[str, str, str]]:
             default = json.dumps(f.default_factory())
         else:
             default = "(required)"
-        yield f"{prefix}{f.name}", default, _help(cls, f)
+        yield f"{prefix}{f.name}", default, setting_help(cls, f.name)
 
 
 def to_dict(config: RecipeConfig) -> dict:

@@ -29,6 +29,7 @@ from recipes.config import EngineSection, ModelSection, RecipeConfig, option, to
 from recipes.plots import plot_reward
 from recipes.rollout import save_samples
 from rollout import SamplingParams
+from rollout.rescoring import RATIO_TOLERANCE  # the contract the first update's |log ratio| meets
 from rollout.seeding import derive_seed
 from trainers_adapters.lora_policy import LoraPolicy
 from trainers_adapters.rewarded_rollout import RewardedRollout, generate_with_rewards
@@ -37,7 +38,6 @@ from trainers_adapters.rewards import get_reward
 logger = logging.getLogger(__name__)
 
 POLICY_ADAPTER = "policy"  # the name the trained adapter has in the engine
-RATIO_TOLERANCE = 1e-5  # the numerics contract: |log ratio| before the first update
 
 
 @dataclass(kw_only=True)

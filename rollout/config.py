@@ -7,51 +7,52 @@ worker starts, so a typo still fails before any model loads.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
 
 from rollout.request_limits import RequestLimits
+from rollout.settings import setting
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
 class EngineConfig:
-    """How to build a `RolloutEngine`.
+    """How to build a `RolloutEngine`: the model folder, where its workers run, and the bounds the
+    engine puts on calls and requests. Each field's meaning, unit and choices are its `setting` help
+    (`rollout.settings.setting_help`), which the server's flags and the recipes' `engine` section
+    show as they are."""
 
-    model: a local diffusers pipeline folder.
-    executor: "uni" (in-process), "mp", "ray", a dotted path "pkg.module.MyExecutor", or an
-        `executors.Executor` subclass.
-    num_workers: model replicas (data parallel); "uni" runs exactly one.
-    worker_extension_cls: a class (or dotted path) whose methods become worker functions callable
-        through `collective_rpc`.
-    device: "cpu", "cuda", "cuda:1", ...
-    dtype: model weights dtype, "float32" | "bfloat16" | "float16". Trajectories stay float32.
-    max_batch_size: most samples one worker denoises in one forward pass.
-    threads_per_worker: CPU threads of each worker process's torch ("mp", "ray"); None divides the
-        machine's cores among the workers.
-    rpc_timeout_s: default timeout of `collective_rpc`; step_timeout_s: of one engine step;
-    startup_timeout_s: for every worker to load the model.
-    ray_placement_strategy: how "ray" places its workers: PACK, SPREAD, STRICT_PACK or STRICT_SPREAD.
-    request_limits: what one request may ask for at most (steps, leaves, pixels, frames, prompt
-        bytes, trajectory bytes), checked at admission; see `RequestLimits`.
-    """
-
-    model: str
-    executor: str | type = "uni"
-    num_workers: int = 1
-    worker_extension_cls: str | type | None = None
-    device: str = "cpu"
-    dtype: str = "float32"
-    max_batch_size: int = 16
-    threads_per_worker: int | None = None
-    rpc_timeout_s: float = 300.0
-    step_timeout_s: float = 600.0
-    startup_timeout_s: float = 600.0
-    ray_placement_strategy: str = "PACK"
-    request_limits: RequestLimits = field(default_factory=RequestLimits)
+    model: str = setting(help="local diffusers pipeline folder (nothing is downloaded)")
+    executor: str | type = setting(
+        "uni",
+        "where the workers run: 'uni' (in this process), 'mp' (worker processes), 'ray' (Ray actors), or the "
+        "dotted path 'pkg.module.MyExecutor' of an executors.Executor subclass (in Python also the class)",
+    )
+    num_workers: int = setting(1, "model replicas (data parallel); 'uni' runs exactly one")
+    worker_extension_cls: str | type | None = setting(
+        None,
+        "dotted path (in Python also the class) of a class whose methods become worker functions, callable by "
+        "name through collective_rpc (a server's /collective_rpc)",
+    )
+    device: str = setting("cpu", "'cpu', 'cuda' or 'cuda:N'")
+    dtype: str = setting("float32", "model weights dtype: float32, bfloat16 or float16 (trajectories stay float32)")
+    max_batch_size: int = setting(16, "most samples one worker denoises in one forward pass")
+    threads_per_worker: int | None = setting(
+        None, "torch CPU threads of each worker process ('mp', 'ray'); None divides the machine's cores among them"
+    )
+    rpc_timeout_s: float = setting(300.0, "default timeout of collective_rpc (a worker function), in seconds")
+    step_timeout_s: float = setting(600.0, "timeout of one engine step, in seconds")
+    startup_timeout_s: float = setting(600.0, "time every worker has to load the model, in seconds")
+    ray_placement_strategy: str = setting(
+        "PACK", "how executor 'ray' places its workers: PACK, SPREAD, STRICT_PACK or STRICT_SPREAD"
+    )
+    request_limits: RequestLimits = setting(
+        factory=RequestLimits,
+        help="what one request may ask for at most, checked at admission (see RequestLimits)",
+    )
 
     def __post_init__(self) -> None:
         problems = value_problems(self)

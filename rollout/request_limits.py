@@ -14,26 +14,29 @@ from dataclasses import dataclass, fields
 
 from rollout.pipelines.spec import ModelSpec
 from rollout.sampling_params import SamplingParams
+from rollout.settings import setting
 
 _FLOAT32_BYTES = 4
 
 
 @dataclass(frozen=True)
 class RequestLimits:
-    """max_inference_steps: denoising steps of one request. max_branch_factor, max_leaves: children
-    per branch step, and outputs (leaves) per sample of a tree. max_pixels: height x width of an
-    image or of one video frame. max_num_frames: frames of a video. max_prompt_bytes: UTF-8 bytes of
-    a prompt or negative prompt (the text encoders keep at most `max_sequence_length` tokens, but
-    tokenising a long text still costs its length). max_trajectory_bytes: what one sample's
-    trajectory will hold (latents around every kept step, records, for every leaf), in bytes."""
+    """The bounds, each an integer >= 1; the server has a flag for each (`--max-inference-steps`, ...)."""
 
-    max_inference_steps: int = 1000
-    max_branch_factor: int = 64
-    max_leaves: int = 1024
-    max_pixels: int = 4096 * 4096
-    max_num_frames: int = 1025
-    max_prompt_bytes: int = 16384
-    max_trajectory_bytes: int = 8 << 30
+    max_inference_steps: int = setting(1000, "denoising steps of one request")
+    max_branch_factor: int = setting(64, "children per branch step of a tree rollout")
+    max_leaves: int = setting(1024, "outputs (leaves) per sample of a tree rollout")
+    max_pixels: int = setting(4096 * 4096, "height x width of an image or of one video frame")
+    max_num_frames: int = setting(1025, "frames of a video")
+    max_prompt_bytes: int = setting(
+        16384,
+        "UTF-8 bytes of a prompt or negative prompt (the text encoders keep at most max_sequence_length tokens, "
+        "but tokenising a long text still costs its length)",
+    )
+    max_trajectory_bytes: int = setting(
+        8 << 30,
+        "bytes one sample's trajectory will hold: latents around every kept step and records, for every leaf",
+    )
 
     def __post_init__(self) -> None:
         bad = [f.name for f in fields(self) if not isinstance(getattr(self, f.name), int) or getattr(self, f.name) < 1]

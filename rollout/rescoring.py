@@ -2,7 +2,7 @@
 
 The same adapter `predict_velocity` and the same sampler `step` that produced a trajectory compute
 its log-probs again, now (optionally) with gradients through the model. Before any update the ratio
-exp(new - old) is 1 up to float error.
+exp(new - old) is 1 up to float error: |log-ratio| < `RATIO_TOLERANCE`.
 
 Only stochastic steps have a log-density. Scoring any other transition (an ODE step outside the
 SDE window, CPS's last step, a step whose std is 0) raises `NoDensityError` instead of returning
@@ -18,6 +18,10 @@ import torch
 from rollout.outputs import Trajectory
 from rollout.pipelines.condition import Condition
 from rollout.samplers import NoDensityError, StepOutput, get_sampler
+
+# The numerics contract: before any update, re-scoring a stored transition with the policy that
+# sampled it gives |log-ratio| below this (float32; the trainer's check and the tests use it).
+RATIO_TOLERANCE = 1e-5
 
 
 def score_transitions(

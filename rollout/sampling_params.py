@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass
 
 from rollout.samplers import LOG_PROB_FORMS, SAMPLERS, is_stochastic_step
+from rollout.settings import setting
 
 OUTPUT_TYPES = ("image", "latent", "none")
 RECORDS = ("x0", "mean", "std")
@@ -27,77 +28,101 @@ class SamplingParams:
     """Sampling settings for one prompt; `num_samples` samples (a GRPO group) are drawn from it.
 
     Fields named like an argument of the model's diffusers pipeline mean what that argument means
-    there; None takes the model's default, and a field the model does not use is refused:
-    guidance_scale: SD3's and Wan's classifier-free guidance; FLUX.1-dev's distilled guidance (an
-        input of the model, no second pass).
-    guidance_scale_2: Wan 2.2's guidance for its low-noise expert (`transformer_2`); None takes
-        `guidance_scale`, as its pipeline does.
-    true_cfg_scale: real classifier-free guidance for FLUX.1 and Qwen-Image (> 1 turns it on and
-        needs a `negative_prompt`; Qwen-Image rescales the guided prediction to the conditional
-        one's norm, as its pipeline does).
-    negative_prompt: the unconditional branch of classifier-free guidance (SD3 uses "" when unset).
-    max_sequence_length: text tokens the pipeline encodes (SD3's T5: 256, FLUX: 512 by default).
-    num_frames: frames of a video (Wan: k * 4 + 1, 81 by default); image pipelines refuse it.
-    log_prob_form: how stochastic steps write their log-prob, so that sampling, re-scoring and the
-        ratio use one form: "gaussian" (the Gaussian log-density) or "flow_grpo" (what Flow-GRPO's
-        step function computes: the same density for flow_sde and dance_sde; for cps
-        -mean((x' - mean)^2), without the constants and the 1 / (2 std^2) factor, so its CPS
-        log-ratios are the Gaussian ones times 2 std^2). A clip range tuned with Flow-GRPO's CPS
-        needs "flow_grpo"; the docs' training page tabulates the forms.
-    sde_window: half-open range `(start, stop)` of step indices that use the stochastic sampler;
-        the other steps are deterministic ODE steps with `sde_mask` False. None means every step.
-    seed: base seed; each sample's seed is derived from it, the prompt index and the sample index,
-        so a sample does not depend on what else shares its batch. None draws a fresh base seed.
-    same_noise_in_group: the samples of one prompt start from the same initial noise (their SDE
-        noise still differs), as in Flow-GRPO.
-    height, width: image size in pixels; None takes the model's default.
-    sigmas: the noise levels of the steps, one per step, decreasing in (0, 1], passed to the
-        scheduler as the model's diffusers pipeline passes `sigmas=` (its shift still applies);
-        None takes the pipeline's schedule.
-    branch_steps, branch_factor: tree rollouts (BranchGRPO, Flow-GRPO-Fast): before each listed
-        step index every path of a sample splits into `branch_factor` children that continue from
-        the same latents with their own step noise. `num_samples` counts the roots; each root
-        yields `branch_factor ** len(branch_steps)` outputs, one per leaf. A branch step must be a
-        stochastic step (children of an ODE step could not differ).
-    branch_noise_scale: at a branch step the children draw their noise at this multiple of the
-        step's std, and their log-probs are still scored with the step's own std, as BranchGRPO's
-        published script does (its `tree_split_noise_scale`, 4.0 there). Re-scoring uses the same
-        std, so the ratio stays 1; the log-prob is then not the density the child was drawn from.
-        1 draws children like any other step.
-    record: extra per-step tensors in the trajectory: "x0" (the model's clean-sample prediction
-        x - sigma * v), "mean" and "std" (the sampler's transition, as re-scoring computes it).
-    record_steps: keep trajectory entries (latents around the step, records) only for these step
-        indices; None keeps every step. The final latents are always kept.
-    output_type: "image" decodes; "latent" returns the final latents (`RolloutOutput.latents`)
-        without decoding; "none" returns neither.
+    there; None takes the model's default, and a field the model does not use is refused. Each
+    field's meaning is its `setting` help (`rollout.settings.setting_help`), which the recipes'
+    `sampling` section shows as it is; the docs' training page tabulates the log-prob forms.
     """
 
-    num_inference_steps: int = 10
-    guidance_scale: float | None = None
-    guidance_scale_2: float | None = None
-    true_cfg_scale: float | None = None
-    negative_prompt: str | None = None
-    height: int | None = None
-    width: int | None = None
-    max_sequence_length: int | None = None
-    num_frames: int | None = None
-    sampler: str = "flow_sde"
-    noise_level: float = 0.7
-    log_prob_form: str = "gaussian"
-    sde_window: tuple[int, int] | None = None
-    seed: int | None = None
-    num_samples: int = 1
-    same_noise_in_group: bool = False
-    lora: str | None = None
-    lora_scale: float = 1.0
-    return_trajectory: bool = True
-    output_type: str = "image"
-    sigmas: tuple[float, ...] | None = None
-    branch_steps: tuple[int, ...] = ()
-    branch_factor: int = 2
-    branch_noise_scale: float = 1.0
-    record: tuple[str, ...] = ()
-    record_steps: tuple[int, ...] | None = None
+    num_inference_steps: int = setting(10, "denoising steps per sample")
+    guidance_scale: float | None = setting(
+        None,
+        "SD3, Wan: classifier-free guidance (<= 1 skips the unconditional pass); FLUX.1-dev: its distilled "
+        "guidance, an input of the model (no second pass); None takes the model's default; refused where unused "
+        "(Qwen-Image)",
+    )
+    guidance_scale_2: float | None = setting(
+        None,
+        "Wan 2.2: guidance of its low-noise expert (transformer_2); None takes guidance_scale, as its pipeline "
+        "does; refused elsewhere",
+    )
+    true_cfg_scale: float | None = setting(
+        None,
+        "FLUX.1, Qwen-Image: real classifier-free guidance (> 1 turns it on and needs a negative_prompt; "
+        "Qwen-Image rescales the guided prediction to the conditional one's norm, as its pipeline does); None "
+        "takes the model's default (1: off); refused by SD3",
+    )
+    negative_prompt: str | None = setting(
+        None, "text of the unconditional branch of classifier-free guidance; None: SD3 uses ''"
+    )
+    height: int | None = setting(None, "image height in pixels; None takes the model's default")
+    width: int | None = setting(None, "image width in pixels; None takes the model's default")
+    max_sequence_length: int | None = setting(
+        None, "text tokens encoded per prompt; None takes the pipeline's default (SD3's T5: 256, FLUX: 512)"
+    )
+    num_frames: int | None = setting(
+        None, "frames of a video (Wan: k * 4 + 1, 81 by default); image pipelines refuse it"
+    )
+    sampler: str = setting("flow_sde", "update rule: ode, flow_sde, cps or dance_sde")
+    noise_level: float = setting(
+        0.7, "SDE noise strength (Flow-GRPO's a, DanceGRPO's eta); > 0 for a stochastic sampler, <= 1 for cps"
+    )
+    log_prob_form: str = setting(
+        "gaussian",
+        "how stochastic steps write their log-prob, so that sampling, re-scoring and the ratio use one form: "
+        "gaussian (the Gaussian log-density) or flow_grpo (Flow-GRPO's step function: the same density for "
+        "flow_sde and dance_sde; for cps -mean((x' - mean)^2), without the constants and the 1 / (2 std^2) "
+        "factor, so its log-ratios are the Gaussian ones times 2 std^2: a clip range tuned with Flow-GRPO's CPS "
+        "needs it)",
+    )
+    sde_window: tuple[int, int] | None = setting(
+        None,
+        "half-open range [start, stop) of step indices that use the stochastic sampler; the others are "
+        "deterministic ODE steps (sde_mask False); None means every step",
+    )
+    seed: int | None = setting(
+        None,
+        "base seed; each sample's seed derives from it, the prompt index and the sample index, so a sample does "
+        "not depend on what shares its batch; None draws a fresh base seed",
+    )
+    num_samples: int = setting(1, "samples per prompt (the GRPO group size)")
+    same_noise_in_group: bool = setting(
+        False,
+        "the samples of a prompt start from the same initial noise (their SDE noise still differs), as in Flow-GRPO",
+    )
+    lora: str | None = setting(None, "name of a loaded LoRA adapter to sample with; None: the base model")
+    lora_scale: float = setting(1.0, "strength of that adapter")
+    return_trajectory: bool = setting(True, "return the trajectory: latents, log-probs, sigmas and timesteps")
+    output_type: str = setting(
+        "image", "image (decode), latent (the final latents in RolloutOutput.latents, no decode) or none (neither)"
+    )
+    sigmas: tuple[float, ...] | None = setting(
+        None,
+        "the noise levels of the steps, one per step, decreasing in (0, 1], passed to the scheduler as the "
+        "model's diffusers pipeline passes sigmas= (its shift still applies); None takes the pipeline's schedule",
+    )
+    branch_steps: tuple[int, ...] = setting(
+        (),
+        "tree rollouts (BranchGRPO, Flow-GRPO-Fast): step indices before which every path of a sample splits "
+        "into branch_factor children that continue from its latents with their own noise; each root then yields "
+        "branch_factor ** len(branch_steps) outputs, one per leaf; each must be a stochastic step",
+    )
+    branch_factor: int = setting(2, "children per path at each branch step")
+    branch_noise_scale: float = setting(
+        1.0,
+        "children of a branch step draw their noise at this multiple of the step's std and are still scored "
+        "with its std, as BranchGRPO's script does (its tree_split_noise_scale, 4.0 there); re-scoring keeps "
+        "ratio 1, but the log-prob is then not the density the child was drawn from; 1: like any step",
+    )
+    record: tuple[str, ...] = setting(
+        (),
+        "extra per-step tensors in the trajectory: x0 (the clean-sample prediction x - sigma * v), mean and std "
+        "(the sampler's transition, as re-scoring computes it)",
+    )
+    record_steps: tuple[int, ...] | None = setting(
+        None,
+        "keep trajectory entries (latents around the step, records) only for these step indices; None keeps "
+        "every step; the final latents are always kept",
+    )
 
     def __post_init__(self) -> None:
         for name in ("sde_window", "sigmas", "branch_steps", "record", "record_steps"):

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from rollout.settings import setting
 from trainers_adapters.dpo import dpo_loss, flow_matching_error, preference_pairs
 from trainers_adapters.lora_policy import LoraPolicy
 from trainers_adapters.optim import check_finite_loss, clip_and_step
@@ -20,9 +21,11 @@ from trainers_adapters.rewarded_rollout import RewardedRollout
 
 @dataclass(kw_only=True)
 class DPOSettings:
-    beta: float = 2000.0  # strength of the preference (Diffusion-DPO used 2000-5000 on mean errors)
-    micro_batch_size: int = 8  # pairs per forward/backward pass
-    max_grad_norm: float = 1.0  # gradient-norm clip; 0 disables it
+    """The knobs of `dpo_step` (a recipe's `dpo` section); each field's help is its `setting`."""
+
+    beta: float = setting(2000.0, "preference strength of the DPO loss (Diffusion-DPO: 2000-5000 on mean errors)")
+    micro_batch_size: int = setting(8, "preference pairs per forward/backward pass")
+    max_grad_norm: float = setting(1.0, "gradient-norm clip; 0 disables it")
 
     def __post_init__(self) -> None:
         problems = []

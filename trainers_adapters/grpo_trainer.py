@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from rollout.rescoring import RATIO_TOLERANCE
+from rollout.settings import setting
 from trainers_adapters.grpo import KL_FORMS, grpo_policy_loss, kl_to_reference
 from trainers_adapters.lora_policy import LoraPolicy
 from trainers_adapters.optim import check_finite_loss, clip_and_step
@@ -25,29 +27,47 @@ from trainers_adapters.tree import RolloutTree, build_tree, tree_advantages
 
 @dataclass(kw_only=True)
 class GRPOSettings:
-    clip_range: float = 1e-4  # PPO clip of the ratio (Flow-GRPO uses 1e-4)
-    adv_clip_max: float = 5.0  # advantages are clipped to [-adv_clip_max, adv_clip_max]
-    global_std: bool = False  # normalise advantages by the std of the whole batch, not the group's
-    kl_beta: float = 0.0  # weight of the KL to the reference policy (0: no reference forward)
-    # Which KL `kl_beta` weighs (`trainers_adapters.grpo.KL_FORMS`): "flow_grpo" divides by the
-    # step's std_dev_t^2 as Flow-GRPO's code does (for flow_sde the exact KL times |dt|), so a
-    # Flow-GRPO beta means what it means there; "gaussian" is the exact KL of the transitions.
-    kl_form: str = "flow_grpo"
-    timestep_fraction: float = 1.0  # share of each trajectory's SDE steps trained on, drawn per sample
+    """The knobs of `grpo_step` (a recipe's `grpo` section); each field's help is its `setting`."""
+
+    clip_range: float = setting(1e-4, "PPO clip range of the policy ratio (Flow-GRPO: 1e-4)")
+    adv_clip_max: float = setting(5.0, "advantages are clipped to [-adv_clip_max, adv_clip_max]")
+    global_std: bool = setting(
+        False, "normalise advantages by the std of all rewards of the step, not the group's (Flow-GRPO's global_std)"
+    )
+    kl_beta: float = setting(
+        0.0, "weight of the KL to the reference policy (the base, LoRA off); 0 skips the reference forward pass"
+    )
+    kl_form: str = setting(
+        "flow_grpo",
+        "the KL kl_beta weighs (trainers_adapters.grpo.KL_FORMS): flow_grpo divides by the step's std_dev_t^2 as "
+        "Flow-GRPO's code does (for flow_sde the exact KL times |dt|), so a Flow-GRPO beta means what it means "
+        "there; gaussian is the exact KL of the Gaussian transitions",
+    )
+    timestep_fraction: float = setting(
+        1.0, "share of each trajectory's SDE steps trained on, drawn at random per sample"
+    )
     # BranchGRPO's pruning (Li et al., arXiv 2509.06040): what the loss skips; sampling and rewards
-    # are unchanged. `prune_steps`: denoising steps never trained on (their depth pruning).
-    # `width_ratio`: share of the leaves whose own steps (after the last branch step; every step
-    # without branching) are trained on: the best and the worst half each by advantage, over the
-    # whole rollout (their width pruning, mode 2); 1 keeps every leaf.
-    prune_steps: tuple[int, ...] = ()
-    width_ratio: float = 1.0
-    optimizer_steps: int = 1  # optimizer steps per rollout (the transitions split into minibatches)
-    micro_batch_size: int = 16  # transitions per forward/backward pass
-    max_grad_norm: float = 1.0  # gradient-norm clip per optimizer step; 0 disables it
-    # Above this max |log ratio| before the first optimizer step the update raises PolicyDriftError
-    # instead of training on transitions the policy did not sample (None: only report it). Float32
-    # re-scoring gives under 1e-6; bfloat16 with batches split over ranks up to about 4e-5.
-    max_log_ratio_before_update: float | None = 1e-4
+    # are unchanged.
+    prune_steps: tuple[int, ...] = setting((), "denoising steps never trained on (BranchGRPO's depth pruning)")
+    width_ratio: float = setting(
+        1.0,
+        "share of the leaves whose own steps (after the last branch step; every step without branching) are "
+        "trained on: the best and the worst half each by advantage, over the whole rollout (BranchGRPO's width "
+        "pruning, mode 2); 1 keeps every leaf",
+    )
+    optimizer_steps: int = setting(1, "optimizer steps per rollout: the transitions split into this many minibatches")
+    micro_batch_size: int = setting(
+        16, "transitions per forward/backward pass (a memory knob; the result is the same)"
+    )
+    max_grad_norm: float = setting(1.0, "gradient-norm clip per optimizer step; 0 disables it")
+    # The default is the re-scoring contract: float32 re-scoring gives under 1e-6, but bfloat16 with
+    # batches split over ranks reaches about 4e-5, so a bfloat16 run sets a looser bound (the shipped
+    # bfloat16 configs take 1e-4).
+    max_log_ratio_before_update: float | None = setting(
+        RATIO_TOLERANCE,
+        "above this max |log ratio| before the first optimizer step the update raises PolicyDriftError instead "
+        "of training on transitions the policy did not sample; None only reports it",
+    )
 
     def __post_init__(self) -> None:
         problems = []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import ipaddress
 import logging
 import os
@@ -11,7 +12,10 @@ import signal
 import sys
 from pathlib import Path
 
+from rollout.config import EngineConfig
+from rollout.request_limits import RequestLimits
 from rollout.serve import API_KEY_ENV
+from rollout.serve.setting_flags import add_setting_flags, settings_from_args
 
 logger = logging.getLogger("rollout.serve")
 
@@ -19,9 +23,15 @@ _MB = 1 << 20
 # Longer than clients keep idle connections (RemoteRolloutEngine: 10 s; httpx's default: 5 s), so the
 # server never closes a connection a client is about to reuse (uvicorn's default is 5 s).
 KEEP_ALIVE_S = 60
+# The fields of EngineConfig that are no flag of their own, and why; every other field is a flag
+# made from its setting (name, type, default, help), which a test holds to.
+NOT_ENGINE_FLAGS = {
+    "request_limits": "a group of flags of its own, one per RequestLimits field (--max-inference-steps, ...)"
+}
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
+    """The server's flags: the engine's come from `EngineConfig`'s and `RequestLimits`' settings."""
     parser = argparse.ArgumentParser(
         prog="python -m rollout.serve",
         description="Serve a RolloutEngine over HTTP: rollouts with trajectories, weight and LoRA hot swaps, "
@@ -29,30 +39,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     engine = parser.add_argument_group("engine (the fields of EngineConfig)")
-    engine.add_argument("--model", required=True, help="local diffusers pipeline folder to serve")
-    engine.add_argument(
-        "--executor", default="uni", help="'uni' (in-process), 'mp', 'ray', or a dotted path to an Executor subclass"
-    )
-    engine.add_argument("--num-workers", type=int, default=1, help="model replicas (data parallel); 'uni' runs one")
-    engine.add_argument("--device", default="cpu", help="'cpu', 'cuda' or 'cuda:N'")
-    engine.add_argument(
-        "--dtype", default="float32", help="weights dtype: float32, bfloat16 or float16 (trajectories stay float32)"
-    )
-    engine.add_argument("--max-batch-size", type=int, default=16, help="most samples one worker denoises at once")
-    engine.add_argument(
-        "--threads-per-worker", type=int, default=None, help="torch CPU threads per worker process; default: shared"
-    )
-    engine.add_argument(
-        "--worker-extension-cls",
-        default=None,
-        help="dotted path of a class whose methods become worker functions, callable by name at /collective_rpc",
-    )
-    engine.add_argument("--rpc-timeout-s", type=float, default=300.0, help="default timeout of a worker function")
-    engine.add_argument("--step-timeout-s", type=float, default=600.0, help="timeout of one engine step")
-    engine.add_argument("--startup-timeout-s", type=float, default=600.0, help="time for every worker to load")
-    engine.add_argument(
-        "--ray-placement-strategy", default="PACK", help="PACK, SPREAD, STRICT_PACK or STRICT_SPREAD (executor ray)"
-    )
+    add_setting_flags(engine, EngineConfig, engine_flag_names())
     server = parser.add_argument_group("server")
     server.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: every interface)")
     server.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
@@ -132,9 +119,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     limits = parser.add_argument_group(
         "request limits", "what one request may ask for at most (RequestLimits); past one, a 400 names it"
     )
-    for name, (default, help_text) in _limit_flags().items():
-        limits.add_argument(f"--{name.replace('_', '-')}", type=int, default=default, metavar="N", help=help_text)
+    add_setting_flags(limits, RequestLimits, [f.name for f in dataclasses.fields(RequestLimits)])
     server.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="logging")
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.api_key is None and not args.no_auth:
         args.api_key = os.environ.get(API_KEY_ENV)  # read here, so --help never shows it
@@ -175,20 +166,9 @@ def write_generated_key(path: Path) -> str:
     return key
 
 
-def _limit_flags() -> dict[str, tuple[int, str]]:
-    from rollout.request_limits import RequestLimits
-
-    helps = {
-        "max_inference_steps": "denoising steps of one request",
-        "max_branch_factor": "children per branch step of a tree rollout",
-        "max_leaves": "outputs (leaves) per sample of a tree rollout",
-        "max_pixels": "height x width of an image or of one video frame",
-        "max_num_frames": "frames of a video",
-        "max_prompt_bytes": "UTF-8 bytes of a prompt or negative prompt",
-        "max_trajectory_bytes": "bytes one sample's trajectory will hold (latents of every kept step and leaf)",
-    }
-    defaults = RequestLimits()
-    return {name: (getattr(defaults, name), text) for name, text in helps.items()}
+def engine_flag_names() -> list[str]:
+    """The fields of `EngineConfig` that are flags: all but those in `NOT_ENGINE_FLAGS`."""
+    return [f.name for f in dataclasses.fields(EngineConfig) if f.name not in NOT_ENGINE_FLAGS]
 
 
 def is_loopback(host: str) -> bool:
@@ -204,28 +184,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # Imported after the checks, so a refused command line answers at once.
-    from rollout import EngineConfig
     from rollout.config_check import check_engine_config
-    from rollout.request_limits import RequestLimits
     from rollout.serve.app import ServerSettings
     from rollout.serve.guard import allowed_hosts
 
+    limits = settings_from_args(args, [f.name for f in dataclasses.fields(RequestLimits)])
     try:
-        config = EngineConfig(
-            model=args.model,
-            executor=args.executor,
-            num_workers=args.num_workers,
-            worker_extension_cls=args.worker_extension_cls,
-            device=args.device,
-            dtype=args.dtype,
-            max_batch_size=args.max_batch_size,
-            threads_per_worker=args.threads_per_worker,
-            rpc_timeout_s=args.rpc_timeout_s,
-            step_timeout_s=args.step_timeout_s,
-            startup_timeout_s=args.startup_timeout_s,
-            ray_placement_strategy=args.ray_placement_strategy,
-            request_limits=RequestLimits(**{name: getattr(args, name) for name in _limit_flags()}),
-        )
+        config = EngineConfig(**settings_from_args(args, engine_flag_names()), request_limits=RequestLimits(**limits))
         check_engine_config(config)  # the model folder and classes too, before any key or worker
     except ValueError as error:
         sys.exit(f"error: {error}")

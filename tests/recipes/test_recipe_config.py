@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 
 import recipes.config
-from recipes.config import ModelSection, config_keys, load_config, recipe_module
+from recipes.config import EngineSection, ModelSection, config_keys, load_config, recipe_module
 from recipes.run import main
-from rollout import SamplingParams
+from rollout import EngineConfig, SamplingParams
+from rollout.settings import setting_default, setting_help
 
 CONFIG_DIR = Path(recipes.config.__file__).parent / "configs"
 SHIPPED = sorted(CONFIG_DIR.glob("*.yaml"))
@@ -199,3 +201,47 @@ def test_tiny_model_cache_is_reused_and_never_clobbered(tmp_path):
     with pytest.raises(ValueError, match="is not empty but holds no model_index.json"):
         ModelSection(tiny_cache_dir=str(other)).resolve_path()
     assert (other / "notes.txt").read_text() == "mine"
+
+
+def test_the_engine_section_shows_engine_config_s_own_defaults_and_help():
+    engine_fields = {f.name: f for f in dataclasses.fields(EngineConfig)}
+    for f in dataclasses.fields(EngineSection):
+        if f.name == "url":  # the section's own: a rollout service instead of an engine here
+            continue
+        assert f.name in engine_fields, f"engine.{f.name} is no EngineConfig field"
+        assert setting_default(f) == setting_default(engine_fields[f.name])
+        assert setting_help(EngineSection, f.name) == setting_help(EngineConfig, f.name)
+
+
+@pytest.mark.timeout(30)
+def test_a_float_key_takes_a_number_written_as_text(tmp_path):
+    """YAML 1.1 (PyYAML) reads 1e-5, with no dot, as the string '1e-5'."""
+    text = MINIMAL + "sampling:\n  noise_level: 5e-1\n  guidance_scale: '2'\n"
+    config = load_config(write(tmp_path, text), ["sampling.lora_scale=1E0", "sampling.guidance_scale_2=3"])
+    assert config.sampling.noise_level == 0.5 and isinstance(config.sampling.noise_level, float)
+    assert config.sampling.guidance_scale == 2.0 and isinstance(config.sampling.guidance_scale, float)
+    assert config.sampling.lora_scale == 1.0 and config.sampling.guidance_scale_2 == 3.0
+    with pytest.raises(ValueError) as error:
+        load_config(write(tmp_path, MINIMAL), ["sampling.noise_level=high", "sampling.lora_scale=1e-5x"])
+    assert sorted(problems_of(error)) == [
+        "sampling.lora_scale: expected float, got '1e-5x' (str)",
+        "sampling.noise_level: expected float, got 'high' (str)",
+    ]
+    with pytest.raises(ValueError) as error:  # an int key stays an int: "4" is text, 4.0 is a float
+        load_config(write(tmp_path, MINIMAL + "grid_scale: '4'\n"))
+    assert problems_of(error) == ["grid_scale: expected int, got '4' (str)"]
+
+
+@pytest.mark.timeout(30)
+def test_cli_takes_a_float_without_a_dot_and_refuses_text(capsys):
+    grpo_tiny = str(CONFIG_DIR / "grpo_tiny.yaml")
+    assert load_config(grpo_tiny, ["grpo.clip_range=1e-5"]).grpo.clip_range == 1e-5
+    with pytest.raises(SystemExit) as exit_info:  # steps=0 stops it before it trains: only steps is wrong
+        main([grpo_tiny, "--set", "grpo.clip_range=1e-5", "--set", "steps=0"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "(1 problem)" in err and "steps must be >= 1, got 0" in err and "clip_range" not in err
+    with pytest.raises(SystemExit) as exit_info:
+        main([grpo_tiny, "--set", "grpo.clip_range=tiny"])
+    assert exit_info.value.code == 2
+    assert "grpo.clip_range: expected float, got 'tiny' (str)" in capsys.readouterr().err

@@ -11,7 +11,7 @@ import torch
 
 from rollout import EngineConfig, RolloutEngine, SamplingParams
 from rollout.async_engine import AsyncRolloutEngine
-from rollout.rescoring import recompute_log_probs
+from rollout.rescoring import RATIO_TOLERANCE, recompute_log_probs
 from rollout.seeding import derive_seed
 
 pytestmark = pytest.mark.timeout(120)
@@ -60,7 +60,7 @@ def test_seeds_derive_from_the_branch_path_and_the_same_seeds_give_the_same_tree
 def test_every_leaf_rescores_with_ratio_one(tree, trainer_adapter):
     for output in tree:
         log_ratio = recompute_log_probs(trainer_adapter, output.trajectory) - output.trajectory.log_probs
-        assert log_ratio.abs().max() < 1e-5
+        assert log_ratio.abs().max() < RATIO_TOLERANCE
 
 
 def test_the_shared_prefix_is_one_tensor_however_the_leaves_finished(tiny_model):

@@ -51,6 +51,18 @@ def test_health_is_open_and_every_other_route_needs_the_key(server):
     assert_still_serving(server)
 
 
+def test_a_client_given_no_key_reads_it_from_rollout_api_key(server, monkeypatch):
+    monkeypatch.setenv("ROLLOUT_API_KEY", API_KEY)
+    with RemoteRolloutEngine(server.url) as remote:  # its first call, /server_info, needs the key
+        assert isinstance(remote.list_loras(), list)
+    monkeypatch.setenv("ROLLOUT_API_KEY", "nope")
+    with pytest.raises(PermissionError):
+        RemoteRolloutEngine(server.url)
+    monkeypatch.delenv("ROLLOUT_API_KEY")
+    with pytest.raises(PermissionError):
+        RemoteRolloutEngine(server.url)
+
+
 def test_a_non_loopback_bind_without_a_key_is_refused(tiny_model):
     env = {key: value for key, value in os.environ.items() if key != "ROLLOUT_API_KEY"}
     command = [sys.executable, "-m", "rollout.serve", "--model", tiny_model, "--host", "0.0.0.0", "--no-auth"]

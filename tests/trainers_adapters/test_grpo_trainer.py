@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from rollout import SamplingParams
+from rollout.rescoring import RATIO_TOLERANCE
 from trainers_adapters.grpo_trainer import GRPOSettings, grpo_step
 from trainers_adapters.lora_policy import LoraPolicy
 from trainers_adapters.rewarded_rollout import generate_with_rewards
@@ -40,7 +41,7 @@ def test_update_starts_at_ratio_one_and_moves_the_policy(engine, tiny_model):
     settings = GRPOSettings(optimizer_steps=2, micro_batch_size=5)
     stats = grpo_step(policy, optimizer, rollout, settings, torch.Generator().manual_seed(0))
 
-    assert stats.log_ratio_before_update < 1e-5
+    assert stats.log_ratio_before_update < RATIO_TOLERANCE
     assert stats.num_transitions == 8 * 4  # every SDE step of every sample
     assert stats.grad_norm > 0 and stats.advantage_abs_mean > 0
     after = policy.lora_state()
@@ -87,6 +88,10 @@ def test_settings_report_every_bad_value():
         assert name in message
 
 
+def test_the_drift_check_defaults_to_the_rescoring_contract():
+    assert GRPOSettings().max_log_ratio_before_update == RATIO_TOLERANCE == 1e-5
+
+
 def test_an_engine_update_the_policy_did_not_take_stops_the_update(engine, tiny_model):
     """The engine's base weights change and the policy's do not: the first update used to train on
     with a log ratio of ~1e-3 and most ratios clipped. It now raises, and taking the same weights
@@ -110,7 +115,7 @@ def test_an_engine_update_the_policy_did_not_take_stops_the_update(engine, tiny_
     policy.load_base_weights(shifted)
     assert policy.weights_checksum() == engine.weights_checksum()
     stats = grpo_step(policy, optimizer, rollout_for(engine, policy), GRPOSettings(), torch.Generator().manual_seed(0))
-    assert stats.log_ratio_before_update < 1e-5
+    assert stats.log_ratio_before_update < RATIO_TOLERANCE
     with pytest.raises(ValueError, match="base weights refused, policy unchanged: 1 problem"):
         policy.load_base_weights({"no.such.weight": torch.zeros(1)})
     engine.update_weights(base)
@@ -126,7 +131,7 @@ def test_a_tree_rollout_trains_each_shared_step_once_from_ratio_one(engine, tiny
     assert [o.branch_path for o in rollout.outputs[:4]] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     optimizer = torch.optim.SGD(policy.parameters(), lr=0.0)
     stats = grpo_step(policy, optimizer, rollout, GRPOSettings(), torch.Generator())
-    assert stats.log_ratio_before_update < 1e-5
+    assert stats.log_ratio_before_update < RATIO_TOLERANCE
     per_prompt = 2 * 2 + 4 * 2 + 8 * 2  # each node's own steps, not once per leaf below it (6 x 8 = 48)
     assert stats.num_transitions == 2 * per_prompt
     engine.unload_lora(policy.name)
@@ -141,7 +146,7 @@ def test_branchgrpo_pruning_skips_the_pruned_steps_and_the_middle_leaves(engine,
     rollout = rollout_for(engine, policy, steps=6, samples=2, branch_steps=(2, 4), branch_factor=2)
     settings = GRPOSettings(prune_steps=(0, 5), width_ratio=0.25)
     stats = grpo_step(policy, torch.optim.SGD(policy.parameters(), lr=0.0), rollout, settings, torch.Generator())
-    assert stats.log_ratio_before_update < 1e-5
+    assert stats.log_ratio_before_update < RATIO_TOLERANCE
     # Roots: step 1 only (0 pruned); branches: steps 2-3; 4 of the 16 leaves: step 4 only (5 pruned).
     assert stats.num_transitions == 2 * 2 * 1 + 2 * 4 * 2 + 4 * 1
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from rollout import SamplingParams
-from rollout.rescoring import recompute_log_probs
+from rollout.rescoring import RATIO_TOLERANCE, recompute_log_probs
 from trainers_adapters.grpo import kl_to_reference
 from trainers_adapters.lora_policy import LoraPolicy
 
@@ -140,9 +140,9 @@ def test_cps_log_probs_are_stored_in_the_chosen_form_and_rescore_at_ratio_one(en
         stored = torch.stack([t.log_probs[step] for t in trajectories])
         torch.testing.assert_close(stored, expected, rtol=1e-4, atol=1e-6)
         # Sampling, re-scoring and the ratio use the one form.
-        assert (policy.score(trajectories, step).log_prob - stored).abs().max() < 1e-5
+        assert (policy.score(trajectories, step).log_prob - stored).abs().max() < RATIO_TOLERANCE
     for trajectory in trajectories:
-        assert (recompute_log_probs(policy.adapter, trajectory) - trajectory.log_probs).abs().max() < 1e-5
+        assert (recompute_log_probs(policy.adapter, trajectory) - trajectory.log_probs).abs().max() < RATIO_TOLERANCE
 
 
 @torch.no_grad()
@@ -172,7 +172,7 @@ def test_branch_children_are_drawn_at_the_scale_and_scored_with_the_step_std(eng
         expected = -gap / (2 * std**2) - torch.log(std) - 0.5 * math.log(2 * math.pi)
         assert four.log_probs[2].item() == pytest.approx(expected.item(), rel=1e-5)
         # Re-scoring uses the same std: the ratio stays 1.
-        assert (recompute_log_probs(policy.adapter, four) - four.log_probs).abs().max() < 1e-5
+        assert (recompute_log_probs(policy.adapter, four) - four.log_probs).abs().max() < RATIO_TOLERANCE
     # Later steps draw at 1x again: the children's own step noise (x' - mean) / std keeps unit scale.
     later = torch.stack([(t.latents[5] - t.records["mean"][4]) / t.records["std"][4] for t in wide])
     assert 0.8 < later.std().item() < 1.2
