@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from typing import Any
 
 from rollout.engine import RolloutEngine
@@ -70,6 +71,17 @@ class OutputStream:
 
     async def __aexit__(self, *exc_info) -> None:
         await self.aclose()
+
+
+def _between_steps(method: Callable) -> Callable:
+    """A coroutine running `method` (a `RolloutEngine` method) on the engine in its thread, between
+    two steps; same signature and docs."""
+
+    @functools.wraps(method)
+    async def call(self: AsyncRolloutEngine, *args, **kwargs):
+        return await self._call(method, self.engine, *args, **kwargs)
+
+    return call
 
 
 class AsyncRolloutEngine:
@@ -145,7 +157,7 @@ class AsyncRolloutEngine:
         if not self._stopped:
             self._submit(self._abort_quietly, list(request_ids))
 
-    async def abort(self, request_ids: str | Sequence[str]) -> list[RolloutOutput]:
+    async def abort(self, request_ids: str | Iterable[str]) -> list[RolloutOutput]:
         """Abort by sample or group id; returns once the workers have freed the requests' state.
         Their streams get the aborted outputs too."""
         return await self._call(self._abort, request_ids)
@@ -182,43 +194,21 @@ class AsyncRolloutEngine:
             return EngineDeadError(f"the engine's thread failed: {self._failure}")
         return None
 
-    # The hot-swap API and worker functions, each between two steps.
+    # The hot-swap API and worker functions, each between two steps: `RolloutEngine`'s methods of
+    # the same names and signatures, run in the engine's thread.
 
-    async def update_weights(self, named_tensors, **kwargs) -> int:
-        return await self._call(self.engine.update_weights, named_tensors, **kwargs)
-
-    async def update_weights_from_disk(self, path, **kwargs) -> int:
-        return await self._call(self.engine.update_weights_from_disk, path, **kwargs)
-
-    async def init_weight_update_group(self, *args, **kwargs) -> list[int]:
-        return await self._call(self.engine.init_weight_update_group, *args, **kwargs)
-
-    async def update_weights_from_distributed(self, names, dtypes, shapes, **kwargs) -> int:
-        return await self._call(self.engine.update_weights_from_distributed, names, dtypes, shapes, **kwargs)
-
-    async def check_weight_update(self, names, dtypes, shapes, component: str = "transformer") -> None:
-        return await self._call(self.engine.check_weight_update, names, dtypes, shapes, component)
-
-    async def weights_checksum(self, component: str = "transformer") -> str:
-        return await self._call(self.engine.weights_checksum, component)
-
-    async def load_lora(self, name, source, config=None, **kwargs) -> int:
-        return await self._call(self.engine.load_lora, name, source, config, **kwargs)
-
-    async def unload_lora(self, name: str) -> None:
-        return await self._call(self.engine.unload_lora, name)
-
-    async def sleep(self, level: int = 1) -> None:
-        return await self._call(self.engine.sleep, level)
-
-    async def wake_up(self) -> None:
-        return await self._call(self.engine.wake_up)
-
-    async def collective_rpc(self, method: str | Callable, *args, **kwargs) -> list[Any]:
-        return await self._call(self.engine.collective_rpc, method, *args, **kwargs)
-
-    async def check_health(self) -> None:
-        return await self._call(self.engine.check_health)
+    update_weights = _between_steps(RolloutEngine.update_weights)
+    update_weights_from_disk = _between_steps(RolloutEngine.update_weights_from_disk)
+    init_weight_update_group = _between_steps(RolloutEngine.init_weight_update_group)
+    update_weights_from_distributed = _between_steps(RolloutEngine.update_weights_from_distributed)
+    check_weight_update = _between_steps(RolloutEngine.check_weight_update)
+    weights_checksum = _between_steps(RolloutEngine.weights_checksum)
+    load_lora = _between_steps(RolloutEngine.load_lora)
+    unload_lora = _between_steps(RolloutEngine.unload_lora)
+    sleep = _between_steps(RolloutEngine.sleep)
+    wake_up = _between_steps(RolloutEngine.wake_up)
+    collective_rpc = _between_steps(RolloutEngine.collective_rpc)
+    check_health = _between_steps(RolloutEngine.check_health)
 
     async def state(self) -> dict:
         """What a client needs to mirror the engine: weight version, adapters, sleep level, load.

@@ -1,8 +1,9 @@
 """The rollout service's routes: each parses one body, calls the async engine, and returns its answer.
 
-Errors become status codes in one place (`_STATUS`), with the engine's own message in the body:
-{"error": {"type": "ValueError", "message": "invalid request: ..."}}. Bad input is a 4xx and the
-server stays up; a dead engine answers 503 everywhere, `/health` included.
+Paths come from the route table (`routes.ROUTES`) and status codes from the error table
+(`error_table.STATUS_OF`), which the client reads too. An error's body holds the engine's own
+message: {"error": {"type": "ValueError", "message": "invalid request: ..."}}. Bad input is a 4xx and
+the server stays up; a dead engine answers 503 everywhere, `/health` included.
 """
 
 # No `from __future__ import annotations` here: FastAPI reads the routes' annotations, and those
@@ -25,16 +26,17 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from rollout.async_engine import AsyncRolloutEngine, OutputStream
-from rollout.errors import EngineDeadError, WorkerError
+from rollout.errors import WorkerError
 from rollout.lora import infer_config, read_lora_folder, remote_config_problems
 from rollout.sampling_params import SamplingParams
 from rollout.serve import protocol
+from rollout.serve.error_table import STATUS_OF
 from rollout.serve.guard import LOOPBACK_NAMES, RequestGuard
+from rollout.serve.routes import path
 from rollout.wire import (
     FRAMES_MEDIA_TYPE,
     SAFETENSORS_MEDIA_TYPE,
     OutputEncoder,
-    WireError,
     error_frame,
     frame,
     tensors_from_bytes,
@@ -42,16 +44,6 @@ from rollout.wire import (
 from rollout.worker import READ_ONLY_METHODS, Worker, worker_methods
 
 logger = logging.getLogger(__name__)
-
-# Most specific first: an exception gets the status of the first class it is an instance of.
-_STATUS: list[tuple[type[BaseException], int]] = [
-    (EngineDeadError, 503),
-    (TimeoutError, 504),
-    (WireError, 400),
-    (ValueError, 400),
-    (TypeError, 400),
-    (RuntimeError, 409),  # the engine's state forbids it now (asleep, adapter in use, ...)
-]
 
 
 @dataclass(frozen=True)
@@ -82,14 +74,14 @@ def build_app(engine: AsyncRolloutEngine, settings: ServerSettings) -> FastAPI:
         openapi_url=None,
     )
     app.add_middleware(RequestGuard, hosts=settings.allowed_hosts)
-    for error_class, status in _STATUS:
+    for error_class, status in STATUS_OF:
         app.add_exception_handler(error_class, _error_handler(status))
     app.add_exception_handler(WorkerError, _worker_error)
     # Starlette's own (404 for an unknown path, 405 for a wrong method) included: one error format.
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
 
-    @app.get("/health")
+    @app.get(path("health"))
     async def health() -> dict:
         """200 while every worker answers; 503 with the reason once one is gone. The check runs
         between engine steps; while the engine is in a long call (a hot swap waiting for running
@@ -115,7 +107,7 @@ def build_app(engine: AsyncRolloutEngine, settings: ServerSettings) -> FastAPI:
     async def docs() -> Response:
         return get_swagger_ui_html(openapi_url="/openapi.json", title="diffusion-rollout")
 
-    @router.get("/server_info")
+    @router.get(path("server_info"))
     async def server_info() -> dict:
         config = dataclasses.asdict(engine.engine.config)
         config["executor"] = _name_of(config["executor"])
@@ -126,7 +118,7 @@ def build_app(engine: AsyncRolloutEngine, settings: ServerSettings) -> FastAPI:
             **await engine.state(),
         }
 
-    @router.post("/rollout/generate")
+    @router.post(path("generate"))
     async def generate(request: Request, body: Annotated[protocol.GenerateBody, json_body(protocol.GenerateBody)]):
         prompts = [body.prompts] if isinstance(body.prompts, str) else body.prompts
         # Checking many params (each holds a step mask) is work: off the event loop, so /health answers.
@@ -159,41 +151,41 @@ def build_app(engine: AsyncRolloutEngine, settings: ServerSettings) -> FastAPI:
         outputs = await _collect(stream, request)
         return Response(_frames(stream.request_ids, outputs), media_type=FRAMES_MEDIA_TYPE)
 
-    @router.post("/abort_requests")
+    @router.post(path("abort"))
     async def abort_requests(body: Annotated[protocol.AbortBody, json_body(protocol.AbortBody)]):
         """Returns once the workers have freed the requests' state; the body holds their outputs."""
         aborted = await engine.abort(body.request_ids)
         return Response(_frames([o.request_id for o in aborted], aborted), media_type=FRAMES_MEDIA_TYPE)
 
-    @router.post("/pause")
+    @router.post(path("pause"))
     async def pause(body: Annotated[protocol.PauseBody, json_body(protocol.PauseBody)]) -> dict:
         await engine.pause(body.mode)
         return {"paused": True, "mode": body.mode}
 
-    @router.post("/resume")
+    @router.post(path("resume"))
     async def resume() -> dict:
         await engine.resume()
         return {"paused": False}
 
-    @router.post("/update_weights_from_tensor")
+    @router.post(path("update_weights"))
     async def update_weights_from_tensor(request: Request) -> dict:
         """Body: a safetensors file of the tensors; its metadata "request" holds the options (JSON)."""
         tensors, options = await _tensor_body(request, settings, protocol.UpdateFromTensorBody)
         version = await engine.update_weights(tensors, **options.model_dump())
         return {"weight_version": version}
 
-    @router.post("/update_weights_from_disk")
+    @router.post(path("update_weights_from_disk"))
     async def update_weights_from_disk(
         body: Annotated[protocol.UpdateFromDiskBody, json_body(protocol.UpdateFromDiskBody)],
     ):
         options = body.model_dump(exclude={"model_path"})
         return {"weight_version": await engine.update_weights_from_disk(body.model_path, **options)}
 
-    @router.post("/get_weights_checksum")
+    @router.post(path("weights_checksum"))
     async def get_weights_checksum(body: Annotated[protocol.ChecksumBody, json_body(protocol.ChecksumBody)]) -> dict:
         return {"checksum": await engine.weights_checksum(body.component)}
 
-    @router.post("/v1/load_lora_adapter")
+    @router.post(path("load_lora"))
     async def load_lora_adapter(request: Request) -> dict:
         """JSON {"lora_name", "lora_path"} for a folder on the server (read here, its files checked
         to be regular ones); or a safetensors body of the adapter's PEFT tensors with metadata
@@ -214,32 +206,32 @@ def build_app(engine: AsyncRolloutEngine, settings: ServerSettings) -> FastAPI:
         )
         return {"weight_version": version, "loras": (await engine.state())["loras"]}
 
-    @router.post("/v1/unload_lora_adapter")
+    @router.post(path("unload_lora"))
     async def unload_lora_adapter(
         body: Annotated[protocol.UnloadLoraBody, json_body(protocol.UnloadLoraBody)],
     ) -> dict:
         await engine.unload_lora(body.lora_name)
         return {"loras": (await engine.state())["loras"]}
 
-    @router.post("/release_memory_occupation")
+    @router.post(path("sleep"))
     async def release_memory_occupation(
         body: Annotated[protocol.ReleaseMemoryBody, json_body(protocol.ReleaseMemoryBody)],
     ) -> dict:
         await engine.sleep(body.level)
         return {"sleep_level": (await engine.state())["sleep_level"]}
 
-    @router.post("/resume_memory_occupation")
+    @router.post(path("wake_up"))
     async def resume_memory_occupation() -> dict:
         await engine.wake_up()
         return {"sleep_level": 0}
 
-    @router.post("/init_weight_update_group")
+    @router.post(path("init_weight_update_group"))
     async def init_weight_update_group(
         body: Annotated[protocol.InitWeightUpdateGroupBody, json_body(protocol.InitWeightUpdateGroupBody)],
     ) -> dict:
         return {"group_ranks": await engine.init_weight_update_group(**body.model_dump())}
 
-    @router.post("/update_weights_from_distributed")
+    @router.post(path("update_weights_from_distributed"))
     async def update_weights_from_distributed(
         body: Annotated[protocol.UpdateFromDistributedBody, json_body(protocol.UpdateFromDistributedBody)],
     ) -> dict:
@@ -248,7 +240,7 @@ def build_app(engine: AsyncRolloutEngine, settings: ServerSettings) -> FastAPI:
         version = await engine.update_weights_from_distributed(body.names, dtypes, body.shapes, **options)
         return {"weight_version": version}
 
-    @router.post("/check_weight_update")
+    @router.post(path("check_weight_update"))
     async def check_weight_update(
         body: Annotated[protocol.CheckWeightUpdateBody, json_body(protocol.CheckWeightUpdateBody)],
     ):
@@ -258,7 +250,7 @@ def build_app(engine: AsyncRolloutEngine, settings: ServerSettings) -> FastAPI:
 
     callable_by_name = READ_ONLY_METHODS | _extension_methods(engine) | settings.rpc_allow
 
-    @router.post("/collective_rpc")
+    @router.post(path("collective_rpc"))
     async def collective_rpc(
         body: Annotated[protocol.CollectiveRpcBody, json_body(protocol.CollectiveRpcBody)],
     ) -> dict:
@@ -285,22 +277,22 @@ def build_app(engine: AsyncRolloutEngine, settings: ServerSettings) -> FastAPI:
 
 # The engine's own route for what a state-changing worker function does.
 _ENGINE_ROUTES = {
-    "execute": "/rollout/generate",
-    "stage_weights": "/update_weights_from_tensor",
-    "apply_staged_weights": "/update_weights_from_tensor",
-    "commit_weights": "/update_weights_from_tensor",
-    "rollback_weights": "/update_weights_from_tensor",
-    "stage_weights_from_files": "/update_weights_from_disk",
-    "init_weight_update_group": "/init_weight_update_group",
-    "stage_weights_from_broadcast": "/update_weights_from_distributed",
-    "load_lora": "/v1/load_lora_adapter",
-    "stage_lora": "/v1/load_lora_adapter",
-    "commit_lora": "/v1/load_lora_adapter",
-    "rollback_lora": "/v1/load_lora_adapter",
-    "unload_lora": "/v1/unload_lora_adapter",
-    "discard_lora": "/v1/unload_lora_adapter",
-    "sleep": "/release_memory_occupation",
-    "wake_up": "/resume_memory_occupation",
+    "execute": path("generate"),
+    "stage_weights": path("update_weights"),
+    "apply_staged_weights": path("update_weights"),
+    "commit_weights": path("update_weights"),
+    "rollback_weights": path("update_weights"),
+    "stage_weights_from_files": path("update_weights_from_disk"),
+    "init_weight_update_group": path("init_weight_update_group"),
+    "stage_weights_from_broadcast": path("update_weights_from_distributed"),
+    "load_lora": path("load_lora"),
+    "stage_lora": path("load_lora"),
+    "commit_lora": path("load_lora"),
+    "rollback_lora": path("load_lora"),
+    "unload_lora": path("unload_lora"),
+    "discard_lora": path("unload_lora"),
+    "sleep": path("sleep"),
+    "wake_up": path("wake_up"),
 }
 
 

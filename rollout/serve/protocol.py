@@ -153,6 +153,6 @@ class CollectiveRpcBody(Body):
 
     method: str
     args: list[Any] = []
-    kwargs: dict[str, Any] = {}
+    kwargs: dict[str, Any] | None = None
     timeout: PositiveSeconds | None = None
     ranks: list[Annotated[int, Field(ge=0)]] | None = None

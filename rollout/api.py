@@ -1,0 +1,290 @@
+"""The trainer-facing engine API, declared once.
+
+`RolloutAPI` is what a trainer calls: `RolloutEngine` (in process) and `RemoteRolloutEngine` (a
+rollout server over HTTP) both conform to it with these exact signatures, so a trainer switches
+front by configuration. `AsyncRolloutAPI` is its twin for asyncio callers (same names, coroutines),
+which `AsyncRolloutEngine` conforms to. tests/test_api.py holds the three fronts to these.
+
+An implementation may add keyword-only parameters with defaults (hooks its own callers use, such as
+`RolloutEngine.step(admit=...)`) and members of its own; it may not change these.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+from rollout.weight_sync import DEFAULT_BUCKET_BYTES
+
+if TYPE_CHECKING:
+    import torch
+    from peft import LoraConfig
+
+    from rollout.config import EngineConfig
+    from rollout.outputs import RolloutOutput
+    from rollout.pipelines.spec import ModelSpec
+    from rollout.sampling_params import SamplingParams
+
+
+@runtime_checkable
+class RolloutAPI(Protocol):
+    """Generation, incremental driving, worker functions and the hot-swap API of one engine."""
+
+    config: EngineConfig
+    model_spec: ModelSpec
+
+    @property
+    def weight_version(self) -> int:
+        """The version the next steps' weights (and adapters) carry."""
+
+    @property
+    def sleep_level(self) -> int:
+        """0 when awake, else the level of the last `sleep`."""
+
+    # Generation.
+
+    def generate(
+        self,
+        prompts: str | Sequence[str],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = False,
+    ) -> list[RolloutOutput]:
+        """`num_samples` samples per prompt (one params for all prompts, or one per prompt); outputs
+        ordered by prompt, then sample (then branch path)."""
+
+    def add_request(
+        self,
+        prompt: str,
+        params: SamplingParams,
+        *,
+        prompt_index: int = 0,
+        request_id: str | None = None,
+        base_seed: int | None = None,
+    ) -> list[str]:
+        """Queue one prompt's samples without running them; returns the ids of their outputs, which
+        `step()` returns as they finish."""
+
+    def step(self) -> list[RolloutOutput]:
+        """Advance the queued requests; returns the outputs that finished."""
+
+    def abort(self, request_ids: str | Iterable[str]) -> list[RolloutOutput]:
+        """Abort by sample, group or branch id; their worker state is freed before this returns.
+        One output with status "aborted" per leaf aborted; unknown ids are ignored."""
+
+    def has_unfinished_requests(self) -> bool: ...
+
+    # Worker functions.
+
+    def collective_rpc(
+        self,
+        method: str | Callable,
+        args: Sequence = (),
+        kwargs: dict | None = None,
+        timeout: float | None = None,
+        ranks: Sequence[int] | None = None,
+    ) -> list[Any]:
+        """A worker method (by name, or a callable in process) on every rank or on `ranks`; one
+        result per rank, in rank order."""
+
+    def check_health(self) -> None:
+        """Raise if a worker cannot serve."""
+
+    # Weights.
+
+    def update_weights(
+        self,
+        named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+        *,
+        component: str = "transformer",
+        version: int | None = None,
+        mode: str = "wait",
+        check_finite: bool = True,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    ) -> int:
+        """Replace weights of `component` on every worker, all or nothing; returns the new version."""
+
+    def update_weights_from_disk(
+        self,
+        path: str | Path,
+        *,
+        component: str = "transformer",
+        version: int | None = None,
+        mode: str = "wait",
+        check_finite: bool = True,
+    ) -> int:
+        """`update_weights` from a .safetensors file or a component folder the workers read."""
+
+    def init_weight_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        backend: str = "gloo",
+        timeout_s: float = 300.0,
+    ) -> list[int]:
+        """Join a trainer's broadcast group; returns the workers' group ranks."""
+
+    def update_weights_from_distributed(
+        self,
+        names: list[str],
+        dtypes: list[torch.dtype],
+        shapes: list[tuple[int, ...]],
+        *,
+        component: str = "transformer",
+        version: int | None = None,
+        mode: str = "wait",
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        check_finite: bool = True,
+    ) -> int:
+        """`update_weights` with tensors the trainer broadcasts through the group."""
+
+    def check_weight_update(
+        self,
+        names: list[str],
+        dtypes: list[torch.dtype],
+        shapes: list[tuple[int, ...]],
+        component: str = "transformer",
+    ) -> None:
+        """Raise ValueError if an update with these tensors would be refused."""
+
+    def weights_checksum(self, component: str = "transformer") -> str:
+        """SHA-256 of every weight of `component`; raises if the ranks disagree."""
+
+    # LoRA adapters.
+
+    def load_lora(
+        self,
+        name: str,
+        source: str | Path | Mapping[str, torch.Tensor],
+        config: LoraConfig | Mapping | None = None,
+        *,
+        version: int | None = None,
+        check_finite: bool = True,
+    ) -> int:
+        """Load adapter `name` on every worker (or hot-swap it); returns the new weight version."""
+
+    def unload_lora(self, name: str) -> None: ...
+
+    def lora_modules(self, name: str) -> int:
+        """How many modules adapter `name` binds."""
+
+    def list_loras(self) -> list[str]: ...
+
+    # Memory.
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the workers' weight memory (1: offload, 2: discard)."""
+
+    def wake_up(self) -> None: ...
+
+    # Lifetime.
+
+    def shutdown(self) -> None: ...
+
+
+@runtime_checkable
+class AsyncRolloutAPI(Protocol):
+    """`RolloutAPI` for asyncio callers: the same calls as coroutines, many callers at once,
+    outputs streamed as they finish, and pausing."""
+
+    async def generate(
+        self, prompts: str | Sequence[str], params: SamplingParams | Sequence[SamplingParams] | None = None
+    ) -> list[RolloutOutput]: ...
+
+    def generate_stream(
+        self, prompts: str | Sequence[str], params: SamplingParams | Sequence[SamplingParams] | None = None
+    ) -> AsyncIterator[RolloutOutput]:
+        """`generate`, yielding each output as it finishes."""
+
+    async def abort(self, request_ids: str | Iterable[str]) -> list[RolloutOutput]: ...
+
+    async def pause(self, mode: str = "abort") -> None:
+        """Stop stepping: "abort" the unfinished requests, "wait" for the running ones, or "keep" them."""
+
+    async def resume(self) -> None: ...
+
+    async def collective_rpc(
+        self,
+        method: str | Callable,
+        args: Sequence = (),
+        kwargs: dict | None = None,
+        timeout: float | None = None,
+        ranks: Sequence[int] | None = None,
+    ) -> list[Any]: ...
+
+    async def check_health(self) -> None: ...
+
+    async def update_weights(
+        self,
+        named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+        *,
+        component: str = "transformer",
+        version: int | None = None,
+        mode: str = "wait",
+        check_finite: bool = True,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    ) -> int: ...
+
+    async def update_weights_from_disk(
+        self,
+        path: str | Path,
+        *,
+        component: str = "transformer",
+        version: int | None = None,
+        mode: str = "wait",
+        check_finite: bool = True,
+    ) -> int: ...
+
+    async def init_weight_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        backend: str = "gloo",
+        timeout_s: float = 300.0,
+    ) -> list[int]: ...
+
+    async def update_weights_from_distributed(
+        self,
+        names: list[str],
+        dtypes: list[torch.dtype],
+        shapes: list[tuple[int, ...]],
+        *,
+        component: str = "transformer",
+        version: int | None = None,
+        mode: str = "wait",
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        check_finite: bool = True,
+    ) -> int: ...
+
+    async def check_weight_update(
+        self,
+        names: list[str],
+        dtypes: list[torch.dtype],
+        shapes: list[tuple[int, ...]],
+        component: str = "transformer",
+    ) -> None: ...
+
+    async def weights_checksum(self, component: str = "transformer") -> str: ...
+
+    async def load_lora(
+        self,
+        name: str,
+        source: str | Path | Mapping[str, torch.Tensor],
+        config: LoraConfig | Mapping | None = None,
+        *,
+        version: int | None = None,
+        check_finite: bool = True,
+    ) -> int: ...
+
+    async def unload_lora(self, name: str) -> None: ...
+
+    async def sleep(self, level: int = 1) -> None: ...
+
+    async def wake_up(self) -> None: ...
+
+    def shutdown(self) -> None: ...

@@ -1,0 +1,520 @@
+"""`RemoteRolloutEngine`: a rollout service (`python -m rollout.serve`) behind `RolloutEngine`'s API.
+
+A trainer swaps `RolloutEngine(config)` for `RemoteRolloutEngine(url, api_key=...)` and changes
+nothing else: the methods take the same arguments and return the same types, and the same seeds
+give bitwise the same outputs, trajectories included. Tensors cross as safetensors (`rollout.wire`).
+
+`add_request` opens one streamed request per prompt; `step()` returns the outputs that arrived
+since the last call, waiting for at least one while any request is unfinished. Errors come back as
+the exception the engine raised (ValueError for a bad request, EngineDeadError when a worker is gone);
+a server that is gone is an EngineDeadError too, and a call past `timeout_s` a TimeoutError.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import json
+import os
+import threading
+from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+import torch
+from peft import LoraConfig
+from tqdm.auto import tqdm
+
+from rollout.config import EngineConfig
+from rollout.errors import EngineDeadError
+from rollout.outputs import RolloutOutput
+from rollout.pipelines.spec import ModelSpec
+from rollout.sampling_params import SamplingParams
+from rollout.serve import API_KEY_ENV
+from rollout.serve.error_table import exception_for
+from rollout.serve.routes import ROUTES, body_json, path
+from rollout.weight_sync import DEFAULT_BUCKET_BYTES
+from rollout.wire import SAFETENSORS_MEDIA_TYPE, FrameReader, OutputDecoder, WireError, tensors_to_bytes
+
+
+class RemoteRolloutEngine:
+    """`RolloutEngine`'s API over HTTP. `config` and `model_spec` are the server's.
+
+    url: "http://host:port" of a rollout service; api_key: its key (None reads $ROLLOUT_API_KEY, as
+    the server and the recipes do; a server started with --no-auth needs none);
+    timeout_s: how long one call may wait for its answer (None: as long as the server works on it;
+    a closed connection still fails at once).
+    """
+
+    def __init__(self, url: str, api_key: str | None = None, *, timeout_s: float | None = None):
+        self.url = url.rstrip("/")
+        api_key = api_key if api_key is not None else os.environ.get(API_KEY_ENV)
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="remote-rollout-engine", daemon=True)
+        self._thread.start()
+        timeout = httpx.Timeout(timeout_s, connect=10.0)
+        # Idle connections are dropped well before the server's keep-alive timeout (60 s) closes
+        # them: reusing one the server is closing fails the call.
+        limits = httpx.Limits(keepalive_expiry=10.0)
+        self._client = httpx.AsyncClient(base_url=self.url, headers=headers, timeout=timeout, limits=limits)
+        self._closed = False
+        # Outputs of add_request() streams that step() has not returned yet, and who is still running.
+        self._ready: collections.deque = collections.deque()
+        self._unfinished: set[str] = set()
+        self._changed = threading.Condition()
+        try:
+            info = self.server_info()
+        except BaseException:
+            self.shutdown()  # no thread left behind by a server that is down or refuses the key
+            raise
+        self.config = EngineConfig.described(info["engine_config"])
+        self.model_spec = ModelSpec(**info["model_spec"])
+
+    # Generation.
+
+    def generate(
+        self,
+        prompts: str | Sequence[str],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = False,
+    ) -> list[RolloutOutput]:
+        """`RolloutEngine.generate`: outputs ordered by prompt, then sample."""
+        if self.has_unfinished_requests():
+            raise RuntimeError(
+                f"generate() drives the engine itself, but {len(self._unfinished)} requests added with "
+                "add_request() are unfinished; step() them to completion or abort() them first"
+            )
+        body = body_json("generate", prompts=prompts, params=_params_json(params), stream=True)
+        with tqdm(desc="rollout", unit="sample", disable=not use_tqdm) as bar:
+
+            async def collect() -> list[RolloutOutput]:
+                ids, outputs = await self._open_stream(body)
+                bar.total = len(ids)
+                found = {}
+                async for output in outputs:
+                    found[output.request_id] = output
+                    bar.update(1)
+                return [found[request_id] for request_id in ids]
+
+            return self._run(collect())
+
+    def add_request(
+        self,
+        prompt: str,
+        params: SamplingParams,
+        *,
+        prompt_index: int = 0,
+        request_id: str | None = None,
+        base_seed: int | None = None,
+    ) -> list[str]:
+        """`RolloutEngine.add_request`: queue one prompt's samples; returns their ids. Their outputs
+        come from `step()`."""
+        body = body_json(
+            "generate",
+            prompts=prompt,
+            params=_params_json(params),
+            stream=True,
+            request_id=request_id,
+            prompt_index=prompt_index,
+            base_seed=base_seed,
+        )
+
+        async def start() -> list[str]:
+            ids, outputs = await self._open_stream(body)
+            with self._changed:
+                self._unfinished.update(ids)
+            self._loop.create_task(self._collect_into_ready(ids, outputs))
+            return ids
+
+        return self._run(start())
+
+    def step(self) -> list[RolloutOutput]:
+        """The outputs of `add_request` calls that arrived since the last call; waits for at least
+        one while any request is unfinished, and returns [] when none is. A stream's error is
+        raised once the outputs that arrived before it have been returned."""
+        with self._changed:
+            self._changed.wait_for(lambda: self._ready or not self._unfinished)
+            outputs = [item for item in self._ready if not isinstance(item, BaseException)]
+            errors = [item for item in self._ready if isinstance(item, BaseException)]
+            # Outputs first: an error waits for the next call, so none that arrived with it is lost.
+            self._ready = collections.deque(errors if outputs else errors[1:])
+        if errors and not outputs:
+            raise errors[0]
+        return outputs
+
+    def abort(self, request_ids: str | Iterable[str]) -> list[RolloutOutput]:
+        """`RolloutEngine.abort`: by sample or group id; returns once the server's workers have freed
+        their state. The aborted outputs are returned here, never by `step()`."""
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        aborted = self._run(self._post_outputs(path("abort"), body_json("abort", request_ids=list(request_ids))))
+        ids = {output.request_id for output in aborted}
+        with self._changed:
+            self._unfinished -= ids
+            # The stream may have delivered them already: step() must not return them too.
+            self._ready = collections.deque(
+                item for item in self._ready if isinstance(item, BaseException) or item.request_id not in ids
+            )
+            self._changed.notify_all()
+        return aborted
+
+    def has_unfinished_requests(self) -> bool:
+        with self._changed:
+            return bool(self._unfinished or self._ready)
+
+    def pause(self, mode: str = "abort") -> None:
+        """Stop the server's engine: "abort", "wait" or "keep" (see `AsyncRolloutEngine.pause`)."""
+        self._call("pause", mode=mode)
+
+    def resume(self) -> None:
+        self._call("resume")
+
+    # Worker functions.
+
+    def collective_rpc(
+        self,
+        method: str | Callable,
+        args: Sequence = (),
+        kwargs: dict | None = None,
+        timeout: float | None = None,
+        ranks: Sequence[int] | None = None,
+    ) -> list[Any]:
+        """A worker method by name, with JSON arguments and results."""
+        if not isinstance(method, str):
+            raise TypeError(
+                "a callable cannot be sent over HTTP; make it a method of the server's --worker-extension-cls "
+                "and call it by name"
+            )
+        ranks = list(ranks) if ranks is not None else None
+        return self._call(
+            "collective_rpc", method=method, args=list(args), kwargs=kwargs, timeout=timeout, ranks=ranks
+        )
+
+    def check_health(self) -> None:
+        self._request("GET", path("health"))
+
+    def server_info(self) -> dict:
+        """The server's engine config, model spec, weight version, adapters, sleep level and load."""
+        return self._request("GET", path("server_info"))
+
+    # The hot-swap API.
+
+    @property
+    def weight_version(self) -> int:
+        return self.server_info()["weight_version"]
+
+    @property
+    def sleep_level(self) -> int:
+        return self.server_info()["sleep_level"]
+
+    def update_weights(
+        self,
+        named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+        *,
+        component: str = "transformer",
+        version: int | None = None,
+        mode: str = "wait",
+        check_finite: bool = True,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    ) -> int:
+        """`RolloutEngine.update_weights`: the tensors travel as one safetensors body."""
+        tensors = dict(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
+        options = body_json(
+            "update_weights",
+            component=component,
+            version=version,
+            mode=mode,
+            check_finite=check_finite,
+            bucket_bytes=bucket_bytes,
+        )
+        return self._post_tensors("update_weights", tensors, options)
+
+    def update_weights_from_disk(
+        self,
+        path: str | Path,
+        *,
+        component: str = "transformer",
+        version: int | None = None,
+        mode: str = "wait",
+        check_finite: bool = True,
+    ) -> int:
+        """`RolloutEngine.update_weights_from_disk`; `path` is on the server's machine."""
+        return self._call(
+            "update_weights_from_disk",
+            model_path=str(path),
+            component=component,
+            version=version,
+            mode=mode,
+            check_finite=check_finite,
+        )
+
+    def init_weight_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        backend: str = "gloo",
+        timeout_s: float = 300.0,
+    ) -> list[int]:
+        return self._call(
+            "init_weight_update_group",
+            master_address=master_address,
+            master_port=master_port,
+            rank_offset=rank_offset,
+            world_size=world_size,
+            backend=backend,
+            timeout_s=timeout_s,
+        )
+
+    def update_weights_from_distributed(
+        self,
+        names: list[str],
+        dtypes: list[torch.dtype],
+        shapes: list[tuple[int, ...]],
+        *,
+        component: str = "transformer",
+        version: int | None = None,
+        mode: str = "wait",
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        check_finite: bool = True,
+    ) -> int:
+        return self._call(
+            "update_weights_from_distributed",
+            **_tensor_layout(names, dtypes, shapes),
+            component=component,
+            version=version,
+            mode=mode,
+            bucket_bytes=bucket_bytes,
+            check_finite=check_finite,
+        )
+
+    def check_weight_update(
+        self,
+        names: list[str],
+        dtypes: list[torch.dtype],
+        shapes: list[tuple[int, ...]],
+        component: str = "transformer",
+    ) -> None:
+        self._call("check_weight_update", **_tensor_layout(names, dtypes, shapes), component=component)
+
+    def weights_checksum(self, component: str = "transformer") -> str:
+        return self._call("weights_checksum", component=component)
+
+    def load_lora(
+        self,
+        name: str,
+        source: str | Path | Mapping[str, torch.Tensor],
+        config: LoraConfig | Mapping | None = None,
+        *,
+        version: int | None = None,
+        check_finite: bool = True,
+    ) -> int:
+        """`RolloutEngine.load_lora`: a folder on the server's machine, or tensors with their config
+        (sent as a safetensors body)."""
+        if isinstance(source, str | Path):
+            return self._call(
+                "load_lora", lora_name=name, lora_path=str(source), version=version, check_finite=check_finite
+            )
+        if not isinstance(source, Mapping):
+            raise TypeError(f"LoRA source must be a folder path or a mapping of tensors, got {type(source).__name__}")
+        if config is None:
+            raise ValueError(f"LoRA {name!r} from tensors needs a config (a peft.LoraConfig or its dict)")
+        options = body_json(
+            "load_lora_tensors",
+            lora_name=name,
+            lora_config=_lora_config_json(config),
+            version=version,
+            check_finite=check_finite,
+        )
+        return self._post_tensors("load_lora_tensors", dict(source), options)
+
+    def unload_lora(self, name: str) -> None:
+        self._call("unload_lora", lora_name=name)
+
+    def lora_modules(self, name: str) -> int:
+        loras = self.server_info()["loras"]
+        if name not in loras:
+            raise ValueError(f"no LoRA named {name!r} is loaded; loaded: {sorted(loras)}")
+        return loras[name]
+
+    def list_loras(self) -> list[str]:
+        return sorted(self.server_info()["loras"])
+
+    def sleep(self, level: int = 1) -> None:
+        self._call("sleep", level=level)
+
+    def wake_up(self) -> None:
+        self._call("wake_up")
+
+    # Lifetime.
+
+    def shutdown(self) -> None:
+        """Close the connection (the server keeps running)."""
+        if not self._closed:
+            self._run(self._client.aclose())
+            self._closed = True
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join()
+            self._loop.close()
+
+    def __enter__(self) -> RemoteRolloutEngine:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.shutdown()
+
+    # HTTP.
+
+    def _run(self, coroutine: Coroutine) -> Any:
+        if self._closed:
+            coroutine.close()
+            raise RuntimeError("this RemoteRolloutEngine is shut down; create a new one")
+        try:
+            return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
+        except httpx.TransportError as error:
+            raise self._transport_failure(error) from error
+
+    def _transport_failure(self, error: httpx.TransportError) -> Exception:
+        """The engine's exception for a call that got no answer: a timeout, or a server gone."""
+        if isinstance(error, httpx.TimeoutException):
+            return TimeoutError(f"the rollout server at {self.url} did not answer within timeout_s: {error!r}")
+        return EngineDeadError(
+            f"lost the rollout server at {self.url} ({type(error).__name__}: {error}); is it running? "
+            "Requests it was running are gone"
+        )
+
+    def _request(self, method: str, path: str, **kwargs) -> dict:
+        async def call() -> dict:
+            return _checked(await self._client.request(method, path, **kwargs)).json()
+
+        return self._run(call())
+
+    def _call(self, route: str, **fields) -> Any:
+        """POST route `route` with a body of `fields` (its model's defaults for the rest); returns
+        the answer's field the route names (None if it names none)."""
+        answer = self._request_route(route, json=body_json(route, **fields) if ROUTES[route].body else {})
+        return answer[ROUTES[route].answer] if ROUTES[route].answer else None
+
+    def _post_tensors(self, route: str, tensors: dict[str, torch.Tensor], options: dict) -> Any:
+        """POST route `route` with a safetensors body of `tensors`, `options` in its metadata."""
+        content = tensors_to_bytes(tensors, {"request": json.dumps(options)})
+        answer = self._request_route(route, content=content, headers={"content-type": SAFETENSORS_MEDIA_TYPE})
+        return answer[ROUTES[route].answer]
+
+    def _request_route(self, route: str, **kwargs) -> dict:
+        return self._request(ROUTES[route].method, ROUTES[route].path, **kwargs)
+
+    async def _post_outputs(self, path: str, body: dict) -> list[RolloutOutput]:
+        response = _checked(await self._client.post(path, json=body))
+        decoder, outputs = OutputDecoder(), []
+        reader = FrameReader()
+        for fields, tensors in reader.feed(response.content):
+            if fields["kind"] != "requests":
+                output = decoder.decode(fields, tensors)
+                if output is not None:
+                    outputs.append(output)
+        reader.close()
+        return outputs
+
+    async def _open_stream(self, body: dict):
+        """Start a streamed generate; returns its sample ids and an async iterator of its outputs."""
+        request = self._client.build_request("POST", path("generate"), json=body)
+        response = await self._client.send(request, stream=True)
+        if response.status_code != 200:
+            await response.aread()
+            await response.aclose()
+            _checked(response)
+        frames = _frames(response)
+        fields, _ = await anext(frames)
+        if fields["kind"] == "error":
+            raise _error_from(fields["type"], fields["message"], 500)
+        return fields["request_ids"], _outputs(frames)
+
+    async def _collect_into_ready(self, ids: list[str], outputs) -> None:
+        try:
+            async for output in outputs:
+                with self._changed:
+                    if output.request_id in self._unfinished:  # not when abort() returned it already
+                        self._unfinished.discard(output.request_id)
+                        self._ready.append(output)
+                        self._changed.notify_all()
+            with self._changed:
+                missing = self._unfinished.intersection(ids)
+            if missing:
+                raise WireError(f"the server's stream ended without outputs for {sorted(missing)}")
+        except Exception as error:  # the stream failed: step() raises it, and its requests are gone
+            if isinstance(error, httpx.TransportError):  # the engine's exception, as _run raises it
+                cause, error = error, self._transport_failure(error)
+                error.__cause__ = cause
+            with self._changed:
+                self._unfinished.difference_update(ids)
+                self._ready.append(error)
+                self._changed.notify_all()
+
+
+async def _frames(response: httpx.Response):
+    reader = FrameReader()
+    try:
+        async for chunk in response.aiter_bytes():
+            for item in reader.feed(chunk):
+                yield item
+        reader.close()
+    finally:
+        await response.aclose()
+
+
+async def _outputs(frames):
+    decoder = OutputDecoder()
+    async for fields, tensors in frames:
+        if fields["kind"] == "error":
+            raise _error_from(fields["type"], fields["message"], 500)
+        output = decoder.decode(fields, tensors)
+        if output is not None:
+            yield output
+
+
+def _checked(response: httpx.Response) -> httpx.Response:
+    if response.status_code < 400:
+        return response
+    try:
+        error = response.json()["error"]
+        error_type, message = error["type"], error["message"]
+    except (ValueError, KeyError, TypeError):
+        error_type, message = "", response.text
+    raise _error_from(error_type, message, response.status_code)
+
+
+def _error_from(error_type: str, message: str, status: int) -> Exception:
+    return exception_for(error_type, message, status)
+
+
+def _params_json(params: SamplingParams | Sequence[SamplingParams] | None):
+    if params is None:
+        return None
+    if isinstance(params, SamplingParams):
+        return _one_params_json(params)
+    return [_one_params_json(p) for p in params]
+
+
+def _one_params_json(params: SamplingParams) -> dict:
+    if not isinstance(params, SamplingParams):
+        raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+    return dataclasses.asdict(params)
+
+
+def _tensor_layout(names, dtypes, shapes) -> dict:
+    return {
+        "names": list(names),
+        "dtypes": [str(dtype).removeprefix("torch.") for dtype in dtypes],
+        "shapes": [list(shape) for shape in shapes],
+    }
+
+
+def _lora_config_json(config: LoraConfig | Mapping) -> dict:
+    data = config.to_dict() if isinstance(config, LoraConfig) else dict(config)
+    return {key: sorted(value) if isinstance(value, set) else value for key, value in data.items()}

@@ -1,0 +1,100 @@
+"""The three fronts against the one declared API (rollout.api), and the route table against the
+server and the client."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+
+from rollout.api import AsyncRolloutAPI, RolloutAPI
+from rollout.async_engine import AsyncRolloutEngine
+from rollout.engine import RolloutEngine
+from rollout.serve.client import RemoteRolloutEngine
+from rollout.serve.routes import ROUTES
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _declared(protocol) -> dict:
+    """The protocol's own members: name -> function or property."""
+    return {
+        name: member
+        for name, member in vars(protocol).items()
+        if not name.startswith("_") and (inspect.isfunction(member) or isinstance(member, property))
+    }
+
+
+def _conforms(implementation, name: str, declared) -> list[str]:
+    """How `implementation.name` differs from its declaration: an implementation may add
+    keyword-only parameters with defaults, nothing else."""
+    member = inspect.getattr_static(implementation, name, None)
+    if member is None:
+        return [f"{implementation.__name__} lacks {name}"]
+    if isinstance(declared, property):
+        return [] if isinstance(member, property) else [f"{implementation.__name__}.{name} is not a property"]
+    member = getattr(implementation, name)
+    problems = []
+    if inspect.iscoroutinefunction(declared) != inspect.iscoroutinefunction(member):
+        problems.append(f"{implementation.__name__}.{name}: coroutine or not, unlike its declaration")
+    want, got = inspect.signature(declared), inspect.signature(member)
+    extra = [p for p in got.parameters.values() if p.name not in want.parameters]
+    kept = got.replace(parameters=[p for p in got.parameters.values() if p.name in want.parameters])
+    if kept != want:
+        problems.append(f"{implementation.__name__}.{name}{got} is not {name}{want}")
+    if any(p.kind is not p.KEYWORD_ONLY or p.default is p.empty for p in extra):
+        problems.append(f"{implementation.__name__}.{name} adds parameters that are not keyword-only with defaults")
+    return problems
+
+
+@pytest.mark.parametrize(
+    ("implementation", "protocol"),
+    [(RolloutEngine, RolloutAPI), (RemoteRolloutEngine, RolloutAPI), (AsyncRolloutEngine, AsyncRolloutAPI)],
+    ids=["RolloutEngine", "RemoteRolloutEngine", "AsyncRolloutEngine"],
+)
+def test_each_front_conforms_to_the_declared_api(implementation, protocol):
+    declared = _declared(protocol)
+    assert len(declared) > 15
+    problems = [problem for name, member in declared.items() for problem in _conforms(implementation, name, member)]
+    assert problems == []
+
+
+def test_the_checker_sees_a_wrong_signature():
+    class Wrong:
+        def abort(self, request_ids, now=True): ...  # a positional extra
+
+        async def sleep(self, level: int = 2) -> None: ...  # a coroutine, another default
+
+    assert _conforms(Wrong, "abort", RolloutAPI.abort)
+    assert len(_conforms(Wrong, "sleep", RolloutAPI.sleep)) == 2
+    assert _conforms(Wrong, "wake_up", RolloutAPI.wake_up) == ["Wrong lacks wake_up"]
+
+
+def test_route_bodies_take_the_api_defaults():
+    """A field a route's body shares with its API method has the method's default (one default)."""
+    checked = 0
+    for name, route in ROUTES.items():
+        method = getattr(RolloutAPI, name.removesuffix("_tensors"), None)
+        if route.body is None or method is None:
+            continue
+        for parameter in inspect.signature(method).parameters.values():
+            field = route.body.model_fields.get(parameter.name)
+            if field is not None and parameter.default is not parameter.empty:
+                default = list(parameter.default) if isinstance(parameter.default, tuple) else parameter.default
+                assert field.default == default, (name, parameter.name)  # as JSON: a tuple is a list
+                checked += 1
+    assert checked >= 15
+
+
+def test_the_server_mounts_exactly_the_route_table(tiny_model):
+    from rollout import EngineConfig
+    from rollout.serve.app import ServerSettings, build_app
+
+    engine = AsyncRolloutEngine(RolloutEngine(EngineConfig(model=tiny_model)))
+    try:
+        app = build_app(engine, ServerSettings())
+    finally:
+        engine.shutdown()
+    # The schema lists every route but its own pages (/openapi.json and /docs).
+    served = {(method.upper(), path) for path, item in app.openapi()["paths"].items() for method in item}
+    assert served == {(route.method, route.path) for route in ROUTES.values()}
