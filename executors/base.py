@@ -85,6 +85,12 @@ class Executor:
         if _writes_transport(type(self)):
             self._start()
 
+    @classmethod
+    def config_problems(cls, config: EngineConfig) -> list[str]:
+        """What this backend finds wrong with `config`, each a message naming the setting and the
+        fix; `EngineConfig` reports them with its own checks. Override it to add a backend's rules."""
+        return []
+
     # What the engine calls.
 
     def execute(self, scheduler_output: SchedulerOutput) -> list[RunnerOutput]:

@@ -31,6 +31,8 @@ logger = logging.getLogger(__name__)
 # with each call, which saves a put and a fetch (about 1 ms each here).
 _PUT_ONCE_BYTES = 2**20
 
+PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+
 
 def import_ray():
     try:
@@ -76,6 +78,14 @@ class RayExecutor(Executor):
         # Runs at shutdown(), at garbage collection (an engine dropped without shutdown), or at exit.
         self._free = weakref.finalize(self, _release, self._ray, self._hold)
         super().__init__(config)
+
+    @classmethod
+    def config_problems(cls, config: EngineConfig) -> list[str]:
+        if config.ray_placement_strategy not in PLACEMENT_STRATEGIES:
+            return [
+                f"ray_placement_strategy must be one of {PLACEMENT_STRATEGIES}, got {config.ray_placement_strategy!r}"
+            ]
+        return []
 
     # The transport (everything else is the Executor base class's).
 

@@ -29,6 +29,15 @@ class UniExecutor(Executor):
         self.worker = None  # built on the thread by _start_workers
         super().__init__(config)
 
+    @classmethod
+    def config_problems(cls, config: EngineConfig) -> list[str]:
+        if isinstance(config.num_workers, int) and config.num_workers > 1:
+            return [
+                f"executor 'uni' runs one in-process worker, got num_workers={config.num_workers}; "
+                "use executor='mp' or 'ray' for more"
+            ]
+        return []
+
     # The transport.
 
     def _start_workers(self, bootstrap: WorkerBootstrap) -> dict[int, Future]:

@@ -9,7 +9,6 @@ import torch
 from rollout.pipelines.loading import read_model_index
 from rollout.request_limits import RequestLimits
 
-_PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -82,11 +81,6 @@ class EngineConfig:
             problems.append(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
         if not isinstance(self.num_workers, int) or self.num_workers < 1:
             problems.append(f"num_workers must be an integer >= 1, got {self.num_workers!r}")
-        elif self.executor == "uni" and self.num_workers != 1:
-            problems.append(
-                f"executor 'uni' runs one in-process worker, got num_workers={self.num_workers}; "
-                "use executor='mp' or 'ray' for more"
-            )
         if not isinstance(self.max_batch_size, int) or self.max_batch_size < 1:
             problems.append(f"max_batch_size must be an integer >= 1, got {self.max_batch_size!r}")
         if self.threads_per_worker is not None and (
@@ -96,25 +90,25 @@ class EngineConfig:
         for name in ("rpc_timeout_s", "step_timeout_s", "startup_timeout_s"):
             if getattr(self, name) <= 0:
                 problems.append(f"{name} must be > 0 seconds, got {getattr(self, name)}")
-        if self.ray_placement_strategy not in _PLACEMENT_STRATEGIES:
-            problems.append(
-                f"ray_placement_strategy must be one of {_PLACEMENT_STRATEGIES}, got {self.ray_placement_strategy!r}"
-            )
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             problems.append(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         return problems
 
     def _class_problems(self) -> list[str]:
-        """Resolve the executor and worker extension now, so a typo fails before any model loads."""
+        """Resolve the executor and worker extension now, so a typo fails before any model loads;
+        a resolved executor adds its own rules (`Executor.config_problems`)."""
         from executors import get_executor_class
         from rollout.worker import build_worker_class
 
         problems = []
         for resolve, value in ((get_executor_class, self.executor), (build_worker_class, self.worker_extension_cls)):
             try:
-                resolve(value)
+                resolved = resolve(value)
             except (ValueError, TypeError) as error:
                 problems.append(str(error))
+            else:
+                if resolve is get_executor_class:
+                    problems += resolved.config_problems(self)
         return problems
 
     @property
