@@ -37,18 +37,11 @@ STARTUP = "start-up"
 
 
 class Executor:
-    """Subclass this for a custom backend and write its transport; workers are instances of
-    `self.worker_cls(config, rank)`, built where they run by `WorkerBootstrap.build(rank)`.
-
-    The transport (a call in flight, "pending", is whatever handle the backend likes):
-    - `_start_workers(bootstrap)`: start one worker per rank; rank -> a pending call that answers
-      the worker's pid once it is built (the base gathers them within `startup_timeout_s`);
-    - `_send_step(rank, work)`: send one rank its part of a step, `Worker.execute(work)`;
-    - `_send_rpc(name, method, args, kwargs, ranks)`: send the same call to `ranks`;
-    - `_gather(name, pending, timeout)`: wait for the pending calls, at most `timeout` seconds;
-    - `_release_workers()`: stop the workers and free what they hold, once;
-    - `_stop_workers()` (optional): make busy workers stop at once, before the release.
-    A backend sets up what `_release_workers` frees before calling `super().__init__(config)`,
+    """Subclass this for a custom backend and write its transport, the methods under "The
+    transport" below: `_start_workers`, `_send_step`, `_send_rpc`, `_gather`, `_release_workers`
+    and, where busy workers need it, `_stop_workers`. Workers are instances of
+    `self.worker_cls(config, rank)`, built where they run by `WorkerBootstrap.build(rank)`. A
+    backend sets up what `_release_workers` frees before calling `super().__init__(config)`,
     which starts the workers (and releases them if start-up fails).
 
     The contract every backend keeps: worker functions get their own copies of the tensors in
