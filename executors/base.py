@@ -1,33 +1,48 @@
-"""The executor contract: how the engine reaches its workers.
+"""The executor contract: how the engine reaches its workers, and the lifecycle every backend shares.
 
 `execute` runs one engine step on every rank; `collective_rpc` runs any worker function on every
 (or some) rank. Everything else the engine offers its users (weights, LoRA, sleep, checksums) is a
 thin call over `collective_rpc`.
+
+The `Executor` base class owns all of it but the transport: start-up (the worker bootstrap and the
+ready handshake within `startup_timeout_s`), steps (ranks with no work get an empty
+`RunnerOutput`), RPCs (method and rank resolution), timeouts and their wording, health, shutdown,
+the dead state and the failure policy. A backend writes only how its calls travel.
 """
 
 from __future__ import annotations
 
 import logging
-from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import cloudpickle
 import torch
 
+from executors.bootstrap import WorkerBootstrap, worker_threads
 from rollout.config import EngineConfig
 from rollout.errors import EngineDeadError, WorkerError, interrupted_reason
 from rollout.model_runner import RunnerOutput
-from rollout.scheduler import SchedulerOutput
+from rollout.scheduler import SchedulerOutput, WorkerInput
 from rollout.worker import build_worker_class, worker_methods
 
 logger = logging.getLogger(__name__)
 
+# What a backend defines: its transport (see `Executor`).
+TRANSPORT_METHODS = ("_start_workers", "_send_step", "_send_rpc", "_gather", "_release_workers")
+# What an executor written before the base class owned the lifecycle defines instead.
+OWN_LIFECYCLE_METHODS = ("_execute", "_collective_rpc", "_stop_workers")
+# The ready handshake's name, as messages about it show it.
+STARTUP = "start-up"
 
-class Executor(ABC):
-    """Subclass this for a custom backend: start workers in `__init__`, then implement the transport
-    (`_execute`, `_collective_rpc`), `_stop_workers`, `check_health` and `shutdown`. Workers are
-    instances of `self.worker_cls(config, rank)`.
+
+class Executor:
+    """Subclass this for a custom backend and write its transport, the methods under "The
+    transport" below: `_start_workers`, `_send_step`, `_send_rpc`, `_gather`, `_release_workers`
+    and, where busy workers need it, `_stop_workers`. Workers are instances of
+    `self.worker_cls(config, rank)`, built where they run by `WorkerBootstrap.build(rank)`. A
+    backend sets up what `_release_workers` frees before calling `super().__init__(config)`,
+    which starts the workers (and releases them if start-up fails).
 
     The contract every backend keeps: worker functions get their own copies of the tensors in
     their arguments (the caller may change or free its tensors right after the call), and calls
@@ -41,19 +56,36 @@ class Executor(ABC):
     - an RPC that times out or is interrupted raises; the worker finishes it before its next call
       and its late reply is dropped;
     - once dead, every call fails fast with `EngineDeadError` and the reason.
-    """
 
-    @classmethod
-    def config_problems(cls, config: EngineConfig) -> list[str]:
-        """What this backend finds wrong with `config` beyond its values (checked before any
-        worker starts, with the model folder and the classes); a backend adds its own rules here."""
-        return []
+    Executors written before the transport methods existed keep working: one that starts its
+    workers in its own `__init__` and defines `_execute(scheduler_output, timeout)`,
+    `_collective_rpc(name, method, args, kwargs, timeout, ranks)` and `_stop_workers()` (which
+    then stops and frees everything) gets the same failure policy; its own `check_health` and
+    `shutdown`, if any, replace the base's. To migrate one, move the worker start into
+    `_start_workers`, split `_execute` and `_collective_rpc` into the sends and `_gather` (return
+    what answered; the base words the timeout and picks the failing rank), move what `shutdown`
+    freed into `_release_workers`, and drop `check_health` and `shutdown`.
+    """
 
     def __init__(self, config: EngineConfig):
         self.config = config
         self.num_workers = config.num_workers
+        self.threads_per_worker = worker_threads(config)  # for backends whose workers run elsewhere
         self.worker_cls = build_worker_class(config.worker_extension_cls)
+        self.pids: list[int] = []  # of the workers, in rank order, once started
         self._dead: str | None = None  # why the workers can no longer be used
+        self._released = False
+        if _writes_transport(type(self)):
+            self._start()
+
+    @classmethod
+    def config_problems(cls, config: EngineConfig) -> list[str]:
+        """What this backend finds wrong with `config`, each a message naming the setting and the
+        fix; the engine reports them (`rollout.config_check`) before any worker starts. Override it
+        to add a backend's rules."""
+        return []
+
+    # What the engine calls.
 
     def execute(self, scheduler_output: SchedulerOutput) -> list[RunnerOutput]:
         """Run one engine step; one `RunnerOutput` per rank, in rank order."""
@@ -89,30 +121,15 @@ class Executor(ABC):
         except EngineDeadError as error:
             self._die(str(error))
 
-    @abstractmethod
-    def _execute(self, scheduler_output: SchedulerOutput, timeout: float) -> list[RunnerOutput]:
-        """Send each rank its part of the step and return one `RunnerOutput` per rank. Raise
-        TimeoutError if a rank does not answer in `timeout` seconds, EngineDeadError if one is gone,
-        WorkerError if one raised."""
-
-    @abstractmethod
-    def _collective_rpc(
-        self, name: str, method: str | Callable, args: tuple, kwargs: dict, timeout: float, ranks: list[int]
-    ) -> list[Any]:
-        """Call `method` (a worker method name or a callable taking the worker first) on `ranks`;
-        results in rank order. Raises as `_execute` does."""
-
-    @abstractmethod
-    def _stop_workers(self) -> None:
-        """Stop the workers at once, whatever they are doing (the executor is dead)."""
-
-    @abstractmethod
     def check_health(self) -> None:
         """Raise if any worker cannot serve."""
+        self.collective_rpc("check_health")
 
-    @abstractmethod
     def shutdown(self) -> None:
         """Stop every worker and free their resources. Idempotent."""
+        if self._dead is None:
+            self._dead = "the executor is shut down"
+        self._release_once()
 
     @property
     def dead(self) -> str | None:
@@ -123,6 +140,91 @@ class Executor(ABC):
         """Mark the executor dead with `reason` and stop the workers at once (no-op once dead)."""
         self._die(reason, False)
 
+    # The transport: what a backend writes (see the class docstring).
+
+    def _start_workers(self, bootstrap: WorkerBootstrap) -> dict[int, Any]:
+        """Start one worker per rank, each built by `bootstrap.build(rank)` (or, in-process, as
+        `self.worker_cls(self.config, rank)`); rank -> a pending call answering its pid once built."""
+        raise NotImplementedError
+
+    def _send_step(self, rank: int, work: WorkerInput) -> Any:
+        """Send `rank` its part of an engine step (`Worker.execute(work)`); the pending call."""
+        raise NotImplementedError
+
+    def _send_rpc(self, name: str, method: str | Callable, args: tuple, kwargs: dict, ranks: list[int]) -> dict:
+        """Send every rank in `ranks` the call `method(worker, *args, **kwargs)` (`method`: a worker
+        method name or a callable; `name` is for messages); rank -> pending call."""
+        raise NotImplementedError
+
+    def _gather(self, name: str, pending: dict[int, Any], timeout: float) -> dict[int, Any]:
+        """Wait at most `timeout` seconds for `pending` (rank -> call in flight); rank -> its result,
+        or the `WorkerError` it raised, for each rank that answered in time (the base names the
+        others in its TimeoutError). Raise EngineDeadError when a worker is gone. A call left
+        unanswered must never hand its late answer to a later call."""
+        raise NotImplementedError
+
+    def _release_workers(self) -> None:
+        """Stop the workers and free what they hold (processes, actors, shared memory). Called once:
+        at shutdown, when the executor dies (after `_stop_workers`) or when start-up fails; it
+        must cope with workers that are already gone or were never started."""
+
+    def _stop_workers(self) -> None:
+        """Make the workers stop at once, whatever they are doing (the executor is dead); the base
+        calls `_release_workers` right after. Nothing to do where the release does not wait."""
+
+    # The base's own steps over the transport.
+
+    def _execute(self, scheduler_output: SchedulerOutput, timeout: float) -> list[RunnerOutput]:
+        """Send each rank with work its part of the step; one `RunnerOutput` per rank, in rank order
+        (an empty one for a rank with nothing to do)."""
+        work = {rank: w for rank, w in scheduler_output.worker_inputs.items() if not w.is_empty}
+        pending = {rank: self._send_step(rank, w) for rank, w in work.items()}
+        results = self._answers("execute", pending, timeout)
+        return [results.get(rank, RunnerOutput()) for rank in range(self.num_workers)]
+
+    def _collective_rpc(
+        self, name: str, method: str | Callable, args: tuple, kwargs: dict, timeout: float, ranks: list[int]
+    ) -> list[Any]:
+        """Call `method` on `ranks` (checked by `collective_rpc`); results in rank order."""
+        results = self._answers(name, self._send_rpc(name, method, args, kwargs, ranks), timeout)
+        return [results[rank] for rank in ranks]
+
+    def _answers(self, name: str, pending: dict[int, Any], timeout: float) -> dict[int, Any]:
+        """rank -> result of every pending call. Raises TimeoutError naming the ranks that did not
+        answer, or else the `WorkerError` of the lowest rank that failed."""
+        answers = self._gather(name, pending, timeout)
+        late = sorted(set(pending) - set(answers))
+        if late:
+            raise TimeoutError(f"worker call {name!r} timed out after {timeout}s; ranks that did not answer: {late}")
+        for rank in sorted(answers):
+            if isinstance(answers[rank], WorkerError):
+                raise answers[rank]
+        return answers
+
+    def _start(self) -> None:
+        """Start the workers and wait for every one's ready answer within startup_timeout_s; one
+        that fails, dies or is late fails the start, and every worker is released."""
+        timeout = self.config.startup_timeout_s
+        try:
+            answers = self._gather(STARTUP, self._start_workers(WorkerBootstrap.of(self.config)), timeout)
+            late = [rank for rank in range(self.num_workers) if rank not in answers]
+            if late:
+                raise RuntimeError(f"worker ranks {late} did not start within {timeout}s")
+            failed = [answer for _, answer in sorted(answers.items()) if isinstance(answer, WorkerError)]
+            if failed:
+                raise RuntimeError(
+                    f"worker rank {failed[0].rank} failed to start: {failed[0].error}\n"
+                    f"--- worker traceback ---\n{failed[0].remote_traceback}"
+                )
+        except EngineDeadError as error:
+            self._release_once()
+            raise RuntimeError(str(error)) from None
+        except BaseException:
+            self._release_once()
+            raise
+        self.pids = [answers[rank] for rank in range(self.num_workers)]
+        logger.info("%s started %d workers %s", type(self).__name__, self.num_workers, self.pids)
+
     def _check_alive(self) -> None:
         if self._dead is not None:
             raise EngineDeadError(self._dead)
@@ -132,9 +234,17 @@ class Executor(ABC):
         if self._dead is None:
             self._dead = reason
             logger.error("engine is dead: %s", reason)
-            self._stop_workers()
+            try:
+                self._stop_workers()
+            finally:
+                self._release_once()
         if raise_error:
             raise EngineDeadError(self._dead)
+
+    def _release_once(self) -> None:
+        if not self._released:
+            self._released = True
+            self._release_workers()
 
     # Helpers for subclasses.
 
@@ -155,11 +265,28 @@ class Executor(ABC):
     def resolve_ranks(self, ranks: Sequence[int] | None) -> list[int]:
         if ranks is None:
             return list(range(self.num_workers))
-        ranks = sorted(set(ranks))
+        ranks = list(ranks)
         bad = [r for r in ranks if not isinstance(r, int) or not 0 <= r < self.num_workers]
         if bad or not ranks:
             raise ValueError(f"ranks must be a non-empty subset of 0..{self.num_workers - 1}, got {ranks}")
-        return ranks
+        return sorted(set(ranks))
+
+
+def _writes_transport(cls: type[Executor]) -> bool:
+    """True for a backend that writes the transport, False for one written before it existed
+    (which starts its own workers); a TypeError naming what is missing for one that does neither."""
+    defined = {
+        name for name in TRANSPORT_METHODS + OWN_LIFECYCLE_METHODS if getattr(cls, name) is not getattr(Executor, name)
+    }
+    if set(TRANSPORT_METHODS) <= defined:
+        return True
+    if "_start_workers" not in defined and set(OWN_LIFECYCLE_METHODS) <= defined:
+        return False
+    missing = [name for name in TRANSPORT_METHODS if name not in defined]
+    raise TypeError(
+        f"executor {cls.__qualname__} does not define its transport: {', '.join(missing)} missing "
+        "(see executors.base.Executor)"
+    )
 
 
 def method_to_wire(method: str | Callable) -> str | bytes:

@@ -12,23 +12,6 @@ from executors.shm import Packed
 
 
 @dataclass(frozen=True)
-class Ready:
-    """Worker -> engine, once: the model is loaded."""
-
-    rank: int
-    pid: int
-
-
-@dataclass(frozen=True)
-class StartupFailed:
-    """Worker -> engine, once: loading failed; the process exits."""
-
-    rank: int
-    error: str
-    traceback: str
-
-
-@dataclass(frozen=True)
 class Call:
     """Engine -> worker. `method` is a worker method name, or cloudpickled bytes of a callable
     `fn(worker, *args, **kwargs)`. `arguments` packs (args, kwargs)."""
@@ -41,7 +24,8 @@ class Call:
 @dataclass(frozen=True)
 class Reply:
     """Worker -> engine: the packed result of call `call_id`, or the error it raised (its message,
-    the dotted path of its type, and the traceback)."""
+    the dotted path of its type, and the traceback). A worker's first reply answers the ready
+    handshake: its pid once its model is loaded, or why loading failed."""
 
     call_id: int
     result: Packed | None = None

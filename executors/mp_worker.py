@@ -11,31 +11,29 @@ import signal
 import traceback
 from multiprocessing.connection import Connection
 
-import cloudpickle
-import torch
-
 from executors.base import call_wire_method
-from executors.messages import Call, Ready, Reply, Shutdown, StartupFailed
+from executors.bootstrap import WorkerBootstrap
+from executors.messages import Call, Reply, Shutdown
 from executors.shm import pack, unpack
 from rollout.errors import WorkerError
 
 logger = logging.getLogger(__name__)
 
 
-def worker_main(config_bytes: bytes, rank: int, conn: Connection, num_threads: int, block_prefix: str) -> None:
-    """Entry point of a spawned worker process."""
-    from rollout.worker import build_worker_class
-
+def worker_main(
+    bootstrap: WorkerBootstrap, rank: int, conn: Connection, ready_call_id: int, block_prefix: str
+) -> None:
+    """Entry point of a spawned worker process. Its first reply, to call `ready_call_id`, is its
+    pid once the worker is built, or the error that building it raised (then it exits)."""
     # Ctrl-C in a terminal reaches the whole process group; the engine decides how workers stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    torch.set_num_threads(num_threads)
+    block_prefix = f"{block_prefix}-r{rank}"
     try:
-        config = cloudpickle.loads(config_bytes)
-        worker = build_worker_class(config.worker_extension_cls)(config, rank)
+        worker = bootstrap.build(rank)
     except BaseException as error:  # report anything, even SystemExit, before dying
-        conn.send(StartupFailed(rank, f"{type(error).__name__}: {error}", traceback.format_exc()))
+        conn.send(_error_reply(ready_call_id, error))
         return
-    conn.send(Ready(rank, os.getpid()))
+    conn.send(Reply(ready_call_id, result=pack(os.getpid(), block_prefix)))
     while True:
         try:
             message = conn.recv()
@@ -43,7 +41,7 @@ def worker_main(config_bytes: bytes, rank: int, conn: Connection, num_threads: i
             return
         if isinstance(message, Shutdown):
             return
-        conn.send(_serve(worker, message, f"{block_prefix}-r{rank}"))
+        conn.send(_serve(worker, message, block_prefix))
 
 
 def _serve(worker, call: Call, block_prefix: str) -> Reply:
@@ -53,6 +51,8 @@ def _serve(worker, call: Call, block_prefix: str) -> Reply:
         result = call_wire_method(worker, call.method, args, kwargs)
         return Reply(call.call_id, result=pack(result, block_prefix))
     except Exception as error:
-        return Reply(
-            call.call_id, error=str(error), error_type=WorkerError.type_path(error), traceback=traceback.format_exc()
-        )
+        return _error_reply(call.call_id, error)
+
+
+def _error_reply(call_id: int, error: BaseException) -> Reply:
+    return Reply(call_id, error=str(error), error_type=WorkerError.type_path(error), traceback=traceback.format_exc())

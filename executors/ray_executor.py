@@ -13,18 +13,17 @@ import os
 import time
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-import cloudpickle
 import numpy as np
 import torch
 
 from executors.base import Executor, call_wire_method, map_nested, method_to_wire
+from executors.bootstrap import WorkerBootstrap
 from rollout.config import EngineConfig
 from rollout.errors import EngineDeadError, WorkerError
-from rollout.model_runner import RunnerOutput
-from rollout.scheduler import SchedulerOutput
+from rollout.scheduler import WorkerInput
 
 logger = logging.getLogger(__name__)
 
@@ -48,12 +47,8 @@ def import_ray():
 class RayWorkerHost:
     """Runs inside a Ray actor: builds the worker and serves calls one at a time."""
 
-    def __init__(self, config_bytes: bytes, rank: int, num_threads: int):
-        from rollout.worker import build_worker_class
-
-        torch.set_num_threads(num_threads)
-        config = cloudpickle.loads(config_bytes)
-        self.worker = build_worker_class(config.worker_extension_cls)(config, rank)
+    def __init__(self, bootstrap: WorkerBootstrap, rank: int):
+        self.worker = bootstrap.build(rank)
 
     def pid(self) -> int:
         return os.getpid()
@@ -64,136 +59,120 @@ class RayWorkerHost:
         return call_wire_method(self.worker, method, args, kwargs)
 
 
+@dataclass
+class _RayHold:
+    """What a Ray executor holds and frees: filled in as its workers start."""
+
+    actors: list = field(default_factory=list)
+    placement_group: Any = None
+    started_ray: bool = False
+
+
 class RayExecutor(Executor):
     """Options come from `EngineConfig`: `num_workers`, `threads_per_worker` (CPUs per actor),
     `device` (a GPU per actor for "cuda"), and `ray_placement_strategy` ("PACK" by default)."""
 
+    def __init__(self, config: EngineConfig):
+        self._ray = import_ray()
+        self._hold = _RayHold()
+        # Runs at shutdown(), at garbage collection (an engine dropped without shutdown), or at exit.
+        self._free = weakref.finalize(self, _release, self._ray, self._hold)
+        super().__init__(config)
+
     @classmethod
     def config_problems(cls, config: EngineConfig) -> list[str]:
-        if config.ray_placement_strategy in PLACEMENT_STRATEGIES:
-            return []
-        return [f"ray_placement_strategy must be one of {PLACEMENT_STRATEGIES}, got {config.ray_placement_strategy!r}"]
+        if config.ray_placement_strategy not in PLACEMENT_STRATEGIES:
+            return [
+                f"ray_placement_strategy must be one of {PLACEMENT_STRATEGIES}, got {config.ray_placement_strategy!r}"
+            ]
+        return []
 
-    def __init__(self, config: EngineConfig):
-        super().__init__(config)
-        ray = self._ray = import_ray()
-        from ray.util.placement_group import placement_group, remove_placement_group
+    # The transport (everything else is the Executor base class's).
+
+    def _start_workers(self, bootstrap: WorkerBootstrap) -> dict:
+        ray, config, hold = self._ray, self.config, self._hold
+        from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        self._actors: list = []
-        started_ray = False
         if not ray.is_initialized():
             if os.environ.get("RAY_ADDRESS"):
                 ray.init(address=os.environ["RAY_ADDRESS"])
             else:
                 ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
-                started_ray = True
-        threads = config.threads_per_worker or max(1, (os.cpu_count() or 1) // self.num_workers)
+                hold.started_ray = True
+        threads = bootstrap.threads
         bundle = {"CPU": threads} | ({"GPU": 1} if config.device.startswith("cuda") else {})
-        self._placement_group = placement_group([bundle] * self.num_workers, strategy=config.ray_placement_strategy)
-        # Runs at shutdown(), at garbage collection (an engine dropped without shutdown), or at exit.
-        self._release = weakref.finalize(
-            self, _release, ray, remove_placement_group, self._actors, self._placement_group, started_ray
-        )
+        hold.placement_group = placement_group([bundle] * self.num_workers, strategy=config.ray_placement_strategy)
         try:
-            ray.get(self._placement_group.ready(), timeout=config.startup_timeout_s)
+            ray.get(hold.placement_group.ready(), timeout=config.startup_timeout_s)
         except ray.exceptions.GetTimeoutError:
-            self._release()
             raise RuntimeError(
                 f"Ray could not place {self.num_workers} workers of {bundle} within {config.startup_timeout_s}s "
                 f"(strategy {config.ray_placement_strategy}); cluster resources: {ray.cluster_resources()}"
             ) from None
         actor_cls = ray.remote(RayWorkerHost)
-        config_bytes = cloudpickle.dumps(config)
-        self._actors += [  # in place: the finalizer holds this list
+        hold.actors += [
             actor_cls.options(
                 num_cpus=threads,
                 num_gpus=bundle.get("GPU", 0),
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=self._placement_group, placement_group_bundle_index=rank
+                    placement_group=hold.placement_group, placement_group_bundle_index=rank
                 ),
-            ).remote(config_bytes, rank, threads)
+            ).remote(bootstrap, rank)
             for rank in range(self.num_workers)
         ]
-        try:
-            self.pids = ray.get([actor.pid.remote() for actor in self._actors], timeout=config.startup_timeout_s)
-        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as error:
-            self._release()
-            raise RuntimeError(f"Ray workers failed to start: {error}") from None
-        logger.info("started %d Ray workers %s (%d CPUs each)", self.num_workers, self.pids, threads)
+        return {rank: actor.pid.remote() for rank, actor in enumerate(hold.actors)}
 
-    # The transport (the failure policy is the Executor base class's).
+    def _send_step(self, rank: int, work: WorkerInput):
+        return self._hold.actors[rank].call.remote("execute", ((work,), {}))
 
-    def _execute(self, scheduler_output: SchedulerOutput, timeout: float) -> list[RunnerOutput]:
-        calls = {rank: ((work,), {}) for rank, work in scheduler_output.worker_inputs.items() if not work.is_empty}
-        results = self._call_ranks("execute", "execute", calls, timeout)
-        by_rank = dict(zip(calls, results, strict=True))
-        return [by_rank.get(rank, RunnerOutput()) for rank in range(self.num_workers)]
-
-    def _collective_rpc(
-        self, name: str, method: str | Callable, args: tuple, kwargs: dict, timeout: float, ranks: list[int]
-    ) -> list[Any]:
+    def _send_rpc(self, name: str, method: str | Callable, args: tuple, kwargs: dict, ranks: list[int]) -> dict:
         arguments = tensors_to_wire((args, kwargs))
         if len(ranks) > 1 and _tensor_bytes(arguments) > _PUT_ONCE_BYTES:
             arguments = self._ray.put(arguments)  # one copy in the object store, read by every rank
-        return self._call_ranks(name, method_to_wire(method), {rank: arguments for rank in ranks}, timeout)
+        wire_method = method_to_wire(method)
+        return {rank: self._hold.actors[rank].call.remote(wire_method, arguments) for rank in ranks}
 
-    def check_health(self) -> None:
-        self.collective_rpc("check_health")
-
-    def shutdown(self) -> None:
-        if self._dead is None:
-            self._dead = "the executor is shut down"
-        self._release()
-
-    def _stop_workers(self) -> None:
-        self._release()
-
-    # Internals.
-
-    def _call_ranks(self, name: str, method: str | bytes, arguments: dict, timeout: float) -> list:
-        """Call `method` on each rank of `arguments` (rank -> (args, kwargs), inline or as an object
-        ref, which Ray resolves in the actor); results in rank order. Any Ray error other than the
-        worker function's own exception means a worker or Ray itself is gone: EngineDeadError."""
+    def _gather(self, name: str, pending: dict, timeout: float) -> dict[int, Any]:
+        """Any Ray error other than the worker function's own exception means a worker or Ray
+        itself is gone: EngineDeadError."""
         ray = self._ray
-        refs = {rank: self._actors[rank].call.remote(method, args) for rank, args in arguments.items()}
-        pending = {ref: rank for rank, ref in refs.items()}
-        results, errors = {}, {}
+        waiting = {ref: rank for rank, ref in pending.items()}
+        answers = {}
         deadline = time.monotonic() + timeout
-        while pending:
+        while waiting:
             # One at a time, so a dead actor is noticed while the others are still busy.
-            ready, _ = ray.wait(list(pending), num_returns=1, timeout=max(deadline - time.monotonic(), 0))
+            ready, _ = ray.wait(list(waiting), num_returns=1, timeout=max(deadline - time.monotonic(), 0))
             if not ready:
-                # The late results are dropped with their refs; they never reach a later call.
-                raise TimeoutError(
-                    f"worker call {name!r} timed out after {timeout}s; "
-                    f"ranks that did not answer: {sorted(pending.values())}"
-                )
-            rank = pending.pop(ready[0])
+                break  # the late results are dropped with their refs; they never reach a later call
+            rank = waiting.pop(ready[0])
             try:
-                results[rank] = ray.get(ready[0])
+                answers[rank] = ray.get(ready[0])
             except ray.exceptions.RayTaskError as error:
-                errors[rank] = error
+                cause = error.cause
+                answers[rank] = WorkerError(name, rank, WorkerError.type_path(cause), str(cause), str(error))
             except ray.exceptions.RayActorError as error:
                 raise EngineDeadError(f"worker rank {rank} (Ray actor) died during {name!r}: {error}") from None
             except ray.exceptions.RayError as error:  # an object was lost, Ray itself failed, ...
                 raise EngineDeadError(
                     f"worker rank {rank} (Ray actor) failed during {name!r}: {type(error).__name__}: {error}"
                 ) from None
-        if errors:
-            rank = min(errors)
-            cause = errors[rank].cause
-            raise WorkerError(name, rank, WorkerError.type_path(cause), str(cause), str(errors[rank]))
-        return [results[rank] for rank in refs]
+        return answers
+
+    def _release_workers(self) -> None:
+        self._free()
 
 
-def _release(ray, remove_placement_group, actors: list, placement_group, started_ray: bool) -> None:
+def _release(ray, hold: _RayHold) -> None:
     """Kill the actors, free their placement group, and stop Ray if the executor started it."""
-    for actor in actors:
+    from ray.util.placement_group import remove_placement_group
+
+    for actor in hold.actors:
         ray.kill(actor)
-    actors.clear()
-    remove_placement_group(placement_group)
-    if started_ray:
+    hold.actors.clear()
+    if hold.placement_group is not None:
+        remove_placement_group(hold.placement_group)
+    if hold.started_ray:
         ray.shutdown()
 
 

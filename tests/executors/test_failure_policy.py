@@ -59,7 +59,12 @@ if __name__ == "__main__":
 """
 
 
-@pytest.mark.parametrize("backend", list(BACKENDS))
+# The policy is the base class's, held rule by rule over a scripted transport in
+# test_scripted_failure_policy.py; these add each transport's half (mp's workers ignore the
+# terminal's Ctrl-C, and are killed by the engine). Cases whose transport half is only the stop of
+# busy workers on a dead executor repeat the worker-death tests of test_mp_executor.py and
+# test_ray_executor.py, which run that same stop, so they run with the slow tests.
+@pytest.mark.parametrize("backend", ["uni", "mp", pytest.param("ray", marks=pytest.mark.slow)])
 def test_ctrl_c_during_a_step_leaves_every_backend_dead_with_a_clear_error(tiny_model, tmp_path, backend):
     script = tmp_path / "interrupted.py"
     script.write_text(textwrap.dedent(INTERRUPTED))
@@ -110,7 +115,9 @@ def mock_ctrl_c(*args, **kwargs):
     raise KeyboardInterrupt
 
 
-@pytest.mark.parametrize("backend", list(BACKENDS))
+@pytest.mark.parametrize(
+    "backend", ["uni", pytest.param("mp", marks=pytest.mark.slow), pytest.param("ray", marks=pytest.mark.slow)]
+)
 def test_a_step_past_its_timeout_stops_every_backend_the_same_way(request, tiny_model, backend):
     if backend == "ray":
         request.getfixturevalue("ray_cluster")
