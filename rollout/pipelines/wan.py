@@ -26,6 +26,7 @@ from diffusers import FlowMatchEulerDiscreteScheduler
 from rollout.pipelines.adapter import PipelineAdapter, images_to_uint8
 from rollout.pipelines.condition import PromptEmbeds
 from rollout.pipelines.family import Family
+from rollout.pipelines.guidance import Guidance
 from rollout.pipelines.spec import ModelSpec
 
 
@@ -124,11 +125,11 @@ class WanAdapter(PipelineAdapter):
             out[rows] = prediction
         return out
 
-    def cfg_scale(self, scales: dict[str, torch.Tensor | None], sigmas: torch.Tensor) -> torch.Tensor:
+    def cfg_scale(self, guidance: Guidance, sigmas: torch.Tensor) -> torch.Tensor:
         if self.boundary_timestep is None:
-            return scales["guidance_scale"]
+            return guidance.guidance_scale
         high_noise = sigmas * self._scheduler.config.num_train_timesteps >= self.boundary_timestep
-        return torch.where(high_noise, scales["guidance_scale"], scales["guidance_scale_2"])
+        return torch.where(high_noise, guidance.guidance_scale, guidance.guidance_scale_2)
 
     def decode(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
         vae = self.pipeline.vae
