@@ -11,7 +11,7 @@ same batch size, steps, image size (and frames) and guidance:
              embeddings precomputed, under torch.no_grad: what any sampler must at least spend
              (Wan 2.2: each step on the expert the real schedule gives it).
 
-Video families (wan, wan22) report frames/s (videos/s x frames). On CUDA the table adds each mode's
+Video families report frames/s (videos/s x frames). On CUDA the table adds each mode's
 memory peak above what was allocated when its call began (both copies of the weights, the engine's
 and the diffusers pipeline's, stay allocated throughout and are printed once).
 
@@ -64,14 +64,15 @@ from benchmarks.model_presets import (
     build,
 )
 from rollout import EngineConfig, RolloutEngine, SamplingParams
+from rollout.pipelines.families import FAMILIES as FAMILY_DESCRIPTORS
+from rollout.pipelines.families import family_named, family_names
 from rollout.pipelines.loading import adapter_class
 
-FAMILIES = ("sd3", "flux", "qwen_image", *VIDEO_FAMILIES)
+FAMILIES = family_names()
 MODES = ("engine", "diffusers", "floor")
 # The project's targets on CPU.
 TARGET_SPEED_VS_DIFFUSERS = 0.95
 TARGET_TIME_VS_FLOOR = 1.10
-NEGATIVE_PROMPT = " "  # FLUX.1 and Qwen-Image need one for true CFG; SD3's default is ""
 DEFAULT_BATCH_SIZE = 16
 # Videos per call: a small-preset video is 9 frames of 32x32 (320 tokens, about an image's 256), a
 # real one 33 frames of 480x832 (14040 tokens; RL recipes for Wan run 1-2 videos per GPU).
@@ -86,13 +87,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     model = parser.add_argument_group("model")
-    model.add_argument("--family", choices=FAMILIES, default="sd3", help="the pipeline family to measure")
+    model.add_argument(
+        "--family",
+        choices=FAMILIES,
+        default="sd3",
+        help="the pipeline family to measure: " + ", ".join(f"{f.name} ({f.title})" for f in FAMILY_DESCRIPTORS),
+    )
     model.add_argument(
         "--preset",
         choices=PRESETS,
         default="small",
-        help="small: a CPU-sized transformer; real: the published transformer (SD3.5 Medium, FLUX.1-dev, "
-        "Qwen-Image, Wan 2.1 T2V 1.3B, Wan 2.2 T2V A14B) with random weights, for a GPU",
+        help="small: a CPU-sized transformer; real: the published transformer ("
+        + ", ".join(f.real_model for f in FAMILY_DESCRIPTORS)
+        + ") with random weights, for a GPU",
     )
     model.add_argument("--device", default="cpu", help="cpu or cuda[:N]; the real preset is built there too")
     model.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"), help="model dtype")
@@ -122,10 +129,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--cfg",
         choices=("on", "off"),
         default="on",
-        help="classifier-free guidance (2 x batch per forward): SD3 guidance_scale 4.5, FLUX.1 / Qwen-Image "
-        "true_cfg_scale 4 with a negative prompt, Wan 2.1 guidance_scale 5, Wan 2.2 guidance_scale 4 / "
-        'guidance_scale_2 3 (negative prompt ""); off: SD3 and Wan guidance_scale 1, the others no true '
-        "CFG (FLUX.1-dev keeps its distilled guidance 3.5)",
+        help="classifier-free guidance (2 x batch per forward), each family's settings for on / off: "
+        + "; ".join(f"{f.name} {_fields(f.cfg_on)} / {_fields(f.cfg_off)}" for f in FAMILY_DESCRIPTORS)
+        + " (FLUX.1-dev's distilled guidance_scale stays at its default either way)",
     )
     run.add_argument("--noise-level", type=float, default=0.7, help="the engine's flow_sde noise level")
     run.add_argument("--repeats", type=int, default=5, help="timed rounds; each runs all three modes once")
@@ -164,14 +170,12 @@ def is_video(args: argparse.Namespace) -> bool:
 
 
 def guidance_fields(family: str, cfg: bool) -> dict:
-    """SamplingParams fields (and diffusers call arguments) for CFG on or off."""
-    if family == "sd3":
-        return {"guidance_scale": 4.5 if cfg else 1.0}
-    if family == "wan":
-        return {"guidance_scale": 5.0 if cfg else 1.0}
-    if family == "wan22":  # Wan 2.2 A14B's defaults: 4 on the high-noise expert, 3 on the low-noise one
-        return {"guidance_scale": 4.0, "guidance_scale_2": 3.0} if cfg else {"guidance_scale": 1.0}
-    return {"true_cfg_scale": 4.0, "negative_prompt": NEGATIVE_PROMPT} if cfg else {"true_cfg_scale": 1.0}
+    """SamplingParams fields (and diffusers call arguments) for CFG on or off, as the family declares them."""
+    return family_named(family).guidance_fields(cfg)
+
+
+def _fields(fields: dict) -> str:
+    return " ".join(f"{name}={value!r}" for name, value in fields.items())
 
 
 # The three modes. Each `make_*` does the untimed setup and returns a function that runs one batch.

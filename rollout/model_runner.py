@@ -22,6 +22,7 @@ from rollout.lora import LoraManager
 from rollout.outputs import Trajectory
 from rollout.path_history import PathHistory
 from rollout.pipelines.condition import Condition, PromptEmbeds
+from rollout.pipelines.guidance import Guidance
 from rollout.request import Fork, NewRequestData
 from rollout.samplers import get_sampler
 from rollout.seeding import make_generator
@@ -197,9 +198,7 @@ class ModelRunner:
             [s.condition for s in states],
             height=params.height,
             width=params.width,
-            guidance_scale=_per_sample(states, "guidance_scale"),
-            guidance_scale_2=_per_sample(states, "guidance_scale_2"),
-            true_cfg_scale=_per_sample(states, "true_cfg_scale"),
+            guidance=Guidance.per_row([s.data.params for s in states]),
         )
 
         try:
@@ -332,10 +331,3 @@ def _step_noise(state: RequestState) -> torch.Tensor:
     if params.branch_noise_scale != 1 and state.step_index in params.branch_steps:
         noise = noise * params.branch_noise_scale
     return noise
-
-
-def _per_sample(states: list[RequestState], name: str) -> torch.Tensor | None:
-    """The batch's values of guidance field `name` [B], or None when the model does not use it
-    (resolved requests of one model all set it or all leave it None)."""
-    values = [getattr(s.data.params, name) for s in states]
-    return None if values[0] is None else torch.tensor(values, dtype=torch.float32)

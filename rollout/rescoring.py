@@ -17,6 +17,7 @@ import torch
 
 from rollout.outputs import Trajectory
 from rollout.pipelines.condition import Condition
+from rollout.pipelines.guidance import Guidance, Scale, guidance_argument
 from rollout.samplers import NoDensityError, StepOutput, get_sampler
 
 # The numerics contract: before any update, re-scoring a stored transition with the policy that
@@ -37,15 +38,17 @@ def score_transitions(
     height: int,
     width: int,
     log_prob_form: str = "gaussian",
-    guidance_scale: torch.Tensor | float | None = None,
-    guidance_scale_2: torch.Tensor | float | None = None,
-    true_cfg_scale: torch.Tensor | float | None = None,
+    guidance: Guidance | None = None,
+    guidance_scale: Scale = None,
+    guidance_scale_2: Scale = None,
+    true_cfg_scale: Scale = None,
 ) -> StepOutput:
     """Log-prob of `next_latents` given `latents` for a batch of transitions, with a fresh velocity.
 
     latents, next_latents: [B, *latent_shape] float32 of `height` x `width` images; sigmas,
-    sigmas_next: [B]; conditions: one per transition; guidance and `log_prob_form` as the
-    trajectories recorded them. Gradients flow through the model when autograd is enabled.
+    sigmas_next: [B]; conditions: one per transition; guidance (or its separate fields, as
+    `predict_velocity` takes them) and `log_prob_form` as the trajectories recorded them.
+    Gradients flow through the model when autograd is enabled.
     Raises `NoDensityError` for transitions without a density (checked after the forward, since
     the std comes from the sampler; `check_scorable` checks trajectory steps before it).
     """
@@ -60,9 +63,9 @@ def score_transitions(
         conditions,
         height=height,
         width=width,
-        guidance_scale=guidance_scale,
-        guidance_scale_2=guidance_scale_2,
-        true_cfg_scale=true_cfg_scale,
+        guidance=guidance_argument(
+            guidance, guidance_scale=guidance_scale, guidance_scale_2=guidance_scale_2, true_cfg_scale=true_cfg_scale
+        ),
     )
     device = velocity.device
     return get_sampler(sampler)(
@@ -118,9 +121,7 @@ def recompute_log_probs(adapter, trajectory: Trajectory) -> torch.Tensor:
         height=trajectory.height,
         width=trajectory.width,
         log_prob_form=trajectory.log_prob_form,
-        guidance_scale=trajectory.guidance_scale,
-        guidance_scale_2=trajectory.guidance_scale_2,
-        true_cfg_scale=trajectory.true_cfg_scale,
+        guidance=Guidance.of(trajectory),
     )
     log_probs[steps] = scored.log_prob.detach().cpu()
     return log_probs

@@ -6,6 +6,7 @@ import itertools
 import math
 from dataclasses import dataclass
 
+from rollout.pipelines.guidance import GUIDANCE_FIELDS
 from rollout.samplers import LOG_PROB_FORMS, SAMPLERS, is_stochastic_step
 from rollout.settings import setting
 
@@ -145,7 +146,7 @@ class SamplingParams:
         problems += self._noise_level_problems()
         if self.log_prob_form not in LOG_PROB_FORMS:
             problems.append(f"log_prob_form must be one of {LOG_PROB_FORMS}, got {self.log_prob_form!r}")
-        for name in ("guidance_scale", "guidance_scale_2", "true_cfg_scale"):
+        for name in GUIDANCE_FIELDS:
             value = getattr(self, name)
             if value is not None and not (_is_number(value) and 0 <= value <= MAX_GUIDANCE):
                 problems.append(f"{name} must be a number in [0, {MAX_GUIDANCE:g}] or None, got {value!r}")

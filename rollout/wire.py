@@ -35,7 +35,7 @@ import torch
 from rollout.node_id import NodeId
 from rollout.outputs import TRAJECTORY_SETTINGS, RequestTimings, RolloutOutput, Trajectory
 from rollout.pipelines.condition import Condition, PromptEmbeds
-from rollout.pipelines.loading import FAMILIES
+from rollout.pipelines.families import FAMILIES
 from rollout.step_series import StepSeries
 
 FRAMES_MEDIA_TYPE = "application/x-rollout-frames"
@@ -266,7 +266,7 @@ def _node_id(fields: dict) -> NodeId:
 def _embeds_class(dotted: str) -> type[PromptEmbeds]:
     """A family's embeddings class by its dotted name; only classes in the families' modules qualify."""
     module_name, _, name = dotted.rpartition(".")
-    family_modules = {target.partition(":")[0] for target in FAMILIES.values()}
+    family_modules = {family.adapter.__module__ for family in FAMILIES}
     if module_name not in family_modules:
         raise WireError(f"prompt embeddings class {dotted!r} is not in a family's module {sorted(family_modules)}")
     cls = getattr(importlib.import_module(module_name), name, None)

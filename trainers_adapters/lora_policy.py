@@ -19,6 +19,7 @@ from peft.utils import get_peft_model_state_dict
 from rollout.lora import DIFFUSERS_LORA_FILE, DIFFUSERS_LORA_FILE_2, adapter_to_float32
 from rollout.outputs import TRAJECTORY_SETTINGS, Trajectory
 from rollout.pipelines.condition import Condition
+from rollout.pipelines.guidance import Guidance
 from rollout.pipelines.loading import load_adapter
 from rollout.rescoring import check_scorable, score_transitions
 from rollout.samplers import StepOutput
@@ -147,9 +148,7 @@ class LoraPolicy:
             height=first.height,
             width=first.width,
             log_prob_form=first.log_prob_form,
-            guidance_scale=first.guidance_scale,
-            guidance_scale_2=first.guidance_scale_2,
-            true_cfg_scale=first.true_cfg_scale,
+            guidance=Guidance.of(first),
         )
 
     def predict_velocity(
@@ -160,8 +159,9 @@ class LoraPolicy:
         DPO's flow-matching loss uses it; under `with policy.reference():` the reference's."""
         first = trajectories[0]
         conditions = [Condition(t.condition.prompt) for t in trajectories]
+        guidance = Guidance(guidance_scale=first.guidance_scale)  # without CFG, only a distilled model's input
         return self.adapter.predict_velocity(
-            latents, sigmas, conditions, height=first.height, width=first.width, guidance_scale=first.guidance_scale
+            latents, sigmas, conditions, height=first.height, width=first.width, guidance=guidance
         )
 
 

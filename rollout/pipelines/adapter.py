@@ -31,6 +31,7 @@ from diffusers import FlowMatchEulerDiscreteScheduler
 from torch import nn
 
 from rollout.pipelines.condition import Condition, PromptEmbeds
+from rollout.pipelines.guidance import Guidance, Scale, guidance_argument
 from rollout.pipelines.spec import ModelSpec
 
 
@@ -113,10 +114,10 @@ class PipelineAdapter(ABC):
         """Classifier-free guidance of the rows that use it, in float32; `scale` broadcasts."""
         return uncond + scale * (cond - uncond)
 
-    def cfg_scale(self, scales: dict[str, torch.Tensor | None], sigmas: torch.Tensor) -> torch.Tensor:
+    def cfg_scale(self, guidance: Guidance, sigmas: torch.Tensor) -> torch.Tensor:
         """Each row's classifier-free guidance scale [B], from the guidance fields' values per row
-        (Wan 2.2 takes another field for the rows its low-noise expert runs)."""
-        return scales[self.spec.cfg_field]
+        ([B] tensors; Wan 2.2 takes another field for the rows its low-noise expert runs)."""
+        return getattr(guidance, self.spec.cfg_field)
 
     def make_scheduler(self) -> FlowMatchEulerDiscreteScheduler:
         """The flow-matching Euler scheduler whose schedule the engine follows, from the pipeline's."""
@@ -174,35 +175,35 @@ class PipelineAdapter(ABC):
         *,
         height: int,
         width: int,
-        guidance_scale: torch.Tensor | float | None = None,
-        guidance_scale_2: torch.Tensor | float | None = None,
-        true_cfg_scale: torch.Tensor | float | None = None,
+        guidance: Guidance | None = None,
+        guidance_scale: Scale = None,
+        guidance_scale_2: Scale = None,
+        true_cfg_scale: Scale = None,
     ) -> torch.Tensor:
         """Velocity [B, *latent_shape] float32.
 
         latents: [B, *latent_shape] of images of `height` x `width` pixels; sigmas: [B] noise
         levels; conditions: one per sample (those with a negative prompt use classifier-free
-        guidance); guidance_scale, guidance_scale_2, true_cfg_scale: scalars or [B], as the
-        trajectory recorded them (None where the model does not use them). Runs with autograd
-        enabled when the caller has it enabled (the trainer does).
+        guidance); guidance: its fields scalars or [B], as the trajectory recorded them (None
+        where the model does not use them), or the same as separate `guidance_scale`,
+        `guidance_scale_2`, `true_cfg_scale`. Runs with autograd enabled when the caller has it
+        enabled (the trainer does).
         """
         batch = latents.shape[0]
         device, dtype = self.device, self.dtype
         cfg = torch.tensor([c.negative is not None for c in conditions], device=device)
         prompts = [c.prompt for c in conditions]
         negatives = [c.negative for c in conditions if c.negative is not None]
-        scales = {
-            "guidance_scale": _per_sample(guidance_scale, batch, device),
-            "guidance_scale_2": _per_sample(guidance_scale_2, batch, device),
-            "true_cfg_scale": _per_sample(true_cfg_scale, batch, device),
-        }
-        guidance = scales["guidance_scale"]
+        guidance = guidance_argument(
+            guidance, guidance_scale=guidance_scale, guidance_scale_2=guidance_scale_2, true_cfg_scale=true_cfg_scale
+        ).expand(batch, device)
+        distilled = guidance.guidance_scale  # a transformer input where the model takes one
         latents = latents.to(device, dtype)
         sigmas = sigmas.to(device, torch.float32)
 
         def run(rows: torch.Tensor | slice, embeds: list[PromptEmbeds]) -> torch.Tensor:
             batched = type(embeds[0]).stack(embeds).to(device, dtype)
-            rows_guidance = guidance[rows] if guidance is not None else None
+            rows_guidance = distilled[rows] if distilled is not None else None
             return self.run_transformer(latents[rows], sigmas[rows], batched, rows_guidance, height, width)
 
         if negatives and self.cfg_in_one_pass:
@@ -214,15 +215,9 @@ class PipelineAdapter(ABC):
             uncond = run(cfg, negatives).to(torch.float32) if negatives else None
         if uncond is None:
             return velocity
-        scale = self.cfg_scale(scales, sigmas)[cfg].view(-1, *([1] * (velocity.ndim - 1)))
+        scale = self.cfg_scale(guidance, sigmas)[cfg].view(-1, *([1] * (velocity.ndim - 1)))
         guided = self.combine_cfg(velocity[cfg], uncond, scale)
         return velocity.index_put((cfg.nonzero(as_tuple=True)[0],), guided)
-
-
-def _per_sample(value: torch.Tensor | float | None, batch: int, device: torch.device) -> torch.Tensor | None:
-    if value is None:
-        return None
-    return torch.as_tensor(value, dtype=torch.float32, device=device).expand(batch)
 
 
 def images_to_uint8(images: torch.Tensor) -> torch.Tensor:

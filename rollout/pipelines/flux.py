@@ -12,11 +12,10 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from diffusers import FluxPipeline
-from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_timesteps
 
 from rollout.pipelines.adapter import PipelineAdapter, images_to_uint8
 from rollout.pipelines.condition import PromptEmbeds
+from rollout.pipelines.family import Family
 from rollout.pipelines.spec import ModelSpec
 
 
@@ -73,6 +72,10 @@ class FluxAdapter(PipelineAdapter):
         return FluxEmbeds(embeds[0], pooled[0]).to(self.device, self.dtype)
 
     def set_timesteps(self, scheduler, num_steps: int, height: int, width: int, sigmas) -> None:
+        # Imported here, once a pipeline is loaded: the pipeline's module imports transformers' image
+        # processors, slow and noisy at import (a torchvision notice), and the registry imports this file.
+        from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_timesteps
+
         # FluxPipeline.__call__ step 5, on this scheduler.
         config = scheduler.config
         if sigmas is None:
@@ -91,7 +94,7 @@ class FluxAdapter(PipelineAdapter):
     def run_transformer(self, latents, sigmas, embeds: FluxEmbeds, guidance_scale, height, width) -> torch.Tensor:
         device, dtype = latents.device, latents.dtype
         grid = self.spec.vae_scale_factor * 2
-        image_ids = FluxPipeline._prepare_latent_image_ids(None, height // grid, width // grid, device, dtype)
+        image_ids = self.pipeline._prepare_latent_image_ids(None, height // grid, width // grid, device, dtype)
         text_ids = torch.zeros(embeds.prompt_embeds.shape[1], 3, device=device, dtype=dtype)
         # FluxPipeline feeds the scheduler's timestep (sigma * 1000) in the latents' dtype, over 1000.
         timestep = (sigmas * self._scheduler.config.num_train_timesteps).to(dtype) / 1000
@@ -110,6 +113,25 @@ class FluxAdapter(PipelineAdapter):
     def decode(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
         vae = self.pipeline.vae
         latents = latents.to(vae.device, vae.dtype)
-        unpacked = FluxPipeline._unpack_latents(latents, height, width, self.spec.vae_scale_factor)
+        unpacked = self.pipeline._unpack_latents(latents, height, width, self.spec.vae_scale_factor)
         scaled = unpacked / vae.config.scaling_factor + vae.config.shift_factor
         return images_to_uint8(vae.decode(scaled, return_dict=False)[0])
+
+
+FAMILY = Family(
+    name="flux",
+    title="FLUX.1",
+    adapter=FluxAdapter,
+    tiny_builder="rollout.pipelines.tiny.flux.build_tiny_flux",
+    presets={
+        "small": "rollout.pipelines.tiny.flux.build_small_flux",
+        "real": "rollout.pipelines.tiny.flux.build_real_flux",
+    },
+    real_model="FLUX.1-dev",
+    # FluxPipeline guides (a second pass) when true_cfg_scale > 1 and a negative prompt is given; its
+    # default 1.0 is off. FLUX.1-dev's guidance_scale is distilled guidance, a transformer input,
+    # not CFG: both settings leave it at the pipeline's 3.5. The pipeline has no default with CFG on:
+    # these are Qwen-Image's (its default 4, and the empty negative prompt " " its docstring suggests).
+    cfg_on={"true_cfg_scale": 4.0, "negative_prompt": " "},
+    cfg_off={"true_cfg_scale": 1.0},
+)

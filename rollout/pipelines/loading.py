@@ -1,29 +1,25 @@
 """Find, check and load a local diffusers pipeline folder into the adapter of its model family.
 
-This is the one place that maps a pipeline class (`_class_name` in model_index.json) to a family;
-a new family is one file in this folder plus one line in `FAMILIES`.
+The pipeline class (`_class_name` in model_index.json) picks the adapter, as the family
+descriptors in `rollout.pipelines.families` register it.
 """
 
 from __future__ import annotations
 
-import importlib
 import json
 import logging
 from pathlib import Path
 
 import torch
 
+from rollout.pipelines.families import adapters_by_pipeline
 from rollout.pipelines.quiet import quietly
 
 logger = logging.getLogger(__name__)
 
-# Pipeline class -> "module:AdapterClass". Modules are imported only when their family is loaded.
-FAMILIES = {
-    "StableDiffusion3Pipeline": "rollout.pipelines.sd3:SD3Adapter",
-    "FluxPipeline": "rollout.pipelines.flux:FluxAdapter",
-    "QwenImagePipeline": "rollout.pipelines.qwen_image:QwenImageAdapter",
-    "WanPipeline": "rollout.pipelines.wan:WanAdapter",
-}
+ADAPTERS = adapters_by_pipeline()
+# The registry's earlier form, pipeline class -> "module:AdapterClass", kept for its callers.
+FAMILIES = {name: f"{adapter.__module__}:{adapter.__name__}" for name, adapter in ADAPTERS.items()}
 
 
 def read_model_index(path: str | Path) -> dict:
@@ -45,17 +41,16 @@ def read_model_index(path: str | Path) -> dict:
         )
     index = json.loads(index_file.read_text())
     class_name = index.get("_class_name")
-    if class_name not in FAMILIES:
+    if class_name not in ADAPTERS:
         raise ValueError(
             f"model folder {str(folder)!r} holds a {class_name}, which is not supported; "
-            f"supported pipelines: {', '.join(FAMILIES)}"
+            f"supported pipelines: {', '.join(ADAPTERS)}"
         )
     return index
 
 
 def adapter_class(pipeline_class: str) -> type:
-    module, _, name = FAMILIES[pipeline_class].partition(":")
-    return getattr(importlib.import_module(module), name)
+    return ADAPTERS[pipeline_class]
 
 
 @quietly

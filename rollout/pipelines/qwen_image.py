@@ -15,11 +15,10 @@ from typing import ClassVar
 
 import numpy as np
 import torch
-from diffusers import QwenImagePipeline
-from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift, retrieve_timesteps
 
 from rollout.pipelines.adapter import PipelineAdapter, images_to_uint8
 from rollout.pipelines.condition import PromptEmbeds
+from rollout.pipelines.family import Family
 from rollout.pipelines.spec import ModelSpec
 
 
@@ -65,6 +64,10 @@ class QwenImageAdapter(PipelineAdapter):
         return QwenImageEmbeds(embeds[0], mask).to(self.device, self.dtype)
 
     def set_timesteps(self, scheduler, num_steps: int, height: int, width: int, sigmas) -> None:
+        # Imported here, once a pipeline is loaded: the pipeline's module imports transformers' image
+        # processors, slow and noisy at import (a torchvision notice), and the registry imports this file.
+        from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift, retrieve_timesteps
+
         # QwenImagePipeline.__call__ step 4, on this scheduler.
         config = scheduler.config
         mu = calculate_shift(
@@ -99,10 +102,27 @@ class QwenImageAdapter(PipelineAdapter):
     @torch.no_grad()
     def decode(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
         vae = self.pipeline.vae
-        unpacked = QwenImagePipeline._unpack_latents(latents, height, width, self.spec.vae_scale_factor)
+        unpacked = self.pipeline._unpack_latents(latents, height, width, self.spec.vae_scale_factor)
         unpacked = unpacked.to(vae.device, vae.dtype)  # [B, C, 1, h, w]: one frame
         shape = (1, vae.config.z_dim, 1, 1, 1)
         mean = torch.tensor(vae.config.latents_mean).view(shape).to(unpacked.device, unpacked.dtype)
         inverse_std = 1.0 / torch.tensor(vae.config.latents_std).view(shape).to(unpacked.device, unpacked.dtype)
         images = vae.decode(unpacked / inverse_std + mean, return_dict=False)[0][:, :, 0]
         return images_to_uint8(images)
+
+
+FAMILY = Family(
+    name="qwen_image",
+    title="Qwen-Image",
+    adapter=QwenImageAdapter,
+    tiny_builder="rollout.pipelines.tiny.qwen_image.build_tiny_qwen_image",
+    presets={
+        "small": "rollout.pipelines.tiny.qwen_image.build_small_qwen_image",
+        "real": "rollout.pipelines.tiny.qwen_image.build_real_qwen_image",
+    },
+    real_model="Qwen-Image",
+    # QwenImagePipeline guides when true_cfg_scale > 1 and a negative prompt is given: 4.0 is its
+    # default, and " " the empty negative prompt its docstring suggests. Off: 1.0, the adapter's default.
+    cfg_on={"true_cfg_scale": 4.0, "negative_prompt": " "},
+    cfg_off={"true_cfg_scale": 1.0},
+)

@@ -10,10 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import calculate_shift
 
 from rollout.pipelines.adapter import PipelineAdapter, images_to_uint8
 from rollout.pipelines.condition import PromptEmbeds
+from rollout.pipelines.family import Family
 from rollout.pipelines.spec import ModelSpec
 
 
@@ -64,6 +64,10 @@ class SD3Adapter(PipelineAdapter):
         return SD3Embeds(embeds[0], pooled[0]).to(self.device, self.dtype)
 
     def set_timesteps(self, scheduler, num_steps: int, height: int, width: int, sigmas) -> None:
+        # Imported here, once a pipeline is loaded: the pipeline's module imports transformers' image
+        # processors, slow and noisy at import (a torchvision notice), and the registry imports this file.
+        from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import calculate_shift
+
         config = scheduler.config
         kwargs = {}
         if config.get("use_dynamic_shifting", False):
@@ -92,3 +96,20 @@ class SD3Adapter(PipelineAdapter):
         vae = self.pipeline.vae
         scaled = latents.to(vae.device, vae.dtype) / vae.config.scaling_factor + vae.config.shift_factor
         return images_to_uint8(vae.decode(scaled, return_dict=False)[0])
+
+
+FAMILY = Family(
+    name="sd3",
+    title="SD3 / SD3.5",
+    adapter=SD3Adapter,
+    tiny_builder="rollout.pipelines.tiny.sd3.build_tiny_sd3",
+    presets={
+        "small": "rollout.pipelines.tiny.sd3.build_small_sd3",
+        "real": "rollout.pipelines.tiny.sd3.build_real_sd3",
+    },
+    real_model="SD3.5 Medium",
+    # The pipeline guides when guidance_scale > 1, with the negative prompt "" unless one is named.
+    # 4.5 is the adapter's default (Flow-GRPO's for SD3.5), so a request that names nothing guides.
+    cfg_on={"guidance_scale": 4.5},
+    cfg_off={"guidance_scale": 1.0},
+)

@@ -10,10 +10,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from rollout.pipelines.guidance import GUIDANCE_FIELDS  # the fields whose meaning depends on the model
 from rollout.sampling_params import SamplingParams
-
-# The fields whose meaning (and whether they are used at all) depends on the model.
-GUIDANCE_FIELDS = ("guidance_scale", "guidance_scale_2", "true_cfg_scale")
 
 
 @dataclass(frozen=True)

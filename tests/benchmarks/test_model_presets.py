@@ -14,6 +14,7 @@ from benchmarks.model_presets import (
     WAN22_T2V_A14B_EXPERT,
     build,
 )
+from rollout.pipelines.families import family_names
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -37,7 +38,7 @@ def test_real_transformers_have_the_published_size(class_name, config, billions)
     assert parameters == pytest.approx(billions, rel=0.02)
 
 
-@pytest.mark.parametrize("family", ["sd3", "flux", "qwen_image", "wan", "wan22"])
+@pytest.mark.parametrize("family", family_names())
 def test_small_preset_builds_a_loadable_pipeline(tmp_path, family):
     from rollout.pipelines.loading import load_adapter
 

@@ -7,7 +7,7 @@ plain `PipelineClass.from_pretrained(path)`. Tokenizers are written locally (`to
 the VAE decoders are set close to a colour map (`colour.py`), so an image's colours follow its
 latents and the demos' colour reward is something a policy can learn.
 
-    python -m rollout.pipelines.tiny OUT_DIR [--family sd3|flux|qwen_image|wan|wan22] [--seed N]
+    python -m rollout.pipelines.tiny OUT_DIR [--family NAME] [--seed N]   (--help lists the families)
 """
 
 from __future__ import annotations
@@ -15,19 +15,14 @@ from __future__ import annotations
 import argparse
 import logging
 
+from rollout.pipelines.families import FAMILIES, families_help
 from rollout.pipelines.tiny.flux import TinyFluxSizes, build_tiny_flux
 from rollout.pipelines.tiny.qwen_image import TinyQwenImageSizes, build_tiny_qwen_image
 from rollout.pipelines.tiny.sd3 import TinySD3Sizes, build_tiny_sd3
 from rollout.pipelines.tiny.wan import TinyWanSizes, build_tiny_wan, build_tiny_wan22, build_tiny_wan22_ti2v
 
-# Family name -> builder(path, seed) -> path.
-TINY_BUILDERS = {
-    "sd3": build_tiny_sd3,
-    "flux": build_tiny_flux,
-    "qwen_image": build_tiny_qwen_image,
-    "wan": build_tiny_wan,
-    "wan22": build_tiny_wan22,
-}
+# Family name -> builder(path, seed=0) -> path, from the family descriptors.
+TINY_BUILDERS = {family.name: family.build_tiny for family in FAMILIES}
 
 __all__ = [
     "TINY_BUILDERS",
@@ -52,10 +47,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("out_dir", help="folder to write the pipeline to (created if missing)")
     parser.add_argument(
         "--family",
-        choices=sorted(TINY_BUILDERS),
+        choices=list(TINY_BUILDERS),
         default="sd3",
-        help="sd3: StableDiffusion3Pipeline (default); flux: FluxPipeline; qwen_image: QwenImagePipeline; "
-        "wan: WanPipeline (Wan 2.1); wan22: WanPipeline with two experts (Wan 2.2)",
+        help=f"{families_help()} (default: sd3)",
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
     args = parser.parse_args(argv)

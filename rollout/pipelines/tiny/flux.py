@@ -10,7 +10,7 @@ import torch
 
 from rollout.pipelines.quiet import quietly
 from rollout.pipelines.tiny.saving import save
-from rollout.pipelines.tiny.sd3 import tiny_autoencoder_kl
+from rollout.pipelines.tiny.sd3 import REAL_VAE_BLOCKS, tiny_autoencoder_kl
 from rollout.pipelines.tiny.text_encoders import clip_text_encoder, t5_encoder
 from rollout.pipelines.tiny.tokenizers import clip_tokenizer, t5_tokenizer
 
@@ -92,3 +92,42 @@ def build_tiny_flux(
         transformer=transformer,
     )
     return save(pipeline, path, dtype)
+
+
+# Benchmark presets (benchmarks/model_presets.py), as in tiny/sd3.py.
+
+# FLUX.1-dev's transformer/config.json.
+FLUX1_DEV = {
+    "patch_size": 1,
+    "in_channels": 64,
+    "num_layers": 19,
+    "num_single_layers": 38,
+    "attention_head_dim": 128,
+    "num_attention_heads": 24,
+    "joint_attention_dim": 4096,
+    "pooled_projection_dim": 768,
+    "guidance_embeds": True,
+    "axes_dims_rope": (16, 56, 56),
+}
+
+
+def build_small_flux(folder: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> Path:
+    """A transformer big enough to dominate a CPU's time (2 joint and 4 single blocks of 4 x 32
+    heads), tiny text encoders and VAE."""
+    sizes = TinyFluxSizes(
+        num_layers=2, num_single_layers=4, num_attention_heads=4, attention_head_dim=32, axes_dims_rope=(8, 12, 12)
+    )
+    return build_tiny_flux(folder, sizes=sizes, device=device, dtype=dtype)
+
+
+def build_real_flux(folder: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> Path:
+    """FLUX.1-dev's transformer (12B parameters) with random weights, one-layer text encoders of the
+    real widths, and a narrow VAE with the real scale factor and latent channels."""
+    sizes = TinyFluxSizes(
+        latent_channels=16,
+        text_hidden_size=768,  # CLIP-L
+        t5_hidden_size=4096,
+        text_layers=1,
+        vae_block_out_channels=REAL_VAE_BLOCKS,
+    )
+    return build_tiny_flux(folder, sizes=sizes, transformer_config=FLUX1_DEV, device=device, dtype=dtype)

@@ -100,3 +100,33 @@ def build_tiny_qwen_image(
         transformer=transformer,
     )
     return save(pipeline, path, dtype)
+
+
+# Benchmark presets (benchmarks/model_presets.py), as in tiny/sd3.py.
+
+# Qwen-Image's transformer/config.json.
+QWEN_IMAGE = {
+    "patch_size": 2,
+    "in_channels": 64,
+    "out_channels": 16,
+    "num_layers": 60,
+    "attention_head_dim": 128,
+    "num_attention_heads": 24,
+    "joint_attention_dim": 3584,
+    "guidance_embeds": False,
+    "axes_dims_rope": (16, 56, 56),
+}
+
+
+def build_small_qwen_image(folder: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> Path:
+    """A transformer big enough to dominate a CPU's time (4 layers of 4 x 32 heads), a tiny text
+    encoder and VAE."""
+    sizes = TinyQwenImageSizes(num_layers=4, num_attention_heads=4, attention_head_dim=32, axes_dims_rope=(8, 12, 12))
+    return build_tiny_qwen_image(folder, sizes=sizes, device=device, dtype=dtype)
+
+
+def build_real_qwen_image(folder: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> Path:
+    """Qwen-Image's transformer (20B parameters) with random weights, a one-layer text encoder of the
+    real width, and a small VAE with the real scale factor and latent channels."""
+    sizes = TinyQwenImageSizes(latent_channels=16, text_hidden_size=3584, text_layers=1, vae_dim_mult=(1, 2, 4, 4))
+    return build_tiny_qwen_image(folder, sizes=sizes, transformer_config=QWEN_IMAGE, device=device, dtype=dtype)

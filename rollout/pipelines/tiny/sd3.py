@@ -119,3 +119,46 @@ def build_tiny_sd3(
         tokenizer_3=tokenizer_3,
     )
     return save(pipeline, path, dtype)
+
+
+# Benchmark presets (benchmarks/model_presets.py): random weights at the sizes the throughput
+# benchmark measures, built through the tiny builder.
+
+# SD3.5 Medium's transformer/config.json.
+SD35_MEDIUM = {
+    "sample_size": 128,
+    "patch_size": 2,
+    "in_channels": 16,
+    "num_layers": 24,
+    "attention_head_dim": 64,
+    "num_attention_heads": 24,
+    "joint_attention_dim": 4096,
+    "caption_projection_dim": 1536,
+    "pooled_projection_dim": 2048,
+    "out_channels": 16,
+    "pos_embed_max_size": 384,
+    "dual_attention_layers": tuple(range(13)),
+    "qk_norm": "rms_norm",
+}
+# A VAE with 4 blocks scales by 8, as the real ones do; narrow, so decoding stays cheap.
+REAL_VAE_BLOCKS = (16, 16, 16, 16)
+
+
+def build_small_sd3(folder: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> Path:
+    """A transformer big enough to dominate a CPU's time (4 layers of 4 x 32 heads), tiny text
+    encoders and VAE: 64x64 images are 256 tokens."""
+    sizes = TinySD3Sizes(sample_size=32, num_layers=4, num_attention_heads=4, attention_head_dim=32)
+    return build_tiny_sd3(folder, sizes=sizes, device=device, dtype=dtype)
+
+
+def build_real_sd3(folder: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> Path:
+    """SD3.5 Medium's transformer (2.2B parameters) with random weights, one-layer text encoders of
+    the real widths, and a narrow VAE with the real scale factor and latent channels."""
+    sizes = TinySD3Sizes(
+        latent_channels=16,
+        text_hidden_size=1024,  # two CLIPs of 1024: pooled 2048, as CLIP-L + CLIP-G give
+        t5_hidden_size=4096,
+        text_layers=1,
+        vae_block_out_channels=REAL_VAE_BLOCKS,
+    )
+    return build_tiny_sd3(folder, sizes=sizes, transformer_config=SD35_MEDIUM, device=device, dtype=dtype)

@@ -146,3 +146,71 @@ def _transformer(sizes: TinyWanSizes, config: dict | None):
             "rope_max_seq_len": 64,
         }
     )
+
+
+# Benchmark presets (benchmarks/model_presets.py), as in tiny/sd3.py.
+
+# Wan 2.1 T2V 1.3B and each of Wan 2.2 T2V A14B's two experts (diffusers' scripts/convert_wan_to_diffusers.py,
+# "Wan-T2V-1.3B" and "Wan2.2-T2V-A14B"; the A14B's pipeline has boundary_ratio 0.875).
+WAN21_T2V_1_3B = {
+    "patch_size": (1, 2, 2),
+    "num_attention_heads": 12,
+    "attention_head_dim": 128,
+    "in_channels": 16,
+    "out_channels": 16,
+    "text_dim": 4096,
+    "freq_dim": 256,
+    "ffn_dim": 8960,
+    "num_layers": 30,
+    "cross_attn_norm": True,
+    "qk_norm": "rms_norm_across_heads",
+    "eps": 1e-6,
+    "rope_max_seq_len": 1024,
+}
+WAN22_T2V_A14B_EXPERT = WAN21_T2V_1_3B | {"num_attention_heads": 40, "ffn_dim": 13824, "num_layers": 40}
+# The small preset's Wan transformer (each expert of wan22): the tiny pipeline's latents (4 channels)
+# and text width (32), 4 layers of 4 x 32 heads with a 4x MLP, as the other small presets.
+WAN_SMALL = {
+    "patch_size": (1, 2, 2),
+    "num_attention_heads": 4,
+    "attention_head_dim": 32,
+    "in_channels": 4,
+    "out_channels": 4,
+    "text_dim": 32,
+    "freq_dim": 32,
+    "ffn_dim": 512,
+    "num_layers": 4,
+    "rope_max_seq_len": 64,
+}
+# The real presets' VAE: space / 8 and time / 4, as Wan 2.1's, but narrow (Wan's has base_dim 96),
+# as the other real presets' VAEs; text of umt5-xxl's width.
+REAL_WAN_SIZES = TinyWanSizes(
+    latent_channels=16,
+    text_hidden_size=4096,
+    vae_base_dim=24,
+    vae_dim_mult=(1, 2, 4, 4),
+    vae_temporal_downsample=(False, True, True),
+)
+
+
+def build_small_wan(folder: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> Path:
+    """Wan 2.1 with the `WAN_SMALL` transformer, a tiny text encoder and VAE."""
+    return build_tiny_wan(folder, transformer_config=WAN_SMALL, device=device, dtype=dtype)
+
+
+def build_small_wan22(folder: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> Path:
+    """Wan 2.2 with two `WAN_SMALL` experts, a tiny text encoder and VAE."""
+    return build_tiny_wan22(folder, transformer_config=WAN_SMALL, device=device, dtype=dtype)
+
+
+def build_real_wan(folder: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> Path:
+    """Wan 2.1 T2V 1.3B's transformer (1.4B parameters) with random weights, a one-layer UMT5 of the
+    real width, and a narrow VAE with the real scale factors and latent channels."""
+    config = WAN21_T2V_1_3B
+    return build_tiny_wan(folder, sizes=REAL_WAN_SIZES, transformer_config=config, device=device, dtype=dtype)
+
+
+def build_real_wan22(folder: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> Path:
+    """Wan 2.2 T2V A14B's two experts (14.3B parameters each) with random weights, as `build_real_wan`."""
+    config = WAN22_T2V_A14B_EXPERT
+    return build_tiny_wan22(folder, sizes=REAL_WAN_SIZES, transformer_config=config, device=device, dtype=dtype)

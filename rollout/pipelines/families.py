@@ -1,0 +1,44 @@
+"""Every model family the project runs: one tuple of the descriptors each family's module declares.
+
+The engine's registry (`_class_name` -> adapter), the tiny pipelines' lookup by short name, the
+tests' family matrix and the benchmarks' `--family` choices are all read from `FAMILIES`; adding a
+family is its module (adapter and `Family`) plus its line here.
+"""
+
+from __future__ import annotations
+
+from rollout.pipelines import flux, qwen_image, sd3, wan
+from rollout.pipelines.adapter import PipelineAdapter
+from rollout.pipelines.family import Family
+
+FAMILIES: tuple[Family, ...] = (
+    sd3.FAMILY,
+    flux.FAMILY,
+    qwen_image.FAMILY,
+    wan.WAN21_FAMILY,
+    wan.WAN22_FAMILY,
+)
+
+
+def family_names() -> tuple[str, ...]:
+    """The short names, in `FAMILIES` order (what `--family` and `model.tiny_family` take)."""
+    return tuple(family.name for family in FAMILIES)
+
+
+def family_named(name: str) -> Family:
+    """The family of short name `name`; ValueError naming the known ones otherwise."""
+    for family in FAMILIES:
+        if family.name == name:
+            return family
+    raise ValueError(f"unknown model family {name!r}; choose one of {', '.join(family_names())}")
+
+
+def adapters_by_pipeline() -> dict[str, type[PipelineAdapter]]:
+    """Diffusers pipeline class (`_class_name`) -> the adapter that runs it. Families may share a
+    class (Wan 2.1 and Wan 2.2 are both `WanPipeline`), and then share its adapter."""
+    return {family.pipeline_class: family.adapter for family in FAMILIES}
+
+
+def families_help() -> str:
+    """One line per family for `--help` texts: "name: PipelineClass (title)"."""
+    return "; ".join(f"{family.name}: {family.pipeline_class} ({family.title})" for family in FAMILIES)

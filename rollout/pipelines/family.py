@@ -1,0 +1,74 @@
+"""A model family as the rest of the project sees it, declared once in the family's own module.
+
+The engine's registry (`_class_name` -> adapter), the tiny pipelines' lookup by short name, the
+tests' family matrix and the benchmarks' `--family` all read these descriptors (the tuple in
+`rollout.pipelines.families`), so none of them keeps a list of its own.
+
+The tiny builder and the presets are dotted paths, imported when called: `rollout.pipelines.tiny`
+derives its lookup from the descriptors, so a descriptor that imported the tiny package would
+import itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rollout.imports import import_by_path
+from rollout.pipelines.adapter import PipelineAdapter
+
+
+@dataclass(frozen=True)
+class Family:
+    """One model family.
+
+    name: the short name of `--family`, `model.tiny_family` and the tiny builders ("wan22").
+    title: what a person calls it, for help texts ("Wan 2.2 (two experts)").
+    adapter: the `PipelineAdapter` subclass that runs the family's pipelines; its `pipeline_class`
+        is the `_class_name` this family registers.
+    tiny_builder: "package.module.function", `function(path, seed=0, ...) -> path`: a tiny
+        pipeline of the real classes with random weights (rollout.pipelines.tiny).
+    presets: benchmark preset name ("small", "real") -> "package.module.function",
+        `function(folder, device="cpu", dtype=torch.float32) -> folder`: random weights at a size
+        the benchmarks measure ("real": the published transformer, `real_model`).
+    real_model: the published model whose transformer the "real" preset builds.
+    cfg_on, cfg_off: the `SamplingParams` fields that turn classifier-free guidance on and off for
+        this family (the same-named arguments of its diffusers pipeline mean the same).
+    video: whether the family makes videos (`num_frames`, outputs' `video`) rather than images.
+    """
+
+    name: str
+    title: str
+    adapter: type[PipelineAdapter]
+    tiny_builder: str
+    presets: Mapping[str, str]
+    real_model: str
+    cfg_on: Mapping[str, Any]
+    cfg_off: Mapping[str, Any]
+    video: bool = False
+
+    @property
+    def pipeline_class(self) -> str:
+        """The diffusers pipeline class (`_class_name` in model_index.json) this family registers."""
+        return self.adapter.pipeline_class
+
+    def guidance_fields(self, cfg: bool) -> dict[str, Any]:
+        """The `SamplingParams` fields (and diffusers call arguments) that turn CFG on or off."""
+        return dict(self.cfg_on if cfg else self.cfg_off)
+
+    def build_tiny(self, path: str | Path, seed: int = 0, **kwargs) -> Path:
+        """Build the family's tiny pipeline into `path` (see `tiny_builder`); returns `path`."""
+        return import_by_path(self.tiny_builder, f"the {self.name} family's tiny builder")(path, seed=seed, **kwargs)
+
+    def build_preset(
+        self, preset: str, folder: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32
+    ) -> Path:
+        """Build the family's benchmark pipeline of `preset` into `folder`; returns `folder`."""
+        if preset not in self.presets:
+            raise ValueError(f"the {self.name} family has no preset {preset!r}; choose one of {sorted(self.presets)}")
+        builder = import_by_path(self.presets[preset], f"the {self.name} family's {preset} preset")
+        return builder(folder, device=device, dtype=dtype)
