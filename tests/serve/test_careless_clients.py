@@ -36,13 +36,27 @@ def post(server, path, *, json_body=None, raw=None, headers=None) -> httpx.Respo
     return httpx.post(f"{server.url}{path}", json=json_body, headers=headers, timeout=60)
 
 
-def refused_in_a_second(server, path, status, names, **kwargs) -> None:
+def timed_post(server, path, **kwargs) -> tuple[httpx.Response, float]:
     start = time.monotonic()
     response = post(server, path, **kwargs)
-    assert time.monotonic() - start < 1.0
+    return response, time.monotonic() - start
+
+
+def quicker_than(seconds: float, baseline: float) -> bool:
+    """Within twice a baseline measured in the same test (a loaded machine slows both alike), plus
+    a scheduler tick for a baseline of milliseconds."""
+    return seconds < 2 * baseline + 0.05
+
+
+def refused_in_a_second(server, path, status, names, **kwargs) -> None:
+    """Refused with `status` naming `names`, no slower than a one-step generate (which follows, and
+    works)."""
+    response, refused_s = timed_post(server, path, **kwargs)
     assert response.status_code == status, response.text
     assert names in response.json()["error"]["message"], response.text
-    assert post(server, "/rollout/generate", json_body=GOOD).status_code == 200
+    good, good_s = timed_post(server, "/rollout/generate", json_body=GOOD)
+    assert good.status_code == 200
+    assert quicker_than(refused_s, good_s), (refused_s, good_s)
 
 
 def params(**fields) -> bytes:
@@ -176,10 +190,12 @@ def test_a_request_that_fails_in_the_worker_fails_alone(server, remote):
     a 400 with the engine's message and no traceback, within a second; a request running at the
     same time finishes with the same bytes as alone; /health answers throughout."""
     params = SamplingParams(num_inference_steps=4, num_samples=1, seed=21)
-    (alone,) = remote.generate("fine", params)
     doomed = {"prompts": ["doomed"], "params": {"num_inference_steps": 4, "num_samples": 1, "seed": 0}}
-    remote.collective_rpc("fail_prompt", args=("doomed",))
     remote.collective_rpc("set_step_delay", args=(0.1,))  # the two share steps
+    start = time.monotonic()
+    (alone,) = remote.generate("fine", params)
+    alone_s = time.monotonic() - start  # four steps; the doomed one fails in its first
+    remote.collective_rpc("fail_prompt", args=("doomed",))
     try:
         with ThreadPoolExecutor(1) as pool:
             fine = pool.submit(remote.generate, "fine", params)
@@ -194,7 +210,7 @@ def test_a_request_that_fails_in_the_worker_fails_alone(server, remote):
     finally:
         remote.collective_rpc("set_step_delay", args=(0.0,))
         remote.collective_rpc("fail_prompt", args=(None,))
-    assert refused.status_code == 400 and elapsed < 1.0, (refused.status_code, elapsed)
+    assert refused.status_code == 400 and elapsed < alone_s, (refused.status_code, elapsed, alone_s)
     message = refused.json()["error"]["message"]
     assert "failed in a worker, alone" in message and "injected failure" in message
     assert "Traceback" not in refused.text and 'File "' not in refused.text
@@ -297,7 +313,9 @@ def test_lora_uploads_that_cannot_hurt(server, remote, adapter):
     tensors, config = adapter
     params = SamplingParams(num_inference_steps=2, seed=4, lora="policy")
     version = remote.weight_version
+    start = time.monotonic()
     assert upload(server, "policy", tensors, config, version).status_code == 200
+    good_s = time.monotonic() - start
     (before,) = remote.generate("kept", params)
     bad_uploads = [
         ("policy", {**config, "target_modules": "(?:[^.]|[^.]|[^.])*Q"}, 400, "target_modules must be a list"),
@@ -313,7 +331,7 @@ def test_lora_uploads_that_cannot_hurt(server, remote, adapter):
     for name, bad, status, message in bad_uploads:
         start = time.monotonic()
         response = upload(server, name, tensors, bad, version)
-        assert time.monotonic() - start < 1.0
+        assert quicker_than(time.monotonic() - start, good_s), (name, bad, good_s)
         assert response.status_code == status and message in response.json()["error"]["message"], response.text
     key = sorted(tensors)[0]
     bogus = {**tensors, key.replace(".lora_A.", ".lora_C."): tensors[key].clone()}
