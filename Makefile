@@ -46,6 +46,7 @@ bench: setup
 	$(PY) -m benchmarks.serve_probes
 	$(PY) -m benchmarks.branching
 	$(PY) -m benchmarks.expert_update
+	$(PY) -m benchmarks.request_table
 
 clean:
 	rm -rf $(VENV) outputs .cache .pytest_cache .ruff_cache

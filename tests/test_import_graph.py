@@ -98,6 +98,7 @@ def test_the_cycle_finder_finds_a_function_level_cycle(tmp_path):
     assert cycles(graph) == [["a", "b"]]
 
 
+@pytest.mark.slow  # the static walk above runs by default: CI runs it (make test-slow)
 def test_every_module_imports_on_its_own():
     """Each module is imported with none of the project's modules loaded before it (third-party
     libraries stay loaded, so this takes seconds, not a process per module). A `__main__` module

@@ -56,7 +56,15 @@ CASES = {name: ("sd3", name) for name in BACKENDS} | {
 FAMILY_OF_PIPELINE = {family.pipeline_class: family for family in FAMILIES.values()}
 
 
-@pytest.fixture(scope="module", params=list(CASES))
+# What only repeats another case for the default suite: Ray (the object store and actors have tests
+# of their own), the external class (uni's path once it resolves) and mp on the other families (mp on
+# SD3, uni on them). CI runs them all (make test-slow).
+REPEATS = {"ray", "external", "mp-flux", "mp-qwen_image"}
+
+
+@pytest.fixture(
+    scope="module", params=[pytest.param(name, marks=pytest.mark.slow) if name in REPEATS else name for name in CASES]
+)
 def case(request) -> tuple[str, str]:
     return CASES[request.param]
 

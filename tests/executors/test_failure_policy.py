@@ -64,7 +64,11 @@ if __name__ == "__main__":
 # terminal's Ctrl-C, and are killed by the engine). Cases whose transport half is only the stop of
 # busy workers on a dead executor repeat the worker-death tests of test_mp_executor.py and
 # test_ray_executor.py, which run that same stop, so they run with the slow tests.
-@pytest.mark.parametrize("backend", ["uni", "mp", pytest.param("ray", marks=pytest.mark.slow)])
+# mp's case repeats test_mp_executor.py's Ctrl-C test (the caller interrupted, every worker gone),
+# which stays in the default suite.
+@pytest.mark.parametrize(
+    "backend", ["uni", pytest.param("mp", marks=pytest.mark.slow), pytest.param("ray", marks=pytest.mark.slow)]
+)
 def test_ctrl_c_during_a_step_leaves_every_backend_dead_with_a_clear_error(tiny_model, tmp_path, backend):
     script = tmp_path / "interrupted.py"
     script.write_text(textwrap.dedent(INTERRUPTED))
@@ -135,6 +139,7 @@ def test_a_step_past_its_timeout_stops_every_backend_the_same_way(request, tiny_
         assert time.monotonic() - start < 2 * live_rpc_s + 0.05  # refused here, without reaching a worker
 
 
+@pytest.mark.slow  # repetition for the default suite: CI runs it (make test-slow)
 def test_a_ray_engine_dropped_without_shutdown_frees_its_placement_group(ray_cluster, tiny_model):
     engine = RolloutEngine(EngineConfig(model=tiny_model, executor="ray", num_workers=2))
     pids = engine.collective_rpc(worker_pid)

@@ -27,6 +27,7 @@ def _mp_engine(tiny_model, **kwargs):
     return RolloutEngine(EngineConfig(model=tiny_model, executor="mp", **kwargs))
 
 
+@pytest.mark.slow  # repetition for the default suite: CI runs it (make test-slow)
 def test_one_worker_with_the_same_threads_is_bitwise_uni(tiny_model):
     params = SamplingParams(num_inference_steps=4, num_samples=3, seed=9)
     with RolloutEngine(EngineConfig(model=tiny_model)) as engine:
@@ -61,6 +62,7 @@ def test_killing_a_worker_during_a_rollout_fails_fast(tiny_model):
     engine.shutdown()
 
 
+@pytest.mark.slow  # repetition for the default suite: CI runs it (make test-slow)
 def test_killing_a_worker_during_an_rpc_fails_fast(tiny_model):
     engine = _mp_engine(tiny_model, num_workers=2)
     pids = engine.collective_rpc(worker_pid)
@@ -74,6 +76,7 @@ def test_killing_a_worker_during_an_rpc_fails_fast(tiny_model):
     engine.shutdown()
 
 
+@pytest.mark.slow  # repetition for the default suite: CI runs it (make test-slow)
 def test_shutdown_and_garbage_collection_leave_no_process_or_shared_memory(tiny_model):
     engine = _mp_engine(tiny_model, num_workers=2)
     pids = engine.collective_rpc(worker_pid)
@@ -90,6 +93,7 @@ def test_shutdown_and_garbage_collection_leave_no_process_or_shared_memory(tiny_
     assert wait_gone(pids) == []
 
 
+@pytest.mark.slow  # repetition for the default suite: CI runs it (make test-slow)
 def test_a_worker_that_fails_to_load_is_reported_with_its_rank(tiny_model, tmp_path):
     broken = tmp_path / "broken"
     shutil.copytree(tiny_model, broken)
@@ -124,7 +128,7 @@ if __name__ == "__main__":
 """
 
 
-@pytest.mark.parametrize("how", ["raise", "ctrl-c"])
+@pytest.mark.parametrize("how", [pytest.param("raise", marks=pytest.mark.slow), "ctrl-c"])
 def test_caller_exception_or_ctrl_c_leaves_no_worker(tiny_model, tmp_path, how):
     script = tmp_path / "caller.py"
     script.write_text(textwrap.dedent(CALLER))

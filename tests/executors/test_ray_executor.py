@@ -33,7 +33,7 @@ def test_selecting_ray_without_ray_installed_says_how_to_install(tiny_model, mon
         RolloutEngine(EngineConfig(model=tiny_model, executor="ray"))
 
 
-@pytest.mark.parametrize("during", ["rollout", "rpc"])
+@pytest.mark.parametrize("during", ["rollout", pytest.param("rpc", marks=pytest.mark.slow)])
 def test_killing_an_actor_fails_fast(ray_cluster, tiny_model, during):
     engine = RolloutEngine(EngineConfig(model=tiny_model, executor="ray", num_workers=2))
     pids = engine.collective_rpc(worker_pid)

@@ -25,7 +25,7 @@ WINDOW = 5  # steps averaged at the start and at the end
 @pytest.mark.parametrize(
     "config_name, family, steps, min_margin",
     [
-        pytest.param("grpo_tiny.yaml", "sd3", 6, 0.03, id="sd3"),
+        pytest.param("grpo_tiny.yaml", "sd3", 6, 0.03, id="sd3", marks=pytest.mark.slow),  # make demo shows it too
         pytest.param("grpo_flux_tiny.yaml", "flux", 6, 0.03, id="flux", marks=pytest.mark.slow),
         pytest.param("grpo_qwen_image_tiny.yaml", "qwen_image", 6, 0.03, id="qwen_image", marks=pytest.mark.slow),
         pytest.param("branch_grpo_tiny.yaml", "sd3", 8, 0.03, id="branch_grpo", marks=pytest.mark.slow),

@@ -20,7 +20,7 @@ CONFIG = Path(recipes.config.__file__).parent / "configs" / "rollout_tiny.yaml"
 @pytest.mark.timeout(240)
 # runpy warns that recipes.run is already imported when another test imported it first.
 @pytest.mark.filterwarnings("ignore:.*found in sys.modules:RuntimeWarning")
-@pytest.mark.parametrize("executor", ["uni", "mp"])
+@pytest.mark.parametrize("executor", ["uni", pytest.param("mp", marks=pytest.mark.slow)])
 def test_rollout_recipe_writes_grid_and_summary(tmp_path, monkeypatch, executor):
     output_dir = tmp_path / "out"
     cache_dir = tmp_path / "tiny_sd3"

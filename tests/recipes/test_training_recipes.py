@@ -62,7 +62,7 @@ def check_run_files(out: Path) -> tuple[list[dict], dict]:
 # runpy warns that recipes.run is already imported when another test imported it first.
 @pytest.mark.filterwarnings("ignore:.*found in sys.modules:RuntimeWarning")
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("executor", ["uni", "mp"])
+@pytest.mark.parametrize("executor", ["uni", pytest.param("mp", marks=pytest.mark.slow)])
 def test_grpo_recipe_runs_and_starts_at_ratio_one(tmp_path, monkeypatch, executor, caplog):
     caplog.set_level("INFO", logger="recipes.training")
     run_cli(monkeypatch, "grpo_tiny.yaml", *small_run(tmp_path, executor))
@@ -101,7 +101,7 @@ def test_the_video_recipe_writes_animated_grids_and_starts_at_ratio_one(tmp_path
 
 @pytest.mark.filterwarnings("ignore:.*found in sys.modules:RuntimeWarning")
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("executor", ["uni", "mp"])
+@pytest.mark.parametrize("executor", ["uni", pytest.param("mp", marks=pytest.mark.slow)])
 def test_dpo_recipe_runs(tmp_path, monkeypatch, executor):
     run_cli(monkeypatch, "dpo_tiny.yaml", *small_run(tmp_path, executor))
     records, _ = check_run_files(tmp_path / "out")

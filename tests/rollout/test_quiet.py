@@ -31,6 +31,7 @@ NOISE = ("Loading pipeline components", "Loading weights", "Writing model shards
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.slow  # repetition for the default suite: CI runs it (make test-slow)
 def test_a_script_with_an_mp_engine_prints_no_third_party_noise(tmp_path):
     script = tmp_path / "loop.py"
     script.write_text(SCRIPT)

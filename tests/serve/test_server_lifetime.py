@@ -21,6 +21,7 @@ STEP_DELAY_S = 0.5
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.slow  # repetition for the default suite: CI runs it (make test-slow)
 def test_sigterm_finishes_what_fits_in_the_grace_and_ends_the_rest(tiny_model):
     flags = ("--executor", "mp", "--num-workers", "2", "--worker-extension-cls", EXTENSION, "--shutdown-grace-s", "6")
     with ServerProcess.start(tiny_model, *flags, api_key=API_KEY) as server:

@@ -32,6 +32,7 @@ def _trainer(model: str, port: int, world_size: int, conn) -> None:
     conn.recv()
 
 
+@pytest.mark.slow  # repetition for the default suite: CI runs it (make test-slow)
 def test_trainer_process_broadcasts_to_worker_processes(tiny_model):
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
