@@ -55,6 +55,9 @@ class RolloutEngine:
         self.config = config
         self.executor = check_engine_config(config)(config)  # before any worker starts
         self.model_spec = self.executor.collective_rpc("model_spec")[0]
+        # A trainer passes the same params for every prompt and group: resolving them once each
+        # halves what add_request costs (SamplingParams is frozen and hashable).
+        self._resolve = functools.lru_cache(maxsize=256)(self.model_spec.resolve)
         self.scheduler = Scheduler(num_ranks=config.num_workers, max_batch_size=config.max_batch_size)
         self._request_counter = itertools.count()
         self._closed = False
@@ -409,7 +412,8 @@ class RolloutEngine:
             raise TypeError(f"a prompt must be a str, got {type(prompt).__name__}")
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
-        resolved, problems = self.model_spec.resolve(params)
+        resolved, problems = self._resolve(params)
+        problems = list(problems)  # the cached list stays as it was
         if not problems:  # the limits read the sizes the model's rules checked
             problems += self.config.request_limits.problems(prompt, resolved, self.model_spec)
         if params.lora is not None and not self.hot_swap.has_lora(params.lora):

@@ -60,15 +60,12 @@ if __name__ == "__main__":
 
 
 # The policy is the base class's, held rule by rule over a scripted transport in
-# test_scripted_failure_policy.py; these add each transport's half (mp's workers ignore the
-# terminal's Ctrl-C, and are killed by the engine). Cases whose transport half is only the stop of
-# busy workers on a dead executor repeat the worker-death tests of test_mp_executor.py and
-# test_ray_executor.py, which run that same stop, so they run with the slow tests.
-# mp's case repeats test_mp_executor.py's Ctrl-C test (the caller interrupted, every worker gone),
-# which stays in the default suite.
-@pytest.mark.parametrize(
-    "backend", ["uni", pytest.param("mp", marks=pytest.mark.slow), pytest.param("ray", marks=pytest.mark.slow)]
-)
+# test_scripted_failure_policy.py; these add each transport's half, in a real process sent a real
+# SIGINT. They run with the slow tests: the default suite keeps test_mp_executor.py's Ctrl-C test
+# (the caller interrupted, every worker gone) and, for uni, the in-process interrupts below; the
+# step-timeout cases of mp and ray repeat the worker-death tests, which run the same stop.
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["uni", "mp", "ray"])
 def test_ctrl_c_during_a_step_leaves_every_backend_dead_with_a_clear_error(tiny_model, tmp_path, backend):
     script = tmp_path / "interrupted.py"
     script.write_text(textwrap.dedent(INTERRUPTED))

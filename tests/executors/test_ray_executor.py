@@ -57,6 +57,7 @@ def test_killing_an_actor_fails_fast(ray_cluster, tiny_model, during):
     engine.shutdown()
 
 
+@pytest.mark.slow  # repetition for the default suite: CI runs it (make test-slow)
 def test_shutdown_removes_the_actors(ray_cluster, tiny_model):
     engine = RolloutEngine(EngineConfig(model=tiny_model, executor="ray", num_workers=2))
     pids = engine.collective_rpc(worker_pid)
