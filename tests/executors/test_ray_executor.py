@@ -22,6 +22,7 @@ cloudpickle.register_pickle_by_value(worker_functions)
 pytestmark = pytest.mark.timeout(180)
 
 
+@pytest.mark.slow  # a fresh interpreter importing every package
 def test_importing_the_project_never_imports_ray():
     code = "import sys, rollout, executors, trainers_adapters, recipes.run; assert 'ray' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
@@ -33,7 +34,8 @@ def test_selecting_ray_without_ray_installed_says_how_to_install(tiny_model, mon
         RolloutEngine(EngineConfig(model=tiny_model, executor="ray"))
 
 
-@pytest.mark.parametrize("during", ["rollout", pytest.param("rpc", marks=pytest.mark.slow)])
+@pytest.mark.slow  # a Ray cluster's start-up alone takes seconds; the scripted transport holds the policy
+@pytest.mark.parametrize("during", ["rollout", "rpc"])
 def test_killing_an_actor_fails_fast(ray_cluster, tiny_model, during):
     engine = RolloutEngine(EngineConfig(model=tiny_model, executor="ray", num_workers=2))
     pids = engine.collective_rpc(worker_pid)

@@ -134,6 +134,7 @@ def test_unknown_adapters_and_bad_values_elsewhere(server, remote):
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.slow  # a server of its own, killed: test_server_lifetime kills one in the default suite
 def test_a_dead_worker_fails_health_and_every_call_with_503(tiny_model):
     flags = ("--executor", "mp", "--worker-extension-cls", EXTENSION, "--rpc-timeout-s", "20")
     with ServerProcess.start(tiny_model, *flags, api_key=API_KEY) as server:
