@@ -90,10 +90,10 @@ class Request:
         """The child taken at each branch step so far."""
         return self.node_id.branch_path
 
-    @property
+    @functools.cached_property
     def ancestors(self) -> tuple[str, ...]:
-        """Ids of the paths it branched from, root first."""
-        return tuple(str(ancestor) for ancestor in self.node_id.ancestors)
+        """Ids of the paths it branched from, root first (the scheduler indexes requests by them)."""
+        return tuple(str(ancestor) for ancestor in self.node_id.ancestors) if self.node_id.branch_path else ()
 
     def note_weight_version(self, version: int) -> None:
         if not self.weight_versions or self.weight_versions[-1] != version:
