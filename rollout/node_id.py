@@ -9,6 +9,7 @@ splits it.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 
@@ -87,6 +88,31 @@ class NodeId:
     def is_descendant_of(self, other: NodeId) -> bool:
         """Whether this is a path below `other` (not `other` itself)."""
         return other.is_ancestor_of(self)
+
+
+class NamedByNode:
+    """The id fields of what a `node_id` names (a request, an output), read from it: one owner."""
+
+    node_id: NodeId
+
+    @functools.cached_property
+    def request_id(self) -> str:
+        """Its id on the wire, in logs and as the scheduler's key: "{group_id}-{sample_index}",
+        then ".{child}" per branch taken (`str(node_id)`, made once)."""
+        return str(self.node_id)
+
+    @property
+    def group_id(self) -> str:
+        return self.node_id.group
+
+    @property
+    def sample_index(self) -> int:
+        return self.node_id.sample
+
+    @property
+    def branch_path(self) -> tuple[int, ...]:
+        """The child taken at each branch step so far."""
+        return self.node_id.branch_path
 
 
 def _is_index(text: str) -> bool:

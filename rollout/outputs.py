@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rollout.node_id import NodeId
+from rollout.node_id import NamedByNode, NodeId
 from rollout.pipelines.condition import Condition
 from rollout.step_series import StepSeries
 
@@ -98,7 +98,7 @@ class RequestTimings:
 
 
 @dataclass
-class RolloutOutput:
+class RolloutOutput(NamedByNode):
     """One generated sample. Tensors are on CPU.
 
     node_id: which sample it is, as data: its group (the id `add_request` was given or made), its
@@ -130,20 +130,3 @@ class RolloutOutput:
     lora: str | None = None
     timings: RequestTimings = field(default_factory=RequestTimings)
     error: str | None = None
-
-    @property
-    def request_id(self) -> str:
-        """Its id on the wire and in logs: "{group_id}-{sample_index}", then ".{child}" per branch."""
-        return str(self.node_id)
-
-    @property
-    def group_id(self) -> str:
-        return self.node_id.group
-
-    @property
-    def sample_index(self) -> int:
-        return self.node_id.sample
-
-    @property
-    def branch_path(self) -> tuple[int, ...]:
-        return self.node_id.branch_path

@@ -9,7 +9,7 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
-from rollout.node_id import NodeId
+from rollout.node_id import NamedByNode, NodeId
 from rollout.sampling_params import SamplingParams
 from rollout.seeding import derive_seed
 
@@ -48,7 +48,7 @@ class Fork:
 
 
 @dataclass
-class Request:
+class Request(NamedByNode):
     """One sample of one prompt (a GRPO group of n samples is n requests), or one path of a tree
     rollout: a request that reaches a branch step is replaced by its children (`node_id.child(c)`)."""
 
@@ -70,25 +70,6 @@ class Request:
     last_scheduled_tick: int = -1
     arrival_time: float = field(default_factory=time.monotonic)
     first_step_time: float | None = None
-
-    @functools.cached_property
-    def request_id(self) -> str:
-        """Its id as the scheduler, the workers and the wire know it: `str(node_id)` (kept: the
-        scheduler's table is keyed by it)."""
-        return str(self.node_id)
-
-    @property
-    def group_id(self) -> str:
-        return self.node_id.group
-
-    @property
-    def sample_index(self) -> int:
-        return self.node_id.sample
-
-    @property
-    def branch_path(self) -> tuple[int, ...]:
-        """The child taken at each branch step so far."""
-        return self.node_id.branch_path
 
     @functools.cached_property
     def ancestors(self) -> tuple[str, ...]:
