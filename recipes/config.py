@@ -40,8 +40,8 @@ from rollout.config_check import problems_without_model
 from rollout.engine import RolloutEngine
 from rollout.pipelines.tiny import TINY_BUILDERS
 from rollout.serve import API_KEY_ENV
+from rollout.serve.client import RemoteRolloutEngine
 from rollout.settings import setting, setting_help, setting_of
-from trainers_adapters.remote_engine import RemoteRolloutEngine
 
 logger = logging.getLogger(__name__)
 
