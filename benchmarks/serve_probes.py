@@ -239,7 +239,8 @@ def rss_mb(pids: list[int]) -> float:
 
 
 class HealthWatch(threading.Thread):
-    """Polls /health every 0.1 s; `worst_s` is the slowest answer, `failures` the non-200 ones."""
+    """Polls /health every 0.1 s; `worst_s` is the slowest answer, `failures` the non-200 ones and
+    the polls that got no answer (a connection closed under it counts: it must not end the watch)."""
 
     def __init__(self, url: str):
         super().__init__(daemon=True)
@@ -250,7 +251,10 @@ class HealthWatch(threading.Thread):
         with httpx.Client(timeout=30) as client:
             while not self.stop.is_set():
                 start = time.monotonic()
-                ok = client.get(f"{self.url}/health").status_code == 200
+                try:
+                    ok = client.get(f"{self.url}/health").status_code == 200
+                except httpx.TransportError:
+                    ok = False
                 self.worst_s = max(self.worst_s, time.monotonic() - start)
                 self.failures += not ok
                 self.polls += 1

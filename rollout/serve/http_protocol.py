@@ -34,18 +34,25 @@ class HeaderTimeoutProtocol(H11Protocol):
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
-        if not self._request_in_progress():  # the bytes of a request whose headers are not all here
+        if self._request_in_progress():  # its headers are all here: the bound is met
+            self._disarm()
+        else:  # the bytes of a request whose headers are not all here
             self._arm()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        if self._deadline is not None:
-            self._deadline.cancel()
-            self._deadline = None
+        self._disarm()
         super().connection_lost(exc)
 
     def _arm(self) -> None:
         if self._deadline is None:
             self._deadline = self.loop.call_later(self.header_timeout_s, self._close_if_still_waiting)
+
+    def _disarm(self) -> None:
+        # A deadline left armed once the headers came would close the kept-alive connection later,
+        # between two of its requests.
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
 
     def _close_if_still_waiting(self) -> None:
         self._deadline = None

@@ -383,6 +383,7 @@ def test_paths_that_are_not_regular_files_are_refused_not_waited_on(server, remo
 def test_connections_cannot_be_held_open_for_free(tiny_model):
     """Half-sent headers and stalled bodies are cut off; an idle kept-alive connection is not;
     past --max-connections a new request gets a 503."""
+    import http.client
     import socket
 
     flags = ("--header-timeout-s", "1", "--body-timeout-s", "1", "--max-connections", "12")
@@ -397,15 +398,20 @@ def test_connections_cannot_be_held_open_for_free(tiny_model):
         half = [connect() for _ in range(5)]
         for sock in half:
             sock.sendall(b"POST /rollout/generate HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # no blank line: never done
-        with httpx.Client(base_url=server.url, headers=AUTH) as client:
-            assert client.get("/health").status_code == 200  # kept alive now
-            start = time.monotonic()
-            for sock in silent + half:
-                assert sock.recv(1) == b""  # closed by the server
-                sock.close()
-            assert time.monotonic() - start < 5
-            time.sleep(1.5)
-            assert client.get("/health").status_code == 200  # the same idle connection, still open
+        kept = http.client.HTTPConnection("127.0.0.1", port, timeout=10)  # keeps its connection alive
+        kept.request("GET", "/health")
+        assert kept.getresponse().read() == b'{"status":"ok"}'
+        kept_socket = kept.sock
+        start = time.monotonic()
+        for sock in silent + half:
+            assert sock.recv(1) == b""  # closed by the server
+            sock.close()
+        closed_s = time.monotonic() - start
+        time.sleep(max(0.0, 1.5 - closed_s))  # past the header timeout since it connected and since it asked
+        kept.request("GET", "/health")  # on the same connection (a closed one raises here)
+        assert kept.getresponse().read() == b'{"status":"ok"}' and kept.sock is kept_socket
+        kept.close()
+        assert closed_s < 5
         stalled = connect()
         stalled.sendall(
             b"POST /pause HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
