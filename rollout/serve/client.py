@@ -432,7 +432,7 @@ class RemoteRolloutEngine:
         frames = _frames(response)
         fields, _ = await anext(frames)
         if fields["kind"] == "error":
-            raise _error_from(fields["type"], fields["message"], 500)
+            raise exception_for(fields["type"], fields["message"], 500)
         return fields["request_ids"], _outputs(frames)
 
     async def _collect_into_ready(self, ids: list[str], outputs) -> None:
@@ -472,7 +472,7 @@ async def _outputs(frames):
     decoder = OutputDecoder()
     async for fields, tensors in frames:
         if fields["kind"] == "error":
-            raise _error_from(fields["type"], fields["message"], 500)
+            raise exception_for(fields["type"], fields["message"], 500)
         output = decoder.decode(fields, tensors)
         if output is not None:
             yield output
@@ -486,11 +486,7 @@ def _checked(response: httpx.Response) -> httpx.Response:
         error_type, message = error["type"], error["message"]
     except (ValueError, KeyError, TypeError):
         error_type, message = "", response.text
-    raise _error_from(error_type, message, response.status_code)
-
-
-def _error_from(error_type: str, message: str, status: int) -> Exception:
-    return exception_for(error_type, message, status)
+    raise exception_for(error_type, message, response.status_code)
 
 
 def _params_json(params: SamplingParams | Sequence[SamplingParams] | None):
