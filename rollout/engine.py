@@ -30,6 +30,7 @@ from rollout.scheduler import Scheduler
 from rollout.seeding import derive_seed, fresh_base_seed
 from rollout.shared_conditions import SharedConditions
 from rollout.shared_parts import SharedTreeParts
+from rollout.step_report import StepReport
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +67,7 @@ class RolloutEngine:
         self._conditions = SharedConditions()
         self._tree_parts = SharedTreeParts()
         self._tree_ids = itertools.count()
+        self._step_observers: list[Callable[[StepReport], None]] = []
         self.hot_swap = HotSwap(
             rpc=self.collective_rpc,
             check_open=self._check_open,
@@ -227,6 +229,7 @@ class RolloutEngine:
         return list(self.scheduler.requests)
 
     def _step_once(self, admit: bool = True) -> list[RolloutOutput]:
+        start = time.perf_counter()
         scheduled = self.scheduler.schedule(admit, self.hot_swap.encoder_generation)
         outputs: list[RolloutOutput] = []
         if scheduled.is_empty:
@@ -234,7 +237,10 @@ class RolloutEngine:
         for work in scheduled.worker_inputs.values():
             for request_id in work.step_ids:
                 self.scheduler.requests[request_id].note_weight_version(self.weight_version)
-        for runner_output in self._on_executor(self.executor.execute, scheduled):
+        execute_start = time.perf_counter()
+        runner_outputs = self._on_executor(self.executor.execute, scheduled)
+        execute_s = time.perf_counter() - execute_start
+        for runner_output in runner_outputs:
             for request_id, error in runner_output.failed.items():
                 request = self.scheduler.finish(request_id)
                 logger.warning("request %s failed alone in its worker: %s", request_id, error)
@@ -246,7 +252,34 @@ class RolloutEngine:
                     trajectory.condition = self._conditions.share(request, trajectory.condition)
                     self._tree_parts.share(request.tree_id, trajectory, finished.part_nodes)
                 outputs.append(self._make_output(request, finished))
+        if self._step_observers:
+            report = StepReport(
+                kind="step",
+                name="step",
+                wall_s=time.perf_counter() - start,
+                execute_s=execute_s,
+                compute_s=tuple(o.compute_s for o in runner_outputs),
+                transformer_rows=tuple(o.transformer_rows for o in runner_outputs),
+                transformer_s=tuple(o.transformer_s for o in runner_outputs),
+                finished=len(outputs),
+            )
+            self._notify(report)
         return outputs
+
+    def add_step_observer(self, observer: Callable[[StepReport], None]) -> Callable[[], None]:
+        """Call `observer(StepReport)` after every engine step that ran work and every worker
+        function, in the engine's thread; returns a function that removes it. An observer that
+        raises is logged and removed, and the engine goes on (its outputs are not lost)."""
+        self._step_observers.append(observer)
+        return lambda: self._step_observers.remove(observer) if observer in self._step_observers else None
+
+    def _notify(self, report: StepReport) -> None:
+        for observer in list(self._step_observers):
+            try:
+                observer(report)
+            except Exception:
+                logger.exception("step observer %r raised; it is removed", observer)
+                self._step_observers.remove(observer)
 
     def abort(self, request_ids: str | Iterable[str]) -> list[RolloutOutput]:
         """Abort requests by sample id, by the group id `add_request` was given (all its samples),
@@ -321,9 +354,15 @@ class RolloutEngine:
         on every rank, or on `ranks`; one result per rank, in rank order. Runs between engine
         steps, never inside one."""
         self._check_open()
-        return self._on_executor(
+        start = time.perf_counter()
+        results = self._on_executor(
             self.executor.collective_rpc, method, args=args, kwargs=kwargs, timeout=timeout, ranks=ranks
         )
+        if self._step_observers:
+            wall_s = time.perf_counter() - start
+            name = method if isinstance(method, str) else getattr(method, "__qualname__", repr(method))
+            self._notify(StepReport(kind="rpc", name=name, wall_s=wall_s, execute_s=wall_s))
+        return results
 
     def check_health(self) -> None:
         self._check_open()

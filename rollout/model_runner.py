@@ -91,6 +91,8 @@ class RunnerOutput:
     # no state for them any more; their batch-mates went on.
     failed: dict[str, str] = field(default_factory=dict)
     compute_s: float = 0.0  # time spent in this worker's step, for overhead accounting
+    transformer_rows: int = 0  # rows through the transformer in this step (CFG and experts count)
+    transformer_s: float = 0.0  # seconds in the transformer's forwards (see ForwardTally)
 
 
 class BatchLost(RuntimeError):

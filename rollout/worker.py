@@ -65,7 +65,14 @@ class Worker:
         failed |= decode_failed
         for request_id in failed:
             self.requests.pop(request_id, None)
-        return RunnerOutput(finished=finished, failed=failed, compute_s=time.perf_counter() - start)
+        rows, transformer_s = self.adapter.forwards.take()
+        return RunnerOutput(
+            finished=finished,
+            failed=failed,
+            compute_s=time.perf_counter() - start,
+            transformer_rows=rows,
+            transformer_s=transformer_s,
+        )
 
     def _step_isolating(self, batch: list[RequestState]) -> dict[str, str]:
         """Step `batch`; if its forward fails, step each of its requests alone, so only those that

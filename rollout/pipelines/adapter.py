@@ -20,6 +20,7 @@ pipeline does so (`cfg_in_one_pass`).
 from __future__ import annotations
 
 import dataclasses
+import time
 import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
@@ -33,6 +34,25 @@ from torch import nn
 from rollout.pipelines.condition import Condition, PromptEmbeds
 from rollout.pipelines.guidance import Guidance, Scale, guidance_argument
 from rollout.pipelines.spec import ModelSpec
+
+
+@dataclasses.dataclass
+class ForwardTally:
+    """Rows through the transformer and seconds in its forwards since the last `take` (the worker
+    takes it once per engine step for `RunnerOutput`; on a GPU the seconds are launch time, not
+    device time, since nothing synchronizes)."""
+
+    rows: int = 0
+    seconds: float = 0.0
+
+    def add(self, rows: int, seconds: float) -> None:
+        self.rows += rows
+        self.seconds += seconds
+
+    def take(self) -> tuple[int, float]:
+        taken = self.rows, self.seconds
+        self.rows, self.seconds = 0, 0.0
+        return taken
 
 
 class PipelineAdapter(ABC):
@@ -55,6 +75,7 @@ class PipelineAdapter(ABC):
         self._schedules: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self.spec = self.make_spec()
         self.spec = dataclasses.replace(self.spec, min_inference_steps=self._min_inference_steps())
+        self.forwards = ForwardTally()
 
     @classmethod
     def load(cls, path: str | Path, index: dict, device: str = "cpu", dtype: torch.dtype = torch.float32):
@@ -204,7 +225,10 @@ class PipelineAdapter(ABC):
         def run(rows: torch.Tensor | slice, embeds: list[PromptEmbeds]) -> torch.Tensor:
             batched = type(embeds[0]).stack(embeds).to(device, dtype)
             rows_guidance = distilled[rows] if distilled is not None else None
-            return self.run_transformer(latents[rows], sigmas[rows], batched, rows_guidance, height, width)
+            start = time.perf_counter()
+            out = self.run_transformer(latents[rows], sigmas[rows], batched, rows_guidance, height, width)
+            self.forwards.add(out.shape[0], time.perf_counter() - start)
+            return out
 
         if negatives and self.cfg_in_one_pass:
             rows = torch.cat([torch.arange(batch, device=device), cfg.nonzero(as_tuple=True)[0]])
