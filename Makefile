@@ -31,22 +31,29 @@ test: lint
 test-slow: setup
 	$(PY) -m pytest -q -m slow || [ $$? -eq 5 ]
 
+# Every benchmark writes its JSON report under benchmarks/results/; docs/benchmarks.md is rendered
+# from them, so the page's numbers are the ones this run measured.
+RESULTS := benchmarks/results
+BENCH = $(PY) -m benchmarks.$(1) $(2) --json $(RESULTS)/$(3).json
+
 bench: setup
-	$(PY) -m benchmarks.rollout_throughput --family sd3
-	$(PY) -m benchmarks.rollout_throughput --family flux
-	$(PY) -m benchmarks.rollout_throughput --family qwen_image
-	$(PY) -m benchmarks.rollout_throughput --family wan
-	$(PY) -m benchmarks.rollout_throughput --family wan22
-	$(PY) -m benchmarks.output_memory
-	$(PY) -m benchmarks.faults
-	$(PY) -m benchmarks.executor_overhead
-	$(PY) -m benchmarks.weight_sync
-	$(PY) -m benchmarks.lora_swap
-	$(PY) -m benchmarks.serve_load
-	$(PY) -m benchmarks.serve_probes
-	$(PY) -m benchmarks.branching
-	$(PY) -m benchmarks.expert_update
-	$(PY) -m benchmarks.request_table
+	rm -rf $(RESULTS) && mkdir -p $(RESULTS)
+	$(call BENCH,rollout_throughput,--family sd3,rollout_throughput_sd3)
+	$(call BENCH,rollout_throughput,--family flux,rollout_throughput_flux)
+	$(call BENCH,rollout_throughput,--family qwen_image,rollout_throughput_qwen_image)
+	$(call BENCH,rollout_throughput,--family wan,rollout_throughput_wan)
+	$(call BENCH,rollout_throughput,--family wan22,rollout_throughput_wan22)
+	$(call BENCH,output_memory,,output_memory)
+	$(call BENCH,faults,,faults)
+	$(call BENCH,executor_overhead,,executor_overhead)
+	$(call BENCH,weight_sync,,weight_sync)
+	$(call BENCH,lora_swap,,lora_swap)
+	$(call BENCH,serve_load,,serve_load)
+	$(call BENCH,serve_probes,,serve_probes)
+	$(call BENCH,branching,,branching)
+	$(call BENCH,expert_update,,expert_update)
+	$(call BENCH,request_table,,request_table)
+	$(PY) -m benchmarks.render
 
 clean:
 	rm -rf $(VENV) outputs .cache .pytest_cache .ruff_cache

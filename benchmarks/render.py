@@ -26,6 +26,16 @@ Every timed benchmark runs its modes in interleaved rounds (round r runs them ro
 untimed warm-up rounds) and reports medians with min and max; percentiles are one definition
 (linear interpolation between the closest ranks, numpy's default) everywhere. Ratios measured side
 by side in one run are what to compare across machines; absolute times are this machine's.
+
+**Adding a benchmark.** A benchmark is a module in `benchmarks/` that keeps only its modes, its
+checks and its summary; `benchmarks/harness.py` does the rest: `harness.parser(name, __doc__,
+repeats=5, warmup=1, ...)` for the shared options (one name each, plus `--json`),
+`harness.run_rounds` for interleaved rounds, `harness.Stats` for statistics,
+`report.table(...)` for what it prints, `report.check(harness.Target(name, value, op, goal))` for
+its targets and `report.finish()` for the JSON. It watches the engine through
+`RolloutEngine.add_step_observer` (a `StepReport` per step and worker function: wall and executor
+seconds, each rank's compute seconds and transformer rows), and times a worker's own pieces with
+`benchmarks/worker_timers.py`, never by patching the engine. Add its line to `make bench`.
 """
 
 
