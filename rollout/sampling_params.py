@@ -61,7 +61,9 @@ class SamplingParams:
         None, "text tokens encoded per prompt; None takes the pipeline's default (SD3's T5: 256, FLUX: 512)"
     )
     num_frames: int | None = setting(
-        None, "frames of a video (Wan: k * 4 + 1, 81 by default); image pipelines refuse it"
+        None,
+        "frames of a video (Wan: k * s + 1 for the VAE's temporal scale s: 4 for Wan's VAE, 2 for the tiny one; "
+        "81 by default); image pipelines refuse it",
     )
     sampler: str = setting("flow_sde", "update rule: ode, flow_sde, cps or dance_sde")
     noise_level: float = setting(
