@@ -1,10 +1,9 @@
 """Wan 2.1 and Wan 2.2 text-to-video (`WanPipeline`).
 
-Latents [C, F', h, w] (F' = (num_frames - 1) / s + 1 latent frames, s the VAE's temporal scale: 4 for
-Wan's VAE, 2 for the tiny one); conditioning: UMT5 token
-embeddings, zero past the prompt's tokens, as the pipeline pads them; `guidance_scale` is
-classifier-free guidance (> 1 turns it on, with the negative prompt "" unless the request names
-one), run as a second pass, as the pipeline runs it.
+Latents [C, F', h, w] (F' = (num_frames - 1) / s + 1 latent frames, s the VAE's temporal scale: 4
+for Wan's VAE, 2 for the tiny one); conditioning: UMT5 token embeddings, zero past the prompt's
+tokens, as the pipeline pads them; `guidance_scale` is classifier-free guidance (> 1 turns it on,
+with the negative prompt "" unless the request names one), run as a second pass, as the pipeline runs it.
 
 Wan 2.2's two experts: a folder with `transformer_2` and `boundary_ratio` denoises steps whose
 timestep is at or above `boundary_ratio * num_train_timesteps` with `transformer` (high noise) and
