@@ -42,6 +42,7 @@ every per-tensor copy waits for a descheduled thread (20x slower pushes seen on 
 
 from __future__ import annotations
 
+import functools
 import os
 import tempfile
 import time
@@ -126,15 +127,6 @@ def make_clone_run(state: dict[str, torch.Tensor]) -> Callable[[], None]:
     def run() -> None:
         clones = [source.clone() for source in sources]
         del clones
-
-    return run
-
-
-def make_engine_run(
-    engine: RolloutEngine, state: dict[str, torch.Tensor], bucket_bytes: int, check_finite: bool = True
-) -> Callable[[], None]:
-    def run() -> None:
-        engine.update_weights(state, bucket_bytes=bucket_bytes, check_finite=check_finite)
 
     return run
 
@@ -387,7 +379,9 @@ def main(argv: list[str] | None = None) -> dict:
             if "uni" in engines:
                 engine_modes.append((NO_CHECK_MODE, "uni", args.bucket_mib * MIB, False))
             for mode, backend, bucket_bytes, check in engine_modes:
-                run = make_engine_run(engines[backend], state, bucket_bytes, check_finite=check)
+                run = functools.partial(
+                    engines[backend].update_weights, state, bucket_bytes=bucket_bytes, check_finite=check
+                )
                 modes[mode] = pushes.mode(mode, run, engines[backend], by_engine.get(backend))
             if not args.no_naive:
                 modes["naive"] = pushes.mode("naive", make_naive_run(trainer, state, Path(tmp) / "naive"))
