@@ -377,7 +377,7 @@ def report_modes(report: harness.Report, samples: dict[str, dict[str, list[float
         if mode in TARGETED_MODES:
             report.check(harness.Target(f"{MODE_LABELS[mode]}: median ms", ms.median, "<", TARGET_SWAP_MS))
     report.table(
-        f"LoRA operations (median of {len(samples[BASELINE]['load_lora_weights'])} rounds)",
+        f"LoRA operations (median of {len(summary[BASELINE]['ms'].values)} rounds)",
         ["operation", "median ms", "min ms", "max ms", "x faster", "x copy floor"],
         rows,
         note="x faster: diffusers load+delete median / this median; x copy floor: this median / the copy floor's",
