@@ -28,26 +28,21 @@ adapter is also saved as a PEFT folder (adapter_config.json + adapter_model.safe
 
 Each round runs every mode once, in a rotated order, and alternates the two adapters, so every swap
 changes the weights; after each operation (outside the timed region) the weights the engine or
-pipeline holds are compared bitwise with what was sent. Warmup rounds are discarded and medians
-are reported. Then, on "uni" with two adapters resident ("a" and "b"), a run of 1-step generate
-calls with `SamplingParams(lora=...)` in the pattern a a b b a a b b ... measures the latency a
-switch adds: calls whose adapter differs from the previous call's pay `set_adapters`, the others
-do not; the worker's `LoraManager.activate` is also timed alone. Last, timers inside the worker
-split a hot swap into its pieces (key checks, delete_adapters, add_adapter, set_peft_model_state_dict,
-counting bound modules). Target: a hot swap (uni and mp) under 50 ms.
+pipeline holds are compared bitwise with what was sent. Then, on "uni" with two adapters resident
+("a" and "b"), a run of 1-step generate calls with `SamplingParams(lora=...)` in the pattern
+a a b b a a b b ... measures the latency a switch adds: calls whose adapter differs from the
+previous call's pay `set_adapters`, the others do not; the worker's `LoraManager.activate` is also
+timed alone. Last, the engine's step observer (its RPCs) and worker timers split a hot swap into
+its pieces (the stage and commit RPCs, the NaN/inf check, key checks, the copies into the live
+layers, counting bound modules). Target: a hot swap (uni and mp) under 50 ms.
 
     python -m benchmarks.lora_swap                     # rank 32, 2 warmup + 50 rounds
     python -m benchmarks.lora_swap --repeats 20 --no-mp --json out.json
-
-The file is past ~400 lines because it holds seven modes, the switch test and the breakdown, each a
-small function; splitting them over files would scatter one measurement.
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
-import statistics
 import tempfile
 import time
 import warnings
@@ -56,9 +51,11 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import install_timers, interleaved_rounds, json_args, remove_timers, spread, write_json
+from benchmarks import harness
+from benchmarks.worker_timers import install_timers, remove_timers
 from rollout import EngineConfig, RolloutEngine, SamplingParams
 from rollout.pipelines.tiny import build_tiny_sd3
+from rollout.step_report import StepReport
 
 # Attention projections of SD3Transformer2DModel's joint blocks (the last block has no
 # `to_add_out`: its context stream stops after attention).
@@ -79,35 +76,29 @@ TARGET_SWAP_MS = 50.0
 TARGETED_MODES = ("swap_uni", "swap_mp")
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="python -m benchmarks.lora_swap",
-        description=__doc__.split("\n\n")[0]
-        + " Prints a table of ms per operation with the speedup over diffusers' load+delete, the"
-        " latency a per-request adapter switch adds to generate, and where a hot swap spends its time.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
+def build_parser() -> argparse.ArgumentParser:
+    parser = harness.parser("lora_swap", __doc__, repeats=50, warmup=2)
     run = parser.add_argument_group("what to run")
-    run.add_argument("--rank", type=int, default=32, help="LoRA rank r (lora_alpha = r)")
-    run.add_argument("--repeats", type=int, default=50, help="timed rounds; each runs every mode once")
-    run.add_argument("--warmup", type=int, default=2, help="untimed rounds first (allocator, first calls)")
+    run.add_argument("--rank", type=harness.positive_int, default=32, help="LoRA rank r (lora_alpha = r)")
     run.add_argument(
-        "--switch-calls", type=int, default=200, help="timed 1-step generate calls for the adapter-switch test"
+        "--switch-calls",
+        type=harness.positive_int,
+        default=200,
+        help="timed 1-step generate calls for the adapter-switch test",
     )
     run.add_argument(
-        "--activate-calls", type=int, default=200, help="timed LoraManager.activate calls in the worker (a<->b)"
+        "--activate-calls",
+        type=harness.positive_int,
+        default=200,
+        help="timed LoraManager.activate calls in the worker (a<->b)",
     )
-    run.add_argument("--breakdown-swaps", type=int, default=20, help="hot swaps timed piece by piece (0: skip)")
+    run.add_argument(
+        "--breakdown-swaps", type=harness.count, default=20, help="hot swaps timed piece by piece (0: skip)"
+    )
     run.add_argument("--no-mp", action="store_true", help="skip the mp engine (no worker process)")
     run.add_argument("--no-verify", action="store_true", help="do not compare the held weights after each operation")
     run.add_argument("--prompt", default="a red cube on a blue table", help="prompt of the adapter-switch test")
-    run.add_argument("--json", type=Path, metavar="PATH", help="also write the results as JSON to PATH")
-    args = parser.parse_args(argv)
-    positive = ("rank", "repeats", "switch_calls", "activate_calls")
-    bad = [f"--{name.replace('_', '-')}" for name in positive if getattr(args, name) < 1]
-    if bad or args.warmup < 0 or args.breakdown_swaps < 0:
-        parser.error(f"{', '.join(bad) or 'these options'} must be >= 1 (and --warmup, --breakdown-swaps >= 0)")
-    return args
+    return parser
 
 
 # PEFT warns on every delete of the active adapter and on every second adapter; here that is every
@@ -160,19 +151,17 @@ def save_diffusers_folder(folder: Path, tensors: dict[str, torch.Tensor]) -> Pat
 # Checks, run in the worker (any executor) or on the baseline pipeline; never timed.
 
 
-def _held(transformer, name: str) -> dict[str, torch.Tensor]:
+def _holds(transformer, name: str, expected: dict[str, torch.Tensor], layers: str | None = None) -> bool:
+    """Whether adapter `name` (its PEFT layers named `layers`, by default `name`) holds `expected`."""
     from peft.utils import get_peft_model_state_dict
 
-    return get_peft_model_state_dict(transformer, adapter_name=name)
-
-
-def _holds(transformer, name: str, expected: dict[str, torch.Tensor]) -> bool:
-    held = _held(transformer, name)
+    held = get_peft_model_state_dict(transformer, adapter_name=layers or name)
     return held.keys() == expected.keys() and all(torch.equal(held[k], expected[k]) for k in expected)
 
 
 def _worker_holds(worker, name: str, expected: dict[str, torch.Tensor]) -> bool:
-    return _holds(worker.adapter.transformer, name, expected)
+    # The worker's LoraManager builds an adapter's layers under a PEFT name of their own.
+    return _holds(worker.adapter.transformer, name, expected, worker.loras._layers[name])
 
 
 def check_engine(engine: RolloutEngine, name: str, expected: dict[str, torch.Tensor]) -> None:
@@ -185,82 +174,76 @@ def check_pipeline(pipeline, name: str, expected: dict[str, torch.Tensor]) -> No
         raise AssertionError(f"diffusers adapter {name!r} does not hold the tensors just loaded")
 
 
-# The modes. Each `make_*` does the untimed setup and returns `run(round_index) -> {phase: seconds}`;
-# the operation's time is the sum of its phases.
+# The modes. Each `make_*` does the untimed setup and returns, for `harness.run_rounds`, a function
+# of the round that returns {phase: seconds}; the operation's time is the sum of its phases. Round r
+# sends adapter r % 2, so every operation changes the weights.
 
 
-def make_engine_swap(engine: RolloutEngine, adapters: list, config: dict, verify: bool) -> Callable[[int], dict]:
+def make_engine_swap(engine: RolloutEngine, adapters: list, config: dict, verify: bool) -> Callable:
     engine.load_lora("policy", adapters[1], config)
 
-    def run(round_index: int) -> dict:
-        tensors = adapters[round_index % 2]
-        start = time.perf_counter()
-        engine.load_lora("policy", tensors, config)
-        elapsed = time.perf_counter() - start
+    def run(round_: harness.Round) -> dict:
+        tensors = adapters[round_.index % 2]
+        _, seconds = harness.timed_call(engine.load_lora, "policy", tensors, config)
         if verify:
             check_engine(engine, "policy", tensors)
-        return {"load_lora": elapsed}
+        return {"load_lora": seconds}
 
     return run
 
 
-def make_engine_folder_swap(engine: RolloutEngine, folders: list[Path], adapters: list, verify: bool):
+def make_engine_folder_swap(engine: RolloutEngine, folders: list[Path], adapters: list, verify: bool) -> Callable:
     engine.load_lora("policy_from_folder", str(folders[1]))
 
-    def run(round_index: int) -> dict:
-        start = time.perf_counter()
-        engine.load_lora("policy_from_folder", str(folders[round_index % 2]))
-        elapsed = time.perf_counter() - start
+    def run(round_: harness.Round) -> dict:
+        _, seconds = harness.timed_call(engine.load_lora, "policy_from_folder", str(folders[round_.index % 2]))
         if verify:
-            check_engine(engine, "policy_from_folder", adapters[round_index % 2])
-        return {"load_lora": elapsed}
+            check_engine(engine, "policy_from_folder", adapters[round_.index % 2])
+        return {"load_lora": seconds}
 
     return run
 
 
 def make_engine_folder_load_unload(engine: RolloutEngine, folders: list[Path], adapters: list, verify: bool):
-    def run(round_index: int) -> dict:
-        start = time.perf_counter()
-        engine.load_lora("fresh", str(folders[round_index % 2]))
-        loaded = time.perf_counter()
+    def run(round_: harness.Round) -> dict:
+        _, load = harness.timed_call(engine.load_lora, "fresh", str(folders[round_.index % 2]))
         if verify:
-            check_engine(engine, "fresh", adapters[round_index % 2])
-        unload_start = time.perf_counter()
-        engine.unload_lora("fresh")
-        return {"load_lora": loaded - start, "unload_lora": time.perf_counter() - unload_start}
+            check_engine(engine, "fresh", adapters[round_.index % 2])
+        _, unload = harness.timed_call(engine.unload_lora, "fresh")
+        return {"load_lora": load, "unload_lora": unload}
 
     return run
 
 
-def make_diffusers_load_delete(pipeline, folders: list[Path], adapters: list, verify: bool):
-    def run(round_index: int) -> dict:
-        start = time.perf_counter()
-        pipeline.load_lora_weights(str(folders[round_index % 2]), adapter_name="fresh")
-        loaded = time.perf_counter()
+def make_diffusers_load_delete(pipeline, folders: list[Path], adapters: list, verify: bool) -> Callable:
+    def run(round_: harness.Round) -> dict:
+        _, load = harness.timed_call(
+            lambda: pipeline.load_lora_weights(str(folders[round_.index % 2]), adapter_name="fresh")
+        )
         if verify:
-            check_pipeline(pipeline, "fresh", adapters[round_index % 2])
-        delete_start = time.perf_counter()
-        pipeline.delete_adapters("fresh")
-        return {"load_lora_weights": loaded - start, "delete_adapters": time.perf_counter() - delete_start}
+            check_pipeline(pipeline, "fresh", adapters[round_.index % 2])
+        _, delete = harness.timed_call(pipeline.delete_adapters, "fresh")
+        return {"load_lora_weights": load, "delete_adapters": delete}
 
     return run
 
 
-def make_diffusers_hotswap(pipeline, folders: list[Path], adapters: list, verify: bool):
+def make_diffusers_hotswap(pipeline, folders: list[Path], adapters: list, verify: bool) -> Callable:
     pipeline.load_lora_weights(str(folders[1]), adapter_name="policy")
 
-    def run(round_index: int) -> dict:
-        start = time.perf_counter()
-        pipeline.load_lora_weights(str(folders[round_index % 2]), adapter_name="policy", hotswap=True)
-        elapsed = time.perf_counter() - start
+    def run(round_: harness.Round) -> dict:
+        folder = str(folders[round_.index % 2])
+        _, seconds = harness.timed_call(
+            lambda: pipeline.load_lora_weights(folder, adapter_name="policy", hotswap=True)
+        )
         if verify:
-            check_pipeline(pipeline, "policy", adapters[round_index % 2])
-        return {"load_lora_weights": elapsed}
+            check_pipeline(pipeline, "policy", adapters[round_.index % 2])
+        return {"load_lora_weights": seconds}
 
     return run
 
 
-def make_copy_floor(pipeline, adapters: list, verify: bool) -> Callable[[int], dict]:
+def make_copy_floor(pipeline, adapters: list, verify: bool) -> Callable:
     """Copies into the parameters of the pipeline's resident "policy" adapter (the hotswap mode's)."""
     modules = dict(pipeline.transformer.named_modules())
     targets = {}
@@ -269,34 +252,19 @@ def make_copy_floor(pipeline, adapters: list, verify: bool) -> Callable[[int], d
         layer = "lora_A" if rest.startswith("A.") else "lora_B"
         targets[key] = getattr(modules[module_name], layer)["policy"].weight
 
-    def run(round_index: int) -> dict:
-        tensors = adapters[round_index % 2]
-        start = time.perf_counter()
+    def copy(tensors: dict[str, torch.Tensor]) -> None:
         with torch.no_grad():
             for key, target in targets.items():
                 target.copy_(tensors[key])
-        elapsed = time.perf_counter() - start
+
+    def run(round_: harness.Round) -> dict:
+        tensors = adapters[round_.index % 2]
+        _, seconds = harness.timed_call(copy, tensors)
         if verify:
             check_pipeline(pipeline, "policy", tensors)
-        return {"copy_": elapsed}
+        return {"copy_": seconds}
 
     return run
-
-
-def time_rounds(runs: dict[str, Callable[[int], dict]], args: argparse.Namespace) -> dict[str, list[dict]]:
-    """Phase seconds per operation for each mode; round r runs the modes rotated by r."""
-    times: dict[str, list[dict]] = {mode: [] for mode in runs}
-    for round_ in interleaved_rounds(runs, args.warmup, args.repeats):
-        gc.collect()
-        for mode in round_.order:
-            phases = runs[mode](round_.index)
-            if round_.timed:
-                times[mode].append(phases)
-        timed_rounds = round_.index + 1 - args.warmup
-        if timed_rounds > 0 and (timed_rounds % 10 == 0 or timed_rounds == args.repeats):
-            latest = "  ".join(f"{mode} {1e3 * sum(times[mode][-1].values()):.1f}" for mode in runs)
-            print(f"  [round {timed_rounds}/{args.repeats}] ms: {latest}", flush=True)
-    return times
 
 
 # Switching between resident adapters, on uni.
@@ -313,153 +281,146 @@ def _time_activate(worker, names: list[str], calls: int) -> list[float]:
 
 
 def measure_switching(engine: RolloutEngine, adapters: list, config: dict, args: argparse.Namespace) -> dict:
-    """Latency of 1-step generate calls whose adapter differs from the previous call's ("switch")
-    or not ("same"), pattern a a b b ...; and `activate` alone in the worker."""
+    """Seconds of 1-step generate calls whose adapter differs from the previous call's ("switch")
+    or not ("same"), pattern a a b b ... (a call sequence, not rounds of modes: the pattern is the
+    measurement); and `activate` alone in the worker."""
     engine.load_lora("a", adapters[0], config)
     engine.load_lora("b", adapters[1], config)
     pattern = ("a", "a", "b", "b")
     warmup = len(pattern) * 2
-    calls: dict[str, list[float]] = {"same": [], "switch": []}
-    pair_differences = []  # a switch call minus the same-adapter call right after it
+    seconds: dict[str, list[float]] = {"same": [], "switch": [], "pair": []}  # pair: a switch minus the next call
     previous = None
     for index in range(warmup + args.switch_calls):
         lora = pattern[index % len(pattern)]
         params = SamplingParams(num_inference_steps=1, seed=index, lora=lora, return_trajectory=False)
-        if index % 20 == 0:
-            gc.collect()  # between calls, not inside one
-        start = time.perf_counter()
-        outputs = engine.generate([args.prompt], params)
-        elapsed = time.perf_counter() - start
+        outputs, elapsed = harness.timed_call(engine.generate, [args.prompt], params)
         assert outputs[0].lora == lora
         if index >= warmup:
             switched = lora != previous
-            calls["switch" if switched else "same"].append(elapsed)
+            seconds["switch" if switched else "same"].append(elapsed)
             if not switched and index > warmup:
-                pair_differences.append(calls["switch"][-1] - elapsed)
+                seconds["pair"].append(seconds["switch"][-1] - elapsed)
         previous = lora
-    activate = engine.collective_rpc(_time_activate, args=(["a", "b"], args.activate_calls))[0]
+    seconds["activate"] = engine.collective_rpc(_time_activate, args=(["a", "b"], args.activate_calls))[0]
     engine.unload_lora("a")
     engine.unload_lora("b")
-    same, switch = statistics.median(calls["same"]), statistics.median(calls["switch"])
-    return {
-        "same_ms": 1e3 * same,
-        "switch_ms": 1e3 * switch,
-        "added_ms": 1e3 * (switch - same),
-        "added_per_pair_ms": 1e3 * statistics.median(pair_differences),
-        "same_calls": len(calls["same"]),
-        "switch_calls": len(calls["switch"]),
-        "activate_ms": 1e3 * statistics.median(activate),
-        "activate_min_ms": 1e3 * min(activate),
-        "same_times_s": calls["same"],
-        "switch_times_s": calls["switch"],
-    }
+    return {name: harness.Stats.of(values, 1e3) for name, values in seconds.items()}
 
 
-# The breakdown: timers around the pieces of `LoraManager.load` (see benchmarks.common.install_timers;
-# the executors call worker methods through the class, so the outermost timer is LoraManager.load).
+# The breakdown: the engine's load_lora is a stage_lora RPC on every rank, then a commit_lora RPC.
+# The step observer gives each RPC's seconds as the engine sees them, and worker timers
+# (benchmarks.worker_timers) time the LoraManager pieces inside (they nest: stage holds the rest
+# but commit; bound_modules runs in stage and again in commit's log line). A hot swap of the same
+# layout copies into the live layers (_copies); _build runs only for a new layout.
 _TIMED_PIECES = (
-    ("LoraManager.load", "loras.load"),
-    ("normalize_keys", "rollout.lora:normalize_keys"),
+    ("LoraManager.stage", "loras.stage"),
+    ("rollback (of a staged one)", "loras.rollback"),
+    ("all_finite (NaN/inf check)", "rollout.lora:all_finite"),
+    ("split_by_component (normalize_keys)", "rollout.lora:split_by_component"),
     ("_check_fits", "loras._check_fits"),
-    ("unload (old adapter)", "loras.unload"),
-    ("delete_adapters", "adapter.transformer.delete_adapters"),
-    ("add_adapter", "adapter.transformer.add_adapter"),
-    ("set_peft_model_state_dict", "rollout.lora:set_peft_model_state_dict"),
+    ("_copies (same layout)", "loras._copies"),
+    ("_build (new layers)", "loras._build"),
     ("bound_modules", "loras.bound_modules"),
+    ("LoraManager.commit", "loras.commit"),
 )
+STAGE_RPC = "stage_lora rpc: transport (outside LoraManager.stage)"
+COMMIT_RPC = "commit_lora rpc: transport (outside LoraManager.commit)"
+ENGINE = "engine (outside the rpcs)"
+BREAKDOWN_ROWS = (STAGE_RPC, *(name for name, _ in _TIMED_PIECES[:-1]), COMMIT_RPC, "LoraManager.commit", ENGINE)
 
 
-def swap_breakdown(engine: RolloutEngine, adapters: list, config: dict, swaps: int) -> dict:
-    """Median ms per piece of a hot swap (pieces nest: unload holds delete_adapters)."""
+def swap_breakdown(engine: RolloutEngine, adapters: list, config: dict, swaps: int) -> dict[str, float]:
+    """Median ms per piece of a hot swap, and of its wall."""
+    rpc_seconds: dict[str, list[float]] = {"stage_lora": [], "commit_lora": []}
+
+    def observe(report: StepReport) -> None:
+        if report.name in rpc_seconds:
+            rpc_seconds[report.name].append(report.wall_s)
+
     engine.collective_rpc(install_timers, args=(_TIMED_PIECES,))
+    stop_observing = engine.add_step_observer(observe)
     walls = []
     try:
         for index in range(swaps):
-            start = time.perf_counter()
-            engine.load_lora("policy", adapters[index % 2], config)
-            walls.append(time.perf_counter() - start)
+            _, seconds = harness.timed_call(engine.load_lora, "policy", adapters[index % 2], config)
+            walls.append(seconds)
     finally:
-        totals = engine.collective_rpc(remove_timers)[0]
-    pieces = {name: 1e3 * statistics.median(values) for name, values in totals.items() if values}
-    pieces["engine + executor (outside LoraManager.load)"] = 1e3 * statistics.median(
-        w - s for w, s in zip(walls, totals["LoraManager.load"], strict=True)
-    )
-    return {"wall_ms": 1e3 * statistics.median(walls), "pieces_ms": pieces}
+        stop_observing()
+        worker = engine.collective_rpc(remove_timers)[0]
+    rpc = list(zip(rpc_seconds["stage_lora"], rpc_seconds["commit_lora"], strict=True))
+    derived = {
+        STAGE_RPC: [r - s for (r, _), s in zip(rpc, worker["LoraManager.stage"], strict=True)],
+        COMMIT_RPC: [r - c for (_, r), c in zip(rpc, worker["LoraManager.commit"], strict=True)],
+        ENGINE: [wall - stage - commit for wall, (stage, commit) in zip(walls, rpc, strict=True)],
+    }
+    pieces = {name: harness.Stats.of(values, 1e3).median for name, values in (worker | derived).items() if values}
+    return pieces | {"wall": harness.Stats.of(walls, 1e3).median}
 
 
 # Reporting.
 
 
-def summarize(times: dict[str, list[dict]]) -> dict[str, dict]:
+def report_modes(report: harness.Report, samples: dict[str, dict[str, list[float]]]) -> dict[str, dict]:
+    """The operations' table and the hot-swap target; returns the numbers for the JSON."""
     summary = {}
-    for mode, rounds in times.items():
-        totals = [sum(phases.values()) for phases in rounds]
+    for mode, phases in samples.items():
         summary[mode] = {
-            **spread(totals, unit="ms", scale=1e3),
-            "phases_median_ms": {phase: 1e3 * statistics.median(r[phase] for r in rounds) for phase in rounds[0]},
-            "times_s": totals,
+            "ms": harness.Stats.of((sum(round_) for round_ in zip(*phases.values(), strict=True)), 1e3),
+            "phases_median_ms": {phase: harness.Stats.of(values, 1e3).median for phase, values in phases.items()},
         }
-    return summary
-
-
-def print_report(
-    summary: dict[str, dict], switching: dict, breakdowns: dict[str, dict], adapter_info: dict, repeats: int
-) -> None:
-    base = summary[BASELINE]["median_ms"]
-    label = f"operation (median of {repeats})"
-    header = f"{label:<42} {'median ms':>10} {'min ms':>8} {'max ms':>8} {'x faster':>9}   target"
-    print("\n" + header)
-    print("-" * len(header))
-    for mode in MODES:
-        if mode not in summary:
-            continue
-        row = summary[mode]
-        target = ""
+    base, floor = summary[BASELINE]["ms"].median, summary["floor"]["ms"].median
+    rows = []
+    for mode in (mode for mode in MODES if mode in summary):
+        ms = summary[mode]["ms"]
+        summary[mode]["speedup_vs_diffusers"] = base / ms.median
+        rows.append([MODE_LABELS[mode], ms.median, ms.min, ms.max, base / ms.median, ms.median / floor])
         if mode in TARGETED_MODES:
-            ok = row["median_ms"] < TARGET_SWAP_MS
-            target = f"< {TARGET_SWAP_MS:.0f} ms: {'met' if ok else 'MISSED'}"
-        print(
-            f"{MODE_LABELS[mode]:<42} {row['median_ms']:>10.2f} {row['min_ms']:>8.2f} {row['max_ms']:>8.2f} "
-            f"{base / row['median_ms']:>9.2f}   {target}"
-        )
-    print("  (x faster: diffusers load+delete median / this median)")
-    split = [m for m in MODES if m in summary and len(summary[m]["phases_median_ms"]) > 1]
-    for mode in split:
-        phases = ", ".join(f"{p} {ms:.2f} ms" for p, ms in summary[mode]["phases_median_ms"].items())
-        print(f"  {MODE_LABELS[mode]}: {phases}")
-    for label, mode in (("swap uni", "swap_uni"), ("swap mp", "swap_mp"), ("folder swap uni", "folder_swap_uni")):
-        if mode in summary:
-            print(f"  {label} / copy floor: {summary[mode]['median_ms'] / summary['floor']['median_ms']:.0f}x")
-
-    print(
-        f"\nadapter switch on uni, 1-step generate (batch 1, CFG), pattern a a b b: "
-        f"{switching['same_calls']} same + {switching['switch_calls']} switch calls"
+            report.check(harness.Target(f"{MODE_LABELS[mode]}: median ms", ms.median, "<", TARGET_SWAP_MS))
+    report.table(
+        f"LoRA operations (median of {len(summary[BASELINE]['ms'].values)} rounds)",
+        ["operation", "median ms", "min ms", "max ms", "x faster", "x copy floor"],
+        rows,
+        note="x faster: diffusers load+delete median / this median; x copy floor: this median / the copy floor's",
     )
-    print(f"  same adapter as the previous call   {switching['same_ms']:>8.2f} ms (median)")
-    print(f"  other adapter (set_adapters)        {switching['switch_ms']:>8.2f} ms (median)")
-    print(f"  added by a switch (medians)         {switching['added_ms']:>8.2f} ms")
-    print(f"  added, median over adjacent pairs   {switching['added_per_pair_ms']:>8.2f} ms (switch call - next call)")
-    print(
-        f"  LoraManager.activate a<->b alone    {switching['activate_ms']:>8.2f} ms (median; min "
-        f"{switching['activate_min_ms']:.2f})"
+    split = [mode for mode in MODES if mode in summary and len(summary[mode]["phases_median_ms"]) > 1]
+    report.table(
+        "phases of the two-phase operations",
+        ["operation", "phase", "median ms"],
+        [[MODE_LABELS[m], phase, ms] for m in split for phase, ms in summary[m]["phases_median_ms"].items()],
     )
+    return {mode: row | {"ms": row["ms"].to_json()} for mode, row in summary.items()}
 
-    for backend, breakdown in breakdowns.items():
-        swaps, wall = breakdown["swaps"], breakdown["wall_ms"]
-        print(f"\nhot swap breakdown on {backend} (medians of {swaps} swaps, {wall:.2f} ms wall):")
-        for name, ms in breakdown["pieces_ms"].items():
-            print(f"  {name:<46} {ms:>8.2f} ms")
-        print("  (nested: LoraManager.load holds the pieces below it; unload holds delete_adapters)")
 
-    print(
-        f"\nadapter: rank {adapter_info['rank']}, {adapter_info['modules']} modules, "
-        f"{adapter_info['parameters']:,} parameters ({adapter_info['bytes'] / 1024:.0f} KiB float32); "
-        f"transformer: {adapter_info['transformer_parameters']:,} parameters"
+def report_switching(report: harness.Report, switching: dict[str, harness.Stats]) -> dict:
+    same, switch, pair, activate = (switching[name] for name in ("same", "switch", "pair", "activate"))
+    report.table(
+        "adapter switch on uni, 1-step generate (batch 1, CFG), pattern a a b b",
+        ["measurement", "median ms", "min ms", "calls"],
+        [
+            ["same adapter as the previous call", same.median, same.min, len(same.values)],
+            ["other adapter (set_adapters)", switch.median, switch.min, len(switch.values)],
+            ["added by a switch (difference of the medians)", switch.median - same.median, "", ""],
+            ["added, over adjacent pairs (switch call - next call)", pair.median, pair.min, len(pair.values)],
+            ["LoraManager.activate a<->b alone", activate.median, activate.min, len(activate.values)],
+        ],
+    )
+    return {name: stats.to_json() for name, stats in switching.items()} | {"added_ms": switch.median - same.median}
+
+
+def report_breakdowns(report: harness.Report, breakdowns: dict[str, dict[str, float]], swaps: int) -> None:
+    backends = list(breakdowns)
+    pieces = [*BREAKDOWN_ROWS, "wall"]
+    report.table(
+        f"hot swap breakdown (median ms of {swaps} swaps)",
+        ["piece", *(f"{backend} ms" for backend in backends)],
+        [[piece, *(breakdowns[b].get(piece, "") for b in backends)] for piece in pieces],
+        note="nested: LoraManager.stage holds the pieces below it up to bound_modules (which commit calls too);"
+        " blank: not called",
     )
 
 
 def main(argv: list[str] | None = None) -> dict:
-    args = parse_args(argv)
+    args = build_parser().parse_args(argv)
     from diffusers import StableDiffusion3Pipeline
     from diffusers.utils import logging as diffusers_logging
     from peft import LoraConfig
@@ -467,8 +428,7 @@ def main(argv: list[str] | None = None) -> dict:
     diffusers_logging.set_verbosity_error()
     quiet_peft_warnings()
     verify = not args.no_verify
-    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, cpu, float32")
-    print(f"rank {args.rank}, rounds {args.warmup} warmup + {args.repeats} timed, verify {verify}")
+    report = harness.Report("lora_swap", args, __doc__, argv)
     with tempfile.TemporaryDirectory(prefix="rollout-bench-lora-") as tmp:
         model = build_tiny_sd3(Path(tmp) / "model", seed=0)
         pipeline = StableDiffusion3Pipeline.from_pretrained(
@@ -489,11 +449,11 @@ def main(argv: list[str] | None = None) -> dict:
             "bytes": sum(t.numel() * t.element_size() for t in adapters[0].values()),
             "transformer_parameters": sum(p.numel() for p in pipeline.transformer.parameters()),
         }
-        print(
-            f"adapter: {adapter_info['modules']} modules, {adapter_info['parameters']:,} parameters; "
-            f"transformer {adapter_info['transformer_parameters']:,} parameters"
+        report.note(
+            f"adapter: rank {args.rank}, {adapter_info['modules']} modules, {adapter_info['parameters']:,} "
+            f"parameters ({adapter_info['bytes'] / 1024:.0f} KiB float32); transformer: "
+            f"{adapter_info['transformer_parameters']:,} parameters; verify {verify}"
         )
-
         engine_config = EngineConfig(model=str(model), executor="uni", max_batch_size=1)
         mp_config = EngineConfig(model=str(model), executor="mp", num_workers=1, max_batch_size=1)
         mp_engine = None if args.no_mp else RolloutEngine(mp_config)
@@ -501,43 +461,35 @@ def main(argv: list[str] | None = None) -> dict:
             if mp_engine is not None:
                 mp_engine.collective_rpc(quiet_peft_warnings)
             with RolloutEngine(engine_config) as engine:
-                runs = {"swap_uni": make_engine_swap(engine, adapters, config, verify)}
+                modes = {"swap_uni": make_engine_swap(engine, adapters, config, verify)}
                 if mp_engine is not None:
-                    runs["swap_mp"] = make_engine_swap(mp_engine, adapters, config, verify)
-                runs["folder_swap_uni"] = make_engine_folder_swap(engine, peft_folders, adapters, verify)
-                runs["folder_load_unload_uni"] = make_engine_folder_load_unload(engine, peft_folders, adapters, verify)
-                runs["diffusers"] = make_diffusers_load_delete(pipeline, diffusers_folders, adapters, verify)
-                runs["diffusers_hotswap"] = make_diffusers_hotswap(pipeline, diffusers_folders, adapters, verify)
-                runs["floor"] = make_copy_floor(pipeline, adapters, verify)
-                print(f"modes: {', '.join(runs)}")
-                times = time_rounds(runs, args)
+                    modes["swap_mp"] = make_engine_swap(mp_engine, adapters, config, verify)
+                modes["folder_swap_uni"] = make_engine_folder_swap(engine, peft_folders, adapters, verify)
+                modes["folder_load_unload_uni"] = make_engine_folder_load_unload(
+                    engine, peft_folders, adapters, verify
+                )
+                modes["diffusers"] = make_diffusers_load_delete(pipeline, diffusers_folders, adapters, verify)
+                modes["diffusers_hotswap"] = make_diffusers_hotswap(pipeline, diffusers_folders, adapters, verify)
+                modes["floor"] = make_copy_floor(pipeline, adapters, verify)
+                print(f"modes: {', '.join(modes)}; {args.warmup} warmup + {args.repeats} rounds ...", flush=True)
+                samples = harness.run_rounds(modes, args.warmup, args.repeats, quiet=True)
                 engine.unload_lora("policy_from_folder")
                 print("adapter switch test (uni) ...", flush=True)
                 switching = measure_switching(engine, adapters, config, args)
-                breakdowns = {}
-                if args.breakdown_swaps:
-                    targets = [("uni", engine)] + ([("mp", mp_engine)] if mp_engine is not None else [])
-                    for backend, target in targets:
-                        breakdowns[backend] = swap_breakdown(target, adapters, config, args.breakdown_swaps)
-                        breakdowns[backend]["swaps"] = args.breakdown_swaps
+                engines = [("uni", engine)] + ([("mp", mp_engine)] if mp_engine is not None else [])
+                breakdowns = {
+                    backend: swap_breakdown(target, adapters, config, args.breakdown_swaps)
+                    for backend, target in (engines if args.breakdown_swaps else [])
+                }
         finally:
             if mp_engine is not None:
                 mp_engine.shutdown()
-    summary = summarize(times)
-    print_report(summary, switching, breakdowns, adapter_info, args.repeats)
-    result = {
-        "args": json_args(args),
-        "torch_version": torch.__version__,
-        "torch_threads": torch.get_num_threads(),
-        "adapter": adapter_info,
-        "target_swap_ms": TARGET_SWAP_MS,
-        "modes": summary,
-        "speedup_vs_diffusers": {m: summary[BASELINE]["median_ms"] / s["median_ms"] for m, s in summary.items()},
-        "switching": switching,
-        "breakdown": breakdowns,
-    }
-    write_json(args.json, result)
-    return result
+    report.results = {"adapter": adapter_info, "modes": report_modes(report, samples)}
+    report.results["switching"] = report_switching(report, switching)
+    if breakdowns:
+        report_breakdowns(report, breakdowns, args.breakdown_swaps)
+    report.results["breakdown_ms"] = breakdowns
+    return report.finish()
 
 
 if __name__ == "__main__":

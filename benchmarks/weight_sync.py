@@ -21,16 +21,19 @@ and measures, for the same bytes (every tensor of `base_state(trainer)`):
 
 Before every round the trainer's copy is perturbed (so every push changes the weights), and after
 every push (outside the timed region) `engine.weights_checksum()` must equal
-`rollout.weights.checksum(state)`. Rounds are interleaved (each runs every mode, in a rotated
-order), warmup rounds are discarded, medians are reported with GB/s (1e9 bytes), the fraction of
-the copy floor's bandwidth and the speedup over the naive path. Targets: uni >= 50 % of the copy
-bandwidth, mp >= 25 %, every backend >= 5x faster than naive. Timers in the worker and around the
-executor's `collective_rpc` split every engine push into the engine's checks, the stage_weights
-RPCs' transport (wire format, shared memory or object store, hops), the worker's staging copy, and
-apply/commit; the report gives each piece's median.
+`rollout.weights.checksum(state)`. Medians are reported with GB/s (1e9 bytes), the fraction of the
+copy floor's bandwidth and the speedup over the naive path, from the medians (the targets use
+these) and as the median of per-round ratios. Targets: uni >= 50 % of the copy bandwidth, mp >=
+25 %, every backend >= 5x faster than naive.
 
-(Past the ~400-line guide on purpose: the modes, the push timers and the report share the rounds
-and the statistics, and a benchmark reads best as one script.)
+The engine's step observer (the time of every RPC as the engine sees it) and worker timers on
+`StagedUpdates` (stage, apply, commit) split every engine push into the engine's checks, the
+stage_weights RPCs' transport (wire format, shared memory or object store, hops), the worker's
+staging copy, and apply/commit; the report gives each piece's median.
+
+--threads sets torch's threads here (copy floor, clone, naive and the uni worker run in this
+process) and in each mp/ray worker. Copies are memory-bound; with more threads than idle cores,
+every per-tensor copy waits for a descheduled thread (20x slower pushes seen on 2 busy cores).
 
     python -m benchmarks.weight_sync                          # uni, mp, ray; 1 + 7 rounds
     python -m benchmarks.weight_sync --backends uni mp --mp-bucket-mib 16 64 512
@@ -39,9 +42,8 @@ and the statistics, and a benchmark reads best as one script.)
 
 from __future__ import annotations
 
-import argparse
+import functools
 import os
-import statistics
 import tempfile
 import time
 from collections.abc import Callable
@@ -50,47 +52,34 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import (
-    install_timers,
-    interleaved_rounds,
-    json_args,
-    per_round_ratio,
-    remove_timers,
-    spread,
-    take_timings,
-    timed_call,
-    write_json,
-)
+from benchmarks import harness
+from benchmarks.worker_timers import install_timers, remove_timers, take_timings
 from rollout import EngineConfig, RolloutEngine
 from rollout.pipelines.tiny import TinySD3Sizes, build_tiny_sd3
+from rollout.step_report import StepReport
 from rollout.weights import base_state, checksum
 
 BACKENDS = ("uni", "mp", "ray")
 MIB = 2**20
 NO_CHECK_MODE = "uni no check"  # check_finite=False, beside the uni mode that checks
 # The project's targets.
-TARGET_COPY_FRACTION = {"uni": 0.50, "mp": 0.25}  # of the copy floor's GB/s
+TARGET_COPY_PERCENT = {"uni": 50.0, "mp": 25.0}  # of the copy floor's GB/s
 TARGET_SPEEDUP_VS_NAIVE = 5.0  # every backend
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="python -m benchmarks.weight_sync",
-        description=__doc__.split("\n\n")[0]
-        + " Prints a table of seconds, GB/s, the fraction of a plain torch copy's bandwidth and the"
-        " speedup over save + from_pretrained, with the ratios against the project's targets.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
+def build_parser():
+    parser = harness.parser("weight_sync", __doc__, repeats=7, warmup=1, threads=1)
     run = parser.add_argument_group("what to run")
     run.add_argument("--backends", nargs="+", choices=BACKENDS, default=list(BACKENDS), help="executors to measure")
-    run.add_argument("--repeats", type=int, default=7, help="timed rounds; each runs every mode once")
-    run.add_argument("--warmup", type=int, default=1, help="untimed rounds first (allocator, first calls)")
     run.add_argument(
-        "--bucket-mib", type=int, default=512, help="bucket_bytes of update_weights for uni and ray, in MiB"
+        "--bucket-mib",
+        type=harness.positive_int,
+        default=512,
+        help="bucket_bytes of update_weights for uni and ray, in MiB",
     )
     run.add_argument(
         "--mp-bucket-mib",
-        type=int,
+        type=harness.positive_int,
         nargs="+",
         default=[64, 512],
         help="bucket sizes to try on mp, in MiB (one mode each)",
@@ -99,43 +88,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--verify",
         choices=("every", "first"),
         default="every",
-        help="compare checksums after every push, or only after each mode's first one",
+        help="compare checksums after every push, or only in the first round",
     )
     run.add_argument("--no-naive", action="store_true", help="skip the save_file + from_pretrained mode")
     run.add_argument("--no-breakdown", action="store_true", help="skip the timers that split engine pushes")
-    run.add_argument(
-        "--threads",
-        type=int,
-        default=1,
-        help="torch threads of this process (copy floor, clone, naive and the uni worker run here) and of each"
-        " mp/ray worker. Copies are memory-bound; with more threads than idle cores, every per-tensor copy"
-        " waits for a descheduled thread (20x slower pushes seen on 2 busy cores)",
-    )
-    run.add_argument("--ray-cpus", type=int, default=2, help="num_cpus of the local ray.init()")
-    run.add_argument("--json", type=Path, metavar="PATH", help="also write the results as JSON to PATH")
+    run.add_argument("--ray-cpus", type=harness.positive_int, default=2, help="num_cpus of the local ray.init()")
     sizes = parser.add_argument_group(
         "model sizes", "the SD3 transformer's shape (the defaults give ~219 MB of float32); VAE and CLIPs stay tiny"
     )
-    sizes.add_argument("--num-layers", type=int, default=6, help="transformer blocks")
-    sizes.add_argument("--num-heads", type=int, default=8, help="attention heads")
-    sizes.add_argument("--head-dim", type=int, default=64, help="width of one head (hidden = heads x head-dim)")
-    args = parser.parse_args(argv)
-    positive = ("repeats", "bucket_mib", "threads", "ray_cpus", "num_layers", "num_heads", "head_dim")
-    bad = [f"--{name.replace('_', '-')}" for name in positive if getattr(args, name) < 1]
-    bad += ["--mp-bucket-mib"] if min(args.mp_bucket_mib) < 1 else []
-    if bad or args.warmup < 0:
-        parser.error(f"{', '.join(bad) or 'these options'} must be >= 1 (and --warmup >= 0)")
-    return args
-
-
-def benchmark_sizes(args: argparse.Namespace) -> TinySD3Sizes:
-    return TinySD3Sizes(
-        num_layers=args.num_layers, num_attention_heads=args.num_heads, attention_head_dim=args.head_dim
+    sizes.add_argument("--num-layers", type=harness.positive_int, default=6, help="transformer blocks")
+    sizes.add_argument("--num-heads", type=harness.positive_int, default=8, help="attention heads")
+    sizes.add_argument(
+        "--head-dim", type=harness.positive_int, default=64, help="width of one head (hidden = heads x head-dim)"
     )
-
-
-def state_bytes(state: dict[str, torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in state.values())
+    return parser
 
 
 # The modes. Each `make_*` does the untimed setup and returns a function that runs one push.
@@ -165,15 +131,6 @@ def make_clone_run(state: dict[str, torch.Tensor]) -> Callable[[], None]:
     return run
 
 
-def make_engine_run(
-    engine: RolloutEngine, state: dict[str, torch.Tensor], bucket_bytes: int, check_finite: bool = True
-) -> Callable[[], None]:
-    def run() -> None:
-        engine.update_weights(state, bucket_bytes=bucket_bytes, check_finite=check_finite)
-
-    return run
-
-
 def make_naive_run(trainer, state: dict[str, torch.Tensor], folder: Path) -> Callable[[], None]:
     from diffusers import SD3Transformer2DModel
     from safetensors.torch import save_file
@@ -190,21 +147,19 @@ def make_naive_run(trainer, state: dict[str, torch.Tensor], folder: Path) -> Cal
     return run
 
 
-# Where a push spends its time, measured on every timed push: timers in the worker (installed
-# through collective_rpc, so they run in the worker's thread or process whatever the executor;
-# instance attributes shadow `StagedUpdates`' methods while installed) and a wrapper on the
-# engine's executor's `collective_rpc` (an instance attribute shadows the method), which times each
-# RPC as the engine sees it.
+# Where a push spends its time, measured on every timed push: worker timers on `StagedUpdates`
+# (benchmarks.worker_timers) and the engine's step observer, which reports every RPC's seconds as
+# the engine sees them. Each piece is (key, row label).
 
-_WORKER_PIECES = (("stage", "updates.stage"), ("apply", "updates.apply"), ("commit", "updates.commit"))
-BREAKDOWN_ROWS = (
-    "engine: name/shape/dtype checks, bucketing",
-    "stage_weights rpcs: wire format, transport, hops",
-    "worker: stage (copy each bucket in)",
-    "apply + commit rpcs: round trips",
-    "worker: apply (swap storages in)",
-    "worker: commit (drop the old weights)",
+PIECES = (
+    ("engine", "engine: name/shape/dtype checks, bucketing"),
+    ("stage_rpcs", "stage_weights rpcs: wire format, transport, hops"),
+    ("stage", "worker: stage (copy each bucket in)"),
+    ("swap_rpcs", "apply + commit rpcs: round trips"),
+    ("apply", "worker: apply (swap storages in)"),
+    ("commit", "worker: commit (drop the old weights)"),
 )
+_WORKER_PIECES = (("stage", "updates.stage"), ("apply", "updates.apply"), ("commit", "updates.commit"))
 
 
 @dataclass
@@ -216,44 +171,36 @@ class PushTimer:
     rpc_calls: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        executor = self.engine.executor
-        inner = executor.collective_rpc
-
-        def collective_rpc(method, *args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return inner(method, *args, **kwargs)
-            finally:
-                name = method if isinstance(method, str) else method.__name__
-                self.rpc_seconds[name] = self.rpc_seconds.get(name, 0.0) + time.perf_counter() - start
-                self.rpc_calls[name] = self.rpc_calls.get(name, 0) + 1
-
-        executor.collective_rpc = collective_rpc
+        self.remove_observer = self.engine.add_step_observer(self._observe)
         self.engine.collective_rpc(install_timers, args=(_WORKER_PIECES,))
+
+    def _observe(self, report: StepReport) -> None:
+        if report.kind == "rpc":
+            self.rpc_seconds[report.name] = self.rpc_seconds.get(report.name, 0.0) + report.wall_s
+            self.rpc_calls[report.name] = self.rpc_calls.get(report.name, 0) + 1
 
     def reset(self) -> None:
         self.engine.collective_rpc(take_timings)
         self.rpc_seconds, self.rpc_calls = {}, {}
 
     def take(self, wall_s: float) -> dict[str, float]:
-        """The rows (seconds) of the push that took `wall_s`, plus its number of buckets."""
-        rpc, buckets = self.rpc_seconds, self.rpc_calls.get("stage_weights", 0)
+        """The pieces (seconds) of the push that took `wall_s`, plus its number of buckets."""
+        rpc, buckets = dict(self.rpc_seconds), self.rpc_calls.get("stage_weights", 0)
         worker = {name: sum(seconds) for name, seconds in self.engine.collective_rpc(take_timings)[0].items()}
-        stage_rpc = rpc.get("stage_weights", 0.0)
-        swap_rpc = rpc.get("apply_staged_weights", 0.0) + rpc.get("commit_weights", 0.0)
-        values = (
-            wall_s - sum(rpc.values()),
-            stage_rpc - worker["stage"],
-            worker["stage"],
-            swap_rpc - worker["apply"] - worker["commit"],
-            worker["apply"],
-            worker["commit"],
-        )
-        return dict(zip(BREAKDOWN_ROWS, values, strict=True)) | {"buckets": buckets}
+        swap_rpcs = rpc.get("apply_staged_weights", 0.0) + rpc.get("commit_weights", 0.0)
+        return {
+            "engine": wall_s - sum(rpc.values()),
+            "stage_rpcs": rpc.get("stage_weights", 0.0) - worker["stage"],
+            "stage": worker["stage"],
+            "swap_rpcs": swap_rpcs - worker["apply"] - worker["commit"],
+            "apply": worker["apply"],
+            "commit": worker["commit"],
+            "buckets": buckets,
+        }
 
     def remove(self) -> None:
         self.engine.collective_rpc(remove_timers)
-        del self.engine.executor.collective_rpc
+        self.remove_observer()
 
 
 # Running.
@@ -267,193 +214,145 @@ def perturb(trainer) -> None:
                 tensor.add_(1e-4)
 
 
-def time_rounds(
-    runs: dict[str, Callable[[], None]],
-    engines: dict[str, RolloutEngine],
-    timers: dict[str, PushTimer],
-    trainer,
-    args: argparse.Namespace,
-) -> tuple[dict[str, list[float]], dict[str, list[dict[str, float]]], int]:
-    """Seconds per push for each mode (round r runs the modes rotated by r), the breakdown rows of
-    every timed engine push, and the number of checksum comparisons made."""
-    times: dict[str, list[float]] = {mode: [] for mode in runs}
-    pieces: dict[str, list[dict[str, float]]] = {mode: [] for mode in timers}
-    verified = 0
-    for round_ in interleaved_rounds(runs, args.warmup, args.repeats):
-        perturb(trainer)
-        expected = checksum(base_state(trainer))
-        for mode in round_.order:
-            if mode in timers:
-                timers[mode].reset()
-            _, elapsed = timed_call(runs[mode])
-            rows = timers[mode].take(elapsed) if mode in timers else None
-            note = ""
-            if mode in engines and (args.verify == "every" or round_.index == 0):
-                got = engines[mode].weights_checksum()
-                if got != expected:
-                    raise AssertionError(f"{mode}: engine checksum {got[:12]} != pushed state's {expected[:12]}")
-                verified += 1
-                note = f"  checksum ok {got[:12]}"
-            if round_.timed:
-                times[mode].append(elapsed)
-                if rows is not None:
-                    pieces[mode].append(rows)
-            print(f"  [{round_.tag}] {mode:<16} {elapsed:7.3f} s{note}", flush=True)
-    return times, pieces, verified
+@dataclass
+class Pushes:
+    """The trainer's copy, perturbed before each round's first mode, and the checksum comparisons."""
+
+    trainer: object
+    verify: str  # "every" or "first"
+    round_index: int = -1
+    expected: str = ""
+    verified: int = 0
+
+    def mode(self, name: str, run: Callable[[], None], engine=None, timer: PushTimer | None = None):
+        """A mode for `harness.run_rounds`: the push's seconds (and its pieces, with a `timer`),
+        checked against the trainer's checksum afterwards when it went to an `engine`."""
+
+        def measured(round_: harness.Round) -> dict[str, float]:
+            if round_.index != self.round_index:
+                perturb(self.trainer)
+                self.round_index, self.expected = round_.index, checksum(base_state(self.trainer))
+            if timer is not None:
+                timer.reset()
+            _, seconds = harness.timed_call(run)
+            pieces = timer.take(seconds) if timer is not None else {}
+            if engine is not None and (self.verify == "every" or round_.index == 0):
+                got = engine.weights_checksum()
+                if got != self.expected:
+                    raise AssertionError(f"{name}: engine checksum {got[:12]} != pushed state's {self.expected[:12]}")
+                self.verified += 1
+            return {"s": seconds} | pieces
+
+        return measured
 
 
-def target_of(mode: str) -> tuple[str, float | None]:
-    backend = mode.split()[0]
-    if backend in TARGET_COPY_FRACTION:
-        return backend, TARGET_COPY_FRACTION[backend]
-    return backend, None
-
-
-def summarize(times: dict[str, list[float]], nbytes: int) -> dict[str, dict]:
-    """Per mode: median/min/max seconds, GB/s of the median, and two ratios, each from the medians
-    (the headline, which the targets use) and as the median of per-round ratios (pushes of one round
-    are seconds apart, so they share the machine's load)."""
-    summary = {
-        mode: {
-            **spread(values),
-            "gb_per_s": nbytes / 1e9 / statistics.median(values),
-            "times_s": values,
+def summarize(samples: dict[str, dict[str, list[float]]], nbytes: int) -> dict[str, dict]:
+    """Per mode: the seconds' statistics, GB/s of the median, and two ratios, each from the medians
+    (the headline, which the targets use) and as the median of per-round ratios."""
+    times = {mode: measured["s"] for mode, measured in samples.items()}
+    floor, naive = times["copy floor"], times.get("naive")
+    summary = {}
+    for mode, values in times.items():
+        stats = harness.Stats.of(values)
+        summary[mode] = {
+            "seconds": stats.to_json(),
+            "gb_per_s": nbytes / 1e9 / stats.median,
+            "copy_fraction": harness.Stats.of(floor).median / stats.median,
+            "copy_fraction_per_round": harness.per_round_ratio(floor, values),
+            "speedup_vs_naive": harness.Stats.of(naive).median / stats.median if naive else None,
+            "speedup_vs_naive_per_round": harness.per_round_ratio(naive, values) if naive else None,
         }
-        for mode, values in times.items()
-    }
-    floor = times["copy floor"]
-    naive = times.get("naive")
-    for mode, row in summary.items():
-        row["copy_fraction"] = statistics.median(floor) / row["median_s"]
-        row["copy_fraction_per_round"] = per_round_ratio(floor, times[mode])
-        row["speedup_vs_naive"] = statistics.median(naive) / row["median_s"] if naive else None
-        row["speedup_vs_naive_per_round"] = per_round_ratio(naive, times[mode]) if naive else None
     return summary
 
 
-def targets_met(summary: dict[str, dict]) -> dict[str, dict[str, bool]]:
-    verdicts = {}
+def report_modes(report: harness.Report, summary: dict[str, dict], nbytes: int) -> None:
+    rows = []
     for mode, row in summary.items():
-        backend, fraction = target_of(mode)
-        if backend not in BACKENDS:
-            continue
-        verdicts[mode] = {}
-        if fraction is not None:
-            verdicts[mode]["copy_fraction"] = row["copy_fraction"] >= fraction
-        if row["speedup_vs_naive"] is not None:
-            verdicts[mode]["speedup_vs_naive"] = row["speedup_vs_naive"] >= TARGET_SPEEDUP_VS_NAIVE
-    return verdicts
-
-
-def print_report(summary: dict[str, dict], verdicts: dict, breakdowns: dict[str, dict], nbytes: int) -> None:
-    print(
-        f"\npushing {nbytes / 1e6:.1f} MB; % copy = the copy floor's time / this mode's, x naive = the naive"
-        " path's time / this mode's,\nboth from the medians and as the median of per-round ratios; targets on"
-        " the medians"
-    )
-    header = (
-        f"{'mode':<16} {'median s':>9} {'min s':>7} {'max s':>7} {'GB/s':>6} {'% copy':>7} {'round':>6}"
-        f" {'x naive':>8} {'round':>6}   targets"
-    )
-    print(header)
-    print("-" * (len(header) + 44))
-    for mode, row in summary.items():
-        if row["speedup_vs_naive"] is None:
-            speedup = f"{'':>8} {'':>6}"
-        else:
-            speedup = f"{row['speedup_vs_naive']:>8.1f} {row['speedup_vs_naive_per_round']:>6.1f}"
-        notes = []
-        _, fraction = target_of(mode)
-        if fraction is not None:
-            ok = verdicts[mode]["copy_fraction"]
-            notes.append(f">= {100 * fraction:.0f} % copy: {'met' if ok else 'MISSED'}")
-        if "speedup_vs_naive" in verdicts.get(mode, {}):
-            ok = verdicts[mode]["speedup_vs_naive"]
-            notes.append(f">= {TARGET_SPEEDUP_VS_NAIVE:.0f}x naive: {'met' if ok else 'MISSED'}")
-        print(
-            f"{mode:<16} {row['median_s']:>9.3f} {row['min_s']:>7.3f} {row['max_s']:>7.3f} {row['gb_per_s']:>6.2f}"
-            f" {100 * row['copy_fraction']:>6.1f}% {100 * row['copy_fraction_per_round']:>5.1f}% {speedup}"
-            f"   {'; '.join(notes)}"
+        seconds, naive = row["seconds"], row["speedup_vs_naive"] is not None
+        rows.append(
+            [mode, seconds["median"], seconds["min"], seconds["max"], row["gb_per_s"]]
+            + [100 * row["copy_fraction"], 100 * row["copy_fraction_per_round"]]
+            + ([row["speedup_vs_naive"], row["speedup_vs_naive_per_round"]] if naive else ["", ""])
         )
-    if not breakdowns:
-        return
-    print("\nwhere an engine push spends its time (median seconds of each piece over the timed pushes;")
-    print("worker pieces are timed in the worker, rpcs as the engine sees them, the engine row is the rest, +-1 ms)")
-    modes = list(breakdowns)
-    header = f"{'piece':<50}" + "".join(f" {mode:>16}" for mode in modes)
-    print(header)
-    print("-" * len(header))
-    for name in BREAKDOWN_ROWS:
-        print(f"{name:<50}" + "".join(f" {breakdowns[mode]['rows'][name]:>16.3f}" for mode in modes))
-    print(f"{'push wall (median)':<50}" + "".join(f" {summary[mode]['median_s']:>16.3f}" for mode in modes))
-    print(f"{'buckets per push':<50}" + "".join(f" {breakdowns[mode]['buckets']:>16d}" for mode in modes))
+        backend = mode.split()[0]
+        if backend in TARGET_COPY_PERCENT:
+            goal = TARGET_COPY_PERCENT[backend]
+            report.check(harness.Target(f"{mode}: % of the copy floor's GB/s", rows[-1][5], ">=", goal))
+        if backend in BACKENDS and naive:
+            report.check(harness.Target(f"{mode}: x faster than naive", row["speedup_vs_naive"], ">=", 5.0))
+    report.table(
+        f"pushing {nbytes / 1e6:.1f} MB",
+        ["mode", "median s", "min s", "max s", "GB/s", "% copy", "round", "x naive", "round"],
+        rows,
+        note="% copy = the copy floor's time / this mode's, x naive = the naive path's time / this mode's, both from"
+        " the medians and (round) as the median of per-round ratios; targets on the medians",
+    )
 
 
-def finite_check_cost(summary: dict[str, dict], bucket_mib: int) -> dict[str, float] | None:
+def report_breakdown(report: harness.Report, samples: dict, summary: dict, modes: list[str]) -> dict[str, dict]:
+    medians = {mode: {key: harness.Stats.of(samples[mode][key]).median for key, _ in PIECES} for mode in modes}
+    rows = [[label, *(medians[mode][key] for mode in modes)] for key, label in PIECES]
+    rows.append(["push wall (median)", *(summary[mode]["seconds"]["median"] for mode in modes)])
+    rows.append(["buckets per push", *(int(samples[mode]["buckets"][0]) for mode in modes)])
+    report.table(
+        "where an engine push spends its time (median seconds of each piece over the timed pushes)",
+        ["piece", *modes],
+        rows,
+        note="worker pieces are timed in the worker, rpcs as the engine sees them, the engine row is the rest, +-1 ms",
+    )
+    return {mode: {"seconds": medians[mode], "buckets": int(samples[mode]["buckets"][0])} for mode in modes}
+
+
+def finite_check_cost(report: harness.Report, samples: dict, bucket_mib: int) -> dict[str, float] | None:
     """What the NaN/inf check adds to a uni push: median seconds with it minus without, from the
-    medians and as the median of per-round differences; printed, and None without both modes."""
-    checked = summary.get(f"uni ({bucket_mib} MiB)")
-    unchecked = summary.get(NO_CHECK_MODE)
+    medians and as the median of per-round differences; None without both modes."""
+    checked, unchecked = samples.get(f"uni ({bucket_mib} MiB)"), samples.get(NO_CHECK_MODE)
     if checked is None or unchecked is None:
         return None
-    per_round = statistics.median(a - b for a, b in zip(checked["times_s"], unchecked["times_s"], strict=True))
+    checked_s = harness.Stats.of(checked["s"]).median
+    per_round = harness.Stats.of(a - b for a, b in zip(checked["s"], unchecked["s"], strict=True)).median
     cost = {
-        "seconds": checked["median_s"] - unchecked["median_s"],
+        "seconds": checked_s - harness.Stats.of(unchecked["s"]).median,
         "seconds_per_round": per_round,
-        "fraction_of_push": per_round / checked["median_s"],
+        "fraction_of_push": per_round / checked_s,
     }
-    print(
-        f"\nthe NaN/inf check (check_finite, on by default) adds {1e3 * cost['seconds']:.1f} ms to a uni push "
+    report.note(
+        f"the NaN/inf check (check_finite, on by default) adds {1e3 * cost['seconds']:.1f} ms to a uni push "
         f"({1e3 * per_round:.1f} ms as the median per-round difference, {100 * cost['fraction_of_push']:.0f} % of "
         "the checked push)"
     )
     return cost
 
 
-def summarize_breakdowns(pieces: dict[str, list[dict[str, float]]]) -> dict[str, dict]:
-    return {
-        mode: {
-            "rows": {name: statistics.median(p[name] for p in pushes) for name in BREAKDOWN_ROWS},
-            "buckets": pushes[0]["buckets"],
-        }
-        for mode, pushes in pieces.items()
-        if pushes
-    }
-
-
 def main(argv: list[str] | None = None) -> dict:
-    args = parse_args(argv)
+    args = build_parser().parse_args(argv)
     from diffusers import SD3Transformer2DModel
     from diffusers.utils import logging as diffusers_logging
 
     diffusers_logging.set_verbosity_error()
     backends = [b for b in BACKENDS if b in args.backends]
-    sizes = benchmark_sizes(args)
+    sizes = TinySD3Sizes(
+        num_layers=args.num_layers, num_attention_heads=args.num_heads, attention_head_dim=args.head_dim
+    )
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)  # the uni worker runs in this process
-    print(
-        f"torch {torch.__version__}, threads {torch.get_num_threads()} (here and per worker), cpus {os.cpu_count()}, "
-        f"load average {os.getloadavg()[0]:.2f} (other processes share the machine if this is high)"
-    )
-    print(f"rounds {args.warmup} warmup + {args.repeats} timed, backends {backends}, sizes: {sizes}")
+    report = harness.Report("weight_sync", args, __doc__, argv)
+    load_before = os.getloadavg()[0]
     ray = None
     engines: dict[str, RolloutEngine] = {}
-    timers: dict[str, PushTimer] = {}
     by_engine: dict[str, PushTimer] = {}
     try:
         with tempfile.TemporaryDirectory(prefix="rollout-bench-") as tmp:
             folder = Path(tmp) / "pipeline"
-            start = time.perf_counter()
             build_tiny_sd3(folder, seed=0, sizes=sizes)
-            print(f"built and saved the pipeline in {time.perf_counter() - start:.2f} s")
             trainer = SD3Transformer2DModel.from_pretrained(folder, subfolder="transformer", local_files_only=True)
             original = checksum(base_state(trainer))  # what every engine loads
             state = base_state(trainer)
-            nbytes = state_bytes(state)
+            nbytes = sum(t.numel() * t.element_size() for t in state.values())
             params = sum(t.numel() for t in state.values())
-            print(
+            report.note(
                 f"transformer: {params / 1e6:.2f}M parameters, {len(state)} tensors, {nbytes / 1e6:.1f} MB "
-                f"({', '.join(sorted({str(t.dtype).removeprefix('torch.') for t in state.values()}))})"
+                f"({', '.join(sorted({str(t.dtype).removeprefix('torch.') for t in state.values()}))}); {sizes}"
             )
             if "ray" in backends:
                 import ray
@@ -465,31 +364,30 @@ def main(argv: list[str] | None = None) -> dict:
                     EngineConfig(model=str(folder), executor=backend, num_workers=1, threads_per_worker=args.threads)
                 )
                 print(f"  started {backend:<4} in {time.perf_counter() - start:6.2f} s", flush=True)
-            # The modes hold `state`: the trainer's tensors, which `perturb` changes in place.
-            runs: dict[str, Callable[[], None]] = {
-                "copy floor": make_copy_run(state),
-                "clone": make_clone_run(state),
-            }
-            mode_engines: dict[str, RolloutEngine] = {}
-            for backend in backends:
-                buckets = args.mp_bucket_mib if backend == "mp" else [args.bucket_mib]
-                for mib in buckets:
-                    mode = f"{backend} ({mib} MiB)"
-                    runs[mode] = make_engine_run(engines[backend], state, mib * MIB)
-                    mode_engines[mode] = engines[backend]
-            if "uni" in engines:
-                runs[NO_CHECK_MODE] = make_engine_run(engines["uni"], state, args.bucket_mib * MIB, check_finite=False)
-                mode_engines[NO_CHECK_MODE] = engines["uni"]
-            if not args.no_naive:
-                runs["naive"] = make_naive_run(trainer, state, Path(tmp) / "naive")
-            perturb(trainer)
-            if checksum(state) == original:
-                raise AssertionError("perturbing the trainer's copy did not change it")
             if not args.no_breakdown:
                 by_engine = {backend: PushTimer(engine) for backend, engine in engines.items()}
-                timers = {mode: by_engine[mode.split()[0]] for mode in mode_engines}
-            times, pieces, verified = time_rounds(runs, mode_engines, timers, trainer, args)
-            print(f"  {verified} checksum comparisons, all equal; load average now {os.getloadavg()[0]:.2f}")
+            # The modes hold `state`: the trainer's tensors, which `perturb` changes in place.
+            pushes = Pushes(trainer, args.verify)
+            modes = {
+                "copy floor": pushes.mode("copy floor", make_copy_run(state)),
+                "clone": pushes.mode("clone", make_clone_run(state)),
+            }
+            engine_modes = []
+            for backend in backends:
+                for mib in args.mp_bucket_mib if backend == "mp" else [args.bucket_mib]:
+                    engine_modes.append((f"{backend} ({mib} MiB)", backend, mib * MIB, True))
+            if "uni" in engines:
+                engine_modes.append((NO_CHECK_MODE, "uni", args.bucket_mib * MIB, False))
+            for mode, backend, bucket_bytes, check in engine_modes:
+                run = functools.partial(
+                    engines[backend].update_weights, state, bucket_bytes=bucket_bytes, check_finite=check
+                )
+                modes[mode] = pushes.mode(mode, run, engines[backend], by_engine.get(backend))
+            if not args.no_naive:
+                modes["naive"] = pushes.mode("naive", make_naive_run(trainer, state, Path(tmp) / "naive"))
+            samples = harness.run_rounds(modes, args.warmup, args.repeats)
+            if checksum(state) == original:
+                raise AssertionError("perturbing the trainer's copy did not change it")
             for timer in by_engine.values():
                 timer.remove()
     finally:
@@ -498,25 +396,22 @@ def main(argv: list[str] | None = None) -> dict:
         if ray is not None:
             ray.shutdown()
         torch.set_num_threads(previous_threads)
-    summary = summarize(times, nbytes)
-    verdicts = targets_met(summary)
-    breakdowns = summarize_breakdowns(pieces)
-    print_report(summary, verdicts, breakdowns, nbytes)
-    check_cost = finite_check_cost(summary, args.bucket_mib)
-    result = {
-        "args": json_args(args),
-        "torch_version": torch.__version__,
-        "torch_threads": args.threads,
+    report.note(
+        f"{pushes.verified} checksum comparisons, all equal; load average {load_before:.2f} at the start, "
+        f"{os.getloadavg()[0]:.2f} at the end (other processes share the machine if these are high)"
+    )
+    summary = summarize(samples, nbytes)
+    report_modes(report, summary, nbytes)
+    breakdowns = report_breakdown(report, samples, summary, [m for m, *_ in engine_modes]) if by_engine else {}
+    report.results = {
         "transformer_parameters": params,
         "pushed_bytes": nbytes,
-        "checksums_verified": verified,
+        "checksums_verified": pushes.verified,
         "modes": summary,
-        "targets_met": verdicts,
         "breakdown": breakdowns,
-        "finite_check": check_cost,
+        "finite_check": finite_check_cost(report, samples, args.bucket_mib),
     }
-    write_json(args.json, result)
-    return result
+    return report.finish()
 
 
 if __name__ == "__main__":
