@@ -96,7 +96,7 @@ def check_pushed(engine: RolloutEngine, state: dict[str, torch.Tensor]) -> None:
 def main(argv: list[str] | None = None) -> dict:
     parser = harness.parser("expert_update", __doc__, repeats=5, warmup=1, device="cpu", dtype="float32")
     parser.add_argument("--preset", choices=sorted(CONFIGS), default="small", help="size of the expert pushed")
-    parser.add_argument("--folder", type=Path, help="where to build the pipeline (default: a temporary folder)")
+    parser.add_argument("--folder", type=Path, help="where to build the pipeline (None: a temporary folder)")
     args = parser.parse_args(argv)
     report = harness.Report("expert_update", args, __doc__, argv)
     dtype = getattr(torch, args.dtype)
