@@ -11,25 +11,24 @@ same batch size, steps, image size (and frames) and guidance:
              embeddings precomputed, under torch.no_grad: what any sampler must at least spend
              (Wan 2.2: each step on the expert the real schedule gives it).
 
-Video families report frames/s (videos/s x frames). On CUDA the table adds each mode's
-memory peak above what was allocated when its call began (both copies of the weights, the engine's
-and the diffusers pipeline's, stay allocated throughout and are printed once).
+Video families report frames/s (videos/s x frames). On CUDA the table adds each mode's memory peak
+above what was allocated when its call began (the engine's and the diffusers pipeline's copies of
+the weights stay allocated throughout and are printed once). With --peak-tflops it adds the
+transformer's model-FLOPs utilisation (each step's forwards, counted by torch's FLOP counter).
 
 The three are interleaved (each round runs all three, in a rotated order) so machine noise hits all
-alike; warmup rounds are discarded and the median of the timed rounds is reported. All three run on
+alike; warmup rounds are discarded and the medians of the timed rounds reported. All three run on
 the engine's worker thread (diffusers and the floor through `collective_rpc`): glibc gives each
 thread its own malloc arena, and large activations page-faulted anew on one thread but reused on
-another moved the ratios by up to 15% either way. Afterwards one
-more engine run with timers on the worker's pieces shows where the engine spends its time beyond
-the floor. With --peak-tflops the report adds the transformer's model-FLOPs utilisation (FLOPs of
-each step's forwards, counted by torch's FLOP counter).
+another moved the ratios by up to 15% either way. Afterwards one more engine run with timers on the
+worker's pieces shows where the engine spends its time beyond the floor.
 
-    python -m benchmarks.rollout_throughput --family flux           # CPU-sized model, batch 16, 10 steps
-    python -m benchmarks.rollout_throughput --family sd3 --preset real --device cuda --dtype bfloat16 \\
-        --peak-tflops 989                                            # SD3.5 Medium's transformer on an H200
-    python -m benchmarks.rollout_throughput --family wan            # CPU-sized Wan 2.1: batch 16, 9 frames of 32x32
+    python -m benchmarks.rollout_throughput                       # SD3, CPU-sized model, batch 16, 10 steps
+    python -m benchmarks.rollout_throughput --preset real --device cuda --dtype bfloat16 \\
+        --peak-tflops 989                                          # SD3.5 Medium's transformer on an H200
+    python -m benchmarks.rollout_throughput --family wan          # CPU-sized Wan 2.1: batch 16, 9 frames of 32x32
     python -m benchmarks.rollout_throughput --family wan --preset real --device cuda --dtype bfloat16
-                                                                     # Wan 2.1 1.3B: batch 1, 33 frames of 480x832
+                                                                   # Wan 2.1 1.3B: batch 1, 33 frames of 480x832
 """
 
 from __future__ import annotations
