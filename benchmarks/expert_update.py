@@ -11,10 +11,10 @@ copy on the same device, and measures, for the same bytes (every tensor of `base
   engine      `engine.update_weights(state, component="transformer_2")`: the engine's checks,
               staging, apply and commit.
 
-Before every round the trainer's copy is perturbed (so every push changes the weights). After each
-engine push (untimed) a few of the engine's tensors are compared with the trainer's, and the other
-expert's checksum must be unchanged. Rounds are interleaved, warmup rounds discarded, medians
-reported with GB/s (1e9 bytes) and the engine's time over the copy's.
+Before every engine push the trainer's copy is perturbed (so every push changes the weights); after
+it (untimed) a few of the engine's tensors are compared with the trainer's, and the other expert's
+checksum must be unchanged. Rounds are interleaved, warmup rounds discarded, medians reported with
+GB/s (1e9 bytes) and the engine's time over the copy's.
 
 A real run needs a GPU with room for three copies of the expert (about 86 GB in bfloat16) and about
 30 GB of disk for the saved expert:
@@ -25,39 +25,21 @@ A real run needs a GPU with room for three copies of the expert (about 86 GB in 
 
 from __future__ import annotations
 
-import argparse
-import logging
-import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
-from benchmarks.common import interleaved_rounds, json_args, synchronize, write_json
+from benchmarks import harness
 from benchmarks.model_presets import WAN21_T2V_1_3B, WAN22_T2V_A14B_EXPERT
 from rollout import EngineConfig, RolloutEngine
 from rollout.pipelines.tiny import build_tiny_wan22
 from rollout.weights import base_state
 
-logger = logging.getLogger(__name__)
-
 EXPERT = "transformer_2"
 # small: Wan 2.1 1.3B's blocks, 4 of them (about 0.2B parameters, 0.8 GB in float32): big enough
 # that the copy, not the per-call overhead, dominates on a CPU.
 CONFIGS = {"small": WAN21_T2V_1_3B | {"num_layers": 4}, "real": WAN22_T2V_A14B_EXPERT}
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.expert_update", description=__doc__.split("\n")[0])
-    parser.add_argument("--preset", choices=sorted(CONFIGS), default="small", help="size of the expert pushed")
-    parser.add_argument("--device", default="cpu", help="where the engine, the trainer's copy and the copy live")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="the expert's dtype")
-    parser.add_argument("--repeats", type=int, default=5, help="timed rounds; each runs both modes")
-    parser.add_argument("--warmup", type=int, default=1, help="untimed rounds first")
-    parser.add_argument("--folder", type=Path, help="where to build the pipeline (default: a temporary folder)")
-    parser.add_argument("--json", type=Path, metavar="PATH", help="also write the results as JSON to PATH")
-    return parser.parse_args(argv)
 
 
 def build_pipeline(folder: Path, preset: str, device: str, dtype: torch.dtype) -> Path:
@@ -72,32 +54,29 @@ def build_pipeline(folder: Path, preset: str, device: str, dtype: torch.dtype) -
     return folder
 
 
-def push_rounds(engine: RolloutEngine, trainer: torch.nn.Module, args) -> dict[str, list[float]]:
+def push_rounds(engine: RolloutEngine, trainer: torch.nn.Module, args) -> dict[str, dict[str, list[float]]]:
     state = base_state(trainer)
     destination = {name: torch.empty_like(tensor) for name, tensor in state.items()}
     other_checksum = engine.weights_checksum("transformer")
-    seconds: dict[str, list[float]] = {"copy": [], "engine": []}
-    for round_ in interleaved_rounds(("copy", "engine"), args.warmup, args.repeats):
+
+    def copy(round_: harness.Round) -> float:
+        def run():
+            for name, tensor in state.items():
+                destination[name].copy_(tensor)
+
+        return harness.timed_call(run, device=args.device)[1]
+
+    def push(round_: harness.Round) -> float:
         with torch.no_grad():
             for tensor in state.values():
                 tensor.add_(1e-3)  # every push changes the weights
-        for mode in round_.order:
-            synchronize(args.device)
-            start = time.perf_counter()
-            if mode == "copy":
-                for name, tensor in state.items():
-                    destination[name].copy_(tensor)
-            else:
-                engine.update_weights(state, component=EXPERT)
-            synchronize(args.device)
-            elapsed = time.perf_counter() - start
-            if round_.timed:
-                seconds[mode].append(elapsed)
-            logger.info("  [%s] %-6s %8.3f s", round_.tag, mode, elapsed)
+        _, seconds = harness.timed_call(lambda: engine.update_weights(state, component=EXPERT), device=args.device)
         check_pushed(engine, state)
         if engine.weights_checksum("transformer") != other_checksum:
             raise RuntimeError("pushing transformer_2 changed the other expert")
-    return seconds
+        return seconds
+
+    return harness.run_rounds({"copy": copy, "engine": push}, args.warmup, args.repeats)
 
 
 def check_pushed(engine: RolloutEngine, state: dict[str, torch.Tensor]) -> None:
@@ -115,8 +94,11 @@ def check_pushed(engine: RolloutEngine, state: dict[str, torch.Tensor]) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    parser = harness.parser("expert_update", __doc__, repeats=5, warmup=1, device="cpu", dtype="float32")
+    parser.add_argument("--preset", choices=sorted(CONFIGS), default="small", help="size of the expert pushed")
+    parser.add_argument("--folder", type=Path, help="where to build the pipeline (None: a temporary folder)")
+    args = parser.parse_args(argv)
+    report = harness.Report("expert_update", args, __doc__, argv)
     dtype = getattr(torch, args.dtype)
     with tempfile.TemporaryDirectory() as scratch:
         folder = build_pipeline(args.folder or Path(scratch) / "wan22", args.preset, args.device, dtype)
@@ -127,21 +109,23 @@ def main(argv: list[str] | None = None) -> dict:
             trainer = WanTransformer3DModel.from_pretrained(folder / EXPERT, torch_dtype=dtype).to(args.device)
             state_bytes = sum(t.nbytes for t in base_state(trainer).values())
             parameters = sum(p.numel() for p in trainer.parameters())
-            seconds = push_rounds(engine, trainer, args)
-    result = {"args": json_args(args), "parameters": parameters, "bytes": state_bytes}
-    print(
-        f"\n{EXPERT}: {parameters / 1e9:.2f}B parameters, {state_bytes / 1e9:.2f} GB in {args.dtype} on {args.device}"
+            samples = push_rounds(engine, trainer, args)
+    stats = {mode: harness.Stats.of(measured["s"]) for mode, measured in samples.items()}
+    ratio = stats["engine"].median / stats["copy"].median
+    report.results = {
+        "parameters": parameters,
+        "bytes": state_bytes,
+        **{mode: s.to_json() | {"gb_per_s": state_bytes / 1e9 / s.median} for mode, s in stats.items()},
+        "engine_over_copy": ratio,
+        "engine_over_copy_per_round": harness.per_round_ratio(samples["engine"]["s"], samples["copy"]["s"]),
+    }
+    report.table(
+        f"{EXPERT}: {parameters / 1e9:.2f}B parameters, {state_bytes / 1e9:.2f} GB in {args.dtype} on {args.device}",
+        ["mode", "median s", "min s", "max s", "GB/s"],
+        [[mode, s.median, s.min, s.max, state_bytes / 1e9 / s.median] for mode, s in stats.items()],
+        note=f"engine update / device copy time: {ratio:.2f}x (medians)",
     )
-    print(f"{'mode':<8} {'median s':>9} {'min s':>8} {'GB/s':>8}")
-    for mode, values in seconds.items():
-        median = statistics.median(values)
-        result[mode] = {"median_s": median, "min_s": min(values), "gb_per_s": state_bytes / 1e9 / median}
-        print(f"{mode:<8} {median:>9.3f} {min(values):>8.3f} {state_bytes / 1e9 / median:>8.2f}")
-    ratio = result["engine"]["median_s"] / result["copy"]["median_s"]
-    result["engine_over_copy"] = ratio
-    print(f"engine update / device copy time: {ratio:.2f}x")
-    write_json(args.json, result)
-    return result
+    return report.finish()
 
 
 if __name__ == "__main__":

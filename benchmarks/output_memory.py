@@ -19,33 +19,17 @@ the bytes are the real ones while the compute stays small. Reported per sample:
 
 from __future__ import annotations
 
-import argparse
 import gc
 import tempfile
 from pathlib import Path
 
 import torch
 
-from benchmarks.common import json_args, write_json
+from benchmarks import harness
 from rollout import EngineConfig, RolloutEngine, SamplingParams
 from rollout.pipelines.tiny import TinySD3Sizes, build_tiny_sd3
 
 MIB = 2**20
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="python -m benchmarks.output_memory",
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    parser.add_argument("--prompts", type=int, default=2, help="distinct prompts per rollout")
-    parser.add_argument("--group-size", type=int, default=8, help="samples per prompt (num_samples)")
-    parser.add_argument("--steps", type=int, default=10, help="denoising steps (trajectory length)")
-    parser.add_argument("--executors", default="uni,mp", help="comma-separated executors to measure")
-    parser.add_argument("--mp-workers", type=int, default=2, help="worker processes of the mp executor")
-    parser.add_argument("--json", type=Path, metavar="PATH", help="also write the results as JSON to PATH")
-    return parser.parse_args(argv)
 
 
 def sd35_shaped_sizes() -> TinySD3Sizes:
@@ -92,7 +76,7 @@ def rss_shmem_bytes() -> int:
     return 0
 
 
-def measure(model: str, executor: str, args: argparse.Namespace) -> dict:
+def measure(model: str, executor: str, args) -> dict:
     workers = args.mp_workers if executor == "mp" else 1
     config = EngineConfig(model=model, executor=executor, num_workers=workers, max_batch_size=args.group_size)
     params = SamplingParams(num_inference_steps=args.steps, guidance_scale=4.5, num_samples=args.group_size, seed=0)
@@ -115,24 +99,32 @@ def measure(model: str, executor: str, args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    args = parse_args(argv)
-    executors = args.executors.split(",")
+    parser = harness.parser("output_memory", __doc__)
+    parser.add_argument("--prompts", type=harness.positive_int, default=2, help="distinct prompts per rollout")
+    parser.add_argument("--group-size", type=harness.positive_int, default=8, help="samples per prompt (num_samples)")
+    parser.add_argument("--steps", type=harness.positive_int, default=10, help="denoising steps (trajectory length)")
+    parser.add_argument("--executors", default="uni,mp", help="comma-separated executors to measure")
+    parser.add_argument("--mp-workers", type=harness.positive_int, default=2, help="mp executor: worker processes")
+    args = parser.parse_args(argv)
+    report = harness.Report("output_memory", args, __doc__, argv)
     with tempfile.TemporaryDirectory(prefix="rollout-bench-") as folder:
         build_tiny_sd3(folder, seed=0, sizes=sd35_shaped_sizes())
-        results = {executor: measure(folder, executor, args) for executor in executors}
-    print(f"\n{args.prompts} prompts x {args.group_size} samples, {args.steps} steps, CFG on; SD3.5 shapes at 512x512")
-    header = f"{'executor':<10} {'latents MiB':>12} {'referenced MiB':>15} {'shm held MiB':>13}   (per sample)"
-    print(header)
-    print("-" * len(header))
-    for executor, row in results.items():
-        held = "-" if row["shm_held_per_sample"] is None else f"{row['shm_held_per_sample'] / MIB:.2f}"
-        print(
-            f"{executor:<10} {row['latents_per_sample'] / MIB:>12.2f} "
-            f"{row['referenced_per_sample'] / MIB:>15.2f} {held:>13}"
-        )
-    result = {"args": json_args(args), "results": results}
-    write_json(args.json, result)
-    return result
+        report.results = {executor: measure(folder, executor, args) for executor in args.executors.split(",")}
+    report.table(
+        f"bytes per sample: {args.prompts} prompts x {args.group_size} samples, {args.steps} steps, CFG on; "
+        "SD3.5 shapes at 512x512",
+        ["executor", "latents MiB", "referenced MiB", "shm held MiB"],
+        [
+            [
+                executor,
+                row["latents_per_sample"] / MIB,
+                row["referenced_per_sample"] / MIB,
+                "-" if row["shm_held_per_sample"] is None else row["shm_held_per_sample"] / MIB,
+            ]
+            for executor, row in report.results.items()
+        ],
+    )
+    return report.finish()
 
 
 if __name__ == "__main__":

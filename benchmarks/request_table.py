@@ -13,27 +13,12 @@ queued requests, then:
 
 from __future__ import annotations
 
-import argparse
-import statistics
 import tempfile
 import time
-from pathlib import Path
 
-from benchmarks.common import json_args, write_json
+from benchmarks import harness
 from rollout import EngineConfig, RolloutEngine, SamplingParams
 from rollout.pipelines.tiny import build_tiny_sd3
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="python -m benchmarks.request_table",
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    parser.add_argument("--sizes", default="64,1024,8192", help="comma-separated queue lengths N")
-    parser.add_argument("--timed-adds", type=int, default=64, help="add_request calls timed at each N")
-    parser.add_argument("--json", type=Path, metavar="PATH", help="also write the results as JSON to PATH")
-    return parser.parse_args(argv)
 
 
 def measure(engine: RolloutEngine, queued: int, timed_adds: int) -> dict:
@@ -51,27 +36,32 @@ def measure(engine: RolloutEngine, queued: int, timed_adds: int) -> dict:
         raise RuntimeError(f"abort left requests behind: {len(aborted)} of {queued} aborted")
     return {
         "queued": queued,
-        "add_request_us": 1e6 * statistics.median(seconds),
+        "add_request_us": harness.Stats.of(seconds, 1e6).to_json(),
         "abort_all_s": abort_s,
         "abort_per_request_us": 1e6 * abort_s / queued,
     }
 
 
 def main(argv: list[str] | None = None) -> dict:
-    args = parse_args(argv)
+    parser = harness.parser("request_table", __doc__)
+    parser.add_argument("--sizes", default="64,1024,8192", help="comma-separated queue lengths N")
+    parser.add_argument("--timed-adds", type=harness.positive_int, default=64, help="add_request calls timed per N")
+    args = parser.parse_args(argv)
+    report = harness.Report("request_table", args, __doc__, argv)
     sizes = [int(size) for size in args.sizes.split(",")]
     with tempfile.TemporaryDirectory(prefix="rollout-request-table-") as folder:
         with RolloutEngine(EngineConfig(model=str(build_tiny_sd3(folder)))) as engine:
             rows = [measure(engine, size, min(args.timed_adds, size)) for size in sizes]
-    print(f"{'queued':>8} {'add_request µs':>15} {'abort all s':>12} {'abort µs/request':>17}")
-    for row in rows:
-        print(
-            f"{row['queued']:>8} {row['add_request_us']:>15.1f} {row['abort_all_s']:>12.4f} "
-            f"{row['abort_per_request_us']:>17.1f}"
-        )
-    result = {"args": json_args(args), "rows": rows}
-    write_json(args.json, result)
-    return result
+    report.results["rows"] = rows
+    report.table(
+        "bookkeeping with N queued (tiny SD3, uni, no step)",
+        ["queued", "add_request µs (median)", "abort all ms", "abort µs/request"],
+        [
+            [row["queued"], row["add_request_us"]["median"], 1e3 * row["abort_all_s"], row["abort_per_request_us"]]
+            for row in rows
+        ],
+    )
+    return report.finish()
 
 
 if __name__ == "__main__":

@@ -11,25 +11,24 @@ same batch size, steps, image size (and frames) and guidance:
              embeddings precomputed, under torch.no_grad: what any sampler must at least spend
              (Wan 2.2: each step on the expert the real schedule gives it).
 
-Video families report frames/s (videos/s x frames). On CUDA the table adds each mode's
-memory peak above what was allocated when its call began (both copies of the weights, the engine's
-and the diffusers pipeline's, stay allocated throughout and are printed once).
+Video families report frames/s (videos/s x frames). On CUDA the table adds each mode's memory peak
+above what was allocated when its call began (the engine's and the diffusers pipeline's copies of
+the weights stay allocated throughout and are printed once). With --peak-tflops it adds the
+transformer's model-FLOPs utilisation (each step's forwards, counted by torch's FLOP counter).
 
 The three are interleaved (each round runs all three, in a rotated order) so machine noise hits all
-alike; warmup rounds are discarded and the median of the timed rounds is reported. All three run on
+alike; warmup rounds are discarded and the medians of the timed rounds reported. All three run on
 the engine's worker thread (diffusers and the floor through `collective_rpc`): glibc gives each
 thread its own malloc arena, and large activations page-faulted anew on one thread but reused on
-another moved the ratios by up to 15% either way. Afterwards one
-more engine run with timers on the worker's pieces shows where the engine spends its time beyond
-the floor. With --peak-tflops the report adds the transformer's model-FLOPs utilisation (FLOPs of
-each step's forwards, counted by torch's FLOP counter).
+another moved the ratios by up to 15% either way. Afterwards one more engine run with timers on the
+worker's pieces shows where the engine spends its time beyond the floor.
 
-    python -m benchmarks.rollout_throughput --family flux           # CPU-sized model, batch 16, 10 steps
-    python -m benchmarks.rollout_throughput --family sd3 --preset real --device cuda --dtype bfloat16 \\
-        --peak-tflops 989                                            # SD3.5 Medium's transformer on an H200
-    python -m benchmarks.rollout_throughput --family wan            # CPU-sized Wan 2.1: batch 16, 9 frames of 32x32
+    python -m benchmarks.rollout_throughput                       # SD3, CPU-sized model, batch 16, 10 steps
+    python -m benchmarks.rollout_throughput --preset real --device cuda --dtype bfloat16 \\
+        --peak-tflops 989                                          # SD3.5 Medium's transformer on an H200
+    python -m benchmarks.rollout_throughput --family wan          # CPU-sized Wan 2.1: batch 16, 9 frames of 32x32
     python -m benchmarks.rollout_throughput --family wan --preset real --device cuda --dtype bfloat16
-                                                                     # Wan 2.1 1.3B: batch 1, 33 frames of 480x832
+                                                                   # Wan 2.1 1.3B: batch 1, 33 frames of 480x832
 """
 
 from __future__ import annotations
@@ -37,7 +36,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import statistics
 import tempfile
 import time
 from collections.abc import Callable
@@ -45,16 +43,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import (
-    install_timers,
-    interleaved_rounds,
-    json_args,
-    per_round_ratio,
-    remove_timers,
-    spread,
-    timed_call,
-    write_json,
-)
+from benchmarks import harness
 from benchmarks.model_presets import (
     DEFAULT_NUM_FRAMES,
     DEFAULT_SIZE,
@@ -63,6 +52,7 @@ from benchmarks.model_presets import (
     VIDEO_FAMILIES,
     build,
 )
+from benchmarks.worker_timers import install_timers, remove_timers
 from rollout import EngineConfig, RolloutEngine, SamplingParams
 from rollout.pipelines.families import FAMILIES as FAMILY_DESCRIPTORS
 from rollout.pipelines.families import family_named, family_names
@@ -77,55 +67,47 @@ DEFAULT_BATCH_SIZE = 16
 # Videos per call: a small-preset video is 9 frames of 32x32 (320 tokens, about an image's 256), a
 # real one 33 frames of 480x832 (14040 tokens; RL recipes for Wan run 1-2 videos per GPU).
 DEFAULT_VIDEO_BATCH_SIZE = {"small": 16, "real": 1}
+GIB = 2**30
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="python -m benchmarks.rollout_throughput",
-        description=__doc__.split("\n\n")[0]
-        + " Prints a table of images/s and the ratios engine/diffusers and engine/floor.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    model = parser.add_argument_group("model")
-    model.add_argument(
+    parser = harness.parser("rollout_throughput", __doc__, repeats=5, warmup=1, device="cpu", dtype="float32")
+    parser.add_argument(
         "--family",
         choices=FAMILIES,
         default="sd3",
         help="the pipeline family to measure: " + ", ".join(f"{f.name} ({f.title})" for f in FAMILY_DESCRIPTORS),
     )
-    model.add_argument(
+    parser.add_argument(
         "--preset",
         choices=PRESETS,
         default="small",
         help="small: a CPU-sized transformer; real: the published transformer ("
         + ", ".join(f.real_model for f in FAMILY_DESCRIPTORS)
-        + ") with random weights, for a GPU",
+        + ") with random weights, for a GPU (built on --device)",
     )
-    model.add_argument("--device", default="cpu", help="cpu or cuda[:N]; the real preset is built there too")
-    model.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"), help="model dtype")
-    run = parser.add_argument_group("what to run")
-    run.add_argument(
+    parser.add_argument(
         "--batch-size",
-        type=int,
+        type=harness.positive_int,
         help=f"images or videos per call (engine max_batch_size too): {DEFAULT_BATCH_SIZE}, "
         f"{DEFAULT_VIDEO_BATCH_SIZE['real']} for the real video presets",
     )
-    run.add_argument("--steps", type=int, default=10, help="denoising steps per image or video")
-    run.add_argument(
+    parser.add_argument("--steps", type=harness.positive_int, default=10, help="denoising steps per image or video")
+    parser.add_argument(
         "--size",
         type=int,
         help="image height and width in pixels (default: 64 for small, 512 for real; video: "
         "32x32 for small, 480x832 for real)",
     )
-    run.add_argument("--height", type=int, help="height in pixels (default: --size)")
-    run.add_argument("--width", type=int, help="width in pixels (default: --size)")
-    run.add_argument(
+    parser.add_argument("--height", type=int, help="height in pixels (default: --size)")
+    parser.add_argument("--width", type=int, help="width in pixels (default: --size)")
+    parser.add_argument(
         "--num-frames",
         type=int,
         help=f"video families: frames per video (default {DEFAULT_NUM_FRAMES['small']} for small, "
         f"{DEFAULT_NUM_FRAMES['real']} for real)",
     )
-    run.add_argument(
+    parser.add_argument(
         "--cfg",
         choices=("on", "off"),
         default="on",
@@ -133,23 +115,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         + "; ".join(f"{f.name} {_fields(f.cfg_on)} / {_fields(f.cfg_off)}" for f in FAMILY_DESCRIPTORS)
         + " (FLUX.1-dev's distilled guidance_scale stays at its default either way)",
     )
-    run.add_argument("--noise-level", type=float, default=0.7, help="the engine's flow_sde noise level")
-    run.add_argument("--repeats", type=int, default=5, help="timed rounds; each runs all three modes once")
-    run.add_argument("--warmup", type=int, default=1, help="untimed rounds first (allocator, kernels, caches)")
-    run.add_argument("--prompt", default="a red cube on a blue table", help="the one prompt, sampled batch times")
-    run.add_argument(
+    parser.add_argument("--noise-level", type=float, default=0.7, help="the engine's flow_sde noise level")
+    parser.add_argument("--prompt", default="a red cube on a blue table", help="the one prompt, sampled batch times")
+    parser.add_argument(
         "--peak-tflops", type=float, help="the device's dense peak TFLOP/s in --dtype: report model-FLOPs utilisation"
     )
-    run.add_argument(
+    parser.add_argument(
         "--no-breakdown", action="store_true", help="skip the extra engine run that times the worker's pieces"
     )
-    run.add_argument("--json", type=Path, metavar="PATH", help="also write the results as JSON to PATH")
     args = parser.parse_args(argv)
     video = args.family in VIDEO_FAMILIES
     if args.batch_size is None:
         args.batch_size = DEFAULT_VIDEO_BATCH_SIZE[args.preset] if video else DEFAULT_BATCH_SIZE
-    if args.batch_size < 1 or args.steps < 1 or args.repeats < 1 or args.warmup < 0:
-        parser.error("--batch-size, --steps and --repeats must be >= 1 and --warmup >= 0")
     if args.size is not None:
         default_height = default_width = args.size
     elif video:
@@ -293,33 +270,33 @@ def forward_flops(floor: FloorRun) -> float:
     return float(counter.get_total_flops())
 
 
-def time_rounds(
-    runs: dict[str, Callable[[int], None]], args: argparse.Namespace
-) -> tuple[dict[str, list[float]], dict[str, list[tuple[int, int]]]]:
-    """Seconds per batch for each mode over the timed rounds, and on CUDA each timed call's memory:
-    (bytes allocated when it began, its peak bytes allocated)."""
-    times: dict[str, list[float]] = {mode: [] for mode in runs}
-    memory: dict[str, list[tuple[int, int]]] = {mode: [] for mode in runs}
-    cuda = args.device.startswith("cuda")
-    for round_ in interleaved_rounds(runs, args.warmup, args.repeats):
-        for mode in round_.order:
-            if cuda:
-                gc.collect()
-                torch.cuda.synchronize(args.device)
-                torch.cuda.reset_peak_memory_stats(args.device)
-                start = torch.cuda.memory_allocated(args.device)
-            _, elapsed = timed_call(runs[mode], round_.index, device=args.device)
-            peak = torch.cuda.max_memory_allocated(args.device) if cuda else None
-            if round_.timed:
-                times[mode].append(elapsed)
-                if cuda:
-                    memory[mode].append((start, peak))
-            above = f", peak +{(peak - start) / 2**30:.2f} GiB" if cuda else ""
-            print(f"  [{round_.tag}] {mode:<9} {elapsed:7.2f} s{above}", flush=True)
-    return times, memory
+def measured(run: Callable[[int], None], device: str) -> Callable[[harness.Round], harness.Measurement]:
+    """A mode for `harness.run_rounds`: one batch seeded by the round, its seconds and on CUDA its
+    memory (GiB allocated when it began, its peak, and the peak above the start)."""
+    cuda = device.startswith("cuda")
+
+    def mode(round_: harness.Round) -> harness.Measurement:
+        if cuda:
+            gc.collect()
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            start = torch.cuda.memory_allocated(device)
+        _, elapsed = harness.timed_call(run, round_.index, device=device)
+        if not cuda:
+            return elapsed
+        peak = torch.cuda.max_memory_allocated(device)
+        return {
+            "s": elapsed,
+            "peak_above_start_gib": (peak - start) / GIB,
+            "start_gib": start / GIB,
+            "peak_gib": peak / GIB,
+        }
+
+    return mode
 
 
-# The breakdown: timers on the worker's pieces (see benchmarks.common.install_timers).
+# The breakdown: timers on the worker's pieces (benchmarks.worker_timers); the engine steps are
+# counted by a step observer.
 
 _TIMED_PIECES = (
     ("execute", "execute"),
@@ -340,12 +317,15 @@ def engine_breakdown(
     forwards of every denoiser (Wan 2.2: both experts) count as `transformer`."""
     pieces = _TIMED_PIECES + tuple((name, f"adapter.pipeline.{name}.forward") for name in denoisers[1:])
     engine.collective_rpc(install_timers, args=(pieces, args.device))
+    steps = []
+    stop_observing = engine.add_step_observer(lambda report: steps.append(report) if report.kind == "step" else None)
     try:
         gc.collect()
         start = time.perf_counter()
         run(args.warmup + args.repeats)
         wall = time.perf_counter() - start
     finally:
+        stop_observing()
         timings = engine.collective_rpc(remove_timers)[0]
     for name in denoisers[1:]:
         timings["transformer"] += timings.pop(name)
@@ -361,125 +341,109 @@ def engine_breakdown(
         "finish: trajectories to CPU": s["finish"] - s["decode"],
         "execute: frees, state bookkeeping": s["execute"] - s["prepare"] - s["step"] - s["finish"],
     }
-    return {"wall_s": wall, "rows": rows, "calls": {name: len(seconds) for name, seconds in timings.items()}}
+    calls = {name: len(seconds) for name, seconds in timings.items()} | {"engine_steps": len(steps)}
+    return {"wall_s": wall, "rows": rows, "calls": calls}
 
 
 # Reporting.
 
 
-def summarize(
-    times: dict[str, list[float]],
-    batch_size: int,
-    num_frames: int | None = None,
-    memory: dict[str, list[tuple[int, int]]] | None = None,
-) -> dict[str, dict]:
-    """Per mode: time spread, images/s (video: videos/s and frames/s), and with `memory` (CUDA) the
-    largest peak above the start of a call and the largest absolute peak, in GiB."""
-    summary = {}
-    for mode, values in times.items():
-        per_s = batch_size / statistics.median(values)
-        if num_frames is None:
-            row = {**spread(values), "images_per_s": per_s}
-        else:
-            row = {**spread(values), "videos_per_s": per_s, "frames_per_s": per_s * num_frames}
-        if memory and memory[mode]:
-            row["peak_above_start_gib"] = max(peak - start for start, peak in memory[mode]) / 2**30
-            row["peak_gib"] = max(peak for _, peak in memory[mode]) / 2**30
-            row["allocated_at_start_gib"] = min(start for start, _ in memory[mode]) / 2**30
-        summary[mode] = row | {"times_s": values}
-    return summary
-
-
-def ratios_of(summary: dict[str, dict], times: dict[str, list[float]]) -> dict[str, float]:
-    """Ratios from the medians (the headline), from the minima (the least disturbed runs), and the
-    median of per-round ratios (runs of one round are seconds apart, so they share the machine's
-    load)."""
-    engine, diffusers, floor = (summary[mode] for mode in MODES)
-    return {
-        "engine_speed_vs_diffusers": diffusers["median_s"] / engine["median_s"],
-        "engine_time_vs_floor": engine["median_s"] / floor["median_s"],
-        "diffusers_time_vs_floor": diffusers["median_s"] / floor["median_s"],
-        "engine_speed_vs_diffusers_min": diffusers["min_s"] / engine["min_s"],
-        "engine_time_vs_floor_min": engine["min_s"] / floor["min_s"],
-        "engine_speed_vs_diffusers_per_round": per_round_ratio(times["diffusers"], times["engine"]),
-        "engine_time_vs_floor_per_round": per_round_ratio(times["engine"], times["floor"]),
-    }
-
-
-def utilisation(summary: dict[str, dict], flops: float, args: argparse.Namespace) -> dict[str, float]:
-    """Model-FLOPs utilisation of each mode: the transformer's FLOPs per batch over its time."""
-    per_batch = flops * args.steps
-    return {mode: per_batch / summary[mode]["median_s"] / (args.peak_tflops * 1e12) for mode in MODES}
-
-
-def print_report(summary, ratios, breakdown, mfu, label: str) -> None:
-    floor_median = summary["floor"]["median_s"]
+def report_modes(report: harness.Report, samples: dict, args: argparse.Namespace, label: str, flops: float | None):
+    """The modes' table (seconds; images/s, or videos/s and frames/s; time over the floor's; with
+    --peak-tflops the model-FLOPs utilisation; on CUDA the memory peaks), the ratios and the targets."""
+    stats = {mode: harness.Stats.of(samples[mode]["s"]) for mode in MODES}
+    video, memory = is_video(args), "peak_gib" in samples["engine"]
+    rates = {"videos/s": "videos_per_s", "frames/s": "frames_per_s"} if video else {"images/s": "images_per_s"}
     labels = {
         "engine": "engine (uni, flow_sde, trajectory)",
         "diffusers": f"diffusers {label} (ODE)",
         "floor": "transformer forwards only",
     }
-    video = "frames_per_s" in summary["engine"]
-    memory = "peak_above_start_gib" in summary["engine"]
-    rates = (("videos/s", "videos_per_s"), ("frames/s", "frames_per_s")) if video else (("images/s", "images_per_s"),)
-    header = f"{'mode':<42} {'median s':>9} {'min s':>8} {'max s':>8}"
-    header += "".join(f" {title:>9}" for title, _ in rates) + f" {'x floor':>8}"
-    header += f" {'MFU':>6}" if mfu else ""
-    header += f" {'peak +GiB':>9}" if memory else ""
-    print("\n" + header)
-    print("-" * len(header))
-    for mode in MODES:
-        row = summary[mode]
-        line = f"{labels[mode]:<42} {row['median_s']:>9.3f} {row['min_s']:>8.3f} {row['max_s']:>8.3f}"
-        line += "".join(f" {row[key]:>9.3f}" for _, key in rates) + f" {row['median_s'] / floor_median:>8.3f}"
-        line += f" {100 * mfu[mode]:>5.1f}%" if mfu else ""
-        print(line + (f" {row['peak_above_start_gib']:>9.2f}" if memory else ""))
+    modes, rows = {}, []
+    for mode, seconds in stats.items():
+        per_s = args.batch_size / seconds.median
+        result = {"s": seconds.to_json(), "images_per_s": per_s}
+        if video:
+            result = {"s": seconds.to_json(), "videos_per_s": per_s, "frames_per_s": per_s * args.num_frames}
+        row = [labels[mode], seconds.median, seconds.min, seconds.max, *(result[key] for key in rates.values())]
+        row.append(seconds.median / stats["floor"].median)
+        if flops:  # the transformer's FLOPs per batch over the median time
+            result["mfu"] = flops * args.steps / seconds.median / (args.peak_tflops * 1e12)
+            row.append(100 * result["mfu"])
+        if memory:
+            result["peak_above_start_gib"] = max(samples[mode]["peak_above_start_gib"])
+            result["peak_gib"] = max(samples[mode]["peak_gib"])
+            result["allocated_at_start_gib"] = min(samples[mode]["start_gib"])
+            row.append(result["peak_above_start_gib"])
+        modes[mode] = result
+        rows.append(row)
+    columns = ["mode", "median s", "min s", "max s", *rates, "x floor"] + ["MFU %"] * bool(flops)
+    note = ""
     if memory:
-        at_start = min(summary[mode]["allocated_at_start_gib"] for mode in MODES)
-        peak = max(summary[mode]["peak_gib"] for mode in MODES)
-        print(
-            f"peak +GiB: a call's memory peak above what was allocated when it began. Allocated between calls\n"
-            f"(the engine's and the diffusers pipeline's copies of the weights): {at_start:.2f} GiB; highest peak: "
-            f"{peak:.2f} GiB"
+        columns.append("peak +GiB")
+        note = (
+            "peak +GiB: a call's memory peak above what was allocated when it began. Allocated between calls (the "
+            "engine's and the diffusers pipeline's copies of the weights): "
+            f"{min(m['allocated_at_start_gib'] for m in modes.values()):.2f} GiB; "
+            f"highest peak: {max(m['peak_gib'] for m in modes.values()):.2f} GiB"
         )
-    speed_ok = ratios["engine_speed_vs_diffusers"] >= TARGET_SPEED_VS_DIFFUSERS
-    floor_ok = ratios["engine_time_vs_floor"] <= TARGET_TIME_VS_FLOOR
-    header = f"{'ratio':<28} {'medians':>8} {'minima':>8} {'per-round':>10}   target (on medians)"
-    print("\n" + header)
-    print("-" * len(header))
-    for text, key, target, ok in (
-        ("engine / diffusers speed", "engine_speed_vs_diffusers", f">= {TARGET_SPEED_VS_DIFFUSERS}", speed_ok),
-        ("engine time / floor time", "engine_time_vs_floor", f"<= {TARGET_TIME_VS_FLOOR}", floor_ok),
-    ):
-        print(
-            f"{text:<28} {ratios[key]:>8.3f} {ratios[key + '_min']:>8.3f} {ratios[key + '_per_round']:>10.3f}"
-            f"   {target}: {'met' if ok else 'MISSED'}"
-        )
-    print(f"{'diffusers time / floor time':<28} {ratios['diffusers_time_vs_floor']:>8.3f}")
-    if breakdown is not None:
-        wall = breakdown["wall_s"]
-        print(f"\nengine breakdown (one extra batch with timers, {wall:.3f} s wall):")
-        for name, seconds in breakdown["rows"].items():
-            print(f"  {name:<52} {seconds:>8.3f} s {100 * seconds / wall:>6.1f} %")
-        calls = breakdown["calls"]
-        print(
-            f"  transformer calls: {calls['transformer']}, steps: {calls['step']}, "
-            f"engine steps (execute calls): {calls['execute']}"
-        )
+    report.table("throughput (medians of the timed rounds)", columns, rows, note)
+    # Ratios of the medians (the headline), of the minima (the least disturbed runs), and the
+    # median of the per-round ratios.
+    engine, diffusers, floor = (stats[mode] for mode in MODES)
+    times = {mode: samples[mode]["s"] for mode in MODES}
+    ratios = {
+        "engine_speed_vs_diffusers": diffusers.median / engine.median,
+        "engine_time_vs_floor": engine.median / floor.median,
+        "diffusers_time_vs_floor": diffusers.median / floor.median,
+        "engine_speed_vs_diffusers_min": diffusers.min / engine.min,
+        "engine_time_vs_floor_min": engine.min / floor.min,
+        "engine_speed_vs_diffusers_per_round": harness.per_round_ratio(times["diffusers"], times["engine"]),
+        "engine_time_vs_floor_per_round": harness.per_round_ratio(times["engine"], times["floor"]),
+    }
+    report.table(
+        "ratios (the targets are on the medians)",
+        ["ratio", "medians", "minima", "per-round"],
+        [
+            [name, *(ratios[key + kind] for kind in ("", "_min", "_per_round"))]
+            for name, key in (
+                ("engine / diffusers speed", "engine_speed_vs_diffusers"),
+                ("engine time / floor time", "engine_time_vs_floor"),
+            )
+        ]
+        + [["diffusers time / floor time", ratios["diffusers_time_vs_floor"], "-", "-"]],
+    )
+    speed, floor_time = ratios["engine_speed_vs_diffusers"], ratios["engine_time_vs_floor"]
+    report.check(harness.Target("engine / diffusers speed", speed, ">=", TARGET_SPEED_VS_DIFFUSERS))
+    report.check(harness.Target("engine time / floor time", floor_time, "<=", TARGET_TIME_VS_FLOOR))
+    report.results |= {"modes": modes, "ratios": ratios}
+
+
+def report_breakdown(report: harness.Report, breakdown: dict) -> None:
+    wall, calls = breakdown["wall_s"], breakdown["calls"]
+    report.table(
+        f"engine breakdown (one extra batch with timers, {wall:.3f} s wall)",
+        ["piece", "ms", "% of wall"],
+        [[name, 1e3 * seconds, 100 * seconds / wall] for name, seconds in breakdown["rows"].items()],
+        note=f"transformer calls: {calls['transformer']}, steps: {calls['step']}, "
+        f"engine steps: {calls['engine_steps']}",
+    )
+    report.results["breakdown"] = breakdown
 
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
+    report = harness.Report("rollout_throughput", args, __doc__, argv)
     import diffusers
     from diffusers.utils import logging as diffusers_logging
 
     diffusers_logging.set_verbosity_error()
     dtype = getattr(torch, args.dtype)
-    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, device {args.device}, dtype {args.dtype}")
     frames = f" x {args.num_frames} frames" if is_video(args) else ""
-    print(
-        f"family {args.family}, preset {args.preset}, batch {args.batch_size}, steps {args.steps}, "
-        f"{args.height}x{args.width}{frames}, CFG {args.cfg}, rounds {args.warmup} warmup + {args.repeats} timed"
+    report.note(
+        f"family {args.family}, preset {args.preset}, dtype {args.dtype}, batch {args.batch_size}, "
+        f"steps {args.steps}, {args.height}x{args.width}{frames}, CFG {args.cfg}, "
+        f"rounds {args.warmup} warmup + {args.repeats} timed"
     )
     with tempfile.TemporaryDirectory(prefix="rollout-bench-") as folder:
         build(args.family, args.preset, folder, args.device, dtype)
@@ -491,7 +455,7 @@ def main(argv: list[str] | None = None) -> dict:
         adapter = adapter_class(class_name)(pipeline)
         denoisers = list(adapter.denoisers)
         experts = f" (each of {len(denoisers)} experts: {', '.join(denoisers)})" if len(denoisers) > 1 else ""
-        print(f"{class_name}, transformer parameters: {params / 1e6:.2f}M{experts}")
+        report.note(f"{class_name}, transformer parameters: {params / 1e6:.2f}M{experts}")
         config = EngineConfig(
             model=folder, executor="uni", device=args.device, dtype=args.dtype, max_batch_size=args.batch_size
         )
@@ -503,27 +467,19 @@ def main(argv: list[str] | None = None) -> dict:
                 "diffusers": on_worker_thread(engine, make_diffusers_run(pipeline, args)),
                 "floor": on_worker_thread(engine, floor),
             }
-            times, memory = time_rounds(runs, args)
+            modes = {mode: measured(run, args.device) for mode, run in runs.items()}
+            samples = harness.run_rounds(modes, args.warmup, args.repeats)
             breakdown = None if args.no_breakdown else engine_breakdown(engine, runs["engine"], args, denoisers)
-    summary = summarize(times, args.batch_size, args.num_frames, memory)
-    ratios = ratios_of(summary, times)
-    mfu = utilisation(summary, flops, args) if flops else None
-    print_report(summary, ratios, breakdown, mfu, class_name)
-    result = {
-        "args": json_args(args),
-        "torch_version": torch.__version__,
-        "torch_threads": torch.get_num_threads(),
+    report.results = {
         "pipeline_class": class_name,
         "transformer_parameters": params,
         "denoisers": denoisers,
         "transformer_forward_flops": flops,
-        "modes": summary,
-        "ratios": ratios,
-        "mfu": mfu,
-        "breakdown": breakdown,
     }
-    write_json(args.json, result)
-    return result
+    report_modes(report, samples, args, class_name, flops)
+    if breakdown is not None:
+        report_breakdown(report, breakdown)
+    return report.finish()
 
 
 if __name__ == "__main__":
