@@ -31,8 +31,6 @@ time counts against the server. `--threads` sets the torch threads of the server
 process (the in-process engines) alike; 1 by default, as in `benchmarks.weight_sync`: a torch with
 more threads than idle cores waits for descheduled threads at every op, and with the clients (or
 anything else) busy, that made every mode several times slower and the ratios noise on 2 cores.
-(Past the ~400-line guide: the three parts share the rounds, the server and the report, and a
-benchmark reads best as one script.)
 
     python -m benchmarks.serve_load                           # about 4 minutes on 2 CPU cores
     python -m benchmarks.serve_load --clients 16 --threads 2 --json out.json
@@ -45,7 +43,6 @@ import asyncio
 import logging
 import os
 import secrets
-import statistics
 import tempfile
 import threading
 import time
@@ -56,7 +53,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import interleaved_rounds, json_args, per_round_ratio, spread, timed_call, write_json
+from benchmarks import harness
 from benchmarks.lora_swap import LORA_TARGETS, make_adapters, quiet_peft_warnings
 from benchmarks.weight_sync import perturb
 from rollout import EngineConfig, NodeId, RolloutEngine, RolloutOutput, SamplingParams
@@ -66,7 +63,6 @@ from rollout.serve.launch import ServerProcess
 from rollout.weights import base_state, checksum
 from trainers_adapters.remote_engine import RemoteRolloutEngine
 
-logger = logging.getLogger("benchmarks.serve_load")
 TARGET_THROUGHPUT_RATIO = 0.9  # the project's target: server samples/s over in-process samples/s
 CLIENT_TIMEOUT_S = 300.0  # the longest wait for the server's next bytes: a stuck server fails the run
 ROLLOUT_MODES = {
@@ -76,43 +72,25 @@ ROLLOUT_MODES = {
 }
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="python -m benchmarks.serve_load",
-        description=__doc__.split("\n\n")[0]
-        + " Prints samples/s of concurrent clients through the server and in process, the server's latency"
-        " percentiles, and the milliseconds and MB/s of LoRA and weight pushes over HTTP and in process.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = harness.parser("serve_load", __doc__, repeats=3, warmup=1, threads=1, model=None)
+    positive = harness.positive_int
     run = parser.add_argument_group("what to run")
-    run.add_argument("--model", type=Path, help="SD3 pipeline folder for rollouts and LoRA (default: build tiny SD3)")
-    run.add_argument("--clients", type=int, default=64, help="concurrent clients")
+    run.add_argument("--clients", type=positive, default=64, help="concurrent clients")
     # The defaults are a GRPO rollout's shape (a group of 4 samples, 10 steps); with 1-sample, 4-step
     # requests each request's HTTP cost is a larger share of its work (0.68-0.90 measured on 2 cores).
-    run.add_argument("--requests-per-client", type=int, default=1, help="requests each client sends, one at a time")
-    run.add_argument("--samples", type=int, default=4, help="num_samples of each request (its group)")
-    run.add_argument("--steps", type=int, default=10, help="num_inference_steps of each request")
-    run.add_argument("--max-batch-size", type=int, default=16, help="of the server and the in-process engines")
-    run.add_argument("--threads", type=int, default=1, help="torch threads of the server and of this process")
+    run.add_argument("--requests-per-client", type=positive, default=1, help="requests each client sends, in turn")
+    run.add_argument("--samples", type=positive, default=4, help="num_samples of each request (its group)")
+    run.add_argument("--steps", type=positive, default=10, help="num_inference_steps of each request")
+    run.add_argument("--max-batch-size", type=positive, default=16, help="of the server and the in-process engines")
     run.add_argument("--prompt", default="a red cube on a blue table", help="every request's prompt")
-    run.add_argument("--rank", type=int, default=32, help="LoRA rank r (lora_alpha = r)")
-    run.add_argument("--repeats", type=int, default=3, help="timed rollout rounds; each runs every mode once")
-    run.add_argument("--push-repeats", type=int, default=5, help="timed rounds of LoRA and of weight pushes")
-    run.add_argument("--warmup", type=int, default=1, help="untimed rounds first, in each part")
-    run.add_argument("--json", type=Path, metavar="PATH", help="also write the results as JSON to PATH")
+    run.add_argument("--rank", type=positive, default=32, help="LoRA rank r (lora_alpha = r)")
+    run.add_argument("--push-repeats", type=positive, default=5, help="timed rounds of LoRA and of weight pushes")
     sizes = parser.add_argument_group("weight push model", "the SD3 transformer of the weight pushes")
-    sizes.add_argument("--weight-layers", type=int, default=6, help="transformer blocks")
-    sizes.add_argument("--weight-heads", type=int, default=8, help="attention heads")
-    sizes.add_argument("--weight-head-dim", type=int, default=64, help="width of one head")
-    args = parser.parse_args(argv)
-    positive = (
-        "clients", "requests_per_client", "samples", "steps", "max_batch_size", "threads", "rank", "repeats",
-        "push_repeats", "weight_layers", "weight_heads", "weight_head_dim",
-    )  # fmt: skip
-    bad = [f"--{name.replace('_', '-')}" for name in positive if getattr(args, name) < 1]
-    if bad or args.warmup < 0:
-        parser.error(f"{', '.join(bad) or 'these options'} must be >= 1 (and --warmup >= 0)")
-    return args
+    sizes.add_argument("--weight-layers", type=positive, default=6, help="transformer blocks")
+    sizes.add_argument("--weight-heads", type=positive, default=8, help="attention heads")
+    sizes.add_argument("--weight-head-dim", type=positive, default=64, help="width of one head")
+    return parser.parse_args(argv)
 
 
 # Part 1: rollouts. A request is one prompt's group of `--samples` samples, id "r{round}-c{client}-{k}".
@@ -216,50 +194,70 @@ def check_answers(mode: str, answers: list[Answer], args, round_index: int) -> d
     return counts
 
 
-def time_rollouts(runs: dict[str, Callable], server: RemoteRolloutEngine, args) -> dict[str, list[dict]]:
-    """Per mode, one record per timed round: seconds, samples/s, latencies and the answer counts."""
-    records: dict[str, list[dict]] = {mode: [] for mode in runs}
+def measure_rollouts(runs: dict[str, Callable], server: RemoteRolloutEngine, args, report: harness.Report) -> None:
+    """Every mode once per round; the rollouts table, the throughput targets and the answers table."""
     samples = args.clients * args.requests_per_client * args.samples
-    for round_ in interleaved_rounds(runs, args.warmup, args.repeats):
-        for mode in round_.order:
-            (elapsed, answers), _ = timed_call(runs[mode], round_.index)
+    rounds: dict[str, list[dict]] = {mode: [] for mode in runs}  # per timed round: latencies and answer counts
+
+    def measure(mode: str) -> Callable[[harness.Round], dict]:
+        def run(round_: harness.Round) -> dict:
+            (elapsed, answers), _ = harness.timed_call(runs[mode], round_.index)
             counts = check_answers(mode, answers, args, round_.index)
             if mode == "server":
                 counts["unfinished_after"] = server.server_info()["unfinished_requests"]
                 if counts["unfinished_after"]:
                     raise AssertionError(f"server, round {round_.index}: after it, /server_info shows {counts}")
-            logger.info(f"  [{round_.tag}] {mode:<7} {elapsed:7.2f} s {samples / elapsed:7.2f} samples/s")
             if round_.timed:
                 latencies = [a.latency_s for a in answers if a.latency_s is not None]
                 engine = [max(o.timings.total_s for o in a.outputs) for a in answers]
-                records[mode].append({"seconds": elapsed, "latencies": latencies, "engine": engine, **counts})
-    return records
+                rounds[mode].append({"latencies_s": latencies, "engine_latencies_s": engine, **counts})
+            return {"s": elapsed, "samples/s": samples / elapsed}
 
+        return run
 
-def percentile(values: list[float], q: int) -> float | None:
-    return statistics.quantiles(values, n=100, method="inclusive")[q - 1] if values else None
-
-
-def summarize_rollouts(records: dict[str, list[dict]], samples: int) -> dict:
-    summary = {}
-    for mode, rounds in records.items():
-        latencies = [s for r in rounds for s in r["latencies"]]
-        engine = [s for r in rounds for s in r["engine"]]
-        summary[mode] = {
-            "samples_per_s": samples / statistics.median(r["seconds"] for r in rounds),
-            **spread([r["seconds"] for r in rounds]),
-            **{f"latency_p{q}_s": percentile(latencies, q) for q in (50, 99)},
-            **{f"engine_latency_p{q}_s": percentile(engine, q) for q in (50, 99)},
-            "rounds": [{k: v for k, v in r.items() if k not in ("latencies", "engine")} for r in rounds],
+    measured = harness.run_rounds({mode: measure(mode) for mode in runs}, args.warmup, args.repeats)
+    seconds = {mode: measured[mode]["s"] for mode in runs}
+    rows, results = [], {}
+    for mode, label in ROLLOUT_MODES.items():
+        wall = harness.Stats.of(seconds[mode])
+        latency = [s for r in rounds[mode] for s in r["latencies_s"]]  # none in sync mode
+        latency_ms = harness.Stats.of(latency, 1e3) if latency else None
+        engine_ms = harness.Stats.of((s for r in rounds[mode] for s in r["engine_latencies_s"]), 1e3)
+        results[mode] = {
+            "samples_per_s": samples / wall.median,
+            "seconds": wall.to_json(),
+            "latency_ms": latency_ms and latency_ms.to_json(),
+            "engine_latency_ms": engine_ms.to_json(),
+            "rounds": [{k: v for k, v in r.items() if not k.endswith("latencies_s")} for r in rounds[mode]],
         }
-    server = [r["seconds"] for r in records["server"]]
-    for baseline in ("sync", "async"):
-        summary[f"server_over_{baseline}"] = summary["server"]["samples_per_s"] / summary[baseline]["samples_per_s"]
-        # seconds in, so the ratio of samples/s is the inverse
-        summary[f"server_over_{baseline}_per_round"] = per_round_ratio(
-            [r["seconds"] for r in records[baseline]], server
+        percentiles = [stats.percentile(q) if stats else "-" for stats in (latency_ms, engine_ms) for q in (50, 99)]
+        rows.append(
+            [label.format(clients=args.clients), samples / wall.median, wall.median, wall.min, wall.max, *percentiles]
         )
-    return summary
+    report.table(
+        f"rollouts: {args.clients} clients x {args.requests_per_client} requests x {args.samples} samples = {samples}"
+        f" samples per round, {args.steps} steps, max batch {args.max_batch_size}, {args.threads} threads"
+        f" (median of {args.repeats} rounds)",
+        ["mode", "samples/s", "median s", "min s", "max s", "p50 ms", "p99 ms", "engine p50 ms", "engine p99 ms"],
+        rows,
+        "p50/p99: per request, as its client saw it; engine: its timings.total_s, queued + denoising",
+    )
+    ratios = []
+    for baseline in ("sync", "async"):
+        ratio = results["server"]["samples_per_s"] / results[baseline]["samples_per_s"]
+        per_round = harness.per_round_ratio(seconds[baseline], seconds["server"])  # seconds: the inverse ratio
+        results[f"server_over_{baseline}"], results[f"server_over_{baseline}_per_round"] = ratio, per_round
+        ratios.append([f"server / in-process {baseline}", ratio, per_round])
+        report.check(harness.Target(f"server / in-process {baseline} samples/s", ratio, ">=", TARGET_THROUGHPUT_RATIO))
+    report.table("throughput ratios", ["samples/s", "ratio of medians", "median of per-round ratios"], ratios)
+    counted = ("expected", "received", "lost", "duplicated", "misrouted", "not_finished")
+    report.table(
+        f"answers over {args.repeats} rounds (outputs)",
+        ["mode", *(name.replace("_", " ") for name in counted)],
+        [[mode, *(sum(r[name] for r in rounds[mode]) for name in counted)] for mode in ROLLOUT_MODES],
+        f"server: unfinished_requests after each round {[r['unfinished_after'] for r in rounds['server']]}",
+    )
+    report.results["rollouts"] = results
 
 
 # Parts 2 and 3: pushes. Each mode is `run(round_index)`, the push alone.
@@ -269,25 +267,35 @@ def time_pushes(runs: dict[str, Callable], before: Callable[[], None], check: Ca
     """Seconds per push of each mode; `before()` runs ahead of each round and `check()` after it
     (untimed: each engine has taken one push, which must have landed)."""
     times: dict[str, list[float]] = {mode: [] for mode in runs}
-    for round_ in interleaved_rounds(runs, args.warmup, args.push_repeats):
+    for round_ in harness.interleaved_rounds(runs, args.warmup, args.push_repeats):
         before()
         pushed = []
         for mode in round_.order:
-            _, elapsed = timed_call(runs[mode], round_.index)
+            _, elapsed = harness.timed_call(runs[mode], round_.index)
             if round_.timed:
                 times[mode].append(elapsed)
             pushed.append(f"{mode} {1e3 * elapsed:7.1f} ms")
-        logger.info(f"  [{round_.tag}] {'  '.join(pushed)}  {check()}")
+        print(f"  [{round_.tag}] {'  '.join(pushed)}  {check()}", flush=True)
     return times
 
 
-def summarize_pushes(times: dict[str, list[float]], nbytes: int) -> dict:
-    summary = {mode: {**spread(seconds, "ms", 1e3), "times_s": seconds} for mode, seconds in times.items()}
-    for row in summary.values():
-        row["mb_per_s"] = nbytes / 1e6 / (row["median_ms"] / 1e3)
-    summary["http_over_in_process"] = summary["http"]["median_ms"] / summary["in-process"]["median_ms"]
-    summary["http_over_in_process_per_round"] = per_round_ratio(times["http"], times["in-process"])
-    return summary
+def report_pushes(report: harness.Report, title: str, times: dict[str, list[float]], nbytes: int) -> dict:
+    """The table of one kind of push (ms and MB/s per mode); returns its results."""
+    stats = {mode: harness.Stats.of(seconds, 1e3) for mode, seconds in times.items()}
+    ratio = stats["http"].median / stats["in-process"].median
+    per_round = harness.per_round_ratio(times["http"], times["in-process"])
+    report.table(
+        title,
+        ["mode", "median ms", "min ms", "max ms", "MB/s"],
+        [[mode, s.median, s.min, s.max, nbytes / 1e3 / s.median] for mode, s in stats.items()],
+        f"http / in-process time: {ratio:.2f}x (median of per-round ratios {per_round:.2f}x)",
+    )
+    return {
+        **{mode: {"ms": s.to_json(), "mb_per_s": nbytes / 1e3 / s.median} for mode, s in stats.items()},
+        "http_over_in_process": ratio,
+        "http_over_in_process_per_round": per_round,
+        "bytes": nbytes,
+    }
 
 
 def check_lora(engines: dict, prompt: str) -> str:
@@ -308,7 +316,7 @@ def start_server(model: Path, api_key: str, args, *flags: str) -> ServerProcess:
     return ServerProcess.start(str(model), "--executor", "uni", *flags, api_key=api_key, env=threads)
 
 
-def measure_on_tiny(model: Path, api_key: str, args) -> tuple[dict, dict, dict]:
+def measure_on_tiny(model: Path, api_key: str, args, report: harness.Report) -> None:
     """Parts 1 and 2: they share the server and the in-process sync engine."""
     config = EngineConfig(model=str(model), executor="uni", max_batch_size=args.max_batch_size)
     with (
@@ -318,24 +326,22 @@ def measure_on_tiny(model: Path, api_key: str, args) -> tuple[dict, dict, dict]:
         async_engine, loop = AsyncRolloutEngine(RolloutEngine(config)), asyncio.new_event_loop()
         clients = [RemoteRolloutEngine(server.url, api_key, timeout_s=CLIENT_TIMEOUT_S) for _ in range(args.clients)]
         try:
-            logger.info(f"rollouts: {args.clients} clients of the server at {server.url}")
+            print(f"rollouts: {args.clients} clients of the server at {server.url}", flush=True)
             runs = {
                 "server": lambda index: run_server(clients, args, index),
                 "async": lambda index: run_async(async_engine, loop, args, index),
                 "sync": lambda index: run_sync(sync_engine, args, index),
             }
-            samples = args.clients * args.requests_per_client * args.samples
-            rollouts = summarize_rollouts(time_rollouts(runs, clients[0], args), samples)
-            lora, adapter = measure_lora(model, {"http": clients[0], "in-process": sync_engine}, args)
+            measure_rollouts(runs, clients[0], args, report)
+            measure_lora(model, {"http": clients[0], "in-process": sync_engine}, args, report)
         finally:
             for client in clients:
                 client.shutdown()
             async_engine.shutdown()
             loop.close()
-    return rollouts, lora, adapter
 
 
-def measure_lora(model: Path, engines: dict, args) -> tuple[dict, dict]:
+def measure_lora(model: Path, engines: dict, args, report: harness.Report) -> None:
     from diffusers import SD3Transformer2DModel
     from peft import LoraConfig
 
@@ -344,21 +350,23 @@ def measure_lora(model: Path, engines: dict, args) -> tuple[dict, dict]:
     adapters = make_adapters(transformer, LoraConfig(**config, init_lora_weights=False))
     for engine in engines.values():
         engine.load_lora("policy", adapters[1], config)  # resident: every timed push is a hot swap
-    adapter = {
-        "rank": args.rank,
-        "modules": engines["http"].lora_modules("policy"),
-        "bytes": sum(t.numel() * t.element_size() for t in adapters[0].values()),
-    }
-    logger.info(f"LoRA push: rank {args.rank}, {adapter['modules']} modules")
+    modules = engines["http"].lora_modules("policy")
+    nbytes = sum(t.numel() * t.element_size() for t in adapters[0].values())
+    print(f"LoRA push: rank {args.rank}, {modules} modules", flush=True)
     runs = {
         mode: lambda index, engine=engine: engine.load_lora("policy", adapters[index % 2], config)
         for mode, engine in engines.items()
     }
     times = time_pushes(runs, lambda: None, lambda: check_lora(engines, args.prompt), args)
-    return summarize_pushes(times, adapter["bytes"]), adapter
+    title = f"LoRA push: rank {args.rank}, {modules} modules, {nbytes / 1e6:.2f} MB (median of {args.push_repeats})"
+    report.results["lora_push"] = {
+        **report_pushes(report, title, times, nbytes),
+        "rank": args.rank,
+        "modules": modules,
+    }
 
 
-def measure_weight_push(folder: Path, api_key: str, args) -> tuple[dict, dict]:
+def measure_weight_push(folder: Path, api_key: str, args, report: harness.Report) -> None:
     from diffusers import SD3Transformer2DModel
 
     sizes = TinySD3Sizes(
@@ -367,9 +375,11 @@ def measure_weight_push(folder: Path, api_key: str, args) -> tuple[dict, dict]:
     build_tiny_sd3(folder, seed=0, sizes=sizes)
     trainer = SD3Transformer2DModel.from_pretrained(folder, subfolder="transformer", local_files_only=True)
     state = base_state(trainer)  # views of the trainer's parameters: `perturb` changes them in place
-    model = {"parameters": sum(t.numel() for t in state.values()), "tensors": len(state)}
-    model["bytes"] = sum(t.numel() * t.element_size() for t in state.values())
-    logger.info(f"weight push: {model['parameters'] / 1e6:.1f}M parameters, {model['bytes'] / 1e6:.1f} MB")
+    parameters, nbytes = (
+        sum(t.numel() for t in state.values()),
+        sum(t.numel() * t.element_size() for t in state.values()),
+    )
+    print(f"weight push: {parameters / 1e6:.1f}M parameters, {nbytes / 1e6:.1f} MB", flush=True)
     with (
         start_server(folder, api_key, args) as server,
         RemoteRolloutEngine(server.url, api_key, timeout_s=CLIENT_TIMEOUT_S) as remote,
@@ -391,105 +401,37 @@ def measure_weight_push(folder: Path, api_key: str, args) -> tuple[dict, dict]:
 
         runs = {mode: lambda index, engine=engine: engine.update_weights(state) for mode, engine in engines.items()}
         times = time_pushes(runs, before, check, args)
-    return summarize_pushes(times, model["bytes"]), model
-
-
-# Report.
-
-
-def print_report(rollouts: dict, lora: dict, adapter: dict, weights: dict, model: dict, args) -> None:
-    samples = args.clients * args.requests_per_client * args.samples
-    print(
-        f"\nrollouts: {args.clients} clients x {args.requests_per_client} requests x {args.samples} samples = "
-        f"{samples} samples per round, {args.steps} steps, max batch {args.max_batch_size}, {args.threads} threads"
-    )
-    header = f"{f'mode (median of {args.repeats})':<47} {'samples/s':>9} {'median s':>8} {'min s':>6} {'max s':>6}"
-    header += f" {'p50 ms':>7} {'p99 ms':>7} {'engine p50':>10} {'engine p99':>10}"
-    print(header + "\n" + "-" * len(header))
-    for mode, label in ROLLOUT_MODES.items():
-        row = rollouts[mode]
-        ms = {key: "-" if value is None else f"{1e3 * value:.0f}" for key, value in row.items() if key.endswith("_s")}
-        print(
-            f"{label.format(clients=args.clients):<47} {row['samples_per_s']:>9.2f} {row['median_s']:>8.2f}"
-            f" {row['min_s']:>6.2f} {row['max_s']:>6.2f} {ms['latency_p50_s']:>7} {ms['latency_p99_s']:>7}"
-            f" {ms['engine_latency_p50_s']:>10} {ms['engine_latency_p99_s']:>10}"
-        )
-    print("  (p50/p99: per request, as its client saw it; engine: its timings.total_s, queued + denoising)")
-    for baseline in ("sync", "async"):
-        ratio = rollouts[f"server_over_{baseline}"]
-        print(
-            f"server / in-process {baseline:<5} samples/s: {ratio:.3f} (median of per-round ratios "
-            f"{rollouts[f'server_over_{baseline}_per_round']:.3f})   target >= {TARGET_THROUGHPUT_RATIO}: "
-            f"{'met' if ratio >= TARGET_THROUGHPUT_RATIO else 'MISSED'}"
-        )
-    rounds = rollouts["server"]["rounds"]
-    total = {key: sum(r[key] for r in rounds) for key in ("expected", "received", "lost", "duplicated", "misrouted")}
-    print(
-        f"server answers over {len(rounds)} rounds: {total['received']} of {total['expected']} outputs, lost "
-        f"{total['lost']}, duplicated {total['duplicated']}, misrouted {total['misrouted']}; unfinished_requests "
-        f"after each round {[r['unfinished_after'] for r in rounds]}"
-    )
-
-    print(f"\npushes (median of {args.push_repeats})")
-    header = f"{'push':<47} {'median ms':>9} {'min ms':>8} {'max ms':>8} {'MB/s':>8}"
-    print(header + "\n" + "-" * len(header))
-    what = {
-        "LoRA": f"rank-{adapter['rank']} LoRA, {adapter['modules']} modules, {adapter['bytes'] / 1e6:.2f} MB",
-        "weights": f"weights, {model['parameters'] / 1e6:.1f}M parameters, {model['bytes'] / 1e6:.0f} MB",
+    title = f"weight push: {parameters / 1e6:.1f}M parameters, {nbytes / 1e6:.1f} MB (median of {args.push_repeats})"
+    report.results["weight_push"] = {
+        **report_pushes(report, title, times, nbytes),
+        "parameters": parameters,
+        "tensors": len(state),
     }
-    for kind, summary in (("LoRA", lora), ("weights", weights)):
-        print(what[kind])
-        for mode in ("http", "in-process"):
-            row = summary[mode]
-            print(
-                f"  {mode:<45} {row['median_ms']:>9.1f} {row['min_ms']:>8.1f} {row['max_ms']:>8.1f}"
-                f" {row['mb_per_s']:>8.0f}"
-            )
-        print(
-            f"  http / in-process time: {summary['http_over_in_process']:.2f}x (median of per-round ratios "
-            f"{summary['http_over_in_process_per_round']:.2f}x)"
-        )
 
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")  # httpx and the engines: quiet
-    logger.setLevel(logging.INFO)  # the progress lines
     from diffusers.utils import logging as diffusers_logging
 
     diffusers_logging.set_verbosity_error()
     quiet_peft_warnings()
     previous_threads = torch.get_num_threads()
-    torch.set_num_threads(args.threads)  # the in-process engines run in this process
-    start = time.perf_counter()
-    print(
-        f"torch {torch.__version__}, threads {args.threads} (server and this process), cpus {os.cpu_count()}, "
-        f"load average {os.getloadavg()[0]:.2f}; rounds {args.warmup} warmup + {args.repeats} timed "
-        f"(pushes {args.warmup} + {args.push_repeats})",
-        flush=True,
-    )
+    torch.set_num_threads(args.threads)  # the in-process engines run in this process (and the header says so)
+    report = harness.Report("serve_load", args, __doc__, argv)
+    start, load_before = time.perf_counter(), os.getloadavg()[0]
     api_key = secrets.token_hex(16)
     try:
         with tempfile.TemporaryDirectory(prefix="rollout-bench-serve-") as tmp:
             model = args.model or build_tiny_sd3(Path(tmp) / "tiny", seed=0)
-            rollouts, lora, adapter = measure_on_tiny(model, api_key, args)
-            weights, weight_model = measure_weight_push(Path(tmp) / "weights", api_key, args)
+            measure_on_tiny(model, api_key, args, report)
+            measure_weight_push(Path(tmp) / "weights", api_key, args, report)
     finally:
         torch.set_num_threads(previous_threads)
-    print_report(rollouts, lora, adapter, weights, weight_model, args)
-    total = time.perf_counter() - start
-    print(f"\ntotal {total:.1f} s; load average now {os.getloadavg()[0]:.2f}")
-    result = {
-        "args": json_args(args),
-        "torch_version": torch.__version__,
-        "target_throughput_ratio": TARGET_THROUGHPUT_RATIO,
-        "rollouts": rollouts,
-        "lora_push": {**lora, "adapter": adapter},
-        "weight_push": {**weights, "model": weight_model},
-        "total_s": total,
-    }
-    write_json(args.json, result)
-    return result
+    total, load_after = time.perf_counter() - start, os.getloadavg()[0]
+    report.note(f"total {total:.1f} s; load average {load_before:.2f} at the start, {load_after:.2f} at the end")
+    report.results |= {"total_s": total, "load_average": [load_before, load_after]}
+    return report.finish()
 
 
 if __name__ == "__main__":

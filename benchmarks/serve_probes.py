@@ -19,7 +19,6 @@ seconds, the start of the message) and checks, for the whole run:
 
 from __future__ import annotations
 
-import argparse
 import glob
 import json
 import os
@@ -34,7 +33,7 @@ from pathlib import Path
 import httpx
 import torch
 
-from benchmarks.common import json_args, write_json
+from benchmarks import harness
 from rollout import SamplingParams
 from rollout.pipelines.tiny import build_tiny_sd3
 from rollout.serve.launch import ServerProcess
@@ -50,19 +49,6 @@ class Probe:
     name: str  # what was sent, in a few words
     send: object  # fn(client) -> httpx.Response
     status: int  # what it must get
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="python -m benchmarks.serve_probes",
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    parser.add_argument("--probe-bound-s", type=float, default=1.0, help="most seconds a probe's answer may take")
-    parser.add_argument("--health-bound-s", type=float, default=2.0, help="most seconds /health may take")
-    parser.add_argument("--rss-slack-mb", type=float, default=200.0, help="RSS growth allowed over the run")
-    parser.add_argument("--json", type=Path, metavar="PATH", help="also write the results as JSON to PATH")
-    return parser.parse_args(argv)
 
 
 def params_body(**fields: str) -> bytes:
@@ -262,7 +248,12 @@ class HealthWatch(threading.Thread):
 
 
 def main(argv: list[str] | None = None) -> dict:
-    args = parse_args(argv)
+    parser = harness.parser("serve_probes", __doc__)
+    parser.add_argument("--probe-bound-s", type=float, default=1.0, help="most seconds a probe's answer may take")
+    parser.add_argument("--health-bound-s", type=float, default=2.0, help="most seconds /health may take")
+    parser.add_argument("--rss-slack-mb", type=float, default=200.0, help="RSS growth allowed over the run")
+    args = parser.parse_args(argv)
+    report = harness.Report("serve_probes", args, __doc__, argv)
     key = secrets.token_hex(16)
     with tempfile.TemporaryDirectory(prefix="rollout-probes-") as tmp:
         model = build_tiny_sd3(Path(tmp) / "pipeline", seed=0)
@@ -281,26 +272,9 @@ def main(argv: list[str] | None = None) -> dict:
             watch = HealthWatch(server.url)
             watch.start()
             (good_id, *_) = remote.add_request("a red square", GOOD, request_id="good")
-            rows = []
             with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {key}"}, timeout=60) as client:
-                for probe in probes(tensors, config, files):
-                    start = time.monotonic()
-                    response = probe.send(client)
-                    elapsed = time.monotonic() - start
-                    try:
-                        message = response.json().get("error", {}).get("message", "")
-                    except ValueError:
-                        message = response.text
-                    rows.append(
-                        {
-                            "probe": probe.name,
-                            "expected": probe.status,
-                            "status": response.status_code,
-                            "seconds": elapsed,
-                            "message": message[:110],
-                        }
-                    )
-            overlapped = remote.server_info()["running_requests"] > 0
+                rows = [send(probe, client) for probe in probes(tensors, config, files)]
+            running = remote.server_info()["running_requests"]
             half_s = half_sent_connections(server.url, 50, 2.0)
             together = []
             while remote.has_unfinished_requests():
@@ -315,49 +289,69 @@ def main(argv: list[str] | None = None) -> dict:
             shm = {path for path in glob.glob(f"/dev/shm/rollout-{server.process.pid}-*") if "-args-" not in path}
             shm -= shm_before
     together.sort(key=lambda output: output.sample_index)
-    same = all(
-        torch.equal(a.image, b.image) and torch.equal(a.trajectory.latents.stack(), b.trajectory.latents.stack())
+    different = sum(
+        not (torch.equal(a.image, b.image) and torch.equal(a.trajectory.latents.stack(), b.trajectory.latents.stack()))
         for a, b in zip(alone, together, strict=True)
     )
-    print(f"{'probe':<58} {'want':>4} {'got':>4} {'s':>6}  message")
-    print("-" * 150)
+    width = max(len(row["message"]) for row in rows)  # padded: the table right-aligns all but its first column
     for row in rows:
-        mark = "" if row["status"] == row["expected"] and row["seconds"] < args.probe_bound_s else "  <-- MISSED"
-        head = f"{row['probe']:<58} {row['expected']:>4} {row['status']:>4} {row['seconds']:>6.3f}"
-        print(f"{head}  {row['message']}{mark}")
-    print(f"\n50 half-sent connections: all closed after {half_s:.2f} s (--header-timeout-s 2)")
-    print(
-        f"the good request ({good_id}, {len(together)} samples, streamed through every probe): "
-        f"{'the same bytes as alone' if same else 'DIFFERENT from alone'}"
+        row["verdict"] = "" if row["status"] == row["expected"] and row["seconds"] < args.probe_bound_s else "MISSED"
+    report.table(
+        f"probes (sent while the good request streams; each must get its status within {args.probe_bound_s} s)",
+        ["probe", "want", "got", "s", "verdict", "message".ljust(width)],
+        [
+            [*(row[key] for key in ("probe", "expected", "status", "seconds", "verdict")), row["message"].ljust(width)]
+            for row in rows
+        ],
     )
-    print(f"/health: {watch.polls} polls, slowest {watch.worst_s:.3f} s, {watch.failures} not 200")
-    print(
+    report.note(f"50 half-sent connections: all closed after {half_s:.2f} s (--header-timeout-s 2)")
+    report.note(
+        f"the good request ({good_id}, {len(together)} samples, streamed through every probe): "
+        f"{'the same bytes as alone' if not different else f'{different} samples DIFFERENT from alone'}; "
+        f"still running after the last probe: {running > 0}"
+    )
+    report.note(f"/health: {watch.polls} polls, slowest {watch.worst_s:.3f} s, {watch.failures} not 200")
+    report.note(
         f"RSS of the server and its workers: {rss_before:.0f} MB before, {rss_after:.0f} MB after; "
         f"/dev/shm blocks left beyond the one kept for call arguments: {len(shm)}"
     )
-    checks = {
-        "every probe answered as it should, in time": all(
-            r["status"] == r["expected"] and r["seconds"] < args.probe_bound_s for r in rows
-        ),
-        "the good request ran through every probe": overlapped,
-        "the good request is bitwise as alone": same,
-        "health always answered in time": watch.failures == 0 and watch.worst_s < args.health_bound_s,
-        "RSS back": rss_after - rss_before < args.rss_slack_mb,
-        "/dev/shm back where it was": not shm,
-    }
-    for name, ok in checks.items():
-        print(f"  {name}: {'met' if ok else 'MISSED'}")
-    print(f"the good request was still running after the last probe: {overlapped}")
-    result = {
-        "args": json_args(args),
+    for target in (
+        harness.Target("probes with the wrong status", sum(r["status"] != r["expected"] for r in rows), "==", 0),
+        harness.Target("slowest probe s", max(r["seconds"] for r in rows), "<", args.probe_bound_s),
+        harness.Target("requests still running after the last probe", running, ">", 0),
+        harness.Target("good request's samples not bitwise as alone", different, "==", 0),
+        harness.Target("/health polls not 200 or unanswered", watch.failures, "==", 0),
+        harness.Target("/health slowest s", watch.worst_s, "<", args.health_bound_s),
+        harness.Target("RSS growth MB", rss_after - rss_before, "<", args.rss_slack_mb),
+        harness.Target("/dev/shm blocks left", len(shm), "==", 0),
+    ):
+        report.check(target)
+    report.results = {
         "probes": rows,
         "half_sent_close_s": half_s,
-        "health_worst_s": watch.worst_s,
+        "health": {"polls": watch.polls, "worst_s": watch.worst_s, "failures": watch.failures},
         "rss_mb": [rss_before, rss_after],
-        "checks": checks,
+        "shm_left": sorted(shm),
     }
-    write_json(args.json, result)
-    return result
+    return report.finish()
+
+
+def send(probe: Probe, client: httpx.Client) -> dict:
+    """The probe's answer: status, seconds and the start of its message."""
+    start = time.monotonic()
+    response = probe.send(client)
+    elapsed = time.monotonic() - start
+    try:
+        message = response.json().get("error", {}).get("message", "")
+    except ValueError:
+        message = response.text
+    return {
+        "probe": probe.name,
+        "expected": probe.status,
+        "status": response.status_code,
+        "seconds": elapsed,
+        "message": message[:110],
+    }
 
 
 def _worker_pids(server_pid: int) -> list[int]:

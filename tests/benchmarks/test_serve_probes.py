@@ -7,9 +7,14 @@ import pytest
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
-def test_every_probe_is_answered_and_nobody_else_pays():
+def test_every_probe_is_answered_and_nobody_else_pays(tmp_path):
+    import json
+
     from benchmarks.serve_probes import main
 
-    result = main([])
-    assert all(result["checks"].values()), result["checks"]
-    assert len(result["probes"]) >= 30
+    report = main(["--json", str(tmp_path / "probes.json")])
+    assert report["targets"] and all(target["met"] for target in report["targets"]), report["targets"]
+    assert len(report["results"]["probes"]) >= 30
+    (probes,) = [table for table in report["tables"] if table["title"].startswith("probes")]
+    assert len(probes["rows"]) == len(report["results"]["probes"])
+    assert json.loads((tmp_path / "probes.json").read_text())["header"]["benchmark"] == "serve_probes"
