@@ -257,16 +257,27 @@ class Table:
     note: str = ""
 
     def text(self) -> str:
-        """The table as a terminal shows it: the first column left-aligned, the rest right-aligned."""
-        widths = [max(len(str(cell)) for cell in column) for column in zip(self.columns, *self.rows, strict=True)]
+        """The table as a terminal shows it: columns of numbers right-aligned, the others left-aligned."""
+        columns = list(zip(self.columns, *self.rows, strict=True))
+        widths = [max(len(cell) for cell in column) for column in columns]
+        numeric = [all(_is_number(cell) for cell in column[1:]) for column in columns]
 
         def line(cells) -> str:
-            first, *rest = cells
-            return "  ".join([f"{first:<{widths[0]}}", *(f"{c:>{w}}" for c, w in zip(rest, widths[1:], strict=True))])
+            return "  ".join(
+                f"{c:>{w}}" if right else f"{c:<{w}}" for c, w, right in zip(cells, widths, numeric, strict=True)
+            ).rstrip()
 
         rule = "-" * (sum(widths) + 2 * (len(widths) - 1))
         body = [line(row) for row in self.rows]
         return "\n".join([f"\n{self.title}", line(self.columns), rule, *body] + ([self.note] if self.note else []))
+
+
+def _is_number(cell: str) -> bool:
+    try:
+        float(cell.rstrip("%x"))
+    except ValueError:
+        return cell in ("", "-")
+    return True
 
 
 # The report.
