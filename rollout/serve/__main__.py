@@ -35,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m rollout.serve",
         description="Serve a RolloutEngine over HTTP: rollouts with trajectories, weight and LoRA hot swaps, "
-        "pause/resume. Routes and bodies are listed in the README.",
+        "pause/resume. Routes and bodies are listed in docs/service.md.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     engine = parser.add_argument_group("engine (the fields of EngineConfig)")
