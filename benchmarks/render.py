@@ -75,6 +75,46 @@ def _number(value) -> str:
     return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
+# The README's headline ratios: (benchmark command after "python -m benchmarks.", target name, what
+# it compares). `render` writes them between the README's two markers, so they are generated too.
+HEADLINES = (
+    ("rollout_throughput --family sd3", "engine / diffusers speed", "SD3: the engine vs. `StableDiffusion3Pipeline`"),
+    ("rollout_throughput --family flux", "engine / diffusers speed", "FLUX.1: the engine vs. `FluxPipeline`"),
+    ("rollout_throughput --family qwen_image", "engine / diffusers speed", "Qwen-Image: vs. `QwenImagePipeline`"),
+    ("rollout_throughput --family wan", "engine / diffusers speed", "Wan 2.1 video: the engine vs. `WanPipeline`"),
+    ("serve_load", "server / in-process sync samples/s", "64 HTTP clients through the server vs. in process"),
+)
+HEADLINE_START, HEADLINE_END = (
+    "<!-- headline ratios: rendered by benchmarks.render -->",
+    "<!-- end of headline ratios -->",
+)
+
+
+def headline_lines(reports: list[dict]) -> list[str]:
+    """One line per headline whose report is there: the ratio, its target and the machine."""
+    by_title = {report["header"]["command"].removeprefix("python -m benchmarks."): report for report in reports}
+    lines = []
+    for title, target_name, what in HEADLINES:
+        report = by_title.get(title)
+        target = next((t for t in report["targets"] if t["name"] == target_name), None) if report else None
+        if target is not None:
+            header = report["header"]
+            lines.append(
+                f"- {what}: {target['name']} {_number(target['value'])} (target {target['op']} "
+                f"{_number(target['goal'])}; {header['device']}, {header['threads']} threads, `{header['commit']}`)"
+            )
+    return lines
+
+
+def with_headlines(readme: str, reports: list[dict]) -> str:
+    """The README with the lines between its headline markers replaced by `headline_lines`."""
+    before, start, rest = readme.partition(HEADLINE_START)
+    _, end, after = rest.partition(HEADLINE_END)
+    if not start or not end:
+        raise ValueError(f"README.md lacks the markers {HEADLINE_START!r} ... {HEADLINE_END!r}")
+    return before + "\n".join([HEADLINE_START, *headline_lines(reports), HEADLINE_END]) + after
+
+
 def render(reports: list[dict]) -> str:
     reports = sorted(reports, key=lambda report: report["header"]["started"])
     index = ["| benchmark | targets met | commit | machine |", "| --- | --- | --- | --- |"]
@@ -96,12 +136,17 @@ def main(argv: list[str] | None = None) -> Path:
     )
     parser.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results", help="folder of JSON reports")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks.md", help="the page to write")
+    parser.add_argument(
+        "--readme", type=Path, default=ROOT / "README.md", help="the README whose headline ratios to rewrite"
+    )
     args = parser.parse_args(argv)
     paths = sorted(args.results.glob("*.json"))
     if not paths:
         parser.error(f"no JSON reports in {args.results}: run `make bench` (or a benchmark with --json) first")
-    args.out.write_text(render([json.loads(path.read_text()) for path in paths]))
-    print(f"rendered {len(paths)} reports into {args.out}")
+    reports = [json.loads(path.read_text()) for path in paths]
+    args.out.write_text(render(reports))
+    args.readme.write_text(with_headlines(args.readme.read_text(), reports))
+    print(f"rendered {len(paths)} reports into {args.out} and the headline ratios of {args.readme}")
     return args.out
 
 

@@ -70,5 +70,20 @@ def test_shared_options_have_one_name_and_the_report_renders(tmp_path, capsys):
     assert "- engine / diffusers speed: 1.02 >= 0.95: met" in page
     assert "- floor ratio: 1.5 <= 1.1: **MISSED**" in page
     assert "| [demo --repeats 2](#demo---repeats-2) | 1 of 2 |" in page
-    out = render.main(["--results", str(tmp_path / "results"), "--out", str(tmp_path / "benchmarks.md")])
-    assert out.read_text() == page
+    readme = tmp_path / "README.md"
+    readme.write_text(f"front\n{render.HEADLINE_START}\nold line\n{render.HEADLINE_END}\nback\n")
+    argv = ["--results", str(tmp_path / "results"), "--out", str(tmp_path / "benchmarks.md"), "--readme", str(readme)]
+    assert render.main(argv).read_text() == page
+    assert "old line" not in readme.read_text() and readme.read_text().endswith(f"{render.HEADLINE_END}\nback\n")
+
+
+def test_the_readme_headlines_come_from_the_reports():
+    sd3 = {
+        "header": {"command": "python -m benchmarks.rollout_throughput --family sd3", "device": "cpu", "threads": 2}
+        | {"commit": "abc"},
+        "targets": [{"name": "engine / diffusers speed", "value": 1.016, "op": ">=", "goal": 0.95, "met": True}],
+    }
+    (line,) = render.headline_lines([sd3])
+    assert "engine / diffusers speed 1.016 (target >= 0.95; cpu, 2 threads, `abc`)" in line
+    readme = (render.ROOT / "README.md").read_text()
+    assert render.HEADLINE_START in readme and render.HEADLINE_END in readme
