@@ -62,15 +62,26 @@ def build_parser():
     parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS), help="which parts to run")
     over = parser.add_argument_group("part 1: per-step overhead (tiny pipeline; --repeats and --warmup rounds)")
     over.add_argument("--backends", nargs="+", choices=BACKENDS, default=list(BACKENDS), help="backends to measure")
-    over.add_argument("--requests", type=positive_int, default=12, help="prompts added per round, one group each")
-    over.add_argument("--group-size", type=positive_int, default=1, help="samples per prompt (num_samples)")
-    over.add_argument("--min-steps", type=positive_int, default=20, help="denoising steps of the first prompt")
+    over.add_argument(
+        "--requests", type=positive_int, default=12, help="prompts added per round, one request group each"
+    )
+    over.add_argument(
+        "--group-size", type=positive_int, default=1, help="samples per prompt (SamplingParams.num_samples)"
+    )
+    over.add_argument(
+        "--min-steps",
+        type=positive_int,
+        default=20,
+        help="denoising steps of the first prompt; the others spread to max",
+    )
     over.add_argument("--max-steps", type=positive_int, default=50, help="denoising steps of the last prompt")
     over.add_argument("--batch-size", type=positive_int, default=4, help="max_batch_size of the overhead engines")
     over.add_argument("--rpc-calls", type=positive_int, default=100, help="collective_rpc('get_rank') calls per round")
     over.add_argument("--ray-cpus", type=positive_int, default=2, help="num_cpus of the local ray.init()")
     scale = parser.add_argument_group("part 2: data-parallel scaling (mp, bigger transformer)")
-    scale.add_argument("--scaling-repeats", type=positive_int, default=3, help="timed rounds of all three configs")
+    scale.add_argument(
+        "--scaling-repeats", type=positive_int, default=3, help="timed rounds; each runs all three configs"
+    )
     scale.add_argument("--scaling-warmup", type=count, default=1, help="untimed rounds first")
     scale.add_argument("--samples", type=positive_int, default=16, help="samples per generate() call (one prompt)")
     scale.add_argument("--scaling-batch-size", type=positive_int, default=8, help="max_batch_size (per worker)")
@@ -78,7 +89,9 @@ def build_parser():
     scale.add_argument("--sample-size", type=positive_int, default=16, help="latent height and width (image is 2x)")
     scale.add_argument("--num-layers", type=positive_int, default=4, help="transformer blocks")
     scale.add_argument("--num-heads", type=positive_int, default=4, help="attention heads")
-    scale.add_argument("--head-dim", type=positive_int, default=32, help="width of one head (hidden = heads x dim)")
+    scale.add_argument(
+        "--head-dim", type=positive_int, default=32, help="width of one head (hidden = heads x head-dim)"
+    )
     return parser
 
 

@@ -40,6 +40,7 @@ from rollout.errors import EngineDeadError
 from rollout.pipelines.tiny import build_tiny_sd3
 from rollout.weights import base_state, checksum
 
+BACKENDS = ("uni", "mp", "ray")
 PROCESS_BACKENDS = ("mp", "ray")
 WORKERS = {"uni": 1, "mp": 2, "ray": 2}
 LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
@@ -47,7 +48,7 @@ LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
 
 def build_parser():
     parser = harness.parser("faults", __doc__)
-    parser.add_argument("--backends", nargs="+", choices=("uni", "mp", "ray"), default=["uni", "mp", "ray"])
+    parser.add_argument("--backends", nargs="+", choices=BACKENDS, default=list(BACKENDS), help="backends to measure")
     parser.add_argument("--lora-cycles", type=positive_int, default=300, help="load / hot-swap / unload cycles")
     parser.add_argument("--abort-cycles", type=positive_int, default=1000, help="add / abort cycles")
     parser.add_argument("--rollouts", type=positive_int, default=100, help="rollouts whose outputs are kept (shm)")
