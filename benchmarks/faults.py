@@ -11,13 +11,15 @@ refused     every kind of bad update (unknown name, shape, dtype, NaN, a name tw
             refused, with the weights' checksum unchanged;
 shm         /dev/shm bytes in use after 100 rollouts whose outputs the caller keeps.
 
+The kill figures slow the worker's step (or its update staging) down with a patch sent through
+`collective_rpc`, so the kill lands mid-call: fault injection, for which the engine has no public hook.
+
   python -m benchmarks.faults                      # uni, mp and ray
   python -m benchmarks.faults --backends mp --json faults.json
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import random
 import signal
@@ -26,35 +28,31 @@ import tempfile
 import threading
 import time
 import warnings
-from pathlib import Path
 
 import cloudpickle
 import torch
 
-from benchmarks.common import json_args, write_json
+from benchmarks import harness
+from benchmarks.harness import Target, positive_int
 from executors.shm import shm_dir
 from rollout import EngineConfig, RolloutEngine, SamplingParams
 from rollout.errors import EngineDeadError
 from rollout.pipelines.tiny import build_tiny_sd3
 from rollout.weights import base_state, checksum
 
+BACKENDS = ("uni", "mp", "ray")
 PROCESS_BACKENDS = ("mp", "ray")
 WORKERS = {"uni": 1, "mp": 2, "ray": 2}
 LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="python -m benchmarks.faults",
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    parser.add_argument("--backends", nargs="+", choices=("uni", "mp", "ray"), default=["uni", "mp", "ray"])
-    parser.add_argument("--lora-cycles", type=int, default=300, help="load / hot-swap / unload cycles")
-    parser.add_argument("--abort-cycles", type=int, default=1000, help="add / abort cycles")
-    parser.add_argument("--rollouts", type=int, default=100, help="rollouts whose outputs are kept (shm)")
-    parser.add_argument("--json", type=Path, metavar="PATH", help="also write the results as JSON to PATH")
-    return parser.parse_args(argv)
+def build_parser():
+    parser = harness.parser("faults", __doc__)
+    parser.add_argument("--backends", nargs="+", choices=BACKENDS, default=list(BACKENDS), help="backends to measure")
+    parser.add_argument("--lora-cycles", type=positive_int, default=300, help="load / hot-swap / unload cycles")
+    parser.add_argument("--abort-cycles", type=positive_int, default=1000, help="add / abort cycles")
+    parser.add_argument("--rollouts", type=positive_int, default=100, help="rollouts whose outputs are kept (shm)")
+    return parser
 
 
 # Worker functions (sent by value: Ray workers cannot import this module).
@@ -70,7 +68,8 @@ def rss_mib(worker) -> float:
 
 
 def slow_down(worker, target: str, seconds: float) -> None:
-    """Make `worker.<target>` (a dotted path to a method) take `seconds` longer."""
+    """Make `worker.<target>` (a dotted path to a method) take `seconds` longer: fault injection (the
+    engine has no public hook to slow a worker down), not timing."""
     owner_path, _, name = target.rpartition(".")
     owner = worker
     for part in owner_path.split(".") if owner_path else []:
@@ -243,44 +242,49 @@ def _alive(pid: int) -> bool:
         return stat.read().split()[2] != "Z"
 
 
-def print_report(results: dict) -> None:
-    print()
-    for backend, figures in results.items():
-        print(f"== {backend}")
-        for phase, kill in figures.get("kill", {}).items():
-            seconds = kill["seconds_to_error"]
-            shown = "not noticed" if seconds is None else f"{seconds:.2f} s"
-            ok = seconds is not None and seconds <= 5 and not kill["processes_left"] and not kill["shm_blocks_left"]
-            print(
-                f"  kill mid-{phase:<8} EngineDeadError after {shown:>8}; processes left {kill['processes_left']}, "
-                f"shm blocks left {kill['shm_blocks_left']}   goal <= 5 s, none left: {'met' if ok else 'MISSED'}"
-            )
-        lora = figures["lora"]
-        growth = lora["rss_growth_mib"]
-        print(
-            f"  lora      {lora['cycles']} cycles (rank 64 <-> 32): resident memory +{growth:.1f} MiB, "
-            f"{lora['ms_per_cycle']:.1f} ms/cycle   goal < 50 MiB: {'met' if growth < 50 else 'MISSED'}"
+def report_figures(results: dict, report: harness.Report) -> None:
+    report.results = results
+    kills = [(backend, phase, kill) for backend, f in results.items() for phase, kill in f.get("kill", {}).items()]
+    if kills:
+        report.table(
+            "kill: a worker SIGKILLed mid-call (goal: EngineDeadError within 5 s, no process or shm block left)",
+            ["backend", "phase", "EngineDeadError after s", "processes left", "shm blocks left"],
+            [[b, f"mid-{phase}", *(("not noticed" if v is None else v) for v in k.values())] for b, phase, k in kills],
         )
-        abort = figures["abort"]
-        clean = not any(abort["left"].values())
-        print(
-            f"  abort     {abort['cycles']} add/abort cycles: left {abort['left']}, "
-            f"{abort['ms_per_cycle']:.1f} ms/cycle   goal none: {'met' if clean else 'MISSED'}"
-        )
-        refused = figures["refused"]
-        all_ok = all(r["refused"] and r["checksum_unchanged"] for r in refused.values())
-        kinds = ", ".join(kind for kind, r in refused.items() if r["refused"] and r["checksum_unchanged"])
-        print(f"  refused   {kinds}   all refused, checksum unchanged: {'met' if all_ok else 'MISSED'}")
-        shm = figures["shm"]
-        print(
-            f"  shm       {shm['rollouts']} rollouts kept ({shm['outputs_mib']:.1f} MiB of outputs): "
-            f"/dev/shm +{shm['shm_growth_mib']:.2f} MiB"
-        )
+    for backend, phase, kill in kills:
+        seconds = float("inf") if kill["seconds_to_error"] is None else kill["seconds_to_error"]
+        report.check(Target(f"{backend} kill mid-{phase}: s to EngineDeadError", seconds, "<=", 5))
+        left = kill["processes_left"] + kill["shm_blocks_left"]
+        report.check(Target(f"{backend} kill mid-{phase}: processes + shm blocks left", left, "==", 0))
+    rows = []
+    for backend, f in results.items():
+        lora, abort, shm, refused = f["lora"], f["abort"], f["shm"], f["refused"]
+        wrong = [kind for kind, r in refused.items() if not (r["refused"] and r["checksum_unchanged"])]
+        ok = len(refused) - len(wrong)
+        left = "/".join(str(n) for n in abort["left"].values())
+        rows.append([backend, lora["rss_growth_mib"], lora["ms_per_cycle"], left, abort["ms_per_cycle"]])
+        rows[-1] += [f"{ok} of {len(refused)}", shm["outputs_mib"], shm["shm_growth_mib"]]
+        report.check(Target(f"{backend} lora: resident memory growth MiB", lora["rss_growth_mib"], "<", 50))
+        report.check(Target(f"{backend} abort: state left", sum(abort["left"].values()), "==", 0))
+        report.check(Target(f"{backend} bad updates refused, checksum unchanged", ok, "==", len(refused)))
+        if wrong:
+            report.note(f"{backend}: bad updates not refused, or the checksum changed: {', '.join(wrong)}")
+    lora, abort, shm = (next(iter(results.values()))[key] for key in ("lora", "abort", "shm"))
+    report.table(
+        "lora, abort, refused updates and /dev/shm per backend",
+        ["backend", "lora RSS growth MiB", "ms/cycle", "abort left", "ms/cycle", "bad updates refused"]
+        + ["outputs kept MiB", "/dev/shm growth MiB"],
+        rows,
+        note=f"lora: {lora['cycles']} load / hot-swap / unload cycles (rank 64 <-> 32); abort: {abort['cycles']} "
+        "add / abort cycles, state left in engine/scheduler/workers;\nrefused: bad updates (unknown name, shape, "
+        f"dtype, NaN, empty, a name twice) refused with the checksum unchanged; shm: {shm['rollouts']} rollouts kept",
+    )
 
 
 def main(argv: list[str] | None = None) -> dict:
-    args = parse_args(argv)
+    args = build_parser().parse_args(argv)
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    report = harness.Report("faults", args, __doc__, argv)
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="rollout-faults-") as folder:
         model = str(build_tiny_sd3(folder))
@@ -294,10 +298,8 @@ def main(argv: list[str] | None = None) -> dict:
             figures["refused"] = refused_figures(model, backend)
             figures["shm"] = shm_figures(model, backend, args.rollouts)
             results[backend] = figures
-    print_report(results)
-    result = {"args": json_args(args), "results": results}
-    write_json(args.json, result)
-    return result
+    report_figures(results, report)
+    return report.finish()
 
 
 if __name__ == "__main__":
