@@ -4,24 +4,20 @@ Builds a pipeline of the chosen family (SD3, FLUX.1, Qwen-Image, Wan 2.1 or Wan 
 experts; random weights, see benchmarks/model_presets.py) in a temporary folder and measures, at the
 same batch size, steps, image size (and frames) and guidance:
 
-  engine     `RolloutEngine` (executor "uni"), sampler flow_sde, trajectories recorded, images (videos)
-             decoded;
+  engine     `RolloutEngine` (executor "uni"), flow_sde, trajectories recorded, outputs decoded;
   diffusers  the family's diffusers pipeline from the same folder, ODE sampling, output_type="np";
-  floor      the same number of transformer calls on the same input shapes (2 x batch with CFG),
-             embeddings precomputed, under torch.no_grad: what any sampler must at least spend
-             (Wan 2.2: each step on the expert the real schedule gives it).
+  floor      the same transformer calls on the same input shapes (2 x batch with CFG), embeddings
+             precomputed, under torch.no_grad: what any sampler must at least spend.
 
 Video families report frames/s (videos/s x frames). On CUDA the table adds each mode's memory peak
-above what was allocated when its call began (the engine's and the diffusers pipeline's copies of
-the weights stay allocated throughout and are printed once). With --peak-tflops it adds the
-transformer's model-FLOPs utilisation (each step's forwards, counted by torch's FLOP counter).
+above what was allocated when its call began (the weights, allocated throughout, are printed once);
+with --peak-tflops, the transformer's model-FLOPs utilisation (torch's FLOP counter on one step).
+Targets: engine speed >= 0.95 x diffusers', engine time <= 1.10 x the floor's.
 
-The three are interleaved (each round runs all three, in a rotated order) so machine noise hits all
-alike; warmup rounds are discarded and the medians of the timed rounds reported. All three run on
-the engine's worker thread (diffusers and the floor through `collective_rpc`): glibc gives each
-thread its own malloc arena, and large activations page-faulted anew on one thread but reused on
-another moved the ratios by up to 15% either way. Afterwards one more engine run with timers on the
-worker's pieces shows where the engine spends its time beyond the floor.
+Rounds run the three in a rotated order, all on the engine's worker thread (diffusers and the floor
+through `collective_rpc`): glibc gives each thread its own malloc arena, and activations
+page-faulted anew on one thread but reused on another moved the ratios by up to 15%. One more engine
+run with timers on the worker's pieces shows where the engine spends its time beyond the floor.
 
     python -m benchmarks.rollout_throughput                       # SD3, CPU-sized model, batch 16, 10 steps
     python -m benchmarks.rollout_throughput --preset real --device cuda --dtype bfloat16 \\
@@ -43,15 +39,8 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import harness
-from benchmarks.model_presets import (
-    DEFAULT_NUM_FRAMES,
-    DEFAULT_SIZE,
-    DEFAULT_VIDEO_SIZE,
-    PRESETS,
-    VIDEO_FAMILIES,
-    build,
-)
+from benchmarks import harness, model_presets
+from benchmarks.model_presets import PRESETS, VIDEO_FAMILIES
 from benchmarks.worker_timers import install_timers, remove_timers
 from rollout import EngineConfig, RolloutEngine, SamplingParams
 from rollout.pipelines.families import FAMILIES as FAMILY_DESCRIPTORS
@@ -60,85 +49,47 @@ from rollout.pipelines.loading import adapter_class
 
 FAMILIES = family_names()
 MODES = ("engine", "diffusers", "floor")
-# The project's targets on CPU.
 TARGET_SPEED_VS_DIFFUSERS = 0.95
 TARGET_TIME_VS_FLOOR = 1.10
 DEFAULT_BATCH_SIZE = 16
-# Videos per call: a small-preset video is 9 frames of 32x32 (320 tokens, about an image's 256), a
-# real one 33 frames of 480x832 (14040 tokens; RL recipes for Wan run 1-2 videos per GPU).
+# A small video (9 frames of 32x32) has about an image's tokens; RL recipes for Wan run 1-2 real videos per GPU.
 DEFAULT_VIDEO_BATCH_SIZE = {"small": 16, "real": 1}
 GIB = 2**30
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = harness.parser("rollout_throughput", __doc__, repeats=5, warmup=1, device="cpu", dtype="float32")
-    parser.add_argument(
-        "--family",
-        choices=FAMILIES,
-        default="sd3",
-        help="the pipeline family to measure: " + ", ".join(f"{f.name} ({f.title})" for f in FAMILY_DESCRIPTORS),
-    )
-    parser.add_argument(
-        "--preset",
-        choices=PRESETS,
-        default="small",
-        help="small: a CPU-sized transformer; real: the published transformer ("
-        + ", ".join(f.real_model for f in FAMILY_DESCRIPTORS)
-        + ") with random weights, for a GPU (built on --device)",
-    )
-    parser.add_argument(
-        "--batch-size",
-        type=harness.positive_int,
-        help=f"images or videos per call (engine max_batch_size too): {DEFAULT_BATCH_SIZE}, "
-        f"{DEFAULT_VIDEO_BATCH_SIZE['real']} for the real video presets",
-    )
+    families = ", ".join(f"{f.name} ({f.title})" for f in FAMILY_DESCRIPTORS)
+    parser.add_argument("--family", choices=FAMILIES, default="sd3", help=f"the pipeline family: {families}")
+    real = ", ".join(f.real_model for f in FAMILY_DESCRIPTORS)
+    parser.add_argument("--preset", choices=PRESETS, default="small", help=f"small: CPU-sized; real: {real} (GPU)")
+    parser.add_argument("--batch-size", type=harness.positive_int, help="images/videos per call (16; real video: 1)")
     parser.add_argument("--steps", type=harness.positive_int, default=10, help="denoising steps per image or video")
-    parser.add_argument(
-        "--size",
-        type=int,
-        help="image height and width in pixels (default: 64 for small, 512 for real; video: "
-        "32x32 for small, 480x832 for real)",
-    )
+    parser.add_argument("--size", type=int, help="height and width (default 64 small, 512 real; video 32x32, 480x832)")
     parser.add_argument("--height", type=int, help="height in pixels (default: --size)")
     parser.add_argument("--width", type=int, help="width in pixels (default: --size)")
-    parser.add_argument(
-        "--num-frames",
-        type=int,
-        help=f"video families: frames per video (default {DEFAULT_NUM_FRAMES['small']} for small, "
-        f"{DEFAULT_NUM_FRAMES['real']} for real)",
-    )
-    parser.add_argument(
-        "--cfg",
-        choices=("on", "off"),
-        default="on",
-        help="classifier-free guidance (2 x batch per forward), each family's settings for on / off: "
-        + "; ".join(f"{f.name} {_fields(f.cfg_on)} / {_fields(f.cfg_off)}" for f in FAMILY_DESCRIPTORS)
-        + " (FLUX.1-dev's distilled guidance_scale stays at its default either way)",
-    )
+    parser.add_argument("--num-frames", type=int, help="video families: frames per video (default 9 small, 33 real)")
+    parser.add_argument("--cfg", choices=("on", "off"), default="on", help="guidance as the family's cfg_on / cfg_off")
     parser.add_argument("--noise-level", type=float, default=0.7, help="the engine's flow_sde noise level")
     parser.add_argument("--prompt", default="a red cube on a blue table", help="the one prompt, sampled batch times")
-    parser.add_argument(
-        "--peak-tflops", type=float, help="the device's dense peak TFLOP/s in --dtype: report model-FLOPs utilisation"
-    )
-    parser.add_argument(
-        "--no-breakdown", action="store_true", help="skip the extra engine run that times the worker's pieces"
-    )
+    parser.add_argument("--peak-tflops", type=float, help="the device's dense peak TFLOP/s in --dtype: report MFU")
+    parser.add_argument("--no-breakdown", action="store_true", help="skip the engine run with timers")
     args = parser.parse_args(argv)
     video = args.family in VIDEO_FAMILIES
+    if not video and args.num_frames is not None:
+        parser.error(f"--num-frames is for the video families ({', '.join(VIDEO_FAMILIES)})")
     if args.batch_size is None:
         args.batch_size = DEFAULT_VIDEO_BATCH_SIZE[args.preset] if video else DEFAULT_BATCH_SIZE
     if args.size is not None:
-        default_height = default_width = args.size
+        height = width = args.size
     elif video:
-        default_height, default_width = DEFAULT_VIDEO_SIZE[args.preset]
+        height, width = model_presets.DEFAULT_VIDEO_SIZE[args.preset]
     else:
-        default_height = default_width = args.size = DEFAULT_SIZE[args.preset]
-    args.height = default_height if args.height is None else args.height
-    args.width = default_width if args.width is None else args.width
+        height = width = args.size = model_presets.DEFAULT_SIZE[args.preset]
+    args.height = height if args.height is None else args.height
+    args.width = width if args.width is None else args.width
     if video and args.num_frames is None:
-        args.num_frames = DEFAULT_NUM_FRAMES[args.preset]
-    if not video and args.num_frames is not None:
-        parser.error(f"--num-frames is for the video families ({', '.join(VIDEO_FAMILIES)})")
+        args.num_frames = model_presets.DEFAULT_NUM_FRAMES[args.preset]
     return args
 
 
@@ -146,31 +97,25 @@ def is_video(args: argparse.Namespace) -> bool:
     return args.num_frames is not None
 
 
-def guidance_fields(family: str, cfg: bool) -> dict:
-    """SamplingParams fields (and diffusers call arguments) for CFG on or off, as the family declares them."""
-    return family_named(family).guidance_fields(cfg)
+def common_fields(args: argparse.Namespace) -> dict:
+    """What SamplingParams and the diffusers call share: steps, size and the family's --cfg fields."""
+    guidance = family_named(args.family).guidance_fields(args.cfg == "on")
+    return dict(num_inference_steps=args.steps, height=args.height, width=args.width, **guidance)
 
 
-def _fields(fields: dict) -> str:
-    return " ".join(f"{name}={value!r}" for name, value in fields.items())
-
-
-# The three modes. Each `make_*` does the untimed setup and returns a function that runs one batch.
+# The three modes: each `make_*` does the untimed setup and returns a function that runs one batch.
 
 
 def make_engine_run(engine: RolloutEngine, args: argparse.Namespace) -> Callable[[int], None]:
     def run(seed: int) -> None:
         params = SamplingParams(
-            num_inference_steps=args.steps,
             sampler="flow_sde",
             noise_level=args.noise_level,
             num_samples=args.batch_size,
-            height=args.height,
-            width=args.width,
             num_frames=args.num_frames,
             seed=seed,
             return_trajectory=True,
-            **guidance_fields(args.family, args.cfg == "on"),
+            **common_fields(args),
         )
         outputs = engine.generate([args.prompt], params)
         decoded = outputs[0].video if is_video(args) else outputs[0].image
@@ -181,54 +126,34 @@ def make_engine_run(engine: RolloutEngine, args: argparse.Namespace) -> Callable
 
 def on_worker_thread(engine: RolloutEngine, run: Callable[[int], None]) -> Callable[[int], None]:
     """`run`, called on the "uni" engine's worker thread, where the engine itself computes."""
-
-    def on_worker(seed: int) -> None:
-        engine.collective_rpc(lambda worker: run(seed))
-
-    return on_worker
+    return lambda seed: engine.collective_rpc(lambda worker: run(seed))
 
 
 def make_diffusers_run(pipeline, args: argparse.Namespace) -> Callable[[int], None]:
+    shape = {"num_images_per_prompt": args.batch_size}
     if is_video(args):  # WanPipeline: videos per prompt, frames out
         shape = {"num_videos_per_prompt": args.batch_size, "num_frames": args.num_frames}
-    else:
-        shape = {"num_images_per_prompt": args.batch_size}
 
     def run(seed: int) -> None:
-        output = pipeline(
-            prompt=args.prompt,
-            num_inference_steps=args.steps,
-            height=args.height,
-            width=args.width,
-            generator=torch.Generator("cpu").manual_seed(seed),
-            output_type="np",
-            **shape,
-            **guidance_fields(args.family, args.cfg == "on"),
-        )
-        decoded = output.frames if is_video(args) else output.images
-        assert len(decoded) == args.batch_size
+        generator = torch.Generator("cpu").manual_seed(seed)
+        output = pipeline(prompt=args.prompt, generator=generator, output_type="np", **shape, **common_fields(args))
+        assert len(output.frames if is_video(args) else output.images) == args.batch_size
 
     return run
 
 
 class FloorRun:
-    """`steps` rounds of the family's transformer forwards (`run_transformer`, the hook the engine's
-    `predict_velocity` calls) on the rows diffusers feeds it: the batch and, with CFG, its
-    unconditional copy, in one pass or two as the family's pipeline does. Calling it runs one batch.
-    With several denoisers (Wan 2.2's experts) the noise levels are the real schedule's, so each step
-    runs on the expert the engine and diffusers run it on."""
+    """One batch: `steps` rounds of `adapter.run_transformer` on the rows diffusers feeds it (with CFG
+    the unconditional copy too, in one pass or two as the family does). With several denoisers (Wan
+    2.2's experts) the noise levels are the real schedule's, so each step runs on the same expert."""
 
     def __init__(self, adapter, args: argparse.Namespace):
-        fields = guidance_fields(args.family, args.cfg == "on")
-        size = {"height": args.height, "width": args.width, "num_frames": args.num_frames}
-        resolved, problems = adapter.spec.resolve(SamplingParams(**size, **fields))
+        resolved, problems = adapter.spec.resolve(SamplingParams(num_frames=args.num_frames, **common_fields(args)))
         assert not problems, problems
+        negative, length = resolved.negative_prompt, resolved.max_sequence_length
         with torch.no_grad():
-            prompts = [adapter.encode_prompt(args.prompt, resolved.max_sequence_length)] * args.batch_size
-            negatives = []
-            if resolved.negative_prompt is not None:
-                negatives = [adapter.encode_prompt(resolved.negative_prompt, resolved.max_sequence_length)]
-                negatives *= args.batch_size
+            prompts = [adapter.encode_prompt(args.prompt, length)] * args.batch_size
+            negatives = [adapter.encode_prompt(negative, length)] * args.batch_size if negative is not None else []
         embeds_type = type(prompts[0])
         passes = [prompts + negatives] if adapter.cfg_in_one_pass else [prompts, negatives]
         self.passes = [embeds_type.stack(rows) for rows in passes if rows]
@@ -284,19 +209,13 @@ def measured(run: Callable[[int], None], device: str) -> Callable[[harness.Round
         _, elapsed = harness.timed_call(run, round_.index, device=device)
         if not cuda:
             return elapsed
-        peak = torch.cuda.max_memory_allocated(device)
-        return {
-            "s": elapsed,
-            "peak_above_start_gib": (peak - start) / GIB,
-            "start_gib": start / GIB,
-            "peak_gib": peak / GIB,
-        }
+        start, peak = start / GIB, torch.cuda.max_memory_allocated(device) / GIB
+        return {"s": elapsed, "peak_above_start_gib": peak - start, "start_gib": start, "peak_gib": peak}
 
     return mode
 
 
-# The breakdown: timers on the worker's pieces (benchmarks.worker_timers); the engine steps are
-# counted by a step observer.
+# The breakdown: timers on the worker's pieces; a step observer counts the engine steps.
 
 _TIMED_PIECES = (
     ("execute", "execute"),
@@ -310,9 +229,7 @@ _TIMED_PIECES = (
 )
 
 
-def engine_breakdown(
-    engine: RolloutEngine, run: Callable[[int], None], args: argparse.Namespace, denoisers: list[str]
-) -> dict:
+def engine_breakdown(engine: RolloutEngine, run: Callable, args: argparse.Namespace, denoisers: list[str]) -> dict:
     """One engine batch with timers: seconds per piece (pieces nest; `other` rows are the rest). The
     forwards of every denoiser (Wan 2.2: both experts) count as `transformer`."""
     pieces = _TIMED_PIECES + tuple((name, f"adapter.pipeline.{name}.forward") for name in denoisers[1:])
@@ -349,11 +266,10 @@ def engine_breakdown(
 
 
 def report_modes(report: harness.Report, samples: dict, args: argparse.Namespace, label: str, flops: float | None):
-    """The modes' table (seconds; images/s, or videos/s and frames/s; time over the floor's; with
-    --peak-tflops the model-FLOPs utilisation; on CUDA the memory peaks), the ratios and the targets."""
+    """The modes' table, the ratios and the targets."""
     stats = {mode: harness.Stats.of(samples[mode]["s"]) for mode in MODES}
-    video, memory = is_video(args), "peak_gib" in samples["engine"]
-    rates = {"videos/s": "videos_per_s", "frames/s": "frames_per_s"} if video else {"images/s": "images_per_s"}
+    memory = "peak_gib" in samples["engine"]
+    rates = ["videos/s", "frames/s"] if is_video(args) else ["images/s"]
     labels = {
         "engine": "engine (uni, flow_sde, trajectory)",
         "diffusers": f"diffusers {label} (ODE)",
@@ -362,10 +278,11 @@ def report_modes(report: harness.Report, samples: dict, args: argparse.Namespace
     modes, rows = {}, []
     for mode, seconds in stats.items():
         per_s = args.batch_size / seconds.median
-        result = {"s": seconds.to_json(), "images_per_s": per_s}
-        if video:
+        if is_video(args):
             result = {"s": seconds.to_json(), "videos_per_s": per_s, "frames_per_s": per_s * args.num_frames}
-        row = [labels[mode], seconds.median, seconds.min, seconds.max, *(result[key] for key in rates.values())]
+        else:
+            result = {"s": seconds.to_json(), "images_per_s": per_s}
+        row = [labels[mode], seconds.median, seconds.min, seconds.max, *list(result.values())[1:]]
         row.append(seconds.median / stats["floor"].median)
         if flops:  # the transformer's FLOPs per batch over the median time
             result["mfu"] = flops * args.steps / seconds.median / (args.peak_tflops * 1e12)
@@ -388,47 +305,30 @@ def report_modes(report: harness.Report, samples: dict, args: argparse.Namespace
             f"highest peak: {max(m['peak_gib'] for m in modes.values()):.2f} GiB"
         )
     report.table("throughput (medians of the timed rounds)", columns, rows, note)
-    # Ratios of the medians (the headline), of the minima (the least disturbed runs), and the
-    # median of the per-round ratios.
     engine, diffusers, floor = (stats[mode] for mode in MODES)
-    times = {mode: samples[mode]["s"] for mode in MODES}
+    engine_s, diffusers_s, floor_s = (samples[mode]["s"] for mode in MODES)
     ratios = {
         "engine_speed_vs_diffusers": diffusers.median / engine.median,
         "engine_time_vs_floor": engine.median / floor.median,
         "diffusers_time_vs_floor": diffusers.median / floor.median,
         "engine_speed_vs_diffusers_min": diffusers.min / engine.min,
         "engine_time_vs_floor_min": engine.min / floor.min,
-        "engine_speed_vs_diffusers_per_round": harness.per_round_ratio(times["diffusers"], times["engine"]),
-        "engine_time_vs_floor_per_round": harness.per_round_ratio(times["engine"], times["floor"]),
+        "engine_speed_vs_diffusers_per_round": harness.per_round_ratio(diffusers_s, engine_s),
+        "engine_time_vs_floor_per_round": harness.per_round_ratio(engine_s, floor_s),
     }
+    speed, floor_time = "engine_speed_vs_diffusers", "engine_time_vs_floor"
     report.table(
         "ratios (the targets are on the medians)",
         ["ratio", "medians", "minima", "per-round"],
         [
-            [name, *(ratios[key + kind] for kind in ("", "_min", "_per_round"))]
-            for name, key in (
-                ("engine / diffusers speed", "engine_speed_vs_diffusers"),
-                ("engine time / floor time", "engine_time_vs_floor"),
-            )
-        ]
-        + [["diffusers time / floor time", ratios["diffusers_time_vs_floor"], "-", "-"]],
+            ["engine / diffusers speed", *(ratios[speed + kind] for kind in ("", "_min", "_per_round"))],
+            ["engine time / floor time", *(ratios[floor_time + kind] for kind in ("", "_min", "_per_round"))],
+            ["diffusers time / floor time", ratios["diffusers_time_vs_floor"], "-", "-"],
+        ],
     )
-    speed, floor_time = ratios["engine_speed_vs_diffusers"], ratios["engine_time_vs_floor"]
-    report.check(harness.Target("engine / diffusers speed", speed, ">=", TARGET_SPEED_VS_DIFFUSERS))
-    report.check(harness.Target("engine time / floor time", floor_time, "<=", TARGET_TIME_VS_FLOOR))
+    report.check(harness.Target("engine / diffusers speed", ratios[speed], ">=", TARGET_SPEED_VS_DIFFUSERS))
+    report.check(harness.Target("engine time / floor time", ratios[floor_time], "<=", TARGET_TIME_VS_FLOOR))
     report.results |= {"modes": modes, "ratios": ratios}
-
-
-def report_breakdown(report: harness.Report, breakdown: dict) -> None:
-    wall, calls = breakdown["wall_s"], breakdown["calls"]
-    report.table(
-        f"engine breakdown (one extra batch with timers, {wall:.3f} s wall)",
-        ["piece", "ms", "% of wall"],
-        [[name, 1e3 * seconds, 100 * seconds / wall] for name, seconds in breakdown["rows"].items()],
-        note=f"transformer calls: {calls['transformer']}, steps: {calls['step']}, "
-        f"engine steps: {calls['engine_steps']}",
-    )
-    report.results["breakdown"] = breakdown
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -446,10 +346,10 @@ def main(argv: list[str] | None = None) -> dict:
         f"rounds {args.warmup} warmup + {args.repeats} timed"
     )
     with tempfile.TemporaryDirectory(prefix="rollout-bench-") as folder:
-        build(args.family, args.preset, folder, args.device, dtype)
+        model_presets.build(args.family, args.preset, folder, args.device, dtype)
         class_name = json.loads((Path(folder) / "model_index.json").read_text())["_class_name"]
         pipeline = getattr(diffusers, class_name).from_pretrained(folder, dtype=dtype, local_files_only=True)
-        pipeline.to(args.device)
+        pipeline = pipeline.to(args.device)
         pipeline.set_progress_bar_config(disable=True)
         params = sum(p.numel() for p in pipeline.transformer.parameters())
         adapter = adapter_class(class_name)(pipeline)
@@ -462,14 +362,15 @@ def main(argv: list[str] | None = None) -> dict:
         floor = FloorRun(adapter, args)
         flops = forward_flops(floor) if args.peak_tflops else None
         with RolloutEngine(config) as engine:
+            engine_run = make_engine_run(engine, args)
             runs = {
-                "engine": make_engine_run(engine, args),
+                "engine": engine_run,
                 "diffusers": on_worker_thread(engine, make_diffusers_run(pipeline, args)),
                 "floor": on_worker_thread(engine, floor),
             }
             modes = {mode: measured(run, args.device) for mode, run in runs.items()}
             samples = harness.run_rounds(modes, args.warmup, args.repeats)
-            breakdown = None if args.no_breakdown else engine_breakdown(engine, runs["engine"], args, denoisers)
+            breakdown = None if args.no_breakdown else engine_breakdown(engine, engine_run, args, denoisers)
     report.results = {
         "pipeline_class": class_name,
         "transformer_parameters": params,
@@ -478,7 +379,15 @@ def main(argv: list[str] | None = None) -> dict:
     }
     report_modes(report, samples, args, class_name, flops)
     if breakdown is not None:
-        report_breakdown(report, breakdown)
+        wall, calls = breakdown["wall_s"], breakdown["calls"]
+        report.table(
+            f"engine breakdown (one extra batch with timers, {wall:.3f} s wall)",
+            ["piece", "ms", "% of wall"],
+            [[name, 1e3 * seconds, 100 * seconds / wall] for name, seconds in breakdown["rows"].items()],
+            note=f"transformer calls: {calls['transformer']}, steps: {calls['step']}, "
+            f"engine steps: {calls['engine_steps']}",
+        )
+        report.results["breakdown"] = breakdown
     return report.finish()
 
 
