@@ -1,23 +1,20 @@
 """Expert update: a full `update_weights` of Wan 2.2's low-noise expert vs. a plain copy of its bytes.
 
-Builds a tiny Wan 2.2 pipeline whose `transformer_2` is replaced by a bigger expert (`--preset real`:
-the published Wan 2.2 A14B expert config, 14.3B parameters, random weights, made on the device and
-saved in `--dtype`; `--preset small`: four of Wan 2.1 1.3B's blocks, 0.2B parameters), starts an
-engine on it (executor uni, on `--device`), loads the same expert a second time as the trainer's
-copy on the same device, and measures, for the same bytes (every tensor of `base_state(trainer's expert)`):
+A tiny Wan 2.2 pipeline gets a bigger `transformer_2` (`--preset real`: the published Wan 2.2 A14B expert
+config, 14.3B parameters; `--preset small`: four of Wan 2.1 1.3B's blocks, 0.2B parameters, so that on a
+CPU the copy, not the per-call overhead, dominates), random weights made on `--device` and saved in
+`--dtype`. An engine (executor uni, on `--device`) serves it, the trainer loads the same expert on that
+device, and the rounds time, for the same bytes (every tensor of `base_state(trainer's expert)`):
 
   copy floor  `dst.copy_(src)` for every tensor into tensors allocated beforehand on the device: a
               device-to-device copy, what any push is bounded by;
   engine      `engine.update_weights(state, component="transformer_2")`: the engine's checks,
               staging, apply and commit.
 
-Before every engine push the trainer's copy is perturbed (so every push changes the weights); after
-it (untimed) a few of the engine's tensors are compared with the trainer's, and the other expert's
-checksum must be unchanged. Rounds are interleaved, warmup rounds discarded, medians reported with
-GB/s (1e9 bytes) and the engine's time over the copy's.
-
-A real run needs a GPU with room for three copies of the expert (about 86 GB in bfloat16) and about
-30 GB of disk for the saved expert:
+The trainer's copy is perturbed before every engine push; after it (untimed) a few of the engine's tensors
+must equal the trainer's, and the other expert's checksum must be unchanged. Reported: medians, GB/s (1e9
+bytes) and the engine's time over the copy's. A real run needs a GPU with room for three copies of the
+expert (about 86 GB in bfloat16) and about 30 GB of disk for the saved expert:
 
     python -m benchmarks.expert_update                                   # small, CPU: about 20 s
     python -m benchmarks.expert_update --preset real --device cuda --dtype bfloat16 --repeats 3
@@ -37,46 +34,29 @@ from rollout.pipelines.tiny import build_tiny_wan22
 from rollout.weights import base_state
 
 EXPERT = "transformer_2"
-# small: Wan 2.1 1.3B's blocks, 4 of them (about 0.2B parameters, 0.8 GB in float32): big enough
-# that the copy, not the per-call overhead, dominates on a CPU.
 CONFIGS = {"small": WAN21_T2V_1_3B | {"num_layers": 4}, "real": WAN22_T2V_A14B_EXPERT}
 
 
-def build_pipeline(folder: Path, preset: str, device: str, dtype: torch.dtype) -> Path:
-    """A tiny Wan 2.2 pipeline whose low-noise expert is the preset's (made on `device`)."""
-    from diffusers import WanTransformer3DModel
-
-    build_tiny_wan22(folder)
-    with torch.device(device):
-        expert = WanTransformer3DModel(**CONFIGS[preset]).to(dtype)
-    expert.save_pretrained(folder / EXPERT)
-    del expert
-    return folder
-
-
-def push_rounds(engine: RolloutEngine, trainer: torch.nn.Module, args) -> dict[str, dict[str, list[float]]]:
-    state = base_state(trainer)
+def push_rounds(engine: RolloutEngine, state: dict[str, torch.Tensor], args) -> dict[str, dict[str, list[float]]]:
     destination = {name: torch.empty_like(tensor) for name, tensor in state.items()}
     other_checksum = engine.weights_checksum("transformer")
 
-    def copy(round_: harness.Round) -> float:
-        def run():
-            for name, tensor in state.items():
-                destination[name].copy_(tensor)
-
-        return harness.timed_call(run, device=args.device)[1]
+    def copy_all() -> None:
+        for name, tensor in state.items():
+            destination[name].copy_(tensor)
 
     def push(round_: harness.Round) -> float:
         with torch.no_grad():
             for tensor in state.values():
-                tensor.add_(1e-3)  # every push changes the weights
+                tensor.add_(1e-3)
         _, seconds = harness.timed_call(lambda: engine.update_weights(state, component=EXPERT), device=args.device)
         check_pushed(engine, state)
         if engine.weights_checksum("transformer") != other_checksum:
             raise RuntimeError("pushing transformer_2 changed the other expert")
         return seconds
 
-    return harness.run_rounds({"copy": copy, "engine": push}, args.warmup, args.repeats)
+    modes = {"copy": lambda round_: harness.timed_call(copy_all, device=args.device)[1], "engine": push}
+    return harness.run_rounds(modes, args.warmup, args.repeats)
 
 
 def check_pushed(engine: RolloutEngine, state: dict[str, torch.Tensor]) -> None:
@@ -100,16 +80,19 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     report = harness.Report("expert_update", args, __doc__, argv)
     dtype = getattr(torch, args.dtype)
-    with tempfile.TemporaryDirectory() as scratch:
-        folder = build_pipeline(args.folder or Path(scratch) / "wan22", args.preset, args.device, dtype)
-        config = EngineConfig(model=str(folder), device=args.device, dtype=args.dtype)
-        with RolloutEngine(config) as engine:
-            from diffusers import WanTransformer3DModel
+    from diffusers import WanTransformer3DModel
 
+    with tempfile.TemporaryDirectory() as scratch:
+        folder = args.folder or Path(scratch) / "wan22"
+        build_tiny_wan22(folder)
+        with torch.device(args.device):  # the pipeline's low-noise expert becomes the preset's
+            WanTransformer3DModel(**CONFIGS[args.preset]).to(dtype).save_pretrained(folder / EXPERT)
+        with RolloutEngine(EngineConfig(model=str(folder), device=args.device, dtype=args.dtype)) as engine:
             trainer = WanTransformer3DModel.from_pretrained(folder / EXPERT, torch_dtype=dtype).to(args.device)
-            state_bytes = sum(t.nbytes for t in base_state(trainer).values())
+            state = base_state(trainer)
+            state_bytes = sum(t.nbytes for t in state.values())
             parameters = sum(p.numel() for p in trainer.parameters())
-            samples = push_rounds(engine, trainer, args)
+            samples = push_rounds(engine, state, args)
     stats = {mode: harness.Stats.of(measured["s"]) for mode, measured in samples.items()}
     ratio = stats["engine"].median / stats["copy"].median
     report.results = {

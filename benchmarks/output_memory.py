@@ -1,24 +1,23 @@
 """Bytes per sample that rollout outputs hold, per executor: latents vs. the conditioning.
 
-A trajectory carries its prompt's (and negative prompt's) embeddings so the trainer never
-re-encodes text. For SD3.5 at 512x512 those embeddings ([333, 4096] float32 each) are four times
-the size of the trajectory's latents, so whether the samples of one prompt share them or each hold
-a copy decides how much memory a rollout needs.
+A trajectory carries its prompt's (and negative prompt's) embeddings so the trainer never re-encodes
+text. For SD3.5 at 512x512 those ([333, 4096] float32 each) are four times its latents, so whether the
+samples of one prompt share them or each hold a copy decides how much memory a rollout needs.
 
-The pipeline here has SD3.5-medium's conditioning and latent shapes at 512x512 (16 latent channels,
-64x64 latents, text embeddings [77 + 256, 4096], pooled [2048]) with one-layer random models, so
-the bytes are the real ones while the compute stays small. Reported per sample:
+The pipeline has SD3.5-medium's shapes at 512x512 (16 latent channels, 64x64 latents, text embeddings
+[77 + 256, 4096], pooled [2048]) with one-layer random models: the real bytes, little compute. Per sample:
 
   latents      the trajectory's latents [T+1, 16, 64, 64] float32
   referenced   every distinct tensor storage the outputs reference (shared tensors count once)
-  shm held     for "mp": growth of the engine process's resident shared memory (RssShmem) while
-               the outputs are alive, i.e. what their shared-memory blocks pin
+  shm held     for "mp": growth of the engine process's resident shared memory (RssShmem) while the
+               outputs are alive, i.e. what their shared-memory blocks pin
 
     python -m benchmarks.output_memory
 """
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import tempfile
 from pathlib import Path
@@ -29,51 +28,45 @@ from benchmarks import harness
 from rollout import EngineConfig, RolloutEngine, SamplingParams
 from rollout.pipelines.tiny import TinySD3Sizes, build_tiny_sd3
 
-MIB = 2**20
+SHOWN = ("latents", "referenced", "shm_held")  # the table's columns of bytes per sample
+SD35_SHAPES = TinySD3Sizes(  # SD3.5-medium's latent and text-embedding shapes at 512x512, one layer of everything
+    sample_size=64,
+    latent_channels=16,
+    num_layers=1,
+    num_attention_heads=2,
+    attention_head_dim=32,
+    text_hidden_size=1024,  # two CLIPs: pooled embeddings of 2048, as CLIP-L + CLIP-G give
+    t5_hidden_size=4096,
+    text_layers=1,
+    vae_block_out_channels=(16, 16),
+)
 
 
-def sd35_shaped_sizes() -> TinySD3Sizes:
-    """SD3.5-medium's latent and text-embedding shapes at 512x512, one layer of everything."""
-    return TinySD3Sizes(
-        sample_size=64,
-        latent_channels=16,
-        num_layers=1,
-        num_attention_heads=2,
-        attention_head_dim=32,
-        text_hidden_size=1024,  # two CLIPs: pooled embeddings of 2048, as CLIP-L + CLIP-G give
-        t5_hidden_size=4096,
-        text_layers=1,
-        vae_block_out_channels=(16, 16),
-    )
+def mib(nbytes: float | None) -> float | str:
+    return "-" if nbytes is None else nbytes / 2**20
 
 
-def tensors_in(value, found: list[torch.Tensor]) -> None:
+def tensors_in(value):
     """Every tensor reachable from an output (dataclass fields, lists, dicts)."""
     if isinstance(value, torch.Tensor):
-        found.append(value)
+        yield value
     elif isinstance(value, list | tuple):
         for item in value:
-            tensors_in(item, found)
+            yield from tensors_in(item)
     elif isinstance(value, dict):
-        for item in value.values():
-            tensors_in(item, found)
-    elif hasattr(value, "__dataclass_fields__"):
-        for name in value.__dataclass_fields__:
-            tensors_in(getattr(value, name), found)
+        yield from tensors_in(list(value.values()))
+    elif dataclasses.is_dataclass(value):
+        yield from tensors_in([getattr(value, field.name) for field in dataclasses.fields(value)])
 
 
 def referenced_bytes(outputs) -> int:
-    found: list[torch.Tensor] = []
-    tensors_in(outputs, found)
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in found}
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors_in(outputs)}
     return sum(storages.values())
 
 
 def rss_shmem_bytes() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("RssShmem:"):
-            return int(line.split()[1]) * 1024
-    return 0
+    lines = Path("/proc/self/status").read_text().splitlines()
+    return next((int(line.split()[1]) * 1024 for line in lines if line.startswith("RssShmem:")), 0)
 
 
 def measure(model: str, executor: str, args) -> dict:
@@ -87,14 +80,13 @@ def measure(model: str, executor: str, args) -> dict:
         shm_before = rss_shmem_bytes()
         outputs = engine.generate(prompts, params)
         shm_held = rss_shmem_bytes() - shm_before
-        samples = len(outputs)
         result = {
-            "samples": samples,
+            "samples": len(outputs),
             "latents_per_sample": outputs[0].trajectory.latents.nbytes,
-            "referenced_per_sample": referenced_bytes(outputs) / samples,
-            "shm_held_per_sample": shm_held / samples if executor == "mp" else None,
+            "referenced_per_sample": referenced_bytes(outputs) / len(outputs),
+            "shm_held_per_sample": shm_held / len(outputs) if executor == "mp" else None,
         }
-        del outputs
+        del outputs  # before the engine shuts down
     return result
 
 
@@ -108,21 +100,13 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     report = harness.Report("output_memory", args, __doc__, argv)
     with tempfile.TemporaryDirectory(prefix="rollout-bench-") as folder:
-        build_tiny_sd3(folder, seed=0, sizes=sd35_shaped_sizes())
+        build_tiny_sd3(folder, seed=0, sizes=SD35_SHAPES)
         report.results = {executor: measure(folder, executor, args) for executor in args.executors.split(",")}
     report.table(
         f"bytes per sample: {args.prompts} prompts x {args.group_size} samples, {args.steps} steps, CFG on; "
         "SD3.5 shapes at 512x512",
         ["executor", "latents MiB", "referenced MiB", "shm held MiB"],
-        [
-            [
-                executor,
-                row["latents_per_sample"] / MIB,
-                row["referenced_per_sample"] / MIB,
-                "-" if row["shm_held_per_sample"] is None else row["shm_held_per_sample"] / MIB,
-            ]
-            for executor, row in report.results.items()
-        ],
+        [[executor, *(mib(row[f"{kind}_per_sample"]) for kind in SHOWN)] for executor, row in report.results.items()],
     )
     return report.finish()
 

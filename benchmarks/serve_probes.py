@@ -1,11 +1,11 @@
 """Serve probes: a shared rollout server against careless and hostile clients (issue 19's probes).
 
 Starts `python -m rollout.serve` (executor mp, 2 workers, an API key) on a tiny SD3 pipeline built in a
-temporary folder and sends each probe while a well-formed streamed request runs: wrong types, NaN and
-absurd magnitudes, bodies that cost more than they weigh, LoRA uploads that could break PEFT or hang
-it, paths that are FIFOs or devices, worker functions that would bypass the engine, a foreign Host,
-a text/plain body, half-sent connections. Prints one row per probe (what was sent, the status,
-seconds, the start of the message) and checks, for the whole run:
+temporary folder and sends each probe while a well-formed streamed request runs: wrong types, NaN and absurd
+magnitudes, bodies that cost more than they weigh, LoRA uploads that could break PEFT or hang it, paths that
+are FIFOs or devices, worker functions that would bypass the engine, a foreign Host, a text/plain body,
+half-sent connections. One row per probe (what was sent, the status, seconds, the start of the message);
+checked, for the whole run:
 
   - every probe got the status it should, within a second (--probe-bound-s);
   - the good request finished with the same bytes (image and trajectory) as when run alone;
@@ -42,6 +42,8 @@ from trainers_adapters.remote_engine import RemoteRolloutEngine
 
 # Long enough to run through every probe (checked: it must still be running after the last one).
 GOOD = SamplingParams(num_inference_steps=800, num_samples=2, seed=7)
+JSON = {"content-type": "application/json"}
+SAFETENSORS = {"content-type": SAFETENSORS_MEDIA_TYPE}
 
 
 @dataclass
@@ -49,17 +51,6 @@ class Probe:
     name: str  # what was sent, in a few words
     send: object  # fn(client) -> httpx.Response
     status: int  # what it must get
-
-
-def params_body(**fields: str) -> bytes:
-    """A generate body whose params are raw JSON text (NaN and 1e30 are not Python's JSON)."""
-    return ('{"prompts": ["x"], "params": {' + ", ".join(f'"{k}": {v}' for k, v in fields.items()) + "}}").encode()
-
-
-def lora_upload(name: str, tensors: dict, config: dict):
-    body = tensors_to_bytes(tensors, {"request": json.dumps({"lora_name": name, "lora_config": config})})
-    headers = {"content-type": SAFETENSORS_MEDIA_TYPE}
-    return lambda client: client.post("/v1/load_lora_adapter", content=body, headers=headers)
 
 
 def make_adapter(model: Path) -> tuple[dict, dict]:
@@ -97,106 +88,74 @@ def make_files(folder: Path, tensors: dict, config: dict) -> dict[str, Path]:
 
 
 def probes(tensors: dict, config: dict, files: dict[str, Path]) -> list[Probe]:
-    def generate(raw: bytes):
-        return lambda client: client.post(
-            "/rollout/generate", content=raw, headers={"content-type": "application/json"}
-        )
+    def generate(body: str):
+        return lambda client: client.post("/rollout/generate", content=body.encode(), headers=JSON)
+
+    def params(**fields: str):
+        """A generate request whose params are raw JSON text (NaN and 1e30 are not Python's JSON)."""
+        return generate('{"prompts": ["x"], "params": {' + ", ".join(f'"{k}": {v}' for k, v in fields.items()) + "}}")
+
+    def lora(changes: dict, name: str = "policy", tensors: dict = tensors):
+        request = json.dumps({"lora_name": name, "lora_config": {**config, **changes}})
+        body = tensors_to_bytes(tensors, {"request": request})
+        return lambda client: client.post("/v1/load_lora_adapter", content=body, headers=SAFETENSORS)
 
     def post(path: str, body: dict):
         return lambda client: client.post(path, json=body)
 
+    def from_disk(file: str):
+        return post("/update_weights_from_disk", {"model_path": str(files[file])})
+
+    def lora_folder(file: str):
+        return post("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": str(files[file])})
+
+    def rpc(method: str, *args):
+        return post("/collective_rpc", {"method": method, "args": list(args)})
+
+    def resume(**request):
+        return lambda client: client.post("/resume", **request)
+
     key = sorted(tensors)[0]
     bogus = {**tensors, key.replace(".lora_A.", ".lora_C."): tensors[key].clone()}
-    big_prompt = json.dumps({"prompts": ["x" * 900_000]}).encode()
+    rendezvous = rpc("init_weight_update_group", "0.0.0.0", 29500, 0, 1, "gloo", 1.0)
+    bucket = {"names": ["w"], "dtypes": ["float32"], "shapes": [[1]], "bucket_bytes": -1}
     return [
-        Probe("height 68 (the tiny transformer takes 64)", generate(params_body(height="68")), 400),
-        Probe("height 1e30", generate(params_body(height="1e30")), 422),
-        Probe("num_inference_steps 1e30", generate(params_body(num_inference_steps="1e30")), 422),
+        Probe("height 68 (the tiny transformer takes 64)", params(height="68"), 400),
+        Probe("height 1e30", params(height="1e30"), 422),
+        Probe("num_inference_steps 1e30", params(num_inference_steps="1e30"), 422),
         Probe(
             "num_inference_steps 10^8 with branch_steps [0]",
-            generate(params_body(num_inference_steps="100000000", branch_steps="[0]")),
+            params(num_inference_steps="100000000", branch_steps="[0]"),
             400,
         ),
-        Probe("num_inference_steps 10^7", generate(params_body(num_inference_steps="10000000")), 400),
-        Probe("branch_factor 10^30", generate(params_body(branch_steps="[0]", branch_factor="1" + "0" * 30)), 400),
-        Probe("a 0.9 MB prompt", generate(big_prompt), 400),
-        Probe("noise_level NaN", generate(params_body(noise_level="NaN")), 422),
-        Probe("noise_level Infinity", generate(params_body(noise_level="Infinity")), 422),
-        Probe("guidance_scale 1e308", generate(params_body(guidance_scale="1e308")), 400),
-        Probe("guidance_scale NaN", generate(params_body(guidance_scale="NaN")), 422),
-        Probe('num_samples "2"', generate(params_body(num_samples='"2"')), 422),
-        Probe("num_inference_steps true", generate(params_body(num_inference_steps="true")), 422),
-        Probe('same_noise_in_group "yes"', generate(params_body(same_noise_in_group='"yes"')), 422),
-        Probe(
-            "LoRA target_modules as a backtracking regex",
-            lora_upload("policy", tensors, {**config, "target_modules": "(?:[^.]|[^.]|[^.])*Q"}),
-            400,
-        ),
-        Probe("LoRA r -1", lora_upload("policy", tensors, {**config, "r": -1}), 400),
-        Probe(
-            "LoRA layer_replication", lora_upload("policy", tensors, {**config, "layer_replication": [[0, 1]]}), 400
-        ),
-        Probe("LoRA with an empty name", lora_upload("", tensors, config), 400),
-        Probe(
-            "LoRA rank 3 with rank-2 tensors (fails in PEFT)", lora_upload("policy", tensors, {**config, "r": 3}), 409
-        ),
-        Probe("LoRA hot swap with one bogus key", lora_upload("policy", bogus, config), 400),
-        Probe(
-            "weights from a folder with a FIFO",
-            post("/update_weights_from_disk", {"model_path": str(files["fifo"])}),
-            400,
-        ),
-        Probe(
-            "weights from a symlink to /dev/urandom",
-            post("/update_weights_from_disk", {"model_path": str(files["device.safetensors"])}),
-            400,
-        ),
-        Probe(
-            "weights from a directory named x.safetensors",
-            post("/update_weights_from_disk", {"model_path": str(files["dir"])}),
-            400,
-        ),
-        Probe(
-            "LoRA folder whose weights are a FIFO",
-            post("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": str(files["fifo_lora"])}),
-            400,
-        ),
-        Probe(
-            "LoRA folder with a 1 GB sparse config",
-            post("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": str(files["sparse_lora"])}),
-            400,
-        ),
-        Probe("collective_rpc sleep", post("/collective_rpc", {"method": "sleep", "args": [1]}), 403),
-        Probe(
-            "collective_rpc unload_lora", post("/collective_rpc", {"method": "unload_lora", "args": ["policy"]}), 403
-        ),
-        Probe(
-            "collective_rpc init_weight_update_group on 0.0.0.0",
-            post(
-                "/collective_rpc",
-                {"method": "init_weight_update_group", "args": ["0.0.0.0", 29500, 0, 1, "gloo", 1.0]},
-            ),
-            403,
-        ),
-        Probe(
-            "bucket_bytes -1",
-            post(
-                "/update_weights_from_distributed",
-                {"names": ["w"], "dtypes": ["float32"], "shapes": [[1]], "bucket_bytes": -1},
-            ),
-            422,
-        ),
+        Probe("num_inference_steps 10^7", params(num_inference_steps="10000000"), 400),
+        Probe("branch_factor 10^30", params(branch_steps="[0]", branch_factor="1" + "0" * 30), 400),
+        Probe("a 0.9 MB prompt", generate(json.dumps({"prompts": ["x" * 900_000]})), 400),
+        Probe("noise_level NaN", params(noise_level="NaN"), 422),
+        Probe("noise_level Infinity", params(noise_level="Infinity"), 422),
+        Probe("guidance_scale 1e308", params(guidance_scale="1e308"), 400),
+        Probe("guidance_scale NaN", params(guidance_scale="NaN"), 422),
+        Probe('num_samples "2"', params(num_samples='"2"'), 422),
+        Probe("num_inference_steps true", params(num_inference_steps="true"), 422),
+        Probe('same_noise_in_group "yes"', params(same_noise_in_group='"yes"'), 422),
+        Probe("LoRA target_modules as a backtracking regex", lora({"target_modules": "(?:[^.]|[^.]|[^.])*Q"}), 400),
+        Probe("LoRA r -1", lora({"r": -1}), 400),
+        Probe("LoRA layer_replication", lora({"layer_replication": [[0, 1]]}), 400),
+        Probe("LoRA with an empty name", lora({}, name=""), 400),
+        Probe("LoRA rank 3 with rank-2 tensors (fails in PEFT)", lora({"r": 3}), 409),
+        Probe("LoRA hot swap with one bogus key", lora({}, tensors=bogus), 400),
+        Probe("weights from a folder with a FIFO", from_disk("fifo"), 400),
+        Probe("weights from a symlink to /dev/urandom", from_disk("device.safetensors"), 400),
+        Probe("weights from a directory named x.safetensors", from_disk("dir"), 400),
+        Probe("LoRA folder whose weights are a FIFO", lora_folder("fifo_lora"), 400),
+        Probe("LoRA folder with a 1 GB sparse config", lora_folder("sparse_lora"), 400),
+        Probe("collective_rpc sleep", rpc("sleep", 1), 403),
+        Probe("collective_rpc unload_lora", rpc("unload_lora", "policy"), 403),
+        Probe("collective_rpc init_weight_update_group on 0.0.0.0", rendezvous, 403),
+        Probe("bucket_bytes -1", post("/update_weights_from_distributed", bucket), 422),
         Probe("no key", lambda client: httpx.post(f"{client.base_url}/resume", json={}), 401),
-        Probe(
-            "a foreign Host (DNS rebinding)",
-            lambda client: client.post("/resume", json={}, headers={"host": "attacker.example"}),
-            400,
-        ),
-        Probe(
-            "a text/plain body",
-            lambda client: client.post("/resume", content=b"{}", headers={"content-type": "text/plain"}),
-            415,
-        ),
+        Probe("a foreign Host (DNS rebinding)", resume(json={}, headers={"host": "attacker.example"}), 400),
+        Probe("a text/plain body", resume(content=b"{}", headers={"content-type": "text/plain"}), 415),
         Probe("GET /openapi.json without the key", lambda client: httpx.get(f"{client.base_url}/openapi.json"), 401),
         Probe("an unknown route", lambda client: client.get("/no/such/route"), 404),
         Probe("a wrong method", lambda client: client.get("/rollout/generate"), 405),
@@ -273,7 +232,7 @@ def main(argv: list[str] | None = None) -> dict:
             watch.start()
             (good_id, *_) = remote.add_request("a red square", GOOD, request_id="good")
             with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {key}"}, timeout=60) as client:
-                rows = [send(probe, client) for probe in probes(tensors, config, files)]
+                rows = [send(probe, client, args.probe_bound_s) for probe in probes(tensors, config, files)]
             running = remote.server_info()["running_requests"]
             half_s = half_sent_connections(server.url, 50, 2.0)
             together = []
@@ -284,17 +243,13 @@ def main(argv: list[str] | None = None) -> dict:
             remote.unload_lora("policy")
             time.sleep(1.0)
             rss_after = rss_mb(pids)
-            # The mp executor keeps one block it rewrites for every call's arguments ("-args-", made at
-            # the first call with tensors); nothing else may stay.
+            # Only the block the mp executor rewrites for every call's arguments ("-args-") may stay.
             shm = {path for path in glob.glob(f"/dev/shm/rollout-{server.process.pid}-*") if "-args-" not in path}
             shm -= shm_before
-    together.sort(key=lambda output: output.sample_index)
     different = sum(
         not (torch.equal(a.image, b.image) and torch.equal(a.trajectory.latents.stack(), b.trajectory.latents.stack()))
-        for a, b in zip(alone, together, strict=True)
+        for a, b in zip(alone, sorted(together, key=lambda output: output.sample_index), strict=True)
     )
-    for row in rows:
-        row["verdict"] = "" if row["status"] == row["expected"] and row["seconds"] < args.probe_bound_s else "MISSED"
     report.table(
         f"probes (sent while the good request streams; each must get its status within {args.probe_bound_s} s)",
         ["probe", "want", "got", "s", "verdict", "message"],
@@ -332,28 +287,23 @@ def main(argv: list[str] | None = None) -> dict:
     return report.finish()
 
 
-def send(probe: Probe, client: httpx.Client) -> dict:
-    """The probe's answer: status, seconds and the start of its message."""
+def send(probe: Probe, client: httpx.Client, bound_s: float) -> dict:
+    """The probe's answer: status, seconds, the start of its message and whether it came in time."""
     start = time.monotonic()
     response = probe.send(client)
-    elapsed = time.monotonic() - start
+    seconds = time.monotonic() - start
     try:
         message = response.json().get("error", {}).get("message", "")
     except ValueError:
         message = response.text
-    return {
-        "probe": probe.name,
-        "expected": probe.status,
-        "status": response.status_code,
-        "seconds": elapsed,
-        "message": message[:110],
-    }
+    fields = {"probe": probe.name, "expected": probe.status, "status": response.status_code, "seconds": seconds}
+    met = response.status_code == probe.status and seconds < bound_s
+    return fields | {"message": message[:110], "verdict": "" if met else "MISSED"}
 
 
 def _worker_pids(server_pid: int) -> list[int]:
     """The server's child processes (its mp workers)."""
-    children = Path(f"/proc/{server_pid}/task/{server_pid}/children").read_text().split()
-    return [int(pid) for pid in children]
+    return [int(pid) for pid in Path(f"/proc/{server_pid}/task/{server_pid}/children").read_text().split()]
 
 
 if __name__ == "__main__":
