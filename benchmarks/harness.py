@@ -166,25 +166,16 @@ class Stats:
     """Median, min, max and percentiles of some measurements (already in their unit)."""
 
     values: tuple[float, ...]
+    median: float
+    min: float
+    max: float
 
     @classmethod
     def of(cls, values: Iterable[float], scale: float = 1.0) -> Stats:
         values = tuple(scale * value for value in values)
         if not values:
             raise ValueError("statistics of no values")
-        return cls(values)
-
-    @property
-    def median(self) -> float:
-        return statistics.median(self.values)
-
-    @property
-    def min(self) -> float:
-        return min(self.values)
-
-    @property
-    def max(self) -> float:
-        return max(self.values)
+        return cls(values, statistics.median(values), min(values), max(values))
 
     def percentile(self, q: float) -> float:
         return percentile(self.values, q)
@@ -297,17 +288,10 @@ def _commit() -> str | None:
 def _device_name(device: str) -> str:
     if device.startswith("cuda"):
         return torch.cuda.get_device_name(device)
-    model = next(
-        (line.split(":", 1)[1].strip() for line in _cpuinfo() if line.startswith("model name")), platform.processor()
-    )
-    return f"{model or 'cpu'}, {os.cpu_count()} cores"
-
-
-def _cpuinfo() -> list[str]:
-    try:
-        return Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return []
+    cpuinfo = Path("/proc/cpuinfo")
+    lines = cpuinfo.read_text().splitlines() if cpuinfo.exists() else []
+    model = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), None)
+    return f"{model or platform.processor() or 'cpu'}, {os.cpu_count()} cores"
 
 
 @dataclass
