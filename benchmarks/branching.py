@@ -1,49 +1,29 @@
 """Branching: transformer forwards and wall time per leaf of flat GRPO, Flow-GRPO-Fast and a depth-2 tree.
 
-Builds the tiny SD3 pipeline (random weights, in a temporary folder unless `--model` names an SD3
-folder) and samples, on one `RolloutEngine` (executor uni, `--max-batch-size`), the three rollout
-shapes of the tiny recipes, each from the `sampling:` section of its YAML (so the benchmark follows
-the recipes; only the seed is set per round, no LoRA): 8 leaves per prompt and 8 steps each,
-flow_sde, noise level 0.7, guidance 1 (no CFG pass):
+On the tiny SD3 pipeline (random weights; `--model` names another SD3 folder) and one uni
+`RolloutEngine`, samples the rollout shapes of the tiny recipes, each from its YAML's `sampling:`
+section (only the seed set per round, no LoRA): 8 leaves per prompt, 8 steps, flow_sde, noise
+level 0.7, guidance 1. In recipes/configs/:
 
-  flat   recipes/configs/grpo_tiny.yaml: 8 independent samples per prompt, every step stochastic;
-  tree   recipes/configs/branch_grpo_tiny.yaml: 2 roots per prompt, every path splits in 2 before
-         steps 2 and 4 (BranchGRPO's depth-2 tree);
-  fast   recipes/configs/grpo_fast_tiny.yaml: 1 root per prompt, an ODE prefix over steps 0-4, split
-         in 8 before step 5, SDE window [5, 7) (Flow-GRPO-Fast).
+  flat   grpo_tiny.yaml: 8 independent samples per prompt, every step stochastic;
+  tree   branch_grpo_tiny.yaml: 2 roots, every path splits in 2 before steps 2 and 4 (BranchGRPO);
+  fast   grpo_fast_tiny.yaml: 1 root, an ODE prefix over steps 0-4, split in 8 before step 5, SDE
+         window [5, 7) (Flow-GRPO-Fast).
 
-and measures:
+Per leaf: the rows through the transformer (`StepReport.transformer_rows`; expected flat 8, tree
+(2*2 + 4*2 + 8*4) / 8 = 5.5, fast 5/8 + 3 = 3.625; target: fast <= 0.5x flat), and the wall time
+of `engine.generate` of `--prompts` prompts, split into the transformer's forwards
+(`transformer_s`) and the rest (encoding, sampler, history, decode, trajectories). Target: fast's
+wall ratio to flat lies within 15% of its forwards ratio; the tiny model sits near that bound, as
+the work outside the transformer is about the same per leaf for every shape. Unless
+`--skip-training`, each recipe also trains for `--train-steps` steps per seed: reward margin (mean
+reward of the last 5 steps - of the first 5), minutes (`train_s`), margin per minute, and |log
+ratio| before the first update.
 
-  forwards per leaf   the rows through the transformer (each engine step's `StepReport` from
-                      `RolloutEngine.add_step_observer`: `transformer_rows`), over the leaves the
-                      generate returned. Expected from the shapes: flat 8, tree (2*2 + 4*2 + 8*4) / 8
-                      = 5.5, fast 5/8 + 3 = 3.625. Target: fast <= 0.5x flat;
-  wall per leaf       `engine.generate(prompts, params)` of `--prompts` prompts, timed, over its
-                      leaves; next to it the seconds in the transformer's forwards per leaf (the
-                      steps' `transformer_s`) and the rest (prompt encoding, sampler, history, VAE
-                      decode of every leaf, trajectories).
-                      Target: the fast shape's wall ratio to flat "follows the forwards", i.e. lies
-                      within 15% of its forwards ratio (tree's is shown too, without a target). On
-                      the tiny model it sits near that bound: the transformer time follows the rows
-                      (0.45x), but the work outside it (decode, trajectories) is about the same per
-                      leaf for every shape, and wall/forwards measured 1.13-1.41 over four runs on a
-                      2-core machine that other jobs kept busy (1.13 with `--repeats 15`);
-  training            unless `--skip-training`, each recipe run for `--train-steps` steps per seed
-                      of `--train-seeds` (`--train-prompts-per-step` prompts per step, a 1-image
-                      eval) on the same model folder: reward margin (mean reward of the last 5 steps
-                      - of the first 5), minutes (the recipe's `train_s`: engine start, evals,
-                      rollouts, updates and pushes), margin per minute, and the policy's |log ratio|
-                      before its first update.
-
-With the default `--max-batch-size` 64 a whole generate is one batch per step for every shape, so
-the flat shape runs 32 rows per forward while the fast shape's prefix runs 4 (one per prompt): a
-row need not cost the same in both, and that is the honest comparison (what the engine does with
-these recipes); the transformer-time ratio next to the rows ratio shows how far they differ. Rounds
-are interleaved (each runs every shape, in a rotated order, with seed = round index), warmup rounds
-are discarded and medians are reported; ratios to flat are medians of per-round ratios. `--threads`
-sets torch's threads (1 by default, as in `benchmarks.serve_load` and `benchmarks.weight_sync`: a
-torch with more threads than idle cores waits for descheduled threads at every op, which on a busy
-2-core machine turns small forwards' times, and so the ratios, into noise).
+With `--max-batch-size` 64 a generate is one batch per step for every shape: flat runs 32 rows per
+forward, fast's prefix 4, and a row need not cost the same in both (the transformer-time ratio
+shows how far). Rounds are interleaved (seed = round index). `--threads` is 1: more torch threads
+than idle cores make every op wait for descheduled threads, and small forwards' times noise.
 
     python -m benchmarks.branching                  # about 1 minute on 2 CPU cores (35-40 s training)
     python -m benchmarks.branching --skip-training --repeats 9 --json out.json
@@ -53,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import logging
 import os
 import statistics
@@ -64,7 +45,7 @@ import torch
 
 from benchmarks import harness
 from benchmarks.harness import Stats, Target, positive_int
-from recipes.config import RecipeConfig, load_config, recipe_module
+from recipes.config import load_config, recipe_module
 from rollout import EngineConfig, RolloutEngine, RolloutOutput, SamplingParams
 from rollout.pipelines.tiny import build_tiny_sd3
 from rollout.step_report import StepReport
@@ -82,10 +63,7 @@ MARGIN_WINDOW = 5  # the recipes' summary averages the first and the last 5 step
 
 
 def seed_list(text: str) -> list[int]:
-    try:
-        seeds = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from error
+    seeds = [int(part) for part in text.split(",") if part.strip()]  # argparse reports a ValueError
     if not seeds:
         raise argparse.ArgumentTypeError("give at least one seed")
     return seeds
@@ -95,38 +73,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser = harness.parser("branching", __doc__, repeats=5, warmup=1, threads=1, model=None)
     run = parser.add_argument_group("rollouts")
     run.add_argument("--prompts", type=positive_int, default=4, help="prompts per generate (each gives 8 leaves)")
-    run.add_argument(
-        "--max-batch-size",
-        type=positive_int,
-        default=64,
-        help="the engine's max_batch_size; 64 fits a whole generate of 4 prompts into one batch per step",
-    )
+    run.add_argument("--max-batch-size", type=positive_int, default=64, help="the engine's max_batch_size")
     train = parser.add_argument_group("training")
     train.add_argument("--skip-training", action="store_true", help="only the rollouts: run no recipe")
-    train.add_argument(
-        "--train-steps",
-        type=positive_int,
-        default=15,
-        help=f"training steps of each recipe run (under {2 * MARGIN_WINDOW} the first and last "
-        f"{MARGIN_WINDOW} steps overlap and the margin shrinks toward 0)",
-    )
-    train.add_argument(
-        "--train-seeds", type=seed_list, default="0", help="comma-separated seeds; every recipe runs once per seed"
-    )
+    steps_help = f"steps per recipe run (under {2 * MARGIN_WINDOW} the margin's windows overlap)"
+    train.add_argument("--train-steps", type=positive_int, default=15, help=steps_help)
+    train.add_argument("--train-seeds", type=seed_list, default="0", help="comma-separated seeds, one run each")
     train.add_argument("--train-prompts-per-step", type=positive_int, default=2, help="the recipes' prompts_per_step")
     return parser
-
-
-# The shapes.
-
-
-def shape_params(configs: dict[str, RecipeConfig]) -> dict[str, SamplingParams]:
-    """Each recipe's sampling section; raises unless all give the same leaves per prompt and steps."""
-    params = {shape: config.sampling for shape, config in configs.items()}
-    sizes = {shape: (leaves_per_prompt(p), p.num_inference_steps) for shape, p in params.items()}
-    if len(set(sizes.values())) != 1:
-        raise ValueError(f"the recipes' shapes differ in (leaves per prompt, steps): {sizes}; compare like with like")
-    return params
 
 
 def leaves_per_prompt(params: SamplingParams) -> int:
@@ -136,19 +90,15 @@ def leaves_per_prompt(params: SamplingParams) -> int:
 def expected_rows_per_leaf(params: SamplingParams) -> float:
     """Transformer rows a prompt needs (every path that exists at a step runs that step once; a path
     splits before each branch step) over the prompt's leaves."""
-    paths = [
-        params.branch_factor ** sum(b <= step for b in params.branch_steps)
-        for step in range(params.num_inference_steps)
-    ]
-    return params.num_samples * sum(paths) / leaves_per_prompt(params)
+    steps = range(params.num_inference_steps)
+    paths = sum(params.branch_factor ** sum(b <= step for b in params.branch_steps) for step in steps)
+    return params.num_samples * paths / leaves_per_prompt(params)
 
 
 def describe(params: SamplingParams) -> str:
-    branching = (
-        f"split x{params.branch_factor} before {list(params.branch_steps)}" if params.branch_steps else "no split"
-    )
+    split = f"split x{params.branch_factor} before {list(params.branch_steps)}" if params.branch_steps else "no split"
     window = list(params.sde_window) if params.sde_window is not None else "all"
-    return f"roots {params.num_samples}, {branching}, sde {window}"
+    return f"roots {params.num_samples}, {split}, sde {window}"
 
 
 # Rollouts.
@@ -157,7 +107,6 @@ def describe(params: SamplingParams) -> str:
 def check_outputs(shape: str, outputs: list[RolloutOutput], params: SamplingParams, prompts: list[str]) -> int:
     """The number of leaves; raises unless every prompt gave its leaves, all finished, with distinct paths."""
     expected = len(prompts) * leaves_per_prompt(params)
-    paths = {o.node_id for o in outputs}  # (group, sample, branch path)
     problems = []
     if len(outputs) != expected:
         problems.append(f"{len(outputs)} outputs, expected {expected}")
@@ -165,7 +114,7 @@ def check_outputs(shape: str, outputs: list[RolloutOutput], params: SamplingPara
         problems.append(f"statuses {sorted({o.status for o in outputs})}")
     if any(len(o.branch_path) != len(params.branch_steps) for o in outputs):
         problems.append(f"branch paths of lengths {sorted({len(o.branch_path) for o in outputs})}")
-    if len(paths) != len(outputs):
+    if len({o.node_id for o in outputs}) != len(outputs):
         problems.append("repeated output ids (group, sample, branch path)")
     if problems:
         raise AssertionError(f"{shape}: wrong outputs: {'; '.join(problems)}")
@@ -178,27 +127,22 @@ def time_shapes(engine: RolloutEngine, prompts: list[str], params: dict[str, Sam
     reports: list[StepReport] = []
     rows_per_step: dict[str, list[list[int]]] = {shape: [] for shape in params}
 
-    def mode(shape: str):
-        def run(round_: harness.Round) -> dict:
-            round_params = dataclasses.replace(params[shape], seed=round_.index)
-            reports.clear()
-            outputs, elapsed = harness.timed_call(engine.generate, prompts, round_params)
-            steps = [sum(r.transformer_rows) for r in reports if r.kind == "step" and sum(r.transformer_rows)]
-            if round_.timed:
-                rows_per_step[shape].append(steps)
-            return {
-                "s": elapsed,
-                "leaves": check_outputs(shape, outputs, round_params, prompts),
-                "rows": sum(steps),
-                "forward_steps": len(steps),
-                "transformer_s": sum(sum(r.transformer_s) for r in reports if r.kind == "step"),
-            }
-
-        return run
+    def run(shape: str, round_: harness.Round) -> dict:
+        round_params = dataclasses.replace(params[shape], seed=round_.index)
+        reports.clear()
+        outputs, elapsed = harness.timed_call(engine.generate, prompts, round_params)
+        steps = [r for r in reports if r.kind == "step"]
+        rows = [sum(r.transformer_rows) for r in steps if sum(r.transformer_rows)]
+        if round_.timed:
+            rows_per_step[shape].append(rows)
+        leaves = check_outputs(shape, outputs, round_params, prompts)
+        tf_s = sum(sum(r.transformer_s) for r in steps)
+        return {"s": elapsed, "leaves": leaves, "rows": sum(rows), "forward_steps": len(rows), "transformer_s": tf_s}
 
     remove = engine.add_step_observer(reports.append)
     try:
-        samples = harness.run_rounds({shape: mode(shape) for shape in params}, args.warmup, args.repeats)
+        modes = {shape: functools.partial(run, shape) for shape in params}
+        samples = harness.run_rounds(modes, args.warmup, args.repeats)
     finally:
         remove()
     return samples, rows_per_step
@@ -227,9 +171,8 @@ def summarize_rollouts(samples: dict, rows_per_step: dict, params: dict, report:
     for shape, row in summary.items():
         row["forwards_vs_flat"] = row["rows_per_leaf"] / summary["flat"]["rows_per_leaf"]
         row["wall_vs_flat"] = harness.per_round_ratio(per_leaf(shape, "s"), per_leaf("flat", "s"))
-        row["transformer_vs_flat"] = harness.per_round_ratio(
-            per_leaf(shape, "transformer_s"), per_leaf("flat", "transformer_s")
-        )
+        tf, tf_flat = per_leaf(shape, "transformer_s"), per_leaf("flat", "transformer_s")
+        row["transformer_vs_flat"] = harness.per_round_ratio(tf, tf_flat)
         row["wall_over_forwards_ratio"] = row["wall_vs_flat"] / row["forwards_vs_flat"]
     report.results["rollouts"] = summary
 
@@ -260,11 +203,11 @@ def summarize_rollouts(samples: dict, rows_per_step: dict, params: dict, report:
         note="the target is on Flow-GRPO-Fast; the tree's is shown without one",
     )
     for shape, (_, label) in SHAPES.items():
-        row = summary[shape]
-        if len(row["rows"]) != 1:
-            report.note(f"{label}: rows per generate differ between rounds: {row['rows']}")
-        value = row["rows_per_leaf"] if len(row["rows"]) == 1 else float("nan")
-        report.check(Target(f"{label} rows/leaf == expected", value, "==", row["expected_rows_per_leaf"]))
+        rows = summary[shape]["rows"]
+        if len(rows) != 1:
+            report.note(f"{label}: rows per generate differ between rounds: {rows}")
+        value = summary[shape]["rows_per_leaf"] if len(rows) == 1 else float("nan")
+        report.check(Target(f"{label} rows/leaf == expected", value, "==", summary[shape]["expected_rows_per_leaf"]))
     fast = summary["fast"]
     report.check(Target("Flow-GRPO-Fast forwards/leaf x flat", fast["forwards_vs_flat"], "<=", TARGET_FORWARDS_RATIO))
     report.check(
@@ -275,15 +218,16 @@ def summarize_rollouts(samples: dict, rows_per_step: dict, params: dict, report:
 
 def measure_rollouts(model: Path, args, report: harness.Report) -> None:
     configs = {shape: load_config(CONFIGS / file) for shape, (file, _) in SHAPES.items()}
-    params = shape_params(configs)
-    recipe_prompts = configs["flat"].prompts
-    prompts = [recipe_prompts[i % len(recipe_prompts)] for i in range(args.prompts)]
+    params = {shape: config.sampling for shape, config in configs.items()}
+    sizes = {shape: (leaves_per_prompt(p), p.num_inference_steps) for shape, p in params.items()}
+    if len(set(sizes.values())) != 1:
+        raise ValueError(f"the recipes' shapes differ in (leaves per prompt, steps): {sizes}; compare like with like")
+    prompts = [configs["flat"].prompts[i % len(configs["flat"].prompts)] for i in range(args.prompts)]
     report.note(
         f"rollouts: {args.prompts} prompts x 8 leaves per generate, 8 steps, max batch {args.max_batch_size}, "
         f"{args.threads} threads; {args.warmup} warmup + {args.repeats} timed rounds"
     )
-    config = EngineConfig(model=str(model), executor="uni", max_batch_size=args.max_batch_size)
-    with RolloutEngine(config) as engine:
+    with RolloutEngine(EngineConfig(model=str(model), executor="uni", max_batch_size=args.max_batch_size)) as engine:
         samples, rows_per_step = time_shapes(engine, prompts, params, args)
     summarize_rollouts(samples, rows_per_step, params, report)
 
@@ -296,16 +240,9 @@ def train_recipes(model: Path, folder: Path, args) -> dict[str, list[dict]]:
     results: dict[str, list[dict]] = {shape: [] for shape in SHAPES}
     for seed in args.train_seeds:
         for shape, (file, label) in SHAPES.items():
-            overrides = [
-                f"model.path={model}",
-                f"output_dir={folder / f'{shape}-seed{seed}'}",
-                f"steps={args.train_steps}",
-                f"seed={seed}",
-                f"prompts_per_step={args.train_prompts_per_step}",
-                "eval.num_prompts=1",
-                "eval.num_samples=1",
-                "eval.num_inference_steps=2",
-            ]
+            overrides = [f"model.path={model}", f"output_dir={folder / f'{shape}-seed{seed}'}", f"seed={seed}"]
+            overrides += [f"steps={args.train_steps}", f"prompts_per_step={args.train_prompts_per_step}"]
+            overrides += ["eval.num_prompts=1", "eval.num_samples=1", "eval.num_inference_steps=2"]
             print(f"training {label} ({file}), seed {seed}, {args.train_steps} steps", flush=True)
             try:
                 config = load_config(CONFIGS / file, overrides)
@@ -325,6 +262,7 @@ def train_recipes(model: Path, folder: Path, args) -> dict[str, list[dict]]:
 
 def report_training(training: dict[str, list[dict]], args, report: harness.Report) -> None:
     report.results["training"] = training
+    signed = "{:+.4f}".format  # the margins
     rows = []
     for shape, (_, label) in SHAPES.items():
         for r in training[shape]:
@@ -332,22 +270,14 @@ def report_training(training: dict[str, list[dict]], args, report: harness.Repor
                 rows.append([label, r["seed"], f"FAILED: {r['error']}"] + ["-"] * 5)
                 continue
             log_ratio = r["log_ratio_before_first_update"]
-            rows.append(
-                [label, r["seed"], r["reward_first5"], r["reward_last5"], f"{r['reward_margin']:+.4f}"]
-                + [
-                    r["train_s"] / 60,
-                    f"{r['margin_per_minute']:+.4f}",
-                    "-" if log_ratio is None else f"{log_ratio:.1e}",
-                ]
-            )
+            log_ratio = "-" if log_ratio is None else f"{log_ratio:.1e}"
+            margins = [signed(r["reward_margin"]), r["train_s"] / 60, signed(r["margin_per_minute"])]
+            rows.append([label, r["seed"], r["reward_first5"], r["reward_last5"], *margins, log_ratio])
         done = [r for r in training[shape] if "error" not in r]
         if len(args.train_seeds) > 1 and done:
-            margin, per_minute = (
-                f"{statistics.mean(r[key] for r in done):+.4f}" for key in ("reward_margin", "margin_per_minute")
-            )
-            rows.append(
-                ["  mean", "", "", "", margin, statistics.mean(r["train_s"] for r in done) / 60, per_minute, ""]
-            )
+            mean = {k: statistics.mean(r[k] for r in done) for k in ("reward_margin", "train_s", "margin_per_minute")}
+            margins = [signed(mean["reward_margin"]), mean["train_s"] / 60, signed(mean["margin_per_minute"])]
+            rows.append(["  mean", "", "", "", *margins, ""])
     report.table(
         f"training: {args.train_steps} steps x {args.train_prompts_per_step} prompts x 8 leaves, "
         f"seeds {args.train_seeds}",
@@ -380,10 +310,8 @@ def main(argv: list[str] | None = None) -> dict:
                 report_training(train_recipes(model, Path(tmp) / "runs", args), args, report)
     finally:
         torch.set_num_threads(previous_threads)
-    report.results["total_s"] = time.perf_counter() - start
-    report.note(
-        f"total {report.results['total_s']:.1f} s; load average {load:.2f} at the start, {os.getloadavg()[0]:.2f} now"
-    )
+    report.results["total_s"] = total = time.perf_counter() - start
+    report.note(f"total {total:.1f} s; load average {load:.2f} at the start, {os.getloadavg()[0]:.2f} now")
     return report.finish()
 
 

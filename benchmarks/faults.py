@@ -1,8 +1,8 @@
 """Fault figures: what a trainer that leaves the engine running for days relies on, per backend.
 
-kill        a worker SIGKILLed mid-rollout, mid-update and mid-RPC: seconds until the call fails
-            with EngineDeadError, and worker processes and /dev/shm blocks left afterwards
-            (goal: <= 5 s, none left; mp and ray, which run workers in processes);
+kill        a worker process (mp, ray) SIGKILLed mid-rollout, mid-update and mid-RPC, slowed by a
+            patch sent through `collective_rpc` so the kill lands mid-call: seconds until the call
+            fails with EngineDeadError, and processes and /dev/shm blocks left (goal: <= 5 s, none);
 lora        300 load / hot-swap / unload cycles alternating two layouts (rank 64 and 32): growth
             of the workers' resident memory (goal: < 50 MiB);
 abort       1000 add / abort cycles at random points: state left in the engine, the scheduler and
@@ -11,15 +11,12 @@ refused     every kind of bad update (unknown name, shape, dtype, NaN, a name tw
             refused, with the weights' checksum unchanged;
 shm         /dev/shm bytes in use after 100 rollouts whose outputs the caller keeps.
 
-The kill figures slow the worker's step (or its update staging) down with a patch sent through
-`collective_rpc`, so the kill lands mid-call: fault injection, for which the engine has no public hook.
-
-  python -m benchmarks.faults                      # uni, mp and ray
-  python -m benchmarks.faults --backends mp --json faults.json
+  python -m benchmarks.faults --backends mp --json faults.json     # default: uni, mp and ray
 """
 
 from __future__ import annotations
 
+import operator
 import os
 import random
 import signal
@@ -27,16 +24,19 @@ import sys
 import tempfile
 import threading
 import time
-import warnings
+from pathlib import Path
 
 import cloudpickle
 import torch
+from peft import LoraConfig
 
 from benchmarks import harness
 from benchmarks.harness import Target, positive_int
+from benchmarks.lora_swap import make_adapters
 from executors.shm import shm_dir
 from rollout import EngineConfig, RolloutEngine, SamplingParams
 from rollout.errors import EngineDeadError
+from rollout.pipelines.loading import load_adapter
 from rollout.pipelines.tiny import build_tiny_sd3
 from rollout.weights import base_state, checksum
 
@@ -44,36 +44,18 @@ BACKENDS = ("uni", "mp", "ray")
 PROCESS_BACKENDS = ("mp", "ray")
 WORKERS = {"uni": 1, "mp": 2, "ray": 2}
 LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
-
-
-def build_parser():
-    parser = harness.parser("faults", __doc__)
-    parser.add_argument("--backends", nargs="+", choices=BACKENDS, default=list(BACKENDS), help="backends to measure")
-    parser.add_argument("--lora-cycles", type=positive_int, default=300, help="load / hot-swap / unload cycles")
-    parser.add_argument("--abort-cycles", type=positive_int, default=1000, help="add / abort cycles")
-    parser.add_argument("--rollouts", type=positive_int, default=100, help="rollouts whose outputs are kept (shm)")
-    return parser
-
-
-# Worker functions (sent by value: Ray workers cannot import this module).
-
-
-def worker_pid(worker) -> int:
-    return os.getpid()
+# The rollout a kill interrupts: four samples, so every rank has work (an idle Ray actor is not watched).
+LONG_ROLLOUT = SamplingParams(num_inference_steps=500, num_samples=4)
 
 
 def rss_mib(worker) -> float:
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
 def slow_down(worker, target: str, seconds: float) -> None:
-    """Make `worker.<target>` (a dotted path to a method) take `seconds` longer: fault injection (the
-    engine has no public hook to slow a worker down), not timing."""
+    """Make `worker.<target>` (a dotted path to a method) take `seconds` longer."""
     owner_path, _, name = target.rpartition(".")
-    owner = worker
-    for part in owner_path.split(".") if owner_path else []:
-        owner = getattr(owner, part)
+    owner = operator.attrgetter(owner_path)(worker) if owner_path else worker
     original = getattr(owner, name)
 
     def slow(*args, **kwargs):
@@ -87,9 +69,6 @@ def transformer_weights(worker) -> dict[str, torch.Tensor]:
     return {name: t.detach().clone() for name, t in base_state(worker.adapter.transformer).items()}
 
 
-# The figures.
-
-
 def config_for(model: str, backend: str, **settings) -> EngineConfig:
     return EngineConfig(model=model, executor=backend, num_workers=WORKERS[backend], **settings)
 
@@ -99,14 +78,14 @@ def kill_figures(model: str, backend: str) -> dict:
     figures = {}
     # phase -> (worker method made slower, by how many seconds, the call the kill interrupts)
     phases = {
-        "rollout": ("runner.step", 0.2, _rollout),
+        "rollout": ("runner.step", 0.2, lambda engine, weights: engine.generate("x", LONG_ROLLOUT)),
         "update": ("updates.stage", 30.0, lambda engine, weights: engine.update_weights(weights)),
         "rpc": (None, 0.0, lambda engine, weights: engine.collective_rpc(lambda worker: time.sleep(60))),
     }
     for phase, (slowed, seconds_longer, call) in phases.items():
         before = set(shm_dir().glob(f"rollout-{os.getpid()}-*"))
         engine = RolloutEngine(config_for(model, backend))
-        pids = engine.collective_rpc(worker_pid)
+        pids = engine.collective_rpc(lambda worker: os.getpid())
         weights = engine.collective_rpc(transformer_weights)[0]
         if slowed is not None:
             engine.collective_rpc(slow_down, args=(slowed, seconds_longer))
@@ -127,11 +106,6 @@ def kill_figures(model: str, backend: str) -> dict:
     return figures
 
 
-def _rollout(engine: RolloutEngine, weights) -> None:
-    # Four samples: every rank has work (an idle Ray actor is not called, so not watched).
-    engine.generate("x", SamplingParams(num_inference_steps=500, num_samples=4))
-
-
 def _kill(pid: int, killed_at: list[float]) -> None:
     killed_at.append(time.monotonic())
     os.kill(pid, signal.SIGKILL)
@@ -139,20 +113,9 @@ def _kill(pid: int, killed_at: list[float]) -> None:
 
 def lora_figures(model: str, backend: str, cycles: int) -> dict:
     """Worker resident memory growth over load / hot-swap / unload cycles of two layouts."""
-    from peft import LoraConfig
-    from peft.utils import get_peft_model_state_dict
-
-    from rollout.pipelines.loading import load_adapter
-
     transformer = load_adapter(model).transformer
-    adapters = []
-    for rank in (64, 32):
-        config = LoraConfig(r=rank, lora_alpha=rank, target_modules=LORA_TARGETS, init_lora_weights=False)
-        with warnings.catch_warnings():  # PEFT warns about a second adapter; two is the point here
-            warnings.simplefilter("ignore", UserWarning)
-            transformer.add_adapter(config, adapter_name=f"r{rank}")
-        tensors = get_peft_model_state_dict(transformer, adapter_name=f"r{rank}")
-        adapters.append(({k: v.detach().clone() for k, v in tensors.items()}, config))
+    configs = [LoraConfig(r=r, lora_alpha=r, target_modules=LORA_TARGETS, init_lora_weights=False) for r in (64, 32)]
+    adapters = [(make_adapters(transformer, config, count=1)[0], config) for config in configs]
     with RolloutEngine(config_for(model, backend)) as engine:
         for _ in range(20):  # warm up allocator pools
             engine.load_lora("cycle", *adapters[0])
@@ -238,8 +201,7 @@ def _alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    with open(f"/proc/{pid}/stat") as stat:  # a zombie answers kill(0) but has exited
-        return stat.read().split()[2] != "Z"
+    return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"  # a zombie answers kill(0) but has exited
 
 
 def report_figures(results: dict, report: harness.Report) -> None:
@@ -269,7 +231,6 @@ def report_figures(results: dict, report: harness.Report) -> None:
         report.check(Target(f"{backend} bad updates refused, checksum unchanged", ok, "==", len(refused)))
         if wrong:
             report.note(f"{backend}: bad updates not refused, or the checksum changed: {', '.join(wrong)}")
-    lora, abort, shm = (next(iter(results.values()))[key] for key in ("lora", "abort", "shm"))
     report.table(
         "lora, abort, refused updates and /dev/shm per backend",
         ["backend", "lora RSS growth MiB", "ms/cycle", "abort left", "ms/cycle", "bad updates refused"]
@@ -282,22 +243,24 @@ def report_figures(results: dict, report: harness.Report) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    args = build_parser().parse_args(argv)
-    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    parser = harness.parser("faults", __doc__)
+    parser.add_argument("--backends", nargs="+", choices=BACKENDS, default=list(BACKENDS), help="backends to measure")
+    parser.add_argument("--lora-cycles", type=positive_int, default=300, help="load / hot-swap / unload cycles")
+    parser.add_argument("--abort-cycles", type=positive_int, default=1000, help="add / abort cycles")
+    parser.add_argument("--rollouts", type=positive_int, default=100, help="rollouts whose outputs are kept (shm)")
+    args = parser.parse_args(argv)
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])  # Ray workers cannot import this module
     report = harness.Report("faults", args, __doc__, argv)
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="rollout-faults-") as folder:
         model = str(build_tiny_sd3(folder))
         for backend in args.backends:
             print(f"measuring {backend} ...", flush=True)
-            figures = {}
-            if backend in PROCESS_BACKENDS:
-                figures["kill"] = kill_figures(model, backend)
-            figures["lora"] = lora_figures(model, backend, args.lora_cycles)
-            figures["abort"] = abort_figures(model, backend, args.abort_cycles)
-            figures["refused"] = refused_figures(model, backend)
-            figures["shm"] = shm_figures(model, backend, args.rollouts)
-            results[backend] = figures
+            results[backend] = {"kill": kill_figures(model, backend)} if backend in PROCESS_BACKENDS else {}
+            results[backend]["lora"] = lora_figures(model, backend, args.lora_cycles)
+            results[backend]["abort"] = abort_figures(model, backend, args.abort_cycles)
+            results[backend]["refused"] = refused_figures(model, backend)
+            results[backend]["shm"] = shm_figures(model, backend, args.rollouts)
     report_figures(results, report)
     return report.finish()
 
