@@ -7,8 +7,9 @@ import pytest
 from rollout.engine import RolloutEngine
 from trainers_adapters.remote_engine import RemoteRolloutEngine
 
-# What the async engine's loop drives the in-process engine with; a trainer never calls these.
-LOOP_HOOKS = {"add_requests", "take_finished", "unfinished_request_ids", "dead"}
+# What the async engine's loop drives the in-process engine with (a trainer never calls these),
+# and what watches this process's engine (a server's steps are the server's to observe).
+LOOP_HOOKS = {"add_requests", "take_finished", "unfinished_request_ids", "dead", "add_step_observer"}
 LOOP_PARAMETERS = {"step": {"admit"}}
 
 
