@@ -21,6 +21,7 @@ import re
 import runpy
 import shlex
 import sys
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -123,7 +124,10 @@ def answers_help(module: str) -> tuple[bool, str]:
     argv = sys.argv
     sys.argv = [module, "--help"]
     try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out), warnings.catch_warnings():
+            # The module may be imported already (the tests import recipes.run): runpy warns that it
+            # runs a second copy as __main__, which is what `--help` needs.
+            warnings.simplefilter("ignore", RuntimeWarning)
             runpy.run_module(module, run_name="__main__", alter_sys=True)
     except SystemExit as exit_:
         return exit_.code in (0, None) and bool(out.getvalue().strip()), out.getvalue()[-500:]

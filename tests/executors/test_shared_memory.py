@@ -69,6 +69,7 @@ def _shm_used_bytes() -> int:
     return (stats.f_blocks - stats.f_bfree) * stats.f_frsize
 
 
+@pytest.mark.slow  # 14 s of 100 rollouts on 2 cores; benchmarks.faults measures the same growth
 def test_outputs_the_caller_keeps_do_not_pin_shared_memory(tiny_model):
     with RolloutEngine(EngineConfig(model=tiny_model, executor="mp", num_workers=2)) as engine:
         params = SamplingParams(num_inference_steps=3, num_samples=4, seed=0)
