@@ -39,6 +39,14 @@ seconds, each rank's compute seconds and transformer rows), and times a worker's
 """
 
 
+def title_of(header: dict) -> str:
+    """A report's name on the page: its command after "python -m benchmarks.", without `--json PATH`."""
+    words = header["command"].removeprefix("python -m benchmarks.").split()
+    if "--json" in words:
+        del words[words.index("--json") : words.index("--json") + 2]
+    return " ".join(words)
+
+
 def markdown_table(table: dict) -> str:
     columns, rows = table["columns"], table["rows"]
     lines = [f"**{table['title'].strip()}**", "", "| " + " | ".join(columns) + " |"]
@@ -51,7 +59,7 @@ def markdown_table(table: dict) -> str:
 
 def render_report(report: dict) -> str:
     header = report["header"]
-    title = header["command"].removeprefix("python -m benchmarks.")
+    title = title_of(header)
     parts = [
         f"## {title}",
         header["summary"],
@@ -80,7 +88,11 @@ def _number(value) -> str:
 HEADLINES = (
     ("rollout_throughput --family sd3", "engine / diffusers speed", "SD3: the engine vs. `StableDiffusion3Pipeline`"),
     ("rollout_throughput --family flux", "engine / diffusers speed", "FLUX.1: the engine vs. `FluxPipeline`"),
-    ("rollout_throughput --family qwen_image", "engine / diffusers speed", "Qwen-Image: vs. `QwenImagePipeline`"),
+    (
+        "rollout_throughput --family qwen_image",
+        "engine / diffusers speed",
+        "Qwen-Image: the engine vs. `QwenImagePipeline`",
+    ),
     ("rollout_throughput --family wan", "engine / diffusers speed", "Wan 2.1 video: the engine vs. `WanPipeline`"),
     ("serve_load", "server / in-process sync samples/s", "64 HTTP clients through the server vs. in process"),
 )
@@ -92,7 +104,7 @@ HEADLINE_START, HEADLINE_END = (
 
 def headline_lines(reports: list[dict]) -> list[str]:
     """One line per headline whose report is there: the ratio, its target and the machine."""
-    by_title = {report["header"]["command"].removeprefix("python -m benchmarks."): report for report in reports}
+    by_title = {title_of(report["header"]): report for report in reports}
     lines = []
     for title, target_name, what in HEADLINES:
         report = by_title.get(title)
@@ -120,7 +132,7 @@ def render(reports: list[dict]) -> str:
     index = ["| benchmark | targets met | commit | machine |", "| --- | --- | --- | --- |"]
     for report in reports:
         header, targets = report["header"], report["targets"]
-        title = header["command"].removeprefix("python -m benchmarks.")
+        title = title_of(header)
         anchor = "".join(c for c in title.lower().replace(" ", "-") if c.isalnum() or c in "-_")
         met = f"{sum(t['met'] for t in targets)} of {len(targets)}" if targets else "-"
         machine = f"{header['device']}, {header['threads']} threads"
