@@ -271,7 +271,12 @@ class RolloutEngine:
         function, in the engine's thread; returns a function that removes it. An observer that
         raises is logged and removed, and the engine goes on (its outputs are not lost)."""
         self._step_observers.append(observer)
-        return lambda: self._step_observers.remove(observer) if observer in self._step_observers else None
+
+        def remove() -> None:
+            if observer in self._step_observers:  # it may have removed itself by raising
+                self._step_observers.remove(observer)
+
+        return remove
 
     def _notify(self, report: StepReport) -> None:
         for observer in list(self._step_observers):
