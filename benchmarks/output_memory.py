@@ -27,6 +27,7 @@ import torch
 from benchmarks import harness
 from rollout import EngineConfig, RolloutEngine, SamplingParams
 from rollout.pipelines.tiny import TinySD3Sizes, build_tiny_sd3
+from rollout.step_series import StepSeries
 
 SHOWN = ("latents", "referenced", "shm_held")  # the table's columns of bytes per sample
 SD35_SHAPES = TinySD3Sizes(  # SD3.5-medium's latent and text-embedding shapes at 512x512, one layer of everything
@@ -47,9 +48,11 @@ def mib(nbytes: float | None) -> float | str:
 
 
 def tensors_in(value):
-    """Every tensor reachable from an output (dataclass fields, lists, dicts)."""
+    """Every tensor reachable from an output (dataclass fields, lists, dicts, a StepSeries' parts)."""
     if isinstance(value, torch.Tensor):
         yield value
+    elif isinstance(value, StepSeries):  # trajectory latents and records: tree parts shared by leaves
+        yield from value.parts
     elif isinstance(value, list | tuple):
         for item in value:
             yield from tensors_in(item)
