@@ -48,7 +48,6 @@ from benchmarks.harness import Stats, Target, positive_int
 from recipes.config import load_config, recipe_module
 from rollout import EngineConfig, RolloutEngine, RolloutOutput, SamplingParams
 from rollout.pipelines.tiny import build_tiny_sd3
-from rollout.step_report import StepReport
 
 CONFIGS = Path(__file__).resolve().parent.parent / "recipes" / "configs"
 # shape -> (recipe YAML, label)
@@ -124,7 +123,6 @@ def check_outputs(shape: str, outputs: list[RolloutOutput], params: SamplingPara
 def time_shapes(engine: RolloutEngine, prompts: list[str], params: dict[str, SamplingParams], args) -> tuple:
     """Per shape and measurement, the timed rounds' values (seconds, leaves, rows, forward steps,
     transformer seconds, from the engine's StepReports), and per shape each timed round's rows per step."""
-    reports: list[StepReport] = []
     rows_per_step: dict[str, list[list[int]]] = {shape: [] for shape in params}
 
     def run(shape: str, round_: harness.Round) -> dict:
@@ -139,12 +137,9 @@ def time_shapes(engine: RolloutEngine, prompts: list[str], params: dict[str, Sam
         tf_s = sum(sum(r.transformer_s) for r in steps)
         return {"s": elapsed, "leaves": leaves, "rows": sum(rows), "forward_steps": len(rows), "transformer_s": tf_s}
 
-    remove = engine.add_step_observer(reports.append)
-    try:
+    with harness.step_reports(engine) as reports:
         modes = {shape: functools.partial(run, shape) for shape in params}
         samples = harness.run_rounds(modes, args.warmup, args.repeats)
-    finally:
-        remove()
     return samples, rows_per_step
 
 

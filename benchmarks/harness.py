@@ -18,6 +18,7 @@ targets and each report's header (commit, torch, threads, device, command line) 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import gc
 import json
@@ -145,6 +146,18 @@ def timed_call(fn: Callable, *args, device: str | None = None) -> tuple[object, 
     result = fn(*args)
     synchronize(device)
     return result, time.perf_counter() - start
+
+
+@contextlib.contextmanager
+def step_reports(engine) -> Iterator[list]:
+    """The engine's `StepReport`s while inside: a list that fills as the engine steps and calls its
+    workers (`RolloutEngine.add_step_observer`), observed no more on the way out."""
+    reports: list = []
+    remove = engine.add_step_observer(reports.append)
+    try:
+        yield reports
+    finally:
+        remove()
 
 
 # Statistics: one type, one percentile definition, so two reports compare.

@@ -41,7 +41,6 @@ from benchmarks import harness
 from benchmarks.worker_timers import install_timers, remove_timers
 from rollout import EngineConfig, RolloutEngine, SamplingParams
 from rollout.pipelines.tiny import build_tiny_sd3
-from rollout.step_report import StepReport
 
 # Attention projections of SD3Transformer2DModel's joint blocks (the last has no `to_add_out`).
 LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]
@@ -257,19 +256,13 @@ BREAKDOWN_ROWS = (STAGE_RPC, *(name for name, _ in _TIMED_PIECES[:-1]), COMMIT_R
 
 def swap_breakdown(engine: RolloutEngine, adapters: list, config: dict, swaps: int) -> dict[str, float]:
     """Median ms per piece of a hot swap, and of its wall."""
-    rpc_seconds: dict[str, list[float]] = {"stage_lora": [], "commit_lora": []}
-
-    def observe(report: StepReport) -> None:
-        if report.name in rpc_seconds:
-            rpc_seconds[report.name].append(report.wall_s)
-
     engine.collective_rpc(install_timers, args=(_TIMED_PIECES,))
-    stop_observing = engine.add_step_observer(observe)
     try:
-        walls = [harness.timed_call(engine.load_lora, "policy", adapters[i % 2], config)[1] for i in range(swaps)]
+        with harness.step_reports(engine) as reports:
+            walls = [harness.timed_call(engine.load_lora, "policy", adapters[i % 2], config)[1] for i in range(swaps)]
     finally:
-        stop_observing()
         worker = engine.collective_rpc(remove_timers)[0]
+    rpc_seconds = {name: [r.wall_s for r in reports if r.name == name] for name in ("stage_lora", "commit_lora")}
     rpc = list(zip(rpc_seconds["stage_lora"], rpc_seconds["commit_lora"], strict=True))
     derived = {
         STAGE_RPC: [r - s for (r, _), s in zip(rpc, worker["LoraManager.stage"], strict=True)],

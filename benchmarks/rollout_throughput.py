@@ -234,16 +234,15 @@ def engine_breakdown(engine: RolloutEngine, run: Callable, args: argparse.Namesp
     forwards of every denoiser (Wan 2.2: both experts) count as `transformer`."""
     pieces = _TIMED_PIECES + tuple((name, f"adapter.pipeline.{name}.forward") for name in denoisers[1:])
     engine.collective_rpc(install_timers, args=(pieces, args.device))
-    steps = []
-    stop_observing = engine.add_step_observer(lambda report: steps.append(report) if report.kind == "step" else None)
     try:
-        gc.collect()
-        start = time.perf_counter()
-        run(args.warmup + args.repeats)
-        wall = time.perf_counter() - start
+        with harness.step_reports(engine) as reports:
+            gc.collect()
+            start = time.perf_counter()
+            run(args.warmup + args.repeats)
+            wall = time.perf_counter() - start
     finally:
-        stop_observing()
         timings = engine.collective_rpc(remove_timers)[0]
+    steps = [report for report in reports if report.kind == "step"]
     for name in denoisers[1:]:
         timings["transformer"] += timings.pop(name)
     s = {name: sum(seconds) for name, seconds in timings.items()}
