@@ -7,7 +7,10 @@ advantage (BranchGRPO, see `trainers_adapters.tree`). They are shuffled and spli
 `optimizer_steps` minibatches; each minibatch is re-scored by the policy in micro-batches, with
 gradients, through the same sampler functions the engine used, and ends with one optimizer step.
 Before the first optimizer step the policy is exactly the one that sampled, so the ratio of that
-first minibatch must be 1: `log_ratio_before_update` reports it.
+first minibatch must be 1: `log_ratio_before_update` reports it, and `log_ratio_by_step_max` /
+`log_ratio_by_step_mean` break it down by denoising step, so a drift that only some steps show
+(late ones, after a base update, in bfloat16) is visible. They cover the steps the first minibatch
+holds: all of the trained ones with `optimizer_steps=1`, a random share of the transitions otherwise.
 """
 
 from __future__ import annotations
@@ -103,6 +106,10 @@ class GRPOStepStats:
     policy_loss: float
     kl: float  # mean KL to the reference (0 when kl_beta is 0)
     log_ratio_before_update: float  # max |log ratio| before this rollout's first optimizer step
+    # Denoising step index -> max / mean |log ratio| over that step's transitions in the first
+    # minibatch (before any optimizer step); the steps that minibatch holds, in increasing order.
+    log_ratio_by_step_max: dict[int, float]
+    log_ratio_by_step_mean: dict[int, float]
     ratio_mean: float
     clip_fraction: float
     grad_norm: float  # of the last optimizer step, before clipping
@@ -133,30 +140,45 @@ def grpo_step(
     minibatches = [mb.tolist() for mb in torch.tensor_split(torch.tensor(order), settings.optimizer_steps)]
     totals = dict.fromkeys(("loss", "policy_loss", "kl", "ratio_mean", "clip_fraction"), 0.0)
     log_ratio_before_update = 0.0
+    first_steps, first_abs_log_ratios = [], []  # of the first minibatch: step index, |log ratio| per transition
     grad_norm = 0.0
     for number, minibatch in enumerate(m for m in minibatches if m):
         optimizer.zero_grad(set_to_none=True)
         for start in range(0, len(minibatch), settings.micro_batch_size):
             chunk = [transitions[i] for i in minibatch[start : start + settings.micro_batch_size]]
-            loss, parts, max_abs_log = _chunk_loss(policy, rollout, chunk, settings)
+            loss, parts, abs_log_ratio = _chunk_loss(policy, rollout, chunk, settings)
             check_finite_loss(parts["loss"], optimizer, _describe(chunk, parts))
             (loss * len(chunk) / len(minibatch)).backward()
             for key in totals:
                 totals[key] += parts[key] * len(chunk)
             if number == 0:
-                log_ratio_before_update = max(log_ratio_before_update, max_abs_log)
+                log_ratio_before_update = max(log_ratio_before_update, float(abs_log_ratio.max()))
+                first_steps += [step for _, step, _ in chunk]
+                first_abs_log_ratios.append(abs_log_ratio.cpu())
         if number == 0:
             _check_ratio(log_ratio_before_update, settings.max_log_ratio_before_update, optimizer)
         grad_norm = clip_and_step(policy.parameters(), optimizer, settings.max_grad_norm)
     optimizer.zero_grad(set_to_none=True)
     count = len(transitions)
+    by_step_max, by_step_mean = _by_step(torch.tensor(first_steps), torch.cat(first_abs_log_ratios))
     return GRPOStepStats(
         **{key: value / count for key, value in totals.items()},
         log_ratio_before_update=log_ratio_before_update,
+        log_ratio_by_step_max=by_step_max,
+        log_ratio_by_step_mean=by_step_mean,
         grad_norm=grad_norm,
         advantage_abs_mean=float(torch.tensor([advantage for _, _, advantage in transitions]).abs().mean()),
         num_transitions=count,
     )
+
+
+def _by_step(steps: torch.Tensor, abs_log_ratio: torch.Tensor) -> tuple[dict[int, float], dict[int, float]]:
+    """Max and mean of `abs_log_ratio` [B] over the transitions of each step index in `steps` [B]."""
+    by_max, by_mean = {}, {}
+    for step in torch.unique(steps).tolist():  # sorted
+        values = abs_log_ratio[steps == step]
+        by_max[step], by_mean[step] = float(values.max()), float(values.mean())
+    return by_max, by_mean
 
 
 class PolicyDriftError(RuntimeError):
@@ -223,8 +245,9 @@ def _chunk_loss(
     rollout: RewardedRollout,
     chunk: list[tuple[int, int, float]],
     settings: GRPOSettings,
-) -> tuple[torch.Tensor, dict[str, float], float]:
-    """The chunk's loss (to backpropagate), its statistics, and its max |log ratio|."""
+) -> tuple[torch.Tensor, dict[str, float], torch.Tensor]:
+    """The chunk's loss (to backpropagate), its statistics, and the |log ratio| of each transition [B]
+    (float32, no gradient)."""
     trajectories = [rollout.outputs[index].trajectory for index, _, _ in chunk]
     steps = [step for _, step, _ in chunk]
     scored = policy.score(trajectories, steps)
@@ -245,7 +268,7 @@ def _chunk_loss(
         "ratio_mean": stats.ratio_mean,
         "clip_fraction": stats.clip_fraction,
     }
-    return loss, parts, stats.ratio_max_abs_log
+    return loss, parts, (scored.log_prob.detach() - old).abs()
 
 
 def _describe(chunk: list[tuple[int, int, float]], parts: dict[str, float]) -> str:

@@ -43,6 +43,12 @@ def test_update_starts_at_ratio_one_and_moves_the_policy(engine, tiny_model):
 
     assert stats.log_ratio_before_update < RATIO_TOLERANCE
     assert stats.num_transitions == 8 * 4  # every SDE step of every sample
+    # Per denoising step, over the first minibatch (half the transitions, shuffled: some of the 4 steps).
+    by_max, by_mean = stats.log_ratio_by_step_max, stats.log_ratio_by_step_mean
+    assert by_max and set(by_max) == set(by_mean) <= {0, 1, 2, 3}
+    assert list(by_max) == sorted(by_max)
+    assert all(by_mean[step] <= by_max[step] < RATIO_TOLERANCE for step in by_max)
+    assert max(by_max.values()) == stats.log_ratio_before_update
     assert stats.grad_norm > 0 and stats.advantage_abs_mean > 0
     after = policy.lora_state()
     assert any(not torch.equal(before[k], after[k]) for k in before)
@@ -76,6 +82,7 @@ def test_kl_to_the_reference_is_zero_for_a_zero_lora_and_positive_otherwise(engi
     off_policy = dataclasses.replace(settings, max_log_ratio_before_update=None)  # on purpose: not the sampler
     stats = grpo_step(random_lora, optimizer, rollout, off_policy, torch.Generator())
     assert stats.kl > 0
+    assert all(value > RATIO_TOLERANCE for value in stats.log_ratio_by_step_mean.values())  # every step drifts
     assert stats.loss == pytest.approx(stats.policy_loss + 0.5 * stats.kl, rel=1e-4, abs=1e-7)
     engine.unload_lora(policy.name)
 
@@ -134,6 +141,9 @@ def test_a_tree_rollout_trains_each_shared_step_once_from_ratio_one(engine, tiny
     assert stats.log_ratio_before_update < RATIO_TOLERANCE
     per_prompt = 2 * 2 + 4 * 2 + 8 * 2  # each node's own steps, not once per leaf below it (6 x 8 = 48)
     assert stats.num_transitions == 2 * per_prompt
+    # One minibatch holds every trained step: one entry per denoising step, each at ratio one.
+    assert list(stats.log_ratio_by_step_max) == list(stats.log_ratio_by_step_mean) == list(range(6))
+    assert all(value < RATIO_TOLERANCE for value in stats.log_ratio_by_step_max.values())
     engine.unload_lora(policy.name)
 
 
