@@ -1,17 +1,25 @@
-"""The reward-against-step plot that training recipes write."""
+"""The plots training recipes write: reward against step, and GRPO's rollout/train agreement."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from rollout.rescoring import RATIO_TOLERANCE
 
-def plot_reward(history: list[dict], path: Path, title: str) -> None:
-    """Mean reward per step with a band of one standard deviation across the step's samples, and a
-    moving average over 5 steps; written as a PNG."""
+
+def _pyplot():
     import matplotlib
 
     matplotlib.use("Agg")  # files only; never open a window
     import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_reward(history: list[dict], path: Path, title: str) -> None:
+    """Mean reward per step with a band of one standard deviation across the step's samples, and a
+    moving average over 5 steps; written as a PNG."""
+    plt = _pyplot()
 
     steps = [record["step"] for record in history]
     means = [record["reward_mean"] for record in history]
@@ -32,6 +40,37 @@ def plot_reward(history: list[dict], path: Path, title: str) -> None:
     axes.set_title(title)
     axes.grid(alpha=0.3)
     axes.legend()
+    figure.tight_layout()
+    figure.savefig(path)
+    plt.close(figure)
+
+
+def plot_log_ratio(history: list[dict], path: Path, title: str, tolerance: float = RATIO_TOLERANCE) -> None:
+    """Max |log ratio| before the update against training step, one line per denoising step (the
+    records' `log_ratio_by_step_max`: step index -> value), with `tolerance` drawn across; written
+    as a PNG. The y axis is logarithmic down to 1e-9 and linear below it, so exact zeros (a
+    float32 re-scoring often matches bit for bit) still show."""
+    plt = _pyplot()
+
+    series: dict[int, tuple[list[int], list[float]]] = {}
+    for record in history:
+        for index, value in record["log_ratio_by_step_max"].items():
+            steps, values = series.setdefault(int(index), ([], []))
+            steps.append(record["step"])
+            values.append(value)
+    figure, axes = plt.subplots(figsize=(7, 4), dpi=100)
+    colours = plt.get_cmap("viridis")
+    for number, index in enumerate(sorted(series)):
+        steps, values = series[index]
+        colour = colours(number / max(1, len(series) - 1))
+        axes.plot(steps, values, marker=".", linewidth=1, color=colour, label=f"denoising step {index}")
+    axes.axhline(tolerance, color="red", linestyle="--", linewidth=1, label=f"tolerance {tolerance:g}")
+    axes.set_yscale("symlog", linthresh=1e-9)
+    axes.set_xlabel("training step")
+    axes.set_ylabel("max |log ratio| before the update")
+    axes.set_title(title)
+    axes.grid(alpha=0.3)
+    axes.legend(fontsize="small", ncol=2 if len(series) > 6 else 1)
     figure.tight_layout()
     figure.savefig(path)
     plt.close(figure)

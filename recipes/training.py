@@ -4,9 +4,11 @@ update function.
 Every step: pick prompts, roll them out with the policy's adapter (each group rewarded on a
 background thread as soon as it finishes), run the update, push the adapter back to the engine and
 check the version it reports. The run writes, under `output_dir`: `metrics.jsonl` (one line per
-step), `reward.png` (reward against step), `samples_start.png` / `samples_end.png` (the same eval
-prompts and noise before and after training; animated `.gif` grids for a video model), `lora/` (the
-final adapter in the diffusers LoRA format) and `summary.json`.
+step), `reward.png` (reward against step), `log_ratio.png` (GRPO: max |log ratio| per denoising step
+before each update), `samples_start.png` / `samples_end.png` (the same eval prompts and noise before
+and after training; animated `.gif` grids for a video model), `lora/` (the final adapter in the
+diffusers LoRA format) and `summary.json`. The step records and grids also go to the loggers that
+`logger` names (`recipes.loggers`: TensorBoard, wandb).
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ import torch
 from tqdm import tqdm
 
 from recipes.config import EngineSection, ModelSection, RecipeConfig, option, to_dict
-from recipes.plots import plot_reward
+from recipes.loggers import WandbSection, logger_problems, open_loggers
+from recipes.plots import plot_log_ratio, plot_reward
 from recipes.rollout import save_samples
 from rollout import SamplingParams
 from rollout.rescoring import RATIO_TOLERANCE  # the contract the first update's |log ratio| meets
@@ -117,10 +120,16 @@ class TrainingConfig(RecipeConfig):
     seed: int = option(0, "seed of the LoRA init, prompt order, rollout noise and training randomness")
     output_dir: str = option("outputs/train", "folder for metrics, plots, sample grids and the final LoRA")
     grid_scale: int = option(4, "nearest-neighbour upscale of each image in the sample grids")
+    logger: str | list[str] = option(
+        factory=lambda: ["jsonl"],
+        help="where step metrics and sample grids go, one or a list: jsonl (metrics.jsonl), tensorboard "
+        "(output_dir/tensorboard; pip extra [tensorboard]), wandb (the wandb section; pip extra [wandb])",
+    )
+    wandb: WandbSection = option(factory=WandbSection)
 
     @classmethod
     def value_problems(cls, values: dict) -> list[str]:
-        problems = []
+        problems = logger_problems(values["logger"]) if "logger" in values else []
         if "reward" in values:
             try:
                 get_reward(values["reward"])
@@ -219,14 +228,15 @@ def train(config: TrainingConfig, update: UpdateFn, postfix: Callable[[Any], dic
     prompt_order = _PromptOrder(prompts, config.seed)
     history: list[dict] = []
     started = time.perf_counter()
-    metrics_path = output_dir / "metrics.jsonl"
     with (
+        open_loggers(config.logger, output_dir, to_dict(config), config.wandb) as loggers,
         config.engine.open_engine(model_path) as engine,
         ThreadPoolExecutor(1, thread_name_prefix="reward") as pool,
-        metrics_path.open("w") as metrics,
     ):
         version = policy.push(engine)
         eval_start = _eval_samples(engine, config, prompts, reward, pool)
+        samples_start = save_samples(eval_start.outputs, config.grid_scale, output_dir / "samples_start")
+        loggers.log_images(0, {"samples_start": samples_start})
         bar = tqdm(range(config.steps), desc=config.recipe, unit="step")
         for step in bar:
             step_params = dataclasses.replace(params, seed=derive_seed(config.seed, step, 0, "rollout"))
@@ -252,15 +262,17 @@ def train(config: TrainingConfig, update: UpdateFn, postfix: Callable[[Any], dic
             if step == 0:
                 _log_first_ratio(record)
             history.append(record)
-            metrics.write(json.dumps(record) + "\n")
-            metrics.flush()
+            loggers.log_scalars(step, record)
             bar.set_postfix(reward=f"{record['reward_mean']:.4f}", **postfix(stats))
         eval_end = _eval_samples(engine, config, prompts, reward, pool)
+        # After `steps` updates: the x position that follows the last step's scalars.
+        samples_end = save_samples(eval_end.outputs, config.grid_scale, output_dir / "samples_end")
+        loggers.log_images(config.steps, {"samples_end": samples_end})
     train_s = time.perf_counter() - started
 
-    save_samples(eval_start.outputs, config.grid_scale, output_dir / "samples_start")
-    save_samples(eval_end.outputs, config.grid_scale, output_dir / "samples_end")
     plot_reward(history, output_dir / "reward.png", title=f"{config.recipe}: reward {config.reward}")
+    if history and "log_ratio_by_step_max" in history[0]:  # GRPO's; DPO has no policy ratio
+        plot_log_ratio(history, output_dir / "log_ratio.png", title=f"{config.recipe}: rollout/train agreement")
     lora_file = policy.save(output_dir / "lora")
     summary = _summary(config, history, eval_start, eval_end, train_s, model_path, lora_file)
     (output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
