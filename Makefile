@@ -13,7 +13,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[test,ray]"
+	$(PY) -m pip install -q -e ".[test,ray,tensorboard,wandb]"
 	touch $@
 
 # The main job: GRPO on the tiny built-in model (about 1.5 minutes on 2 CPU cores).

@@ -64,14 +64,34 @@ def check_run_files(out: Path) -> tuple[list[dict], dict]:
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("executor", ["uni", pytest.param("mp", marks=pytest.mark.slow)])
 def test_grpo_recipe_runs_and_starts_at_ratio_one(tmp_path, monkeypatch, executor, caplog):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from recipes.loggers import scalar_metrics
+
     caplog.set_level("INFO", logger="recipes.training")
-    run_cli(monkeypatch, "grpo_tiny.yaml", *small_run(tmp_path, executor))
-    records, summary = check_run_files(tmp_path / "out")
+    run_cli(monkeypatch, "grpo_tiny.yaml", *small_run(tmp_path, executor), "logger=[jsonl, tensorboard]")
+    out = tmp_path / "out"
+    records, summary = check_run_files(out)
     assert summary["log_ratio_before_first_update"] < RATIO_TOLERANCE
     assert summary["log_ratio_before_update_max"] < RATIO_TOLERANCE
     assert all(r["log_ratio_before_update"] < RATIO_TOLERANCE for r in records)
     assert all(r["num_transitions"] == 2 * 3 * 3 for r in records)  # prompts x group x SDE steps
     assert "policy ratio before the first update" in caplog.text
+    # The agreement of every denoising step (one minibatch: all 3), every training step, and its plot.
+    for record in records:
+        assert list(record["log_ratio_by_step_max"]) == list(record["log_ratio_by_step_mean"]) == ["0", "1", "2"]
+        assert all(value < RATIO_TOLERANCE for value in record["log_ratio_by_step_max"].values())
+    with Image.open(out / "log_ratio.png") as plot:
+        assert plot.size[0] > 0
+    # TensorBoard got the same scalars and the grids of the start and the end (after the last step).
+    events = EventAccumulator(str(out / "tensorboard"), size_guidance={"images": 0, "scalars": 0})
+    events.Reload()
+    assert events.Scalars("log_ratio_by_step_max/step_02")[-1].step == STEPS - 1
+    for name, value in scalar_metrics(records[-1]).items():
+        assert events.Scalars(name)[-1].value == pytest.approx(value, rel=1e-6)
+    assert [event.step for event in events.Images("samples_start")] == [0]
+    assert [event.step for event in events.Images("samples_end")] == [STEPS]
+    assert events.Images("samples_end")[0].encoded_image_string == (out / "samples_end.png").read_bytes()
 
 
 @pytest.mark.filterwarnings("ignore:.*found in sys.modules:RuntimeWarning")
@@ -106,6 +126,8 @@ def test_dpo_recipe_runs(tmp_path, monkeypatch, executor):
     run_cli(monkeypatch, "dpo_tiny.yaml", *small_run(tmp_path, executor))
     records, _ = check_run_files(tmp_path / "out")
     assert all(r["num_pairs"] == 2 for r in records)
+    assert not any(key.startswith("log_ratio") for key in records[0])  # DPO has no policy ratio
+    assert not (tmp_path / "out" / "log_ratio.png").exists()
     assert records[0]["loss"] == pytest.approx(0.6931, abs=1e-3)  # the policy starts as the reference
 
 
