@@ -108,13 +108,20 @@ def test_family_recipes_run_and_start_at_ratio_one(tmp_path, monkeypatch, config
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("family", ["wan", "wan22"])
 def test_the_video_recipe_writes_animated_grids_and_starts_at_ratio_one(tmp_path, monkeypatch, family):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     out = tmp_path / "out"
-    run_cli(monkeypatch, "grpo_wan_tiny.yaml", *small_run(tmp_path, "uni"), f"model.tiny_family={family}")
+    overrides = f"model.tiny_family={family}", "logger=[jsonl, tensorboard]"
+    run_cli(monkeypatch, "grpo_wan_tiny.yaml", *small_run(tmp_path, "uni"), *overrides)
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert all(r["log_ratio_before_update"] < RATIO_TOLERANCE for r in records)
     for name in ("samples_start.gif", "samples_end.gif"):
         with Image.open(out / name) as grid:
             assert grid.n_frames == 9 and grid.size == (2 * 32 * 4 + 2, 2 * 32 * 4 + 2)
+    events = EventAccumulator(str(out / "tensorboard"), size_guidance={"images": 0})
+    events.Reload()
+    (end,) = events.Images("samples_end")
+    assert end.encoded_image_string == (out / "samples_end.gif").read_bytes()  # animated in TensorBoard too
     assert (out / "lora" / "pytorch_lora_weights.safetensors").is_file()
     assert (out / "lora" / "pytorch_lora_weights_transformer_2.safetensors").is_file() == (family == "wan22")
 
