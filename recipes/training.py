@@ -274,7 +274,8 @@ def train(config: TrainingConfig, update: UpdateFn, postfix: Callable[[Any], dic
         else:
             eval_reward_start = resumed[0].eval_reward_start
         metrics.writelines(json.dumps(record) + "\n" for record in history)  # those of the steps done
-        bar = tqdm(range(first_step, config.steps), desc=config.recipe, unit="step", initial=first_step)
+        steps = range(first_step, config.steps)
+        bar = tqdm(steps, desc=config.recipe, unit="step", initial=first_step, total=config.steps)
         for step in bar:
             step_params = dataclasses.replace(params, seed=derive_seed(config.seed, step, 0, "rollout"))
             if config.sde_window_range is not None:
