@@ -138,27 +138,33 @@ def tmp_cwd(out: Path) -> Path:
     return out.parent
 
 
-def kill_after_checkpoint(process: subprocess.Popen, out: Path, step: int, timeout_s: float = 300) -> None:
-    """SIGKILL `process` as soon as the checkpoint of `step` is on disk (the run then goes on a
-    little: a step or two more in metrics.jsonl, which the resume drops)."""
+def kill_after_checkpoint(process: subprocess.Popen, out: Path, step: int, lines: int, timeout_s: float = 300) -> None:
+    """SIGKILL `process` once the checkpoint of `step` is on disk and metrics.jsonl has `lines`
+    lines: the steps after the checkpoint, which the resume must drop and redo."""
     deadline = time.monotonic() + timeout_s
-    while not (checkpoint.checkpoint_folder(out, step) / checkpoint.STATE_FILE).is_file():
+
+    def written() -> int:
+        path = out / "metrics.jsonl"
+        return len(path.read_text().splitlines()) if path.is_file() else 0
+
+    while not ((checkpoint.checkpoint_folder(out, step) / checkpoint.STATE_FILE).is_file() and written() >= lines):
         assert process.poll() is None, process.stderr.read().decode()[-3000:]
-        assert time.monotonic() < deadline, f"no checkpoint of step {step} within {timeout_s} s"
+        assert time.monotonic() < deadline, f"no checkpoint of step {step} and {lines} steps within {timeout_s} s"
         time.sleep(0.02)
     process.send_signal(signal.SIGKILL)
     process.wait(timeout=30)
     assert process.returncode == -signal.SIGKILL
+    assert written() > step, "the kill came after steps past the checkpoint"
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_twenty_steps_equal_ten_killed_with_sigkill_and_ten_resumed(tiny_model, tmp_path):
-    """The issue's check: a run of 20 steps, and one killed with SIGKILL once its step-10
-    checkpoint is written and resumed with `--resume`, give the same rewards and the same LoRA."""
+    """The issue's check: a run of 20 steps, and one killed with SIGKILL two steps after its
+    step-10 checkpoint and resumed with `--resume`, give the same rewards and the same LoRA."""
     whole = start_cli(tiny_model, tmp_path / "whole", "steps=20")
     killed = start_cli(tiny_model, tmp_path / "killed", "steps=20", "checkpoint_every=5")
-    kill_after_checkpoint(killed, tmp_path / "killed", 10)
+    kill_after_checkpoint(killed, tmp_path / "killed", 10, lines=12)
     assert whole.wait(timeout=600) == 0, whole.stderr.read().decode()[-3000:]
     latest = checkpoint.checkpoints(tmp_path / "killed")[-1]
     resumed = subprocess.run(
@@ -194,7 +200,7 @@ def test_a_trainer_killed_and_resumed_against_the_same_server_continues_its_vers
         remote = f"engine.url={server.url}"
         whole = run(load_config(CONFIG, settings(tiny_model, tmp_path / "whole", "steps=6", remote)))
         killed = start_cli(tiny_model, tmp_path / "killed", "steps=6", "checkpoint_every=3", remote)
-        kill_after_checkpoint(killed, tmp_path / "killed", 3)
+        kill_after_checkpoint(killed, tmp_path / "killed", 3, lines=4)
         versions_at_kill = json.loads(
             (checkpoint.checkpoint_folder(tmp_path / "killed", 3) / checkpoint.STATE_FILE).read_text()
         )["weight_version"]
