@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -104,11 +105,15 @@ class RunLogger(Protocol):
 
 class JsonlLogger:
     """`metrics.jsonl` in the output folder: one JSON line per step, flushed as it is written.
-    Images and the config are in their own files already (the grids, summary.json)."""
+    Images and the config are in their own files already (the grids, summary.json). A resumed
+    run's file is rewritten from the checkpoint's records (`done`): lines a killed run wrote after
+    its last checkpoint are dropped, as those steps run again."""
 
-    def __init__(self, output_dir: Path):
+    def __init__(self, output_dir: Path, done: list[dict]):
         self.path = output_dir / "metrics.jsonl"
         self.file = self.path.open("w")
+        self.file.writelines(json.dumps(record) + "\n" for record in done)
+        self.file.flush()
 
     def log_scalars(self, step: int, record: dict) -> None:
         self.file.write(json.dumps(record) + "\n")
@@ -124,13 +129,14 @@ class JsonlLogger:
 class TensorBoardLogger:
     """Event files under `output_dir/tensorboard` (`tensorboard --logdir OUTPUT_DIR/tensorboard`):
     the scalars of `scalar_metrics`, the grids as images (animated for a video model) and the config
-    as text."""
+    as text. A resumed run (`first_step` > 0) purges what earlier event files hold from
+    `first_step` on (a killed run's steps after its last checkpoint), keeping the steps before."""
 
-    def __init__(self, output_dir: Path, config: dict):
+    def __init__(self, output_dir: Path, config: dict, first_step: int):
         from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
 
         self.log_dir = output_dir / "tensorboard"
-        self.writer = SummaryWriter(log_dir=str(self.log_dir))
+        self.writer = SummaryWriter(log_dir=str(self.log_dir), purge_step=first_step or None)
         text = json.dumps(config, indent=2)
         self.writer.add_text("config", "\n".join("    " + line for line in text.splitlines()))  # a code block
 
@@ -159,9 +165,11 @@ class TensorBoardLogger:
 
 class WandbLogger:
     """A Weights & Biases run (its files under `output_dir/wandb`) with the config, the scalars of
-    `scalar_metrics` and the grids (`wandb.Image`, or `wandb.Video` for an animated GIF)."""
+    `scalar_metrics` and the grids (`wandb.Image`, or `wandb.Video` for an animated GIF). A resumed
+    run is a new wandb run that starts with the checkpoint's records (`done`), so it holds the whole
+    curve."""
 
-    def __init__(self, output_dir: Path, config: dict, settings: WandbSection):
+    def __init__(self, output_dir: Path, config: dict, settings: WandbSection, done: list[dict]):
         import wandb
 
         self.wandb = wandb
@@ -173,6 +181,8 @@ class WandbLogger:
             dir=str(output_dir),
             config=config,
         )
+        for record in done:
+            self.log_scalars(record["step"], record)
 
     def log_scalars(self, step: int, record: dict) -> None:
         self.run.log(scalar_metrics(record), step=step)
@@ -213,18 +223,22 @@ class RunLoggers:
         self.close()
 
 
-def open_loggers(names: str | list[str], output_dir: Path, config: dict, wandb: WandbSection) -> RunLoggers:
+def open_loggers(
+    names: str | list[str], output_dir: Path, config: dict, wandb: WandbSection, done: Sequence[dict] = ()
+) -> RunLoggers:
     """Open the loggers `names` (checked with `logger_problems`) for a run writing to `output_dir`;
-    `config` is the run's config as plain data. If one fails to open, those already open are closed."""
+    `config` is the run's config as plain data; `done`: the records of the steps a resumed run has
+    behind it (its checkpoint's). If one fails to open, those already open are closed."""
+    done = list(done)
     opened: list[RunLogger] = []
     try:
         for name in logger_names(names):
             if name == "jsonl":
-                opened.append(JsonlLogger(output_dir))
+                opened.append(JsonlLogger(output_dir, done))
             elif name == "tensorboard":
-                opened.append(TensorBoardLogger(output_dir, config))
+                opened.append(TensorBoardLogger(output_dir, config, len(done)))
             elif name == "wandb":
-                opened.append(WandbLogger(output_dir, config, wandb))
+                opened.append(WandbLogger(output_dir, config, wandb, done))
             else:
                 raise ValueError(f"logger {name!r} is unknown; choose one or more of {', '.join(LOGGER_PACKAGES)}")
     except BaseException:

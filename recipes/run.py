@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 
 import yaml
@@ -32,6 +33,15 @@ def build_parser() -> argparse.ArgumentParser:
             "e.g. --set sampling.num_inference_steps=4 --set 'prompts=[a red square]' --set sampling.seed=null"
         ),
     )
+    parser.add_argument(
+        "--resume",
+        metavar="DIR",
+        help=(
+            "continue a training run from its checkpoint (written with checkpoint_every): a checkpoint folder, an "
+            "output_dir (its latest checkpoint), or auto (the latest in the config's output_dir, else a new run); "
+            "the same as --set resume=DIR"
+        ),
+    )
     return parser
 
 
@@ -52,7 +62,9 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per HTTP call with engine.url
     try:
-        config = load_config(args.config, args.overrides)
+        # JSON text is YAML, so the path stays a string whatever it looks like.
+        resume = [] if args.resume is None else [f"resume={json.dumps(args.resume)}"]
+        config = load_config(args.config, [*args.overrides, *resume])
     except (ValueError, OSError, yaml.YAMLError) as error:
         parser.error(str(error))
     recipe_module(config.recipe).run(config)

@@ -9,6 +9,11 @@ before each update), `samples_start.png` / `samples_end.png` (the same eval prom
 and after training; animated `.gif` grids for a video model), `lora/` (the final adapter in the
 diffusers LoRA format) and `summary.json`. The step records and grids also go to the loggers that
 `logger` names (`recipes.loggers`: TensorBoard, wandb).
+
+With `checkpoint_every`, also `checkpoints/step-NNNNNN/` (see `recipes.checkpoint`), from which
+`resume` continues the run as if it had not stopped: the rollout seeds and the SDE window are
+derived from the seed and the step, and every generator the loop draws from (prompt order,
+minibatch order, torch's global one) is restored.
 """
 
 from __future__ import annotations
@@ -27,9 +32,18 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from recipes.checkpoint import (
+    TrainingState,
+    drop_later_checkpoints,
+    read_resumable,
+    resume_folder,
+    resume_problems,
+    write_checkpoint,
+)
 from recipes.config import EngineSection, ModelSection, RecipeConfig, option, to_dict
 from recipes.loggers import WandbSection, logger_problems, open_loggers
 from recipes.plots import plot_log_ratio, plot_reward
+from recipes.randomness import PromptOrder, restore_rng, rng_state
 from recipes.rollout import save_samples
 from rollout import SamplingParams
 from rollout.rescoring import RATIO_TOLERANCE  # the contract the first update's |log ratio| meets
@@ -126,6 +140,17 @@ class TrainingConfig(RecipeConfig):
         "(output_dir/tensorboard; pip extra [tensorboard]), wandb (the wandb section; pip extra [wandb])",
     )
     wandb: WandbSection = option(factory=WandbSection)
+    checkpoint_every: int = option(
+        0,
+        "write a checkpoint (LoRA, optimizer, generator states, step, metrics) to output_dir/checkpoints "
+        "every N steps and after the last; 0: none",
+    )
+    keep_checkpoints: int = option(1, "how many of the latest checkpoints to keep; older ones go once a newer is in")
+    resume: str | None = option(
+        None,
+        "continue a run: auto (from the latest checkpoint in output_dir, or a new run if there is none), a "
+        "checkpoint folder, or an output_dir with checkpoints (as --resume DIR); null: a new run",
+    )
 
     @classmethod
     def value_problems(cls, values: dict) -> list[str]:
@@ -140,9 +165,13 @@ class TrainingConfig(RecipeConfig):
             problems.append(f"prompts_file {prompts_file!r} does not exist")
         if values.get("prompts") == [] and "prompts_file" in values and prompts_file is None:
             problems.append("prompts is empty and no prompts_file is given; give at least one prompt")
-        for name in ("prompts_per_step", "steps", "grid_scale"):
+        for name in ("prompts_per_step", "steps", "grid_scale", "keep_checkpoints"):
             if values.get(name, 1) < 1:
                 problems.append(f"{name} must be >= 1, got {values[name]}")
+        if values.get("checkpoint_every", 0) < 0:
+            problems.append(f"checkpoint_every must be >= 0 (0: no checkpoints), got {values['checkpoint_every']}")
+        if "resume" in values and "output_dir" in values:
+            problems += resume_problems(values["resume"], values["output_dir"])
         sampling = values.get("sampling")
         if sampling is not None:
             problems += _sampling_problems(sampling)
@@ -209,6 +238,8 @@ def train(config: TrainingConfig, update: UpdateFn, postfix: Callable[[Any], dic
     reward = get_reward(config.reward)
     prompts = config.all_prompts()
     output_dir = Path(config.output_dir)
+    resumed_from = resume_folder(config.resume, output_dir)
+    resumed = read_resumable(resumed_from, to_dict(config)) if resumed_from is not None else None
     output_dir.mkdir(parents=True, exist_ok=True)
     model_path = config.model.resolve_path()
     config.engine.to_engine_config(model_path)  # checks the model folder (and engine settings) before any load
@@ -225,19 +256,36 @@ def train(config: TrainingConfig, update: UpdateFn, postfix: Callable[[Any], dic
         policy.parameters(), lr=config.optimizer.learning_rate, weight_decay=config.optimizer.weight_decay
     )
     params = dataclasses.replace(config.sampling, lora=POLICY_ADAPTER)
-    prompt_order = _PromptOrder(prompts, config.seed)
+    prompt_order = PromptOrder(prompts, config.seed)
     history: list[dict] = []
+    first_step, train_s_before = 0, 0.0
+    if resumed is not None:
+        state, optimizer_state = resumed
+        policy.load(resumed_from / "lora")
+        optimizer.load_state_dict(optimizer_state)
+        history, first_step, train_s_before = state.history, state.step, state.train_s
+        drop_later_checkpoints(output_dir, state.step)
+        logger.info("resuming from %s: step %d of %d", resumed_from, state.step, config.steps)
     started = time.perf_counter()
     with (
-        open_loggers(config.logger, output_dir, to_dict(config), config.wandb) as loggers,
+        open_loggers(config.logger, output_dir, to_dict(config), config.wandb, done=history) as loggers,
         config.engine.open_engine(model_path) as engine,
         ThreadPoolExecutor(1, thread_name_prefix="reward") as pool,
     ):
-        version = policy.push(engine)
-        eval_start = _eval_samples(engine, config, prompts, reward, pool)
-        samples_start = save_samples(eval_start.outputs, config.grid_scale, output_dir / "samples_start")
-        loggers.log_images(0, {"samples_start": samples_start})
-        bar = tqdm(range(config.steps), desc=config.recipe, unit="step")
+        # A resumed run re-pushes its adapter with the checkpoint's version, so the numbering (and
+        # the check that samples carry the version last pushed) goes on, on a fresh server as on the same.
+        version = policy.push(engine, version=None if resumed is None else resumed[0].weight_version)
+        if resumed is not None:  # after the push: an engine in this process draws from torch's generator
+            restore_rng(resumed[0].rng, prompt_order, generator)
+        if resumed is None:
+            eval_start = _eval_samples(engine, config, prompts, reward, pool)
+            samples_start = save_samples(eval_start.outputs, config.grid_scale, output_dir / "samples_start")
+            loggers.log_images(0, {"samples_start": samples_start})
+            eval_reward_start = float(eval_start.rewards.mean())
+        else:
+            eval_reward_start = resumed[0].eval_reward_start
+        steps = range(first_step, config.steps)
+        bar = tqdm(steps, desc=config.recipe, unit="step", initial=first_step, total=config.steps)
         for step in bar:
             step_params = dataclasses.replace(params, seed=derive_seed(config.seed, step, 0, "rollout"))
             if config.sde_window_range is not None:
@@ -264,17 +312,28 @@ def train(config: TrainingConfig, update: UpdateFn, postfix: Callable[[Any], dic
             history.append(record)
             loggers.log_scalars(step, record)
             bar.set_postfix(reward=f"{record['reward_mean']:.4f}", **postfix(stats))
+            if config.checkpoint_every and ((step + 1) % config.checkpoint_every == 0 or step + 1 == config.steps):
+                state = TrainingState(
+                    step=step + 1,
+                    weight_version=version,
+                    history=history,
+                    eval_reward_start=eval_reward_start,
+                    train_s=train_s_before + time.perf_counter() - started,
+                    config=to_dict(config),
+                    rng=rng_state(prompt_order, generator),
+                )
+                write_checkpoint(output_dir, state, policy, optimizer, config.keep_checkpoints)
         eval_end = _eval_samples(engine, config, prompts, reward, pool)
         # After `steps` updates: the x position that follows the last step's scalars.
         samples_end = save_samples(eval_end.outputs, config.grid_scale, output_dir / "samples_end")
         loggers.log_images(config.steps, {"samples_end": samples_end})
-    train_s = time.perf_counter() - started
+    train_s = train_s_before + time.perf_counter() - started
 
     plot_reward(history, output_dir / "reward.png", title=f"{config.recipe}: reward {config.reward}")
     if history and "log_ratio_by_step_max" in history[0]:  # GRPO's; DPO has no policy ratio
         plot_log_ratio(history, output_dir / "log_ratio.png", title=f"{config.recipe}: rollout/train agreement")
     lora_file = policy.save(output_dir / "lora")
-    summary = _summary(config, history, eval_start, eval_end, train_s, model_path, lora_file)
+    summary = _summary(config, history, eval_reward_start, eval_end, train_s, model_path, lora_file)
     (output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     logger.info(
         "done in %.1f s: mean reward of the first 5 steps %.4f, of the last 5 %.4f (margin %+.4f); "
@@ -288,23 +347,6 @@ def train(config: TrainingConfig, update: UpdateFn, postfix: Callable[[Any], dic
         output_dir,
     )
     return summary
-
-
-class _PromptOrder:
-    """Training prompts in a seeded random order, reshuffled after each pass."""
-
-    def __init__(self, prompts: list[str], seed: int):
-        self.prompts = prompts
-        self.rng = random.Random(seed)
-        self.queue: list[str] = []
-
-    def take(self, count: int) -> list[str]:
-        taken = []
-        while len(taken) < count:
-            if not self.queue:
-                self.queue = self.rng.sample(self.prompts, len(self.prompts))
-            taken.append(self.queue.pop())
-        return taken
 
 
 def _eval_samples(
@@ -365,7 +407,7 @@ def _log_first_ratio(record: dict) -> None:
 def _summary(
     config: TrainingConfig,
     history: list[dict],
-    eval_start: RewardedRollout,
+    eval_reward_start: float,
     eval_end: RewardedRollout,
     train_s: float,
     model_path: str,
@@ -383,7 +425,7 @@ def _summary(
         "reward_first5": first,
         "reward_last5": last,
         "reward_margin": last - first,
-        "eval_reward_start": float(eval_start.rewards.mean()),
+        "eval_reward_start": eval_reward_start,
         "eval_reward_end": float(eval_end.rewards.mean()),
         # GRPO's ratio check (DPO has none): before the first update, and its worst step.
         "log_ratio_before_first_update": log_ratios[0] if log_ratios else None,

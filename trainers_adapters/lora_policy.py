@@ -16,7 +16,13 @@ import torch
 from peft import LoraConfig
 from peft.utils import get_peft_model_state_dict
 
-from rollout.lora import DIFFUSERS_LORA_FILE, DIFFUSERS_LORA_FILE_2, adapter_to_float32
+from rollout.lora import (
+    DIFFUSERS_LORA_FILE,
+    DIFFUSERS_LORA_FILE_2,
+    adapter_to_float32,
+    read_lora_folder,
+    split_by_component,
+)
 from rollout.outputs import TRAJECTORY_SETTINGS, Trajectory
 from rollout.pipelines.condition import Condition
 from rollout.pipelines.guidance import Guidance
@@ -66,9 +72,10 @@ class LoraPolicy:
             state |= {prefix + key: tensor.detach().clone() for key, tensor in tensors.items()}
         return state
 
-    def push(self, engine) -> int:
-        """Hot-swap this adapter into the engine under its name; returns the new weight version."""
-        return engine.load_lora(self.name, self.lora_state(), self.lora_config)
+    def push(self, engine, version: int | None = None) -> int:
+        """Hot-swap this adapter into the engine under its name; returns the new weight version (the
+        engine's next one, or `version`: a resumed run continues its checkpoint's numbering)."""
+        return engine.load_lora(self.name, self.lora_state(), self.lora_config, version=version)
 
     def load_base_weights(self, named_tensors: Mapping[str, torch.Tensor], component: str = "transformer") -> None:
         """Take the base weights the engine took with `engine.update_weights(named_tensors,
@@ -108,6 +115,49 @@ class LoraPolicy:
                 weight_name=files[component],
             )
         return Path(folder) / DIFFUSERS_LORA_FILE
+
+    def load(self, folder: str | Path) -> None:
+        """Set the adapter to the one `save` wrote to `folder`, exactly (float32 tensors, bitwise).
+
+        The folder's LoRA config (read from the file's metadata) must match this policy's in every
+        setting that changes what the adapter computes, and its tensors must be exactly this
+        adapter's keys and shapes; otherwise ValueError naming what differs, and the policy is
+        unchanged."""
+        tensors, config = read_lora_folder(folder)
+        if config is None:
+            raise ValueError(
+                f"LoRA folder {str(folder)!r} has no LoRA config in its metadata; LoraPolicy.load reads "
+                "folders that LoraPolicy.save wrote (it needs the config to check rank and alpha)"
+            )
+        problems = _config_differences(self.lora_config, config)
+        parameters = self._lora_parameters()
+        first = next(iter(self.denoisers))
+        loaded = {
+            ("" if component == first else f"{component}.") + key: tensor
+            for component, part in split_by_component(tensors, list(self.denoisers)).items()
+            for key, tensor in part.items()
+        }
+        problems += _tensor_differences(parameters, loaded)
+        if problems:
+            raise ValueError(
+                f"LoRA folder {str(folder)!r} does not fit this policy (left unchanged): "
+                + "; ".join(problems[:8])
+                + (f"; and {len(problems) - 8} more" if len(problems) > 8 else "")
+                + ". Load a folder saved by a policy with the same lora config and model"
+            )
+        with torch.no_grad():
+            for key, parameter in parameters.items():
+                parameter.copy_(loaded[key])
+
+    def _lora_parameters(self) -> dict[str, torch.nn.Parameter]:
+        """The trainable LoRA parameters under the keys `lora_state` gives their tensors."""
+        parameters = {}
+        for index, (component, denoiser) in enumerate(self.denoisers.items()):
+            prefix = "" if index == 0 else f"{component}."
+            for name, parameter in denoiser.named_parameters():
+                if parameter.requires_grad:
+                    parameters[prefix + name.replace(f".{self.name}.", ".")] = parameter
+        return parameters
 
     @contextlib.contextmanager
     def reference(self) -> Iterator[None]:
@@ -163,6 +213,46 @@ class LoraPolicy:
         return self.adapter.predict_velocity(
             latents, sigmas, conditions, height=first.height, width=first.width, guidance=guidance
         )
+
+
+# The LoRA settings that change what an adapter computes (or how it trains, for dropout).
+_LOADED_CONFIG_FIELDS = (
+    "r",
+    "lora_alpha",
+    "target_modules",
+    "exclude_modules",
+    "lora_dropout",
+    "bias",
+    "use_rslora",
+    "use_dora",
+    "lora_bias",
+    "fan_in_fan_out",
+    "rank_pattern",
+    "alpha_pattern",
+    "layers_to_transform",
+)
+
+
+def _config_differences(expected: LoraConfig, found: LoraConfig) -> list[str]:
+    def plain(value):  # target modules are a set in one config and a list in the other
+        return sorted(value) if isinstance(value, set | list | tuple) else value
+
+    return [
+        f"lora config {name} is {plain(getattr(found, name))!r}, the policy's is {plain(getattr(expected, name))!r}"
+        for name in _LOADED_CONFIG_FIELDS
+        if plain(getattr(found, name)) != plain(getattr(expected, name))
+    ]
+
+
+def _tensor_differences(parameters: Mapping[str, torch.Tensor], loaded: Mapping[str, torch.Tensor]) -> list[str]:
+    problems = [f"missing tensor {key}" for key in parameters if key not in loaded]
+    problems += [f"unexpected tensor {key}" for key in loaded if key not in parameters]
+    problems += [
+        f"{key} has shape {list(loaded[key].shape)} {loaded[key].dtype}, expected {list(p.shape)} {p.dtype}"
+        for key, p in parameters.items()
+        if key in loaded and (loaded[key].shape != p.shape or loaded[key].dtype != p.dtype)
+    ]
+    return problems
 
 
 def _check_shared_settings(trajectories: Sequence[Trajectory]) -> None:

@@ -56,3 +56,33 @@ def test_ratio_is_one_with_a_bfloat16_model(tiny_model):
             scored = policy.score(trajectories, step)
         old = torch.stack([t.log_probs[step] for t in trajectories])
         assert (scored.log_prob - old).abs().max() < RATIO_TOLERANCE
+
+
+@pytest.mark.parametrize("family", ["sd3", "wan22"])  # wan22: a second expert, in a file of its own
+def test_load_reads_back_what_save_wrote_bitwise(tiny_models, tmp_path, family):
+    torch.manual_seed(0)
+    saved = LoraPolicy(tiny_models(family), {"r": 4, "lora_alpha": 8, "init_lora_weights": False})
+    saved.save(tmp_path / "lora")
+    torch.manual_seed(1)  # another init: load must overwrite every tensor
+    loaded = LoraPolicy(tiny_models(family), {"r": 4, "lora_alpha": 8, "init_lora_weights": False})
+    before = loaded.lora_state()
+    assert any(not torch.equal(before[key], t) for key, t in saved.lora_state().items())
+    parameters = loaded.parameters()
+    loaded.load(tmp_path / "lora")
+    assert loaded.parameters() == parameters  # the same tensors, so an optimizer holding them goes on
+    after = loaded.lora_state()
+    assert after.keys() == saved.lora_state().keys()
+    assert all(torch.equal(after[key], t) for key, t in saved.lora_state().items())
+
+
+def test_load_refuses_a_folder_of_another_config_and_leaves_the_policy_unchanged(tiny_model, tmp_path):
+    torch.manual_seed(0)
+    LoraPolicy(tiny_model, {"r": 4, "lora_alpha": 16, "target_modules": ["to_q"]}).save(tmp_path / "other")
+    policy = LoraPolicy(tiny_model, CONFIG)
+    before = policy.lora_state()
+    with pytest.raises(ValueError) as refused:
+        policy.load(tmp_path / "other")
+    message = str(refused.value)
+    assert "lora config lora_alpha is 16, the policy's is 8" in message, message
+    assert "target_modules" in message and "missing tensor" in message and "left unchanged" in message
+    assert all(torch.equal(before[key], t) for key, t in policy.lora_state().items())
