@@ -380,15 +380,14 @@ class RemoteRolloutEngine:
         """Accept the server that answers at `url` now (after an EngineDeadError naming a restart),
         as a new client would: its config, weights and adapters are what it has now (push yours
         again), and requests of the old instance are forgotten. Returns the new instance id."""
-        previous = (self._instance.instance_id, self._instance.weight_version, self._instance.restart)
-        self._instance.forget()
+        previous, self._instance = self._instance, InstanceCheck(self.url)  # takes the next answer's id
         try:
             info = self.server_info()
         except BaseException:
-            self._instance.instance_id, self._instance.weight_version, self._instance.restart = previous
+            self._instance = previous  # as it was (still failed, if it was)
             raise
         self._take_server_info(info)
-        if self._instance.instance_id != previous[0]:
+        if self._instance.instance_id != previous.instance_id:
             with self._changed:  # their streams ended with the old server
                 self._unfinished.clear()
                 self._ready.clear()

@@ -118,7 +118,3 @@ class InstanceCheck:
             raise EngineDeadError(self.restart)
         if weight_version is not None and weight_version.isdigit():
             self.weight_version = int(weight_version)
-
-    def forget(self) -> None:
-        """Accept whichever instance answers next."""
-        self.instance_id, self.weight_version, self.restart = None, None, None
