@@ -3,7 +3,8 @@
 Paths come from the route table (`routes.ROUTES`) and status codes from the error table
 (`error_table.STATUS_OF`), which the client reads too. An error's body holds the engine's own
 message: {"error": {"type": "ValueError", "message": "invalid request: ..."}}. Bad input is a 4xx and
-the server stays up; a dead engine answers 503 everywhere, `/health` included.
+the server stays up; a dead engine answers 503 everywhere, `/health` included. Every answer carries
+the server's instance id (`instance.InstanceHeaders`), made when the app is built.
 """
 
 # No `from __future__ import annotations` here: FastAPI reads the routes' annotations, and those
@@ -32,6 +33,7 @@ from rollout.sampling_params import SamplingParams
 from rollout.serve import protocol
 from rollout.serve.error_table import STATUS_OF
 from rollout.serve.guard import LOOPBACK_NAMES, RequestGuard
+from rollout.serve.instance import InstanceHeaders, new_instance_id
 from rollout.serve.routes import path
 from rollout.wire import (
     FRAMES_MEDIA_TYPE,
@@ -74,6 +76,9 @@ def build_app(engine: AsyncRolloutEngine, settings: ServerSettings) -> FastAPI:
         openapi_url=None,
     )
     app.add_middleware(RequestGuard, hosts=settings.allowed_hosts)
+    # Added last, so outermost: the guard's refusals carry the instance too.
+    instance_id = new_instance_id()
+    app.add_middleware(InstanceHeaders, instance_id=instance_id, weight_version=lambda: engine.engine.weight_version)
     for error_class, status in STATUS_OF:
         app.add_exception_handler(error_class, _error_handler(status))
     app.add_exception_handler(WorkerError, _worker_error)
@@ -93,8 +98,8 @@ def build_app(engine: AsyncRolloutEngine, settings: ServerSettings) -> FastAPI:
             check.add_done_callback(lambda done: done.cancelled() or done.exception())  # retrieved, not logged
             if engine.dead is not None:
                 raise engine.dead from None
-            return {"status": "busy"}
-        return {"status": "ok"}
+            return {"status": "busy", "instance_id": instance_id}
+        return {"status": "ok", "instance_id": instance_id}
 
     router = APIRouter(dependencies=[Depends(_auth(settings.api_key))])
     json_body = _json_body_parser(settings)
@@ -113,6 +118,7 @@ def build_app(engine: AsyncRolloutEngine, settings: ServerSettings) -> FastAPI:
         config["executor"] = _name_of(config["executor"])
         config["worker_extension_cls"] = _name_of(config["worker_extension_cls"])
         return {
+            "instance_id": instance_id,
             "engine_config": config,
             "model_spec": dataclasses.asdict(engine.engine.model_spec),
             **await engine.state(),

@@ -8,6 +8,10 @@ give bitwise the same outputs, trajectories included. Tensors cross as safetenso
 since the last call, waiting for at least one while any request is unfinished. Errors come back as
 the exception the engine raised (ValueError for a bad request, EngineDeadError when a worker is gone);
 a server that is gone is an EngineDeadError too, and a call past `timeout_s` a TimeoutError.
+
+Every answer names the server instance that gave it (`rollout.serve.instance`): once another one
+answers (the server restarted, its weights and adapters gone), every call raises EngineDeadError
+naming the restart, until `reconnect()` accepts the new server.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from rollout.pipelines.spec import ModelSpec
 from rollout.sampling_params import SamplingParams
 from rollout.serve import API_KEY_ENV
 from rollout.serve.error_table import exception_for
+from rollout.serve.instance import InstanceCheck
 from rollout.serve.routes import ROUTES, body_json, path
 from rollout.weight_sync import DEFAULT_BUCKET_BYTES
 from rollout.wire import SAFETENSORS_MEDIA_TYPE, FrameReader, OutputDecoder, WireError, tensors_to_bytes
@@ -45,11 +50,20 @@ class RemoteRolloutEngine:
     url: "http://host:port" of a rollout service; api_key: its key (None reads $ROLLOUT_API_KEY, as
     the server and the recipes do; a server started with --no-auth needs none);
     timeout_s: how long one call may wait for its answer (None: as long as the server works on it;
-    a closed connection still fails at once).
+    a closed connection still fails at once); instance_id: the server instance to talk to (None:
+    the one that answers first; see `instance_id`).
     """
 
-    def __init__(self, url: str, api_key: str | None = None, *, timeout_s: float | None = None):
+    def __init__(
+        self,
+        url: str,
+        api_key: str | None = None,
+        *,
+        timeout_s: float | None = None,
+        instance_id: str | None = None,
+    ):
         self.url = url.rstrip("/")
+        self._instance = InstanceCheck(self.url, instance_id)
         api_key = api_key if api_key is not None else os.environ.get(API_KEY_ENV)
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._loop = asyncio.new_event_loop()
@@ -59,7 +73,10 @@ class RemoteRolloutEngine:
         # Idle connections are dropped well before the server's keep-alive timeout (60 s) closes
         # them: reusing one the server is closing fails the call.
         limits = httpx.Limits(keepalive_expiry=10.0)
-        self._client = httpx.AsyncClient(base_url=self.url, headers=headers, timeout=timeout, limits=limits)
+        hooks = {"request": [self._address_request], "response": [self._check_answer]}
+        self._client = httpx.AsyncClient(
+            base_url=self.url, headers=headers, timeout=timeout, limits=limits, event_hooks=hooks
+        )
         self._closed = False
         # Outputs of add_request() streams that step() has not returned yet, and who is still running.
         self._ready: collections.deque = collections.deque()
@@ -70,8 +87,7 @@ class RemoteRolloutEngine:
         except BaseException:
             self.shutdown()  # no thread left behind by a server that is down or refuses the key
             raise
-        self.config = EngineConfig.described(info["engine_config"])
-        self.model_spec = ModelSpec(**info["model_spec"])
+        self._take_server_info(info)
 
     # Generation.
 
@@ -353,6 +369,31 @@ class RemoteRolloutEngine:
 
     # Lifetime.
 
+    @property
+    def instance_id(self) -> str:
+        """The id of the server instance this client talks to (random, and its start time): every
+        answer carries it, and one from another instance (a restarted server) fails the call and
+        every later one with EngineDeadError, until `reconnect()`."""
+        return self._instance.instance_id
+
+    def reconnect(self) -> str:
+        """Accept the server that answers at `url` now (after an EngineDeadError naming a restart),
+        as a new client would: its config, weights and adapters are what it has now (push yours
+        again), and requests of the old instance are forgotten. Returns the new instance id."""
+        previous, self._instance = self._instance, InstanceCheck(self.url)  # takes the next answer's id
+        try:
+            info = self.server_info()
+        except BaseException:
+            self._instance = previous  # as it was (still failed, if it was)
+            raise
+        self._take_server_info(info)
+        if self._instance.instance_id != previous.instance_id:
+            with self._changed:  # their streams ended with the old server
+                self._unfinished.clear()
+                self._ready.clear()
+                self._changed.notify_all()
+        return self._instance.instance_id
+
     def shutdown(self) -> None:
         """Close the connection (the server keeps running)."""
         if not self._closed:
@@ -369,6 +410,17 @@ class RemoteRolloutEngine:
         self.shutdown()
 
     # HTTP.
+
+    def _take_server_info(self, info: dict) -> None:
+        self.config = EngineConfig.described(info["engine_config"])
+        self.model_spec = ModelSpec(**info["model_spec"])
+
+    async def _address_request(self, request: httpx.Request) -> None:
+        request.headers.update(self._instance.request_headers())
+
+    async def _check_answer(self, response: httpx.Response) -> None:
+        what = f"{response.request.method} {response.request.url.path}"
+        self._instance.check(response.status_code, response.headers, what)
 
     def _run(self, coroutine: Coroutine) -> Any:
         if self._closed:

@@ -16,6 +16,7 @@ import time
 import httpx
 
 from rollout.serve import API_KEY_ENV
+from rollout.serve.instance import INSTANCE_HEADER
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -26,11 +27,13 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 class ServerProcess:
-    """A `python -m rollout.serve` child process on a free loopback port; `stop()` ends it."""
+    """A `python -m rollout.serve` child process on a free loopback port; `stop()` ends it.
+    `instance_id`: the id its answers carry (`rollout.serve.instance`), known once it answered."""
 
     def __init__(self, process: subprocess.Popen, url: str):
         self.process = process
         self.url = url
+        self.instance_id: str | None = None
 
     @classmethod
     def start(
@@ -41,13 +44,15 @@ class ServerProcess:
         env: dict[str, str] | None = None,
         timeout_s: float = 180.0,
         log_level: str = "warning",
+        port: int | None = None,
     ) -> ServerProcess:
         """Start the server with `flags` (those of `python -m rollout.serve`) and wait for /health.
-        `env` adds to this process's environment (e.g. OMP_NUM_THREADS). The key goes through the
+        `env` adds to this process's environment (e.g. OMP_NUM_THREADS); `port`: where it listens
+        (None: a free one; given, to start a server again where one was). The key goes through the
         environment, not the command line; without one the server runs with --no-auth. Raises
         RuntimeError with the server's exit code if it stops before it answers, TimeoutError after
         `timeout_s`."""
-        port = free_port()
+        port = free_port() if port is None else port
         env = {**os.environ, **(env or {})}
         env.pop(API_KEY_ENV, None)
         if api_key is not None:
@@ -70,7 +75,9 @@ class ServerProcess:
             if self.process.poll() is not None:
                 raise RuntimeError(f"the rollout server exited with code {self.process.returncode} before it answered")
             try:
-                if httpx.get(f"{self.url}/health", timeout=5.0).status_code == 200:
+                answer = httpx.get(f"{self.url}/health", timeout=5.0)
+                if answer.status_code == 200:
+                    self.instance_id = answer.headers[INSTANCE_HEADER]
                     return
             except httpx.TransportError:
                 pass  # not listening yet

@@ -1,6 +1,7 @@
 """Stopping a server (SIGTERM, as a process manager does) while requests run: those that finish
 within `--shutdown-grace-s` are delivered, the rest end at once with an error naming the shutdown
-instead of hanging, and no worker process or shared memory block outlives the server."""
+instead of hanging, and no worker process or shared memory block outlives the server. A server
+started again where one was is never mistaken for it."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from rollout.errors import EngineDeadError
 from rollout.serve.launch import ServerProcess
 from tests.executors.worker_functions import wait_gone
 from tests.serve.conftest import API_KEY, EXTENSION
+from trainers_adapters.lora_policy import LoraPolicy
 from trainers_adapters.remote_engine import RemoteRolloutEngine
 
 STEP_DELAY_S = 0.5
@@ -63,3 +65,27 @@ def test_a_killed_server_fails_every_call_at_once_with_engine_dead(tiny_model):
             assert time.monotonic() - killed < 5
     with pytest.raises(EngineDeadError, match="ConnectError"):
         RemoteRolloutEngine(server.url, api_key=API_KEY)  # nothing listens there any more
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.slow  # two server starts; the instance checks on one server are in test_server_instance.py
+def test_a_restarted_server_fails_the_client_until_it_reconnects(tiny_model):
+    with ServerProcess.start(tiny_model, api_key=API_KEY) as first:
+        remote = RemoteRolloutEngine(first.url, api_key=API_KEY)
+        policy = LoraPolicy(tiny_model, {"r": 4, "lora_alpha": 8})
+        assert policy.push(remote) == 1
+    port = int(first.url.rpartition(":")[2])
+    with ServerProcess.start(tiny_model, api_key=API_KEY, port=port) as second, remote:
+        assert second.instance_id != first.instance_id
+        restart = f"restarted.*instance {first.instance_id} → {second.instance_id}.*weight_version went from 1 to 0"
+        with pytest.raises(EngineDeadError, match=restart):
+            remote.generate("x", SamplingParams(num_inference_steps=1, lora="policy"))  # the streamed route
+        with pytest.raises(EngineDeadError, match=restart):  # and every call after: it sends nothing
+            remote.server_info()
+        with pytest.raises(EngineDeadError, match=restart):
+            policy.push(remote)
+        assert remote.reconnect() == second.instance_id == remote.instance_id
+        assert remote.weight_version == 0 and remote.list_loras() == []  # the push never reached it
+        assert [output.status for output in remote.generate("x", SamplingParams(num_inference_steps=1))] == [
+            "finished"
+        ]
