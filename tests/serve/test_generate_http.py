@@ -207,7 +207,9 @@ def test_a_plain_http_client_reads_the_same_frames_without_streaming(server, rem
     from rollout.wire import FRAMES_MEDIA_TYPE, FrameReader, OutputDecoder
 
     body = {"prompts": ["plain"], "params": {"num_inference_steps": 3, "num_samples": 2, "seed": 5}}
-    response = httpx.post(f"{server.url}/rollout/generate", json=body, headers={"Authorization": f"Bearer {API_KEY}"})
+    response = httpx.post(
+        f"{server.url}/rollout/generate", json=body, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60
+    )
     assert response.status_code == 200 and response.headers["content-type"] == FRAMES_MEDIA_TYPE
     frames = list(FrameReader().feed(response.content))
     first, _ = frames[0]
