@@ -228,3 +228,38 @@ def test_a_trainer_killed_and_resumed_against_the_same_server_continues_its_vers
         whole["eval_reward_start"]
         == json.loads((tmp_path / "killed" / "summary.json").read_text())["eval_reward_start"]
     )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_run_resumed_against_a_restarted_server_pushes_again_and_continues(tiny_model, tmp_path, monkeypatch):
+    """The server restarts between a checkpoint and the resume (its adapter gone, its version back
+    at 0): the resumed run pushes the checkpoint's LoRA with the checkpoint's version, so the
+    versions go on, and its samples are those of an unbroken run."""
+    from urllib.parse import urlsplit
+
+    from rollout.errors import EngineDeadError
+    from rollout.serve.client import RemoteRolloutEngine
+    from rollout.serve.launch import ServerProcess
+
+    monkeypatch.setenv("ROLLOUT_API_KEY", "resume-key")
+    with ServerProcess.start(tiny_model, api_key="resume-key") as server:
+        remote, port = f"engine.url={server.url}", urlsplit(server.url).port
+        run(load_config(CONFIG, settings(tiny_model, tmp_path / "whole", "steps=4", remote)))
+        run(load_config(CONFIG, settings(tiny_model, tmp_path / "cut", "steps=2", "checkpoint_every=2", remote)))
+        client = RemoteRolloutEngine(server.url, "resume-key")
+        version_before = client.weight_version
+    with ServerProcess.start(tiny_model, api_key="resume-key", port=port) as restarted:
+        with pytest.raises(EngineDeadError, match="restarted"):
+            _ = client.weight_version  # the old server's client does not mistake the new one for it
+        run(load_config(CONFIG, settings(tiny_model, tmp_path / "cut", "steps=4", "resume=auto", remote)))
+        with RemoteRolloutEngine(restarted.url, "resume-key") as fresh:
+            assert fresh.weight_version == version_before + 2
+    client.shutdown()
+    records, unbroken = metrics(tmp_path / "cut"), metrics(tmp_path / "whole")
+    versions = [r.pop("weight_version") for r in records]
+    assert versions == list(range(versions[0], versions[0] + 4)), versions  # on across the restart
+    for record in unbroken:
+        record.pop("weight_version")
+    assert records == unbroken
+    assert_same_lora(tmp_path / "cut" / "lora", tmp_path / "whole" / "lora")
