@@ -17,7 +17,8 @@ Outputs travel as a stream of frames, so each one can go out as soon as it finis
   "trajectory.<field>", the keys of its condition's prompt and negative embeddings, and per series
   its positions (a tensor), its length and the keys of its parts;
 - {"kind": "error", "type": ..., "message": ...}: the stream failed (the engine died).
-The same functions encode and decode, on both sides.
+The same functions encode and decode, on both sides. Frames too big to copy whole (a full-weight
+push) are written from and read into views by `rollout.frame_views`.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import json
-import math
 import struct
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -37,12 +37,11 @@ from rollout.node_id import NodeId
 from rollout.outputs import TRAJECTORY_SETTINGS, RequestTimings, RolloutOutput, Trajectory
 from rollout.pipelines.condition import Condition, PromptEmbeds
 from rollout.pipelines.families import FAMILIES
-from rollout.safetensors_files import DTYPES
 from rollout.step_series import StepSeries
 
 FRAMES_MEDIA_TYPE = "application/x-rollout-frames"
 SAFETENSORS_MEDIA_TYPE = "application/octet-stream"
-_LENGTH = struct.Struct("<Q")
+LENGTH = struct.Struct("<Q")  # a frame's length, and a safetensors header's
 # Trajectory fields that are tensors; the rest (TRAJECTORY_SETTINGS: sizes, sampler settings) travel as JSON.
 _TRAJECTORY_TENSORS = ("log_probs", "timesteps", "sigmas", "sde_mask")
 
@@ -71,23 +70,23 @@ def tensors_from_bytes(data: bytes, what: str = "body") -> tuple[dict[str, torch
 
 
 def _read_metadata(data: bytes, what: str) -> dict[str, str]:
-    header, _ = _read_header(data, what)
+    header, _ = read_header(data, what)
     metadata = header.get("__metadata__") if isinstance(header, dict) else None
     return metadata if isinstance(metadata, dict) else {}
 
 
-def _read_header(data: bytes | bytearray, what: str) -> tuple[Any, int]:
-    """A safetensors file's header (parsed JSON) and where its data starts."""
-    if len(data) < _LENGTH.size:
+def read_header(data, what: str) -> tuple[Any, int]:
+    """A safetensors file's header (parsed JSON) and where its data starts in `data` (any buffer)."""
+    if len(data) < LENGTH.size:
         raise WireError(f"{what} is not a valid safetensors file: {len(data)} bytes, shorter than its header")
-    (header_length,) = _LENGTH.unpack_from(data)
-    if header_length > len(data) - _LENGTH.size:
+    (header_length,) = LENGTH.unpack_from(data)
+    if header_length > len(data) - LENGTH.size:
         raise WireError(f"{what} is not a valid safetensors file: its header runs past the end")
     try:
-        header = json.loads(data[_LENGTH.size : _LENGTH.size + header_length])
+        header = json.loads(data[LENGTH.size : LENGTH.size + header_length])
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
         raise WireError(f"{what} is not a valid safetensors file: its header is not JSON ({error})") from None
-    return header, _LENGTH.size + header_length
+    return header, LENGTH.size + header_length
 
 
 # Frames.
@@ -98,7 +97,7 @@ def frame(
 ) -> bytes:
     """One frame: its length, then a safetensors file with `fields` (JSON) and `tensors`."""
     body = tensors_to_bytes(tensors or {}, {"frame": json.dumps({"kind": kind, **(fields or {})})})
-    return _LENGTH.pack(len(body)) + body
+    return LENGTH.pack(len(body)) + body
 
 
 def error_frame(error: BaseException) -> bytes:
@@ -113,12 +112,12 @@ class FrameReader:
 
     def feed(self, chunk: bytes) -> Iterator[tuple[dict, dict[str, torch.Tensor]]]:
         self._buffer += chunk
-        while len(self._buffer) >= _LENGTH.size:
-            (length,) = _LENGTH.unpack_from(self._buffer)
-            end = _LENGTH.size + length
+        while len(self._buffer) >= LENGTH.size:
+            (length,) = LENGTH.unpack_from(self._buffer)
+            end = LENGTH.size + length
             if len(self._buffer) < end:
                 return
-            body = bytes(self._buffer[_LENGTH.size : end])
+            body = bytes(self._buffer[LENGTH.size : end])
             del self._buffer[:end]
             tensors, metadata = tensors_from_bytes(body, "a frame")
             if "frame" not in metadata:
@@ -128,127 +127,6 @@ class FrameReader:
     def close(self) -> None:
         if self._buffer:
             raise WireError(f"the stream ended inside a frame ({len(self._buffer)} bytes left over)")
-
-
-# Frames too big to copy whole (a body of weights, bucket by bucket): written in pieces that are
-# views of the tensors' memory, and read into one buffer per frame that the tensors then view.
-
-_DTYPE_CODES = {dtype: code for code, dtype in DTYPES.items()}
-_PIECE_BYTES = 4 << 20  # what one write hands the connection: a bounded copy in the HTTP layer
-
-
-def frame_pieces(
-    kind: str, fields: Mapping[str, Any] | None = None, tensors: Mapping[str, torch.Tensor] | None = None
-) -> Iterator[bytes | memoryview]:
-    """`frame(kind, fields, tensors)` in pieces, with no copy of a CPU tensor's bytes: the length
-    and header, then views of each tensor's memory (at most 4 MiB each)."""
-    cpu = [(name, tensor.detach().to("cpu").contiguous()) for name, tensor in (tensors or {}).items()]
-    cpu.sort(key=lambda item: -item[1].element_size())  # every tensor's offset a multiple of its element size
-    header: dict[str, Any] = {"__metadata__": {"frame": json.dumps({"kind": kind, **(fields or {})})}}
-    size = 0
-    for name, tensor in cpu:
-        if tensor.dtype not in _DTYPE_CODES:
-            raise WireError(
-                f"{name}: dtype {tensor.dtype} has no safetensors code; send one of {sorted(map(str, _DTYPE_CODES))}"
-            )
-        header[name] = {
-            "dtype": _DTYPE_CODES[tensor.dtype],
-            "shape": list(tensor.shape),
-            "data_offsets": [size, size + tensor.nbytes],
-        }
-        size += tensor.nbytes
-    encoded = json.dumps(header, separators=(",", ":")).encode()
-    encoded += b" " * (-len(encoded) % 8)  # the data starts 8-aligned, as safetensors writes it
-    yield _LENGTH.pack(_LENGTH.size + len(encoded) + size) + _LENGTH.pack(len(encoded)) + encoded
-    for _, tensor in cpu:
-        data = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())  # bfloat16 too: as bytes
-        for start in range(0, len(data), _PIECE_BYTES):
-            yield data[start : start + _PIECE_BYTES]
-
-
-class FrameAssembler:
-    """Cuts a byte stream into frames as it arrives: each frame's bytes are copied once, into a
-    bytearray of its own (see `tensors_from_buffer`). `feed(chunk)` yields each frame completed;
-    `close()` raises if the stream ended inside one. A frame longer than `max_frame_bytes` is a
-    `FrameTooLarge` as soon as its length arrives."""
-
-    def __init__(self, max_frame_bytes: int):
-        self.max_frame_bytes = max_frame_bytes
-        self._length = bytearray()  # the length of the next frame, as it arrives
-        self._frame: bytearray | None = None
-        self._filled = 0
-
-    def feed(self, chunk: bytes) -> Iterator[bytearray]:
-        view = memoryview(chunk)
-        while view or (self._frame is not None and self._filled == len(self._frame)):
-            if self._frame is None:
-                taken = _LENGTH.size - len(self._length)
-                self._length += view[:taken]
-                view = view[taken:]
-                if len(self._length) < _LENGTH.size:
-                    return
-                (length,) = _LENGTH.unpack(self._length)
-                self._length.clear()
-                if length > self.max_frame_bytes:
-                    raise FrameTooLarge(f"a frame of {length} bytes is over the limit of {self.max_frame_bytes}")
-                self._frame, self._filled = bytearray(length), 0
-            taken = min(len(view), len(self._frame) - self._filled)
-            self._frame[self._filled : self._filled + taken] = view[:taken]
-            self._filled += taken
-            view = view[taken:]
-            if self._filled == len(self._frame):
-                done, self._frame = self._frame, None
-                yield done
-
-    def close(self) -> None:
-        if self._length or self._frame is not None:
-            held = len(self._length) + self._filled
-            raise WireError(f"the stream ended inside a frame ({held} bytes of it arrived)")
-
-
-class FrameTooLarge(WireError):
-    """A frame announces more bytes than the reader takes."""
-
-
-def tensors_from_buffer(buffer: bytearray, what: str) -> tuple[dict[str, torch.Tensor], dict]:
-    """The tensors of a safetensors file held in `buffer`, as views of it (no copy), and its frame
-    fields (metadata "frame", JSON). WireError names `what` if the file is malformed."""
-    header, start = _read_header(buffer, what)
-    if not isinstance(header, dict):
-        raise WireError(f"{what} is not a valid safetensors file: its header is not a JSON object")
-    metadata = header.pop("__metadata__", None) or {}
-    try:
-        fields = json.loads(metadata["frame"])
-        entries = sorted(header.items(), key=lambda item: item[1]["data_offsets"][0])
-    except (KeyError, TypeError, IndexError, json.JSONDecodeError) as error:
-        raise WireError(f"{what} has no valid 'frame' metadata or tensor offsets ({error!r})") from None
-    tensors, end = {}, 0
-    for name, entry in entries:
-        tensors[name] = _tensor_view(buffer, start, end, name, entry, what)
-        end = entry["data_offsets"][1]
-    if start + end != len(buffer):
-        raise WireError(
-            f"{what} is not a valid safetensors file: its tensors end at byte {start + end} of {len(buffer)}"
-        )
-    return tensors, fields
-
-
-def _tensor_view(buffer: bytearray, start: int, end: int, name: str, entry: Any, what: str) -> torch.Tensor:
-    """Tensor `name` of a safetensors buffer, whose previous tensor ended at data byte `end`."""
-    try:
-        dtype, shape, (first, last) = DTYPES[entry["dtype"]], entry["shape"], entry["data_offsets"]
-        if not all(isinstance(n, int) and n >= 0 for n in (*shape, first, last)):
-            raise ValueError("negative or non-integer sizes")
-    except (KeyError, TypeError, ValueError) as error:
-        raise WireError(f"{what}: tensor {name!r} has a malformed entry {entry!r} ({error!r})") from None
-    numel = math.prod(shape)
-    if first != end or last - first != numel * dtype.itemsize or start + last > len(buffer):
-        raise WireError(
-            f"{what}: tensor {name!r} ({entry['dtype']} {shape}) does not fit its data offsets {[first, last]}"
-        )
-    if numel == 0:
-        return torch.empty(shape, dtype=dtype)
-    return torch.frombuffer(buffer, dtype=dtype, count=numel, offset=start + first).view(shape)
 
 
 # Outputs.

@@ -32,9 +32,10 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
 from rollout.async_engine import AsyncRolloutEngine
+from rollout.frame_views import FrameAssembler, FrameTooLarge, frame_pieces, tensors_from_buffer
 from rollout.serve import protocol
 from rollout.serve.request_body import body_chunks, too_big
-from rollout.wire import FrameAssembler, FrameTooLarge, WireError, frame_pieces, tensors_from_buffer
+from rollout.wire import WireError
 
 UPLOAD_FLAG = "--max-upload-mb"
 

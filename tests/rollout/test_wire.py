@@ -10,15 +10,11 @@ import torch
 
 from rollout import SamplingParams
 from rollout.wire import (
-    FrameAssembler,
     FrameReader,
-    FrameTooLarge,
     OutputDecoder,
     OutputEncoder,
     WireError,
     frame,
-    frame_pieces,
-    tensors_from_buffer,
     tensors_from_bytes,
     tensors_to_bytes,
 )
@@ -132,53 +128,3 @@ def test_a_stream_cut_inside_a_frame_is_an_error():
     assert list(reader.feed(frame("requests", {"request_ids": ["a"]})[:-3])) == []
     with pytest.raises(WireError, match="ended inside a frame"):
         reader.close()
-
-
-def _pieced(tensors: dict) -> bytes:
-    return b"".join(frame_pieces("bucket", {"n": len(tensors)}, tensors))
-
-
-def test_frames_in_pieces_are_safetensors_frames_and_are_read_back_as_views():
-    """What `frame_pieces` writes is a frame any reader decodes; `FrameAssembler` cuts it however
-    the stream is chunked, and `tensors_from_buffer` views the frame's own buffer, bitwise."""
-    tensors = {
-        "f32": torch.randn(5, 7),
-        "bf16": torch.randn(3, 4).to(torch.bfloat16),
-        "scalar": torch.tensor(3, dtype=torch.int64),
-        "mask": torch.tensor([True, False, True]),
-        "empty": torch.zeros(0, 3),
-        "strided": torch.randn(4, 6).t(),  # made contiguous on the way
-    }
-    data = _pieced(tensors)
-    [(fields, decoded)] = FrameReader().feed(data)  # safetensors' own parser agrees
-    assert fields == {"kind": "bucket", "n": 6}
-    assert all(torch.equal(decoded[name], tensor) for name, tensor in tensors.items())
-    for chunk_size in (1, 7, len(data)):
-        assembler, buffers = FrameAssembler(max_frame_bytes=len(data)), []
-        for start in range(0, len(data) * 2, chunk_size):  # two frames back to back
-            buffers += assembler.feed((data + data)[start : start + chunk_size])
-        assembler.close()
-        assert len(buffers) == 2
-        views, fields = tensors_from_buffer(buffers[1], "a frame")
-        assert fields["kind"] == "bucket"
-        for name, tensor in tensors.items():
-            assert views[name].dtype == tensor.dtype and torch.equal(views[name], tensor)
-    buffers[1][:] = bytes(len(buffers[1]))  # views, not copies: they see their buffer change
-    assert not views["f32"].any() and not views["bf16"].any()
-
-
-def test_frames_too_long_or_cut_or_malformed_are_wire_errors():
-    data = _pieced({"w": torch.randn(8)})
-    with pytest.raises(FrameTooLarge, match="over the limit of 10"):
-        list(FrameAssembler(max_frame_bytes=10).feed(data))
-    assembler = FrameAssembler(max_frame_bytes=len(data))
-    assert list(assembler.feed(data[:-3])) == []
-    with pytest.raises(WireError, match="ended inside a frame"):
-        assembler.close()
-    header = json.dumps({"__metadata__": {"frame": "{}"}, "w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 8]}})
-    wrong_size = bytearray(len(header).to_bytes(8, "little") + header.encode() + bytes(8))
-    with pytest.raises(WireError, match="does not fit its data offsets"):
-        tensors_from_buffer(wrong_size, "a frame")
-    no_frame = bytearray(tensors_to_bytes({"w": torch.zeros(2)}))
-    with pytest.raises(WireError, match="no valid 'frame' metadata"):
-        tensors_from_buffer(no_frame, "a frame")
