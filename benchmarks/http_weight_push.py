@@ -17,7 +17,9 @@ the whole transformer, perturbed before each round so every push changes every w
 MB/s counts 1e6 bytes of tensors per second. Peak memory: how far a push raises the peak RSS of the
 process holding the model (the server's VmHWM, reset through /proc/<pid>/clear_refs before the
 push; this process's for in-process), over the update's size. Every mode stages a copy of the
-update before swapping it in, so 1.0x plus a bucket or two is the floor. After each round every
+update before swapping it in, so 1.0x plus a bucket or two is the floor. Both processes run with
+glibc's mmap threshold fixed at 1 MiB (`MALLOC_MMAP_THRESHOLD_`, `mallopt`), so freed buffers go
+back to the system and a push's peak is not hidden by memory the one before left in the heap. After each round every
 engine's `weights_checksum()` must be the trainer's.
 
     python -m benchmarks.http_weight_push                              # 1.0 GB float32
@@ -30,6 +32,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import ctypes
 import json
 import logging
 import multiprocessing
@@ -57,6 +60,7 @@ from trainers_adapters.remote_engine import RemoteRolloutEngine
 TARGET_MB_PER_S = 1000.0  # the streamed push over loopback (issue 22: 24 GB in bf16 in under half a minute)
 CLIENT_TIMEOUT_S = 600.0
 MODES = ("streamed", "one body", "in-process", "raw HTTP")
+MMAP_THRESHOLD, M_MMAP_THRESHOLD = 1 << 20, -3  # bytes; mallopt's parameter number (malloc.h)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -162,6 +166,7 @@ def main(argv: list[str] | None = None) -> dict:
     from diffusers.utils import logging as diffusers_logging
 
     diffusers_logging.set_verbosity_error()
+    ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)  # as the server's environment sets it
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
     report = harness.Report("http_weight_push", args, __doc__, argv)
@@ -175,7 +180,7 @@ def main(argv: list[str] | None = None) -> dict:
             trainer.to(dtype)
             state = base_state(trainer)  # views of the trainer's parameters: `perturb` changes them in place
             nbytes = sum(t.nbytes for t in state.values())
-            threads = {"OMP_NUM_THREADS": str(args.threads)}
+            threads = {"OMP_NUM_THREADS": str(args.threads), "MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD)}
             flags = ("--executor", "uni", "--dtype", args.dtype, "--max-upload-mb", str(4 * nbytes >> 20))
             config = EngineConfig(model=str(folder), executor="uni", dtype=args.dtype)
             with (
