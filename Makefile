@@ -49,6 +49,7 @@ bench: setup
 	$(call BENCH,weight_sync,,weight_sync)
 	$(call BENCH,lora_swap,,lora_swap)
 	$(call BENCH,serve_load,,serve_load)
+	$(call BENCH,http_weight_push,,http_weight_push)
 	$(call BENCH,serve_probes,,serve_probes)
 	$(call BENCH,branching,,branching)
 	$(call BENCH,expert_update,,expert_update)

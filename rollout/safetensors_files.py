@@ -16,7 +16,7 @@ from rollout.weights import TensorSpec
 # safetensors refuses headers past 100 MB; so does this check, before reading one.
 MAX_HEADER_BYTES = 100_000_000
 
-_DTYPES = {
+DTYPES = {  # safetensors dtype code -> torch dtype
     "F64": torch.float64,
     "F32": torch.float32,
     "F16": torch.float16,
@@ -55,9 +55,9 @@ def read_specs(files: list[Path]) -> dict[str, TensorSpec]:
                 continue
             if not (isinstance(entry, dict) and isinstance(entry.get("shape"), list) and "dtype" in entry):
                 raise ValueError(f"{str(file)!r} is not a safetensors file: its entry for {name!r} is malformed")
-            if entry["dtype"] not in _DTYPES:
+            if entry["dtype"] not in DTYPES:
                 raise ValueError(f"{file}: tensor {name} has dtype {entry['dtype']}, which is not supported")
-            specs[name] = TensorSpec(tuple(entry["shape"]), _DTYPES[entry["dtype"]])
+            specs[name] = TensorSpec(tuple(entry["shape"]), DTYPES[entry["dtype"]])
     return specs
 
 

@@ -17,7 +17,8 @@ Outputs travel as a stream of frames, so each one can go out as soon as it finis
   "trajectory.<field>", the keys of its condition's prompt and negative embeddings, and per series
   its positions (a tensor), its length and the keys of its parts;
 - {"kind": "error", "type": ..., "message": ...}: the stream failed (the engine died).
-The same functions encode and decode, on both sides.
+The same functions encode and decode, on both sides. Frames too big to copy whole (a full-weight
+push) are written from and read into views by `rollout.frame_views`.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from rollout.step_series import StepSeries
 
 FRAMES_MEDIA_TYPE = "application/x-rollout-frames"
 SAFETENSORS_MEDIA_TYPE = "application/octet-stream"
-_LENGTH = struct.Struct("<Q")
+LENGTH = struct.Struct("<Q")  # a frame's length, and a safetensors header's
 # Trajectory fields that are tensors; the rest (TRAJECTORY_SETTINGS: sizes, sampler settings) travel as JSON.
 _TRAJECTORY_TENSORS = ("log_probs", "timesteps", "sigmas", "sde_mask")
 
@@ -69,17 +70,23 @@ def tensors_from_bytes(data: bytes, what: str = "body") -> tuple[dict[str, torch
 
 
 def _read_metadata(data: bytes, what: str) -> dict[str, str]:
-    if len(data) < _LENGTH.size:
-        raise WireError(f"{what} is not a valid safetensors file: {len(data)} bytes, shorter than its header")
-    (header_length,) = _LENGTH.unpack_from(data)
-    if header_length > len(data) - _LENGTH.size:
-        raise WireError(f"{what} is not a valid safetensors file: its header runs past the end")
-    try:
-        header = json.loads(data[_LENGTH.size : _LENGTH.size + header_length])
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise WireError(f"{what} is not a valid safetensors file: its header is not JSON ({error})") from None
+    header, _ = read_header(data, what)
     metadata = header.get("__metadata__") if isinstance(header, dict) else None
     return metadata if isinstance(metadata, dict) else {}
+
+
+def read_header(data, what: str) -> tuple[Any, int]:
+    """A safetensors file's header (parsed JSON) and where its data starts in `data` (any buffer)."""
+    if len(data) < LENGTH.size:
+        raise WireError(f"{what} is not a valid safetensors file: {len(data)} bytes, shorter than its header")
+    (header_length,) = LENGTH.unpack_from(data)
+    if header_length > len(data) - LENGTH.size:
+        raise WireError(f"{what} is not a valid safetensors file: its header runs past the end")
+    try:
+        header = json.loads(data[LENGTH.size : LENGTH.size + header_length])
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise WireError(f"{what} is not a valid safetensors file: its header is not JSON ({error})") from None
+    return header, LENGTH.size + header_length
 
 
 # Frames.
@@ -90,7 +97,7 @@ def frame(
 ) -> bytes:
     """One frame: its length, then a safetensors file with `fields` (JSON) and `tensors`."""
     body = tensors_to_bytes(tensors or {}, {"frame": json.dumps({"kind": kind, **(fields or {})})})
-    return _LENGTH.pack(len(body)) + body
+    return LENGTH.pack(len(body)) + body
 
 
 def error_frame(error: BaseException) -> bytes:
@@ -105,12 +112,12 @@ class FrameReader:
 
     def feed(self, chunk: bytes) -> Iterator[tuple[dict, dict[str, torch.Tensor]]]:
         self._buffer += chunk
-        while len(self._buffer) >= _LENGTH.size:
-            (length,) = _LENGTH.unpack_from(self._buffer)
-            end = _LENGTH.size + length
+        while len(self._buffer) >= LENGTH.size:
+            (length,) = LENGTH.unpack_from(self._buffer)
+            end = LENGTH.size + length
             if len(self._buffer) < end:
                 return
-            body = bytes(self._buffer[_LENGTH.size : end])
+            body = bytes(self._buffer[LENGTH.size : end])
             del self._buffer[:end]
             tensors, metadata = tensors_from_bytes(body, "a frame")
             if "frame" not in metadata:

@@ -34,7 +34,9 @@ from rollout.serve import protocol
 from rollout.serve.error_table import STATUS_OF
 from rollout.serve.guard import LOOPBACK_NAMES, RequestGuard
 from rollout.serve.instance import InstanceHeaders, new_instance_id
+from rollout.serve.request_body import read_body
 from rollout.serve.routes import path
+from rollout.serve.weight_stream import UPLOAD_FLAG, receive_update
 from rollout.wire import (
     FRAMES_MEDIA_TYPE,
     SAFETENSORS_MEDIA_TYPE,
@@ -175,7 +177,12 @@ def build_app(engine: AsyncRolloutEngine, settings: ServerSettings) -> FastAPI:
 
     @router.post(path("update_weights"))
     async def update_weights_from_tensor(request: Request) -> dict:
-        """Body: a safetensors file of the tensors; its metadata "request" holds the options (JSON)."""
+        """Body: a stream of bucket frames (`weight_stream`: the client's form, applied as it
+        arrives); or one safetensors file of the tensors, its metadata "request" holding the options
+        (JSON: small pushes, curl)."""
+        if request.headers.get("content-type", "").startswith(FRAMES_MEDIA_TYPE):
+            limit, idle_timeout_s = settings.max_upload_bytes, settings.body_timeout_s
+            return {"weight_version": await receive_update(request, engine, limit, idle_timeout_s)}
         tensors, options = await _tensor_body(request, settings, protocol.UpdateFromTensorBody)
         version = await engine.update_weights(tensors, **options.model_dump())
         return {"weight_version": version}
@@ -335,7 +342,7 @@ def _json_body_parser(settings: ServerSettings):
 
 
 async def _parse_json(request: Request, settings: ServerSettings, model: type[BaseModel]) -> BaseModel:
-    raw = await _read_body(request, settings.max_body_bytes, "--max-body-mb", settings.body_timeout_s)
+    raw = await read_body(request, settings.max_body_bytes, "--max-body-mb", settings.body_timeout_s)
     try:
         if len(raw) > _PARSE_IN_THREAD_BYTES:  # off the event loop, so every route keeps answering
             return await asyncio.to_thread(model.model_validate_json, raw)
@@ -346,37 +353,13 @@ async def _parse_json(request: Request, settings: ServerSettings, model: type[Ba
 
 async def _tensor_body(request: Request, settings: ServerSettings, model: type[BaseModel]):
     """The tensors of a safetensors body and its options (metadata "request", checked by `model`)."""
-    raw = await _read_body(request, settings.max_upload_bytes, "--max-upload-mb", settings.body_timeout_s)
+    raw = await read_body(request, settings.max_upload_bytes, UPLOAD_FLAG, settings.body_timeout_s)
     tensors, metadata = await asyncio.to_thread(tensors_from_bytes, raw, "the request body")
     try:
         options = model.model_validate_json(metadata.get("request", "{}"))
     except ValidationError as error:
         raise HTTPException(422, "the body's metadata 'request': " + _describe(error)) from None
     return tensors, options
-
-
-async def _read_body(request: Request, limit: int, flag: str, idle_timeout_s: float) -> bytes:
-    """The body, at most `limit` bytes (413 past it), each chunk within `idle_timeout_s` of the last
-    (408 past it: a client that stops sending mid-body would hold its connection forever)."""
-    too_big = HTTPException(413, f"the request body is over this server's limit of {limit} bytes ({flag})")
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise too_big
-    chunks, size = [], 0
-    stream = aiter(request.stream())
-    while True:
-        try:
-            chunk = await asyncio.wait_for(anext(stream), idle_timeout_s)
-        except StopAsyncIteration:
-            return b"".join(chunks)
-        except TimeoutError:
-            raise HTTPException(
-                408, f"the request body stalled for {idle_timeout_s} s after {size} bytes (--body-timeout-s)"
-            ) from None
-        size += len(chunk)
-        if size > limit:
-            raise too_big
-        chunks.append(chunk)
 
 
 def _sampling_params(params) -> SamplingParams | list[SamplingParams]:

@@ -22,7 +22,7 @@ import dataclasses
 import json
 import os
 import threading
-from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -40,8 +40,16 @@ from rollout.serve import API_KEY_ENV
 from rollout.serve.error_table import exception_for
 from rollout.serve.instance import InstanceCheck
 from rollout.serve.routes import ROUTES, body_json, path
+from rollout.serve.weight_stream import weight_frames
 from rollout.weight_sync import DEFAULT_BUCKET_BYTES
-from rollout.wire import SAFETENSORS_MEDIA_TYPE, FrameReader, OutputDecoder, WireError, tensors_to_bytes
+from rollout.wire import (
+    FRAMES_MEDIA_TYPE,
+    SAFETENSORS_MEDIA_TYPE,
+    FrameReader,
+    OutputDecoder,
+    WireError,
+    tensors_to_bytes,
+)
 
 
 class RemoteRolloutEngine:
@@ -237,8 +245,9 @@ class RemoteRolloutEngine:
         check_finite: bool = True,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     ) -> int:
-        """`RolloutEngine.update_weights`: the tensors travel as one safetensors body."""
-        tensors = dict(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
+        """`RolloutEngine.update_weights`: the tensors stream to the server in buckets of about
+        `bucket_bytes`, read from `named_tensors` as they are sent (`rollout.serve.weight_stream`),
+        and the server stages each bucket as it arrives."""
         options = body_json(
             "update_weights",
             component=component,
@@ -247,7 +256,9 @@ class RemoteRolloutEngine:
             check_finite=check_finite,
             bucket_bytes=bucket_bytes,
         )
-        return self._post_tensors("update_weights", tensors, options)
+        content = _async_pieces(weight_frames(named_tensors, options, bucket_bytes))
+        answer = self._request_route("update_weights", content=content, headers={"content-type": FRAMES_MEDIA_TYPE})
+        return answer[ROUTES["update_weights"].answer]
 
     def update_weights_from_disk(
         self,
@@ -507,6 +518,12 @@ class RemoteRolloutEngine:
                 self._unfinished.difference_update(ids)
                 self._ready.append(error)
                 self._changed.notify_all()
+
+
+async def _async_pieces(pieces: Iterator[bytes | memoryview]) -> AsyncIterator[bytes | memoryview]:
+    """A body httpx's AsyncClient sends as it is produced (chunked), from a plain iterator."""
+    for piece in pieces:
+        yield piece
 
 
 async def _frames(response: httpx.Response):

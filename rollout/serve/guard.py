@@ -1,6 +1,6 @@
 """What every HTTP request must show before any route (or the key check) sees it: a `Host` header
-that names this server, and on a POST a body type of JSON (`application/json`) or safetensors
-(`application/octet-stream`).
+that names this server, and on a POST a body type of JSON (`application/json`), safetensors
+(`application/octet-stream`) or frames of tensors (`rollout.wire.FRAMES_MEDIA_TYPE`).
 
 Both close a door a web page would otherwise have into a server on the same machine: DNS rebinding
 points the attacker's own host name at 127.0.0.1 (the browser then sends that name as `Host`),
@@ -14,7 +14,9 @@ from starlette.datastructures import Headers
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-BODY_TYPES = ("application/json", "application/octet-stream")
+from rollout.wire import FRAMES_MEDIA_TYPE, SAFETENSORS_MEDIA_TYPE
+
+BODY_TYPES = ("application/json", SAFETENSORS_MEDIA_TYPE, FRAMES_MEDIA_TYPE)
 LOOPBACK_NAMES = frozenset({"127.0.0.1", "localhost", "::1"})
 
 
@@ -61,7 +63,7 @@ class RequestGuard:
             if media_type not in BODY_TYPES:
                 return 415, (
                     f"a {method} body must be sent as application/json (or application/octet-stream for "
-                    f"safetensors), got Content-Type {media_type or 'none'!r}"
+                    f"safetensors, {FRAMES_MEDIA_TYPE} for a streamed push), got Content-Type {media_type or 'none'!r}"
                 )
         return None
 

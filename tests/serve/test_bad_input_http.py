@@ -6,15 +6,20 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 
 import httpx
 import pytest
+import torch
 
 from rollout import SamplingParams
+from rollout.frame_views import frame_pieces
 from rollout.serve.launch import ServerProcess
-from rollout.wire import SAFETENSORS_MEDIA_TYPE, tensors_to_bytes
+from rollout.serve.routes import body_json
+from rollout.weights import base_state
+from rollout.wire import FRAMES_MEDIA_TYPE, SAFETENSORS_MEDIA_TYPE, tensors_to_bytes
 from tests.executors.worker_functions import wait_gone
 from tests.serve.conftest import API_KEY, EXTENSION
 from trainers_adapters.remote_engine import RemoteRolloutEngine
@@ -118,6 +123,57 @@ def test_malformed_and_oversized_safetensors_are_refused(server, remote):
     huge = post(server, "/update_weights_from_tensor", headers=headers, content=b"\0" * (65 << 20))
     assert huge.status_code == 413 and "--max-upload-mb" in error_of(huge)
     assert remote.weights_checksum() == before
+    assert_still_serving(server)
+
+
+def _frame(kind: str, fields=None, tensors=None) -> bytes:
+    return b"".join(frame_pieces(kind, fields, tensors))
+
+
+def test_a_streamed_push_that_fails_midway_changes_nothing(server, remote, trainer_adapter):
+    """Bodies that go wrong after two buckets were staged: cut off before the end frame, cut inside a
+    frame, a malformed third frame, a wrong shape in the third bucket, a wrong count at the end,
+    past the upload limit, a client that leaves. Each is a 4xx naming the problem (the engine
+    answers once it has dropped what it staged); the weights and version stay."""
+    state = base_state(trainer_adapter.transformer)
+    names = sorted(state)[:4]
+    new = {name: state[name] + 1 for name in names}
+    options = body_json("update_weights", bucket_bytes=1)  # the server stages each tensor as it arrives
+    buckets = [_frame("bucket", tensors={name: new[name]}) for name in names]
+    start, end = _frame("update_weights", {"request": options}), _frame("end", {"tensors": len(names)})
+    wrong_shape = _frame("bucket", tensors={names[2]: torch.zeros(3, 3)})
+    garbage = (64).to_bytes(8, "little") + b"\x07" * 64
+    too_long = (65 << 20).to_bytes(8, "little")  # a frame over --max-upload-mb 64, announced
+    bodies = [
+        (start + b"".join(buckets), 400, "cut off after 4 tensors, before its 'end' frame"),
+        (start + b"".join(buckets) + end[:-5], 400, "ended inside a frame"),
+        (start + b"".join(buckets[:2]) + garbage + buckets[3] + end, 400, "not a valid safetensors file"),
+        (start + buckets[0] + buckets[1] + wrong_shape + buckets[3] + end, 400, f"{names[2]}: expected"),
+        (start + b"".join(buckets) + _frame("end", {"tensors": 7}), 400, "counts 7 tensors"),
+        (start + b"".join(buckets) + end + buckets[0], 400, "goes on after its 'end' frame"),
+        (start + b"".join(buckets[:2]) + too_long, 413, "--max-upload-mb"),
+        (_frame("update_weights", {"request": {**options, "colour": "red"}}) + end, 422, "colour: unknown field"),
+    ]
+    digest, version = remote.weights_checksum(), remote.weight_version
+    headers = {**AUTH, "content-type": FRAMES_MEDIA_TYPE}
+    client = httpx.Client(base_url=server.url, headers=headers, timeout=60)  # one: a client's setup costs 0.1 s
+    for body, status, message in bodies:
+        pieces = iter([body[i : i + 4096] for i in range(0, len(body), 4096)])  # chunked, as the client sends
+        response = client.post("/update_weights_from_tensor", content=pieces)
+        assert response.status_code == status and message in error_of(response), response.text
+        assert remote.weight_version == version
+    port = int(server.url.rpartition(":")[2])
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as gone:  # leaves after two buckets
+        head = f"POST /update_weights_from_tensor HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {API_KEY}\r\n"
+        sent = start + buckets[0] + buckets[1]
+        head += f"Content-Type: {FRAMES_MEDIA_TYPE}\r\nTransfer-Encoding: chunked\r\n\r\n{len(sent):x}\r\n"
+        gone.sendall(head.encode() + sent + b"\r\n")
+    assert remote.weights_checksum() == digest and remote.weight_version == version  # after the rollback
+    good = client.post("/update_weights_from_tensor", content=start + b"".join(buckets) + end)
+    client.close()
+    assert good.status_code == 200 and good.json() == {"weight_version": version + 1}
+    remote.update_weights({name: state[name] for name in names}, version=version)
+    assert remote.weights_checksum() == digest
     assert_still_serving(server)
 
 

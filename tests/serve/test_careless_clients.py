@@ -20,6 +20,8 @@ import torch
 
 from rollout import SamplingParams
 from rollout.serve.launch import ServerProcess, free_port
+from rollout.serve.routes import body_json
+from rollout.wire import FRAMES_MEDIA_TYPE, frame
 from tests.serve.conftest import API_KEY
 
 pytestmark = pytest.mark.timeout(240)
@@ -423,6 +425,24 @@ def test_connections_cannot_be_held_open_for_free(tiny_model):
             answer += chunk
         assert answer.startswith(b"HTTP/1.1 408") and b"--body-timeout-s" in answer
         stalled.close()
+        # A streamed push that stalls mid-bucket: 408 once the engine has dropped what it staged.
+        options = frame("update_weights", {"request": body_json("update_weights", bucket_bytes=1)})
+        half_bucket = frame("bucket", tensors={"x": torch.zeros(32)})[:40]  # never completed
+        stalled = connect()
+        stalled.sendall(
+            b"POST /update_weights_from_tensor HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            + f"Content-Type: {FRAMES_MEDIA_TYPE}\r\nAuthorization: Bearer {API_KEY}\r\n".encode()
+            + b"Content-Length: 100000\r\n\r\n"
+            + options
+            + half_bucket
+        )
+        answer = b""
+        while b"--body-timeout-s" not in answer and (chunk := stalled.recv(4096)):
+            answer += chunk
+        assert answer.startswith(b"HTTP/1.1 408") and b"--body-timeout-s" in answer
+        stalled.close()
+        info = httpx.get(f"{server.url}/server_info", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=10)
+        assert info.json()["weight_version"] == 0
         held = [connect() for _ in range(12)]
         crowded = httpx.get(f"{server.url}/health", timeout=10)
         assert crowded.status_code == 503

@@ -51,6 +51,19 @@ def test_weight_update_during_running_requests(remote, transformer_state):
     assert remote.weights_checksum() == checksum(transformer_state)
 
 
+def test_a_push_streams_in_buckets_and_applies_bitwise(remote, transformer_state):
+    """Buckets of one tensor or a few each, from an iterator read as the body goes out: the server
+    holds exactly what was sent."""
+    start = remote.weight_version
+    torch.manual_seed(0)
+    new_state = {name: torch.randn_like(tensor) for name, tensor in transformer_state.items()}
+    pairs = iter(new_state.items())
+    assert remote.update_weights(pairs, bucket_bytes=1 << 12) == start + 1  # many buckets
+    assert remote.weights_checksum() == checksum(new_state)
+    assert remote.update_weights(transformer_state, version=start) == start
+    assert remote.weights_checksum() == checksum(transformer_state)
+
+
 def test_refused_update_over_http_leaves_the_weights(remote, transformer_state):
     before = remote.weights_checksum()
     name = next(iter(transformer_state))

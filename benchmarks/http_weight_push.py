@@ -1,0 +1,257 @@
+"""HTTP weight push: a full-weight `update_weights` through the service, streamed in buckets, against
+the one-body form it replaced and the same push in process, with the server's peak memory.
+
+Builds an SD3 pipeline whose transformer has `--layers` blocks of `--heads` heads of 64 (random
+weights; 12 x 12: 1.0 GB in float32), serves it in `--dtype` (executor uni, an API key), and pushes
+the whole transformer, perturbed before each round so every push changes every weight, three ways:
+
+  streamed    `RemoteRolloutEngine.update_weights(state)`: bucket frames of `--bucket-mb`, each staged
+              by the server as it arrives (`rollout.serve.weight_stream`);
+  one body    the form it replaced: one safetensors file of every tensor (`tensors_to_bytes`), posted
+              whole, read whole and parsed by the server before the push;
+  in-process  `RolloutEngine.update_weights(state)` on an engine of this process (executor uni);
+  raw HTTP    the streamed push's bytes, sent the same way (httpx, chunked) to a bare uvicorn route
+              that only reads and drops them: what the HTTP stack itself carries on this machine,
+              the ceiling of both HTTP modes.
+
+MB/s counts 1e6 bytes of tensors per second. Peak memory: how far a push raises the peak RSS of the
+process holding the model (the server's VmHWM, reset through /proc/<pid>/clear_refs before the
+push; this process's for in-process), over the update's size. Every mode stages a copy of the
+update before swapping it in, so 1.0x plus a bucket or two is the floor. Both processes run with
+glibc's mmap threshold fixed at 1 MiB (`MALLOC_MMAP_THRESHOLD_`, `mallopt`), so freed buffers go
+back to the system and a push's peak is not hidden by memory the one before left in the heap. After each round every
+engine's `weights_checksum()` must be the trainer's.
+
+    python -m benchmarks.http_weight_push                              # 1.0 GB float32
+    python -m benchmarks.http_weight_push --layers 6 --heads 8         # 0.22 GB, serve_load's size
+    python -m benchmarks.http_weight_push --dtype bfloat16 --layers 24 # 1.0 GB bfloat16
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import ctypes
+import json
+import logging
+import multiprocessing
+import os
+import secrets
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import torch
+
+from benchmarks import harness
+from benchmarks.weight_sync import perturb
+from rollout import EngineConfig, RolloutEngine
+from rollout.pipelines.tiny import TinySD3Sizes, build_tiny_sd3
+from rollout.serve.launch import ServerProcess, free_port
+from rollout.serve.routes import ROUTES, body_json
+from rollout.serve.weight_stream import weight_frames
+from rollout.weights import base_state, checksum
+from rollout.wire import SAFETENSORS_MEDIA_TYPE, tensors_to_bytes
+from trainers_adapters.remote_engine import RemoteRolloutEngine
+
+TARGET_MB_PER_S = 1000.0  # the streamed push over loopback (issue 22: 24 GB in bf16 in under half a minute)
+CLIENT_TIMEOUT_S = 600.0
+MODES = ("streamed", "one body", "in-process", "raw HTTP")
+MMAP_THRESHOLD, M_MMAP_THRESHOLD = 1 << 20, -3  # bytes; mallopt's parameter number (malloc.h)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = harness.parser("http_weight_push", __doc__, repeats=3, warmup=1, threads=1, dtype="float32")
+    positive = harness.positive_int
+    parser.add_argument("--layers", type=positive, default=12, help="transformer blocks")
+    parser.add_argument("--heads", type=positive, default=12, help="attention heads (of 64 wide each)")
+    parser.add_argument("--bucket-mb", type=positive, default=512, help="bucket_bytes of every push, in MiB")
+    return parser.parse_args(argv)
+
+
+def peak_rss_growth(pid: int, push) -> float:
+    """Bytes by which `push()` raises the peak RSS of process `pid` over its RSS before it."""
+    Path(f"/proc/{pid}/clear_refs").write_text("5")  # resets VmHWM to the current RSS
+    before = _status_bytes(pid, "VmRSS")
+    push()
+    return _status_bytes(pid, "VmHWM") - before
+
+
+def _status_bytes(pid: int, field: str) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(f"{field}:"):
+            return int(line.split()[1]) * 1024  # kB
+    raise RuntimeError(f"/proc/{pid}/status has no {field}")
+
+
+def post_one_body(client: httpx.Client, state: dict[str, torch.Tensor], bucket_bytes: int) -> int:
+    """The push as the client sent it before streaming: every tensor in one safetensors body."""
+    options = body_json("update_weights", bucket_bytes=bucket_bytes)
+    content = tensors_to_bytes(state, {"request": json.dumps(options)})
+    route = ROUTES["update_weights"]
+    response = client.post(route.path, content=content, headers={"content-type": SAFETENSORS_MEDIA_TYPE})
+    response.raise_for_status()
+    return response.json()[route.answer]
+
+
+def serve_sink(port: int) -> None:
+    """A bare uvicorn app (in a child process) whose one route reads a body and drops it."""
+    import uvicorn
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    async def sink(request):
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+        return JSONResponse({"bytes": size})
+
+    app = Starlette(routes=[Route("/sink", sink, methods=["POST"])])
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
+
+
+@contextlib.contextmanager
+def sink_server() -> Iterator[str]:
+    port = free_port()
+    process = multiprocessing.get_context("spawn").Process(target=serve_sink, args=(port,), daemon=True)
+    process.start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                httpx.post(f"{url}/sink", content=b"", timeout=5)
+                break
+            except httpx.TransportError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError("the sink server did not start within 60 s") from None
+                time.sleep(0.2)
+        yield url
+    finally:
+        process.terminate()
+        process.join(30)
+
+
+class RawSender:
+    """Sends the streamed push's body as the client does (httpx's AsyncClient, chunked) to a URL."""
+
+    def __init__(self, url: str):
+        self.url = url
+        self.loop = asyncio.new_event_loop()
+        self.client = httpx.AsyncClient(timeout=CLIENT_TIMEOUT_S)
+
+    def send(self, state: dict[str, torch.Tensor], bucket_bytes: int) -> None:
+        pieces = weight_frames(state, body_json("update_weights", bucket_bytes=bucket_bytes), bucket_bytes)
+
+        async def body():
+            for piece in pieces:
+                yield piece
+
+        response = self.loop.run_until_complete(self.client.post(self.url, content=body()))
+        response.raise_for_status()
+
+    def close(self) -> None:
+        self.loop.run_until_complete(self.client.aclose())
+        self.loop.close()
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    from diffusers import SD3Transformer2DModel
+    from diffusers.utils import logging as diffusers_logging
+
+    diffusers_logging.set_verbosity_error()
+    ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)  # as the server's environment sets it
+    previous_threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads)
+    report = harness.Report("http_weight_push", args, __doc__, argv)
+    api_key, bucket_bytes = secrets.token_hex(16), args.bucket_mb << 20
+    try:
+        with tempfile.TemporaryDirectory(prefix="rollout-bench-push-") as tmp:
+            sizes = TinySD3Sizes(num_layers=args.layers, num_attention_heads=args.heads, attention_head_dim=64)
+            folder = build_tiny_sd3(Path(tmp) / "model", seed=0, sizes=sizes)
+            dtype = getattr(torch, args.dtype)
+            trainer = SD3Transformer2DModel.from_pretrained(folder, subfolder="transformer", local_files_only=True)
+            trainer.to(dtype)
+            state = base_state(trainer)  # views of the trainer's parameters: `perturb` changes them in place
+            nbytes = sum(t.nbytes for t in state.values())
+            threads = {"OMP_NUM_THREADS": str(args.threads), "MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD)}
+            flags = ("--executor", "uni", "--dtype", args.dtype, "--max-upload-mb", str(4 * nbytes >> 20))
+            config = EngineConfig(model=str(folder), executor="uni", dtype=args.dtype)
+            with (
+                ServerProcess.start(str(folder), *flags, api_key=api_key, env=threads) as server,
+                RemoteRolloutEngine(server.url, api_key, timeout_s=CLIENT_TIMEOUT_S) as remote,
+                httpx.Client(
+                    base_url=server.url, headers={"Authorization": f"Bearer {api_key}"}, timeout=CLIENT_TIMEOUT_S
+                ) as plain,
+                RolloutEngine(config) as local,
+                sink_server() as sink_url,
+                contextlib.closing(RawSender(f"{sink_url}/sink")) as raw,
+            ):
+                pids = {"streamed": server.process.pid, "one body": server.process.pid, "in-process": os.getpid()}
+                pids["raw HTTP"] = server.process.pid  # not its process: the row's memory means nothing
+                pushes = {
+                    "streamed": lambda: remote.update_weights(state, bucket_bytes=bucket_bytes),
+                    "one body": lambda: post_one_body(plain, state, bucket_bytes),
+                    "in-process": lambda: local.update_weights(state, bucket_bytes=bucket_bytes),
+                    "raw HTTP": lambda: raw.send(state, bucket_bytes),
+                }
+                seconds, growth = measure(pushes, pids, {"http": remote, "in-process": local}, trainer, state, args)
+    finally:
+        torch.set_num_threads(previous_threads)
+    summarize(report, seconds, growth, nbytes, len(state), bucket_bytes, args)
+    return report.finish()
+
+
+def measure(pushes: dict, pids: dict, engines: dict, trainer, state: dict, args) -> tuple[dict, dict]:
+    """Each round: perturb the trainer, run every mode once (rotated), check every engine's checksum."""
+    seconds = {mode: [] for mode in MODES}
+    growth = {mode: [] for mode in MODES}
+    for round_ in harness.interleaved_rounds(MODES, args.warmup, args.repeats):
+        perturb(trainer)
+        expected = checksum(state)
+        shown = []
+        for mode in round_.order:
+            grown, elapsed = harness.timed_call(peak_rss_growth, pids[mode], pushes[mode])
+            if round_.timed:
+                seconds[mode].append(elapsed)
+                growth[mode].append(grown)
+            shown.append(f"{mode} {elapsed:6.2f} s (+{grown / 1e6:.0f} MB peak)")
+        for name, engine in engines.items():
+            if engine.weights_checksum() != expected:
+                raise AssertionError(f"{name}: the engine's checksum is not the pushed state's")
+        print(f"  [{round_.tag}] {'  '.join(shown)}  checksums equal", flush=True)
+    return seconds, growth
+
+
+def summarize(report, seconds: dict, growth: dict, nbytes: int, tensors: int, bucket_bytes: int, args) -> None:
+    stats = {mode: harness.Stats.of(values) for mode, values in seconds.items()}
+    rows, results = [], {}
+    for mode in MODES:
+        s, peak = stats[mode], max(growth[mode])
+        mb_per_s = nbytes / 1e6 / s.median
+        memory = [peak / 1e6, peak / nbytes] if mode != "raw HTTP" else ["-", "-"]
+        rows.append([mode, 1e3 * s.median, 1e3 * s.min, 1e3 * s.max, mb_per_s, *memory])
+        results[mode] = {"seconds": s.to_json(), "mb_per_s": mb_per_s, "peak_rss_growth_bytes": growth[mode]}
+    over = {mode: stats[mode].median / stats["in-process"].median for mode in ("streamed", "one body")}
+    report.table(
+        f"full-weight push: {nbytes / 1e6:.0f} MB of {args.dtype} in {tensors} tensors, buckets of "
+        f"{args.bucket_mb} MiB, {args.threads} threads (median of {args.repeats})",
+        ["mode", "median ms", "min ms", "max ms", "MB/s", "peak RSS growth MB", "growth / update"],
+        rows,
+        f"time over in-process: streamed {over['streamed']:.2f}x, one body {over['one body']:.2f}x; "
+        f"streamed vs one body: {stats['one body'].median / stats['streamed'].median:.2f}x faster; "
+        f"streamed / raw HTTP time: {stats['streamed'].median / stats['raw HTTP'].median:.2f}x",
+    )
+    report.check(harness.Target("streamed push MB/s", results["streamed"]["mb_per_s"], ">=", TARGET_MB_PER_S))
+    report.results |= {"modes": results, "bytes": nbytes, "tensors": tensors, "bucket_bytes": bucket_bytes}
+    report.results |= {f"{mode}_over_in_process": ratio for mode, ratio in over.items()}
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,200 @@
+"""A full-weight push over HTTP as a stream of buckets, both sides: the body is never held whole.
+
+The body (Content-Type `FRAMES_MEDIA_TYPE`) is a stream of frames (`rollout.wire`):
+1. {"kind": "update_weights", "request": {...}}: the route's options (`UpdateFromTensorBody`), first;
+2. {"kind": "bucket"}: tensors of about `bucket_bytes` together, as many frames as it takes;
+3. {"kind": "end", "tensors": n}: how many tensors the buckets held. A body that stops without it
+   was cut off, and is refused like any other bad body.
+
+The client writes the frames lazily from the tensors (`weight_frames`: views of their memory, no
+join). The server cuts each frame into a buffer of its own as it arrives, and hands its tensors
+(views of that buffer) to `update_weights` on the engine's thread as an iterator, which checks and
+stages them in buckets while the next frame arrives (`receive_update`). So the server holds the
+staged update plus about two buckets, not the body, its parse and the update.
+
+All-or-nothing, as in process: whatever goes wrong before the end frame (a body cut off, stalled
+past --body-timeout-s, over --max-upload-mb, a malformed frame, a tensor the engine refuses) ends
+the iterator with that error, so `WeightSync` drops what it staged and the weights and version stay.
+The answer waits for that rollback. While the buckets arrive the engine is inside the update call
+and does not step, as while it stages an update in process: the network time is the update's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import queue
+from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
+
+import torch
+from fastapi import Request
+from fastapi.exceptions import RequestValidationError
+from pydantic import ValidationError
+
+from rollout.async_engine import AsyncRolloutEngine
+from rollout.frame_views import FrameAssembler, FrameTooLarge, frame_pieces, tensors_from_buffer
+from rollout.serve import protocol
+from rollout.serve.request_body import body_chunks, too_big
+from rollout.wire import WireError
+
+UPLOAD_FLAG = "--max-upload-mb"
+
+
+# The client's side.
+
+
+def weight_frames(
+    named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], options: dict, bucket_bytes: int
+) -> Iterator[bytes | memoryview]:
+    """The body of a streamed push: its options, the tensors in buckets of about `bucket_bytes`
+    (read from `named_tensors` as the body is sent), then the end frame."""
+    yield from frame_pieces("update_weights", {"request": options})
+    items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
+    bucket: dict[str, torch.Tensor] = {}
+    size = count = 0
+    for name, tensor in items:
+        if name in bucket:  # one frame cannot name it twice; the engine refuses repeats across buckets
+            raise ValueError(f"update refused: {name!r} is given twice; send each tensor once")
+        bucket[name] = tensor
+        size += tensor.numel() * tensor.element_size()
+        count += 1
+        if size >= bucket_bytes:
+            yield from frame_pieces("bucket", tensors=bucket)
+            bucket, size = {}, 0
+    if bucket:
+        yield from frame_pieces("bucket", tensors=bucket)
+    yield from frame_pieces("end", {"tensors": count})
+
+
+# The server's side.
+
+
+async def receive_update(request: Request, engine: AsyncRolloutEngine, limit: int, idle_timeout_s: float) -> int:
+    """Apply the streamed push in `request`'s body; returns the new weight version. Raises the
+    body's own error (HTTPException 408/413, WireError, a 422 for bad options) or the engine's,
+    after the engine has dropped whatever it staged."""
+    frames = _frames(body_chunks(request, limit, UPLOAD_FLAG, idle_timeout_s), limit)
+    try:
+        options = _options(await anext(frames, None))
+        feed = _BucketFeed(asyncio.get_running_loop())
+        update = asyncio.ensure_future(engine.update_weights(feed, **options.model_dump()))
+        try:
+            await _feed_buckets(frames, feed, update)
+        except BaseException as error:  # the body failed: the engine's push ends with it and rolls back
+            feed.fail(error)
+            await asyncio.wait({update})
+            if update.done() and not update.cancelled():
+                update.exception()  # the body's error is the answer; the engine's is that error, or later
+            raise
+        if update.done():  # the engine stopped before the body ended (refused, asleep): its error is the answer
+            await _discard(frames)
+        return await update
+    finally:
+        await frames.aclose()
+
+
+def _options(first: tuple[dict, dict] | None) -> protocol.UpdateFromTensorBody:
+    if first is None:
+        raise WireError("the body is empty; a streamed push starts with its 'update_weights' frame")
+    fields, tensors = first
+    if fields.get("kind") != "update_weights" or tensors:
+        raise WireError(f"a streamed push starts with its 'update_weights' frame, not {fields.get('kind')!r}")
+    try:
+        return protocol.UpdateFromTensorBody.model_validate_json(json.dumps(fields.get("request", {})))
+    except ValidationError as error:  # the app's handler answers 422 naming each field
+        raise RequestValidationError(error.errors()) from None
+
+
+async def _frames(chunks: AsyncIterator[bytes], limit: int) -> AsyncIterator[tuple[dict, dict]]:
+    """(fields, tensors) of each frame as it completes; tensors view the frame's own buffer."""
+    assembler = FrameAssembler(limit)
+    try:
+        async for chunk in chunks:
+            for buffer in assembler.feed(chunk):
+                tensors, fields = tensors_from_buffer(buffer, "a frame of the body")
+                yield fields, tensors
+        assembler.close()
+    except FrameTooLarge:
+        raise too_big(limit, UPLOAD_FLAG) from None
+    finally:
+        await chunks.aclose()
+
+
+async def _feed_buckets(frames: AsyncIterator[tuple[dict, dict]], feed: _BucketFeed, update: asyncio.Future) -> None:
+    """Hand each bucket to the engine as it arrives, until the end frame and the end of the body;
+    returns early if the engine's call ends first."""
+    sent = 0
+    async for fields, tensors in frames:
+        kind = fields.get("kind")
+        if kind == "end":
+            expected = fields.get("tensors")
+            if await anext(frames, None) is not None:
+                raise WireError("the body goes on after its 'end' frame")
+            if expected != sent:
+                raise WireError(f"the body's 'end' frame counts {expected!r} tensors, but its buckets held {sent}")
+            feed.end()
+            return
+        if kind != "bucket":
+            raise WireError(f"a streamed push holds 'bucket' frames, then an 'end' frame; got {kind!r}")
+        put = asyncio.ensure_future(feed.put(tensors))
+        await asyncio.wait({put, update}, return_when=asyncio.FIRST_COMPLETED)
+        if not put.done():
+            put.cancel()
+            return
+        sent += len(tensors)
+    raise WireError(f"the body was cut off after {sent} tensors, before its 'end' frame")
+
+
+async def _discard(frames: AsyncIterator) -> None:
+    """Read the rest of a body that will not be used, so the client gets to read the answer."""
+    try:
+        async for _ in frames:
+            pass
+    except Exception:  # the answer is the engine's error; what else is wrong with the body is moot
+        return
+
+
+class _End:
+    pass
+
+
+class _BucketFeed:
+    """The buckets the event loop receives, as the (name, tensor) iterator the engine's thread
+    consumes. One bucket waits here while the engine stages the one before: that is the overlap
+    of network and staging, and the bound on what the body holds in memory."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self._loop = loop
+        self._items: queue.SimpleQueue = queue.SimpleQueue()
+        self._free = asyncio.Semaphore(1)  # buckets handed over that the engine is not done with
+
+    async def put(self, tensors: dict[str, torch.Tensor]) -> None:
+        await self._free.acquire()
+        self._items.put(tensors)
+
+    def end(self) -> None:
+        self._items.put(_End())
+
+    def fail(self, error: BaseException) -> None:
+        self._items.put(error)
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        while True:
+            item = self._items.get()
+            if isinstance(item, _End):
+                return
+            if isinstance(item, BaseException):
+                raise _BodyFailed(f"the request body failed before its end ({type(item).__name__}: {item})")
+            yield from item.items()
+            del item  # the bucket's buffer is freed once the engine has staged it
+            self._release()
+
+    def _release(self) -> None:
+        try:
+            self._loop.call_soon_threadsafe(self._free.release)
+        except RuntimeError:  # the loop is closed: the server is stopping, nobody is waiting
+            pass
+
+
+class _BodyFailed(ValueError):
+    """Raised into the engine's push when the body fails; the client is answered the body's error."""

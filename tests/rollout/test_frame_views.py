@@ -1,0 +1,81 @@
+"""Frames written in pieces and read back as views (`rollout.frame_views`): the same frames as
+`rollout.wire` writes, bitwise, however the stream is cut; anything malformed is a WireError."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from rollout.frame_views import FrameAssembler, FrameTooLarge, frame_buffer, frame_pieces, tensors_from_buffer
+from rollout.wire import FrameReader, WireError, tensors_to_bytes
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _pieced(tensors: dict) -> bytes:
+    return b"".join(frame_pieces("bucket", {"n": len(tensors)}, tensors))
+
+
+def test_frames_in_pieces_are_safetensors_frames_and_are_read_back_as_views():
+    """What `frame_pieces` writes is a frame any reader decodes; `FrameAssembler` cuts it however
+    the stream is chunked, and `tensors_from_buffer` views the frame's own buffer, bitwise."""
+    tensors = {
+        "f32": torch.randn(5, 7),
+        "bf16": torch.randn(3, 4).to(torch.bfloat16),
+        "scalar": torch.tensor(3, dtype=torch.int64),
+        "mask": torch.tensor([True, False, True]),
+        "empty": torch.zeros(0, 3),
+        "strided": torch.randn(4, 6).t(),  # made contiguous on the way
+    }
+    data = _pieced(tensors)
+    [(fields, decoded)] = FrameReader().feed(data)  # safetensors' own parser agrees
+    assert fields == {"kind": "bucket", "n": 6}
+    assert all(torch.equal(decoded[name], tensor) for name, tensor in tensors.items())
+    for chunk_size in (1, 7, len(data)):
+        assembler, buffers = FrameAssembler(max_frame_bytes=len(data)), []
+        for start in range(0, len(data) * 2, chunk_size):  # two frames back to back
+            buffers += assembler.feed((data + data)[start : start + chunk_size])
+        assembler.close()
+        assert len(buffers) == 2
+        views, fields = tensors_from_buffer(buffers[1], "a frame")
+        assert fields["kind"] == "bucket"
+        for name, tensor in tensors.items():
+            assert views[name].dtype == tensor.dtype and torch.equal(views[name], tensor)
+    buffers[1][:] = bytes(len(buffers[1]))  # views, not copies: they see their buffer change
+    assert not views["f32"].any() and not views["bf16"].any()
+
+
+def test_a_big_frame_buffer_is_mapped_memory_that_tensors_can_view():
+    small, big = frame_buffer(100), frame_buffer(4 << 20)
+    assert isinstance(small, bytearray) and len(big) == 4 << 20
+    big[8:16] = torch.tensor([1.5, -2.0]).numpy().tobytes()
+    assert torch.equal(torch.frombuffer(big, dtype=torch.float32, count=2, offset=8), torch.tensor([1.5, -2.0]))
+
+
+def test_frames_too_long_or_cut_or_malformed_are_wire_errors():
+    data = _pieced({"w": torch.randn(8)})
+    with pytest.raises(FrameTooLarge, match="over the limit of 10"):
+        list(FrameAssembler(max_frame_bytes=10).feed(data))
+    assembler = FrameAssembler(max_frame_bytes=len(data))
+    assert list(assembler.feed(data[:-3])) == []
+    with pytest.raises(WireError, match="ended inside a frame"):
+        assembler.close()
+    header = json.dumps({"__metadata__": {"frame": "{}"}, "w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 8]}})
+    wrong_size = bytearray(len(header).to_bytes(8, "little") + header.encode() + bytes(8))
+    with pytest.raises(WireError, match="does not fit its data offsets"):
+        tensors_from_buffer(wrong_size, "a frame")
+    no_frame = bytearray(tensors_to_bytes({"w": torch.zeros(2)}))
+    with pytest.raises(WireError, match="no valid 'frame' metadata"):
+        tensors_from_buffer(no_frame, "a frame")
+
+
+def test_a_big_frame_is_read_into_mapped_memory_bitwise():
+    tensors = {"big": torch.randn(800, 1024), "bias": torch.randn(1024).to(torch.bfloat16)}
+    data = b"".join(frame_pieces("bucket", None, tensors))
+    assembler = FrameAssembler(max_frame_bytes=len(data))
+    [buffer] = [b for start in range(0, len(data), 65536) for b in assembler.feed(data[start : start + 65536])]
+    views, _ = tensors_from_buffer(buffer, "a frame")
+    assert not isinstance(buffer, bytearray)  # over 2 MiB: mapped, with huge pages where offered
+    assert all(torch.equal(views[name], tensor) for name, tensor in tensors.items())
