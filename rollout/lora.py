@@ -316,7 +316,9 @@ class LoraManager:
         self.configs[name] = staged.config
         self.restore()  # a merged adapter of this name holds the old values
         self._active = None
-        self._merge_problems[name] = [p for c in self.placed[name] for p in merge_problems(self.components[c], self._layers[name])]
+        self._merge_problems[name] = [
+            p for c in self.placed[name] for p in merge_problems(self.components[c], self._layers[name])
+        ]
         if self.merge and self._merge_problems[name]:
             logger.info("LoRA %r runs unmerged: it has %s", name, "; ".join(self._merge_problems[name]))
         logger.info("loaded LoRA %r (rank %d) on %d modules", name, staged.config.r, self.bound_modules(name))
