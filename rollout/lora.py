@@ -393,6 +393,12 @@ class LoraManager:
                 model.disable_lora()
         self._active = (name, scale)
 
+    def set_merge(self, merge: bool) -> None:
+        """Turn merging on or off from the next `activate` on (the base weights are restored now)."""
+        self.restore()
+        self.merge = merge
+        self._active = None
+
     @property
     def merged(self) -> tuple[str, float] | None:
         """(adapter, scale) merged into the base weights now, or None."""
