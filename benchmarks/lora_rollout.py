@@ -100,7 +100,9 @@ def random_adapter(shapes: dict[str, tuple[int, int]], rank: int, seed: int) -> 
     return tensors
 
 
-def make_run(engine: RolloutEngine, args: argparse.Namespace, lora: str | None, merge: bool):
+def make_run(engine: RolloutEngine, args: argparse.Namespace, reports: list, lora: str | None, merge: bool):
+    """One mode: a generate call's wall seconds ("s") and its seconds in transformer forwards
+    ("transformer_s", from the engine's StepReports: a merge is outside them)."""
     guidance = family_named(args.family).guidance_fields(True)
 
     def set_merge(worker) -> None:
@@ -109,7 +111,7 @@ def make_run(engine: RolloutEngine, args: argparse.Namespace, lora: str | None, 
     def merged(worker):
         return worker.loras.merged
 
-    def run(round_: harness.Round) -> float:
+    def run(round_: harness.Round) -> dict[str, float]:
         engine.collective_rpc(set_merge)  # from the base weights, as a rollout right after a push
         params = SamplingParams(
             sampler="flow_sde",
@@ -121,10 +123,12 @@ def make_run(engine: RolloutEngine, args: argparse.Namespace, lora: str | None, 
             lora=lora,
             **guidance,
         )
+        reports.clear()
         _, seconds = harness.timed_call(engine.generate, ["a red cube on a blue table"], params, device=args.device)
+        forwards = sum(sum(report.transformer_s) for report in reports if report.kind == "step")
         (held,) = engine.collective_rpc(merged)
         assert held == ((lora, 1.0) if merge and lora is not None else None), held
-        return seconds
+        return {"s": seconds, "transformer_s": forwards}
 
     return run
 
@@ -225,25 +229,34 @@ def main(argv: list[str] | None = None) -> dict:
             for rank in args.ranks:
                 lora_config = {"r": rank, "lora_alpha": rank, "target_modules": targets}
                 engine.load_lora(f"r{rank}", random_adapter(shapes, rank, seed=rank), lora_config)
-            modes = {"base": make_run(engine, args, None, merge=True)}
-            for rank in args.ranks:
-                modes[f"merged r{rank}"] = make_run(engine, args, f"r{rank}", merge=True)
-                modes[f"unmerged r{rank}"] = make_run(engine, args, f"r{rank}", merge=False)
-            samples = harness.run_rounds(modes, args.warmup, args.repeats)
+            with harness.step_reports(engine) as reports:
+                modes = {"base": make_run(engine, args, reports, None, merge=True)}
+                for rank in args.ranks:
+                    modes[f"merged r{rank}"] = make_run(engine, args, reports, f"r{rank}", merge=True)
+                    modes[f"unmerged r{rank}"] = make_run(engine, args, reports, f"r{rank}", merge=False)
+                samples = harness.run_rounds(modes, args.warmup, args.repeats)
             merges = engine_merge_times(engine, args.ranks, args.device)
-    seconds = {mode: samples[mode]["s"] for mode in modes}
-    base = seconds["base"]
     rows, results = [], {}
-    for mode, values in seconds.items():
-        stats = harness.Stats.of(values)
-        ratio = harness.per_round_ratio(values, base)
-        rows.append([mode, stats.median, stats.min, stats.max, ratio])
-        results[mode] = {"s": stats.to_json(), "vs_base": ratio}
+    for mode in modes:
+        wall, forwards = samples[mode]["s"], samples[mode]["transformer_s"]
+        stats = harness.Stats.of(wall)
+        ratio = harness.per_round_ratio(wall, samples["base"]["s"])
+        forward_ratio = harness.per_round_ratio(forwards, samples["base"]["transformer_s"])
+        rows.append(
+            [mode, stats.median, stats.min, stats.max, ratio, harness.Stats.of(forwards).median, forward_ratio]
+        )
+        results[mode] = {
+            "s": stats.to_json(),
+            "transformer_s": harness.Stats.of(forwards).to_json(),
+            "vs_base": ratio,
+            "transformer_vs_base": forward_ratio,
+        }
     report.table(
         "rollout time (one generate call)",
-        ["mode", "median s", "min s", "max s", "time / base"],
+        ["mode", "median s", "min s", "max s", "time / base", "forwards s", "forwards / base"],
         rows,
-        note="time / base: the median of the rounds' ratios; merged runs include their one merge",
+        note="/ base: the median of the rounds' ratios; merged runs include their one merge, which the "
+        "forwards' seconds (the transformer calls alone) leave out",
     )
     for rank in args.ranks:
         ratio = results[f"merged r{rank}"]["vs_base"]

@@ -377,21 +377,39 @@ class LoraManager:
         if self._active == (name, scale):
             return
         self.restore()
+        self._active = None  # until the models are set up: a failure below leaves nothing believed
         merge = self.merge and name is not None and not self._merge_problems[name]
+        if merge:
+            merge = self._merge(name, scale)
         # Staged layers count: PEFT activates what it builds, and they must not run before their commit.
         with_layers = {c for placed in self.placed.values() for c in placed}
         with_layers |= {c for staged in self._staged.values() for c in staged.placed}
         for component, model in self.components.items():
             if name is not None and component in self.placed[name]:
                 if merge:
-                    model.disable_lora()
-                    self._merged[component] = MergedLora(model, self._layers[name], scale)
+                    model.disable_lora()  # the merged weights hold the delta its layers would add
                 else:
                     model.enable_lora()
                     model.set_adapters([self._layers[name]], [scale])
             elif component in with_layers:
                 model.disable_lora()
         self._active = (name, scale)
+
+    def _merge(self, name: str, scale: float) -> bool:
+        """Merge adapter `name` at `scale` into the base weights of every component it has layers
+        on; False (nothing merged) where the device has no memory for the merged copy."""
+        try:
+            for component in self.placed[name]:
+                self._merged[component] = MergedLora(self.components[component], self._layers[name], scale)
+        except torch.OutOfMemoryError:
+            self.restore()
+            logger.warning(
+                "LoRA %r runs unmerged: merging it ran out of memory (it needs one more copy of the weights it "
+                "targets); set merge_lora='never' to stop trying",
+                name,
+            )
+            return False
+        return True
 
     def set_merge(self, merge: bool) -> None:
         """Turn merging on or off from the next `activate` on (the base weights are restored now)."""
