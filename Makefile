@@ -49,7 +49,7 @@ bench: setup
 	$(call BENCH,weight_sync,,weight_sync)
 	$(call BENCH,lora_swap,,lora_swap)
 	$(call BENCH,lora_rollout,--family sd3 --merge-at-real-size sd35_medium,lora_rollout_sd3)
-	$(call BENCH,lora_rollout,--family flux,lora_rollout_flux)
+	$(call BENCH,lora_rollout,--family flux --cfg off,lora_rollout_flux)
 	$(call BENCH,serve_load,,serve_load)
 	$(call BENCH,serve_probes,,serve_probes)
 	$(call BENCH,branching,,branching)

@@ -15,9 +15,11 @@ rest of its pipeline (weights allocated, not initialised: the timing does not de
 a CPU without the memory or the speed to run the real model. Target: merged within 2% of the base.
 
     python -m benchmarks.lora_rollout                              # SD3, CPU-sized, ranks 8 and 64
-    python -m benchmarks.lora_rollout --family flux --merge-at-real-size none
+    python -m benchmarks.lora_rollout --family flux --cfg off                 # FLUX.1-dev's distilled guidance
+    python -m benchmarks.lora_rollout --family sd3 --merge-at-real-size sd35_medium   # + a real-size merge
     python -m benchmarks.lora_rollout --family sd3 --preset real --device cuda --dtype bfloat16 --ranks 32 64
-    python -m benchmarks.lora_rollout --family flux --preset real --device cuda --dtype bfloat16 --ranks 32 64
+    python -m benchmarks.lora_rollout --family flux --cfg off --preset real --device cuda --dtype bfloat16 \\
+        --ranks 32 64
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=harness.positive_int, help="images per call (8)")
     parser.add_argument("--steps", type=harness.positive_int, help="denoising steps (6 small, 10 real)")
     parser.add_argument("--size", type=int, help="height and width (default 64 small, 512 real)")
+    parser.add_argument("--cfg", choices=("on", "off"), default="on", help="guidance as the family's cfg_on / cfg_off")
     parser.add_argument(
         "--merge-at-real-size",
         choices=("none", *REAL_TRANSFORMERS),
@@ -103,7 +106,7 @@ def random_adapter(shapes: dict[str, tuple[int, int]], rank: int, seed: int) -> 
 def make_run(engine: RolloutEngine, args: argparse.Namespace, reports: list, lora: str | None, merge: bool):
     """One mode: a generate call's wall seconds ("s") and its seconds in transformer forwards
     ("transformer_s", from the engine's StepReports: a merge is outside them)."""
-    guidance = family_named(args.family).guidance_fields(True)
+    guidance = family_named(args.family).guidance_fields(args.cfg == "on")
 
     def set_merge(worker) -> None:
         worker.loras.set_merge(merge)
@@ -206,7 +209,8 @@ def main(argv: list[str] | None = None) -> dict:
     diffusers_logging.set_verbosity_error()
     report.note(
         f"family {args.family}, preset {args.preset}, dtype {args.dtype}, batch {args.batch_size}, steps "
-        f"{args.steps}, {args.size}x{args.size}, CFG on, flow_sde; rounds {args.warmup} warmup + {args.repeats} timed"
+        f"{args.steps}, {args.size}x{args.size}, CFG {args.cfg}, flow_sde; rounds {args.warmup} warmup + "
+        f"{args.repeats} timed"
     )
     with tempfile.TemporaryDirectory(prefix="rollout-bench-lora-rollout-") as folder:
         model_presets.build(args.family, args.preset, folder, args.device, getattr(torch, args.dtype))

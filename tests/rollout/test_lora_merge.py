@@ -141,6 +141,23 @@ def test_batches_of_different_adapters_each_run_their_own(engines, policy):
     assert merged.weights_checksum() == unmerged.weights_checksum()
 
 
+def test_switching_adapters_restores_before_merging_the_next(tiny_model, policy):
+    transformer = SD3Transformer2DModel.from_pretrained(Path(tiny_model) / "transformer")
+    loras = LoraManager({"transformer": transformer}, merge=True)
+    loras.load("a", policy.lora_state(), policy.lora_config)
+    loras.load("b", _stepped(policy, 0.05), policy.lora_config)
+    layer = transformer.transformer_blocks[0].attn.to_q
+    base = layer.base_layer.weight.detach().clone()
+    for name in ("a", "b", "a"):
+        loras.activate(name, 0.5)
+        assert loras.merged == (name, 0.5)
+        layer.set_scale(loras._layers[name], 0.5)
+        expected = base + layer.get_delta_weight(loras._layers[name])  # the one adapter's delta, never both
+        torch.testing.assert_close(layer.base_layer.weight, expected, rtol=0, atol=1e-6)
+    loras.activate(None, 1.0)
+    assert loras.merged is None and torch.equal(layer.base_layer.weight, base)
+
+
 @pytest.mark.slow
 def test_500_merge_restore_cycles_leave_the_base_bitwise(tiny_model, policy):
     transformer = SD3Transformer2DModel.from_pretrained(Path(tiny_model) / "transformer")
