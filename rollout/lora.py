@@ -316,11 +316,11 @@ class LoraManager:
         self.configs[name] = staged.config
         self.restore()  # a merged adapter of this name holds the old values
         self._active = None
-        self._merge_problems[name] = [
-            p for c in self.placed[name] for p in merge_problems(self.components[c], self._layers[name])
-        ]
-        if self.merge and self._merge_problems[name]:
-            logger.info("LoRA %r runs unmerged: it has %s", name, "; ".join(self._merge_problems[name]))
+        if staged.layers is not None:  # new layers (a copy into the live ones keeps their kinds)
+            problems = [p for c in staged.placed for p in merge_problems(self.components[c], staged.layers)]
+            self._merge_problems[name] = problems
+            if self.merge and problems:
+                logger.info("LoRA %r runs unmerged: it has %s", name, "; ".join(problems))
         logger.info("loaded LoRA %r (rank %d) on %d modules", name, staged.config.r, self.bound_modules(name))
 
     def rollback(self, name: str) -> None:

@@ -17,14 +17,10 @@ convolution or an embedding) is refused by `merge_problems`, and the caller keep
 
 from __future__ import annotations
 
-import logging
-
 import torch
 from peft.tuners.lora import Linear as LoraLinear
 from peft.tuners.lora import LoraLayer
 from torch import nn
-
-logger = logging.getLogger(__name__)
 
 
 def merge_problems(model: nn.Module, layers: str) -> list[str]:
@@ -74,10 +70,6 @@ class MergedLora:
         delta = layer.get_delta_weight(self.layers)
         weight.data = (base.to(torch.float32) + delta.to(base.device, torch.float32)).to(base.dtype)
         self._pristine.append((weight, base))
-
-    @property
-    def merged_layers(self) -> int:
-        return len(self._pristine)
 
     def restore(self) -> None:
         """Point every merged weight back at its base tensor (bitwise the one before the merge) and
