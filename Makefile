@@ -48,6 +48,8 @@ bench: setup
 	$(call BENCH,executor_overhead,,executor_overhead)
 	$(call BENCH,weight_sync,,weight_sync)
 	$(call BENCH,lora_swap,,lora_swap)
+	$(call BENCH,lora_rollout,--family sd3 --merge-at-real-size sd35_medium,lora_rollout_sd3)
+	$(call BENCH,lora_rollout,--family flux --cfg off,lora_rollout_flux)
 	$(call BENCH,serve_load,,serve_load)
 	$(call BENCH,http_weight_push,,http_weight_push)
 	$(call BENCH,serve_probes,,serve_probes)

@@ -95,6 +95,11 @@ HEADLINES = (
     ),
     ("rollout_throughput --family wan", "engine / diffusers speed", "Wan 2.1 video: the engine vs. `WanPipeline`"),
     ("serve_load", "server / in-process sync samples/s", "64 HTTP clients through the server vs. in process"),
+    (
+        "lora_rollout --family sd3 --merge-at-real-size sd35_medium",
+        "merged r64 time / base time",
+        "SD3 rollouts with a rank-64 LoRA merged vs. the base model",
+    ),
 )
 HEADLINE_START, HEADLINE_END = (
     "<!-- headline ratios: rendered by benchmarks.render -->",

@@ -112,6 +112,7 @@ class EngineSection:
     device: str = setting_of(EngineConfig, "device")
     dtype: str = setting_of(EngineConfig, "dtype")
     max_batch_size: int = setting_of(EngineConfig, "max_batch_size")
+    merge_lora: str = setting_of(EngineConfig, "merge_lora")
 
     def __post_init__(self) -> None:
         problems = problems_without_model(**self._engine_settings())

@@ -16,6 +16,12 @@ from rollout.request_limits import RequestLimits
 from rollout.settings import setting
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+MERGE_LORA_CHOICES = ("auto", "always", "never")
+# The dtypes merge_lora="auto" merges in. A merged delta rounded into bfloat16 (8 bits of mantissa)
+# or float16 (11) weights moves the velocity enough that re-scoring by the trainer's unmerged copy
+# misses |log-ratio| < 1e-5: measured 7.9e-4 and 1.4e-4 on the tiny SD3 (float32: 2.4e-7; see
+# docs/hot_swap.md, "Merged LoRA for rollouts").
+MERGED_LORA_DTYPES = ("float32",)
 
 
 @dataclass
@@ -40,6 +46,12 @@ class EngineConfig:
     device: str = setting("cpu", "'cpu', 'cuda' or 'cuda:N'")
     dtype: str = setting("float32", "model weights dtype: float32, bfloat16 or float16 (trajectories stay float32)")
     max_batch_size: int = setting(16, "most samples one worker denoises in one forward pass")
+    merge_lora: str = setting(
+        "auto",
+        "run a forward's LoRA adapter merged into the base weights (the base model's speed; one more copy of the "
+        "targeted weights in memory): 'always', 'never', or 'auto' (merged for float32; unmerged for bfloat16 and "
+        "float16, whose rounding of the merged weights breaks the |log-ratio| < 1e-5 re-scoring contract)",
+    )
     threads_per_worker: int | None = setting(
         None, "torch CPU threads of each worker process ('mp', 'ray'); None divides the machine's cores among them"
     )
@@ -73,6 +85,13 @@ class EngineConfig:
     def torch_dtype(self) -> torch.dtype:
         return _DTYPES[self.dtype]
 
+    @property
+    def merges_lora(self) -> bool:
+        """Whether workers run LoRA adapters merged (`merge_lora`, with 'auto' decided by `dtype`)."""
+        if self.merge_lora == "auto":
+            return self.dtype in MERGED_LORA_DTYPES
+        return self.merge_lora == "always"
+
 
 def value_problems(config: Any) -> list[str]:
     """What is wrong with the values of `config` (an `EngineConfig`, or any object with its
@@ -82,6 +101,8 @@ def value_problems(config: Any) -> list[str]:
         problems.append(f"dtype must be one of {sorted(_DTYPES)}, got {config.dtype!r}")
     if not isinstance(config.num_workers, int) or config.num_workers < 1:
         problems.append(f"num_workers must be an integer >= 1, got {config.num_workers!r}")
+    if config.merge_lora not in MERGE_LORA_CHOICES:
+        problems.append(f"merge_lora must be one of {', '.join(MERGE_LORA_CHOICES)}, got {config.merge_lora!r}")
     if not isinstance(config.max_batch_size, int) or config.max_batch_size < 1:
         problems.append(f"max_batch_size must be an integer >= 1, got {config.max_batch_size!r}")
     if config.threads_per_worker is not None and (

@@ -9,6 +9,11 @@ A model with several denoisers (Wan 2.2's two experts) has one LoRA target per c
 keys name theirs with a component prefix (`transformer_2.blocks.0.attn1.to_q.lora_A.weight`); keys
 without one (or with `transformer.`) go to the first. An adapter may hold tensors for any of them:
 a component it has none for runs its base weights when the adapter is picked.
+
+With `merge` on, a forward runs its adapter merged into the base weights (`rollout.lora_merge`):
+`activate` merges, and the base comes back bitwise on the next `activate` of another adapter or
+scale, on a load or unload, and on `restore` (which the worker calls before anything reads or
+changes the base weights).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from peft.tuners.tuners_utils import BaseTunerLayer, _ExcludedModule, check_targ
 from peft.utils import set_peft_model_state_dict
 from torch import nn
 
+from rollout.lora_merge import MergedLora, merge_problems
 from rollout.regular_files import open_regular, read_regular
 from rollout.weights import all_finite
 
@@ -216,16 +222,22 @@ class LoraManager:
     `stage` checks the adapter and builds it beside the live one (new PEFT layers under a name of
     their own; for a hot swap of the same layout, checked copies of the tensors), `commit` makes it
     the live adapter of its name, `rollback` drops what was staged. `load` does the three.
+
+    `merge`: run each forward's adapter merged into the base weights where it merges exactly
+    (`lora_merge.merge_problems`); the others run unmerged.
     """
 
-    def __init__(self, components: Mapping[str, nn.Module]):
+    def __init__(self, components: Mapping[str, nn.Module], merge: bool = False):
         self.components = dict(components)
+        self.merge = merge
         self.configs: dict[str, LoraConfig] = {}
         self.placed: dict[str, tuple[str, ...]] = {}  # adapter -> the components it has layers on
         self._layers: dict[str, str] = {}  # adapter -> the PEFT adapter name its live layers carry
         self._staged: dict[str, _Staged] = {}
         self._builds = itertools.count()
         self._active: tuple[str | None, float] | None = None  # what the models are set up for now
+        self._merged: dict[str, MergedLora] = {}  # component -> the adapter merged into its weights now
+        self._merge_problems: dict[str, list[str]] = {}  # adapter -> why it runs unmerged ([]: it merges)
 
     def load(
         self,
@@ -271,6 +283,7 @@ class LoraManager:
             self._staged[name] = _Staged(config, tuple(parts), None, copies)
             return self.bound_modules(name)
         layers = f"{name}-{next(self._builds)}"
+        self.restore()  # PEFT builds around the base weights, never around merged ones
         self._active = None  # PEFT activates what it builds
         try:
             self._build(layers, parts, config)
@@ -301,7 +314,13 @@ class LoraManager:
             self._layers[name] = staged.layers
             self.placed[name] = staged.placed
         self.configs[name] = staged.config
+        self.restore()  # a merged adapter of this name holds the old values
         self._active = None
+        if staged.layers is not None:  # new layers (a copy into the live ones keeps their kinds)
+            problems = [p for c in staged.placed for p in merge_problems(self.components[c], staged.layers)]
+            self._merge_problems[name] = problems
+            if self.merge and problems:
+                logger.info("LoRA %r runs unmerged: it has %s", name, "; ".join(problems))
         logger.info("loaded LoRA %r (rank %d) on %d modules", name, staged.config.r, self.bound_modules(name))
 
     def rollback(self, name: str) -> None:
@@ -344,26 +363,74 @@ class LoraManager:
             raise ValueError(f"no LoRA named {name!r} is loaded; loaded: {sorted(self.configs)}")
         self.rollback(name)
         layers = self._layers.pop(name)
+        self.restore()
         for component in self.placed.pop(name):
             _forget_peft_adapter(self.components[component], layers)
         del self.configs[name]
+        del self._merge_problems[name]
         self._active = None
 
     def activate(self, name: str | None, scale: float) -> None:
         """Set the models up to run adapter `name` at `scale` (the base weights where it has no
-        layers), or the base models for None."""
+        layers), or the base models for None. With `merge` on, an adapter that merges exactly is
+        merged into the base weights, its LoRA layers off; any adapter merged before is restored."""
         if self._active == (name, scale):
             return
+        self.restore()
+        self._active = None  # until the models are set up: a failure below leaves nothing believed
+        merge = self.merge and name is not None and not self._merge_problems[name]
+        if merge:
+            merge = self._merge(name, scale)
         # Staged layers count: PEFT activates what it builds, and they must not run before their commit.
         with_layers = {c for placed in self.placed.values() for c in placed}
         with_layers |= {c for staged in self._staged.values() for c in staged.placed}
         for component, model in self.components.items():
             if name is not None and component in self.placed[name]:
-                model.enable_lora()
-                model.set_adapters([self._layers[name]], [scale])
+                if merge:
+                    model.disable_lora()  # the merged weights hold the delta its layers would add
+                else:
+                    model.enable_lora()
+                    model.set_adapters([self._layers[name]], [scale])
             elif component in with_layers:
                 model.disable_lora()
         self._active = (name, scale)
+
+    def _merge(self, name: str, scale: float) -> bool:
+        """Merge adapter `name` at `scale` into the base weights of every component it has layers
+        on; False (nothing merged) where the device has no memory for the merged copy."""
+        try:
+            for component in self.placed[name]:
+                self._merged[component] = MergedLora(self.components[component], self._layers[name], scale)
+        except torch.OutOfMemoryError:
+            self.restore()
+            logger.warning(
+                "LoRA %r runs unmerged: merging it ran out of memory (it needs one more copy of the weights it "
+                "targets); set merge_lora='never' to stop trying",
+                name,
+            )
+            return False
+        return True
+
+    def set_merge(self, merge: bool) -> None:
+        """Turn merging on or off from the next `activate` on (the base weights are restored now)."""
+        self.restore()
+        self.merge = merge
+        self._active = None
+
+    @property
+    def merged(self) -> tuple[str, float] | None:
+        """(adapter, scale) merged into the base weights now, or None."""
+        return self._active if self._merged else None
+
+    def restore(self) -> None:
+        """Put the base weights back (bitwise) where an adapter is merged into them; the next
+        `activate` merges again. Anything that reads or changes the base weights calls this first."""
+        if not self._merged:
+            return
+        for merged in self._merged.values():
+            merged.restore()
+        self._merged.clear()
+        self._active = None
 
     def bound_modules(self, name: str) -> int:
         return sum(_bound_modules(self.components[c], self._layers[name]) for c in self.placed[name])

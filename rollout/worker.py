@@ -31,7 +31,7 @@ class Worker:
         self.config = config
         self.rank = rank
         self.adapter = load_adapter(config.model, config.device, config.torch_dtype)
-        self.loras = LoraManager(self.adapter.denoisers)
+        self.loras = LoraManager(self.adapter.denoisers, merge=config.merges_lora)
         self.runner = ModelRunner(self.adapter, self.loras)
         self.requests: dict[str, RequestState] = {}
         self.updates = StagedUpdates(self.adapter.components)
@@ -109,7 +109,9 @@ class Worker:
         return sorted(self.requests)
 
     # Weight updates: the engine validates, then stages on every rank, then applies everywhere, then
-    # commits (or rolls back every rank if one failed to apply).
+    # commits (or rolls back every rank if one failed to apply). Whatever reads or swaps base weights
+    # (these, the checksum, sleep) first restores them where a LoRA adapter is merged into them, so
+    # it sees and changes the base; the next forward merges again, with the new base.
 
     def weight_specs(self, component: str) -> dict[str, TensorSpec]:
         return specs_of(self.updates.module(component))
@@ -141,15 +143,19 @@ class Worker:
         return self.updates.stage_checked(component, received, check_finite)
 
     def apply_staged_weights(self, component: str) -> int:
+        self.loras.restore()
         return self.updates.apply(component)
 
     def commit_weights(self, component: str) -> None:
+        self.loras.restore()
         self.updates.commit(component)
 
     def rollback_weights(self, component: str) -> None:
+        self.loras.restore()
         self.updates.rollback(component)
 
     def weights_checksum(self, component: str) -> str:
+        self.loras.restore()
         return checksum(base_state(self.updates.module(component)))
 
     def load_lora(
@@ -185,6 +191,7 @@ class Worker:
             self.loras.unload(name)
 
     def sleep(self, level: int) -> None:
+        self.loras.restore()
         self.sleeper.sleep(level)
 
     def hot_swap_state(self) -> dict:
