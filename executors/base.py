@@ -24,7 +24,7 @@ from rollout.config import EngineConfig
 from rollout.errors import EngineDeadError, WorkerError, interrupted_reason
 from rollout.model_runner import RunnerOutput
 from rollout.scheduler import SchedulerOutput, WorkerInput
-from rollout.worker import build_worker_class, worker_methods
+from rollout.worker import build_worker_class, call_function, worker_methods
 
 logger = logging.getLogger(__name__)
 
@@ -298,7 +298,7 @@ def method_to_wire(method: str | Callable) -> str | bytes:
 def call_wire_method(worker, method: str | bytes, args: Sequence, kwargs: dict) -> Any:
     """Run a method received through `method_to_wire` on `worker` (in the worker's process)."""
     fn = cloudpickle.loads(method) if isinstance(method, bytes) else getattr(type(worker), method)
-    return fn(worker, *args, **kwargs)
+    return call_function(worker, fn, args, kwargs)
 
 
 def map_nested(value: Any, kind: type, fn: Callable[[Any], Any]) -> Any:

@@ -21,6 +21,7 @@ from executors.bootstrap import WorkerBootstrap
 from rollout.config import EngineConfig
 from rollout.errors import WorkerError
 from rollout.scheduler import WorkerInput
+from rollout.worker import call_function
 
 
 class UniExecutor(Executor):
@@ -51,7 +52,7 @@ class UniExecutor(Executor):
         _, fn = self.resolve_method(method)
         # Private copies, as a worker process would get: the caller may reuse its tensors at once.
         args, kwargs = copy_tensors((args, kwargs))
-        return {0: self._thread.submit(fn, self.worker, *args, **kwargs)}
+        return {0: self._thread.submit(call_function, self.worker, fn, args, kwargs)}
 
     def _gather(self, name: str, pending: dict[int, Future], timeout: float) -> dict[int, Any]:
         deadline = time.monotonic() + timeout

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -195,10 +197,12 @@ class Worker:
         self.sleeper.sleep(level)
 
     def hot_swap_state(self) -> dict:
-        """What the engine tracks of this worker: adapters (name -> modules bound) and sleep level."""
+        """What the engine tracks of this worker: adapters (name -> modules bound) and sleep level;
+        and the (adapter, scale) merged into the base weights for the forward, or None."""
         return {
             "loras": {name: self.loras.bound_modules(name) for name in self.loras.configs},
             "sleep_level": self.sleeper.level,
+            "merged_lora": self.loras.merged,
         }
 
     def wake_up(self) -> None:
@@ -211,6 +215,19 @@ class Worker:
 READ_ONLY_METHODS = frozenset(
     {"model_spec", "check_health", "get_rank", "request_ids", "weight_specs", "weights_checksum", "hot_swap_state"}
 )
+
+
+def call_function(worker: Worker, fn: Callable, args: Sequence, kwargs: dict) -> Any:
+    """`fn(worker, *args, **kwargs)` as `collective_rpc` runs it on a worker. Any function but the
+    worker's own read-only ones gets the base weights back first where a LoRA adapter is merged
+    into them for the forward (`rollout.lora_merge`): a user's function that reads or writes a
+    weight sees the base, and what it writes is not lost when the merge is undone. The next forward
+    merges again."""
+    name = getattr(fn, "__name__", None)
+    if not (name in READ_ONLY_METHODS and fn is getattr(type(worker), name, None)):
+        worker.loras.restore()
+    return fn(worker, *args, **kwargs)
+
 
 # Instance attributes a worker sets in __init__; an extension method of the same name would be hidden.
 _WORKER_ATTRIBUTES = {

@@ -24,8 +24,8 @@ PROMPTS = ["a red square", "a blue circle"]
 
 
 def _merged(engine) -> tuple[str, float] | None:
-    (merged,) = engine.collective_rpc(lambda worker: worker.loras.merged)
-    return merged
+    (state,) = engine.collective_rpc("hot_swap_state")  # read-only: it leaves a merge in place
+    return state["merged_lora"]
 
 
 def _latents(engine, **params) -> list[torch.Tensor]:
@@ -159,6 +159,35 @@ def test_switching_adapters_restores_before_merging_the_next(tiny_model, policy)
 
 
 @pytest.mark.slow
+def test_a_function_run_on_the_workers_sees_and_changes_the_base(engines, policy):
+    """collective_rpc of a user's function undoes the merge first: it reads the base weights, and
+    what it writes into them stays (the next forward merges into the written base)."""
+    merged, unmerged = engines
+    for engine in engines:
+        policy.push(engine)
+    params = {"lora": "policy"}
+    _latents(merged, **params)
+    assert _merged(merged) == ("policy", 1.0)
+    name = "transformer_blocks.0.attn.to_q.weight"
+
+    def read(worker):
+        return base_state(worker.adapter.denoisers["transformer"])[name].clone()
+
+    def scale(worker):
+        with torch.no_grad():
+            base_state(worker.adapter.denoisers["transformer"])[name].mul_(1.5)
+
+    (seen,) = merged.collective_rpc(read)
+    (base,) = unmerged.collective_rpc(read)
+    assert torch.equal(seen, base) and _merged(merged) is None
+    for engine in engines:
+        engine.collective_rpc(scale)
+    _assert_close(_latents(merged, **params), _latents(unmerged, **params))
+    assert merged.weights_checksum() == unmerged.weights_checksum()
+    for engine in engines:  # the module's engines go on with the base they started with
+        engine.update_weights({name: base})
+
+
 def test_500_merge_restore_cycles_leave_the_base_bitwise(tiny_model, policy):
     transformer = SD3Transformer2DModel.from_pretrained(Path(tiny_model) / "transformer")
     loras = LoraManager({"transformer": transformer}, merge=True)
