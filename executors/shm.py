@@ -14,12 +14,14 @@ A block is either fresh or reused. A fresh block is made for one message and rem
 reader. A `ReusableBlock` is one file its writer keeps mapped and rewrites for every message
 (an engine's RPC arguments, a worker's replies): no file to create, fill with zeroed pages and
 remove per message, which is most of what a small message costs. Its reader keeps it mapped too
-(`ReusedBlockReader`) and copies the tensors out. That is safe because a writer rewrites its block
-only for its next message, which it sends only after the reader has copied the last one out: a
-worker serves one call at a time, and the engine sends a worker its next call only after it has
-read (or dropped unread) the reply to the last one. A worker's reply block is bounded
-(`REPLY_BLOCK_MAX_BYTES`); a bigger reply takes a fresh block, so a worker holds little /dev/shm
-between calls.
+(`ReusedBlockReader`) and copies the tensors out. That is safe because no reader is still copying
+when its writer rewrites the block. A worker serves one call at a time and writes a reply only
+while serving the call it answers; the engine copies a reply out before it sends that worker
+another call, and drops unread the late reply of a call it gave up on. The engine rewrites its
+argument block only once every rank has answered the last call, and abandons the block (a fresh
+name for the next call) when one did not. A worker's reply block is bounded
+(`REPLY_BLOCK_MAX_BYTES`); a bigger reply takes a fresh block, so a worker holds at most that much
+/dev/shm between calls.
 """
 
 from __future__ import annotations
