@@ -140,7 +140,7 @@ def pack(obj, prefix: str, reusable: ReusableBlock | None = None) -> Packed:
     tensors = [_plain_cpu(t) for t in pickler.tensors]
     refs, size = [], 0
     for t in tensors:
-        nbytes = t.numel() * t.element_size()
+        nbytes = t.nbytes
         refs.append((size, nbytes, t.dtype, tuple(t.shape)))
         size += -(-nbytes // _ALIGN) * _ALIGN
     if reusable is not None and reusable.takes(size):
