@@ -116,7 +116,8 @@ def _shm_used_bytes() -> int:
 def test_outputs_the_caller_keeps_do_not_pin_shared_memory(tiny_model):
     with RolloutEngine(EngineConfig(model=tiny_model, executor="mp", num_workers=2)) as engine:
         params = SamplingParams(num_inference_steps=3, num_samples=4, seed=0)
-        engine.generate("warm up", params)
+        # Calls of the measured calls' size: each worker's reply block grows to fit them here.
+        engine.generate(["warm up", "other warm up"], params)
         before = _shm_used_bytes()
         kept = [engine.generate([f"prompt {i}", f"other {i}"], params) for i in range(10)]
         held = sum(o.trajectory.latents.nbytes for outputs in kept for o in outputs)
