@@ -183,7 +183,7 @@ def shm_figures(model: str, backend: str, rollouts: int) -> dict:
     """/dev/shm bytes in use while the caller keeps every rollout's outputs."""
     with RolloutEngine(config_for(model, backend)) as engine:
         params = SamplingParams(num_inference_steps=3, num_samples=4, seed=0)
-        engine.generate("warm up", params)
+        engine.generate(["warm", "up"], params)  # the measured calls' size: reply blocks grow to fit here
         before = _shm_used()
         kept = [engine.generate(["a", "b"], params) for _ in range(rollouts)]
         grown = _shm_used() - before

@@ -26,6 +26,7 @@ from executors.mp_worker import worker_main
 from executors.shm import (
     Packed,
     ReusableBlock,
+    ReusedBlockReader,
     block_prefix,
     discard,
     pack,
@@ -57,12 +58,15 @@ class MPExecutor(Executor):
         if stale:
             logger.info("removed %d shared-memory blocks left by engines whose process is gone", stale)
         self._prefix = block_prefix()
-        self._argument_block = ReusableBlock(self._prefix)
+        self._argument_block = ReusableBlock(f"{self._prefix}-args")
         self._call_ids = itertools.count()
         self._conns: list[Connection] = []
         self._procs: list[multiprocessing.process.BaseProcess] = []
+        self._reply_readers: list[ReusedBlockReader] = []  # per rank: its reply block, kept mapped
         # Runs at shutdown(), at garbage collection, or at interpreter exit, whichever comes first.
-        self._stop = weakref.finalize(self, _stop_processes, self._procs, self._conns, self._prefix)
+        self._stop = weakref.finalize(
+            self, _stop_processes, self._procs, self._conns, self._reply_readers, self._prefix
+        )
         super().__init__(config)
 
     # The transport (everything else is the Executor base class's).
@@ -83,6 +87,7 @@ class MPExecutor(Executor):
             child_end.close()
             self._conns.append(parent_end)  # in place: the finalizer holds these lists
             self._procs.append(process)
+            self._reply_readers.append(ReusedBlockReader())
         return ready
 
     def _send_step(self, rank: int, work: WorkerInput) -> _Sent:
@@ -123,7 +128,7 @@ class MPExecutor(Executor):
                     if reply.call_id != pending[rank].call_id:  # the late reply of an earlier, timed-out call
                         _discard_result(reply)
                         continue
-                    answers[rank] = self._answer(name, rank, reply)
+                    answers[rank] = self._answer(name, rank, reply, self._reply_readers[rank])
         finally:
             for sent in pending.values():
                 if sent.own_arguments is not None:
@@ -152,10 +157,11 @@ class MPExecutor(Executor):
         return call_id
 
     @staticmethod
-    def _answer(name: str, rank: int, reply: Reply) -> Any:
+    def _answer(name: str, rank: int, reply: Reply, reader: ReusedBlockReader) -> Any:
         if reply.error is not None:
             return WorkerError(name, rank, reply.error_type, reply.error, reply.traceback)
-        return unpack(reply.result, remove=True)
+        # Read now, before this rank gets its next call (which rewrites its reply block).
+        return unpack(reply.result, remove=True, reader=reader)
 
     def _death_message(self, rank: int, name: str) -> str:
         process = self._procs[rank]
@@ -171,7 +177,7 @@ def _discard_result(reply: Reply) -> None:
         discard(reply.result)
 
 
-def _stop_processes(procs, conns, prefix: str) -> None:
+def _stop_processes(procs, conns, readers, prefix: str) -> None:
     """Ask each worker to exit, then terminate and kill what is left; remove leftover shm blocks."""
     for conn in conns:
         try:
@@ -190,4 +196,6 @@ def _stop_processes(procs, conns, prefix: str) -> None:
             process.join(1.0)
     for conn in conns:
         conn.close()
+    for reader in readers:  # a mapping would keep a removed block's memory
+        reader.close()
     remove_blocks(prefix)

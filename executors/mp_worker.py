@@ -9,12 +9,13 @@ import logging
 import os
 import signal
 import traceback
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
 from executors.base import call_wire_method
 from executors.bootstrap import WorkerBootstrap
 from executors.messages import Call, Reply, Shutdown
-from executors.shm import pack, unpack
+from executors.shm import REPLY_BLOCK_MAX_BYTES, ReusableBlock, ReusedBlockReader, pack, unpack
 from rollout.errors import WorkerError
 
 logger = logging.getLogger(__name__)
@@ -34,22 +35,35 @@ def worker_main(
         conn.send(_error_reply(ready_call_id, error))
         return
     conn.send(Reply(ready_call_id, result=pack(os.getpid(), block_prefix)))
-    while True:
-        try:
-            message = conn.recv()
-        except (EOFError, OSError):  # the engine is gone: nothing left to serve
-            return
-        if isinstance(message, Shutdown):
-            return
-        conn.send(_serve(worker, message, block_prefix))
+    # Small replies (a step's finished requests, most RPC results) reuse one block; the engine
+    # copies each out before it sends the next call, the only thing that makes this worker write again.
+    blocks = _Blocks(ReusableBlock(f"{block_prefix}-replies", REPLY_BLOCK_MAX_BYTES), ReusedBlockReader())
+    try:
+        while True:
+            try:
+                message = conn.recv()
+            except (EOFError, OSError):  # the engine is gone: nothing left to serve
+                return
+            if isinstance(message, Shutdown):
+                return
+            conn.send(_serve(worker, message, block_prefix, blocks))
+    finally:
+        blocks.replies.abandon()
+        blocks.arguments.close()
 
 
-def _serve(worker, call: Call, block_prefix: str) -> Reply:
+@dataclass(frozen=True)
+class _Blocks:
+    replies: ReusableBlock  # this worker's, for its replies
+    arguments: ReusedBlockReader  # the engine's RPC argument block, kept mapped
+
+
+def _serve(worker, call: Call, block_prefix: str, blocks: _Blocks) -> Reply:
     try:
         # Arguments may be shared by every rank (a broadcast): the engine removes their block.
-        args, kwargs = unpack(call.arguments, remove=False)
+        args, kwargs = unpack(call.arguments, remove=False, reader=blocks.arguments)
         result = call_wire_method(worker, call.method, args, kwargs)
-        return Reply(call.call_id, result=pack(result, block_prefix))
+        return Reply(call.call_id, result=pack(result, block_prefix, blocks.replies))
     except Exception as error:
         return _error_reply(call.call_id, error)
 

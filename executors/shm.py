@@ -1,18 +1,32 @@
 """Moving Python objects with tensors between processes: the tensors through one shared-memory
 block, everything else as a small pickle.
 
-`pack` pickles an object with every tensor replaced by a reference into a block it allocates in
-/dev/shm (tmpfs: POSIX shared memory on Linux); `unpack` rebuilds the object with the tensors read
-into the reader's own memory, so nothing a caller keeps pins shared memory (Docker gives /dev/shm
-64 MB by default). The pickle that crosses the pipe stays a few hundred bytes however large the
-tensors are. Blocks are files only their user can read (0600), with their space reserved up front so
-a full /dev/shm is a clear `SharedMemoryFull` error, never a SIGBUS. They are named with the
+`pack` pickles an object with every tensor replaced by a reference into a block in /dev/shm
+(tmpfs: POSIX shared memory on Linux); `unpack` rebuilds the object with the tensors copied into
+the reader's own memory, so nothing a caller keeps pins shared memory (Docker gives /dev/shm 64 MB
+by default). The pickle that crosses the pipe stays a few hundred bytes however large the tensors
+are. Blocks are files only their user can read (0600), with their space reserved up front so a
+full /dev/shm is a clear `SharedMemoryFull` error, never a SIGBUS. They are named with the
 engine's pid, so whoever owns the prefix, or any later engine once that pid is gone, can remove
 what a crashed process left behind.
+
+A block is either fresh or reused. A fresh block is made for one message and removed by its last
+reader. A `ReusableBlock` is one file its writer keeps mapped and rewrites for every message
+(an engine's RPC arguments, a worker's replies): no file to create, fill with zeroed pages and
+remove per message, which is most of what a small message costs. Its reader keeps it mapped too
+(`ReusedBlockReader`) and copies the tensors out. That is safe because no reader is still copying
+when its writer rewrites the block. A worker serves one call at a time and writes a reply only
+while serving the call it answers; the engine copies a reply out before it sends that worker
+another call, and drops unread the late reply of a call it gave up on. The engine rewrites its
+argument block only once every rank has answered the last call, and abandons the block (a fresh
+name for the next call) when one did not. A worker's reply block is bounded
+(`REPLY_BLOCK_MAX_BYTES`); a bigger reply takes a fresh block, so a worker holds at most that much
+/dev/shm between calls.
 """
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import io
 import mmap
@@ -23,9 +37,13 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy
 import torch
 
 _ALIGN = 64  # bytes; keeps every tensor's data aligned for fast copies
+# The biggest reply a worker writes into its reusable block; bigger ones take a fresh block. Above
+# a few MiB the copies cost more than making a block, and this bounds what each worker keeps.
+REPLY_BLOCK_MAX_BYTES = 4 * 2**20
 
 
 def shm_dir() -> Path:
@@ -63,12 +81,9 @@ def _create(name: str, size: int) -> int:
     return fd
 
 
-@dataclass(frozen=True)
-class TensorRef:
-    offset: int
-    nbytes: int
-    dtype: torch.dtype
-    shape: tuple[int, ...]
+# Where one tensor lies in a block: (offset, nbytes, dtype, shape). A plain tuple: it pickles in
+# half the time of a dataclass, and a finishing step sends one per tensor.
+TensorRef = tuple[int, int, torch.dtype, tuple[int, ...]]
 
 
 @dataclass(frozen=True)
@@ -82,22 +97,25 @@ class Packed:
 
 
 class _Pickler(pickle.Pickler):
-    """Pickles tensors by reference into `tensors`; a tensor object met twice is sent once, so
-    objects that share a tensor (the samples of one prompt share its embeddings) still share it
-    after `unpack`."""
+    """Pickles tensors by reference into `tensors`. Pickle's memo sends a tensor object met twice
+    once, so objects that share a tensor (the samples of one prompt share its embeddings) still
+    share it after `unpack`. (`reducer_override` rather than `persistent_id`: pickle asks it about
+    objects only, not about every int and string, which halves the time of a step's outputs.)"""
 
     def __init__(self, file):
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
         self.tensors: list[torch.Tensor] = []
-        self._index: dict[int, int] = {}  # id(tensor) -> its index; `tensors` keeps the ids alive
 
-    def persistent_id(self, obj):
+    def reducer_override(self, obj):
         if isinstance(obj, torch.Tensor):
-            if id(obj) not in self._index:
-                self._index[id(obj)] = len(self.tensors)
-                self.tensors.append(obj)
-            return self._index[id(obj)]
-        return None
+            self.tensors.append(obj)
+            return _packed_tensor, (len(self.tensors) - 1,)
+        return NotImplemented
+
+
+def _packed_tensor(index: int) -> torch.Tensor:
+    """What a packed tensor's pickle names; `_Unpickler` puts the tensor there instead."""
+    raise RuntimeError("a packed tensor is rebuilt by executors.shm.unpack, not by a plain unpickler")
 
 
 class _Unpickler(pickle.Unpickler):
@@ -105,45 +123,49 @@ class _Unpickler(pickle.Unpickler):
         super().__init__(file)
         self.tensors = tensors
 
-    def persistent_load(self, pid):
-        return self.tensors[pid]
+    def find_class(self, module, name):
+        if module == __name__ and name == _packed_tensor.__name__:
+            return self.tensors.__getitem__
+        return super().find_class(module, name)
 
 
 def pack(obj, prefix: str, reusable: ReusableBlock | None = None) -> Packed:
-    """Pickle `obj`, putting its tensors (moved to CPU) into a new block named `prefix`-*, or into
-    `reusable` (then readers copy the tensors out, and the block is rewritten by the next call)."""
+    """Pickle `obj`, putting its tensors (moved to CPU) into `reusable` when given and big enough
+    (readers copy them out; the next call rewrites it), else into a new block named `prefix`-*."""
     buffer = io.BytesIO()
     pickler = _Pickler(buffer)
     pickler.dump(obj)
     if not pickler.tensors:
         return Packed(buffer.getvalue(), None)
-    tensors = [t.detach().to("cpu").contiguous() for t in pickler.tensors]
+    tensors = [_plain_cpu(t) for t in pickler.tensors]
     refs, size = [], 0
     for t in tensors:
-        nbytes = t.numel() * t.element_size()
-        refs.append(TensorRef(size, nbytes, t.dtype, tuple(t.shape)))
+        nbytes = t.nbytes
+        refs.append((size, nbytes, t.dtype, tuple(t.shape)))
         size += -(-nbytes // _ALIGN) * _ALIGN
-    if reusable is not None:
+    if reusable is not None and reusable.takes(size):
         return Packed(buffer.getvalue(), reusable.write(tensors, refs, size), tuple(refs), reused=True)
     name = f"{prefix}-{uuid.uuid4().hex}"
     fd = _create(name, size)
     try:
         for t, ref in zip(tensors, refs, strict=True):
-            if ref.nbytes:
-                # A plain write is about twice as fast as copying into a fresh mapping, which
-                # page-faults on every page it touches.
-                os.pwrite(fd, _bytes(t).numpy(), ref.offset)
+            # A plain write is about twice as fast as copying into a fresh mapping, which
+            # page-faults on every page it touches.
+            _write(fd, t, ref)
     finally:
         os.close(fd)
     return Packed(buffer.getvalue(), name, tuple(refs))
 
 
-def unpack(packed: Packed, remove: bool) -> object:
-    """Rebuild the object, its tensors read into this process's own memory (one copy; a view of
-    the block would pin it for as long as the caller keeps the tensor). With `remove`, the block is
-    deleted once read (the last reader does this; a reused block is never removed here)."""
+def unpack(packed: Packed, remove: bool, reader: ReusedBlockReader | None = None) -> object:
+    """Rebuild the object, its tensors copied into this process's own memory (a view of the block
+    would pin it for as long as the caller keeps the tensor). With `remove`, a fresh block is
+    deleted once read (the last reader does this; a reused block is never removed here). A reused
+    block is read through `reader`, which keeps it mapped for the next message, when given."""
     tensors = []
-    if packed.block is not None:
+    if packed.block is not None and packed.reused and reader is not None:
+        tensors = reader.read(packed)
+    elif packed.block is not None:
         path = shm_dir() / packed.block
         fd = os.open(path, os.O_RDONLY)
         try:
@@ -155,60 +177,135 @@ def unpack(packed: Packed, remove: bool) -> object:
     return _Unpickler(io.BytesIO(packed.payload), tensors).load()
 
 
-def _read(fd: int, ref: TensorRef) -> torch.Tensor:
-    data = torch.empty(ref.nbytes, dtype=torch.uint8)
-    view = memoryview(data.numpy())
+def _write(fd: int, tensor: torch.Tensor, ref: TensorRef) -> None:
+    offset, nbytes, _, _ = ref
+    view = _bytes_of(tensor, nbytes)
     done = 0
-    while done < ref.nbytes:  # one read returns at most about 2 GiB
-        read = os.preadv(fd, [view[done:]], ref.offset + done)
+    while done < nbytes:  # one write takes at most about 2 GiB
+        done += os.pwrite(fd, view[done:], offset + done)
+
+
+def _read(fd: int, ref: TensorRef) -> torch.Tensor:
+    offset, nbytes, dtype, shape = ref
+    data = torch.empty(shape, dtype=dtype)
+    view = _bytes_of(data, nbytes)
+    done = 0
+    while done < nbytes:  # one read returns at most about 2 GiB
+        read = os.preadv(fd, [view[done:]], offset + done)
         if read == 0:
-            raise EOFError(f"shared-memory block ended {ref.nbytes - done} bytes early")
+            raise EOFError(f"shared-memory block ended {nbytes - done} bytes early")
         done += read
-    return data.view(ref.dtype).reshape(ref.shape) if ref.nbytes else torch.empty(ref.shape, dtype=ref.dtype)
+    return data
 
 
 class ReusableBlock:
-    """A shared-memory file the engine keeps mapped and rewrites for every call's arguments, so a
-    large update does not pay for fresh zeroed pages on each call. Safe because readers copy the
-    tensors out before they reply, and the engine waits for the replies before the next write; a
-    call that timed out may still be reading, so after a timeout the engine `abandon`s the block
-    (readers have it open) and the next call gets a new one."""
+    """A shared-memory file its writer keeps mapped and rewrites for every message, so messages do
+    not each pay for a new file and fresh zeroed pages (see the module docstring for why readers
+    never see it rewritten under them). With `max_bytes`, only messages up to that size use it.
+    A writer that can no longer tell whether a reader is still copying out (a call that timed out
+    or was interrupted) `abandon`s the block (readers have it open or mapped) and the next message
+    gets a new one."""
 
-    def __init__(self, prefix: str):
+    def __init__(self, prefix: str, max_bytes: int | None = None):
         self.prefix = prefix
+        self.max_bytes = max_bytes
         self.name: str | None = None
         self._memory: mmap.mmap | None = None
-        self._view: torch.Tensor | None = None
+        self._address = 0  # of the mapping's first byte
+        self._anchor: numpy.ndarray | None = None  # holds the mapping's buffer while we use its address
+
+    def takes(self, size: int) -> bool:
+        return self.max_bytes is None or size <= self.max_bytes
 
     def write(self, tensors: list[torch.Tensor], refs: list[TensorRef], size: int) -> str:
-        if self._view is None or self._view.numel() < size:
-            # Grow by at least half, so buckets of slightly varying size do not each need a new file.
-            size = max(size, 1, 3 * self._view.numel() // 2 if self._view is not None else 0)
+        """Copy plain CPU tensors (`_plain_cpu`) to their `refs`; the file name readers open."""
+        if self._memory is None or len(self._memory) < size:
+            # Grow by at least half, so messages of slightly varying size do not each need a new file.
+            grown = 3 * len(self._memory) // 2 if self._memory is not None else 0
+            if self.max_bytes is not None:
+                grown = min(grown, self.max_bytes)
+            size = max(size, 1, grown)
             self.abandon()
-            self.name = f"{self.prefix}-args-{uuid.uuid4().hex}"
-            fd = _create(self.name, size)
+            name = f"{self.prefix}-{uuid.uuid4().hex}"
+            fd = _create(name, size)
             try:
                 self._memory = mmap.mmap(fd, size)
             finally:
                 os.close(fd)
-            self._view = torch.frombuffer(self._memory, dtype=torch.uint8)
-        for t, ref in zip(tensors, refs, strict=True):
-            if ref.nbytes:
-                self._view[ref.offset : ref.offset + ref.nbytes].copy_(_bytes(t))
+            self.name = name
+            self._anchor = numpy.frombuffer(self._memory, dtype=numpy.uint8)
+            self._address = self._anchor.ctypes.data
+        for t, (offset, nbytes, _, _) in zip(tensors, refs, strict=True):
+            if nbytes:
+                # One memmove per tensor: its data are contiguous CPU bytes, and the layout fits the mapping.
+                ctypes.memmove(self._address + offset, t.data_ptr(), nbytes)
         return self.name
 
     def abandon(self) -> None:
-        """Stop using this file: unlink its name and drop the engine's mapping."""
+        """Stop using this file: unlink its name and drop the writer's mapping."""
         if self.name is not None:
             (shm_dir() / self.name).unlink(missing_ok=True)
-        self._view = None
+        self.name = None
+        self._anchor, self._address = None, 0
         if self._memory is not None:
             self._memory.close()
-        self.name, self._memory = None, None
+        self._memory = None
 
 
-def _bytes(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.reshape(-1).view(torch.uint8)
+class ReusedBlockReader:
+    """The reading end of another process's `ReusableBlock`: keeps the last block it read mapped,
+    so a message in the same block costs one copy per tensor and no system call. A message in
+    another block (the writer grew or abandoned it) maps that one instead; `close` drops the mapping."""
+
+    def __init__(self):
+        self.name: str | None = None
+        self._memory: mmap.mmap | None = None
+        self._address = 0
+        self._anchor: numpy.ndarray | None = None
+
+    def read(self, packed: Packed) -> list[torch.Tensor]:
+        """The tensors of `packed` (whose block is reused), copied into this process's memory."""
+        if packed.block != self.name:
+            self.close()
+            fd = os.open(shm_dir() / packed.block, os.O_RDONLY)
+            try:
+                self._memory = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
+            finally:
+                os.close(fd)
+            self.name = packed.block
+            self._anchor = numpy.frombuffer(self._memory, dtype=numpy.uint8)
+            self._address = self._anchor.ctypes.data
+        tensors = []
+        for offset, nbytes, dtype, shape in packed.refs:
+            if offset + nbytes > len(self._memory):
+                raise EOFError(f"shared-memory block {packed.block} ended before a tensor of {nbytes} bytes")
+            tensor = torch.empty(shape, dtype=dtype)
+            if nbytes:
+                ctypes.memmove(tensor.data_ptr(), self._address + offset, nbytes)
+            tensors.append(tensor)
+        return tensors
+
+    def close(self) -> None:
+        self.name = None
+        self._anchor, self._address = None, 0
+        if self._memory is not None:
+            self._memory.close()
+        self._memory = None
+
+
+def _plain_cpu(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor`'s values as a contiguous CPU tensor whose memory holds exactly them (no lazy
+    conjugate or negative bit): itself when it already is one, which is the common case."""
+    if tensor.is_cpu and tensor.is_contiguous() and not tensor.is_conj() and not tensor.is_neg():
+        return tensor
+    return tensor.detach().to("cpu").resolve_conj().resolve_neg().contiguous()
+
+
+def _bytes_of(tensor: torch.Tensor, nbytes: int) -> memoryview:
+    """The memory of a `_plain_cpu` tensor, as a buffer for a system call."""
+    if not nbytes:  # an empty tensor may have no memory at all
+        return memoryview(b"")
+    return memoryview((ctypes.c_char * nbytes).from_address(tensor.data_ptr()))
 
 
 def discard(packed: Packed) -> None:

@@ -49,9 +49,21 @@ class StepSeries:
                 f"StepSeries parts hold {sum(len(part) for part in self.parts)} entries for "
                 f"{len(self.positions)} positions"
             )
+        self._index_positions()
+
+    def _index_positions(self) -> None:
         # Where each kept position lives: (part, row).
         where = [(index, row) for index, part in enumerate(self.parts) for row in range(len(part))]
         self._where = dict(zip(self.positions.tolist(), where, strict=True))
+
+    def __getstate__(self) -> dict:
+        # Without the position index, which the receiver rebuilds: it is most of a series' pickle
+        # (three objects per position), and a finished request's trajectory crosses processes.
+        return {"positions": self.positions, "parts": self.parts, "length": self.length}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._index_positions()
 
     def __len__(self) -> int:
         """Kept entries."""

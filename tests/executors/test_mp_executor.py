@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 
-from executors.shm import shm_dir
+from executors.shm import REPLY_BLOCK_MAX_BYTES, shm_dir
 from rollout import EngineConfig, RolloutEngine, SamplingParams
 from rollout.errors import EngineDeadError
 from tests.executors.worker_functions import sleep_in_worker, slow_down_steps, wait_gone, worker_pid
@@ -74,6 +74,28 @@ def test_killing_a_worker_during_an_rpc_fails_fast(tiny_model):
     assert time.monotonic() - start < 1.0 + 5.0
     assert wait_gone(pids) == []
     engine.shutdown()
+
+
+@pytest.mark.slow  # an engine of its own; test_shared_memory tests the reused block without one
+def test_steps_rewrite_one_reply_block_per_worker_and_outputs_stay_the_callers(tiny_model):
+    engine = _mp_engine(tiny_model, num_workers=2)
+    prefix = engine.executor._prefix
+    first = engine.generate(["a", "b"], SamplingParams(num_inference_steps=3, num_samples=2, seed=0))
+    kept = [o.trajectory.latents.stack().clone() for o in first]
+    blocks = sorted(shm_dir().glob(f"{prefix}-*"))
+    assert 1 <= len(blocks) <= 2 and all("-replies-" in block.name for block in blocks)
+    second = engine.generate(["a", "b"], SamplingParams(num_inference_steps=3, num_samples=2, seed=1))
+    assert sorted(shm_dir().glob(f"{prefix}-*")) == blocks  # rewritten, no new file per step
+    for output, latents in zip(first, kept, strict=True):  # copies: rewriting the block left them alone
+        assert torch.equal(output.trajectory.latents.stack(), latents)
+    assert not torch.equal(second[0].trajectory.latents.stack(), kept[0])
+
+    over = REPLY_BLOCK_MAX_BYTES // 4 + 1  # float32 elements: a reply over the reused block's limit
+    big = engine.collective_rpc(lambda worker: torch.full((over,), float(worker.rank)))
+    assert [(len(b), b[-1].item()) for b in big] == [(over, 0.0), (over, 1.0)]
+    assert sorted(shm_dir().glob(f"{prefix}-*")) == blocks  # its fresh block was removed once read
+    engine.shutdown()
+    assert list(shm_dir().glob(f"{prefix}-*")) == []
 
 
 @pytest.mark.slow  # repetition for the default suite: CI runs it (make test-slow)

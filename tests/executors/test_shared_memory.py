@@ -12,7 +12,15 @@ import pytest
 import torch
 
 import executors.shm
-from executors.shm import ReusableBlock, SharedMemoryFull, pack, remove_stale_blocks, shm_dir, unpack
+from executors.shm import (
+    ReusableBlock,
+    ReusedBlockReader,
+    SharedMemoryFull,
+    pack,
+    remove_stale_blocks,
+    shm_dir,
+    unpack,
+)
 from rollout import EngineConfig, RolloutEngine, SamplingParams
 
 pytestmark = pytest.mark.timeout(120)
@@ -33,6 +41,41 @@ def test_blocks_are_readable_by_their_user_only():
         assert not (shm_dir() / packed.block).exists()
     finally:
         reusable.abandon()
+
+
+def test_a_reused_block_is_read_through_one_mapping_until_it_grows():
+    """A worker's replies: small ones rewrite one block the reader keeps mapped, a bigger one
+    grows it under a new name (the old one is gone), one over the limit takes a fresh block."""
+    prefix = _prefix()
+    writer, reader = ReusableBlock(prefix, max_bytes=64 * 1024), ReusedBlockReader()
+    try:
+        shared = torch.arange(6, dtype=torch.int16)
+        first = pack({"x": torch.arange(10.0), "y": [shared, shared], "e": torch.empty(0, 3)}, "unused", writer)
+        second = pack({"x": torch.ones(3, 2, dtype=torch.bfloat16), "z": torch.tensor(True)}, "unused", writer)
+        assert first.reused and second.block == first.block  # rewritten in place
+        got = unpack(second, remove=True, reader=reader)
+        assert torch.equal(got["x"], torch.ones(3, 2, dtype=torch.bfloat16)) and got["z"].item() is True
+        assert (shm_dir() / second.block).exists()  # a reused block is never removed by its reader
+        got["x"].add_(1)  # the reader's own copy: the block is untouched
+        assert torch.equal(unpack(second, remove=True, reader=reader)["x"], torch.ones(3, 2, dtype=torch.bfloat16))
+
+        grown = pack(torch.arange(4000.0), "unused", writer)
+        assert grown.reused and grown.block != first.block and not (shm_dir() / first.block).exists()
+        assert torch.equal(unpack(grown, remove=True, reader=reader), torch.arange(4000.0))
+        assert reader.name == grown.block
+
+        shared_again = pack({"y": [shared, shared]}, "unused", writer)
+        got = unpack(shared_again, remove=True, reader=reader)
+        assert got["y"][0] is got["y"][1] and torch.equal(got["y"][0], shared)
+
+        big = pack(torch.zeros(20_000), prefix, writer)  # 80 KB, over the writer's 64 KiB
+        assert not big.reused and big.block != writer.name
+        assert torch.equal(unpack(big, remove=True, reader=reader), torch.zeros(20_000))
+        assert not (shm_dir() / big.block).exists()
+    finally:
+        reader.close()
+        writer.abandon()
+    assert not list(shm_dir().glob(f"{prefix}-*"))
 
 
 def test_a_full_shared_memory_folder_is_a_clear_error(monkeypatch):
@@ -73,7 +116,8 @@ def _shm_used_bytes() -> int:
 def test_outputs_the_caller_keeps_do_not_pin_shared_memory(tiny_model):
     with RolloutEngine(EngineConfig(model=tiny_model, executor="mp", num_workers=2)) as engine:
         params = SamplingParams(num_inference_steps=3, num_samples=4, seed=0)
-        engine.generate("warm up", params)
+        # Calls of the measured calls' size: each worker's reply block grows to fit them here.
+        engine.generate(["warm up", "other warm up"], params)
         before = _shm_used_bytes()
         kept = [engine.generate([f"prompt {i}", f"other {i}"], params) for i in range(10)]
         held = sum(o.trajectory.latents.nbytes for outputs in kept for o in outputs)
