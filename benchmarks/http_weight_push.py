@@ -11,8 +11,11 @@ the whole transformer, perturbed before each round so every push changes every w
               whole, read whole and parsed by the server before the push;
   in-process  `RolloutEngine.update_weights(state)` on an engine of this process (executor uni);
   raw HTTP    the streamed push's bytes, sent the same way (httpx, chunked) to a bare uvicorn route
-              that only reads and drops them: what the HTTP stack itself carries on this machine,
-              the ceiling of both HTTP modes.
+              that only reads and drops them, on the server's own HTTP protocol (httptools,
+              `rollout.serve.http_protocol`): what the HTTP stack itself carries on this machine,
+              the ceiling of both HTTP modes;
+  raw h11     the same, on uvicorn's pure-Python h11 protocol, which the server ran before: its
+              event loop was the push's bottleneck (a profile: h11's parser and buffer copies).
 
 MB/s counts 1e6 bytes of tensors per second. Peak memory: how far a push raises the peak RSS of the
 process holding the model (the server's VmHWM, reset through /proc/<pid>/clear_refs before the
@@ -59,7 +62,8 @@ from trainers_adapters.remote_engine import RemoteRolloutEngine
 
 TARGET_MB_PER_S = 1000.0  # the streamed push over loopback (issue 22: 24 GB in bf16 in under half a minute)
 CLIENT_TIMEOUT_S = 600.0
-MODES = ("streamed", "one body", "in-process", "raw HTTP")
+MODES = ("streamed", "one body", "in-process", "raw HTTP", "raw h11")
+RAW_MODES = {"raw HTTP": "rollout", "raw h11": "h11"}  # mode: the sink's protocol
 MMAP_THRESHOLD, M_MMAP_THRESHOLD = 1 << 20, -3  # bytes; mallopt's parameter number (malloc.h)
 
 
@@ -97,8 +101,9 @@ def post_one_body(client: httpx.Client, state: dict[str, torch.Tensor], bucket_b
     return response.json()[route.answer]
 
 
-def serve_sink(port: int) -> None:
-    """A bare uvicorn app (in a child process) whose one route reads a body and drops it."""
+def serve_sink(port: int, http: str) -> None:
+    """A bare uvicorn app (in a child process) whose one route reads a body and drops it, on the
+    rollout server's HTTP protocol (`http="rollout"`) or on one of uvicorn's by name."""
     import uvicorn
     from starlette.applications import Starlette
     from starlette.responses import JSONResponse
@@ -111,13 +116,16 @@ def serve_sink(port: int) -> None:
         return JSONResponse({"bytes": size})
 
     app = Starlette(routes=[Route("/sink", sink, methods=["POST"])])
-    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
+    from rollout.serve.http_protocol import with_header_timeout
+
+    protocol = with_header_timeout(10.0) if http == "rollout" else http
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", http=protocol)
 
 
 @contextlib.contextmanager
-def sink_server() -> Iterator[str]:
+def sink_server(http: str) -> Iterator[str]:
     port = free_port()
-    process = multiprocessing.get_context("spawn").Process(target=serve_sink, args=(port,), daemon=True)
+    process = multiprocessing.get_context("spawn").Process(target=serve_sink, args=(port, http), daemon=True)
     process.start()
     url = f"http://127.0.0.1:{port}"
     try:
@@ -190,16 +198,20 @@ def main(argv: list[str] | None = None) -> dict:
                     base_url=server.url, headers={"Authorization": f"Bearer {api_key}"}, timeout=CLIENT_TIMEOUT_S
                 ) as plain,
                 RolloutEngine(config) as local,
-                sink_server() as sink_url,
-                contextlib.closing(RawSender(f"{sink_url}/sink")) as raw,
+                contextlib.ExitStack() as sinks,
             ):
                 pids = {"streamed": server.process.pid, "one body": server.process.pid, "in-process": os.getpid()}
-                pids["raw HTTP"] = server.process.pid  # not its process: the row's memory means nothing
+                raw = {}
+                for mode, http in RAW_MODES.items():
+                    url = sinks.enter_context(sink_server(http))
+                    raw[mode] = sinks.enter_context(contextlib.closing(RawSender(f"{url}/sink")))
+                    pids[mode] = server.process.pid  # not its process: the row's memory means nothing
                 pushes = {
                     "streamed": lambda: remote.update_weights(state, bucket_bytes=bucket_bytes),
                     "one body": lambda: post_one_body(plain, state, bucket_bytes),
                     "in-process": lambda: local.update_weights(state, bucket_bytes=bucket_bytes),
-                    "raw HTTP": lambda: raw.send(state, bucket_bytes),
+                    "raw HTTP": lambda: raw["raw HTTP"].send(state, bucket_bytes),
+                    "raw h11": lambda: raw["raw h11"].send(state, bucket_bytes),
                 }
                 seconds, growth = measure(pushes, pids, {"http": remote, "in-process": local}, trainer, state, args)
     finally:
@@ -235,7 +247,7 @@ def summarize(report, seconds: dict, growth: dict, nbytes: int, tensors: int, bu
     for mode in MODES:
         s, peak = stats[mode], max(growth[mode])
         mb_per_s = nbytes / 1e6 / s.median
-        memory = [peak / 1e6, peak / nbytes] if mode != "raw HTTP" else ["-", "-"]
+        memory = [peak / 1e6, peak / nbytes] if mode not in RAW_MODES else ["-", "-"]
         rows.append([mode, 1e3 * s.median, 1e3 * s.min, 1e3 * s.max, mb_per_s, *memory])
         results[mode] = {"seconds": s.to_json(), "mb_per_s": mb_per_s, "peak_rss_growth_bytes": growth[mode]}
     over = {mode: stats[mode].median / stats["in-process"].median for mode in ("streamed", "one body")}
@@ -246,7 +258,8 @@ def summarize(report, seconds: dict, growth: dict, nbytes: int, tensors: int, bu
         rows,
         f"time over in-process: streamed {over['streamed']:.2f}x, one body {over['one body']:.2f}x; "
         f"streamed vs one body: {stats['one body'].median / stats['streamed'].median:.2f}x faster; "
-        f"streamed / raw HTTP time: {stats['streamed'].median / stats['raw HTTP'].median:.2f}x",
+        f"streamed / raw HTTP time: {stats['streamed'].median / stats['raw HTTP'].median:.2f}x; "
+        f"raw HTTP vs raw h11: {stats['raw h11'].median / stats['raw HTTP'].median:.2f}x faster",
     )
     report.check(harness.Target("streamed push MB/s", results["streamed"]["mb_per_s"], ">=", TARGET_MB_PER_S))
     report.results |= {"modes": results, "bytes": nbytes, "tensors": tensors, "bucket_bytes": bucket_bytes}

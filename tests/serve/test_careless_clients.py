@@ -414,6 +414,14 @@ def test_connections_cannot_be_held_open_for_free(tiny_model):
         assert json.loads(kept.getresponse().read())["status"] == "ok" and kept.sock is kept_socket
         kept.close()
         assert closed_s < 5
+        endless = connect()  # headers that never end: refused at the limit, not kept in memory
+        # Just past the limit, so that the server has read it all when it closes (unread bytes would reset).
+        endless.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Filler: " + b"x" * (64 << 10))
+        answer = b""
+        while chunk := endless.recv(4096):
+            answer += chunk
+        assert answer.startswith(b"HTTP/1.1 400") and b"limit of 65536 bytes" in answer, answer
+        endless.close()
         stalled = connect()
         stalled.sendall(
             b"POST /pause HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
