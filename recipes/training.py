@@ -275,14 +275,13 @@ def train(config: TrainingConfig, update: UpdateFn, postfix: Callable[[Any], dic
         # A resumed run re-pushes its adapter with the checkpoint's version, so the numbering (and
         # the check that samples carry the version last pushed) goes on, on a fresh server as on the same.
         version = policy.push(engine, version=None if resumed is None else resumed[0].weight_version)
-        if resumed is not None:  # after the push: an engine in this process draws from torch's generator
-            restore_rng(resumed[0].rng, prompt_order, generator)
         if resumed is None:
             eval_start = _eval_samples(engine, config, prompts, reward, pool)
             samples_start = save_samples(eval_start.outputs, config.grid_scale, output_dir / "samples_start")
             loggers.log_images(0, {"samples_start": samples_start})
             eval_reward_start = float(eval_start.rewards.mean())
-        else:
+        else:  # after the push: an engine in this process draws from torch's generator
+            restore_rng(resumed[0].rng, prompt_order, generator)
             eval_reward_start = resumed[0].eval_reward_start
         steps = range(first_step, config.steps)
         bar = tqdm(steps, desc=config.recipe, unit="step", initial=first_step, total=config.steps)
