@@ -7,6 +7,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import pytest
+
 from rollout import SamplingParams
 from rollout.pipelines import family as family_module
 from rollout.pipelines.families import FAMILIES as DESCRIPTORS
@@ -56,3 +58,16 @@ FAMILIES = {d.name: Family(d) for d in DESCRIPTORS if not d.video}
 # Video families: their outputs are `video`, not `image`, so the image tests do not run on them.
 VIDEO_FAMILIES = {d.name: Family(d) for d in DESCRIPTORS if d.video}
 ALL_FAMILIES = FAMILIES | VIDEO_FAMILIES
+
+# The families whose matrix tests (parity, re-scoring, batching, the tiny pipeline) run in the default
+# suite; every other family's run in the slow suite (CI runs both), so that a new family does not
+# push the default suite over its budget. These three cover the three latent layouts: SD3's image
+# latents, FLUX.1's packed tokens, Qwen-Image's packed tokens with a text mask.
+DEFAULT_MATRIX = ("sd3", "flux", "qwen_image")
+
+
+def matrix(families: dict[str, Family] | None = None) -> list:
+    """Pytest params over `families` (default: the image families): a family outside DEFAULT_MATRIX
+    is marked slow."""
+    names = list(FAMILIES if families is None else families)
+    return [name if name in DEFAULT_MATRIX else pytest.param(name, marks=pytest.mark.slow) for name in names]

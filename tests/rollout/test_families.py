@@ -9,12 +9,12 @@ import torch
 from rollout import EngineConfig, RolloutEngine, SamplingParams
 from rollout.pipelines.qwen_image import QwenImageEmbeds
 from rollout.pipelines.sd3 import SD3Embeds
-from tests.families import FAMILIES
+from tests.families import FAMILIES, matrix
 
 pytestmark = pytest.mark.timeout(180)
 
 
-@pytest.fixture(scope="module", params=list(FAMILIES))
+@pytest.fixture(scope="module", params=matrix())
 def family_engine(request, tiny_models):
     family = FAMILIES[request.param]
     with RolloutEngine(EngineConfig(model=tiny_models(family.name), max_batch_size=16)) as engine:

@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from rollout import EngineConfig, RolloutEngine
-from tests.families import FAMILIES
+from tests.families import FAMILIES, matrix
 
 pytestmark = pytest.mark.timeout(120)
 
 
-@pytest.fixture(scope="module", params=list(FAMILIES))
+@pytest.fixture(scope="module", params=matrix())
 def family_setup(request, tiny_models):
     """(family, engine, the family's diffusers pipeline) on the same tiny folder."""
     family = FAMILIES[request.param]

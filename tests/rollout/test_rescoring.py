@@ -8,12 +8,12 @@ import torch
 from rollout import EngineConfig, RolloutEngine, SamplingParams
 from rollout.pipelines.loading import load_adapter
 from rollout.rescoring import RATIO_TOLERANCE, recompute_log_probs
-from tests.families import FAMILIES
+from tests.families import FAMILIES, matrix
 
 pytestmark = pytest.mark.timeout(120)
 
 
-@pytest.fixture(scope="module", params=list(FAMILIES))
+@pytest.fixture(scope="module", params=matrix())
 def family_engine(request, tiny_models):
     """(family, engine, a separate copy of the model for re-scoring) per family."""
     family = FAMILIES[request.param]

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from rollout.pipelines.loading import load_adapter
-from tests.families import FAMILIES
+from tests.families import matrix
 
 
 def _in_pipeline_form(adapter, latents: torch.Tensor) -> torch.Tensor:
@@ -19,7 +19,7 @@ def _in_pipeline_form(adapter, latents: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("family", matrix())
 def test_latent_channels_set_the_image_colour(tiny_models, family):
     adapter = load_adapter(tiny_models(family))
     noise = torch.randn(8, 4, 16, 16, generator=torch.Generator().manual_seed(0))
