@@ -310,7 +310,16 @@ def _match(value: Any, annotation: Any) -> Any:
         return _NO_MATCH if _NO_MATCH in items else items
     if origin in (list, tuple):
         return _NO_MATCH
-    raise TypeError(f"config fields of type {annotation!r} are not supported; use str, int, float, bool, list, tuple")
+    if annotation is dict:  # a mapping whose keys the field's own checks read (the reward's settings)
+        return dict(value) if isinstance(value, dict) else _NO_MATCH
+    if origin is dict and isinstance(value, dict):  # dict[str, X]
+        items = {_match(key, args[0]): _match(item, args[1]) for key, item in value.items()}
+        return _NO_MATCH if _NO_MATCH in items or _NO_MATCH in items.values() else items
+    if origin is dict:
+        return _NO_MATCH
+    raise TypeError(
+        f"config fields of type {annotation!r} are not supported; use str, int, float, bool, list, tuple, dict"
+    )
 
 
 def _type_name(annotation: Any) -> str:
@@ -326,6 +335,10 @@ def _type_name(annotation: Any) -> str:
         return f"a list of {_type_name(args[0])}"
     if origin is tuple:
         return f"a list [{', '.join(_type_name(arm) for arm in args)}]"
+    if annotation is dict:
+        return "a mapping"
+    if origin is dict:
+        return f"a mapping of {_type_name(args[0])} to {_type_name(args[1])}"
     return annotation.__name__
 
 

@@ -49,8 +49,8 @@ from rollout import SamplingParams
 from rollout.rescoring import RATIO_TOLERANCE  # the contract the first update's |log ratio| meets
 from rollout.seeding import derive_seed
 from trainers_adapters.lora_policy import LoraPolicy
+from trainers_adapters.reward_spec import RewardValue, build_reward, reward_label, reward_problems
 from trainers_adapters.rewarded_rollout import RewardedRollout, generate_with_rewards
-from trainers_adapters.rewards import get_reward
 
 logger = logging.getLogger(__name__)
 
@@ -121,7 +121,11 @@ class TrainingConfig(RecipeConfig):
     lora: LoraSection = option(factory=LoraSection)
     optimizer: OptimizerSection = option(factory=OptimizerSection)
     eval: EvalSection = option(factory=EvalSection)
-    reward: str = option(help="reward: jpeg_compressibility, jpeg_incompressibility, colour, or a dotted path")
+    reward: RewardValue = option(
+        help="one reward by name (a built-in such as colour or jpeg_compressibility, a reward model: clip_score, "
+        "pickscore, aesthetic, or a dotted path), or a mapping name -> {weight, reward model settings} for a "
+        "weighted sum, each component logged as reward/<name> (docs/training.md)"
+    )
     prompts: list[str] = option(help="training prompts; each step takes `prompts_per_step` of them in turn")
     prompts_file: str | None = option(None, "a text file with one more training prompt per line (optional)")
     prompts_per_step: int = option(4, "prompts per training step; each is sampled sampling.num_samples times")
@@ -156,10 +160,7 @@ class TrainingConfig(RecipeConfig):
     def value_problems(cls, values: dict) -> list[str]:
         problems = logger_problems(values["logger"]) if "logger" in values else []
         if "reward" in values:
-            try:
-                get_reward(values["reward"])
-            except (ValueError, ImportError) as error:
-                problems.append(str(error))
+            problems += reward_problems(values["reward"])
         prompts_file = values.get("prompts_file")
         if prompts_file is not None and not Path(prompts_file).is_file():
             problems.append(f"prompts_file {prompts_file!r} does not exist")
@@ -235,7 +236,7 @@ UpdateFn = Callable[[LoraPolicy, torch.optim.Optimizer, RewardedRollout, torch.G
 def train(config: TrainingConfig, update: UpdateFn, postfix: Callable[[Any], dict]) -> dict:
     """Run the training loop; returns the summary written to summary.json. `postfix` picks the
     update statistics shown in the progress bar."""
-    reward = get_reward(config.reward)
+    reward = build_reward(config.reward)
     prompts = config.all_prompts()
     output_dir = Path(config.output_dir)
     resumed_from = resume_folder(config.resume, output_dir)
@@ -328,7 +329,7 @@ def train(config: TrainingConfig, update: UpdateFn, postfix: Callable[[Any], dic
         loggers.log_images(config.steps, {"samples_end": samples_end})
     train_s = train_s_before + time.perf_counter() - started
 
-    plot_reward(history, output_dir / "reward.png", title=f"{config.recipe}: reward {config.reward}")
+    plot_reward(history, output_dir / "reward.png", title=f"{config.recipe}: reward {reward_label(config.reward)}")
     if history and "log_ratio_by_step_max" in history[0]:  # GRPO's; DPO has no policy ratio
         plot_log_ratio(history, output_dir / "log_ratio.png", title=f"{config.recipe}: rollout/train agreement")
     lora_file = policy.save(output_dir / "lora")
@@ -376,6 +377,7 @@ def _step_record(step: int, rollout: RewardedRollout, stats, version: int, updat
         "reward_std": float(rewards.std(unbiased=False)),
         "reward_min": float(rewards.min()),
         "reward_max": float(rewards.max()),
+        **{f"reward/{name}": float(scores.mean()) for name, scores in rollout.reward_components.items()},
         "num_samples": len(rollout.outputs),
         **dataclasses.asdict(stats),
         "weight_version": version,

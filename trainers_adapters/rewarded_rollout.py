@@ -12,18 +12,21 @@ import contextlib
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from rollout import NodeId, RolloutOutput, SamplingParams
+from trainers_adapters.composite_reward import CompositeReward, RewardScores, as_composite
 from trainers_adapters.rewards import Reward
 
 
 @dataclass
 class RewardedRollout:
     """outputs: ordered by prompt, then sample (then branch path, in a tree rollout: one output per
-    leaf); rewards [N] float32 and group_ids [N] (the prompt index) follow that order."""
+    leaf); rewards [N] float32 and group_ids [N] (the prompt index) follow that order, and so does
+    each of reward_components (name -> [N] float32: a composite reward's components, unweighted; a
+    single reward's own scores under its name)."""
 
     outputs: list[RolloutOutput]
     rewards: torch.Tensor
@@ -31,6 +34,7 @@ class RewardedRollout:
     rollout_s: float  # wall time from the first request to the last reward
     reward_wait_s: float  # of which the rollout waited for rewards after the last sample finished
     branch_steps: tuple[int, ...] = ()  # the sampling params' (the leaves' trees: `trainers_adapters.tree`)
+    reward_components: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def trajectories(self):
@@ -48,9 +52,12 @@ def generate_with_rewards(
     """Generate `params.num_samples` samples of every prompt (each a tree of leaves when `params`
     branch) and reward each group on `pool` as it finishes. The reward gets (images [n, 3, H, W]
     or videos [n, F, 3, H, W] uint8, prompts, metadata) with metadata per sample: prompt_index,
-    sample_index, branch_path, seed, weight_version."""
+    sample_index, branch_path, seed, weight_version. Every reward's output is checked
+    (`trainers_adapters.reward_checks`): a NaN, an inf or a wrong count raises a RewardError naming
+    the reward and the samples, here, before the caller can update anything."""
     if params.output_type != "image":
         raise ValueError("a rewarded rollout needs images (or videos); set output_type='image' in the sampling params")
+    reward = as_composite(reward)
     started = time.perf_counter()
     group_of: dict[str, int] = {}
     finished: list[list[RolloutOutput]] = [[] for _ in prompts]
@@ -72,16 +79,17 @@ def generate_with_rewards(
             engine.abort(list(group_of))
         raise
     last_sample_done = time.perf_counter()
-    rewards = [futures[index].result() for index in range(len(prompts))]
+    scores = [futures[index].result() for index in range(len(prompts))]
     done = time.perf_counter()
     outputs = [output for group in finished for output in sorted(group, key=_sample_order)]
     return RewardedRollout(
         outputs=outputs,
-        rewards=torch.cat(rewards),
+        rewards=torch.cat([score.total for score in scores]),
         group_ids=torch.tensor([output.prompt_index for output in outputs]),
         rollout_s=done - started,
         reward_wait_s=done - last_sample_done,
         branch_steps=params.branch_steps,
+        reward_components={name: torch.cat([s.components[name] for s in scores]) for name in scores[0].components},
     )
 
 
@@ -89,7 +97,7 @@ def _sample_order(output: RolloutOutput) -> NodeId:
     return output.node_id  # within a group: by sample, then branch path
 
 
-def _reward_group(reward: Reward, group: list[RolloutOutput]) -> torch.Tensor:
+def _reward_group(reward: CompositeReward, group: list[RolloutOutput]) -> RewardScores:
     group = sorted(group, key=_sample_order)
     images = torch.stack([output.image if output.video is None else output.video for output in group])
     metadata = [
@@ -102,7 +110,4 @@ def _reward_group(reward: Reward, group: list[RolloutOutput]) -> torch.Tensor:
         }
         for o in group
     ]
-    rewards = torch.as_tensor(reward(images, [o.prompt for o in group], metadata), dtype=torch.float32)
-    if rewards.shape != (len(group),):
-        raise ValueError(f"the reward returned shape {tuple(rewards.shape)} for {len(group)} images; expected [N]")
-    return rewards.reshape(-1)
+    return reward.score(images, [o.prompt for o in group], metadata)
