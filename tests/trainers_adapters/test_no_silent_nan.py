@@ -1,9 +1,10 @@
 """No NaN passes silently: scoring a step without a log-density raises at the scoring call, a
-diverged adapter is refused by the engine, and a non-finite loss or gradient stops the update
-before the optimizer steps. Each case is the mistake as a user's own loop makes it."""
+diverged adapter is refused by the engine, a NaN reward stops the rollout, and a non-finite loss or
+gradient stops the update before the optimizer steps. Each case is the mistake as a user's own loop makes it."""
 
 from __future__ import annotations
 
+import dataclasses
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -12,11 +13,14 @@ import torch
 from rollout import SamplingParams
 from rollout.rescoring import recompute_log_probs, score_transitions
 from rollout.samplers import NoDensityError
+from trainers_adapters.composite_reward import CompositeReward, RewardComponent
 from trainers_adapters.grpo import grpo_policy_loss
 from trainers_adapters.grpo_trainer import GRPOSettings, grpo_step
 from trainers_adapters.lora_policy import LoraPolicy
 from trainers_adapters.optim import NonFiniteUpdateError, clip_and_step
+from trainers_adapters.reward_checks import RewardError
 from trainers_adapters.rewarded_rollout import generate_with_rewards
+from trainers_adapters.rewards import colour_target
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -119,19 +123,32 @@ def test_scoring_transitions_of_different_settings_in_one_batch_is_refused(engin
         policy.score([flow[0].trajectory, wider[0].trajectory], 0)
 
 
-def test_a_nan_reward_stops_the_grpo_update_before_the_optimizer_steps(engine, tiny_model):
+def test_a_nan_reward_is_refused_at_the_rollout_naming_it_before_any_update(engine, tiny_model):
+    """A judge that returns NaN for one image of a weighted sum: the rollout raises with the
+    component's name and the sample, so the loop never reaches its update or push. A NaN that
+    reaches the update anyway (rewards edited after the rollout) still stops the optimizer."""
     torch.manual_seed(2)
     policy = LoraPolicy(tiny_model, LORA)
-    policy.push(engine)
+    version = policy.push(engine)
     try:
         params = SamplingParams(num_inference_steps=3, num_samples=2, seed=3, lora="policy", guidance_scale=1.0)
 
-        def nan_reward(images, prompts, metadata):
-            return torch.full((len(images),), float("nan"))
+        def judge(images, prompts, metadata):
+            return torch.tensor([float("nan") if m["sample_index"] == 1 else 0.5 for m in metadata])
+
+        reward = CompositeReward([RewardComponent("colour", colour_target), RewardComponent("judge", judge, 0.1)])
+        state = policy.lora_state()
+        message = r"reward 'judge' returned nan for 1 of 2 samples \(prompt 0 sample 1\); .* before any update"
+        with ThreadPoolExecutor(1) as pool, pytest.raises(RewardError, match=message):
+            rollout = generate_with_rewards(engine, PROMPTS, params, reward, pool)
+            grpo_step(policy, torch.optim.AdamW(policy.parameters()), rollout, GRPOSettings(), torch.Generator())
+            policy.push(engine)
+        assert not engine.has_unfinished_requests() and engine.weight_version == version
+        assert all(torch.equal(t, state[k]) for k, t in policy.lora_state().items())
 
         with ThreadPoolExecutor(1) as pool:
-            rollout = generate_with_rewards(engine, PROMPTS, params, nan_reward, pool)
-        state = policy.lora_state()
+            rollout = generate_with_rewards(engine, PROMPTS, params, colour_target, pool)
+        rollout = dataclasses.replace(rollout, rewards=torch.full_like(rollout.rewards, float("nan")))
         optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-2)
         with pytest.raises(NonFiniteUpdateError, match="the loss of GRPO micro-batch .* is nan; the optimizer"):
             grpo_step(policy, optimizer, rollout, GRPOSettings(), torch.Generator().manual_seed(0))

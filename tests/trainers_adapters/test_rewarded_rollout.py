@@ -9,6 +9,8 @@ import pytest
 import torch
 
 from rollout import EngineConfig, RolloutEngine, SamplingParams
+from trainers_adapters.composite_reward import CompositeReward, RewardComponent, groupwise
+from trainers_adapters.reward_checks import RewardError
 from trainers_adapters.rewarded_rollout import generate_with_rewards
 from trainers_adapters.rewards import colour_target
 
@@ -55,7 +57,8 @@ def test_a_failing_reward_leaves_no_request_behind(small_batch_engine):
         return torch.zeros(len(prompts) + 1)
 
     params = SamplingParams(num_inference_steps=2, num_samples=2, seed=1)
-    with ThreadPoolExecutor(1) as pool, pytest.raises(ValueError, match=r"returned shape \(3,\) for 2 images"):
+    message = r"reward 'broken' returned shape \(3,\) for 2 images \(prompt 0 sample 0, prompt 0 sample 1\)"
+    with ThreadPoolExecutor(1) as pool, pytest.raises(RewardError, match=message):
         generate_with_rewards(small_batch_engine, PROMPTS, params, broken, pool)
     assert not small_batch_engine.has_unfinished_requests()
 
@@ -83,3 +86,28 @@ def test_an_interrupted_rollout_aborts_its_requests(small_batch_engine, monkeypa
 def test_images_are_required():
     with pytest.raises(ValueError, match="needs images"):
         generate_with_rewards(None, PROMPTS, SamplingParams(output_type="latent"), colour_target, None)
+
+
+def test_a_groupwise_judge_gets_each_whole_group_of_a_tree_rollout_and_the_components_are_kept(small_batch_engine):
+    """Batches of 2 leaves, so the groups' leaves finish over several engine steps; the judge still
+    sees each prompt's 4 leaves together, in sample then branch order, once."""
+    calls = []
+
+    @groupwise
+    def judge(images, prompts, metadata):
+        calls.append([(m["prompt_index"], m["sample_index"], m["branch_path"]) for m in metadata])
+        assert len(set(prompts)) == 1
+        brightness = images.float().mean(dim=(1, 2, 3))
+        return (brightness[:, None] > brightness[None, :]).float().mean(dim=1)
+
+    reward = CompositeReward([RewardComponent("colour", colour_target, 1.0), RewardComponent("judge", judge, 0.5)])
+    params = SamplingParams(num_inference_steps=3, num_samples=2, seed=1, branch_steps=(1,), branch_factor=2)
+    with ThreadPoolExecutor(1) as pool:
+        rollout = generate_with_rewards(small_batch_engine, PROMPTS, params, reward, pool)
+    leaves = [(s, (b,)) for s in range(2) for b in range(2)]
+    assert sorted(calls) == [[(p, s, path) for s, path in leaves] for p in range(3)]
+    assert list(rollout.reward_components) == ["colour", "judge"]
+    images = torch.stack([o.image for o in rollout.outputs])
+    colour = colour_target(images, [o.prompt for o in rollout.outputs], [{}] * 12)
+    torch.testing.assert_close(rollout.reward_components["colour"], colour, atol=0, rtol=0)
+    torch.testing.assert_close(rollout.rewards, colour + 0.5 * rollout.reward_components["judge"], atol=1e-6, rtol=0)
