@@ -49,7 +49,7 @@ from rollout import SamplingParams
 from rollout.rescoring import RATIO_TOLERANCE  # the contract the first update's |log ratio| meets
 from rollout.seeding import derive_seed
 from trainers_adapters.lora_policy import LoraPolicy
-from trainers_adapters.reward_spec import RewardValue, build_reward, reward_label, reward_problems
+from trainers_adapters.reward_spec import build_reward, reward_label, reward_problems
 from trainers_adapters.rewarded_rollout import RewardedRollout, generate_with_rewards
 
 logger = logging.getLogger(__name__)
@@ -121,7 +121,8 @@ class TrainingConfig(RecipeConfig):
     lora: LoraSection = option(factory=LoraSection)
     optimizer: OptimizerSection = option(factory=OptimizerSection)
     eval: EvalSection = option(factory=EvalSection)
-    reward: RewardValue = option(
+    # A bare dict: its entries are checked by reward_problems, which names each bad one, not as one type error.
+    reward: str | dict = option(
         help="one reward by name (a built-in such as colour or jpeg_compressibility, a reward model: clip_score, "
         "pickscore, aesthetic, or a dotted path), or a mapping name -> {weight, reward model settings} for a "
         "weighted sum, each component logged as reward/<name> (docs/training.md)"

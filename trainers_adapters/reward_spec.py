@@ -105,17 +105,22 @@ def reward_specs(value: RewardValue) -> list[RewardSpec]:
     problems = reward_problems(value)
     if problems:
         raise ValueError("; ".join(problems))
-    return _parse(value)[0]
+    return [item for item in _parse(value) if isinstance(item, RewardSpec)]
 
 
 def reward_problems(value: RewardValue) -> list[str]:
-    """What is wrong with a `reward:` key, every problem, without loading a model."""
-    specs, problems = _parse(value)
-    for spec in specs:
-        found = spec.problems()
-        if found and isinstance(value, str) and not spec.settings:
+    """What is wrong with a `reward:` key, every problem in the key's order, without loading a model."""
+    if isinstance(value, dict) and not value:
+        return ["reward is an empty mapping; name at least one reward (e.g. reward: colour)"]
+    problems = []
+    for item in _parse(value):
+        if isinstance(item, str):
+            problems.append(item)
+            continue
+        found = item.problems()
+        if found and isinstance(value, str):
             found[-1] += f"; give them as reward: {{{value}: {{weight: 1.0, ...}}}}"
-        problems += [f"reward.{spec.name}: {problem}" for problem in found]
+        problems += [f"reward.{item.name}: {problem}" for problem in found]
     return problems
 
 
@@ -128,26 +133,27 @@ def reward_label(value: RewardValue) -> str:
     """A short text for plot titles: "colour", or "1*clip_score + 0.5*aesthetic"."""
     if isinstance(value, str):
         return value
-    return " + ".join(f"{spec.weight:g}*{spec.name}" for spec in _parse(value)[0])
+    return " + ".join(f"{spec.weight:g}*{spec.name}" for spec in reward_specs(value))
 
 
-def _parse(value: RewardValue) -> tuple[list[RewardSpec], list[str]]:
+def _parse(value: RewardValue) -> list[RewardSpec | str]:
+    """The key's components in order, each a spec or, where it is malformed, the problem."""
     if isinstance(value, str):
-        return [RewardSpec(name=value, reward=value)], []
-    if not value:
-        return [], ["reward is an empty mapping; name at least one reward (e.g. reward: colour)"]
-    specs, problems = [], []
+        return [RewardSpec(name=value, reward=value)]
+    items: list[RewardSpec | str] = []
     for name, settings in value.items():
-        if isinstance(settings, int | float) and not isinstance(settings, bool):
-            specs.append(RewardSpec(name=name, reward=name, weight=float(settings)))
+        if not isinstance(name, str):
+            items.append(f"reward: a component's name must be text, got {name!r}")
+        elif isinstance(settings, int | float) and not isinstance(settings, bool):
+            items.append(RewardSpec(name=name, reward=name, weight=float(settings)))
         elif isinstance(settings, dict):
             settings = dict(settings)
             weight = settings.pop("weight", 1.0)
             reward = settings.pop("reward", name)
-            if not isinstance(reward, str):
-                problems.append(f"reward.{name}.reward must name a reward, got {reward!r}")
-                continue
-            specs.append(RewardSpec(name=name, reward=reward, weight=weight, settings=settings))
+            if isinstance(reward, str):
+                items.append(RewardSpec(name=name, reward=reward, weight=weight, settings=settings))
+            else:
+                items.append(f"reward.{name}.reward must name a reward, got {reward!r}")
         else:
-            problems.append(f"reward.{name}: expected a weight or a mapping of settings, got {settings!r}")
-    return specs, problems
+            items.append(f"reward.{name}: expected a weight or a mapping of settings, got {settings!r}")
+    return items

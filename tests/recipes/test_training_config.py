@@ -209,3 +209,45 @@ def test_bad_sde_window_ranges_are_named():
     ]:
         with pytest.raises(ValueError, match=message):
             load_config(CONFIG_DIR / "grpo_fast_tiny.yaml", overrides)
+
+
+def test_reward_names_one_reward_or_a_weighted_sum_of_several(tiny_clip, tiny_aesthetic_head):
+    sum_of_three = (
+        f"reward={{clip_score: {{weight: 1.0, model: {tiny_clip}}}, "
+        f"aesthetic: {{weight: 0.5, model: {tiny_clip}, head: {tiny_aesthetic_head}}}, colour: 0.1}}"
+    )
+    config = load_config(CONFIG_DIR / "grpo_tiny.yaml", [sum_of_three, "reward.colour=0.2"])
+    assert config.reward == {
+        "clip_score": {"weight": 1.0, "model": tiny_clip},
+        "aesthetic": {"weight": 0.5, "model": tiny_clip, "head": tiny_aesthetic_head},
+        "colour": 0.2,  # --set reaches into the mapping
+    }
+    assert load_config(CONFIG_DIR / "grpo_tiny.yaml", ["reward=jpeg_compressibility"]).reward == "jpeg_compressibility"
+
+
+def test_every_bad_reward_setting_is_named_before_any_model_loads(tmp_path, tiny_clip):
+    bad = (
+        f"reward={{clip_score: {{weight: 1.0, modle: {tiny_clip}}}, pickscore: {{model: {tmp_path}}}, "
+        "colour: {weight: heavy, device: cuda}, aesthetic: {model: /nowhere}, judge: {reward: nope}, "
+        "jpeg_compressibility: [1]}"
+    )
+    with pytest.raises(ValueError) as error:
+        load_config(CONFIG_DIR / "grpo_tiny.yaml", [bad])
+    assert problems_of(error) == [
+        "config: reward.clip_score: unknown setting 'modle'; did you mean 'model'? ClipScore takes model, "
+        "processor, device, batch_size",
+        "config: reward.clip_score: ClipScore needs model (it takes model, processor, device, batch_size)",
+        f"config: reward.pickscore: model '{tmp_path}' is not a CLIPModel folder (no config.json there)",
+        "config: reward.colour: weight must be a finite number, got 'heavy'",
+        "config: reward.colour: colour is a function and takes no settings; drop device",
+        "config: reward.aesthetic: AestheticScore needs head (it takes model, head, processor, device, batch_size)",
+        "config: reward.aesthetic: model '/nowhere' is not a CLIPModel folder (no config.json there)",
+        "config: reward.judge: unknown reward 'nope'; built-ins: ['colour', 'colour_agreement', "
+        "'jpeg_compressibility', 'jpeg_incompressibility'], reward models: ['aesthetic', 'clip_score', "
+        "'pickscore'], or a dotted path (pkg.module.name) to a reward function or class",
+        "config: reward.jpeg_compressibility: expected a weight or a mapping of settings, got [1]",
+    ]
+    with pytest.raises(ValueError, match=r"AestheticScore needs model, head .*give them as reward: "):
+        load_config(CONFIG_DIR / "grpo_tiny.yaml", ["reward=aesthetic"])
+    with pytest.raises(ValueError, match="reward is an empty mapping; name at least one reward"):
+        load_config(CONFIG_DIR / "grpo_tiny.yaml", ["reward={}"])
