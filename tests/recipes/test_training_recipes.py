@@ -130,8 +130,12 @@ def test_the_video_recipe_writes_animated_grids_and_starts_at_ratio_one(tmp_path
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("executor", ["uni", pytest.param("mp", marks=pytest.mark.slow)])
 def test_dpo_recipe_runs(tmp_path, monkeypatch, executor):
-    run_cli(monkeypatch, "dpo_tiny.yaml", *small_run(tmp_path, executor))
+    weighted_sum = "reward={colour: 1.0, jpeg_compressibility: 0.01}"
+    run_cli(monkeypatch, "dpo_tiny.yaml", *small_run(tmp_path, executor), weighted_sum)
     records, _ = check_run_files(tmp_path / "out")
+    for r in records:  # each component's mean is logged; the reward is their weighted sum
+        total = r["reward/colour"] + 0.01 * r["reward/jpeg_compressibility"]
+        assert r["reward_mean"] == pytest.approx(total, abs=1e-6)
     assert all(r["num_pairs"] == 2 for r in records)
     assert not any(key.startswith("log_ratio") for key in records[0])  # DPO has no policy ratio
     assert not (tmp_path / "out" / "log_ratio.png").exists()
