@@ -107,3 +107,20 @@ def test_reward_models_refuse_what_they_cannot_score(tiny_clip, tmp_path, images
     save_aesthetic_head(aesthetic_head(768), wrong)  # a ViT-L/14 head on a 32-wide CLIP
     with pytest.raises(RuntimeError, match=r"size mismatch for 0.weight"):
         AestheticScore(tiny_clip, head=str(wrong))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_reward_models_score_on_the_device_they_are_given(tiny_clip, tiny_aesthetic_head, images):
+    """On CUDA, each class gives its CPU scores (float32 matmuls without TF32: PyTorch's default)
+    and returns them on CPU."""
+    for build in (
+        lambda device: ClipScore(tiny_clip, device=device),
+        lambda device: PickScore(tiny_clip, device=device),
+        lambda device: AestheticScore(tiny_clip, head=tiny_aesthetic_head, device=device),
+    ):
+        on_gpu = build("cuda")
+        assert next(on_gpu.model.parameters()).device.type == "cuda"
+        scores = on_gpu(images, PROMPTS, [{}] * 4)
+        assert scores.device.type == "cpu"
+        torch.testing.assert_close(scores, build("cpu")(images, PROMPTS, [{}] * 4), atol=1e-4, rtol=1e-5)
