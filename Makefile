@@ -56,6 +56,7 @@ bench: setup
 	$(call BENCH,branching,,branching)
 	$(call BENCH,expert_update,,expert_update)
 	$(call BENCH,request_table,,request_table)
+	$(call BENCH,reward_models,,reward_models)
 	$(PY) -m benchmarks.render
 
 clean:
