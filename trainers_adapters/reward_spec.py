@@ -148,7 +148,7 @@ def _parse(value: RewardValue) -> list[RewardSpec | str]:
             items.append(RewardSpec(name=name, reward=name, weight=float(settings)))
         elif isinstance(settings, dict):
             settings = dict(settings)
-            weight = settings.pop("weight", 1.0)
+            weight = _number(settings.pop("weight", 1.0))
             reward = settings.pop("reward", name)
             if isinstance(reward, str):
                 items.append(RewardSpec(name=name, reward=reward, weight=weight, settings=settings))
@@ -157,3 +157,13 @@ def _parse(value: RewardValue) -> list[RewardSpec | str]:
         else:
             items.append(f"reward.{name}: expected a weight or a mapping of settings, got {settings!r}")
     return items
+
+
+def _number(value):
+    """`value`, or the float a text of a number stands for: YAML 1.1 (PyYAML) reads 1e-2 as text."""
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return value  # reported as not a number
+    return value

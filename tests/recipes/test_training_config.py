@@ -11,6 +11,7 @@ import yaml
 
 import recipes.config
 from recipes.config import load_config
+from trainers_adapters.reward_spec import reward_specs
 
 CONFIG_DIR = Path(recipes.config.__file__).parent / "configs"
 
@@ -223,6 +224,8 @@ def test_reward_names_one_reward_or_a_weighted_sum_of_several(tiny_clip, tiny_ae
         "colour": 0.2,  # --set reaches into the mapping
     }
     assert load_config(CONFIG_DIR / "grpo_tiny.yaml", ["reward=jpeg_compressibility"]).reward == "jpeg_compressibility"
+    text_weight = load_config(CONFIG_DIR / "grpo_tiny.yaml", ["reward={colour: {weight: 1e-2}}"])  # YAML 1.1: text
+    assert reward_specs(text_weight.reward)[0].weight == 0.01
 
 
 def test_every_bad_reward_setting_is_named_before_any_model_loads(tmp_path, tiny_clip):
