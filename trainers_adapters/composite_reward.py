@@ -114,7 +114,9 @@ def as_composite(reward: Reward) -> CompositeReward:
     return CompositeReward([RewardComponent(reward_name(reward), reward)])
 
 
-def score_component(name: str, reward: Reward, images, prompts: Sequence[str], metadata: Sequence[dict]):
+def score_component(
+    name: str, reward: Reward, images, prompts: Sequence[str], metadata: Sequence[dict]
+) -> torch.Tensor:
     """`reward`'s checked scores [N] of the batch: in one call, or, for a groupwise reward, one call
     per group (the samples of one prompt_index, in the batch's order), put back in the batch's order."""
     if not isinstance(reward, GroupwiseReward):

@@ -49,10 +49,12 @@ def test_clip_score_is_100_times_the_cosine_clipped_at_0(tiny_clip, clip, images
     cosine = (image * text).sum(-1)
     expected = torch.clamp(100 * cosine, min=0)
     assert (cosine > 0).any() and (cosine < 0).any(), "the tiny model should test both sides of the clip"
-    batched, alone = _alone_and_batched(ClipScore(tiny_clip, batch_size=8), images, PROMPTS)
+    reward = ClipScore(tiny_clip, batch_size=8)
+    batched, alone = _alone_and_batched(reward, images, PROMPTS)
     torch.testing.assert_close(batched, expected, atol=1e-5, rtol=0)
     torch.testing.assert_close(alone, expected, atol=1e-5, rtol=0)
-    chunked = ClipScore(tiny_clip, batch_size=3)(images, PROMPTS, [{}] * 4)  # a batch across forward passes
+    reward.batch_size = 3
+    chunked = reward(images, PROMPTS, [{}] * 4)  # one batch over two forward passes
     torch.testing.assert_close(chunked, expected, atol=1e-5, rtol=0)
 
 
@@ -61,17 +63,19 @@ def test_pickscore_is_the_model_cards_score_of_each_image_against_its_prompt(tin
     pil = [Image.fromarray(image.permute(1, 2, 0).numpy()) for image in images]
     expected = []
     with torch.no_grad():  # the model card's calc_probs before its softmax, one prompt at a time
+        image_inputs = processor(images=pil, padding=True, truncation=True, max_length=77, return_tensors="pt")
+        image_embs = _unit(model.get_image_features(**image_inputs).pooler_output)
         for prompt in PROMPTS:
-            image_inputs = processor(images=pil, padding=True, truncation=True, max_length=77, return_tensors="pt")
             text_inputs = processor(text=prompt, padding=True, truncation=True, max_length=77, return_tensors="pt")
-            image_embs = _unit(model.get_image_features(**image_inputs).pooler_output)
             text_embs = _unit(model.get_text_features(**text_inputs).pooler_output)
             expected.append(model.logit_scale.exp() * (text_embs @ image_embs.T)[0])
     expected = torch.stack(expected).diagonal()  # each image against its own prompt
-    batched, alone = _alone_and_batched(PickScore(tiny_clip), images, PROMPTS)
+    reward = PickScore(tiny_clip)
+    batched, alone = _alone_and_batched(reward, images, PROMPTS)
     torch.testing.assert_close(batched, expected, atol=1e-5, rtol=0)
     torch.testing.assert_close(alone, expected, atol=1e-5, rtol=0)
-    scaled = PickScore(tiny_clip, scale=1 / 26)(images, PROMPTS, [{}] * 4)  # Flow-GRPO's scaling
+    reward.scale = 1 / 26  # Flow-GRPO's
+    scaled = reward(images, PROMPTS, [{}] * 4)
     torch.testing.assert_close(scaled, expected / 26, atol=1e-6, rtol=0)
 
 
