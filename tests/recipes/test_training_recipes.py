@@ -206,3 +206,22 @@ def test_a_sliding_sde_window_moves_each_step_with_its_branch_and_stays_at_ratio
     assert len(set(windows)) > 1, windows  # seed 0 draws different places
     assert all(r["num_transitions"] == 3 * 2 for r in records)  # 3 leaves x the window's 2 steps
     assert all(r["log_ratio_before_update"] < RATIO_TOLERANCE for r in records)
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:.*found in sys.modules:RuntimeWarning")
+@pytest.mark.timeout(300)
+def test_grpo_trains_on_reward_models_from_local_folders(tmp_path, monkeypatch, tiny_clip, tiny_aesthetic_head):
+    """The recipe builds CLIP score and the aesthetic head from their folders (tiny and random
+    here) and logs both with the built-in they are summed with."""
+    reward = (
+        f"reward={{clip_score: {{weight: 0.01, model: {tiny_clip}, batch_size: 2}}, "
+        f"aesthetic: {{weight: 1.0, model: {tiny_clip}, head: {tiny_aesthetic_head}}}, colour: 1.0}}"
+    )
+    run_cli(monkeypatch, "grpo_tiny.yaml", *small_run(tmp_path, "uni"), reward)
+    records, summary = check_run_files(tmp_path / "out")
+    for r in records:
+        total = 0.01 * r["reward/clip_score"] + r["reward/aesthetic"] + r["reward/colour"]
+        assert r["reward_mean"] == pytest.approx(total, abs=1e-5)
+        assert 0 <= r["reward/clip_score"] <= 100
+    assert summary["log_ratio_before_update_max"] < RATIO_TOLERANCE
