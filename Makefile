@@ -41,6 +41,7 @@ bench: setup
 	$(call BENCH,rollout_throughput,--family sd3,rollout_throughput_sd3)
 	$(call BENCH,rollout_throughput,--family flux,rollout_throughput_flux)
 	$(call BENCH,rollout_throughput,--family qwen_image,rollout_throughput_qwen_image)
+	$(call BENCH,rollout_throughput,--family flux2_klein,rollout_throughput_flux2_klein)
 	$(call BENCH,rollout_throughput,--family wan,rollout_throughput_wan)
 	$(call BENCH,rollout_throughput,--family wan22,rollout_throughput_wan22)
 	$(call BENCH,output_memory,,output_memory)

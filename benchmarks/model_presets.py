@@ -3,8 +3,9 @@
 small  a transformer big enough to dominate the time on a CPU, tiny text encoders and VAE: the
        engine's overhead shows against real model work in seconds;
 real   the transformer of the published model (the family's `real_model`) from its config with
-       random weights, text encoders one layer deep but of the real widths, and a small VAE with the
-       real scale factors and latent channels: a GPU measurement of the real per-step work. The
+       random weights, text encoders one layer deep but of the real widths (FLUX.2 [klein]'s 27
+       deep: its pipeline reads layer 27), and a small VAE with the real scale factors and latent
+       channels: a GPU measurement of the real per-step work. The
        transformers have 1.4B to 20B parameters (Wan 2.2: two of 14.3B): build them on the GPU.
 
 Each family declares its presets (`Family.presets`, built by functions beside its tiny builder in
@@ -21,6 +22,7 @@ import torch
 
 from rollout.pipelines.families import FAMILIES, family_named
 from rollout.pipelines.tiny.flux import FLUX1_DEV
+from rollout.pipelines.tiny.flux2 import FLUX2_KLEIN_4B, FLUX2_KLEIN_9B
 from rollout.pipelines.tiny.qwen_image import QWEN_IMAGE
 from rollout.pipelines.tiny.sd3 import REAL_VAE_BLOCKS, SD35_MEDIUM
 from rollout.pipelines.tiny.wan import WAN21_T2V_1_3B, WAN22_T2V_A14B_EXPERT, WAN_SMALL
@@ -30,6 +32,8 @@ __all__ = [
     "DEFAULT_SIZE",
     "DEFAULT_VIDEO_SIZE",
     "FLUX1_DEV",
+    "FLUX2_KLEIN_4B",
+    "FLUX2_KLEIN_9B",
     "PRESETS",
     "QWEN_IMAGE",
     "REAL_VAE_BLOCKS",

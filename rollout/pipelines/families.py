@@ -7,7 +7,7 @@ family is its module (adapter and `Family`) plus its line here.
 
 from __future__ import annotations
 
-from rollout.pipelines import flux, qwen_image, sd3, wan
+from rollout.pipelines import flux, flux2, qwen_image, sd3, wan
 from rollout.pipelines.adapter import PipelineAdapter
 from rollout.pipelines.family import Family
 
@@ -15,6 +15,7 @@ FAMILIES: tuple[Family, ...] = (
     sd3.FAMILY,
     flux.FAMILY,
     qwen_image.FAMILY,
+    flux2.FAMILY,
     wan.WAN21_FAMILY,
     wan.WAN22_FAMILY,
 )

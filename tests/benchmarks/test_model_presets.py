@@ -8,6 +8,8 @@ import torch
 
 from benchmarks.model_presets import (
     FLUX1_DEV,
+    FLUX2_KLEIN_4B,
+    FLUX2_KLEIN_9B,
     QWEN_IMAGE,
     SD35_MEDIUM,
     WAN21_T2V_1_3B,
@@ -25,6 +27,8 @@ pytestmark = pytest.mark.timeout(120)
         ("SD3Transformer2DModel", SD35_MEDIUM, 2.24),
         ("FluxTransformer2DModel", FLUX1_DEV, 11.9),
         ("QwenImageTransformer2DModel", QWEN_IMAGE, 20.4),
+        ("Flux2Transformer2DModel", FLUX2_KLEIN_4B, 3.88),  # FLUX.2 [klein] 4B
+        ("Flux2Transformer2DModel", FLUX2_KLEIN_9B, 9.08),  # FLUX.2 [klein] 9B
         ("WanTransformer3DModel", WAN21_T2V_1_3B, 1.42),  # Wan 2.1 T2V 1.3B
         ("WanTransformer3DModel", WAN22_T2V_A14B_EXPERT, 14.3),  # each of Wan 2.2 T2V A14B's two experts
     ],

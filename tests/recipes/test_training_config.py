@@ -53,6 +53,16 @@ def test_qwen_image_config_carries_the_published_flow_grpo_settings():
     assert (config.sampling.num_samples, config.prompts_per_step) == (16, 32)
 
 
+def test_flux2_klein_config_carries_the_flow_grpo_settings_it_cites():
+    config = load_config(CONFIG_DIR / "grpo_flux2_klein_lora.yaml")
+    assert (config.lora.rank, config.lora.alpha, config.lora.target_modules) == (64, 128, None)
+    assert (config.sampling.num_inference_steps, config.eval.num_inference_steps) == (10, 50)
+    assert (config.sampling.guidance_scale, config.sampling.noise_level) == (4.0, 0.9)
+    assert config.sampling.true_cfg_scale is None and config.sampling.negative_prompt is None  # CFG against ""
+    assert (config.sampling.num_samples, config.prompts_per_step) == (24, 48)
+    assert config.grpo.kl_beta == 0.0 and config.grpo.global_std
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
     "name, family",
@@ -62,6 +72,8 @@ def test_qwen_image_config_carries_the_published_flow_grpo_settings():
         ("grpo_qwen_image_lora.yaml", "qwen_image"),
         ("grpo_flux_tiny.yaml", "flux"),
         ("grpo_qwen_image_tiny.yaml", "qwen_image"),
+        ("grpo_flux2_klein_lora.yaml", "flux2_klein"),
+        ("grpo_flux2_klein_tiny.yaml", "flux2_klein"),
         ("grpo_wan_tiny.yaml", "wan"),
         ("grpo_wan22_a14b_lora.yaml", "wan22"),
     ],

@@ -43,8 +43,9 @@ def test_a_sample_alone_equals_the_sample_in_a_mixed_batch(family_engine):
 def test_trajectory_form_is_the_pipelines_latents_argument(family_engine):
     family, engine = family_engine
     (output,) = engine.generate("x", family.params(num_inference_steps=3, seed=0))
-    expected = {"sd3": (4, 4, 16, 16), "flux": (4, 64, 16), "qwen_image": (4, 64, 16)}[family.name]
-    assert tuple(output.trajectory.latents.stack().shape) == expected  # packed 2x2 patches for FLUX, Qwen-Image
+    expected = {"sd3": (4, 4, 16, 16), "flux": (4, 64, 16), "qwen_image": (4, 64, 16), "flux2_klein": (4, 16, 8, 8)}
+    # Packed 2x2 patches for FLUX.1 and Qwen-Image; FLUX.2 patchifies 2x2 into channels on the grid.
+    assert tuple(output.trajectory.latents.stack().shape) == expected[family.name]
     assert (output.trajectory.height, output.trajectory.width) == (32, 32)
     assert output.image.shape == (3, 32, 32)
 
@@ -68,6 +69,12 @@ REFUSED = {
         ({"num_frames": 9}, "num_frames is for video pipelines"),
         ({"num_inference_steps": 1}, "num_inference_steps=1 is too few for QwenImagePipeline"),
     ],
+    "flux2_klein": [
+        ({"true_cfg_scale": 4.0}, "true_cfg_scale is not used by Flux2KleinPipeline; leave it unset"),
+        ({"guidance_scale": 1.0, "negative_prompt": "ugly"}, "negative_prompt is used only with classifier-free"),
+        ({"height": 30}, r"height=30 is not divisible by 4 \(VAE scale 4 x patch size 1\)"),
+        ({"max_sequence_length": 600}, "max_sequence_length=600 is above Flux2KleinPipeline's limit of 512"),
+    ],
 }
 
 
@@ -87,6 +94,7 @@ def test_defaults_come_from_the_model(family_engine):
         "sd3": (4.5, None, "", 256),  # CFG with the empty negative prompt, as diffusers
         "flux": (3.5, 1.0, None, 512),  # FLUX.1-dev's distilled guidance; true CFG off
         "qwen_image": (None, 1.0, None, 512),
+        "flux2_klein": (4.0, None, "", 512),  # a base klein model: CFG against "", as the pipeline
     }[family.name]
     got = (resolved.guidance_scale, resolved.true_cfg_scale, resolved.negative_prompt, resolved.max_sequence_length)
     assert got == expected

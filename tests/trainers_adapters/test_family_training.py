@@ -24,7 +24,7 @@ pytestmark = pytest.mark.timeout(180)
 LORA = {"r": 4, "lora_alpha": 8}  # no target_modules: the family's default targets
 
 
-@pytest.fixture(scope="module", params=["flux", "qwen_image"])
+@pytest.fixture(scope="module", params=["flux", "qwen_image", pytest.param("flux2_klein", marks=pytest.mark.slow)])
 def family_engine(request, tiny_models):
     family = FAMILIES[request.param]
     path = tiny_models(family.name)
@@ -92,6 +92,42 @@ def test_a_flux_lora_from_the_policy_reproduces_the_engine_in_diffusers(tiny_mod
     call = {"num_inference_steps": 4, "height": 32, "width": 32, "guidance_scale": 3.5, "output_type": "latent"}
     reference = pipeline("a red square", latents=latents[0][None].clone(), **call).images
     assert (latents[-1] - reference[0]).abs().max() < 1e-4
+    assert (latents[-1] - base.trajectory.latents[-1]).abs().max() > 1e-2  # the adapter changed the samples
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cfg", [True, False], ids=["cfg", "no-cfg"])
+def test_a_flux2_klein_lora_from_the_policy_reproduces_the_engine_in_diffusers(tiny_models, tmp_path, cfg):
+    """FLUX.2 [klein]: the policy's default targets (double and single blocks) load with
+    `Flux2KleinPipeline.load_lora_weights`, guided (CFG against "") and not."""
+    from diffusers import Flux2KleinPipeline
+
+    from tests.rollout.test_parity import as_latent_output
+
+    family = FAMILIES["flux2_klein"]
+    path = tiny_models("flux2_klein")
+    torch.manual_seed(0)
+    policy = LoraPolicy(path, LORA)
+    assert any("single_transformer_blocks" in key for key in policy.lora_state())
+    with torch.no_grad():  # a trained-looking adapter: LoRA B starts at zero
+        for parameter in policy.parameters():
+            parameter.add_(0.2 * torch.randn_like(parameter))
+    folder = policy.save(tmp_path / "lora").parent
+    params = family.params(cfg=cfg, sampler="ode", num_inference_steps=4, seed=0, lora="trained")
+    with RolloutEngine(EngineConfig(model=path)) as engine:
+        engine.load_lora("trained", str(folder))
+        (with_lora,) = engine.generate("a red square", params)
+        engine.unload_lora("trained")
+        (base,) = engine.generate("a red square", family.params(cfg=cfg, sampler="ode", num_inference_steps=4, seed=0))
+
+    pipeline = Flux2KleinPipeline.from_pretrained(path)
+    pipeline.set_progress_bar_config(disable=True)
+    pipeline.load_lora_weights(folder)
+    latents = with_lora.trajectory.latents.stack()
+    call = {"num_inference_steps": 4, "height": 32, "width": 32, "output_type": "latent"}
+    call |= family.cfg if cfg else family.no_cfg
+    reference = pipeline(prompt="a red square", latents=latents[0][None].clone(), **call).images
+    assert (as_latent_output(family, pipeline, latents[-1][None]) - reference).abs().max() < 1e-4
     assert (latents[-1] - base.trajectory.latents[-1]).abs().max() > 1e-2  # the adapter changed the samples
 
 

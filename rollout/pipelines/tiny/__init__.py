@@ -17,6 +17,7 @@ import logging
 
 from rollout.pipelines.families import FAMILIES, families_help
 from rollout.pipelines.tiny.flux import TinyFluxSizes, build_tiny_flux
+from rollout.pipelines.tiny.flux2 import TinyFlux2KleinSizes, build_tiny_flux2_klein
 from rollout.pipelines.tiny.qwen_image import TinyQwenImageSizes, build_tiny_qwen_image
 from rollout.pipelines.tiny.sd3 import TinySD3Sizes, build_tiny_sd3
 from rollout.pipelines.tiny.wan import TinyWanSizes, build_tiny_wan, build_tiny_wan22, build_tiny_wan22_ti2v
@@ -26,11 +27,13 @@ TINY_BUILDERS = {family.name: family.build_tiny for family in FAMILIES}
 
 __all__ = [
     "TINY_BUILDERS",
+    "TinyFlux2KleinSizes",
     "TinyFluxSizes",
     "TinyQwenImageSizes",
     "TinySD3Sizes",
     "TinyWanSizes",
     "build_tiny_flux",
+    "build_tiny_flux2_klein",
     "build_tiny_qwen_image",
     "build_tiny_sd3",
     "build_tiny_wan",

@@ -1,0 +1,158 @@
+"""A tiny `Flux2KleinPipeline` (FLUX.2 [klein]'s layout: a Qwen3 text encoder read at three layers,
+the FLUX.2 VAE with its 2x2 patchify and batch norm, colour-faithful), all random."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from rollout.pipelines.quiet import quietly
+from rollout.pipelines.tiny.colour import make_decoder_colour_faithful
+from rollout.pipelines.tiny.saving import save
+from rollout.pipelines.tiny.sd3 import REAL_VAE_BLOCKS
+from rollout.pipelines.tiny.text_encoders import qwen3_encoder
+from rollout.pipelines.tiny.tokenizers import qwen3_tokenizer
+
+# The scheduler diffusers' FLUX.2 conversion script gives its pipelines (FLUX.1-dev's
+# scheduler_config.json). Flux2KleinPipeline passes its own `mu` (compute_empirical_mu), so of
+# these only use_dynamic_shifting (and time_shift_type's default, exponential) shape the schedule.
+FLUX2_SCHEDULER = {
+    "base_image_seq_len": 256,
+    "base_shift": 0.5,
+    "max_image_seq_len": 4096,
+    "max_shift": 1.15,
+    "num_train_timesteps": 1000,
+    "shift": 3.0,
+    "use_dynamic_shifting": True,
+}
+# Flux2KleinPipeline reads Qwen3's hidden states after these layers (text_encoder_out_layers'
+# default), so the text encoder needs at least the last of them.
+TEXT_LAYERS = 27
+
+
+@dataclass(frozen=True)
+class TinyFlux2KleinSizes:
+    """Sizes of the tiny pipeline: 32x32 images from 16x16x4 latents, patchified to 16 x 8 x 8
+    (64 tokens of 16)."""
+
+    latent_channels: int = 4  # the VAE's (FLUX.2's has 32); the transformer sees 4x as many
+    num_layers: int = 1  # double-stream blocks
+    num_single_layers: int = 1
+    num_attention_heads: int = 2
+    attention_head_dim: int = 16
+    axes_dims_rope: tuple[int, ...] = (4, 4, 4, 4)  # (t, h, w, l); sums to attention_head_dim
+    text_hidden_size: int = 32  # Qwen3's width; the transformer's text width is 3x (three layers)
+    vae_block_out_channels: tuple[int, ...] = (8, 16)  # two blocks: the VAE downsamples by 2
+    distilled: bool = False  # a base model: true CFG with guidance_scale > 1 (True: step-distilled)
+
+
+@quietly
+def build_tiny_flux2_klein(
+    path: str | Path,
+    seed: int = 0,
+    sizes: TinyFlux2KleinSizes = TinyFlux2KleinSizes(),
+    transformer_config: dict | None = None,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> Path:
+    """Build a `Flux2KleinPipeline` with random weights and save it to `path`; returns `path`.
+    Deterministic in `seed`; a folder that already holds a pipeline is overwritten.
+    `transformer_config` replaces the tiny transformer (benchmarks pass a published config); the
+    modules are made on `device` and saved in `dtype`."""
+    from diffusers import (
+        AutoencoderKLFlux2,
+        FlowMatchEulerDiscreteScheduler,
+        Flux2KleinPipeline,
+        Flux2Transformer2DModel,
+    )
+
+    path = Path(path)
+    tokenizer = qwen3_tokenizer()
+    channels = sizes.latent_channels
+    num_blocks = len(sizes.vae_block_out_channels)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        transformer = Flux2Transformer2DModel(
+            **transformer_config
+            or {
+                "patch_size": 1,
+                "in_channels": 4 * channels,  # 2x2 patchified latents
+                "num_layers": sizes.num_layers,
+                "num_single_layers": sizes.num_single_layers,
+                "attention_head_dim": sizes.attention_head_dim,
+                "num_attention_heads": sizes.num_attention_heads,
+                "joint_attention_dim": 3 * sizes.text_hidden_size,
+                "axes_dims_rope": sizes.axes_dims_rope,
+                "guidance_embeds": False,  # as every klein transformer
+            }
+        )
+        vae = AutoencoderKLFlux2(
+            down_block_types=("DownEncoderBlock2D",) * num_blocks,
+            up_block_types=("UpDecoderBlock2D",) * num_blocks,
+            block_out_channels=sizes.vae_block_out_channels,
+            layers_per_block=1,
+            latent_channels=channels,
+            # One group: per-channel GroupNorm would erase each latent channel's mean (tiny/sd3.py).
+            norm_num_groups=1,
+            sample_size=32,
+            use_quant_conv=False,
+            use_post_quant_conv=False,
+        )
+        make_decoder_colour_faithful(vae)
+        text_encoder = qwen3_encoder(tokenizer, sizes.text_hidden_size, TEXT_LAYERS)
+    pipeline = Flux2KleinPipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(**FLUX2_SCHEDULER),
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        transformer=transformer,
+        is_distilled=sizes.distilled,
+    )
+    return save(pipeline, path, dtype)
+
+
+# Benchmark presets (benchmarks/model_presets.py), as in tiny/sd3.py.
+
+# FLUX.2 [klein] 4B's transformer/config.json (the same for FLUX.2-klein-4B and -base-4B; diffusers'
+# scripts/convert_flux2_to_diffusers.py writes the same values): 3.88B parameters.
+FLUX2_KLEIN_4B = {
+    "patch_size": 1,
+    "in_channels": 128,
+    "num_layers": 5,
+    "num_single_layers": 20,
+    "attention_head_dim": 128,
+    "num_attention_heads": 24,
+    "joint_attention_dim": 7680,  # 3 x Qwen3-4B's 2560
+    "timestep_guidance_channels": 256,
+    "mlp_ratio": 3.0,
+    "axes_dims_rope": (32, 32, 32, 32),
+    "rope_theta": 2000,
+    "eps": 1e-6,
+    "guidance_embeds": False,
+}
+# FLUX.2 [klein] 9B's (from the same script): 9.08B parameters, text from Qwen3-8B (4096 wide).
+FLUX2_KLEIN_9B = FLUX2_KLEIN_4B | {
+    "num_layers": 8,
+    "num_single_layers": 24,
+    "num_attention_heads": 32,
+    "joint_attention_dim": 12288,
+}
+
+
+def build_small_flux2_klein(folder: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> Path:
+    """A transformer big enough to dominate a CPU's time (2 double and 4 single blocks of 4 x 32
+    heads), a tiny text encoder and VAE."""
+    sizes = TinyFlux2KleinSizes(
+        num_layers=2, num_single_layers=4, num_attention_heads=4, attention_head_dim=32, axes_dims_rope=(8, 8, 8, 8)
+    )
+    return build_tiny_flux2_klein(folder, sizes=sizes, device=device, dtype=dtype)
+
+
+def build_real_flux2_klein(folder: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> Path:
+    """FLUX.2 [klein] 4B's transformer (3.88B parameters) with random weights, a text encoder of
+    Qwen3-4B's width (27 layers, the deepest the pipeline reads; 2x-wide MLPs: about 1.5B
+    parameters), and a narrow VAE with the real scale factor and latent channels (32)."""
+    sizes = TinyFlux2KleinSizes(latent_channels=32, text_hidden_size=2560, vae_block_out_channels=REAL_VAE_BLOCKS)
+    return build_tiny_flux2_klein(folder, sizes=sizes, transformer_config=FLUX2_KLEIN_4B, device=device, dtype=dtype)
