@@ -7,7 +7,7 @@ family is its module (adapter and `Family`) plus its line here.
 
 from __future__ import annotations
 
-from rollout.pipelines import flux, qwen_image, sd3, wan
+from rollout.pipelines import flux, qwen_image, sd3, wan, z_image
 from rollout.pipelines.adapter import PipelineAdapter
 from rollout.pipelines.family import Family
 
@@ -17,6 +17,7 @@ FAMILIES: tuple[Family, ...] = (
     qwen_image.FAMILY,
     wan.WAN21_FAMILY,
     wan.WAN22_FAMILY,
+    z_image.FAMILY,
 )
 
 

@@ -92,3 +92,26 @@ def qwen25_vl_encoder(tokenizer, width: int, layers: int):
         video_token_id=vocab_size + 3,
     )
     return Qwen2_5_VLForConditionalGeneration(config)
+
+
+def qwen3_encoder(tokenizer, width: int, layers: int):
+    """A `Qwen3ForCausalLM` (FLUX.2 Klein's text encoder; its `.model` is the `Qwen3Model` Z-Image
+    has) `width` wide with `layers` layers, grouped-query attention as Qwen3's (4 query heads per
+    key-value head where the width allows)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    heads = max(2, width // 128)
+    config = Qwen3Config(
+        vocab_size=len(tokenizer),
+        hidden_size=width,
+        intermediate_size=2 * width,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=max(1, heads // 4),
+        head_dim=width // heads,
+        max_position_embeddings=2048,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.pad_token_id,
+    )
+    return Qwen3ForCausalLM(config)

@@ -17,6 +17,17 @@ CLIP_EOS = "<|endoftext|>"
 QWEN_PAD = "<|endoftext|>"
 # The chat markers of Qwen-Image's prompt template (QwenImagePipeline.prompt_template_encode).
 QWEN_CHAT_TOKENS = ("<|im_start|>", "<|im_end|>")
+# A chat template (Jinja) with the layout of Qwen3's for text messages: each message between the
+# chat markers, then the assistant's turn when asked for; `enable_thinking=False` adds the empty
+# thinking block, as Qwen3's own template does. Z-Image's pipeline calls it with thinking enabled.
+QWEN3_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+    "{% if enable_thinking is defined and enable_thinking is false %}{{ '<think>\\n\\n</think>\\n\\n' }}{% endif %}"
+    "{% endif %}"
+)
 
 
 def _byte_to_unicode() -> dict[int, str]:
@@ -77,4 +88,12 @@ def qwen2_tokenizer():
     vocab[QWEN_PAD] = len(vocab)
     tokenizer = Qwen2Tokenizer(vocab=vocab, merges=[])
     tokenizer.add_special_tokens({"additional_special_tokens": list(QWEN_CHAT_TOKENS)})
+    return tokenizer
+
+
+def qwen3_tokenizer():
+    """`qwen2_tokenizer()` (Qwen3 ships the same `Qwen2Tokenizer`) with a chat template for the
+    pipelines that format prompts through `apply_chat_template` (Z-Image)."""
+    tokenizer = qwen2_tokenizer()
+    tokenizer.chat_template = QWEN3_CHAT_TEMPLATE
     return tokenizer
