@@ -43,7 +43,8 @@ def test_a_sample_alone_equals_the_sample_in_a_mixed_batch(family_engine):
 def test_trajectory_form_is_the_pipelines_latents_argument(family_engine):
     family, engine = family_engine
     (output,) = engine.generate("x", family.params(num_inference_steps=3, seed=0))
-    expected = {"sd3": (4, 4, 16, 16), "flux": (4, 64, 16), "qwen_image": (4, 64, 16)}[family.name]
+    expected = {"sd3": (4, 4, 16, 16), "flux": (4, 64, 16), "qwen_image": (4, 64, 16), "zimage": (4, 4, 16, 16)}
+    expected = expected[family.name]
     assert tuple(output.trajectory.latents.stack().shape) == expected  # packed 2x2 patches for FLUX, Qwen-Image
     assert (output.trajectory.height, output.trajectory.width) == (32, 32)
     assert output.image.shape == (3, 32, 32)
@@ -68,6 +69,13 @@ REFUSED = {
         ({"num_frames": 9}, "num_frames is for video pipelines"),
         ({"num_inference_steps": 1}, "num_inference_steps=1 is too few for QwenImagePipeline"),
     ],
+    "zimage": [
+        ({"true_cfg_scale": 2.0}, "true_cfg_scale is not used by ZImagePipeline; leave it unset"),
+        # Z-Image guides from a scale above 0, not 1.
+        ({"guidance_scale": 0.0, "negative_prompt": "ugly"}, "which ZImagePipeline turns on with guidance_scale > 0"),
+        ({"height": 30}, r"height=30 is not divisible by 4 \(VAE scale 2 x patch size 2\)"),
+        ({"max_sequence_length": 1600}, "max_sequence_length=1600 is above ZImagePipeline's limit of 1504"),
+    ],
 }
 
 
@@ -87,6 +95,7 @@ def test_defaults_come_from_the_model(family_engine):
         "sd3": (4.5, None, "", 256),  # CFG with the empty negative prompt, as diffusers
         "flux": (3.5, 1.0, None, 512),  # FLUX.1-dev's distilled guidance; true CFG off
         "qwen_image": (None, 1.0, None, 512),
+        "zimage": (5.0, None, "", 512),  # ZImagePipeline's defaults: CFG with the negative prompt ""
     }[family.name]
     got = (resolved.guidance_scale, resolved.true_cfg_scale, resolved.negative_prompt, resolved.max_sequence_length)
     assert got == expected
