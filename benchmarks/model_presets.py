@@ -24,6 +24,7 @@ from rollout.pipelines.tiny.flux import FLUX1_DEV
 from rollout.pipelines.tiny.qwen_image import QWEN_IMAGE
 from rollout.pipelines.tiny.sd3 import REAL_VAE_BLOCKS, SD35_MEDIUM
 from rollout.pipelines.tiny.wan import WAN21_T2V_1_3B, WAN22_T2V_A14B_EXPERT, WAN_SMALL
+from rollout.pipelines.tiny.z_image import Z_IMAGE_TURBO
 
 __all__ = [
     "DEFAULT_NUM_FRAMES",
@@ -38,6 +39,7 @@ __all__ = [
     "WAN21_T2V_1_3B",
     "WAN22_T2V_A14B_EXPERT",
     "WAN_SMALL",
+    "Z_IMAGE_TURBO",
     "build",
 ]
 

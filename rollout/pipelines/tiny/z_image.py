@@ -115,7 +115,7 @@ def build_small_z_image(folder: str | Path, device: str = "cpu", dtype: torch.dt
 
 
 def build_real_z_image(folder: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> Path:
-    """Z-Image-Turbo's transformer (6.2B parameters) with random weights, a one-layer Qwen3 text
+    """Z-Image-Turbo's transformer (6.15B parameters) with random weights, a one-layer Qwen3 text
     encoder of the real width (Qwen3-4B's 2560), and a narrow VAE with the real scale factor and
     latent channels."""
     sizes = TinyZImageSizes(
