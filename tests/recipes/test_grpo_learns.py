@@ -1,7 +1,7 @@
 """GRPO on the tiny models raises the reward: a statistical check over three seeds, each of which must
 clear its own noise by a wide margin (not one lucky seed), with the policy re-scoring the first
 rollout at ratio 1 (every transition of every leaf is in the first minibatch). SD3 (the main job)
-runs in the default suite; FLUX.1, Qwen-Image and the tree recipes (BranchGRPO, Flow-GRPO-Fast,
+runs in the default suite; FLUX.1, Qwen-Image, Z-Image and the tree recipes (BranchGRPO, Flow-GRPO-Fast,
 whose branch steps need all 8 steps) with `make test-slow`."""
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ WINDOW = 5  # steps averaged at the start and at the end
         pytest.param("grpo_tiny.yaml", "sd3", 6, 0.03, id="sd3", marks=pytest.mark.slow),  # make demo shows it too
         pytest.param("grpo_flux_tiny.yaml", "flux", 6, 0.03, id="flux", marks=pytest.mark.slow),
         pytest.param("grpo_qwen_image_tiny.yaml", "qwen_image", 6, 0.03, id="qwen_image", marks=pytest.mark.slow),
+        pytest.param("grpo_zimage_tiny.yaml", "zimage", 6, 0.03, id="zimage", marks=pytest.mark.slow),
         pytest.param("branch_grpo_tiny.yaml", "sd3", 8, 0.03, id="branch_grpo", marks=pytest.mark.slow),
         pytest.param("grpo_fast_tiny.yaml", "sd3", 8, 0.03, id="grpo_fast", marks=pytest.mark.slow),
         # Colour agreement starts near -0.1 (the tiny VAE's frames already agree roughly): a smaller scale.

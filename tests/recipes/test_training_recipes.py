@@ -96,7 +96,14 @@ def test_grpo_recipe_runs_and_starts_at_ratio_one(tmp_path, monkeypatch, executo
 
 @pytest.mark.filterwarnings("ignore:.*found in sys.modules:RuntimeWarning")
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("config", ["grpo_flux_tiny.yaml", "grpo_qwen_image_tiny.yaml"])
+@pytest.mark.parametrize(
+    "config",
+    [
+        "grpo_flux_tiny.yaml",
+        "grpo_qwen_image_tiny.yaml",
+        pytest.param("grpo_zimage_tiny.yaml", marks=pytest.mark.slow),  # slow as Z-Image's matrix tests
+    ],
+)
 def test_family_recipes_run_and_start_at_ratio_one(tmp_path, monkeypatch, config):
     run_cli(monkeypatch, config, *small_run(tmp_path, "uni"))
     records, summary = check_run_files(tmp_path / "out")
