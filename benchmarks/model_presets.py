@@ -26,6 +26,7 @@ from rollout.pipelines.tiny.flux2 import FLUX2_KLEIN_4B, FLUX2_KLEIN_9B
 from rollout.pipelines.tiny.qwen_image import QWEN_IMAGE
 from rollout.pipelines.tiny.sd3 import REAL_VAE_BLOCKS, SD35_MEDIUM
 from rollout.pipelines.tiny.wan import WAN21_T2V_1_3B, WAN22_T2V_A14B_EXPERT, WAN_SMALL
+from rollout.pipelines.tiny.z_image import Z_IMAGE_TURBO
 
 __all__ = [
     "DEFAULT_NUM_FRAMES",
@@ -42,6 +43,7 @@ __all__ = [
     "WAN21_T2V_1_3B",
     "WAN22_T2V_A14B_EXPERT",
     "WAN_SMALL",
+    "Z_IMAGE_TURBO",
     "build",
 ]
 

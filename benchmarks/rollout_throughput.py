@@ -1,7 +1,7 @@
 """Rollout throughput: the engine vs. the family's diffusers pipeline vs. the transformer forwards alone.
 
-Builds a pipeline of the chosen family (SD3, FLUX.1, Qwen-Image, FLUX.2 [klein], Wan 2.1 or Wan 2.2
-with its two experts; random weights, see benchmarks/model_presets.py) in a temporary folder and
+Builds a pipeline of the chosen family (SD3, FLUX.1, Qwen-Image, FLUX.2 [klein], Z-Image, Wan 2.1 or Wan
+2.2 with its two experts; random weights, see benchmarks/model_presets.py) in a temporary folder and
 measures, at the same batch size, steps, image size (and frames) and guidance:
 
   engine     `RolloutEngine` (executor "uni"), flow_sde, trajectories recorded, outputs decoded;

@@ -37,9 +37,9 @@ class SamplingParams:
     num_inference_steps: int = setting(10, "denoising steps per sample")
     guidance_scale: float | None = setting(
         None,
-        "SD3, Wan: classifier-free guidance (<= 1 skips the unconditional pass); FLUX.1-dev: its distilled "
-        "guidance, an input of the model (no second pass); None takes the model's default; refused where unused "
-        "(Qwen-Image)",
+        "SD3, Wan: classifier-free guidance (<= 1 skips the unconditional pass); Z-Image: classifier-free "
+        "guidance as cond + s * (cond - uncond) (0 skips it); FLUX.1-dev: its distilled guidance, an input of the "
+        "model (no second pass); None takes the model's default; refused where unused (Qwen-Image)",
     )
     guidance_scale_2: float | None = setting(
         None,

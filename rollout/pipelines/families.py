@@ -7,7 +7,7 @@ family is its module (adapter and `Family`) plus its line here.
 
 from __future__ import annotations
 
-from rollout.pipelines import flux, flux2, qwen_image, sd3, wan
+from rollout.pipelines import flux, flux2, qwen_image, sd3, wan, z_image
 from rollout.pipelines.adapter import PipelineAdapter
 from rollout.pipelines.family import Family
 
@@ -18,6 +18,7 @@ FAMILIES: tuple[Family, ...] = (
     flux2.FAMILY,
     wan.WAN21_FAMILY,
     wan.WAN22_FAMILY,
+    z_image.FAMILY,
 )
 
 

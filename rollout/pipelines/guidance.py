@@ -31,7 +31,7 @@ class Guidance:
     """Each field a float (every row alike) or a [B] float32 tensor (one per row); None where the
     model does not use it.
 
-    guidance_scale: CFG scale (SD3, Wan), or the distilled guidance a transformer takes as an input
+    guidance_scale: CFG scale (SD3, Wan, Z-Image), or the distilled guidance a transformer takes as an input
         (FLUX.1-dev); guidance_scale_2: Wan 2.2's CFG scale on its low-noise expert; true_cfg_scale:
         CFG scale of FLUX.1 and Qwen-Image (with a negative prompt).
     """

@@ -25,7 +25,10 @@ class ModelSpec:
         Any other guidance field set on a request is refused.
     guidance_fallbacks: field -> the field whose value it takes when a request leaves it unset
         (Wan 2.2's `guidance_scale_2` defaults to `guidance_scale`, as in its pipeline).
-    cfg_field: the field whose value > 1 turns on classifier-free guidance with a negative prompt.
+    cfg_field: the field whose value above `cfg_threshold` turns on classifier-free guidance with a
+        negative prompt.
+    cfg_threshold: 1 where a scale of 1 is the conditional prediction alone (`uncond + s * (cond -
+        uncond)`); 0 for Z-Image, whose pipeline guides as `cond + s * (cond - uncond)` when s > 0.
     default_negative_prompt: the negative prompt of a request with CFG that names none (SD3's
         pipeline uses ""); None: such a request must name one.
     default_num_frames: None for image models (a request with `num_frames` is refused).
@@ -53,6 +56,7 @@ class ModelSpec:
     guidance_defaults: dict[str, float | None] = field(default_factory=dict)
     guidance_fallbacks: dict[str, str] = field(default_factory=dict)
     cfg_field: str | None = None
+    cfg_threshold: float = 1.0
     default_negative_prompt: str | None = None
     default_num_frames: int | None = None
     frame_multiple: int = 1
@@ -167,12 +171,13 @@ class ModelSpec:
 
     def _negative_prompt(self, params: SamplingParams, guidance: dict, problems: list[str]) -> str | None:
         scale = guidance.get(self.cfg_field) if self.cfg_field is not None else None
-        cfg = scale is not None and scale > 1
+        cfg = scale is not None and scale > self.cfg_threshold
         if not cfg:
             if params.negative_prompt is not None:
+                turns_on = f"turns on with {self.cfg_field} > {self.cfg_threshold:g}" if self.cfg_field else ""
                 problems.append(
                     f"negative_prompt is used only with classifier-free guidance, which {self.pipeline_class} "
-                    + (f"turns on with {self.cfg_field} > 1" if self.cfg_field else "does not have")
+                    + (turns_on or "does not have")
                     + "; leave negative_prompt unset or raise the scale"
                 )
             return None
@@ -181,7 +186,7 @@ class ModelSpec:
             problems.append(
                 f"{self.cfg_field}={scale} turns on classifier-free guidance, which needs a negative_prompt "
                 f"({self.pipeline_class} skips guidance without one); pass negative_prompt=' ' (or any text), "
-                f"or set {self.cfg_field}=1"
+                f"or set {self.cfg_field}={self.cfg_threshold:g}"
             )
         return negative
 

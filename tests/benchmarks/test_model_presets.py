@@ -14,6 +14,7 @@ from benchmarks.model_presets import (
     SD35_MEDIUM,
     WAN21_T2V_1_3B,
     WAN22_T2V_A14B_EXPERT,
+    Z_IMAGE_TURBO,
     build,
 )
 from rollout.pipelines.families import family_names
@@ -31,6 +32,7 @@ pytestmark = pytest.mark.timeout(120)
         ("Flux2Transformer2DModel", FLUX2_KLEIN_9B, 9.08),  # FLUX.2 [klein] 9B
         ("WanTransformer3DModel", WAN21_T2V_1_3B, 1.42),  # Wan 2.1 T2V 1.3B
         ("WanTransformer3DModel", WAN22_T2V_A14B_EXPERT, 14.3),  # each of Wan 2.2 T2V A14B's two experts
+        ("ZImageTransformer2DModel", Z_IMAGE_TURBO, 6.15),  # Z-Image-Turbo (and Z-Image): "6B"
     ],
 )
 def test_real_transformers_have_the_published_size(class_name, config, billions):

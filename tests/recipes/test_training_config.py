@@ -63,6 +63,18 @@ def test_flux2_klein_config_carries_the_flow_grpo_settings_it_cites():
     assert config.grpo.kl_beta == 0.0 and config.grpo.global_std
 
 
+def test_zimage_config_carries_the_published_flow_factory_settings():
+    config = load_config(CONFIG_DIR / "grpo_zimage_lora.yaml")
+    assert (config.lora.rank, config.lora.alpha, config.lora.target_modules) == (64, 128, None)
+    assert (config.sampling.num_inference_steps, config.eval.num_inference_steps) == (10, 40)
+    assert (config.sampling.guidance_scale, config.sampling.true_cfg_scale) == (4.0, None)
+    assert (config.sampling.noise_level, config.sampling.sde_window) == (0.7, (1, 2))
+    assert (config.sampling.height, config.sampling.width) == (512, 512)
+    assert (config.sampling.num_samples, config.prompts_per_step) == (16, 48)
+    assert config.grpo.clip_range == 1e-4 and config.grpo.kl_beta == 0.0 and not config.grpo.global_std
+    assert (config.optimizer.learning_rate, config.optimizer.weight_decay) == (3e-4, 1e-4)
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
     "name, family",
@@ -74,6 +86,8 @@ def test_flux2_klein_config_carries_the_flow_grpo_settings_it_cites():
         ("grpo_qwen_image_tiny.yaml", "qwen_image"),
         ("grpo_flux2_klein_lora.yaml", "flux2_klein"),
         ("grpo_flux2_klein_tiny.yaml", "flux2_klein"),
+        ("grpo_zimage_lora.yaml", "zimage"),
+        ("grpo_zimage_tiny.yaml", "zimage"),
         ("grpo_wan_tiny.yaml", "wan"),
         ("grpo_wan22_a14b_lora.yaml", "wan22"),
     ],

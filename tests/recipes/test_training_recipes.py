@@ -102,6 +102,7 @@ def test_grpo_recipe_runs_and_starts_at_ratio_one(tmp_path, monkeypatch, executo
         "grpo_flux_tiny.yaml",
         "grpo_qwen_image_tiny.yaml",
         pytest.param("grpo_flux2_klein_tiny.yaml", marks=pytest.mark.slow),
+        pytest.param("grpo_zimage_tiny.yaml", marks=pytest.mark.slow),  # slow as Z-Image's matrix tests
     ],
 )
 def test_family_recipes_run_and_start_at_ratio_one(tmp_path, monkeypatch, config):

@@ -43,7 +43,13 @@ def test_a_sample_alone_equals_the_sample_in_a_mixed_batch(family_engine):
 def test_trajectory_form_is_the_pipelines_latents_argument(family_engine):
     family, engine = family_engine
     (output,) = engine.generate("x", family.params(num_inference_steps=3, seed=0))
-    expected = {"sd3": (4, 4, 16, 16), "flux": (4, 64, 16), "qwen_image": (4, 64, 16), "flux2_klein": (4, 16, 8, 8)}
+    expected = {
+        "sd3": (4, 4, 16, 16),
+        "flux": (4, 64, 16),
+        "qwen_image": (4, 64, 16),
+        "flux2_klein": (4, 16, 8, 8),
+        "zimage": (4, 4, 16, 16),
+    }
     # Packed 2x2 patches for FLUX.1 and Qwen-Image; FLUX.2 patchifies 2x2 into channels on the grid.
     assert tuple(output.trajectory.latents.stack().shape) == expected[family.name]
     assert (output.trajectory.height, output.trajectory.width) == (32, 32)
@@ -75,6 +81,13 @@ REFUSED = {
         ({"height": 30}, r"height=30 is not divisible by 4 \(VAE scale 4 x patch size 1\)"),
         ({"max_sequence_length": 600}, "max_sequence_length=600 is above Flux2KleinPipeline's limit of 512"),
     ],
+    "zimage": [
+        ({"true_cfg_scale": 2.0}, "true_cfg_scale is not used by ZImagePipeline; leave it unset"),
+        # Z-Image guides from a scale above 0, not 1.
+        ({"guidance_scale": 0.0, "negative_prompt": "ugly"}, "which ZImagePipeline turns on with guidance_scale > 0"),
+        ({"height": 30}, r"height=30 is not divisible by 4 \(VAE scale 2 x patch size 2\)"),
+        ({"max_sequence_length": 1600}, "max_sequence_length=1600 is above ZImagePipeline's limit of 1504"),
+    ],
 }
 
 
@@ -95,6 +108,7 @@ def test_defaults_come_from_the_model(family_engine):
         "flux": (3.5, 1.0, None, 512),  # FLUX.1-dev's distilled guidance; true CFG off
         "qwen_image": (None, 1.0, None, 512),
         "flux2_klein": (4.0, None, "", 512),  # a base klein model: CFG against "", as the pipeline
+        "zimage": (5.0, None, "", 512),  # ZImagePipeline's defaults: CFG with the negative prompt ""
     }[family.name]
     got = (resolved.guidance_scale, resolved.true_cfg_scale, resolved.negative_prompt, resolved.max_sequence_length)
     assert got == expected

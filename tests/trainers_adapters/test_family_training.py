@@ -1,6 +1,7 @@
-"""The trainer side takes any family through the same adapter: GRPO and DPO updates on FLUX.1 and
-Qwen-Image rollouts (packed latents, CFG with a negative prompt), and a LoRA the policy trains on
-FLUX.1 loads into `FluxPipeline.load_lora_weights` and reproduces the engine's samples."""
+"""The trainer side takes any family through the same adapter: GRPO and DPO updates on FLUX.1,
+Qwen-Image and Z-Image rollouts (packed latents, CFG with a negative prompt, unpadded caption lists),
+and a LoRA the policy trains on FLUX.1 or Z-Image loads into its pipeline's `load_lora_weights` and
+reproduces the engine's samples."""
 
 from __future__ import annotations
 
@@ -24,7 +25,11 @@ pytestmark = pytest.mark.timeout(180)
 LORA = {"r": 4, "lora_alpha": 8}  # no target_modules: the family's default targets
 
 
-@pytest.fixture(scope="module", params=["flux", "qwen_image", pytest.param("flux2_klein", marks=pytest.mark.slow)])
+# FLUX.2 [klein]'s and Z-Image's run in the slow suite, as their matrix tests do (tests/families.py).
+@pytest.fixture(
+    scope="module",
+    params=["flux", "qwen_image"] + [pytest.param(name, marks=pytest.mark.slow) for name in ("flux2_klein", "zimage")],
+)
 def family_engine(request, tiny_models):
     family = FAMILIES[request.param]
     path = tiny_models(family.name)
@@ -67,29 +72,41 @@ def test_dpo_update_starts_at_log_two(family_engine):
     engine.unload_lora(policy.name)
 
 
-def test_a_flux_lora_from_the_policy_reproduces_the_engine_in_diffusers(tiny_models, tmp_path):
-    from diffusers import FluxPipeline
+# Per family: the pipeline's call with the engine's guidance (FLUX.1-dev's distilled 3.5; Z-Image's
+# CFG, its default 5 with the negative prompt "", so the LoRA acts on both halves).
+LORA_REPLAY = {
+    "flux": {"guidance_scale": 3.5},
+    "zimage": {"guidance_scale": 5.0},
+}
 
-    family = FAMILIES["flux"]
-    path = tiny_models("flux")
+
+@pytest.mark.parametrize("name", ["flux", pytest.param("zimage", marks=pytest.mark.slow)])
+def test_a_lora_from_the_policy_reproduces_the_engine_in_diffusers(tiny_models, tmp_path, name):
+    import diffusers
+
+    family = FAMILIES[name]
+    path = tiny_models(name)
     torch.manual_seed(0)
     policy = LoraPolicy(path, LORA)
     with torch.no_grad():  # a trained-looking adapter: LoRA B starts at zero
         for parameter in policy.parameters():
             parameter.add_(0.2 * torch.randn_like(parameter))
     folder = policy.save(tmp_path / "lora").parent
-    params = family.params(sampler="ode", num_inference_steps=4, seed=0, lora="trained")
+    guidance = LORA_REPLAY[name]
+    params = family.params(sampler="ode", num_inference_steps=4, seed=0, lora="trained", **guidance)
     with RolloutEngine(EngineConfig(model=path)) as engine:
         engine.load_lora("trained", str(folder))
         (with_lora,) = engine.generate("a red square", params)
         engine.unload_lora("trained")
-        (base,) = engine.generate("a red square", family.params(sampler="ode", num_inference_steps=4, seed=0))
+        (base,) = engine.generate(
+            "a red square", family.params(sampler="ode", num_inference_steps=4, seed=0, **guidance)
+        )
 
-    pipeline = FluxPipeline.from_pretrained(path)
+    pipeline = getattr(diffusers, family.pipeline_class).from_pretrained(path)
     pipeline.set_progress_bar_config(disable=True)
     pipeline.load_lora_weights(folder)
     latents = with_lora.trajectory.latents.stack()
-    call = {"num_inference_steps": 4, "height": 32, "width": 32, "guidance_scale": 3.5, "output_type": "latent"}
+    call = {"num_inference_steps": 4, "height": 32, "width": 32, "output_type": "latent", **guidance}
     reference = pipeline("a red square", latents=latents[0][None].clone(), **call).images
     assert (latents[-1] - reference[0]).abs().max() < 1e-4
     assert (latents[-1] - base.trajectory.latents[-1]).abs().max() > 1e-2  # the adapter changed the samples

@@ -21,6 +21,7 @@ from rollout.pipelines.tiny.flux2 import TinyFlux2KleinSizes, build_tiny_flux2_k
 from rollout.pipelines.tiny.qwen_image import TinyQwenImageSizes, build_tiny_qwen_image
 from rollout.pipelines.tiny.sd3 import TinySD3Sizes, build_tiny_sd3
 from rollout.pipelines.tiny.wan import TinyWanSizes, build_tiny_wan, build_tiny_wan22, build_tiny_wan22_ti2v
+from rollout.pipelines.tiny.z_image import TinyZImageSizes, build_tiny_z_image
 
 # Family name -> builder(path, seed=0) -> path, from the family descriptors.
 TINY_BUILDERS = {family.name: family.build_tiny for family in FAMILIES}
@@ -32,6 +33,7 @@ __all__ = [
     "TinyQwenImageSizes",
     "TinySD3Sizes",
     "TinyWanSizes",
+    "TinyZImageSizes",
     "build_tiny_flux",
     "build_tiny_flux2_klein",
     "build_tiny_qwen_image",
@@ -39,6 +41,7 @@ __all__ = [
     "build_tiny_wan",
     "build_tiny_wan22",
     "build_tiny_wan22_ti2v",
+    "build_tiny_z_image",
 ]
 
 
