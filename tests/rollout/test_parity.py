@@ -28,19 +28,20 @@ def family_setup(request, tiny_models):
 def test_ode_rollout_equals_diffusers_pipeline(family_setup, cfg):
     family, engine, pipeline = family_setup
     params = family.params(cfg=cfg, sampler="ode", num_inference_steps=6, seed=3)
-    (output,) = engine.generate("a red square", params)
+    inputs = family.inputs(1)  # an edit family's input image
+    (output,) = engine.generate("a red square", params, **inputs)
     initial = output.trajectory.latents[0][None]  # the pipeline's own `latents=` form
     guidance = family.cfg if cfg else family.no_cfg
-    call = {"num_inference_steps": 6, "height": 32, "width": 32, **guidance}
+    call = {"num_inference_steps": 6, "height": 32, "width": 32, **guidance, **family.pipeline_inputs(inputs)}
     if family.name == "sd3":
         call["guidance_scale"] = params.guidance_scale
     elif family.name == "qwen_image" and not cfg:
         call["true_cfg_scale"] = 1.0  # the pipeline's default (4.0) is off without a negative prompt anyway
 
-    reference = pipeline("a red square", latents=initial.clone(), output_type="latent", **call).images
+    reference = pipeline(prompt="a red square", latents=initial.clone(), output_type="latent", **call).images
     assert (output.trajectory.latents[-1] - reference[0]).abs().max() < 1e-4
 
-    images = pipeline("a red square", latents=initial.clone(), output_type="np", **call).images
+    images = pipeline(prompt="a red square", latents=initial.clone(), output_type="np", **call).images
     reference_uint8 = torch.from_numpy((images[0] * 255).round().astype("uint8")).permute(2, 0, 1)
     assert (output.image.int() - reference_uint8.int()).abs().max() <= 1
 
@@ -58,8 +59,8 @@ def test_schedule_matches_diffusers(family_setup):
 
     (output,) = engine.generate("x", family.params(sampler="ode", num_inference_steps=7, seed=0))
     call = {"guidance_scale": 1.0} if family.name == "sd3" else {}
-    call |= {"num_inference_steps": 7, "height": 32, "width": 32, "output_type": "latent"}
-    pipeline("x", callback_on_step_end=capture, **call)
+    call |= {"num_inference_steps": 7, "height": 32, "width": 32, "output_type": "latent", **family.pipeline_inputs()}
+    pipeline(prompt="x", callback_on_step_end=capture, **call)
     assert torch.equal(output.trajectory.sigmas, captured["sigmas"])
     assert torch.equal(output.trajectory.timesteps, captured["timesteps"])
 
@@ -74,11 +75,12 @@ def test_sigmas_dictated_by_the_trainer_match_the_pipelines_sigmas_argument(fami
     default = engine.generate("a red square", family.params(cfg=False, sampler="ode", num_inference_steps=4, seed=4))
     assert not torch.equal(output.trajectory.sigmas, default[0].trajectory.sigmas)
     call = {"num_inference_steps": 4, "height": 32, "width": 32, "sigmas": list(sigmas), **family.no_cfg}
+    call |= family.pipeline_inputs()
     if family.name == "sd3":
         call["guidance_scale"] = 1.0
     elif family.name == "qwen_image":
         call["true_cfg_scale"] = 1.0
     initial = output.trajectory.latents[0][None]
-    reference = pipeline("a red square", latents=initial.clone(), output_type="latent", **call).images
+    reference = pipeline(prompt="a red square", latents=initial.clone(), output_type="latent", **call).images
     assert (output.trajectory.latents[-1] - reference[0]).abs().max() < 1e-4
     assert torch.allclose(output.trajectory.sigmas, pipeline.scheduler.sigmas.float())
