@@ -16,7 +16,7 @@ import argparse
 import logging
 
 from rollout.pipelines.families import FAMILIES, families_help
-from rollout.pipelines.tiny.flux import TinyFluxSizes, build_tiny_flux
+from rollout.pipelines.tiny.flux import TinyFluxSizes, build_tiny_flux, build_tiny_flux_kontext
 from rollout.pipelines.tiny.qwen_image import TinyQwenImageSizes, build_tiny_qwen_image
 from rollout.pipelines.tiny.sd3 import TinySD3Sizes, build_tiny_sd3
 from rollout.pipelines.tiny.wan import TinyWanSizes, build_tiny_wan, build_tiny_wan22, build_tiny_wan22_ti2v
@@ -31,6 +31,7 @@ __all__ = [
     "TinySD3Sizes",
     "TinyWanSizes",
     "build_tiny_flux",
+    "build_tiny_flux_kontext",
     "build_tiny_qwen_image",
     "build_tiny_sd3",
     "build_tiny_wan",
