@@ -60,6 +60,7 @@ def test_qwen_image_config_carries_the_published_flow_grpo_settings():
         ("grpo_flux1_dev_lora.yaml", "flux"),
         ("grpo_qwen_image_lora.yaml", "qwen_image"),
         ("grpo_flux_tiny.yaml", "flux"),
+        pytest.param("grpo_flux_kontext_tiny.yaml", "flux_kontext", marks=pytest.mark.slow),  # a tiny build more
         ("grpo_qwen_image_tiny.yaml", "qwen_image"),
         ("grpo_wan_tiny.yaml", "wan"),
         ("grpo_wan22_a14b_lora.yaml", "wan22"),
