@@ -96,3 +96,14 @@ def test_bad_images_are_refused_before_anything_is_queued(kontext_engine, images
 def test_a_text_to_image_family_refuses_images_and_names_the_edit_families(engine):
     with pytest.raises(ValueError, match=r"StableDiffusion3Pipeline takes no input images.*flux_kontext"):
         engine.generate("x", SamplingParams(height=32, width=32), images=[[input_image(0)]])
+
+
+def test_an_edit_family_that_needs_images_says_so(kontext_engine):
+    """FLUX.1 Kontext runs text-only requests as FLUX.1 does; a family whose pipeline needs an
+    image (Qwen-Image-Edit's) sets min_input_images, and a request without one is told what to pass."""
+    import dataclasses
+
+    needs_one = dataclasses.replace(kontext_engine.model_spec, min_input_images=1)
+    (problem,) = needs_one.image_problems(())
+    assert "FluxKontextPipeline edits input images: pass images=[[image], ...] with 1 or more" in problem
+    assert kontext_engine.model_spec.image_problems(()) == []
