@@ -41,6 +41,7 @@ from recipes.checkpoint import (
     write_checkpoint,
 )
 from recipes.config import EngineSection, ModelSection, RecipeConfig, option, to_dict
+from recipes.edit_images import InputImagesSection
 from recipes.loggers import WandbSection, logger_problems, open_loggers
 from recipes.plots import plot_log_ratio, plot_reward
 from recipes.randomness import PromptOrder, restore_rng, rng_state
@@ -130,6 +131,9 @@ class TrainingConfig(RecipeConfig):
     prompts: list[str] = option(help="training prompts; each step takes `prompts_per_step` of them in turn")
     prompts_file: str | None = option(None, "a text file with one more training prompt per line (optional)")
     prompts_per_step: int = option(4, "prompts per training step; each is sampled sampling.num_samples times")
+    input_images: InputImagesSection = option(
+        factory=InputImagesSection, help="an edit recipe's input images, one per prompt (null source: none)"
+    )
     sde_window_range: tuple[int, int] | None = option(
         None,
         "[start, stop): each step slides sampling.sde_window, and sampling.branch_steps with it, to a random "
@@ -259,6 +263,7 @@ def train(config: TrainingConfig, update: UpdateFn, postfix: Callable[[Any], dic
     )
     params = dataclasses.replace(config.sampling, lora=POLICY_ADAPTER)
     prompt_order = PromptOrder(prompts, config.seed)
+    edit_images = config.input_images.for_prompts(prompts)  # prompt -> its input images, or None
     history: list[dict] = []
     first_step, train_s_before = 0, 0.0
     if resumed is not None:
@@ -278,7 +283,7 @@ def train(config: TrainingConfig, update: UpdateFn, postfix: Callable[[Any], dic
         # the check that samples carry the version last pushed) goes on, on a fresh server as on the same.
         version = policy.push(engine, version=None if resumed is None else resumed[0].weight_version)
         if resumed is None:
-            eval_start = _eval_samples(engine, config, prompts, reward, pool)
+            eval_start = _eval_samples(engine, config, prompts, reward, pool, edit_images)
             samples_start = save_samples(eval_start.outputs, config.grid_scale, output_dir / "samples_start")
             loggers.log_images(0, {"samples_start": samples_start})
             eval_reward_start = float(eval_start.rewards.mean())
@@ -292,9 +297,9 @@ def train(config: TrainingConfig, update: UpdateFn, postfix: Callable[[Any], dic
             if config.sde_window_range is not None:
                 window_rng = random.Random(derive_seed(config.seed, step, 0, "sde_window"))
                 step_params = slide_window(step_params, config.sde_window_range, window_rng)
-            rollout = generate_with_rewards(
-                engine, prompt_order.take(config.prompts_per_step), step_params, reward, pool, f"step{step}-"
-            )
+            taken = prompt_order.take(config.prompts_per_step)
+            images = None if edit_images is None else [edit_images[prompt] for prompt in taken]
+            rollout = generate_with_rewards(engine, taken, step_params, reward, pool, f"step{step}-", images)
             stale = {o.weight_version for o in rollout.outputs} - {version}
             if stale:
                 raise RuntimeError(f"step {step}: samples carry weight versions {stale}, expected {version}")
@@ -324,7 +329,7 @@ def train(config: TrainingConfig, update: UpdateFn, postfix: Callable[[Any], dic
                     rng=rng_state(prompt_order, generator),
                 )
                 write_checkpoint(output_dir, state, policy, optimizer, config.keep_checkpoints)
-        eval_end = _eval_samples(engine, config, prompts, reward, pool)
+        eval_end = _eval_samples(engine, config, prompts, reward, pool, edit_images)
         # After `steps` updates: the x position that follows the last step's scalars.
         samples_end = save_samples(eval_end.outputs, config.grid_scale, output_dir / "samples_end")
         loggers.log_images(config.steps, {"samples_end": samples_end})
@@ -351,7 +356,7 @@ def train(config: TrainingConfig, update: UpdateFn, postfix: Callable[[Any], dic
 
 
 def _eval_samples(
-    engine, config: TrainingConfig, prompts: list[str], reward, pool: ThreadPoolExecutor
+    engine, config: TrainingConfig, prompts: list[str], reward, pool: ThreadPoolExecutor, edit_images: dict | None
 ) -> RewardedRollout:
     params = dataclasses.replace(
         config.sampling,
@@ -367,7 +372,9 @@ def _eval_samples(
         record=(),
         record_steps=None,
     )
-    return generate_with_rewards(engine, prompts[: config.eval.num_prompts], params, reward, pool, "eval")
+    prompts = prompts[: config.eval.num_prompts]
+    images = None if edit_images is None else [edit_images[prompt] for prompt in prompts]
+    return generate_with_rewards(engine, prompts, params, reward, pool, "eval", images)
 
 
 def _step_record(step: int, rollout: RewardedRollout, stats, version: int, update_s: float, push_s: float) -> dict:

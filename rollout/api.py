@@ -49,22 +49,25 @@ class RolloutAPI(Protocol):
         prompts: str | Sequence[str],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
+        images: Sequence | None = None,
         use_tqdm: bool = False,
     ) -> list[RolloutOutput]:
         """`num_samples` samples per prompt (one params for all prompts, or one per prompt); outputs
-        ordered by prompt, then sample (then branch path)."""
+        ordered by prompt, then sample (then branch path). `images`: an edit family's input images,
+        one list per prompt (uint8 [3, H, W] tensors or PIL images; None for a text-only prompt)."""
 
     def add_request(
         self,
         prompt: str,
         params: SamplingParams,
         *,
+        images: Sequence | None = None,
         prompt_index: int = 0,
         request_id: str | None = None,
         base_seed: int | None = None,
     ) -> list[str]:
-        """Queue one prompt's samples without running them; returns the ids of their outputs, which
-        `step()` returns as they finish."""
+        """Queue one prompt's samples without running them (with its input images, for an edit
+        family); returns the ids of their outputs, which `step()` returns as they finish."""
 
     def step(self) -> list[RolloutOutput]:
         """Advance the queued requests; returns the outputs that finished."""
@@ -191,11 +194,19 @@ class AsyncRolloutAPI(Protocol):
     outputs streamed as they finish, and pausing."""
 
     async def generate(
-        self, prompts: str | Sequence[str], params: SamplingParams | Sequence[SamplingParams] | None = None
+        self,
+        prompts: str | Sequence[str],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        images: Sequence | None = None,
     ) -> list[RolloutOutput]: ...
 
     def generate_stream(
-        self, prompts: str | Sequence[str], params: SamplingParams | Sequence[SamplingParams] | None = None
+        self,
+        prompts: str | Sequence[str],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        images: Sequence | None = None,
     ) -> AsyncIterator[RolloutOutput]:
         """`generate`, yielding each output as it finishes."""
 

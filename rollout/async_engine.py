@@ -103,40 +103,54 @@ class AsyncRolloutEngine:
     # Generation.
 
     async def add_requests(
-        self, prompts: str | Sequence[str], params: SamplingParams | Sequence[SamplingParams] | None = None
+        self,
+        prompts: str | Sequence[str],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        images: Sequence | None = None,
     ) -> OutputStream:
         """Queue what `generate` runs (checked as `RolloutEngine.add_requests` checks it); returns
         the stream of its outputs."""
-        return await self._open_stream(self.engine.add_requests, prompts, params)
+        add = self.engine.add_requests
+        return await self._open_stream(lambda: add(prompts, params, images=images))
 
     async def add_request(
         self,
         prompt: str,
         params: SamplingParams,
         *,
+        images: Sequence | None = None,
         prompt_index: int = 0,
         request_id: str | None = None,
         base_seed: int | None = None,
     ) -> OutputStream:
         """`RolloutEngine.add_request`; returns the stream of the prompt's outputs."""
         add = self.engine.add_request
-        kwargs = {"prompt_index": prompt_index, "request_id": request_id, "base_seed": base_seed}
+        kwargs = {"images": images, "prompt_index": prompt_index, "request_id": request_id, "base_seed": base_seed}
         return await self._open_stream(lambda: add(prompt, params, **kwargs))
 
     async def generate(
-        self, prompts: str | Sequence[str], params: SamplingParams | Sequence[SamplingParams] | None = None
+        self,
+        prompts: str | Sequence[str],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        images: Sequence | None = None,
     ) -> list[RolloutOutput]:
         """`RolloutEngine.generate`, sharing batches with every other caller's requests; outputs
         ordered by prompt, then sample (aborted ones have status "aborted")."""
-        async with await self.add_requests(prompts, params) as stream:
+        async with await self.add_requests(prompts, params, images=images) as stream:
             outputs = {output.request_id: output async for output in stream}
         return [outputs[request_id] for request_id in stream.request_ids]
 
     async def generate_stream(
-        self, prompts: str | Sequence[str], params: SamplingParams | Sequence[SamplingParams] | None = None
+        self,
+        prompts: str | Sequence[str],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        images: Sequence | None = None,
     ) -> AsyncIterator[RolloutOutput]:
         """Like `generate`, yielding each output as it finishes."""
-        async with await self.add_requests(prompts, params) as stream:
+        async with await self.add_requests(prompts, params, images=images) as stream:
             async for output in stream:
                 yield output
 

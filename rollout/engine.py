@@ -7,6 +7,7 @@ itself (to stream outputs or interleave its own work). Worker functions are reac
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import logging
@@ -21,6 +22,7 @@ from rollout.config import EngineConfig
 from rollout.config_check import check_engine_config
 from rollout.errors import EngineDeadError, RequestFailedError, interrupted_reason
 from rollout.hot_swap import HotSwap
+from rollout.input_images import InputImages, images_per_prompt
 from rollout.model_runner import FinishedRequest
 from rollout.node_id import NodeId
 from rollout.outputs import RequestTimings, RolloutOutput
@@ -84,14 +86,16 @@ class RolloutEngine:
         prompts: str | Sequence[str],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
+        images: Sequence | None = None,
         use_tqdm: bool = False,
     ) -> list[RolloutOutput]:
         """Generate `num_samples` samples per prompt; outputs ordered by prompt, then sample.
 
         `params` is one `SamplingParams` for all prompts or one per prompt (they may differ in
-        anything: all share batches when their image sizes and adapters match). Outputs of requests
-        added with `add_request` that finished earlier (during a waiting weight update) stay for the
-        next `step()`.
+        anything: all share batches when their image sizes and adapters match). `images`: for an
+        edit family, one entry per prompt, each a list of uint8 [3, H, W] tensors or PIL images (its
+        pipeline's `image=`), or None for a text-only prompt. Outputs of requests added with
+        `add_request` that finished earlier (during a waiting weight update) stay for the next `step()`.
         """
         self._check_open()
         self._check_awake()
@@ -100,7 +104,7 @@ class RolloutEngine:
                 f"generate() drives the engine itself, but {len(self.scheduler)} requests added with "
                 "add_request() are unfinished; step() them to completion or abort() them first"
             )
-        request_ids = self.add_requests(prompts, params)
+        request_ids = self.add_requests(prompts, params, images=images)
         try:
             outputs = self._run_to_the_end(request_ids, use_tqdm)
         except BaseException:
@@ -133,6 +137,8 @@ class RolloutEngine:
         self,
         prompts: str | Sequence[str],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        images: Sequence | None = None,
     ) -> list[str]:
         """Queue what `generate` would run, without running it; returns the sample ids in the order
         `generate` returns outputs. Every request is checked before any is queued, and prompts
@@ -142,12 +148,13 @@ class RolloutEngine:
         if isinstance(prompts, str):
             prompts = [prompts]
         params_list = self._params_per_prompt(prompts, params)
-        for prompt, p in zip(prompts, params_list, strict=True):
-            self._check_request(prompt, p)  # all of them before any is queued
+        images_list = images_per_prompt(images, len(prompts))
+        for prompt, p, one in zip(prompts, params_list, images_list, strict=True):
+            self._check_request(prompt, p, one)  # all of them before any is queued
         base_seed = fresh_base_seed()
         request_ids = []
-        for prompt_index, (prompt, p) in enumerate(zip(prompts, params_list, strict=True)):
-            request_ids += self.add_request(prompt, p, prompt_index=prompt_index, base_seed=base_seed)
+        for prompt_index, (prompt, p, one) in enumerate(zip(prompts, params_list, images_list, strict=True)):
+            request_ids += self.add_request(prompt, p, images=one, prompt_index=prompt_index, base_seed=base_seed)
         return request_ids
 
     def add_request(
@@ -155,6 +162,7 @@ class RolloutEngine:
         prompt: str,
         params: SamplingParams,
         *,
+        images: Sequence | None = None,
         prompt_index: int = 0,
         request_id: str | None = None,
         base_seed: int | None = None,
@@ -165,12 +173,17 @@ class RolloutEngine:
         `params.seed` (or `base_seed` when the params give none, else a fresh one), `prompt_index`,
         the sample index and the branch path.
 
+        `images`: the prompt's input images for an edit family (a list of uint8 [3, H, W] tensors or
+        PIL images), shared by its samples.
+
         A `request_id` that an unfinished request's group or sample id already has, or whose
         sample ids would be one's group id, is refused: `abort` takes both kinds of id. It may not
         hold "." (which separates the branches of a tree rollout)."""
         self._check_open()
         self._check_awake()
-        params = self._check_request(prompt, params)
+        if images is not None and not isinstance(images, InputImages):
+            images = InputImages.of(images)
+        params = self._check_request(prompt, params, images)
         if request_id is not None and "." in request_id:
             raise ValueError(f"request_id {request_id!r} holds '.', which names tree branches; pass one without")
         group_id = request_id if request_id is not None else f"req{next(self._request_counter)}"
@@ -192,6 +205,7 @@ class RolloutEngine:
                 init_noise_seed=derive_seed(base_seed, prompt_index, init_index, "init"),
                 base_seed=base_seed,
                 tree_id=next(self._tree_ids),
+                images=images,
             )
             self.scheduler.add(request)
             output_ids += [str(leaf) for leaf in request.leaves()]
@@ -450,14 +464,36 @@ class RolloutEngine:
             )
         return params
 
-    def _check_request(self, prompt: str, params: SamplingParams) -> SamplingParams:
-        """Check what depends on the model; returns `params` with the model's defaults filled in."""
+    def _check_request(self, prompt: str, params: SamplingParams, images: InputImages | None = None) -> SamplingParams:
+        """Check what depends on the model; returns `params` with the model's defaults filled in
+        (an edit's size, where it sets none, from its first input image: `ModelSpec.edit_size`)."""
         if not isinstance(prompt, str):
             raise TypeError(f"a prompt must be a str, got {type(prompt).__name__}")
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        spec = self.model_spec
+        sizes = () if images is None else images.sizes
+        image_problems = spec.image_problems(sizes)
+        if sizes and not spec.max_input_images:
+            from rollout.pipelines.families import edit_families_help
+
+            image_problems = [f"{image_problems[0]} (families that take images: {edit_families_help()})"]
+        if images is not None and not image_problems and (params.height is None or params.width is None):
+            height, width = spec.edit_size(*images.sizes[0])
+            params = dataclasses.replace(
+                params,
+                height=params.height if params.height is not None else height,
+                width=params.width if params.width is not None else width,
+            )
         resolved, problems = self._resolve(params)
-        problems = list(problems)  # the cached list stays as it was
+        problems = image_problems + list(problems)  # the cached list stays as it was
+        limit = self.config.request_limits.max_pixels
+        problems += [
+            f"input image {i} of {height}x{width} pixels is above this engine's limit of {limit} "
+            "(RequestLimits.max_pixels; a server's --max-pixels); pass a smaller image or raise the limit"
+            for i, (height, width) in enumerate(sizes)
+            if height * width > limit
+        ]
         if not problems:  # the limits read the sizes the model's rules checked
             problems += self.config.request_limits.problems(prompt, resolved, self.model_spec)
         if params.lora is not None and not self.hot_swap.has_lora(params.lora):

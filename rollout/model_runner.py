@@ -7,6 +7,7 @@ sample's result does not depend on its batch-mates.
 
 Text is encoded once per distinct text: a new request reuses the embeddings of a live request with
 the same prompt (or negative prompt), so every sample of a prompt references one conditioning.
+An edit's input images are encoded once per distinct set of images (by digest) in the same way.
 """
 
 from __future__ import annotations
@@ -69,6 +70,11 @@ class RequestState:
             texts[(params.negative_prompt, params.max_sequence_length)] = self.condition.negative
         return texts
 
+    def encoded_images(self) -> dict[str, PromptEmbeds]:
+        """Images digest -> their encoding, for the input images this request holds (an edit)."""
+        images = self.data.images
+        return {} if images is None else {images.digest: self.condition.images}
+
 
 @dataclass
 class FinishedRequest:
@@ -122,9 +128,11 @@ class ModelRunner:
         if not new_requests:
             return [], {}
         encoded: dict[tuple[str, int], PromptEmbeds] = {}
+        encoded_images: dict[str, PromptEmbeds] = {}
         for state in live:
             if state.encoder_generation == encoder_generation:
                 encoded |= state.encoded_texts()
+                encoded_images |= state.encoded_images()
         wanted = [(r.prompt, r.params.max_sequence_length) for r in new_requests]
         wanted += [(r.params.negative_prompt, r.params.max_sequence_length) for r in new_requests]
         unencodable: dict[tuple[str, int], str] = {}
@@ -135,22 +143,37 @@ class ModelRunner:
                 except Exception as error:
                     logger.warning("a text of %d characters did not encode", len(text), exc_info=True)
                     unencodable[(text, length)] = describe(error)
+        for images in {r.images.digest: r.images for r in new_requests if r.images is not None}.values():
+            if images.digest not in encoded_images:
+                try:
+                    with torch.no_grad():
+                        encoded_images[images.digest] = self.adapter.encode_images(images)
+                except Exception as error:
+                    logger.warning("input images of sizes %s did not encode", images.sizes, exc_info=True)
+                    unencodable[images.digest] = describe(error)
         states, failed = [], {}
         for data in new_requests:
             length = data.params.max_sequence_length
             bad = unencodable.get((data.prompt, length)) or unencodable.get((data.params.negative_prompt, length))
+            if bad is None and data.images is not None:
+                bad = unencodable.get(data.images.digest)
             if bad is not None:
                 failed[data.request_id] = bad
                 continue
             try:
-                states.append(self._new_state(data, encoded, encoder_generation))
+                images = encoded_images[data.images.digest] if data.images is not None else None
+                states.append(self._new_state(data, encoded, images, encoder_generation))
             except Exception as error:
                 logger.warning("request %s could not start", data.request_id, exc_info=True)
                 failed[data.request_id] = describe(error)
         return states, failed
 
     def _new_state(
-        self, data: NewRequestData, encoded: dict[tuple[str, int], PromptEmbeds], encoder_generation: int
+        self,
+        data: NewRequestData,
+        encoded: dict[tuple[str, int], PromptEmbeds],
+        images: PromptEmbeds | None,
+        encoder_generation: int,
     ) -> RequestState:
         params = data.params
         length = params.max_sequence_length
@@ -165,7 +188,7 @@ class ModelRunner:
         history.add("latents", 0, initial)
         return RequestState(
             data=data,
-            condition=Condition(encoded[(data.prompt, length)], negative),
+            condition=Condition(encoded[(data.prompt, length)], negative, images),
             encoder_generation=encoder_generation,
             timesteps=timesteps,
             sigmas=sigmas,
@@ -312,7 +335,7 @@ class ModelRunner:
             timesteps=state.timesteps.clone(),
             sigmas=state.sigmas.clone(),
             sde_mask=torch.tensor(state.sde_mask, dtype=torch.bool),
-            condition=Condition(cpu(state.condition.prompt), cpu(state.condition.negative)),
+            condition=Condition(*(cpu(part) for part in state.condition.parts().values())),
             height=params.height,
             width=params.width,
             sampler=params.sampler,

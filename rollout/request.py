@@ -9,6 +9,7 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
+from rollout.input_images import InputImages
 from rollout.node_id import NamedByNode, NodeId
 from rollout.sampling_params import SamplingParams
 from rollout.seeding import derive_seed
@@ -36,6 +37,7 @@ class NewRequestData:
     params: SamplingParams
     init_noise_seed: int
     step_noise_seed: int
+    images: InputImages | None = None  # an edit's input images, encoded by the worker (once per digest)
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,7 @@ class Request(NamedByNode):
     init_noise_seed: int
     base_seed: int  # what the seeds derive from (children's too)
     tree_id: int  # unique per root in the engine's life, shared by its children
+    images: InputImages | None = None  # an edit's input images (the pipeline's `image=`)
     pruned: set[NodeId] = field(default_factory=set)  # its descendants aborted before they existed
     status: RequestStatus = RequestStatus.WAITING
     rank: int | None = None
@@ -144,9 +147,10 @@ class Request(NamedByNode):
     @property
     def batch_key(self) -> tuple:
         """Requests with equal keys can share one forward pass (same latent and text shapes, same
-        adapter)."""
+        adapter, input images of the same sizes: their encoded tokens stack)."""
         p = self.params
-        return (p.height, p.width, p.num_frames, p.max_sequence_length, p.lora, p.lora_scale)
+        images = None if self.images is None else self.images.sizes
+        return (p.height, p.width, p.num_frames, p.max_sequence_length, p.lora, p.lora_scale, images)
 
     def new_request_data(self) -> NewRequestData:
         return NewRequestData(
@@ -155,4 +159,5 @@ class Request(NamedByNode):
             params=self.params,
             init_noise_seed=self.init_noise_seed,
             step_noise_seed=self.seed,
+            images=self.images,
         )

@@ -3,8 +3,9 @@
 A worker encodes each text once and its finished samples reference that one object, but outputs
 cross processes step by step and rank by rank, so the engine would still hold one copy per step and
 rank. `SharedConditions` maps every arriving copy to the first one alive for the same text, text
-length and weights, so the samples of one prompt (and every sample with the same negative prompt)
-reference one tensor on every executor. Entries live as long as some output references them.
+length and weights (an edit's encoded images: the same images digest and weights), so the samples
+of one prompt (and every sample with the same negative prompt, or the same input images) reference
+one tensor on every executor. Entries live as long as some output references them.
 """
 
 from __future__ import annotations
@@ -30,7 +31,10 @@ class SharedConditions:
             negative = self._shared(
                 params.negative_prompt, params.max_sequence_length, request.encoder_generation, negative
             )
-        return Condition(prompt, negative)
+        images = condition.images
+        if images is not None:
+            images = self._alive.setdefault(("images", request.images.digest, request.encoder_generation), images)
+        return Condition(prompt, negative, images)
 
     def _shared(self, text: str, length: int, generation: int, embeds: PromptEmbeds) -> PromptEmbeds:
         return self._alive.setdefault((text, length, generation), embeds)

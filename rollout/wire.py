@@ -14,9 +14,13 @@ Outputs travel as a stream of frames, so each one can go out as soon as it finis
 - {"kind": "output", ...}: one `RolloutOutput`: its id as data ("group_id", "sample_index",
   "branch_path", from which the decoder rebuilds its `NodeId`) and as text ("request_id", checked
   against them), its other fields, its tensors "image", "latents" and
-  "trajectory.<field>", the keys of its condition's prompt and negative embeddings, and per series
+  "trajectory.<field>", the keys of its condition's prompt and negative embeddings and encoded
+  input images (an edit's, sent once per stream as an "embeds" frame too), and per series
   its positions (a tensor), its length and the keys of its parts;
 - {"kind": "error", "type": ..., "message": ...}: the stream failed (the engine died).
+A generate request with input images (an edit family's) is a safetensors body: its metadata
+"request" holds the JSON body, and each image is a tensor "images.<prompt>.<k>": uint8 [3, H, W],
+or a uint8 [N] tensor "images.<prompt>.<k>.png" holding a PNG file's bytes.
 The same functions encode and decode, on both sides. Frames too big to copy whole (a full-weight
 push) are written from and read into views by `rollout.frame_views`.
 """
@@ -33,6 +37,7 @@ from typing import Any
 import safetensors.torch
 import torch
 
+from rollout.input_images import InputImages
 from rollout.node_id import NodeId
 from rollout.outputs import TRAJECTORY_SETTINGS, RequestTimings, RolloutOutput, Trajectory
 from rollout.pipelines.condition import Condition, PromptEmbeds
@@ -87,6 +92,57 @@ def read_header(data, what: str) -> tuple[Any, int]:
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
         raise WireError(f"{what} is not a valid safetensors file: its header is not JSON ({error})") from None
     return header, LENGTH.size + header_length
+
+
+# Input images of a generate request.
+
+
+def images_to_tensors(images: list[InputImages | None]) -> dict[str, torch.Tensor]:
+    """Each prompt's input images as tensors "images.<prompt>.<k>" (uint8 [3, H, W])."""
+    return {
+        f"images.{p}.{k}": tensor
+        for p, one in enumerate(images)
+        if one is not None
+        for k, tensor in enumerate(one.tensors)
+    }
+
+
+def images_from_tensors(tensors: Mapping[str, torch.Tensor], num_prompts: int) -> list[list[torch.Tensor] | None]:
+    """The images of a generate body, one list per prompt (None for a prompt without images);
+    PNG files are decoded. WireError names a tensor that is not an image of the protocol."""
+    found: dict[int, dict[int, torch.Tensor]] = {}
+    for name, tensor in tensors.items():
+        parts = name.split(".")
+        png = len(parts) == 4 and parts[3] == "png"
+        if parts[0] != "images" or len(parts) != (4 if png else 3) or not all(p.isdigit() for p in parts[1:3]):
+            raise WireError(f"tensor {name!r} of a generate body is not an image; name them images.<prompt>.<k>[.png]")
+        prompt, k = int(parts[1]), int(parts[2])
+        if prompt >= num_prompts:
+            raise WireError(f"tensor {name!r} is for prompt {prompt}, but the body has {num_prompts} prompts")
+        found.setdefault(prompt, {})[k] = _png_image(tensor, name) if png else tensor
+    result: list[list[torch.Tensor] | None] = [None] * num_prompts
+    for prompt, by_index in found.items():
+        if sorted(by_index) != list(range(len(by_index))):
+            raise WireError(f"the images of prompt {prompt} are numbered {sorted(by_index)}; number them from 0")
+        result[prompt] = [by_index[k] for k in range(len(by_index))]
+    return result
+
+
+def _png_image(tensor: torch.Tensor, name: str) -> torch.Tensor:
+    import io
+
+    from PIL import Image
+
+    if tensor.dtype != torch.uint8 or tensor.ndim != 1:
+        raise WireError(
+            f"tensor {name!r} must hold a PNG file's bytes as uint8 [N], got {tensor.dtype} {list(tensor.shape)}"
+        )
+    try:
+        with Image.open(io.BytesIO(tensor.numpy().tobytes()), formats=["PNG"]) as image:
+            rgb = image.convert("RGB")
+    except Exception as error:
+        raise WireError(f"tensor {name!r} is not a PNG file: {error}") from None
+    return InputImages.of([rgb]).tensors[0]
 
 
 # Frames.
@@ -160,8 +216,7 @@ class OutputEncoder:
         trajectory = output.trajectory
         if trajectory is not None:
             values = {name: getattr(trajectory, name) for name in TRAJECTORY_SETTINGS}
-            for part in ("prompt", "negative"):
-                embeds = getattr(trajectory.condition, part)
+            for part, embeds in trajectory.condition.parts().items():
                 key = None
                 if embeds is not None:
                     key, embeds_frame = self._embeds(embeds)
@@ -222,8 +277,8 @@ class OutputDecoder:
         trajectory = None
         if "trajectory" in fields:
             values = dict(fields["trajectory"])
-            prompt, negative = values.pop("prompt"), values.pop("negative")
-            condition = Condition(self._embeds[prompt], self._embeds[negative] if negative is not None else None)
+            keys = {part: values.pop(part, None) for part in ("prompt", "negative", "images")}
+            condition = Condition(**{part: None if key is None else self._embeds[key] for part, key in keys.items()})
             series = {
                 name: StepSeries(
                     tensors[f"trajectory.{name}.positions"], [self._parts[key] for key in one["parts"]], one["length"]

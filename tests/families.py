@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import pytest
+import torch
 
 from rollout import SamplingParams
 from rollout.pipelines import family as family_module
@@ -48,10 +49,47 @@ class Family:
         """SamplingParams fields every request sets (frames of a video)."""
         return {"num_frames": TINY_NUM_FRAMES} if self.descriptor.video else {}
 
+    @property
+    def edits(self) -> bool:
+        return self.descriptor.edits
+
     def params(self, cfg: bool = False, **kwargs) -> SamplingParams:
         """Sampling params for this family's tiny model: 32x32 images (or 9-frame videos), CFG on or off."""
         fields = {**TINY_SIZE, **self.extra, **(self.cfg if cfg else self.no_cfg), **kwargs}
         return SamplingParams(**fields)
+
+    def inputs(self, num_prompts: int = 1, sizes: list[tuple[int, int]] | None = None) -> dict:
+        """`generate`'s keyword arguments beside prompts and params: for an edit family, one tiny
+        input image per prompt (`input_image(i)`, 32x32 unless `sizes` says), else nothing."""
+        if not self.edits:
+            return {}
+        sizes = sizes or [(32, 32)] * num_prompts
+        return {"images": [[input_image(i, *size)] for i, size in enumerate(sizes)]}
+
+    def pipeline_inputs(self, images: dict | None = None, height: int = 32, width: int = 32, prompt: int = 0) -> dict:
+        """The edit pipeline's arguments beside the prompt for an output of `height` x `width`
+        (`max_area` keeps FluxKontextPipeline from rescaling it to a megapixel) and prompt
+        `prompt`'s images of `inputs()` (encoded at their own size: no resize to Kontext's
+        preferred sizes); nothing for a text-to-image family."""
+        if not self.edits:
+            return {}
+        from rollout.input_images import InputImages
+
+        call = {"max_area": height * width}
+        if images:
+            (image,) = InputImages.of(images["images"][prompt]).pil()
+            call |= {"image": image, "_auto_resize": False}
+        return call
+
+
+def input_image(index: int, height: int = 32, width: int = 32) -> torch.Tensor:
+    """A tiny edit input: uint8 [3, H, W], a coloured square on a background, both set by `index`."""
+    generator = torch.Generator().manual_seed(1000 + index)
+    background, square = torch.randint(0, 256, (2, 3), generator=generator, dtype=torch.uint8)
+    image = background.view(3, 1, 1).expand(3, height, width).clone()
+    top, left = height // 4 + index % 3, width // 4 + index % 5
+    image[:, top : top + height // 2, left : left + width // 2] = square.view(3, 1, 1)
+    return image
 
 
 FAMILIES = {d.name: Family(d) for d in DESCRIPTORS if not d.video}
@@ -62,7 +100,9 @@ ALL_FAMILIES = FAMILIES | VIDEO_FAMILIES
 # The families whose matrix tests (parity, re-scoring, batching, the tiny pipeline) run in the default
 # suite; every other family's run in the slow suite (CI runs both), so that a new family does not
 # push the default suite over its budget. These three cover the three latent layouts: SD3's image
-# latents, FLUX.1's packed tokens, Qwen-Image's packed tokens with a text mask.
+# latents, FLUX.1's packed tokens, Qwen-Image's packed tokens with a text mask. (flux_kontext, the
+# first edit family, runs in the slow suite; tests/rollout/test_edits.py keeps a quick edit check
+# in the default one.)
 DEFAULT_MATRIX = ("sd3", "flux", "qwen_image")
 
 

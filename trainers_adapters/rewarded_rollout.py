@@ -3,7 +3,8 @@ finish, on a background thread, while the engine keeps denoising the other group
 
 With more samples than fit in one batch, the engine finishes the groups a few at a time, so a slow
 reward model (a scorer on its own device, a remote service) overlaps with the rest of the rollout
-instead of waiting behind it. The reward only sees images and prompts; it never blocks the engine.
+instead of waiting behind it. The reward only sees images, prompts and (for an edit) the input
+images; it never blocks the engine.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from rollout import NodeId, RolloutOutput, SamplingParams
+from rollout.input_images import images_per_prompt
 from trainers_adapters.composite_reward import CompositeReward, RewardScores, as_composite
 from trainers_adapters.rewards import Reward
 
@@ -48,13 +50,16 @@ def generate_with_rewards(
     reward: Reward,
     pool: ThreadPoolExecutor,
     request_prefix: str = "rollout",
+    images: Sequence | None = None,
 ) -> RewardedRollout:
     """Generate `params.num_samples` samples of every prompt (each a tree of leaves when `params`
     branch) and reward each group on `pool` as it finishes. The reward gets (images [n, 3, H, W]
     or videos [n, F, 3, H, W] uint8, prompts, metadata) with metadata per sample: prompt_index,
-    sample_index, branch_path, seed, weight_version. Every reward's output is checked
-    (`trainers_adapters.reward_checks`): a NaN, an inf or a wrong count raises a RewardError naming
-    the reward and the samples, here, before the caller can update anything."""
+    sample_index, branch_path, seed, weight_version, and input_images: the prompt's input images
+    (an edit's: `images`, one list of uint8 [3, H, W] per prompt, as `generate` takes them), or None.
+    Every reward's output is checked (`trainers_adapters.reward_checks`): a NaN, an inf or a wrong
+    count raises a RewardError naming the reward and the samples, here, before the caller can update
+    anything."""
     if params.output_type != "image":
         raise ValueError("a rewarded rollout needs images (or videos); set output_type='image' in the sampling params")
     reward = as_composite(reward)
@@ -62,16 +67,21 @@ def generate_with_rewards(
     group_of: dict[str, int] = {}
     finished: list[list[RolloutOutput]] = [[] for _ in prompts]
     futures: dict[int, Future] = {}
+    inputs = images_per_prompt(images, len(prompts))  # uint8 tensors, as the reward gets them
     try:
         for index, prompt in enumerate(prompts):
-            ids = engine.add_request(prompt, params, prompt_index=index, request_id=f"{request_prefix}{index}")
+            ids = engine.add_request(
+                prompt, params, images=inputs[index], prompt_index=index, request_id=f"{request_prefix}{index}"
+            )
             group_of.update(dict.fromkeys(ids, index))
         while engine.has_unfinished_requests():
             for output in engine.step():
                 group = finished[group_of[output.request_id]]
                 group.append(output)
                 if len(group) == params.num_samples * params.leaves_per_sample:
-                    futures[output.prompt_index] = pool.submit(_reward_group, reward, group)
+                    futures[output.prompt_index] = pool.submit(
+                        _reward_group, reward, group, inputs[output.prompt_index]
+                    )
     except BaseException:
         # Leave no requests behind in the engine; a dead engine cannot abort, and then the
         # original error is the one worth seeing.
@@ -97,7 +107,7 @@ def _sample_order(output: RolloutOutput) -> NodeId:
     return output.node_id  # within a group: by sample, then branch path
 
 
-def _reward_group(reward: CompositeReward, group: list[RolloutOutput]) -> RewardScores:
+def _reward_group(reward: CompositeReward, group: list[RolloutOutput], input_images) -> RewardScores:
     group = sorted(group, key=_sample_order)
     images = torch.stack([output.image if output.video is None else output.video for output in group])
     metadata = [
@@ -107,6 +117,7 @@ def _reward_group(reward: CompositeReward, group: list[RolloutOutput]) -> Reward
             "branch_path": o.branch_path,
             "seed": o.seed,
             "weight_version": o.weight_version,
+            "input_images": None if input_images is None else list(input_images.tensors),
         }
         for o in group
     ]

@@ -1,8 +1,9 @@
 """Rewards: callables `(images, prompts, metadata) -> tensor [N] float32`, higher is better.
 
 images: uint8 [N, 3, H, W] (or a list of [3, H, W]); for a video model uint8 videos
-[N, F, 3, H, W]; prompts: N strings; metadata: N dicts. The built-ins need no downloaded model. A
-user's reward is named by dotted path.
+[N, F, 3, H, W]; prompts: N strings; metadata: N dicts (for an edit, "input_images": the prompt's
+input images, a list of uint8 [3, H, W]). The built-ins need no downloaded model. A user's reward is
+named by dotted path.
 """
 
 from __future__ import annotations
@@ -80,6 +81,41 @@ def colour_agreement(videos, prompts, metadata) -> torch.Tensor:
     return -(frame_means - frame_means.mean(dim=1, keepdim=True)).norm(dim=2).mean(dim=1)
 
 
+# How much keeping the input's layout counts against reaching the colour in `colour_edit`.
+LAYOUT_WEIGHT = 0.2
+
+
+def colour_edit(images, prompts, metadata) -> torch.Tensor:
+    """An edit that turns the input image's colour into the one the prompt names ("make it red")
+    while keeping its layout: `colour_target`'s closeness of the output's mean colour, minus
+    `LAYOUT_WEIGHT` x how far the output's brightness pattern moved from the input's (the mean
+    absolute difference of the two grey images, each standardised to mean 0 and std 1, the input
+    resized to the output's size). Needs both images: metadata[i]["input_images"][0] is the input."""
+    images = _stack(images)
+    missing = [i for i, m in enumerate(metadata) if not m.get("input_images")]
+    if missing:
+        raise ValueError(
+            f"colour_edit scores edits, but samples {missing[:5]} carry no input_images in their metadata; "
+            "give the rollout input images (a recipe's input_images section)"
+        )
+    inputs = torch.stack(
+        [
+            torch.nn.functional.interpolate(
+                m["input_images"][0][None].float(), size=images.shape[2:], mode="bilinear", antialias=True
+            )[0]
+            for m in metadata
+        ]
+    )
+    layout = (_standardised_grey(images.float()) - _standardised_grey(inputs)).abs().mean(dim=(1, 2))
+    return colour_target(images, prompts, metadata) - LAYOUT_WEIGHT * layout
+
+
+def _standardised_grey(images: torch.Tensor) -> torch.Tensor:
+    grey = images.mean(dim=1)  # [N, H, W]
+    mean, std = grey.mean(dim=(1, 2), keepdim=True), grey.std(dim=(1, 2), keepdim=True)
+    return (grey - mean) / (std + 1.0)  # +1 (of 255): a flat image stays flat instead of blowing up noise
+
+
 def _named_colour(prompt: str) -> str:
     for word in re.findall(r"[a-z]+", prompt.lower()):
         if word in COLOURS:
@@ -92,6 +128,7 @@ BUILTIN_REWARDS: dict[str, Reward] = {
     "jpeg_incompressibility": jpeg_incompressibility,
     "colour": colour_target,
     "colour_agreement": colour_agreement,
+    "colour_edit": colour_edit,
 }
 
 

@@ -11,6 +11,12 @@ with exactly the computation that sampled it. A family supplies hooks, never a d
     combine_cfg(cond, uncond, scale)     how guidance combines the two predictions (linear by default)
     decode(latents, height, width)       uint8 images
     default_lora_targets                 module names a LoRA targets when the user names none
+    encode_images(images)                edit families only: input images as the pipeline encodes its
+                                         `image=` (then `run_transformer` takes them as `images=`)
+
+An edit family sets `ModelSpec.max_input_images`. A family whose text encoder reads the images with
+the prompt (Qwen-Image-Edit's vision tokens) would encode them inside `encode_prompt`'s work too;
+the runner keys its cache of encodings by the images' digest.
 
 Classifier-free guidance is batched here: the unconditional rows of the samples with a negative
 prompt run in a second forward pass, or in the same pass as the conditional rows where the family's
@@ -31,6 +37,7 @@ import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 from torch import nn
 
+from rollout.input_images import InputImages
 from rollout.pipelines.condition import Condition, PromptEmbeds
 from rollout.pipelines.guidance import Guidance, Scale, guidance_argument
 from rollout.pipelines.spec import ModelSpec
@@ -131,6 +138,12 @@ class PipelineAdapter(ABC):
     def decode(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
         """Images [B, 3, H, W] (videos [B, F, 3, H, W]) uint8 on CPU from latents [B, *latent_shape]."""
 
+    def encode_images(self, images: InputImages) -> PromptEmbeds:
+        """One request's input images, encoded as the family's edit pipeline encodes its `image=`
+        (unbatched, on the model's device and dtype). Only edit families (`spec.max_input_images`
+        > 0) implement it; the engine refuses images for the others before they reach a worker."""
+        raise NotImplementedError(f"{type(self).__name__} ({self.pipeline_class}) takes no input images")
+
     def combine_cfg(self, cond: torch.Tensor, uncond: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         """Classifier-free guidance of the rows that use it, in float32; `scale` broadcasts."""
         return uncond + scale * (cond - uncond)
@@ -208,25 +221,66 @@ class PipelineAdapter(ABC):
         guidance); guidance: its fields scalars or [B], as the trajectory recorded them (None
         where the model does not use them), or the same as separate `guidance_scale`,
         `guidance_scale_2`, `true_cfg_scale`. Runs with autograd enabled when the caller has it
-        enabled (the trainer does).
+        enabled (the trainer does). Conditions whose input images differ in shape (or that mix
+        edits and text-only requests) run in separate forwards, one per kind.
         """
+        guidance = guidance_argument(
+            guidance, guidance_scale=guidance_scale, guidance_scale_2=guidance_scale_2, true_cfg_scale=true_cfg_scale
+        )
+        kinds: dict[tuple | None, list[int]] = {}
+        for row, condition in enumerate(conditions):
+            kinds.setdefault(_images_shape(condition.images), []).append(row)
+        if len(kinds) == 1:
+            return self._predict_velocity(latents, sigmas, conditions, guidance, height, width)
+        velocity = None
+        for rows in kinds.values():
+            index = torch.tensor(rows)
+            part = self._predict_velocity(
+                latents[index.to(latents.device)],
+                sigmas[index.to(sigmas.device)],
+                [conditions[r] for r in rows],
+                guidance.rows(index),
+                height,
+                width,
+            )
+            if velocity is None:
+                velocity = part.new_zeros((latents.shape[0], *part.shape[1:]))
+            velocity = velocity.index_put((index.to(part.device),), part)
+        return velocity
+
+    def _predict_velocity(
+        self,
+        latents: torch.Tensor,
+        sigmas: torch.Tensor,
+        conditions: Sequence[Condition],
+        guidance: Guidance,
+        height: int,
+        width: int,
+    ) -> torch.Tensor:
+        """`predict_velocity` of rows whose input images (if any) have one shape."""
         batch = latents.shape[0]
         device, dtype = self.device, self.dtype
         cfg = torch.tensor([c.negative is not None for c in conditions], device=device)
         prompts = [c.prompt for c in conditions]
         negatives = [c.negative for c in conditions if c.negative is not None]
-        guidance = guidance_argument(
-            guidance, guidance_scale=guidance_scale, guidance_scale_2=guidance_scale_2, true_cfg_scale=true_cfg_scale
-        ).expand(batch, device)
+        guidance = guidance.expand(batch, device)
         distilled = guidance.guidance_scale  # a transformer input where the model takes one
         latents = latents.to(device, dtype)
         sigmas = sigmas.to(device, torch.float32)
 
+        images = [c.images for c in conditions]
+        takes_images = self.spec.max_input_images > 0
+
         def run(rows: torch.Tensor | slice, embeds: list[PromptEmbeds]) -> torch.Tensor:
             batched = type(embeds[0]).stack(embeds).to(device, dtype)
             rows_guidance = distilled[rows] if distilled is not None else None
+            extra = {}
+            if takes_images:  # the unconditional rows of CFG see the same images as the conditional
+                index = torch.arange(batch)[rows.cpu() if isinstance(rows, torch.Tensor) else rows].tolist()
+                chosen = [images[i] for i in index]
+                extra["images"] = None if chosen[0] is None else type(chosen[0]).stack(chosen).to(device, dtype)
             start = time.perf_counter()
-            out = self.run_transformer(latents[rows], sigmas[rows], batched, rows_guidance, height, width)
+            out = self.run_transformer(latents[rows], sigmas[rows], batched, rows_guidance, height, width, **extra)
             self.forwards.add(out.shape[0], time.perf_counter() - start)
             return out
 
@@ -242,6 +296,11 @@ class PipelineAdapter(ABC):
         scale = self.cfg_scale(guidance, sigmas)[cfg].view(-1, *([1] * (velocity.ndim - 1)))
         guided = self.combine_cfg(velocity[cfg], uncond, scale)
         return velocity.index_put((cfg.nonzero(as_tuple=True)[0],), guided)
+
+
+def _images_shape(images: PromptEmbeds | None) -> tuple | None:
+    """What must agree for conditions' encoded images to stack: each field's shape."""
+    return None if images is None else tuple((name, tuple(t.shape)) for name, t in images.tensors().items())
 
 
 def images_to_uint8(images: torch.Tensor) -> torch.Tensor:

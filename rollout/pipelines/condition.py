@@ -1,8 +1,8 @@
-"""Text conditioning: a family's prompt embeddings and one sample's condition.
+"""Conditioning: a family's prompt embeddings, its encoded input images, and one sample's condition.
 
-A trajectory carries its condition so a trainer never re-encodes text. Conditions are shared, not
-copied: every sample of a prompt references one `PromptEmbeds`, and every sample with the same
-negative prompt another.
+A trajectory carries its condition so a trainer never re-encodes text or images. Conditions are
+shared, not copied: every sample of a prompt references one `PromptEmbeds`, every sample with the
+same negative prompt another, and every sample with the same input images one encoding of them.
 """
 
 from __future__ import annotations
@@ -65,8 +65,16 @@ def _pad(tensor: torch.Tensor, length: int) -> torch.Tensor:
 
 @dataclass
 class Condition:
-    """One sample's text conditioning: the embeddings of its prompt and, when it is sampled with
-    classifier-free guidance, of its negative prompt (None without CFG)."""
+    """One sample's conditioning: the embeddings of its prompt and, when it is sampled with
+    classifier-free guidance, of its negative prompt (None without CFG); for an edit, its input
+    images as the family encodes them (`PipelineAdapter.encode_images`: e.g. FLUX.1 Kontext's
+    packed VAE latents and their position ids), which the unconditional pass of CFG reads too
+    (None for a text-only request)."""
 
     prompt: PromptEmbeds
     negative: PromptEmbeds | None = None
+    images: PromptEmbeds | None = None
+
+    def parts(self) -> dict[str, PromptEmbeds | None]:
+        """Its embeddings by field name ("prompt", "negative", "images"), None where absent."""
+        return {"prompt": self.prompt, "negative": self.negative, "images": self.images}

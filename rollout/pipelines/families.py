@@ -7,13 +7,14 @@ family is its module (adapter and `Family`) plus its line here.
 
 from __future__ import annotations
 
-from rollout.pipelines import flux, flux2, qwen_image, sd3, wan, z_image
+from rollout.pipelines import flux, flux2, flux_kontext, qwen_image, sd3, wan, z_image
 from rollout.pipelines.adapter import PipelineAdapter
 from rollout.pipelines.family import Family
 
 FAMILIES: tuple[Family, ...] = (
     sd3.FAMILY,
     flux.FAMILY,
+    flux_kontext.FAMILY,
     qwen_image.FAMILY,
     flux2.FAMILY,
     wan.WAN21_FAMILY,
@@ -44,3 +45,9 @@ def adapters_by_pipeline() -> dict[str, type[PipelineAdapter]]:
 def families_help() -> str:
     """One line per family for `--help` texts: "name: PipelineClass (title)"."""
     return "; ".join(f"{family.name}: {family.pipeline_class} ({family.title})" for family in FAMILIES)
+
+
+def edit_families_help() -> str:
+    """The families that take input images, for errors: "name (PipelineClass), ..."."""
+    edits = [family for family in FAMILIES if family.edits]
+    return ", ".join(f"{family.name} ({family.pipeline_class})" for family in edits) or "none"

@@ -39,6 +39,7 @@ class Family:
     cfg_on, cfg_off: the `SamplingParams` fields that turn classifier-free guidance on and off for
         this family (the same-named arguments of its diffusers pipeline mean the same).
     video: whether the family makes videos (`num_frames`, outputs' `video`) rather than images.
+    edits: whether its requests take input images (`images=`), as an edit pipeline's `image=`.
     """
 
     name: str
@@ -50,6 +51,7 @@ class Family:
     cfg_on: Mapping[str, Any]
     cfg_off: Mapping[str, Any]
     video: bool = False
+    edits: bool = False
 
     @property
     def pipeline_class(self) -> str:

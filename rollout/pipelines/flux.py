@@ -92,14 +92,23 @@ class FluxAdapter(PipelineAdapter):
         retrieve_timesteps(scheduler, num_steps, "cpu", sigmas=sigmas, mu=mu)
 
     def run_transformer(self, latents, sigmas, embeds: FluxEmbeds, guidance_scale, height, width) -> torch.Tensor:
-        device, dtype = latents.device, latents.dtype
+        return self._forward(latents, self.image_ids(height, width, latents), sigmas, embeds, guidance_scale)
+
+    def image_ids(self, height: int, width: int, latents: torch.Tensor) -> torch.Tensor:
+        """The position ids [N, 3] of a `height` x `width` image's packed latent tokens."""
         grid = self.spec.vae_scale_factor * 2
-        image_ids = self.pipeline._prepare_latent_image_ids(None, height // grid, width // grid, device, dtype)
+        return self.pipeline._prepare_latent_image_ids(
+            None, height // grid, width // grid, latents.device, latents.dtype
+        )
+
+    def _forward(self, hidden_states, image_ids, sigmas, embeds: FluxEmbeds, guidance_scale) -> torch.Tensor:
+        """The transformer over image tokens `hidden_states` [B, N, C] at positions `image_ids` [N, 3]."""
+        device, dtype = hidden_states.device, hidden_states.dtype
         text_ids = torch.zeros(embeds.prompt_embeds.shape[1], 3, device=device, dtype=dtype)
         # FluxPipeline feeds the scheduler's timestep (sigma * 1000) in the latents' dtype, over 1000.
         timestep = (sigmas * self._scheduler.config.num_train_timesteps).to(dtype) / 1000
         return self.transformer(
-            hidden_states=latents,
+            hidden_states=hidden_states,
             timestep=timestep,
             guidance=guidance_scale if self.transformer.config.guidance_embeds else None,
             pooled_projections=embeds.pooled_prompt_embeds,

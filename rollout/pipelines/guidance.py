@@ -54,6 +54,17 @@ class Guidance:
             **{name: None if v[0] is None else torch.tensor(v, dtype=torch.float32) for name, v in values.items()}
         )
 
+    def rows(self, index: torch.Tensor) -> Guidance:
+        """The guidance of rows `index` (a [K] index tensor) of a batch: per-row fields indexed,
+        floats as they are."""
+
+        def picked(value: Scale) -> Scale:
+            if isinstance(value, torch.Tensor) and value.ndim > 0:
+                return value[index.to(value.device)]
+            return value
+
+        return Guidance(**{name: picked(getattr(self, name)) for name in GUIDANCE_FIELDS})
+
     def expand(self, batch: int, device: torch.device) -> Guidance:
         """Every field that is set as a [batch] float32 tensor on `device`."""
 

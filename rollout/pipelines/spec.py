@@ -42,6 +42,10 @@ class ModelSpec:
         pos_embed_max_size, Wan's rope_max_seq_len); None: any size (rotary embeddings made per
         request, as FLUX.1's and Qwen-Image's are).
     temporal_patch_size: latent frames per transformer token (video).
+    min_input_images, max_input_images: how many input images (`images=`) a request may carry: 0
+        and 0 for a text-to-image family; an edit family's pipeline takes up to `max_input_images`
+        as `image=`, and needs at least `min_input_images` (FLUX.1 Kontext: 0 to 1, since its
+        pipeline without an image is FLUX.1's text-to-image).
     """
 
     pipeline_class: str
@@ -64,6 +68,8 @@ class ModelSpec:
     max_grid: int | None = None
     max_grid_source: str = ""
     temporal_patch_size: int = 1
+    min_input_images: int = 0
+    max_input_images: int = 0
 
     @property
     def is_video(self) -> bool:
@@ -91,6 +97,33 @@ class ModelSpec:
         if p == 1:
             return (self.latent_channels, h, w)
         return ((h // p) * (w // p), self.latent_channels * p * p)
+
+    def edit_size(self, image_height: int, image_width: int) -> tuple[int, int]:
+        """The output size of an edit whose request sets none: its first input image's size,
+        rounded down to the size multiple (as edit pipelines round the image they encode)."""
+        multiple = self.size_multiple
+        return max(multiple, image_height // multiple * multiple), max(multiple, image_width // multiple * multiple)
+
+    def image_problems(self, sizes: tuple[tuple[int, int], ...]) -> list[str]:
+        """What is wrong with a request whose input images have these (height, width) sizes
+        (empty: a text-only request)."""
+        model, count = self.pipeline_class, len(sizes)
+        if count and not self.max_input_images:
+            return [f"{model} takes no input images; pass images only to an edit family's model"]
+        if count > self.max_input_images:
+            return [f"{model} takes at most {self.max_input_images} input images per prompt, got {count}"]
+        if count < self.min_input_images:
+            return [
+                f"{model} edits input images: pass images=[[image], ...] with {self.min_input_images} or more "
+                "images per prompt (uint8 [3, H, W] tensors or PIL images)"
+            ]
+        multiple = self.size_multiple
+        return [
+            f"input image {i} is {height}x{width} pixels, smaller than the {multiple} pixels {model} encodes "
+            f"at least on each side; pass a larger image"
+            for i, (height, width) in enumerate(sizes)
+            if min(height, width) < multiple
+        ]
 
     def resolve(self, params: SamplingParams) -> tuple[SamplingParams, list[str]]:
         """`params` with every model-dependent default filled in, and every problem with them.

@@ -43,6 +43,7 @@ from rollout.wire import (
     OutputEncoder,
     error_frame,
     frame,
+    images_from_tensors,
     tensors_from_bytes,
 )
 from rollout.worker import READ_ONLY_METHODS, Worker, worker_methods
@@ -127,7 +128,16 @@ def build_app(engine: AsyncRolloutEngine, settings: ServerSettings) -> FastAPI:
         }
 
     @router.post(path("generate"))
-    async def generate(request: Request, body: Annotated[protocol.GenerateBody, json_body(protocol.GenerateBody)]):
+    async def generate(request: Request):
+        """Body: the JSON of `GenerateBody`; or, with input images, a safetensors body whose
+        metadata "request" holds that JSON (rollout.wire: images as uint8 tensors or PNG bytes)."""
+        images = None
+        if request.headers.get("content-type", "").startswith(SAFETENSORS_MEDIA_TYPE):
+            tensors, body = await _tensor_body(request, settings, protocol.GenerateBody)
+            count = 1 if isinstance(body.prompts, str) else len(body.prompts)
+            images = await asyncio.to_thread(images_from_tensors, tensors, count)
+        else:
+            body = await _parse_json(request, settings, protocol.GenerateBody)
         prompts = [body.prompts] if isinstance(body.prompts, str) else body.prompts
         # Checking many params (each holds a step mask) is work: off the event loop, so /health answers.
         params = await asyncio.to_thread(_sampling_params, body.params)
@@ -148,12 +158,13 @@ def build_app(engine: AsyncRolloutEngine, settings: ServerSettings) -> FastAPI:
             stream = await engine.add_request(
                 prompts[0],
                 params,
+                images=None if images is None else images[0],
                 prompt_index=body.prompt_index,
                 request_id=body.request_id,
                 base_seed=body.base_seed,
             )
         else:
-            stream = await engine.add_requests(prompts, params)
+            stream = await engine.add_requests(prompts, params, images=images)
         if body.stream:
             return StreamingResponse(_stream_frames(stream), media_type=FRAMES_MEDIA_TYPE)
         outputs = await _collect(stream, request)

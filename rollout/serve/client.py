@@ -33,6 +33,7 @@ from tqdm.auto import tqdm
 
 from rollout.config import EngineConfig
 from rollout.errors import EngineDeadError
+from rollout.input_images import images_per_prompt
 from rollout.outputs import RolloutOutput
 from rollout.pipelines.spec import ModelSpec
 from rollout.sampling_params import SamplingParams
@@ -48,6 +49,7 @@ from rollout.wire import (
     FrameReader,
     OutputDecoder,
     WireError,
+    images_to_tensors,
     tensors_to_bytes,
 )
 
@@ -104,15 +106,18 @@ class RemoteRolloutEngine:
         prompts: str | Sequence[str],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
+        images: Sequence | None = None,
         use_tqdm: bool = False,
     ) -> list[RolloutOutput]:
-        """`RolloutEngine.generate`: outputs ordered by prompt, then sample."""
+        """`RolloutEngine.generate`: outputs ordered by prompt, then sample. `images` travel as
+        uint8 tensors in a safetensors body."""
         if self.has_unfinished_requests():
             raise RuntimeError(
                 f"generate() drives the engine itself, but {len(self._unfinished)} requests added with "
                 "add_request() are unfinished; step() them to completion or abort() them first"
             )
         body = body_json("generate", prompts=prompts, params=_params_json(params), stream=True)
+        body = _with_images(body, images, 1 if isinstance(prompts, str) else len(prompts))
         with tqdm(desc="rollout", unit="sample", disable=not use_tqdm) as bar:
 
             async def collect() -> list[RolloutOutput]:
@@ -131,6 +136,7 @@ class RemoteRolloutEngine:
         prompt: str,
         params: SamplingParams,
         *,
+        images: Sequence | None = None,
         prompt_index: int = 0,
         request_id: str | None = None,
         base_seed: int | None = None,
@@ -146,6 +152,7 @@ class RemoteRolloutEngine:
             prompt_index=prompt_index,
             base_seed=base_seed,
         )
+        body = _with_images(body, None if images is None else [images], 1)
 
         async def start() -> list[str]:
             ids, outputs = await self._open_stream(body)
@@ -484,9 +491,14 @@ class RemoteRolloutEngine:
         reader.close()
         return outputs
 
-    async def _open_stream(self, body: dict):
-        """Start a streamed generate; returns its sample ids and an async iterator of its outputs."""
-        request = self._client.build_request("POST", path("generate"), json=body)
+    async def _open_stream(self, body: dict | bytes):
+        """Start a streamed generate (a JSON body, or a safetensors one with input images); returns
+        its sample ids and an async iterator of its outputs."""
+        if isinstance(body, bytes):
+            headers = {"content-type": SAFETENSORS_MEDIA_TYPE}
+            request = self._client.build_request("POST", path("generate"), content=body, headers=headers)
+        else:
+            request = self._client.build_request("POST", path("generate"), json=body)
         response = await self._client.send(request, stream=True)
         if response.status_code != 200:
             await response.aread()
@@ -556,6 +568,14 @@ def _checked(response: httpx.Response) -> httpx.Response:
     except (ValueError, KeyError, TypeError):
         error_type, message = "", response.text
     raise exception_for(error_type, message, response.status_code)
+
+
+def _with_images(body: dict, images, num_prompts: int) -> dict | bytes:
+    """`body` as it goes out: JSON without images, a safetensors body (rollout.wire) with them."""
+    if images is None:
+        return body
+    tensors = images_to_tensors(images_per_prompt(images, num_prompts))
+    return tensors_to_bytes(tensors, {"request": json.dumps(body)})
 
 
 def _params_json(params: SamplingParams | Sequence[SamplingParams] | None):

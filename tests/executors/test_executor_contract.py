@@ -1,5 +1,6 @@
 """One contract, every backend: uni, mp, ray and an external executor class defined here, on the
-tiny SD3; and uni and mp on the tiny FLUX.1, Qwen-Image and Z-Image (weights, checksums, LoRA, sleep/wake)."""
+tiny SD3; and uni and mp on the tiny FLUX.1, Qwen-Image and Z-Image (weights, checksums, LoRA, sleep/wake),
+and on FLUX.1 Kontext with every request an edit (`EditingEngine`)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from rollout.rescoring import RATIO_TOLERANCE
 from rollout.weights import base_state
 from tests.executors import worker_functions
 from tests.executors.worker_functions import fail_decodes_of_height, fail_requests_of, stop_failing
-from tests.families import FAMILIES
+from tests.families import FAMILIES, input_image
 
 # Ray workers cannot import the test modules: ship their functions by value.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -52,7 +53,7 @@ BACKENDS = {
 # Case id -> (family, backend). Every backend on SD3; the in-process and the process backend on the others.
 CASES = {name: ("sd3", name) for name in BACKENDS} | {
     f"{backend}-{family}": (family, backend)
-    for family in ("flux", "qwen_image", "zimage")
+    for family in ("flux", "qwen_image", "zimage", "flux_kontext")
     for backend in ("uni", "mp")
 }
 FAMILY_OF_PIPELINE = {family.pipeline_class: family for family in FAMILIES.values()}
@@ -62,8 +63,30 @@ FAMILY_OF_PIPELINE = {family.pipeline_class: family for family in FAMILIES.value
 # of their own), the external class (uni's path once it resolves), mp on the other families (mp on
 # SD3, uni on them), Qwen-Image in process (FLUX.1 runs the packed-latent path) and Z-Image in
 # process (its 41 cases took 135 s on a loaded 2-core machine, far past the default suite's budget).
-# CI runs them all (make test-slow).
-REPEATS = {"ray", "external", "mp-flux", "mp-qwen_image", "uni-qwen_image", "mp-zimage", "uni-zimage"}
+# The edit family runs the whole contract with input images in the slow suite (tests/rollout/test_edits.py
+# keeps a quick edit check in the default one). CI runs them all (make test-slow).
+REPEATS = {
+    "ray",
+    "external",
+    "mp-flux",
+    "mp-qwen_image",
+    "uni-qwen_image",
+    "mp-zimage",
+    "uni-zimage",
+    "uni-flux_kontext",
+    "mp-flux_kontext",
+}
+
+
+class EditingEngine(RolloutEngine):
+    """The real engine, where every request that names no images edits one: an image chosen by
+    its prompt's text (so a reference engine edits the same image), so the contract's requests
+    run the edit path (encoded images in every condition, on every backend)."""
+
+    def add_request(self, prompt, params, *, images=None, **kwargs):
+        if images is None:
+            images = [input_image(sum(prompt.encode()) % 7)]
+        return super().add_request(prompt, params, images=images, **kwargs)
 
 
 @pytest.fixture(
@@ -84,8 +107,12 @@ def engine(request, case, model_path):
     if backend == "ray":
         request.getfixturevalue("ray_cluster")
     config = EngineConfig(model=model_path, worker_extension_cls=EXTENSION, **BACKENDS[backend])
-    with RolloutEngine(config) as engine:
+    with engine_class(case)(config) as engine:
         yield engine
+
+
+def engine_class(case: tuple[str, str]) -> type[RolloutEngine]:
+    return EditingEngine if FAMILIES[case[0]].edits else RolloutEngine
 
 
 @pytest.fixture(scope="module")
@@ -125,6 +152,9 @@ def test_samples_share_one_conditioning_per_text(engine):
     assert conditions[0].prompt is not conditions[3].prompt
     assert all(c.negative is conditions[0].negative for c in conditions)  # "" for every sample
     assert not torch.equal(conditions[0].prompt.prompt_embeds, conditions[3].prompt.prompt_embeds)
+    if isinstance(engine, EditingEngine):  # and the samples of an edit share one encoding of its image
+        for group in (conditions[:3], conditions[3:]):
+            assert group[0].images is not None and all(c.images is group[0].images for c in group)
 
 
 def test_abort_leaves_no_state_on_any_rank(engine):
@@ -287,7 +317,7 @@ def test_same_numbers_on_every_backend(engine, model_path):
         _params(engine, num_inference_steps=6, num_samples=2, seed=5, sampler="dance_sde", noise_level=0.3),
     ]
     outputs = engine.generate(prompts, params)
-    with RolloutEngine(EngineConfig(model=model_path)) as reference_engine:
+    with type(engine)(EngineConfig(model=model_path)) as reference_engine:
         reference = reference_engine.generate(prompts, params)
     # Ranks split the batch and may run other thread counts, so float32 GEMMs round differently:
     # a few ULPs (measured up to 3e-6 on latents of magnitude ~3). Same batches and threads are
@@ -870,7 +900,7 @@ def test_tree_rollouts_batch_with_flat_requests_and_rescore_with_ratio_one(engin
         _params(engine, num_inference_steps=4, num_samples=2, seed=21),  # flat, in the same batches
     ]
     outputs = engine.generate(prompts, params)
-    with RolloutEngine(EngineConfig(model=model_path)) as reference_engine:
+    with type(engine)(EngineConfig(model=model_path)) as reference_engine:
         reference = reference_engine.generate(prompts, params)
     assert [(o.prompt_index, o.sample_index, o.branch_path) for o in outputs] == [
         (0, k, (a, b)) for k in range(2) for a in range(2) for b in range(2)

@@ -74,3 +74,35 @@ def test_reward_rises_on_every_seed(tmp_path, tiny_models, config_name, family, 
 def mean(values) -> float:
     values = list(values)
     return sum(values) / len(values)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_the_edit_recipe_learns_to_make_its_edits_red(tmp_path, tiny_models):
+    """grpo_flux_kontext_tiny.yaml: every prompt edits its own generated image and the reward reads
+    both images; the reward rises (one seed: an edit step costs twice a FLUX.1 step, with the input
+    image's tokens), and the first update starts at ratio 1 with the encoded images re-used."""
+    out = tmp_path / "edit"
+    config = load_config(
+        CONFIG_DIR / "grpo_flux_kontext_tiny.yaml",
+        [
+            f"model.path={tiny_models('flux_kontext')}",
+            f"output_dir={out}",
+            "seed=1",
+            "steps=20",
+            "prompts_per_step=2",
+            "sampling.num_inference_steps=6",
+            "optimizer.learning_rate=0.02",
+            "eval.num_prompts=1",
+            "eval.num_samples=1",
+            "eval.num_inference_steps=2",
+        ],
+    )
+    summary = run(config)
+    assert summary["log_ratio_before_first_update"] < RATIO_TOLERANCE
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    first, last = records[:WINDOW], records[-WINDOW:]
+    margin = mean(r["reward_mean"] for r in last) - mean(r["reward_mean"] for r in first)
+    samples = WINDOW * records[0]["num_samples"]
+    std_error = math.sqrt(sum(mean(r["reward_std"] ** 2 for r in window) / samples for window in (first, last)))
+    assert margin > 3 * std_error and margin > 0.03, f"margin {margin:.4f}, std error {std_error:.4f}"

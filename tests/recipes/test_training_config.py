@@ -83,6 +83,7 @@ def test_zimage_config_carries_the_published_flow_factory_settings():
         ("grpo_flux1_dev_lora.yaml", "flux"),
         ("grpo_qwen_image_lora.yaml", "qwen_image"),
         ("grpo_flux_tiny.yaml", "flux"),
+        pytest.param("grpo_flux_kontext_tiny.yaml", "flux_kontext", marks=pytest.mark.slow),  # a tiny build more
         ("grpo_qwen_image_tiny.yaml", "qwen_image"),
         ("grpo_flux2_klein_lora.yaml", "flux2_klein"),
         ("grpo_flux2_klein_tiny.yaml", "flux2_klein"),

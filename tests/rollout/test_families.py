@@ -9,7 +9,7 @@ import torch
 from rollout import EngineConfig, RolloutEngine, SamplingParams
 from rollout.pipelines.qwen_image import QwenImageEmbeds
 from rollout.pipelines.sd3 import SD3Embeds
-from tests.families import FAMILIES, matrix
+from tests.families import FAMILIES, input_image, matrix
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -23,17 +23,19 @@ def family_engine(request, tiny_models):
 
 def test_a_sample_alone_equals_the_sample_in_a_mixed_batch(family_engine):
     """Prompts of different lengths (Qwen-Image pads and masks them), with and without guidance,
-    different samplers: the first sample's trajectory is the same alone and in the crowd."""
+    different samplers: the first sample's trajectory is the same alone and in the crowd. An edit
+    family's crowd holds another edit with an image of another size, and a text-only request."""
     family, engine = family_engine
     alone_params = family.params(cfg=True, num_inference_steps=4, seed=21)
-    (alone,) = engine.generate("red", alone_params)
+    (alone,) = engine.generate("red", alone_params, **family.inputs(1))
     prompts = ["red", "a long prompt about a green circle in a wide field at noon", "blue"]
     crowd_params = [
         family.params(cfg=True, num_inference_steps=4, seed=21, num_samples=3),
         family.params(cfg=False, num_inference_steps=4, seed=21, num_samples=3, sampler="cps"),
         family.params(cfg=True, num_inference_steps=6, seed=21, num_samples=3, sampler="dance_sde", noise_level=0.3),
     ]
-    crowd = engine.generate(prompts, crowd_params)
+    crowd_inputs = {"images": [[input_image(0)], [input_image(1, 24, 40)], None]} if family.edits else {}
+    crowd = engine.generate(prompts, crowd_params, **crowd_inputs)
     a, b = alone.trajectory, crowd[0].trajectory
     assert (a.latents.stack() - b.latents.stack()).abs().max() < 1e-5
     assert (a.log_probs - b.log_probs).abs().max() < 1e-5
@@ -42,13 +44,14 @@ def test_a_sample_alone_equals_the_sample_in_a_mixed_batch(family_engine):
 
 def test_trajectory_form_is_the_pipelines_latents_argument(family_engine):
     family, engine = family_engine
-    (output,) = engine.generate("x", family.params(num_inference_steps=3, seed=0))
+    (output,) = engine.generate("x", family.params(num_inference_steps=3, seed=0), **family.inputs(1))
     expected = {
         "sd3": (4, 4, 16, 16),
         "flux": (4, 64, 16),
         "qwen_image": (4, 64, 16),
         "flux2_klein": (4, 16, 8, 8),
         "zimage": (4, 4, 16, 16),
+        "flux_kontext": (4, 64, 16),
     }
     # Packed 2x2 patches for FLUX.1 and Qwen-Image; FLUX.2 patchifies 2x2 into channels on the grid.
     assert tuple(output.trajectory.latents.stack().shape) == expected[family.name]
@@ -67,6 +70,10 @@ REFUSED = {
     "flux": [
         ({"true_cfg_scale": 3.0}, "true_cfg_scale=3.0 turns on classifier-free guidance, which needs a negative"),
         ({"negative_prompt": "ugly"}, "negative_prompt is used only with classifier-free guidance"),
+        ({"height": 30}, r"height=30 is not divisible by 4 \(VAE scale 2 x patch size 1 x latent packing 2\)"),
+    ],
+    "flux_kontext": [
+        ({"true_cfg_scale": 3.0}, "true_cfg_scale=3.0 turns on classifier-free guidance, which needs a negative"),
         ({"height": 30}, r"height=30 is not divisible by 4 \(VAE scale 2 x patch size 1 x latent packing 2\)"),
     ],
     "qwen_image": [
@@ -106,6 +113,7 @@ def test_defaults_come_from_the_model(family_engine):
     expected = {
         "sd3": (4.5, None, "", 256),  # CFG with the empty negative prompt, as diffusers
         "flux": (3.5, 1.0, None, 512),  # FLUX.1-dev's distilled guidance; true CFG off
+        "flux_kontext": (3.5, 1.0, None, 512),  # as FLUX.1-dev
         "qwen_image": (None, 1.0, None, 512),
         "flux2_klein": (4.0, None, "", 512),  # a base klein model: CFG against "", as the pipeline
         "zimage": (5.0, None, "", 512),  # ZImagePipeline's defaults: CFG with the negative prompt ""

@@ -39,10 +39,11 @@ def family_setup(request, tiny_models):
 def test_ode_rollout_equals_diffusers_pipeline(family_setup, cfg):
     family, engine, pipeline = family_setup
     params = family.params(cfg=cfg, sampler="ode", num_inference_steps=6, seed=3)
-    (output,) = engine.generate("a red square", params)
+    inputs = family.inputs(1)  # an edit family's input image
+    (output,) = engine.generate("a red square", params, **inputs)
     initial = output.trajectory.latents[0][None]  # the pipeline's own `latents=` form
     guidance = family.cfg if cfg else family.no_cfg
-    call = {"num_inference_steps": 6, "height": 32, "width": 32, **guidance}
+    call = {"num_inference_steps": 6, "height": 32, "width": 32, **guidance, **family.pipeline_inputs(inputs)}
     if family.name == "sd3":
         call["guidance_scale"] = params.guidance_scale
     elif family.name == "qwen_image" and not cfg:
@@ -71,7 +72,7 @@ def test_schedule_matches_diffusers(family_setup):
 
     (output,) = engine.generate("x", family.params(sampler="ode", num_inference_steps=7, seed=0))
     call = {"guidance_scale": 1.0} if family.name == "sd3" else {}
-    call |= {"num_inference_steps": 7, "height": 32, "width": 32, "output_type": "latent"}
+    call |= {"num_inference_steps": 7, "height": 32, "width": 32, "output_type": "latent", **family.pipeline_inputs()}
     pipeline(prompt="x", callback_on_step_end=capture, **call)
     assert torch.equal(output.trajectory.sigmas, captured["sigmas"])
     assert torch.equal(output.trajectory.timesteps, captured["timesteps"])
@@ -87,6 +88,7 @@ def test_sigmas_dictated_by_the_trainer_match_the_pipelines_sigmas_argument(fami
     default = engine.generate("a red square", family.params(cfg=False, sampler="ode", num_inference_steps=4, seed=4))
     assert not torch.equal(output.trajectory.sigmas, default[0].trajectory.sigmas)
     call = {"num_inference_steps": 4, "height": 32, "width": 32, "sigmas": list(sigmas), **family.no_cfg}
+    call |= family.pipeline_inputs()
     if family.name == "sd3":
         call["guidance_scale"] = 1.0
     elif family.name == "qwen_image":

@@ -30,7 +30,9 @@ def test_recomputed_log_probs_equal_rollout_log_probs(family_engine, sampler):
         family.params(cfg=cfg, sampler=sampler, num_inference_steps=5, noise_level=0.5, num_samples=2, seed=11)
         for cfg in (True, False)
     ]
-    outputs = engine.generate(["a red square", "a blue circle in the sky"], params)
+    # An edit family's two prompts edit images of different sizes (batched apart).
+    inputs = family.inputs(sizes=[(32, 32), (24, 40)])
+    outputs = engine.generate(["a red square", "a blue circle in the sky"], params, **inputs)
     for output in outputs:
         trajectory = output.trajectory
         assert trajectory.sde_mask.any()

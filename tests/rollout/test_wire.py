@@ -128,3 +128,22 @@ def test_a_stream_cut_inside_a_frame_is_an_error():
     assert list(reader.feed(frame("requests", {"request_ids": ["a"]})[:-3])) == []
     with pytest.raises(WireError, match="ended inside a frame"):
         reader.close()
+
+
+def test_input_images_round_trip_and_misnamed_tensors_are_refused():
+    from rollout.input_images import images_per_prompt
+    from rollout.wire import WireError, images_from_tensors, images_to_tensors
+
+    first, second = torch.zeros(3, 4, 8, dtype=torch.uint8), torch.full((3, 8, 4), 7, dtype=torch.uint8)
+    tensors = images_to_tensors(images_per_prompt([[first], None, [second]], 3))
+    assert sorted(tensors) == ["images.0.0", "images.2.0"]
+    back = images_from_tensors(tensors, 3)
+    assert back[1] is None and torch.equal(back[0][0], first) and torch.equal(back[2][0], second)
+    with pytest.raises(WireError, match="'weights' of a generate body is not an image"):
+        images_from_tensors({"weights": first}, 1)
+    with pytest.raises(WireError, match="is for prompt 3, but the body has 3 prompts"):
+        images_from_tensors({"images.3.0": first}, 3)
+    with pytest.raises(WireError, match="numbered \\[1\\]; number them from 0"):
+        images_from_tensors({"images.0.1": first}, 1)
+    with pytest.raises(WireError, match="is not a PNG file"):
+        images_from_tensors({"images.0.0.png": torch.zeros(10, dtype=torch.uint8)}, 1)

@@ -48,6 +48,7 @@ def test_rewards_match_the_images_and_overlap_with_the_rollout(small_batch_engin
     assert calls[0][1], "the first group's reward ran while later groups were still denoising"
     second = rollout.outputs[1]
     metadata = {"prompt_index": 0, "sample_index": 1, "branch_path": (), "seed": second.seed, "weight_version": 0}
+    metadata["input_images"] = None  # a text-only prompt (an edit's would be its input images)
     assert calls[0][3][1] == metadata
     assert rollout.rollout_s >= rollout.reward_wait_s >= 0
 

@@ -40,3 +40,23 @@ def test_get_reward_by_name_or_path():
         get_reward("aesthetic")
     with pytest.raises(ValueError, match="cannot import module 'no_such_module'"):
         get_reward("no_such_module.reward")
+
+
+def test_colour_edit_wants_the_named_colour_and_the_inputs_layout():
+    """Of edits with the same colours, the one that keeps the input's layout scores higher; of
+    edits with the same layout, the one nearer the named colour. Without input images: an error."""
+    from trainers_adapters.rewards import colour_edit
+
+    square = torch.zeros(3, 16, 16, dtype=torch.uint8)
+    square[2] = 200  # a blue background ...
+    square[:, 4:12, 4:12] = torch.tensor([0, 200, 0], dtype=torch.uint8).view(3, 1, 1)  # ... a green square
+    red_square = torch.zeros_like(square)
+    red_square[0] = 120
+    red_square[0, 4:12, 4:12] = 255  # the same layout, in reds
+    moved = torch.roll(red_square, shifts=(5, 5), dims=(1, 2))  # the same colours, another layout
+    blue_square = square.clone()  # the input itself: its layout, not red
+    metadata = [{"input_images": [square]}] * 3
+    rewards = colour_edit(torch.stack([red_square, moved, blue_square]), ["make it red"] * 3, metadata)
+    assert rewards[0] > rewards[1] and rewards[0] > rewards[2]
+    with pytest.raises(ValueError, match="carry no input_images"):
+        colour_edit(red_square[None], ["make it red"], [{"input_images": None}])

@@ -16,7 +16,7 @@ import argparse
 import logging
 
 from rollout.pipelines.families import FAMILIES, families_help
-from rollout.pipelines.tiny.flux import TinyFluxSizes, build_tiny_flux
+from rollout.pipelines.tiny.flux import TinyFluxSizes, build_tiny_flux, build_tiny_flux_kontext
 from rollout.pipelines.tiny.flux2 import TinyFlux2KleinSizes, build_tiny_flux2_klein
 from rollout.pipelines.tiny.qwen_image import TinyQwenImageSizes, build_tiny_qwen_image
 from rollout.pipelines.tiny.sd3 import TinySD3Sizes, build_tiny_sd3
@@ -35,6 +35,7 @@ __all__ = [
     "TinyWanSizes",
     "TinyZImageSizes",
     "build_tiny_flux",
+    "build_tiny_flux_kontext",
     "build_tiny_flux2_klein",
     "build_tiny_qwen_image",
     "build_tiny_sd3",

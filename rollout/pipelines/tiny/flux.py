@@ -51,12 +51,15 @@ def build_tiny_flux(
     transformer_config: dict | None = None,
     device: str = "cpu",
     dtype: torch.dtype = torch.float32,
+    pipeline_class: str = "FluxPipeline",
 ) -> Path:
     """Build a `FluxPipeline` with random weights and save it to `path`; returns `path`.
     Deterministic in `seed`; a folder that already holds a pipeline is overwritten.
     `transformer_config` replaces the tiny transformer (benchmarks pass a published config); the
-    modules are made on `device` and saved in `dtype`."""
-    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+    modules are made on `device` and saved in `dtype`. `pipeline_class`: "FluxKontextPipeline"
+    saves the same components as FLUX.1 Kontext (the same transformer class)."""
+    import diffusers
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
 
     path = Path(path)
     tokenizer = clip_tokenizer()
@@ -82,7 +85,7 @@ def build_tiny_flux(
         vae = tiny_autoencoder_kl(sizes.latent_channels, sizes.vae_block_out_channels, 32)
         text_encoder = clip_text_encoder(tokenizer, sizes.text_hidden_size, sizes.text_layers, with_projection=False)
         text_encoder_2 = t5_encoder(tokenizer_2, text_width)
-    pipeline = FluxPipeline(
+    pipeline = getattr(diffusers, pipeline_class)(
         scheduler=FlowMatchEulerDiscreteScheduler(**FLUX_SCHEDULER),
         vae=vae,
         text_encoder=text_encoder,
@@ -131,3 +134,35 @@ def build_real_flux(folder: str | Path, device: str = "cpu", dtype: torch.dtype 
         vae_block_out_channels=REAL_VAE_BLOCKS,
     )
     return build_tiny_flux(folder, sizes=sizes, transformer_config=FLUX1_DEV, device=device, dtype=dtype)
+
+
+# FLUX.1 Kontext: FLUX.1's components under FluxKontextPipeline. FLUX.1-Kontext-dev's
+# transformer/config.json is FLUX.1-dev's (the input image's tokens only lengthen the sequence).
+FLUX1_KONTEXT_DEV = FLUX1_DEV
+
+
+def build_tiny_flux_kontext(path: str | Path, seed: int = 0, **kwargs) -> Path:
+    """A tiny `FluxKontextPipeline` (see `build_tiny_flux`)."""
+    return build_tiny_flux(path, seed=seed, pipeline_class="FluxKontextPipeline", **kwargs)
+
+
+def build_small_flux_kontext(folder: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> Path:
+    """`build_small_flux`'s sizes under FluxKontextPipeline."""
+    sizes = TinyFluxSizes(
+        num_layers=2, num_single_layers=4, num_attention_heads=4, attention_head_dim=32, axes_dims_rope=(8, 12, 12)
+    )
+    return build_tiny_flux_kontext(folder, sizes=sizes, device=device, dtype=dtype)
+
+
+def build_real_flux_kontext(folder: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> Path:
+    """FLUX.1-Kontext-dev's transformer (12B parameters) with random weights, as `build_real_flux`."""
+    sizes = TinyFluxSizes(
+        latent_channels=16,
+        text_hidden_size=768,
+        t5_hidden_size=4096,
+        text_layers=1,
+        vae_block_out_channels=REAL_VAE_BLOCKS,
+    )
+    return build_tiny_flux_kontext(
+        folder, sizes=sizes, transformer_config=FLUX1_KONTEXT_DEV, device=device, dtype=dtype
+    )

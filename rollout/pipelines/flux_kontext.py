@@ -1,0 +1,88 @@
+"""FLUX.1 Kontext (`FluxKontextPipeline`): FLUX.1 that edits an input image.
+
+The same transformer as FLUX.1: the input image's VAE latents, packed like the noisy latents, are
+concatenated after the noisy tokens in every forward pass, at position ids whose first axis is 1
+(the noisy tokens' is 0), and the prediction is read off the noisy tokens only. The unconditional
+pass of true CFG sees the same image. Without an image the pipeline is FLUX.1's text-to-image, and
+so is a text-only request here.
+
+The input image is encoded at its own size rounded down to a multiple of 2x the VAE's scale
+(`FluxKontextPipeline(..., _auto_resize=False)`; the pipeline's default first resizes it to the
+nearest of `PREFERRED_KONTEXT_RESOLUTIONS`, about a megapixel), with the VAE's mode (no sampling).
+An edit that sets no size is made at that size (the pipeline's own default is 1024 x 1024
+rescaled to `max_area`): `pipeline(image=..., height=h, width=w, max_area=h * w,
+_auto_resize=False)` is the engine's edit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from rollout.input_images import InputImages
+from rollout.pipelines.condition import PromptEmbeds
+from rollout.pipelines.family import Family
+from rollout.pipelines.flux import FluxAdapter, FluxEmbeds
+from rollout.pipelines.spec import ModelSpec
+
+
+@dataclass
+class KontextImages(PromptEmbeds):
+    """latents: [N, C*4] the input image's packed VAE latents (shifted and scaled as the pipeline
+    does); ids: [N, 3] their position ids, first axis 1."""
+
+    latents: torch.Tensor
+    ids: torch.Tensor
+
+
+class FluxKontextAdapter(FluxAdapter):
+    pipeline_class = "FluxKontextPipeline"
+
+    def make_spec(self) -> ModelSpec:
+        return dataclasses.replace(super().make_spec(), max_input_images=1)
+
+    def encode_images(self, images: InputImages) -> KontextImages:
+        # FluxKontextPipeline.__call__ step 3 (with _auto_resize=False) and prepare_latents.
+        pipeline = self.pipeline
+        (image,) = images.pil()
+        multiple = pipeline.vae_scale_factor * 2
+        height, width = pipeline.image_processor.get_default_height_width(image)
+        height, width = height // multiple * multiple, width // multiple * multiple
+        image = pipeline.image_processor.resize(image, height, width)
+        pixels = pipeline.image_processor.preprocess(image, height, width).to(self.device, self.dtype)
+        latents = pipeline._encode_vae_image(image=pixels, generator=None)  # the VAE's mode: no noise drawn
+        _, channels, latent_height, latent_width = latents.shape
+        packed = pipeline._pack_latents(latents, 1, channels, latent_height, latent_width)
+        ids = pipeline._prepare_latent_image_ids(1, latent_height // 2, latent_width // 2, self.device, self.dtype)
+        ids[..., 0] = 1
+        return KontextImages(packed[0], ids).to(self.device, self.dtype)
+
+    def run_transformer(
+        self, latents, sigmas, embeds: FluxEmbeds, guidance_scale, height, width, images: KontextImages | None = None
+    ) -> torch.Tensor:
+        noisy_ids = self.image_ids(height, width, latents)
+        if images is None:
+            return self._forward(latents, noisy_ids, sigmas, embeds, guidance_scale)
+        hidden_states = torch.cat([latents, images.latents], dim=1)
+        ids = torch.cat([noisy_ids, images.ids[0]])  # the rows of a batch stack images of one size
+        return self._forward(hidden_states, ids, sigmas, embeds, guidance_scale)[:, : latents.shape[1]]
+
+
+FAMILY = Family(
+    name="flux_kontext",
+    title="FLUX.1 Kontext (image editing)",
+    adapter=FluxKontextAdapter,
+    tiny_builder="rollout.pipelines.tiny.flux.build_tiny_flux_kontext",
+    presets={
+        "small": "rollout.pipelines.tiny.flux.build_small_flux_kontext",
+        "real": "rollout.pipelines.tiny.flux.build_real_flux_kontext",
+    },
+    real_model="FLUX.1-Kontext-dev",
+    # As FLUX.1: FluxKontextPipeline guides (a second pass, over the same input image) when
+    # true_cfg_scale > 1 and a negative prompt is given; guidance_scale is distilled guidance.
+    cfg_on={"true_cfg_scale": 4.0, "negative_prompt": " "},
+    cfg_off={"true_cfg_scale": 1.0},
+    edits=True,
+)

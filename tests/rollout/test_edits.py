@@ -1,0 +1,109 @@
+"""Input images as request data, on the first edit family (FLUX.1 Kontext): checked at admission,
+encoded once per set of images, shared by the samples that use them, carried in the trajectory,
+and the edit is the diffusers pipeline's own. (The family matrix runs the full parity, re-scoring
+and batching tests on flux_kontext in the slow suite.)"""
+
+from __future__ import annotations
+
+import diffusers
+import PIL.Image
+import pytest
+import torch
+
+from rollout import EngineConfig, RolloutEngine, SamplingParams
+from rollout.input_images import InputImages
+from rollout.pipelines.flux_kontext import KontextImages
+from rollout.pipelines.loading import load_adapter
+from rollout.rescoring import RATIO_TOLERANCE, recompute_log_probs
+from tests.families import FAMILIES, input_image
+
+pytestmark = pytest.mark.timeout(120)
+
+KONTEXT = FAMILIES["flux_kontext"]
+
+
+@pytest.fixture(scope="module")
+def kontext_engine(tiny_models):
+    with RolloutEngine(EngineConfig(model=tiny_models("flux_kontext"), max_batch_size=16)) as engine:
+        yield engine
+
+
+def test_an_edit_is_the_pipelines_edit_bit_for_bit(kontext_engine, tiny_models):
+    """The engine's ODE edit from its initial latents is FluxKontextPipeline's on the same image
+    (encoded at its own size), with the output at the image's size: bitwise on CPU."""
+    image = input_image(3, 24, 40)
+    params = SamplingParams(sampler="ode", num_inference_steps=3, seed=1)
+    (output,) = kontext_engine.generate("make it red", params, images=[[image]])
+    assert output.image.shape == (3, 24, 40)  # the input's size, as no size was asked for
+    pipeline = diffusers.FluxKontextPipeline.from_pretrained(tiny_models("flux_kontext"))
+    pipeline.set_progress_bar_config(disable=True)
+    (pil,) = InputImages.of([image]).pil()
+    reference = pipeline(
+        image=pil,
+        prompt="make it red",
+        latents=output.trajectory.latents[0][None].clone(),
+        num_inference_steps=3,
+        height=24,
+        width=40,
+        max_area=24 * 40,
+        _auto_resize=False,
+        output_type="latent",
+    ).images
+    assert torch.equal(output.trajectory.latents[-1], reference[0])
+
+
+def test_samples_share_one_encoding_per_set_of_images(kontext_engine, tiny_models):
+    """The samples of a prompt, and every prompt that sends the same image, reference one encoding;
+    another image has its own; the trajectory carries it (float32), so re-scoring needs no VAE."""
+    same, other = input_image(0), input_image(1)
+    params = KONTEXT.params(num_inference_steps=2, num_samples=2, seed=0, noise_level=0.7)
+    # The same pixels once as a tensor and once as a PIL image: one digest.
+    as_pil = PIL.Image.fromarray(same.permute(1, 2, 0).numpy())
+    outputs = kontext_engine.generate(["a", "b", "c"], params, images=[[same], [as_pil], [other]])
+    encodings = [o.trajectory.condition.images for o in outputs]
+    assert all(isinstance(e, KontextImages) and e.latents.dtype == torch.float32 for e in encodings)
+    assert len({id(e) for e in encodings[:4]}) == 1
+    assert encodings[4] is encodings[5] and encodings[4] is not encodings[0]
+    assert encodings[0].latents.shape == (64, 16) and (encodings[0].ids[:, 0] == 1).all()
+    trainer_adapter = load_adapter(tiny_models("flux_kontext"))
+    trainer_adapter.pipeline.vae = None  # a trainer without the VAE still re-scores an edit: nothing re-encodes
+    for output in outputs[::3]:
+        trajectory = output.trajectory
+        log_ratio = recompute_log_probs(trainer_adapter, trajectory) - trajectory.log_probs
+        assert log_ratio.abs().max() < RATIO_TOLERANCE
+    # The image changes the edit: same prompt and seed, another image, other latents.
+    assert not torch.equal(outputs[0].trajectory.latents[-1], outputs[4].trajectory.latents[-1])
+
+
+@pytest.mark.parametrize(
+    ("images", "error", "message"),
+    [
+        ([[input_image(0), input_image(1)]], ValueError, "takes at most 1 input images per prompt, got 2"),
+        ([[input_image(0).float()]], ValueError, r"images\[0\]\[0\] must be uint8 \[3, H, W\]"),
+        ([[torch.zeros(3, 2, 2, dtype=torch.uint8)]], ValueError, "smaller than the 4 pixels"),
+        ([[input_image(0)], [input_image(1)]], ValueError, "images for 2 prompts but 1 prompts"),
+        (input_image(0), TypeError, "one entry per prompt"),
+        ([[]], ValueError, r"images\[0\] is an empty list"),
+    ],
+    ids=["too-many", "float", "too-small", "count", "bare-tensor", "empty"],
+)
+def test_bad_images_are_refused_before_anything_is_queued(kontext_engine, images, error, message):
+    with pytest.raises(error, match=message):
+        kontext_engine.generate("x", KONTEXT.params(num_inference_steps=2), images=images)
+    assert not kontext_engine.has_unfinished_requests()
+
+
+def test_a_text_to_image_family_refuses_images_and_names_the_edit_families(engine):
+    with pytest.raises(ValueError, match=r"StableDiffusion3Pipeline takes no input images.*flux_kontext"):
+        engine.generate("x", SamplingParams(height=32, width=32), images=[[input_image(0)]])
+
+
+def test_an_edit_family_that_needs_images_says_so(kontext_engine):
+    """FLUX.1 Kontext runs text-only requests as FLUX.1 does; a family whose pipeline needs an
+    image (Qwen-Image-Edit's) sets min_input_images, and a request without one is told what to pass."""
+    import dataclasses
+
+    needs_one = dataclasses.replace(kontext_engine.model_spec, min_input_images=1)
+    (problem,) = needs_one.image_problems(())
+    assert "FluxKontextPipeline edits input images: pass images=[[image], ...] with 1 or more" in problem
+    assert kontext_engine.model_spec.image_problems(()) == []
