@@ -17,10 +17,14 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from rollout.pipelines.condition import Condition, PromptEmbeds
+
+if TYPE_CHECKING:  # the runner's output carries these numbers: it imports this module
+    from rollout.model_runner import RunnerOutput
 
 
 @dataclass(frozen=True)
@@ -74,9 +78,9 @@ class ReceivedConditions:
     def __init__(self, num_ranks: int):
         self._by_rank: list[dict[int, PromptEmbeds]] = [{} for _ in range(num_ranks)]
 
-    def attach(self, rank: int, runner_output) -> None:
-        """Give every trajectory in `runner_output` (a `RunnerOutput` of `rank`) its condition, then
-        forget the numbers the reply released."""
+    def attach(self, rank: int, runner_output: RunnerOutput) -> None:
+        """Give every trajectory in `runner_output` (of `rank`) its condition, then forget the
+        numbers the reply released."""
         held = self._by_rank[rank]
         held |= runner_output.embeds
         for finished in runner_output.finished:
