@@ -21,7 +21,7 @@ from typing import Any
 
 from executors.base import STARTUP, Executor, method_to_wire
 from executors.bootstrap import WorkerBootstrap
-from executors.messages import Call, Reply, Shutdown
+from executors.messages import Call, Reply, Shutdown, receive, send
 from executors.mp_worker import worker_main
 from executors.shm import (
     Packed,
@@ -122,7 +122,7 @@ class MPExecutor(Executor):
                         raise EngineDeadError(self._death_message(sentinels[handle], name))
                     rank = waiting[handle]
                     try:
-                        reply = handle.recv()
+                        reply = receive(handle)
                     except (EOFError, OSError):
                         raise EngineDeadError(self._death_message(rank, name)) from None
                     if reply.call_id != pending[rank].call_id:  # the late reply of an earlier, timed-out call
@@ -151,7 +151,7 @@ class MPExecutor(Executor):
     def _send(self, rank: int, name: str, method: str | bytes, arguments: Packed) -> int:
         call_id = next(self._call_ids)
         try:
-            self._conns[rank].send(Call(call_id, method, arguments))
+            send(self._conns[rank], Call(call_id, method, arguments))
         except (BrokenPipeError, EOFError, OSError):
             raise EngineDeadError(self._death_message(rank, name)) from None
         return call_id
@@ -181,7 +181,7 @@ def _stop_processes(procs, conns, readers, prefix: str) -> None:
     """Ask each worker to exit, then terminate and kill what is left; remove leftover shm blocks."""
     for conn in conns:
         try:
-            conn.send(Shutdown())
+            send(conn, Shutdown())
         except (BrokenPipeError, EOFError, OSError):
             pass
     deadline = time.monotonic() + _JOIN_TIMEOUT_S

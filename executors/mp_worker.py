@@ -14,7 +14,7 @@ from multiprocessing.connection import Connection
 
 from executors.base import call_wire_method
 from executors.bootstrap import WorkerBootstrap
-from executors.messages import Call, Reply, Shutdown
+from executors.messages import Call, Reply, Shutdown, receive, send
 from executors.shm import REPLY_BLOCK_MAX_BYTES, ReusableBlock, ReusedBlockReader, pack, unpack
 from rollout.errors import WorkerError
 
@@ -32,21 +32,21 @@ def worker_main(
     try:
         worker = bootstrap.build(rank)
     except BaseException as error:  # report anything, even SystemExit, before dying
-        conn.send(_error_reply(ready_call_id, error))
+        send(conn, _error_reply(ready_call_id, error))
         return
-    conn.send(Reply(ready_call_id, result=pack(os.getpid(), block_prefix)))
+    send(conn, Reply(ready_call_id, result=pack(os.getpid(), block_prefix)))
     # Small replies (a step's finished requests, most RPC results) reuse one block; the engine
     # copies each out before it sends the next call, the only thing that makes this worker write again.
     blocks = _Blocks(ReusableBlock(f"{block_prefix}-replies", REPLY_BLOCK_MAX_BYTES), ReusedBlockReader())
     try:
         while True:
             try:
-                message = conn.recv()
+                message = receive(conn)
             except (EOFError, OSError):  # the engine is gone: nothing left to serve
                 return
             if isinstance(message, Shutdown):
                 return
-            conn.send(_serve(worker, message, block_prefix, blocks))
+            send(conn, _serve(worker, message, block_prefix, blocks))
     finally:
         blocks.replies.abandon()
         blocks.arguments.close()

@@ -30,6 +30,7 @@ from rollout.request import Request, RequestStatus, step_stream
 from rollout.sampling_params import SamplingParams
 from rollout.scheduler import Scheduler
 from rollout.seeding import derive_seed, fresh_base_seed
+from rollout.sent_conditions import ReceivedConditions
 from rollout.shared_conditions import SharedConditions
 from rollout.shared_parts import SharedTreeParts
 from rollout.step_report import StepReport
@@ -66,6 +67,7 @@ class RolloutEngine:
         self._closed = False
         self._dead: EngineDeadError | None = None
         self._stashed_outputs: list[RolloutOutput] = []  # finished while an update waited for them
+        self._received_conditions = ReceivedConditions(config.num_workers)
         self._conditions = SharedConditions()
         self._tree_parts = SharedTreeParts()
         self._tree_ids = itertools.count()
@@ -254,7 +256,8 @@ class RolloutEngine:
         execute_start = time.perf_counter()
         runner_outputs = self._on_executor(self.executor.execute, scheduled)
         execute_s = time.perf_counter() - execute_start
-        for runner_output in runner_outputs:
+        for rank, runner_output in enumerate(runner_outputs):
+            self._received_conditions.attach(rank, runner_output)
             for request_id, error in runner_output.failed.items():
                 request = self.scheduler.finish(request_id)
                 logger.warning("request %s failed alone in its worker: %s", request_id, error)
@@ -512,7 +515,8 @@ class RolloutEngine:
         """Send pending frees now, so aborted requests leave no worker state behind."""
         frees = self.scheduler.take_frees()
         if not frees.is_empty:
-            self._on_executor(self.executor.execute, frees)
+            for rank, runner_output in enumerate(self._on_executor(self.executor.execute, frees)):
+                self._received_conditions.attach(rank, runner_output)  # what the frees released
 
     def _make_output(
         self,

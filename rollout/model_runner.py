@@ -6,8 +6,10 @@ at its stochastic steps, the ODE elsewhere. Noise comes from each request's own 
 sample's result does not depend on its batch-mates.
 
 Text is encoded once per distinct text: a new request reuses the embeddings of a live request with
-the same prompt (or negative prompt), so every sample of a prompt references one conditioning.
-An edit's input images are encoded once per distinct set of images (by digest) in the same way.
+the same prompt (or negative prompt), so every sample of a prompt references one conditioning, and
+a finished trajectory names it by number (`rollout.sent_conditions`): each crosses to the engine once.
+An edit's input images are encoded once per distinct set of images (by digest) in the same way,
+and cross the same way.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from rollout.pipelines.guidance import Guidance
 from rollout.request import Fork, NewRequestData
 from rollout.samplers import get_sampler
 from rollout.seeding import make_generator
+from rollout.sent_conditions import ConditionKeys, SentConditions
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +85,9 @@ class FinishedRequest:
     image: torch.Tensor | None  # [3, H, W] uint8, CPU
     video: torch.Tensor | None  # [F, 3, H, W] uint8, CPU (video models)
     latents: torch.Tensor | None  # final latents, CPU float32, for output_type "latent"
+    # Its `condition` is None until the engine attaches the embeddings that `condition` numbers.
     trajectory: Trajectory | None
+    condition: ConditionKeys | None = None
     # Per series of the trajectory, the tree node each inherited part came from, so the engine can
     # share the parts of one node between leaves that arrive in different steps.
     part_nodes: dict[str, list[str]] = field(default_factory=dict)
@@ -96,6 +101,10 @@ class RunnerOutput:
     # Requests that failed alone in this step: request id -> "ErrorType: message". The worker holds
     # no state for them any more; their batch-mates went on.
     failed: dict[str, str] = field(default_factory=dict)
+    # Text embeddings sent for the first time (number -> CPU float32 copy), and the numbers no
+    # request on the worker uses any more (see `rollout.sent_conditions`).
+    embeds: dict[int, PromptEmbeds] = field(default_factory=dict)
+    released_embeds: tuple[int, ...] = ()
     compute_s: float = 0.0  # time spent in this worker's step, for overhead accounting
     transformer_rows: int = 0  # rows through the transformer in this step (CFG and experts count)
     transformer_s: float = 0.0  # seconds in the transformer's forwards (see ForwardTally)
@@ -272,14 +281,15 @@ class ModelRunner:
                 state.log_probs.append(out.log_prob[j] if out.log_prob is not None else zero)
                 state.step_index += 1
 
-    def finish(self, states: list[RequestState]) -> tuple[list[FinishedRequest], dict[str, str]]:
-        """Decode images (batched) and package trajectories of finished requests, on CPU. Returns
-        them and the requests whose decode failed (id -> error; their size group's only)."""
+    def finish(
+        self, states: list[RequestState], conditions: SentConditions
+    ) -> tuple[list[FinishedRequest], dict[str, str]]:
+        """Decode images (batched) and package trajectories of finished requests, on CPU, their
+        conditions numbered by `conditions`. Returns them and the requests whose decode failed (id
+        -> error; their size group's only)."""
         to_decode = [s for s in states if s.data.params.output_type == "image"]
         decoded, failed = self._decode_by_shape(to_decode)
         video = self.adapter.spec.is_video
-        # One CPU copy per embeddings object, however many finished samples share it.
-        on_cpu: dict[int, PromptEmbeds] = {}
         finished = []
         for s in states:
             if s.data.request_id in failed:
@@ -291,7 +301,8 @@ class ModelRunner:
                     image=None if video else decoded.get(s.data.request_id),
                     video=decoded.get(s.data.request_id) if video else None,
                     latents=s.latents.to("cpu", torch.float32) if params.output_type == "latent" else None,
-                    trajectory=self._trajectory(s, on_cpu) if params.return_trajectory else None,
+                    trajectory=self._trajectory(s) if params.return_trajectory else None,
+                    condition=conditions.keys(s.condition) if params.return_trajectory else None,
                     part_nodes=s.history.part_nodes() if params.return_trajectory else {},
                 )
             )
@@ -317,16 +328,9 @@ class ModelRunner:
         return decoded, failed
 
     @staticmethod
-    def _trajectory(state: RequestState, on_cpu: dict[int, PromptEmbeds]) -> Trajectory:
+    def _trajectory(state: RequestState) -> Trajectory:
+        """The trajectory without its condition, which the engine attaches (see `FinishedRequest`)."""
         params = state.data.params
-
-        def cpu(embeds: PromptEmbeds | None) -> PromptEmbeds | None:
-            if embeds is None:
-                return None
-            if id(embeds) not in on_cpu:
-                on_cpu[id(embeds)] = embeds.to("cpu", torch.float32)
-            return on_cpu[id(embeds)]
-
         series = state.history.series(len(state.sde_mask))
         return Trajectory(
             latents=series.pop("latents"),
@@ -335,7 +339,7 @@ class ModelRunner:
             timesteps=state.timesteps.clone(),
             sigmas=state.sigmas.clone(),
             sde_mask=torch.tensor(state.sde_mask, dtype=torch.bool),
-            condition=Condition(*(cpu(part) for part in state.condition.parts().values())),
+            condition=None,
             height=params.height,
             width=params.width,
             sampler=params.sampler,

@@ -12,6 +12,7 @@ and `torch.stack([t.latents for t in trajectories])`.
 
 from __future__ import annotations
 
+import functools
 import operator
 from collections.abc import Sequence
 
@@ -49,21 +50,18 @@ class StepSeries:
                 f"StepSeries parts hold {sum(len(part) for part in self.parts)} entries for "
                 f"{len(self.positions)} positions"
             )
-        self._index_positions()
 
-    def _index_positions(self) -> None:
-        # Where each kept position lives: (part, row).
+    @functools.cached_property
+    def _where(self) -> dict[int, tuple[int, int]]:
+        """Where each kept position lives: (part, row). Built when first asked: a finished
+        request's series crosses processes in the step's reply, and many are only stacked."""
         where = [(index, row) for index, part in enumerate(self.parts) for row in range(len(part))]
-        self._where = dict(zip(self.positions.tolist(), where, strict=True))
+        return dict(zip(self.positions.tolist(), where, strict=True))
 
     def __getstate__(self) -> dict:
-        # Without the position index, which the receiver rebuilds: it is most of a series' pickle
-        # (three objects per position), and a finished request's trajectory crosses processes.
+        # Without the position index, which the receiver rebuilds when asked: it is most of a
+        # series' pickle (three objects per position).
         return {"positions": self.positions, "parts": self.parts, "length": self.length}
-
-    def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
-        self._index_positions()
 
     def __len__(self) -> int:
         """Kept entries."""

@@ -22,6 +22,7 @@ from rollout.pipelines.loading import load_adapter
 from rollout.pipelines.spec import ModelSpec
 from rollout.regular_files import check_regular
 from rollout.scheduler import WorkerInput
+from rollout.sent_conditions import SentConditions
 from rollout.sleep import Sleeper
 from rollout.weights import StagedUpdates, TensorSpec, base_state, checksum, specs_of
 
@@ -36,6 +37,7 @@ class Worker:
         self.loras = LoraManager(self.adapter.denoisers, merge=config.merges_lora)
         self.runner = ModelRunner(self.adapter, self.loras)
         self.requests: dict[str, RequestState] = {}
+        self.sent_conditions = SentConditions()  # the text embeddings the engine holds
         self.updates = StagedUpdates(self.adapter.components)
         self.sleeper = Sleeper(self.adapter.components, config.model)
         self.broadcast_group = None  # joined by init_weight_update_group
@@ -63,14 +65,17 @@ class Worker:
         done = [s for s in batch if s.done and s.data.request_id not in failed]
         for state in done:
             del self.requests[state.data.request_id]
-        finished, decode_failed = self.runner.finish(done)
+        finished, decode_failed = self.runner.finish(done, self.sent_conditions)
         failed |= decode_failed
         for request_id in failed:
             self.requests.pop(request_id, None)
+        embeds, released = self.sent_conditions.reply(state.condition for state in self.requests.values())
         rows, transformer_s = self.adapter.forwards.take()
         return RunnerOutput(
             finished=finished,
             failed=failed,
+            embeds=embeds,
+            released_embeds=released,
             compute_s=time.perf_counter() - start,
             transformer_rows=rows,
             transformer_s=transformer_s,
@@ -236,6 +241,7 @@ _WORKER_ATTRIBUTES = {
     "adapter",
     "runner",
     "requests",
+    "sent_conditions",
     "updates",
     "sleeper",
     "loras",
