@@ -47,10 +47,11 @@ class Executor:
 
     The contract every backend keeps: worker functions get their own copies of the tensors in
     their arguments (the caller may change or free its tensors right after the call), and calls
-    to one worker run one at a time, between engine steps. A transport whose workers share this
-    process's memory sets `shares_memory`, and the base clones the tensors for it; the others'
-    transports copy them across. Tensors in a `HandedOver` are the caller's no more: they reach
-    the transport unwrapped, and are not cloned (`rollout.handed_over`).
+    to one worker run one at a time, between engine steps. A transport of one worker in this
+    process sets `shares_memory`, and the base clones the tensors for it; other transports copy
+    them across (or per rank, `copy_tensors`). Tensors in a `HandedOver` are the caller's no
+    more: they reach the transport unwrapped, and the base does not clone them
+    (`rollout.handed_over`).
 
     The failure policy is here, once, for every backend:
     - a worker exception is a `WorkerError`; the workers live on;
@@ -71,7 +72,10 @@ class Executor:
     freed into `_release_workers`, and drop `check_health` and `shutdown`.
     """
 
-    shares_memory = False  # the workers run in this process: the base clones tensor arguments
+    # One worker, in this process (`uni`): the base clones the tensors of its arguments for it. An
+    # in-process transport of several workers leaves this False and gives each its own copies
+    # (`copy_tensors`), as one clone shared by every rank would not be any rank's own.
+    shares_memory = False
 
     def __init__(self, config: EngineConfig):
         self.config = config
@@ -318,6 +322,11 @@ def map_nested(value: Any, kind: type | tuple[type, ...], fn: Callable[[Any], An
     if isinstance(value, dict):
         return {key: map_nested(item, kind, fn) for key, item in value.items()}
     return value
+
+
+def copy_tensors(value: Any) -> Any:
+    """`value` with every tensor in it (directly, or inside lists, tuples and dicts) cloned."""
+    return map_nested(value, torch.Tensor, lambda tensor: tensor.detach().clone())
 
 
 def worker_arguments(value: Any, copy: bool) -> Any:
