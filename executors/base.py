@@ -22,6 +22,7 @@ import torch
 from executors.bootstrap import WorkerBootstrap, worker_threads
 from rollout.config import EngineConfig
 from rollout.errors import EngineDeadError, WorkerError, interrupted_reason
+from rollout.handed_over import HandedOver
 from rollout.model_runner import RunnerOutput
 from rollout.scheduler import SchedulerOutput, WorkerInput
 from rollout.worker import build_worker_class, call_function, worker_methods
@@ -46,7 +47,11 @@ class Executor:
 
     The contract every backend keeps: worker functions get their own copies of the tensors in
     their arguments (the caller may change or free its tensors right after the call), and calls
-    to one worker run one at a time, between engine steps.
+    to one worker run one at a time, between engine steps. A transport of one worker in this
+    process sets `shares_memory`, and the base clones the tensors for it; other transports copy
+    them across (or per rank, `copy_tensors`). Tensors in a `HandedOver` are the caller's no
+    more: they reach the transport unwrapped, and the base does not clone them
+    (`rollout.handed_over`).
 
     The failure policy is here, once, for every backend:
     - a worker exception is a `WorkerError`; the workers live on;
@@ -66,6 +71,11 @@ class Executor:
     what answered; the base words the timeout and picks the failing rank), move what `shutdown`
     freed into `_release_workers`, and drop `check_health` and `shutdown`.
     """
+
+    # One worker, in this process (`uni`): the base clones the tensors of its arguments for it. An
+    # in-process transport of several workers leaves this False and gives each its own copies
+    # (`copy_tensors`), as one clone shared by every rank would not be any rank's own.
+    shares_memory = False
 
     def __init__(self, config: EngineConfig):
         self.config = config
@@ -116,8 +126,9 @@ class Executor:
         name, _ = self.resolve_method(method)
         ranks = self.resolve_ranks(ranks)
         timeout = self.config.rpc_timeout_s if timeout is None else timeout
+        args, kwargs = worker_arguments((tuple(args), dict(kwargs or {})), copy=self.shares_memory)
         try:
-            return self._collective_rpc(name, method, tuple(args), dict(kwargs or {}), timeout, ranks)
+            return self._collective_rpc(name, method, args, kwargs, timeout, ranks)
         except EngineDeadError as error:
             self._die(str(error))
 
@@ -301,7 +312,7 @@ def call_wire_method(worker, method: str | bytes, args: Sequence, kwargs: dict) 
     return call_function(worker, fn, args, kwargs)
 
 
-def map_nested(value: Any, kind: type, fn: Callable[[Any], Any]) -> Any:
+def map_nested(value: Any, kind: type | tuple[type, ...], fn: Callable[[Any], Any]) -> Any:
     """`value` with every instance of `kind` in it (directly, or inside lists, tuples and dict
     values) replaced by `fn(instance)`."""
     if isinstance(value, kind):
@@ -316,3 +327,15 @@ def map_nested(value: Any, kind: type, fn: Callable[[Any], Any]) -> Any:
 def copy_tensors(value: Any) -> Any:
     """`value` with every tensor in it (directly, or inside lists, tuples and dicts) cloned."""
     return map_nested(value, torch.Tensor, lambda tensor: tensor.detach().clone())
+
+
+def worker_arguments(value: Any, copy: bool) -> Any:
+    """`value` as worker functions get it: every `HandedOver` in it (directly, or inside lists,
+    tuples and dicts) unwrapped, and with `copy` every other tensor cloned."""
+
+    def private(item: HandedOver | torch.Tensor) -> Any:
+        if isinstance(item, HandedOver):
+            return item.value
+        return item.detach().clone() if copy else item
+
+    return map_nested(value, (HandedOver, torch.Tensor), private)

@@ -16,7 +16,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
-from executors.base import Executor, copy_tensors
+from executors.base import Executor
 from executors.bootstrap import WorkerBootstrap
 from rollout.config import EngineConfig
 from rollout.errors import WorkerError
@@ -25,6 +25,10 @@ from rollout.worker import call_function
 
 
 class UniExecutor(Executor):
+    # The worker shares the caller's memory: the base gives worker functions private copies of
+    # their tensor arguments, as a worker process would get (the caller may reuse its tensors at once).
+    shares_memory = True
+
     def __init__(self, config: EngineConfig):
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout-worker-0")
         self.worker = None  # built on the thread by _start_workers
@@ -50,8 +54,6 @@ class UniExecutor(Executor):
 
     def _send_rpc(self, name: str, method: str | Callable, args: tuple, kwargs: dict, ranks: list[int]) -> dict:
         _, fn = self.resolve_method(method)
-        # Private copies, as a worker process would get: the caller may reuse its tensors at once.
-        args, kwargs = copy_tensors((args, kwargs))
         return {0: self._thread.submit(call_function, self.worker, fn, args, kwargs)}
 
     def _gather(self, name: str, pending: dict[int, Future], timeout: float) -> dict[int, Any]:

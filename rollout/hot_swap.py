@@ -98,7 +98,9 @@ class HotSwap:
         requests finish on the old weights first (their outputs come from the next `step()`);
         `mode="pause"`: the update applies now, between two steps, and running requests continue
         on the new weights (`RolloutOutput.weight_versions` lists both).
-        The version becomes `version`, or the current one plus 1.
+        The version becomes `version`, or the current one plus 1. Workers keep copies of the
+        tensors, so the caller may change them at once; tensors wrapped in `HandedOver` (a caller
+        that never touches them again) are kept as they are where the workers run in this process.
         """
         self._check_open()
         _check_bucket_bytes(bucket_bytes)

@@ -20,6 +20,7 @@ import torch
 
 from rollout.broadcast_group import BroadcastEntry, plan_buckets
 from rollout.errors import EngineDeadError, WorkerError
+from rollout.handed_over import HandedOver
 from rollout.safetensors_files import read_specs
 from rollout.weights import TensorSpec, refusal_message, update_problems
 
@@ -44,8 +45,11 @@ class WeightSync:
         bucket_bytes: int,
     ) -> int:
         """Apply the update on every rank; returns the number of tensors. Raises ValueError (nothing
-        changed) for a bad update, WorkerError (rolled back everywhere) if a rank failed."""
+        changed) for a bad update, WorkerError (rolled back everywhere) if a rank failed. The buckets
+        of a `HandedOver` update are handed over to the ranks in turn."""
         specs = self.specs(component)
+        handed_over = isinstance(named_tensors, HandedOver)
+        named_tensors = named_tensors.value if handed_over else named_tensors
         items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
         problems: list[str] = []
         seen: set[str] = set()
@@ -63,12 +67,15 @@ class WeightSync:
                 bucket[name] = tensor
                 bucket_size += tensor.numel() * tensor.element_size()
                 if bucket_size >= bucket_bytes:
-                    self._rpc("stage_weights", args=(component, bucket))
+                    self._stage(component, bucket, handed_over)
                     bucket, bucket_size = {}, 0
             _raise_if_refused(component, problems, seen)
             if bucket:
-                self._rpc("stage_weights", args=(component, bucket))
+                self._stage(component, bucket, handed_over)
         return len(seen)
+
+    def _stage(self, component: str, bucket: dict[str, torch.Tensor], handed_over: bool) -> None:
+        self._rpc("stage_weights", args=(component, HandedOver(bucket) if handed_over else bucket))
 
     def push_from_files(self, files: list[Path], component: str, check_finite: bool) -> int:
         """Like `push`, but every rank reads the safetensors `files` itself; the headers are

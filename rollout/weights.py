@@ -161,7 +161,8 @@ class StagedUpdates:
 
     def stage(self, component: str, named_tensors: Mapping[str, torch.Tensor]) -> int:
         """Keep tensors for `apply`, on the component's device. They must be this worker's own
-        (executors hand worker functions private copies), so no copy is made here on CPU."""
+        (executors hand worker functions private copies, or tensors handed over to them), so no
+        copy is made here on CPU."""
         state = base_state(self.module(component))
         staged = self._staged.setdefault(component, {})
         for name, tensor in named_tensors.items():

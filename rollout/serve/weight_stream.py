@@ -8,9 +8,10 @@ The body (Content-Type `FRAMES_MEDIA_TYPE`) is a stream of frames (`rollout.wire
 
 The client writes the frames lazily from the tensors (`weight_frames`: views of their memory, no
 join). The server cuts each frame into a buffer of its own as it arrives, and hands its tensors
-(views of that buffer) to `update_weights` on the engine's thread as an iterator, which checks and
-stages them in buckets while the next frame arrives (`receive_update`). So the server holds the
-staged update plus about two buckets, not the body, its parse and the update.
+(views of that buffer, which nothing else holds) over to `update_weights` on the engine's thread
+as an iterator (`HandedOver`: the in-process executor stages them without a copy), which checks
+and stages them in buckets while the next frame arrives (`receive_update`). So the server holds
+the staged update plus about a bucket, not the body, its parse and the update.
 
 All-or-nothing, as in process: whatever goes wrong before the end frame (a body cut off, stalled
 past --body-timeout-s, over --max-upload-mb, a malformed frame, a tensor the engine refuses) ends
@@ -33,6 +34,7 @@ from pydantic import ValidationError
 
 from rollout.async_engine import AsyncRolloutEngine
 from rollout.frame_views import FrameAssembler, FrameTooLarge, frame_pieces, tensors_from_buffer
+from rollout.handed_over import HandedOver
 from rollout.serve import protocol
 from rollout.serve.request_body import body_chunks, too_big
 from rollout.wire import WireError
@@ -77,7 +79,7 @@ async def receive_update(request: Request, engine: AsyncRolloutEngine, limit: in
     try:
         options = _options(await anext(frames, None))
         feed = _BucketFeed(asyncio.get_running_loop())
-        update = asyncio.ensure_future(engine.update_weights(feed, **options.model_dump()))
+        update = asyncio.ensure_future(engine.update_weights(HandedOver(feed), **options.model_dump()))
         try:
             await _feed_buckets(frames, feed, update)
         except BaseException as error:  # the body failed: the engine's push ends with it and rolls back
@@ -186,7 +188,7 @@ class _BucketFeed:
             if isinstance(item, BaseException):
                 raise _BodyFailed(f"the request body failed before its end ({type(item).__name__}: {item})")
             yield from item.items()
-            del item  # the bucket's buffer is freed once the engine has staged it
+            del item  # staged: copied, or (an in-process worker) kept as the staged tensors themselves
             self._release()
 
     def _release(self) -> None:

@@ -934,6 +934,17 @@ def test_aborting_a_subtree_frees_it_and_its_siblings_run_on(engine):
     assert engine.collective_rpc("request_ids") == [[] for _ in _ranks(engine)]
 
 
+def test_an_update_handed_over_applies_on_every_backend(engine, original_weights):
+    from rollout.handed_over import HandedOver
+    from rollout.weights import checksum
+
+    pushed = {name: t + 0.25 for name, t in original_weights.items()}
+    digest = checksum(pushed)
+    engine.update_weights(HandedOver(pushed))
+    assert engine.weights_checksum() == digest
+    engine.update_weights(original_weights)
+
+
 def test_the_engine_never_aliases_the_callers_tensors(engine, original_weights):
     from rollout.weights import checksum
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 import pytest
+import torch
 
 from executors import Executor, get_executor_class
 from executors.uni import UniExecutor
@@ -140,3 +141,34 @@ def test_a_step_past_its_timeout_marks_the_engine_dead(tiny_model):
         assert time.monotonic() - start < step_s  # it did not wait for the step
         with pytest.raises(EngineDeadError):
             engine.collective_rpc("get_rank")
+
+
+def test_tensors_handed_over_reach_the_worker_uncopied_and_the_others_as_copies(extended_engine):
+    from rollout.handed_over import HandedOver
+
+    def pointers(worker, tensor, nested):
+        return tensor.data_ptr(), [t.data_ptr() for t in nested["tensors"]]
+
+    kept, given = torch.ones(3), torch.zeros(2)
+    copied, handed = extended_engine.collective_rpc(pointers, args=(kept, HandedOver({"tensors": [given]})))[0]
+    assert copied != kept.data_ptr()  # the caller may change `kept` at once: the worker has its own
+    assert handed == [given.data_ptr()]
+
+
+def test_an_update_handed_over_becomes_the_weights_as_it_is(extended_engine):
+    from rollout.handed_over import HandedOver
+    from rollout.weights import base_state, checksum
+
+    def weights(worker):
+        return base_state(worker.adapter.transformer)
+
+    original = {name: t.clone() for name, t in extended_engine.collective_rpc(weights)[0].items()}
+    pushed = {name: t + 0.5 for name, t in original.items()}
+    extended_engine.update_weights(HandedOver(iter(pushed.items())))  # an iterator, as the server's stream
+    live = extended_engine.collective_rpc(weights)[0]
+    assert {name: t.data_ptr() for name, t in live.items()} == {name: t.data_ptr() for name, t in pushed.items()}
+    assert extended_engine.weights_checksum() == checksum(pushed)
+    extended_engine.update_weights(original)  # not handed over: the worker keeps copies
+    live = extended_engine.collective_rpc(weights)[0]
+    assert all(live[name].data_ptr() != t.data_ptr() for name, t in original.items())
+    assert extended_engine.weights_checksum() == checksum(original)

@@ -79,3 +79,18 @@ def test_a_big_frame_is_read_into_mapped_memory_bitwise():
     views, _ = tensors_from_buffer(buffer, "a frame")
     assert not isinstance(buffer, bytearray)  # over 2 MiB: mapped, with huge pages where offered
     assert all(torch.equal(views[name], tensor) for name, tensor in tensors.items())
+
+
+def test_a_big_frame_buffer_keeps_what_is_written_while_its_pages_are_faulted_in():
+    import threading
+    import time
+
+    data = torch.randint(0, 256, (64 << 20,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    buffer = frame_buffer(data.numel())  # its pages are faulted in on a thread while it is filled
+    view = memoryview(data.numpy())
+    for start in range(0, len(view), 256 << 10):
+        buffer[start : start + (256 << 10)] = view[start : start + (256 << 10)]
+    deadline = time.monotonic() + 60
+    while any(t.name == "rollout-prefault" for t in threading.enumerate()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert torch.equal(torch.frombuffer(buffer, dtype=torch.uint8), data)
