@@ -59,16 +59,21 @@ def test_reward_rises_on_every_seed(tmp_path, tiny_models, config_name, family, 
         )
         summary = run(config)
         assert summary["log_ratio_before_first_update"] < RATIO_TOLERANCE
-        records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-        first, last = records[:WINDOW], records[-WINDOW:]
-        margin = mean(r["reward_mean"] for r in last) - mean(r["reward_mean"] for r in first)
-        # Standard error of that difference, from the spread of the rewards within each step.
-        samples = WINDOW * records[0]["num_samples"]
-        variance = sum(mean(r["reward_std"] ** 2 for r in window) / samples for window in (first, last))
-        std_error = math.sqrt(variance)
+        margin, std_error = reward_margin(out / "metrics.jsonl")
         assert margin > 5 * std_error, f"seed {seed}: margin {margin:.4f}, std error {std_error:.4f}"
         margins.append(margin)
     assert min(margins) > min_margin, margins
+
+
+def reward_margin(metrics: Path) -> tuple[float, float]:
+    """The mean reward of the last WINDOW steps minus that of the first WINDOW, and the standard
+    error of that difference, from the spread of the rewards within each step."""
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    first, last = records[:WINDOW], records[-WINDOW:]
+    margin = mean(r["reward_mean"] for r in last) - mean(r["reward_mean"] for r in first)
+    samples = WINDOW * records[0]["num_samples"]
+    variance = sum(mean(r["reward_std"] ** 2 for r in window) / samples for window in (first, last))
+    return margin, math.sqrt(variance)
 
 
 def mean(values) -> float:
@@ -100,9 +105,5 @@ def test_the_edit_recipe_learns_to_make_its_edits_red(tmp_path, tiny_models):
     )
     summary = run(config)
     assert summary["log_ratio_before_first_update"] < RATIO_TOLERANCE
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    first, last = records[:WINDOW], records[-WINDOW:]
-    margin = mean(r["reward_mean"] for r in last) - mean(r["reward_mean"] for r in first)
-    samples = WINDOW * records[0]["num_samples"]
-    std_error = math.sqrt(sum(mean(r["reward_std"] ** 2 for r in window) / samples for window in (first, last)))
+    margin, std_error = reward_margin(out / "metrics.jsonl")
     assert margin > 3 * std_error and margin > 0.03, f"margin {margin:.4f}, std error {std_error:.4f}"
