@@ -19,14 +19,10 @@ import dataclasses
 import itertools
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from rollout.pipelines.condition import Condition, PromptEmbeds
-
-if TYPE_CHECKING:  # the runner's output carries these numbers: it imports this module
-    from rollout.model_runner import RunnerOutput
 
 
 @dataclass(frozen=True)
@@ -83,9 +79,10 @@ class ReceivedConditions:
     def __init__(self, num_ranks: int):
         self._by_rank: list[dict[int, PromptEmbeds]] = [{} for _ in range(num_ranks)]
 
-    def attach(self, rank: int, runner_output: RunnerOutput) -> None:
-        """Give every trajectory in `runner_output` (of `rank`) its condition, then forget the
-        numbers the reply released."""
+    def attach(self, rank: int, runner_output) -> None:
+        """Give every trajectory in `runner_output` (a `rollout.model_runner.RunnerOutput` of `rank`)
+        its condition, then forget the numbers the reply released. Unannotated: the runner's module
+        imports this one, and the import graph has no cycle, even one only a type checker follows."""
         held = self._by_rank[rank]
         held |= runner_output.embeds
         for finished in runner_output.finished:
