@@ -381,6 +381,8 @@ def test_paths_that_are_not_regular_files_are_refused_not_waited_on(server, remo
     assert remote.weights_checksum() == digest and remote.list_loras() == []
 
 
+# Slow: a server of its own and timeouts it waits out (13 s of the default suite's budget).
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_connections_cannot_be_held_open_for_free(tiny_model):
     """Half-sent headers and stalled bodies are cut off; an idle kept-alive connection is not;
