@@ -307,3 +307,10 @@ def images_to_uint8(images: torch.Tensor) -> torch.Tensor:
     """A VAE's [-1, 1] images as uint8 on CPU, rounded as diffusers' image processor rounds."""
     images = (images.float() / 2 + 0.5).clamp(0, 1)
     return (images * 255).round().to(torch.uint8).cpu()
+
+
+def decode_scaled_latents(vae, latents: torch.Tensor) -> torch.Tensor:
+    """uint8 images from latents in the transformer's space: un-scaled by the VAE's scaling and shift
+    factors (as SD3's, FLUX.1's and Z-Image's pipelines do before `vae.decode`), then decoded."""
+    scaled = latents.to(vae.device, vae.dtype) / vae.config.scaling_factor + vae.config.shift_factor
+    return images_to_uint8(vae.decode(scaled, return_dict=False)[0])

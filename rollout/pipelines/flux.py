@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from rollout.pipelines.adapter import PipelineAdapter, images_to_uint8
+from rollout.pipelines.adapter import PipelineAdapter, decode_scaled_latents
 from rollout.pipelines.condition import PromptEmbeds
 from rollout.pipelines.family import Family
 from rollout.pipelines.spec import ModelSpec
@@ -120,11 +120,8 @@ class FluxAdapter(PipelineAdapter):
 
     @torch.no_grad()
     def decode(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
-        vae = self.pipeline.vae
-        latents = latents.to(vae.device, vae.dtype)
         unpacked = self.pipeline._unpack_latents(latents, height, width, self.spec.vae_scale_factor)
-        scaled = unpacked / vae.config.scaling_factor + vae.config.shift_factor
-        return images_to_uint8(vae.decode(scaled, return_dict=False)[0])
+        return decode_scaled_latents(self.pipeline.vae, unpacked)
 
 
 FAMILY = Family(

@@ -23,7 +23,7 @@ from typing import ClassVar
 
 import torch
 
-from rollout.pipelines.adapter import PipelineAdapter, images_to_uint8
+from rollout.pipelines.adapter import PipelineAdapter, decode_scaled_latents
 from rollout.pipelines.condition import PromptEmbeds
 from rollout.pipelines.family import Family
 from rollout.pipelines.spec import ModelSpec
@@ -131,9 +131,7 @@ class ZImageAdapter(PipelineAdapter):
 
     @torch.no_grad()
     def decode(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
-        vae = self.pipeline.vae
-        scaled = latents.to(vae.device, vae.dtype) / vae.config.scaling_factor + vae.config.shift_factor
-        return images_to_uint8(vae.decode(scaled, return_dict=False)[0])
+        return decode_scaled_latents(self.pipeline.vae, latents)
 
 
 FAMILY = Family(
