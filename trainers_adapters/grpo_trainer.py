@@ -19,11 +19,11 @@ from dataclasses import dataclass
 
 import torch
 
-from rollout.outputs import TRAJECTORY_SETTINGS
 from rollout.rescoring import RATIO_TOLERANCE
 from rollout.settings import setting
 from trainers_adapters.grpo import KL_FORMS, grpo_policy_loss, kl_to_reference
 from trainers_adapters.lora_policy import LoraPolicy
+from trainers_adapters.micro_batches import micro_batches
 from trainers_adapters.optim import check_finite_loss, clip_and_step
 from trainers_adapters.rewarded_rollout import RewardedRollout
 from trainers_adapters.tree import RolloutTree, build_tree, tree_advantages
@@ -145,7 +145,8 @@ def grpo_step(
     grad_norm = 0.0
     for number, minibatch in enumerate(m for m in minibatches if m):
         optimizer.zero_grad(set_to_none=True)
-        for chunk in _micro_batches(rollout, [transitions[i] for i in minibatch], settings.micro_batch_size):
+        chosen = [transitions[i] for i in minibatch]
+        for chunk in micro_batches(chosen, lambda t: rollout.outputs[t[0]].trajectory, settings.micro_batch_size):
             loss, parts, abs_log_ratio = _chunk_loss(policy, rollout, chunk, settings)
             check_finite_loss(parts["loss"], optimizer, _describe(chunk, parts))
             (loss * len(chunk) / len(minibatch)).backward()
@@ -238,19 +239,6 @@ def _pick_transitions(
         chosen = steps[torch.randperm(len(steps), generator=generator)[:keep]]
         transitions += [(index, int(step), advantage) for step in chosen]
     return transitions
-
-
-def _micro_batches(
-    rollout: RewardedRollout, transitions: list[tuple[int, int, float]], size: int
-) -> list[list[tuple[int, int, float]]]:
-    """`transitions` in micro-batches of at most `size` that one re-scoring forward can take: those
-    whose trajectories share their sampling settings (image size, sampler, guidance, ...), in order.
-    So a rollout that mixes output sizes (edits of inputs of different sizes) trains in one call."""
-    kinds: dict[tuple, list[tuple[int, int, float]]] = {}
-    for transition in transitions:
-        trajectory = rollout.outputs[transition[0]].trajectory
-        kinds.setdefault(tuple(getattr(trajectory, name) for name in TRAJECTORY_SETTINGS), []).append(transition)
-    return [kind[start : start + size] for kind in kinds.values() for start in range(0, len(kind), size)]
 
 
 def _chunk_loss(
