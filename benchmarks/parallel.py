@@ -321,8 +321,8 @@ def why(model: ModelCost, picked: StepCost | None, dp: StepCost, costs: list[Ste
         parts.append(f"one GPU cannot hold a sample ({dp.memory_bytes / GB:.0f} GB > {hw.memory_bytes / GB:.0f} GB)")
     else:
         parts.append(
-            f"one GPU holds a sample ({dp.memory_bytes / GB:.0f} of {hw.memory_bytes / GB:.0f} GB) and every split "
-            "only adds communication, so throughput is highest with the fewest GPUs per sample"
+            f"one GPU holds a sample ({dp.memory_bytes / GB:.0f} of {hw.memory_bytes / GB:.0f} GB), so nothing forces "
+            "a split, and a split's traffic costs node throughput: Ulysses and ring add it in every attention layer"
         )
     if picked.layout.cfg > 1:
         parts.append(
@@ -463,7 +463,7 @@ def assumptions(args: argparse.Namespace) -> list[str]:
         f"Throughput: samples/s over the node at {args.steps} steps a sample; latency x and throughput x are against "
         f"{args.gpus} x data parallel. Memory per GPU: transformer, text encoders and VAE in bf16 (none of these "
         "layouts shards weights) plus one block's transient activations, (6·d + ffn)·2 bytes per token on the GPU, "
-        f"against {args.gpu_memory_gb:g} GB.",
+        f"against {args.gpu_memory_gb:g} GB (the VAE decode's peak not counted).",
         f"Pick: the highest throughput that fits; among layouts within {100 * args.tie:g}% of it, the lowest latency.",
     ]
 
