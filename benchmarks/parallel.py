@@ -1,6 +1,7 @@
 """Sequence and CFG parallel layouts at real size: FLOPs, all-to-all bytes and the speedup on 8 GPUs.
 
-`--mode cost` (the default, and for now the only mode): a cost model, nothing runs on a GPU. The
+`--mode cost` (the default, and for now the only one of `MODES`; a mode that measures the layouts
+on CPU processes goes beside it): a cost model, nothing runs on a GPU. The
 published transformers of Wan 2.1 T2V 14B (480x832, 81 frames), Qwen-Image (1024x1024) and
 FLUX.1-dev (1024x1024) are built on the meta device; torch's FlopCounterMode counts one forward
 (cross-checked against 2·params·tokens + 4·L·S²·d); `benchmarks/parallel_cost.py` turns the counts
@@ -19,15 +20,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from collections.abc import Callable
-from dataclasses import dataclass
-
-import diffusers
-import torch
 
 from benchmarks import harness
-from benchmarks.flop_count import ForwardFlops, count_forward_flops
-from benchmarks.model_presets import FLUX1_DEV, QWEN_IMAGE, WAN21_T2V_14B
+from benchmarks.parallel_cases import Counted, count, flux1_dev, qwen_image, wan21_14b
 from benchmarks.parallel_cost import (
     Hardware,
     Layout,
@@ -35,172 +30,17 @@ from benchmarks.parallel_cost import (
     StepCost,
     analytic_attention_flops,
     analytic_linear_flops,
-    latent_tokens,
     layouts,
     pick,
     step_cost,
 )
 
-MODES = ("cost",)
 GB = 1e9
 
 # vLLM-Omni's quoted Qwen-Image measurement: 2048x2048, 50 steps, H800s; seconds per image by
 # Ulysses degree.
 VLLM_OMNI_QWEN_IMAGE_2048 = {1: 112.5, 2: 65.2, 4: 39.6, 8: 30.8}
 H800_LINK_GBS = 400  # H800's NVLink: 400 GB/s per GPU (H100's 900 cut down)
-
-
-@dataclass(frozen=True)
-class RealSizeCase:
-    """One published transformer at one sample size, and what the cost model needs beside its FLOPs."""
-
-    name: str
-    size: str
-    transformer_class: str
-    config: dict
-    published_billions: float
-    image_tokens: int
-    text_tokens: int
-    joint: bool  # text tokens join the attention's sequence (FLUX, Qwen-Image), else cross-attention (Wan)
-    passes: int  # forwards per step: 2 with CFG
-    cfg_note: str
-    attention_layers: int
-    ffn_dim: int
-    velocity_elements: int
-    other_billions: float  # text encoders and VAE, resident beside the transformer (published sizes, rounded)
-    inputs: Callable[[], dict]  # the forward's inputs for one pass of one sample (called under the meta device)
-
-    @property
-    def heads(self) -> int:
-        return self.config["num_attention_heads"]
-
-    @property
-    def head_dim(self) -> int:
-        return self.config["attention_head_dim"]
-
-    @property
-    def width(self) -> int:
-        return self.heads * self.head_dim
-
-    @property
-    def sequence(self) -> int:
-        return self.image_tokens + (self.text_tokens if self.joint else 0)
-
-
-def wan21_14b(height: int = 480, width: int = 832, frames: int = 81) -> RealSizeCase:
-    tokens = latent_tokens(height, width, frames)  # VAE 4x in time, 8x in space; 1x2x2 patches
-    latent = (16, (frames - 1) // 4 + 1, height // 8, width // 8)
-    return RealSizeCase(
-        name="Wan 2.1 T2V 14B",
-        size=f"{height}x{width}x{frames}",
-        transformer_class="WanTransformer3DModel",
-        config=WAN21_T2V_14B,
-        published_billions=14.3,
-        image_tokens=tokens,
-        text_tokens=512,  # umT5, padded to 512
-        joint=False,
-        passes=2,
-        cfg_note="CFG: 2 passes (guidance_scale 5.0)",
-        attention_layers=WAN21_T2V_14B["num_layers"],
-        ffn_dim=WAN21_T2V_14B["ffn_dim"],
-        velocity_elements=latent[0] * latent[1] * latent[2] * latent[3],
-        other_billions=5.7 + 0.13,  # umT5-XXL encoder, Wan VAE
-        inputs=lambda: {
-            "hidden_states": torch.empty(1, *latent),
-            "timestep": torch.ones(1),
-            "encoder_hidden_states": torch.empty(1, 512, 4096),
-        },
-    )
-
-
-def qwen_image(height: int = 1024, width: int = 1024, prompt_tokens: int = 64) -> RealSizeCase:
-    tokens = latent_tokens(height, width)  # VAE 8x, 2x2 patches
-    return RealSizeCase(
-        name="Qwen-Image",
-        size=f"{height}x{width}",
-        transformer_class="QwenImageTransformer2DModel",
-        config=QWEN_IMAGE,
-        published_billions=20.4,
-        image_tokens=tokens,
-        text_tokens=prompt_tokens,  # the prompt's own length (the pipeline drops its template, does not pad)
-        joint=True,
-        passes=2,
-        cfg_note="true CFG: 2 passes (true_cfg_scale 4.0 with a negative prompt)",
-        attention_layers=QWEN_IMAGE["num_layers"],
-        ffn_dim=4 * QWEN_IMAGE["num_attention_heads"] * QWEN_IMAGE["attention_head_dim"],
-        velocity_elements=tokens * 64,
-        other_billions=8.29 + 0.13,  # Qwen2.5-VL-7B, its VAE
-        inputs=lambda: {
-            "hidden_states": torch.empty(1, tokens, 64),
-            "encoder_hidden_states": torch.empty(1, prompt_tokens, 3584),
-            "timestep": torch.ones(1),
-            "img_shapes": [(1, height // 16, width // 16)],
-        },
-    )
-
-
-def flux1_dev(height: int = 1024, width: int = 1024, true_cfg: bool = False) -> RealSizeCase:
-    tokens = latent_tokens(height, width)
-    return RealSizeCase(
-        name="FLUX.1-dev",
-        size=f"{height}x{width}",
-        transformer_class="FluxTransformer2DModel",
-        config=FLUX1_DEV,
-        published_billions=11.9,
-        image_tokens=tokens,
-        text_tokens=512,  # T5, max_sequence_length 512
-        joint=True,
-        passes=2 if true_cfg else 1,
-        cfg_note="true CFG on: 2 passes" if true_cfg else "distilled guidance: 1 pass (true CFG off)",
-        attention_layers=FLUX1_DEV["num_layers"] + FLUX1_DEV["num_single_layers"],
-        ffn_dim=4 * FLUX1_DEV["num_attention_heads"] * FLUX1_DEV["attention_head_dim"],
-        velocity_elements=tokens * 64,
-        other_billions=4.76 + 0.12 + 0.08,  # T5-XXL encoder, CLIP-L, VAE
-        inputs=lambda: {
-            "hidden_states": torch.empty(1, tokens, 64),
-            "encoder_hidden_states": torch.empty(1, 512, 4096),
-            "pooled_projections": torch.empty(1, 768),
-            "timestep": torch.ones(1),
-            "guidance": torch.ones(1),
-            "img_ids": torch.zeros(tokens, 3),
-            "txt_ids": torch.zeros(512, 3),
-        },
-    )
-
-
-@dataclass(frozen=True)
-class Counted:
-    case: RealSizeCase
-    parameters: float
-    flops: ForwardFlops
-
-    def model_cost(self, bytes_per_element: int = 2) -> ModelCost:
-        case = self.case
-        return ModelCost(
-            name=case.name,
-            flops_per_forward=self.flops.total,
-            heads=case.heads,
-            head_dim=case.head_dim,
-            attention_layers=case.attention_layers,
-            sequence=case.sequence,
-            passes=case.passes,
-            velocity_elements=case.velocity_elements,
-            weight_bytes=(self.parameters + case.other_billions * 1e9) * bytes_per_element,
-            # the residual stream in and out, Q, K, V and the attention's output, and the MLP's hidden
-            activation_bytes_per_token=(6 * case.width + case.ffn_dim) * bytes_per_element,
-            bytes_per_element=bytes_per_element,
-        )
-
-
-def count(case: RealSizeCase, modules: dict) -> Counted:
-    """The case's transformer on the meta device (built once per class and config) and one forward's FLOPs."""
-    key = (case.transformer_class, repr(case.config))
-    with torch.device("meta"):
-        if key not in modules:
-            modules[key] = getattr(diffusers, case.transformer_class)(**case.config)
-        inputs = case.inputs()
-    module = modules[key]
-    return Counted(case, float(sum(p.numel() for p in module.parameters())), count_forward_flops(module, inputs))
 
 
 def hardware(args: argparse.Namespace, **changes) -> Hardware:
@@ -314,26 +154,32 @@ def why(model: ModelCost, picked: StepCost | None, dp: StepCost, costs: list[Ste
     """The pick, said in words from its numbers."""
     if picked is None:
         return f"{model.name}: no layout fits in {hw.memory_bytes / GB:.0f} GB: the weights need sharding (FSDP or TP)"
+    best = max(cost.samples_per_s for cost in costs if cost.memory_bytes <= hw.memory_bytes)
+    lost = 1 - picked.samples_per_s / best
     fastest = min(costs, key=lambda cost: cost.step_s)
-    lost = 1 - picked.samples_per_s / max(c.samples_per_s for c in costs if c.memory_bytes <= hw.memory_bytes)
     parts = [f"{model.name}: {picked.layout}"]
     if dp.memory_bytes > hw.memory_bytes:
         parts.append(f"one GPU cannot hold a sample ({dp.memory_bytes / GB:.0f} GB > {hw.memory_bytes / GB:.0f} GB)")
     else:
         parts.append(
-            f"one GPU holds a sample ({dp.memory_bytes / GB:.0f} of {hw.memory_bytes / GB:.0f} GB), so nothing forces "
-            "a split, and a split's traffic costs node throughput: Ulysses and ring add it in every attention layer"
+            f"one GPU holds a sample ({dp.memory_bytes / GB:.0f} of {hw.memory_bytes / GB:.0f} GB), so only "
+            "throughput decides, and a split's traffic costs throughput"
         )
-    if picked.layout.cfg > 1:
+    splits = [cost for cost in costs if cost.layout.per_sample > 1]
+    if picked.layout.per_sample == 1 and splits:
+        split = max(splits, key=lambda cost: cost.samples_per_s)
+        parts.append(f"the cheapest split, {split.layout}, gives up {100 * (1 - split.samples_per_s / best):.2f}%")
+    elif picked.layout.sequence_split == 1:
         parts.append(
-            f"CFG parallel splits the two passes for one velocity exchange per step ({1e3 * picked.cfg_s:.3f} ms): "
-            f"throughput {100 * lost:.3f}% below the best, latency {dp.step_s / picked.step_s:.2f}x lower"
+            f"CFG parallel runs the two passes on two GPUs for one velocity exchange a step "
+            f"({1e3 * picked.cfg_s:.3f} ms): {100 * lost:.3f}% below the best throughput at "
+            f"{dp.step_s / picked.step_s:.2f}x lower latency"
         )
     elif picked.layout.per_sample > 1:
-        parts.append(f"throughput {100 * lost:.2f}% below the best, latency {dp.step_s / picked.step_s:.2f}x lower")
+        parts.append(f"{100 * lost:.2f}% below the best throughput at {dp.step_s / picked.step_s:.2f}x lower latency")
     parts.append(
-        f"the fastest per sample, {fastest.layout}, is {dp.step_s / fastest.step_s:.2f}x lower latency at "
-        f"{100 * (1 - fastest.samples_per_s / dp.samples_per_s):.1f}% less throughput"
+        f"the fastest per sample, {fastest.layout}, has {dp.step_s / fastest.step_s:.2f}x lower latency for "
+        f"{100 * (1 - fastest.samples_per_s / best):.1f}% less throughput"
     )
     return "; ".join(parts)
 
@@ -468,9 +314,12 @@ def assumptions(args: argparse.Namespace) -> list[str]:
     ]
 
 
+MODES = {"cost": cost_mode}
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = harness.parser("parallel", __doc__)
-    parser.add_argument("--mode", choices=MODES, default="cost", help="cost: the cost model at real size")
+    parser.add_argument("--mode", choices=sorted(MODES), default="cost", help="cost: the cost model at real size")
     parser.add_argument("--gpus", type=harness.positive_int, default=8, help="GPUs in the node")
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="bf16 dense peak per GPU, TFLOP/s")
     parser.add_argument("--mfu", type=float, default=0.4, help="fraction of peak a forward reaches")
@@ -492,7 +341,7 @@ def main(argv: list[str] | None = None) -> dict:
     if not 0 < args.mfu <= 1:
         parser.error(f"--mfu {args.mfu} is not a fraction of peak: give a value in (0, 1], e.g. 0.4")
     report = harness.Report("parallel", args, __doc__, argv)
-    cost_mode(report, args)
+    MODES[args.mode](report, args)
     return report.finish()
 
 
