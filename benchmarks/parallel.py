@@ -169,7 +169,7 @@ def why(model: ModelCost, picked: StepCost | None, dp: StepCost, costs: list[Ste
     if picked.layout.per_sample == 1 and splits:
         split = max(splits, key=lambda cost: cost.samples_per_s)
         parts.append(f"the cheapest split, {split.layout}, gives up {100 * (1 - split.samples_per_s / best):.2f}%")
-    elif picked.layout.sequence_split == 1:
+    elif picked.layout.cfg > 1 and picked.layout.sequence_split == 1:
         parts.append(
             f"CFG parallel runs the two passes on two GPUs for one velocity exchange a step "
             f"({1e3 * picked.cfg_s:.3f} ms): {100 * lost:.3f}% below the best throughput at "
