@@ -314,3 +314,15 @@ def test_every_bad_reward_setting_is_named_before_any_model_loads(tmp_path, tiny
         load_config(CONFIG_DIR / "grpo_tiny.yaml", ["reward=aesthetic"])
     with pytest.raises(ValueError, match="reward is an empty mapping; name at least one reward"):
         load_config(CONFIG_DIR / "grpo_tiny.yaml", ["reward={}"])
+
+
+def test_nft_refuses_cfg_before_the_engine_loads(tiny_model, tmp_path):
+    from recipes.nft import run
+
+    config = load_config(
+        CONFIG_DIR / "nft_tiny.yaml",
+        [f"model.path={tiny_model}", f"output_dir={tmp_path / 'out'}", "sampling.guidance_scale=4.5"],
+    )
+    with pytest.raises(ValueError, match="DiffusionNFT samples and trains without CFG: set sampling.guidance_scale=1"):
+        run(config)
+    assert not (tmp_path / "out" / "metrics.jsonl").exists()
