@@ -67,7 +67,7 @@ def test_r_maps_advantages_linearly_and_the_implicit_policies_straddle_the_old_o
 
 
 def test_a_good_sample_pulls_the_policy_towards_it_and_a_bad_one_away():
-    """At v = v_old the gradient in v is (1 - 2r) times the x0-error's: r = 1 descends towards the
+    """At v = v_old the gradient in v is (2r - 1) times the x0 error's: r = 1 descends towards the
     sample (as flow matching would), r = 0 away from it, r = 1/2 not at all."""
     x0, x_t, t = torch.zeros(1, 1, 1, 1), torch.ones(1, 1, 1, 1), torch.tensor([0.5])
     v_old = torch.zeros(1, 1, 1, 1)  # predicts x0 = x_t - t v = 1, the sample is at 0
@@ -77,6 +77,7 @@ def test_a_good_sample_pulls_the_policy_towards_it_and_a_bad_one_away():
         nft_loss(v, v_old, x_t, x0, t, torch.tensor([r]), 1.0, 5.0).sum().backward()
         grads.append(v.grad.item())
     assert grads[0] < 0 < grads[1]  # descending: r = 1 raises v (x0 prediction towards 0), r = 0 lowers it
+    assert grads[0] == pytest.approx(-grads[1])  # 2r - 1 = +1 and -1
     assert grads[2] == pytest.approx(0.0, abs=1e-12)
 
 
