@@ -47,7 +47,12 @@ logger = logging.getLogger(__name__)
 
 # Recipe name (the YAML's `recipe:`) -> module defining `Config` (a RecipeConfig) and `run(config)`.
 # Modules are imported only when their recipe is used or listed.
-RECIPES: dict[str, str] = {"rollout": "recipes.rollout", "grpo": "recipes.grpo", "dpo": "recipes.dpo"}
+RECIPES: dict[str, str] = {
+    "rollout": "recipes.rollout",
+    "grpo": "recipes.grpo",
+    "dpo": "recipes.dpo",
+    "nft": "recipes.nft",
+}
 
 TINY_MODEL = "tiny"
 
