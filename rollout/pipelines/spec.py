@@ -8,6 +8,7 @@ error, and every default a request leaves open is filled in once, here.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 from rollout.pipelines.guidance import GUIDANCE_FIELDS  # the fields whose meaning depends on the model
@@ -46,6 +47,11 @@ class ModelSpec:
         and 0 for a text-to-image family; an edit family's pipeline takes up to `max_input_images`
         as `image=`, and needs at least `min_input_images` (FLUX.1 Kontext: 0 to 1, since its
         pipeline without an image is FLUX.1's text-to-image).
+    min_input_image_side, max_input_image_aspect_ratio: the smallest side (0: the size multiple)
+        and the largest ratio of the long side to the short one an input image may have, as the
+        pipeline checks them (FLUX.2: 64 pixels and 8).
+    max_input_image_area: an input image above this many pixels is resized down to it (keeping its
+        aspect) before it is encoded, as FLUX.2's pipeline does (None: no such resize).
     """
 
     pipeline_class: str
@@ -70,6 +76,9 @@ class ModelSpec:
     temporal_patch_size: int = 1
     min_input_images: int = 0
     max_input_images: int = 0
+    min_input_image_side: int = 0
+    max_input_image_aspect_ratio: float | None = None
+    max_input_image_area: int | None = None
 
     @property
     def is_video(self) -> bool:
@@ -100,8 +109,14 @@ class ModelSpec:
 
     def edit_size(self, image_height: int, image_width: int) -> tuple[int, int]:
         """The output size of an edit whose request sets none: its first input image's size,
-        rounded down to the size multiple (as edit pipelines round the image they encode)."""
+        rounded down to the size multiple (as edit pipelines round the image they encode), after
+        the resize to `max_input_image_area` where the pipeline makes one."""
         multiple = self.size_multiple
+        area = self.max_input_image_area
+        if area is not None and image_height * image_width > area:
+            # Flux2ImageProcessor._resize_to_target_area's arithmetic (the encoder calls it).
+            scale = math.sqrt(area / (image_width * image_height))
+            image_height, image_width = int(image_height * scale), int(image_width * scale)
         return max(multiple, image_height // multiple * multiple), max(multiple, image_width // multiple * multiple)
 
     def image_problems(self, sizes: tuple[tuple[int, int], ...]) -> list[str]:
@@ -117,13 +132,21 @@ class ModelSpec:
                 f"{model} edits input images: pass images=[[image], ...] with {self.min_input_images} or more "
                 "images per prompt (uint8 [3, H, W] tensors or PIL images)"
             ]
-        multiple = self.size_multiple
-        return [
-            f"input image {i} is {height}x{width} pixels, smaller than the {multiple} pixels {model} encodes "
+        smallest = max(self.size_multiple, self.min_input_image_side)
+        problems = [
+            f"input image {i} is {height}x{width} pixels, smaller than the {smallest} pixels {model} encodes "
             f"at least on each side; pass a larger image"
             for i, (height, width) in enumerate(sizes)
-            if min(height, width) < multiple
+            if min(height, width) < smallest
         ]
+        ratio = self.max_input_image_aspect_ratio
+        problems += [
+            f"input image {i} is {height}x{width} pixels, longer than {ratio:g} times its other side, the most "
+            f"{model} takes; crop it"
+            for i, (height, width) in enumerate(sizes)
+            if ratio is not None and min(height, width) and max(height, width) / min(height, width) > ratio
+        ]
+        return problems
 
     def resolve(self, params: SamplingParams) -> tuple[SamplingParams, list[str]]:
         """`params` with every model-dependent default filled in, and every problem with them.
