@@ -50,6 +50,9 @@ class ModelSpec:
     min_input_image_side, max_input_image_aspect_ratio: the smallest side (0: the size multiple)
         and the largest ratio of the long side to the short one an input image may have, as the
         pipeline checks them (FLUX.2: 64 pixels and 8).
+    preferred_input_sizes: (height, width) of the sizes the pipeline resizes an input image to, the
+        nearest by aspect ratio, when a request leaves `auto_resize` on (FLUX.1 Kontext's
+        PREFERRED_KONTEXT_RESOLUTIONS); empty: the family takes no `auto_resize`.
     max_input_image_area: an input image above this many pixels is resized down to it (keeping its
         aspect) before it is encoded, as FLUX.2's pipeline does (None: no such resize).
     """
@@ -79,6 +82,7 @@ class ModelSpec:
     min_input_image_side: int = 0
     max_input_image_aspect_ratio: float | None = None
     max_input_image_area: int | None = None
+    preferred_input_sizes: tuple[tuple[int, int], ...] = ()
 
     @property
     def is_video(self) -> bool:
@@ -107,11 +111,23 @@ class ModelSpec:
             return (self.latent_channels, h, w)
         return ((h // p) * (w // p), self.latent_channels * p * p)
 
-    def edit_size(self, image_height: int, image_width: int) -> tuple[int, int]:
+    def auto_resizes(self, params: SamplingParams) -> bool:
+        """Whether the input images of a request with `params` are resized to `preferred_input_sizes`
+        (`auto_resize`, on unless the request turns it off, where the family has such sizes)."""
+        return bool(self.preferred_input_sizes) and params.auto_resize is not False
+
+    def edit_size(self, image_height: int, image_width: int, auto_resize: bool = False) -> tuple[int, int]:
         """The output size of an edit whose request sets none: its first input image's size,
         rounded down to the size multiple (as edit pipelines round the image they encode), after
-        the resize to `max_input_image_area` where the pipeline makes one."""
+        the resize the pipeline makes: to the nearest of `preferred_input_sizes` with `auto_resize`,
+        or down to `max_input_image_area`."""
         multiple = self.size_multiple
+        if auto_resize and self.preferred_input_sizes:
+            # FluxKontextPipeline.__call__ step 3's choice: the nearest aspect ratio, then the narrowest.
+            aspect_ratio = image_width / image_height
+            _, image_width, image_height = min(
+                (abs(aspect_ratio - width / height), width, height) for height, width in self.preferred_input_sizes
+            )
         area = self.max_input_image_area
         if area is not None and image_height * image_width > area:
             # Flux2ImageProcessor._resize_to_target_area's arithmetic (the encoder calls it).
@@ -199,6 +215,10 @@ class ModelSpec:
             problems.append(
                 f"max_sequence_length={max_length} is above {model}'s limit of {self.max_sequence_length_limit}"
             )
+        if params.auto_resize is not None and not self.preferred_input_sizes:
+            problems.append(
+                f"auto_resize is FLUX.1 Kontext's resize of its input image; {model} has none, so leave it unset"
+            )
         guidance = {}
         for name in GUIDANCE_FIELDS:
             value = getattr(params, name)
@@ -221,6 +241,7 @@ class ModelSpec:
             max_sequence_length=max_length,
             num_frames=num_frames,
             negative_prompt=negative,
+            auto_resize=self.auto_resizes(params) if self.preferred_input_sizes else None,
             **{name: guidance.get(name) for name in GUIDANCE_FIELDS},
         )
         return resolved, problems
