@@ -105,6 +105,7 @@ def test_two_reference_parity_with_guidance_on_and_off(flux2, cfg):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(300)
 def test_two_reference_edits_rescore_and_batch_independently(flux2, tiny_models):
     """A two-reference edit alone equals itself in a crowd of an edit with one image of another
     size and a text-only request (< 1e-5), and its trajectories re-score to ratio 1 with a trainer
