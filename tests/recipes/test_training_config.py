@@ -87,6 +87,7 @@ def test_zimage_config_carries_the_published_flow_factory_settings():
         ("grpo_qwen_image_tiny.yaml", "qwen_image"),
         ("grpo_flux2_klein_lora.yaml", "flux2_klein"),
         ("grpo_flux2_klein_tiny.yaml", "flux2_klein"),
+        ("grpo_flux2_klein_edit_tiny.yaml", "flux2_klein"),
         ("grpo_zimage_lora.yaml", "zimage"),
         ("grpo_zimage_tiny.yaml", "zimage"),
         ("grpo_wan_tiny.yaml", "wan"),
