@@ -107,3 +107,30 @@ def test_the_edit_recipe_learns_to_make_its_edits_red(tmp_path, tiny_models):
     assert summary["log_ratio_before_first_update"] < RATIO_TOLERANCE
     margin, std_error = reward_margin(out / "metrics.jsonl")
     assert margin > 3 * std_error and margin > 0.03, f"margin {margin:.4f}, std error {std_error:.4f}"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_the_flux2_edit_recipe_learns_to_make_its_edits_red(tmp_path, tiny_models):
+    """grpo_flux2_klein_edit_tiny.yaml: FLUX.2 [klein] edits of 64x64 references (256 reference
+    tokens beside 64 noisy ones); the reward rises and the first update starts at ratio 1."""
+    out = tmp_path / "flux2_edit"
+    config = load_config(
+        CONFIG_DIR / "grpo_flux2_klein_edit_tiny.yaml",
+        [
+            f"model.path={tiny_models('flux2_klein')}",
+            f"output_dir={out}",
+            "seed=1",
+            "steps=20",
+            "prompts_per_step=2",
+            "sampling.num_inference_steps=6",
+            "optimizer.learning_rate=0.02",
+            "eval.num_prompts=1",
+            "eval.num_samples=1",
+            "eval.num_inference_steps=2",
+        ],
+    )
+    summary = run(config)
+    assert summary["log_ratio_before_first_update"] < RATIO_TOLERANCE
+    margin, std_error = reward_margin(out / "metrics.jsonl")
+    assert margin > 3 * std_error and margin > 0.03, f"margin {margin:.4f}, std error {std_error:.4f}"

@@ -118,6 +118,7 @@ def test_nft_refuses_an_sde_sampler_naming_the_fix():
         ("grpo_qwen_image_tiny.yaml", "qwen_image"),
         ("grpo_flux2_klein_lora.yaml", "flux2_klein"),
         ("grpo_flux2_klein_tiny.yaml", "flux2_klein"),
+        ("grpo_flux2_klein_edit_tiny.yaml", "flux2_klein"),
         ("grpo_zimage_lora.yaml", "zimage"),
         ("grpo_zimage_tiny.yaml", "zimage"),
         ("grpo_wan_tiny.yaml", "wan"),
