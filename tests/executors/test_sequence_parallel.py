@@ -146,3 +146,22 @@ def trainer_adapters(tiny_models):
 def test_reference_runs_with_float32_trajectories(reference):
     outputs = reference("flux", False)
     assert all(o.trajectory.latents.stack().dtype == torch.float32 for o in outputs.values())
+
+
+def test_the_server_and_the_recipes_take_the_layout():
+    from recipes.config import EngineSection
+    from rollout.serve.__main__ import engine_flag_names, parse_args
+    from rollout.serve.setting_flags import settings_from_args
+
+    args = parse_args(["--model", "m", "--executor", "mp", "--num-workers", "4", "--sequence-parallel", "2"])
+    config = EngineConfig(**settings_from_args(args, engine_flag_names()))
+    assert (config.num_replicas, config.ranks_per_replica) == (2, 2)
+    with pytest.raises(ValueError, match="num_workers=3 is not replicas x ranks per replica"):
+        EngineSection(executor="mp", num_workers=3, sequence_parallel=2)
+
+
+@pytest.mark.slow  # a Ray cluster and two actors in a gloo group
+def test_a_group_of_two_ray_actors_equals_one_worker(ray_cluster, tiny_models, reference):
+    config = EngineConfig(model=tiny_models("flux"), executor="ray", num_workers=2, sequence_parallel=2)
+    with RolloutEngine(config) as engine:
+        _assert_close(_run(engine, FAMILIES["flux"], True), reference("flux", True))
