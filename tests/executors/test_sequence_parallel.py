@@ -16,7 +16,7 @@ from rollout import EngineConfig, RolloutEngine
 from rollout.errors import EngineDeadError
 from rollout.rescoring import RATIO_TOLERANCE, recompute_log_probs
 from tests.executors.worker_functions import slow_down_steps, wait_gone, worker_pid
-from tests.families import FAMILIES
+from tests.families import ALL_FAMILIES as FAMILIES
 
 pytestmark = pytest.mark.timeout(300)
 
