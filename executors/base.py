@@ -95,7 +95,7 @@ class Executor:
         self.pids: list[int] = []  # of the workers, in rank order, once started
         self._dead: str | None = None  # why the workers can no longer be used
         self._released = False
-        self._rendezvous: GroupRendezvous | None = None  # made at start-up for groups of several ranks
+        self.rendezvous: GroupRendezvous | None = None  # made at start-up for groups of several ranks
         if writes_transport(type(self)):
             self._start()
 
@@ -236,8 +236,8 @@ class Executor:
         that fails, dies or is late fails the start, and every worker is released."""
         timeout = self.config.startup_timeout_s
         try:
-            self._rendezvous = GroupRendezvous.make(self.config)
-            bootstrap = WorkerBootstrap.of(self.config, self._rendezvous)
+            self.rendezvous = GroupRendezvous.make(self.config)
+            bootstrap = WorkerBootstrap.of(self.config, self.rendezvous)
             answers = self._gather(STARTUP, self._start_workers(bootstrap), timeout)
             late = [rank for rank in range(self.num_workers) if rank not in answers]
             if late:
@@ -286,8 +286,8 @@ class Executor:
             try:
                 self._release_workers()
             finally:
-                if self._rendezvous is not None:
-                    self._rendezvous.remove()
+                if self.rendezvous is not None:
+                    self.rendezvous.remove()
 
     # Helpers for subclasses.
 

@@ -88,6 +88,36 @@ def test_two_replicas_of_two_ranks_equal_one_worker(tiny_models, reference, trai
         assert log_ratio.abs().max() < RATIO_TOLERANCE
 
 
+def test_a_replica_s_step_goes_to_every_rank_of_its_group_and_its_leader_answers(tmp_path):
+    """Over the scripted transport (no process, no model): the base's routing of steps and RPCs,
+    and the rendezvous folder's lifetime."""
+    from rollout.model_runner import RunnerOutput
+    from rollout.scheduler import SchedulerOutput, WorkerInput
+    from tests.executors.fake_executor import Answer, ScriptedExecutor
+
+    (tmp_path / "model_index.json").write_text('{"_class_name": "FluxPipeline"}')
+    config = EngineConfig(model=str(tmp_path), executor=ScriptedExecutor, num_workers=4, sequence_parallel=2)
+    executor = ScriptedExecutor(config)
+    executor.script("execute", Answer(RunnerOutput(failed={"a": "leader's"})), ranks=[2])
+    outputs = executor.execute(SchedulerOutput({0: WorkerInput(), 1: WorkerInput(step_ids=["a"])}))
+    assert outputs == [RunnerOutput(), RunnerOutput(failed={"a": "leader's"})]  # one per replica
+    assert [rank for name, rank in executor.log.sent if name == "execute"] == [2, 3]
+    assert executor.workers[3].steps == [WorkerInput(step_ids=["a"])]  # the follower ran the same step
+    assert executor.collective_rpc("get_rank") == [0, 1, 2, 3]  # RPCs address every rank
+    members = [executor.rendezvous.member(rank) for rank in range(4)]
+    assert [(m.group, m.local_rank, m.replies) for m in members] == [
+        (0, 0, True),
+        (0, 1, False),
+        (1, 0, True),
+        (1, 1, False),
+    ]
+    assert members[0].store_path == members[1].store_path != members[2].store_path
+    folder = executor.rendezvous.folder
+    assert os.path.isdir(folder)
+    executor.shutdown()
+    assert not os.path.exists(folder)
+
+
 def test_layouts_that_are_not_replicas_times_ranks_are_refused():
     with pytest.raises(ValueError, match=r"num_workers=3 is not replicas x ranks per replica.*multiple of 2"):
         EngineConfig(model="x", executor="mp", num_workers=3, sequence_parallel=2)
