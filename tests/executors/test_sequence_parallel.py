@@ -9,7 +9,6 @@ import threading
 import time
 
 import pytest
-import torch
 
 from executors.replica_groups import ReplicaLayout
 from rollout import EngineConfig, RolloutEngine
@@ -171,11 +170,6 @@ def trainer_adapters(tiny_models):
         return cache[name]
 
     return adapter
-
-
-def test_reference_runs_with_float32_trajectories(reference):
-    outputs = reference("flux", False)
-    assert all(o.trajectory.latents.stack().dtype == torch.float32 for o in outputs.values())
 
 
 def test_the_server_and_the_recipes_take_the_layout():
