@@ -941,12 +941,12 @@ def test_aborting_a_subtree_frees_it_and_its_siblings_run_on(engine):
     assert ids == ["tree-0.0", "tree-0.1", "tree-1.0", "tree-1.1"]
     for _ in range(2):
         engine.step()
-    assert sorted(i for held in engine.collective_rpc("request_ids") for i in held) == ids
+    assert sorted(i for held in _held_by_replica(engine) for i in held) == ids
     aborted = engine.abort(["tree-0.1", "tree-1"])  # one leaf, and the whole second root
     assert sorted((o.request_id, o.status) for o in aborted) == [
         (i, "aborted") for i in ("tree-0.1", "tree-1.0", "tree-1.1")
     ]
-    assert [i for held in engine.collective_rpc("request_ids") for i in held] == ["tree-0.0"]
+    assert [i for held in _held_by_replica(engine) for i in held] == ["tree-0.0"]
     outputs = []
     while engine.has_unfinished_requests():
         outputs += engine.step()
