@@ -70,11 +70,6 @@ def join_group(member: GroupMember, device: str) -> None:
     logger.info("joined replica group %d as rank %d of %d (%s)", member.group, member.local_rank, member.size, backend)
 
 
-def leave_group() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
 # The pipeline components that predict velocities (`PipelineAdapter.denoisers`): Wan 2.2 has two.
 DENOISER_COMPONENTS = ("transformer", "transformer_2")
 
