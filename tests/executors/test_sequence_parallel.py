@@ -40,6 +40,11 @@ def _run(engine: RolloutEngine, family, cfg: bool) -> dict:
     return outputs
 
 
+def _sharded(worker) -> bool:
+    """Whether diffusers' context parallelism is on for every denoiser of the worker."""
+    return all(module._parallel_config is not None for module in worker.adapter.denoisers.values())
+
+
 def _assert_close(got: dict, want: dict) -> None:
     for request_id, w in want.items():
         g = got[request_id]
@@ -81,6 +86,7 @@ def test_two_replicas_of_two_ranks_equal_one_worker(tiny_models, reference, trai
             _assert_close(got, reference(family, cfg))
         checksums = engine.collective_rpc("weights_checksum", args=("transformer",))
         assert len(set(checksums)) == 1
+        assert engine.collective_rpc(_sharded) == [True] * 4  # diffusers' hooks run on every rank
     for output in got.values():  # a single-device trainer re-scores the group's rollout
         trajectory = output.trajectory
         log_ratio = recompute_log_probs(trainer_adapters(family), trajectory) - trajectory.log_probs
@@ -189,3 +195,24 @@ def test_a_group_of_two_ray_actors_equals_one_worker(ray_cluster, tiny_models, r
     config = EngineConfig(model=tiny_models("flux"), executor="ray", num_workers=2, sequence_parallel=2)
     with RolloutEngine(config) as engine:
         _assert_close(_run(engine, FAMILIES["flux"], True), reference("flux", True))
+
+
+@pytest.mark.slow  # a server process and its two worker processes
+def test_a_server_with_sequence_parallel_serves_what_one_worker_samples(tiny_models):
+    from rollout.serve.launch import ServerProcess
+    from trainers_adapters.remote_engine import RemoteRolloutEngine
+
+    model = tiny_models("flux")
+    params = FAMILIES["flux"].params(cfg=True, num_inference_steps=3, num_samples=2, seed=4, sde_window=(0, 2))
+    with RolloutEngine(EngineConfig(model=model)) as engine:
+        want = engine.generate(PROMPTS, params)
+    flags = ("--executor", "mp", "--num-workers", "2", "--sequence-parallel", "2")
+    with (
+        ServerProcess.start(model, *flags, api_key="sp-test-key-0123456789", timeout_s=280) as server,
+        RemoteRolloutEngine(server.url, api_key="sp-test-key-0123456789") as remote,
+    ):
+        got = remote.generate(PROMPTS, params)
+        assert isinstance(remote.weights_checksum(), str)  # every rank holds the same weights
+    for g, w in zip(got, want, strict=True):
+        assert (g.trajectory.latents.stack() - w.trajectory.latents.stack()).abs().max() < TOLERANCE
+        assert (g.trajectory.log_probs - w.trajectory.log_probs).abs().max() < TOLERANCE
