@@ -1,6 +1,7 @@
 """One contract, every backend: uni, mp, ray and an external executor class defined here, on the
 tiny SD3; and uni and mp on the tiny FLUX.1, Qwen-Image and Z-Image (weights, checksums, LoRA, sleep/wake),
-and on FLUX.1 Kontext with every request an edit (`EditingEngine`)."""
+and on FLUX.1 Kontext with every request an edit (`EditingEngine`); and mp and ray on FLUX.1 with one
+replica of two ranks (sequence parallel)."""
 
 from __future__ import annotations
 
