@@ -68,12 +68,14 @@ def reference(tiny_models):
 
 
 @pytest.mark.slow  # two worker processes: ~50 s of CPU on the 2-core machine, past the default budget
-def test_a_group_of_two_ranks_equals_one_worker_on_flux(tiny_models, reference):
-    config = EngineConfig(model=tiny_models("flux"), executor="mp", num_workers=2, sequence_parallel=2)
+@pytest.mark.parametrize("family", ["flux", "wan22"])  # Wan 2.2: both experts sharded
+def test_a_group_of_two_ranks_equals_one_worker(tiny_models, reference, family):
+    config = EngineConfig(model=tiny_models(family), executor="mp", num_workers=2, sequence_parallel=2)
     with RolloutEngine(config) as engine:
         for cfg in (False, True):
-            _assert_close(_run(engine, FAMILIES["flux"], cfg), reference("flux", cfg))
+            _assert_close(_run(engine, FAMILIES[family], cfg), reference(family, cfg))
         assert engine.collective_rpc("request_ids") == [[], []]  # the follower kept no finished state
+        assert engine.collective_rpc(_sharded) == [True, True]
 
 
 @pytest.mark.slow  # four processes
