@@ -114,6 +114,7 @@ class EngineSection:
     # YAML can name an executor or extension class only by its dotted path, hence `str` here.
     executor: str = setting_of(EngineConfig, "executor")
     num_workers: int = setting_of(EngineConfig, "num_workers")
+    sequence_parallel: int = setting_of(EngineConfig, "sequence_parallel")
     device: str = setting_of(EngineConfig, "device")
     dtype: str = setting_of(EngineConfig, "dtype")
     max_batch_size: int = setting_of(EngineConfig, "max_batch_size")

@@ -62,12 +62,13 @@ class RolloutEngine:
         # A trainer passes the same params for every prompt and group: resolving them once each
         # halves what add_request costs (SamplingParams is frozen and hashable).
         self._resolve = functools.lru_cache(maxsize=256)(self.model_spec.resolve)
-        self.scheduler = Scheduler(num_ranks=config.num_workers, max_batch_size=config.max_batch_size)
+        # Batches go to replicas: a replica of several ranks (sequence parallel) runs each as one.
+        self.scheduler = Scheduler(num_ranks=config.num_replicas, max_batch_size=config.max_batch_size)
         self._request_counter = itertools.count()
         self._closed = False
         self._dead: EngineDeadError | None = None
         self._stashed_outputs: list[RolloutOutput] = []  # finished while an update waited for them
-        self._received_conditions = ReceivedConditions(config.num_workers)
+        self._received_conditions = ReceivedConditions(config.num_replicas)
         self._conditions = SharedConditions()
         self._tree_parts = SharedTreeParts()
         self._tree_ids = itertools.count()
