@@ -106,6 +106,7 @@ class FrameBody:
         self._last_read = self._loop.time()
         if self._reader is None:  # something else resumed reading (uvicorn's receive)
             self._first += self._spare[:nbytes]
+            self._set_reading()
         elif not self.framing_lost:
             self._read(lambda reader: reader.buffer_updated(nbytes))
 
@@ -154,7 +155,7 @@ class FrameBody:
         if frames and not self._reader.discarding:
             self._ready.extend(frames)
             self._wake()
-        if self._reader.done:
+        if self._reader.done and not self.finished:  # (the connection may be gone before the route asked)
             self._ended(self._reader.tail, bytes(self._reader.after))
 
     def _fail(self, error: BaseException, framing_lost: bool = False) -> None:
