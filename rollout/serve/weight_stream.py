@@ -118,7 +118,8 @@ def _frame_buffers(request: Request, limit: int, idle_timeout_s: float) -> Async
 
 
 async def _assembled(chunks: AsyncIterator[bytes], limit: int) -> AsyncIterator[bytearray | mmap.mmap]:
-    """The buffer of each frame of the body as it completes (another ASGI server's body)."""
+    """The buffer of each frame of the body as it completes: a body that the server's protocol did
+    not read itself (one sent with a Content-Length, or on another ASGI server)."""
     assembler = FrameAssembler(limit)
     try:
         async for chunk in chunks:
