@@ -22,12 +22,13 @@ The weight pushes: a chunked frame-stream body (Content-Type FRAMES_MEDIA_TYPE) 
 buffers, and the route takes it from the request's ASGI scope; httptools sees the request's head
 and, once the body has ended, its last chunk and trailers. On httptools alone every byte was copied
 three times on the event loop's thread (into the bytes `data_received` gets, into the bytes of each
-`on_body` piece, into the frame): a push cost that thread 1.6 s of CPU per GB, 0.7 s read this
-way (`benchmarks/http_weight_push`, 0.22 GB; a sink that only reads the body through httptools,
-1.0 s). So the protocol is a `BufferedProtocol`: asyncio reads into the buffer that `get_buffer`
-offers, which is the frame's while a frame body is read, and a buffer of the protocol's otherwise,
-whose bytes go to httptools as before. A request head is handed to httptools up to its blank line and no further, so
-that the parser never reads into a body that is not its own.
+`on_body` piece, into the frame): a push cost that thread 1.6-1.9 s of CPU per GB, 0.7-1.2 s
+read this way (`benchmarks/http_weight_push` at 0.22 and 1 GB, on a loaded machine; a sink that
+only reads the body through httptools, 0.8-1.0 s). So the protocol is a `BufferedProtocol`:
+asyncio reads into the buffer that `get_buffer` offers, which is the frame's while a frame body is
+read, and a buffer of the protocol's otherwise, whose bytes go to httptools as before. A request
+head is handed to httptools up to its blank line and no further, so that the parser never reads
+into a body that is not its own.
 """
 
 from __future__ import annotations
