@@ -122,7 +122,7 @@ def test_value_checks_of_the_dataclasses_are_reported(tmp_path):
 
 @pytest.mark.timeout(30)
 def test_unknown_recipe_is_refused(tmp_path):
-    with pytest.raises(ValueError, match=r"recipe: must be one of \['dpo', 'grpo', 'rollout'\], got 'ppo'"):
+    with pytest.raises(ValueError, match=r"recipe: must be one of \['dpo', 'grpo', 'nft', 'rollout'\], got 'ppo'"):
         load_config(write(tmp_path, "recipe: ppo\n"))
 
 
