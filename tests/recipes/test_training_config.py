@@ -274,7 +274,7 @@ def test_every_bad_reward_setting_is_named_before_any_model_loads(tmp_path, tiny
         "config: reward.aesthetic: model '/nowhere' is not a CLIPModel folder (no config.json there)",
         "config: reward.judge: unknown reward 'nope'; built-ins: ['colour', 'colour_agreement', "
         "'colour_edit', 'jpeg_compressibility', 'jpeg_incompressibility'], reward models: ['aesthetic', 'clip_score', "
-        "'pickscore'], or a dotted path (pkg.module.name) to a reward function or class",
+        "'pickscore'], 'remote' (a reward service), or a dotted path (pkg.module.name) to a reward function or class",
         "config: reward.jpeg_compressibility: expected a weight or a mapping of settings, got [1]",
     ]
     with pytest.raises(ValueError, match=r"AestheticScore needs model, head .*give them as reward: "):
