@@ -281,3 +281,9 @@ def test_every_bad_reward_setting_is_named_before_any_model_loads(tmp_path, tiny
         load_config(CONFIG_DIR / "grpo_tiny.yaml", ["reward=aesthetic"])
     with pytest.raises(ValueError, match="reward is an empty mapping; name at least one reward"):
         load_config(CONFIG_DIR / "grpo_tiny.yaml", ["reward={}"])
+
+
+def test_reward_workers_must_not_be_negative():
+    with pytest.raises(ValueError, match=r"reward_workers must be >= 0 \(0: score on a thread of this process\)"):
+        load_config(CONFIG_DIR / "grpo_tiny.yaml", ["reward_workers=-1"])
+    assert load_config(CONFIG_DIR / "dpo_tiny.yaml", ["reward_workers=2"]).reward_workers == 2
