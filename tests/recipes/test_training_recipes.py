@@ -245,5 +245,5 @@ def test_a_run_with_a_reward_worker_gets_the_rewards_of_a_run_without(tmp_path, 
         folder = tmp_path / f"workers{workers}"
         run_cli(monkeypatch, "grpo_tiny.yaml", *small_run(folder, "uni"), reward, f"reward_workers={workers}")
         records, _ = check_run_files(folder / "out")
-        found[workers] = [(r["reward_mean"], r["reward/clip_score"], r["reward/colour"]) for r in records]
+        found[workers] = [r[name] for r in records for name in ("reward_mean", "reward/clip_score", "reward/colour")]
     assert found[1] == pytest.approx(found[0], abs=1e-6)
