@@ -35,7 +35,7 @@ from trainers_adapters.reward_worker import ERROR, READY, SCORES, run_reward_wor
 
 logger = logging.getLogger(__name__)
 
-_STOP_S = 10.0  # how long a worker may take to exit when told to, before it is killed
+_STOP_S = 30.0  # how long a worker may take to exit when told to, before it is killed
 
 
 class RewardWorkerDied(RuntimeError):
@@ -236,6 +236,8 @@ class _Worker:
         return RewardScores(total=total, components=components)
 
     def _restart_for_the_next_step(self) -> None:
+        if self.pool._closed:  # stopped by `close` while scoring: nothing comes next
+            return
         try:
             self.restart()
         except Exception as error:  # tried again when the next group comes
