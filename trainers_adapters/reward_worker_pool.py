@@ -100,12 +100,12 @@ class RewardWorkerPool(RewardRunner):
         if self._closed:
             return
         self._closed = True
-        for _ in self._workers:
+        self._fail_queued(RuntimeError("the reward worker pool was closed before this group was scored"))
+        for _ in self._workers:  # after the failed groups: a worker finishes only the group it holds
             self._jobs.put(None)
         for worker in self._workers:
             worker.thread.join(_STOP_S + 5)
             worker.stop()
-        self._fail_queued(RuntimeError("the reward worker pool was closed before this group was scored"))
 
     def _fail_queued(self, error: BaseException) -> None:
         """Fail every group still queued (they belong to the step that fails), keeping stop marks."""
