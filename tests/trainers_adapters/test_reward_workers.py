@@ -1,7 +1,8 @@
 """Rewards in reward worker processes: the same scores as in process, and a worker killed mid-step
 fails that step within seconds while the next step runs (the pool starts a new worker).
 
-One pool per module: a spawned worker imports torch and loads the tiny CLIP before its first group.
+One pool per module: a spawned worker imports torch and loads the tiny CLIP before its first group,
+about 10 s of CPU (start and stop) on the 2-core CI machine, so the module runs in the slow suite.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from trainers_adapters.reward_spec import build_reward
 from trainers_adapters.reward_worker_pool import RewardWorkerDied, RewardWorkerPool
 from trainers_adapters.rewarded_rollout import generate_with_rewards
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 PROBE = "tests.trainers_adapters.reward_probe.Probe"
 PROMPTS = ["a red square", "a blue star"]
@@ -78,7 +79,6 @@ def test_a_nan_from_a_worker_stops_the_step_naming_the_reward_and_the_sample(poo
     assert pool.submit(*group_of(2)).result(timeout=60).total.shape == (2,)  # the worker carries on
 
 
-@pytest.mark.slow  # a second worker start (imports torch, loads the CLIP): seconds on a quiet machine
 def test_a_worker_killed_mid_step_fails_the_step_within_seconds_and_the_next_step_runs(pool, reward_key, tmp_path):
     started = tmp_path / "started"
     busy = pool.submit(*group_of(2, started=str(started), sleep_s=60.0))
@@ -103,7 +103,6 @@ def test_a_worker_killed_mid_step_fails_the_step_within_seconds_and_the_next_ste
     torch.testing.assert_close(after.total, expected.total, atol=1e-6, rtol=0)
 
 
-@pytest.mark.slow
 def test_a_reward_that_fails_to_build_fails_the_pool_start_with_its_error():
     with pytest.raises(ValueError, match=r"reward worker 0 could not build the reward: Probe was told to fail"):
         RewardWorkerPool({"probe": {"reward": PROBE, "fail_to_build": True}}, num_workers=1, start_timeout_s=120)
