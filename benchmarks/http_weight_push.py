@@ -17,7 +17,10 @@ the whole transformer, perturbed before each round so every push changes every w
   raw h11     the same, on uvicorn's pure-Python h11 protocol, which the server ran before: its
               event loop was the push's bottleneck (a profile: h11's parser and buffer copies).
 
-MB/s counts 1e6 bytes of tensors per second. Peak memory: how far a push raises the peak RSS of the
+MB/s counts 1e6 bytes of tensors per second. Server CPU: the CPU seconds per GB of update spent by the
+thread that runs the receiving process's event loop (its main thread: for in-process, this process's,
+which does the whole push), and by all its threads; on a machine shared with other work these
+vary far less than wall times do. Peak memory: how far a push raises the peak RSS of the
 process holding the model (the server's VmHWM, reset through /proc/<pid>/clear_refs before the
 push; this process's for in-process), over the update's size. Every mode stages a copy of the
 update before swapping it in, so 1.0x plus a bucket or two is the floor. Both processes run with
@@ -41,6 +44,7 @@ import logging
 import multiprocessing
 import os
 import secrets
+import statistics
 import tempfile
 import time
 from collections.abc import Iterator
@@ -77,12 +81,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def peak_rss_growth(pid: int, push) -> float:
-    """Bytes by which `push()` raises the peak RSS of process `pid` over its RSS before it."""
+def peak_rss_growth(pid: int, push) -> tuple[float, float, float]:
+    """Bytes by which `push()` raises the peak RSS of process `pid` over its RSS before it, and the
+    CPU seconds its main thread (the event loop's) and the whole process spent meanwhile."""
     Path(f"/proc/{pid}/clear_refs").write_text("5")  # resets VmHWM to the current RSS
     before = _status_bytes(pid, "VmRSS")
+    loop_cpu, process_cpu = _cpu_seconds(f"/proc/{pid}/task/{pid}/stat"), _cpu_seconds(f"/proc/{pid}/stat")
     push()
-    return _status_bytes(pid, "VmHWM") - before
+    loop_cpu = _cpu_seconds(f"/proc/{pid}/task/{pid}/stat") - loop_cpu
+    return _status_bytes(pid, "VmHWM") - before, loop_cpu, _cpu_seconds(f"/proc/{pid}/stat") - process_cpu
+
+
+def _cpu_seconds(stat_path: str) -> float:
+    """User plus system CPU seconds in a /proc stat file (fields 14 and 15, after the name)."""
+    fields = Path(stat_path).read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _status_bytes(pid: int, field: str) -> int:
@@ -117,9 +130,9 @@ def serve_sink(port: int, http: str) -> None:
         return JSONResponse({"bytes": size})
 
     app = Starlette(routes=[Route("/sink", sink, methods=["POST"])])
-    from rollout.serve.http_protocol import with_header_timeout
+    from rollout.serve.http_protocol import server_protocol
 
-    protocol = with_header_timeout(10.0) if http == "rollout" else http
+    protocol = server_protocol(10.0) if http == "rollout" else http
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", http=protocol)
 
 
@@ -139,7 +152,7 @@ def sink_server(http: str) -> Iterator[str]:
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"the sink server did not start within {SINK_START_S} s") from None
                 time.sleep(0.2)
-        yield url
+        yield url, process.pid
     finally:
         process.terminate()
         process.join(30)
@@ -204,9 +217,8 @@ def main(argv: list[str] | None = None) -> dict:
                 pids = {"streamed": server.process.pid, "one body": server.process.pid, "in-process": os.getpid()}
                 raw = {}
                 for mode, http in RAW_MODES.items():
-                    url = sinks.enter_context(sink_server(http))
+                    url, pids[mode] = sinks.enter_context(sink_server(http))  # the row's memory means nothing
                     raw[mode] = sinks.enter_context(contextlib.closing(RawSender(f"{url}/sink")))
-                    pids[mode] = server.process.pid  # not its process: the row's memory means nothing
                 pushes = {
                     "streamed": lambda: remote.update_weights(state, bucket_bytes=bucket_bytes),
                     "one body": lambda: post_one_body(plain, state, bucket_bytes),
@@ -214,48 +226,71 @@ def main(argv: list[str] | None = None) -> dict:
                     "raw HTTP": lambda: raw["raw HTTP"].send(state, bucket_bytes),
                     "raw h11": lambda: raw["raw h11"].send(state, bucket_bytes),
                 }
-                seconds, growth = measure(pushes, pids, {"http": remote, "in-process": local}, trainer, state, args)
+                seconds, growth, cpu = measure(
+                    pushes, pids, {"http": remote, "in-process": local}, trainer, state, args
+                )
     finally:
         torch.set_num_threads(previous_threads)
-    summarize(report, seconds, growth, nbytes, len(state), bucket_bytes, args)
+    summarize(report, seconds, growth, cpu, nbytes, len(state), bucket_bytes, args)
     return report.finish()
 
 
-def measure(pushes: dict, pids: dict, engines: dict, trainer, state: dict, args) -> tuple[dict, dict]:
-    """Each round: perturb the trainer, run every mode once (rotated), check every engine's checksum."""
+def measure(pushes: dict, pids: dict, engines: dict, trainer, state: dict, args) -> tuple[dict, dict, dict]:
+    """Each round: perturb the trainer, run every mode once (rotated), check every engine's checksum.
+    Returns each mode's seconds, peak RSS growths and (loop, process) CPU seconds per push."""
     seconds = {mode: [] for mode in MODES}
     growth = {mode: [] for mode in MODES}
+    cpu = {mode: [] for mode in MODES}
     for round_ in harness.interleaved_rounds(MODES, args.warmup, args.repeats):
         perturb(trainer)
         expected = checksum(state)
         shown = []
         for mode in round_.order:
-            grown, elapsed = harness.timed_call(peak_rss_growth, pids[mode], pushes[mode])
+            (grown, loop_cpu, process_cpu), elapsed = harness.timed_call(peak_rss_growth, pids[mode], pushes[mode])
             if round_.timed:
                 seconds[mode].append(elapsed)
                 growth[mode].append(grown)
-            shown.append(f"{mode} {elapsed:6.2f} s (+{grown / 1e6:.0f} MB peak)")
+                cpu[mode].append((loop_cpu, process_cpu))
+            shown.append(f"{mode} {elapsed:6.2f} s (+{grown / 1e6:.0f} MB peak, loop CPU {loop_cpu:.2f} s)")
         for name, engine in engines.items():
             if engine.weights_checksum() != expected:
                 raise AssertionError(f"{name}: the engine's checksum is not the pushed state's")
         print(f"  [{round_.tag}] {'  '.join(shown)}  checksums equal", flush=True)
-    return seconds, growth
+    return seconds, growth, cpu
 
 
-def summarize(report, seconds: dict, growth: dict, nbytes: int, tensors: int, bucket_bytes: int, args) -> None:
+def summarize(
+    report, seconds: dict, growth: dict, cpu: dict, nbytes: int, tensors: int, bucket_bytes: int, args
+) -> None:
     stats = {mode: harness.Stats.of(values) for mode, values in seconds.items()}
     rows, results = [], {}
     for mode in MODES:
         s, peak = stats[mode], max(growth[mode])
         mb_per_s = nbytes / 1e6 / s.median
         memory = [peak / 1e6, peak / nbytes] if mode not in RAW_MODES else ["-", "-"]
-        rows.append([mode, 1e3 * s.median, 1e3 * s.min, 1e3 * s.max, mb_per_s, *memory])
-        results[mode] = {"seconds": s.to_json(), "mb_per_s": mb_per_s, "peak_rss_growth_bytes": growth[mode]}
+        loop_cpu, process_cpu = (statistics.median(c[i] for c in cpu[mode]) / (nbytes / 1e9) for i in (0, 1))
+        rows.append([mode, 1e3 * s.median, 1e3 * s.min, 1e3 * s.max, mb_per_s, loop_cpu, process_cpu, *memory])
+        results[mode] = {
+            "seconds": s.to_json(),
+            "mb_per_s": mb_per_s,
+            "peak_rss_growth_bytes": growth[mode],
+            "cpu_seconds": {"loop": [c[0] for c in cpu[mode]], "process": [c[1] for c in cpu[mode]]},
+        }
     over = {mode: stats[mode].median / stats["in-process"].median for mode in ("streamed", "one body")}
     report.table(
         f"full-weight push: {nbytes / 1e6:.0f} MB of {args.dtype} in {tensors} tensors, buckets of "
         f"{args.bucket_mb} MiB, {args.threads} threads (median of {args.repeats})",
-        ["mode", "median ms", "min ms", "max ms", "MB/s", "peak RSS growth MB", "growth / update"],
+        [
+            "mode",
+            "median ms",
+            "min ms",
+            "max ms",
+            "MB/s",
+            "loop CPU s/GB",
+            "process CPU s/GB",
+            "peak RSS growth MB",
+            "growth / update",
+        ],
         rows,
         f"time over in-process: streamed {over['streamed']:.2f}x, one body {over['one body']:.2f}x; "
         f"streamed vs one body: {stats['one body'].median / stats['streamed'].median:.2f}x faster; "

@@ -40,6 +40,7 @@ __all__ = [
     "REAL_VAE_BLOCKS",
     "SD35_MEDIUM",
     "VIDEO_FAMILIES",
+    "WAN21_T2V_14B",
     "WAN21_T2V_1_3B",
     "WAN22_T2V_A14B_EXPERT",
     "WAN_SMALL",
@@ -48,6 +49,11 @@ __all__ = [
 ]
 
 PRESETS = ("small", "real")
+
+# Wan 2.1 T2V 14B's transformer, as its published config.json (Wan-AI/Wan2.1-T2V-14B-Diffusers,
+# transformer/) gives it: 40 heads of 128 (width 5120), a 13824 MLP, 40 layers, the rest as the 1.3B.
+# Each of Wan 2.2 A14B's experts has the same shape; the parallel cost model sizes its layouts on it.
+WAN21_T2V_14B = WAN21_T2V_1_3B | {"num_attention_heads": 40, "ffn_dim": 13824, "num_layers": 40}
 VIDEO_FAMILIES = tuple(family.name for family in FAMILIES if family.video)
 
 # Image side each preset samples at by default (pixels): 256 image tokens for the small models, as

@@ -20,6 +20,7 @@ import cloudpickle
 import torch
 
 from executors.bootstrap import WorkerBootstrap, worker_threads
+from executors.replica_groups import GroupRendezvous, ReplicaLayout
 from rollout.config import EngineConfig
 from rollout.errors import EngineDeadError, WorkerError, interrupted_reason
 from rollout.handed_over import HandedOver
@@ -44,6 +45,14 @@ class Executor:
     `self.worker_cls(config, rank)`, built where they run by `WorkerBootstrap.build(rank)`. A
     backend sets up what `_release_workers` frees before calling `super().__init__(config)`,
     which starts the workers (and releases them if start-up fails).
+
+    Replica groups come with the base: with `sequence_parallel` > 1 a replica spans that many
+    consecutive ranks (`executors.replica_groups`). `execute` takes and returns one part per
+    replica and sends a replica's part to every rank of its group; `_send_step` still addresses
+    one rank. The bootstrap builds each worker with its place in its group, and the worker joins
+    the group's process group; a transport need only start every rank (on Ray, a group's ranks on
+    one node). `collective_rpc` addresses ranks, so every hot-swap call reaches every rank of
+    every group.
 
     The contract every backend keeps: worker functions get their own copies of the tensors in
     their arguments (the caller may change or free its tensors right after the call), and calls
@@ -79,13 +88,15 @@ class Executor:
 
     def __init__(self, config: EngineConfig):
         self.config = config
-        self.num_workers = config.num_workers
+        self.num_workers = config.num_workers  # ranks: replicas x ranks per replica
+        self.layout = ReplicaLayout.of(config)
         self.threads_per_worker = worker_threads(config)  # for backends whose workers run elsewhere
         self.worker_cls = build_worker_class(config.worker_extension_cls)
         self.pids: list[int] = []  # of the workers, in rank order, once started
         self._dead: str | None = None  # why the workers can no longer be used
         self._released = False
-        if _writes_transport(type(self)):
+        self.rendezvous: GroupRendezvous | None = None  # made at start-up for groups of several ranks
+        if writes_transport(type(self)):
             self._start()
 
     @classmethod
@@ -97,8 +108,13 @@ class Executor:
 
     # What the engine calls.
 
+    @property
+    def num_replicas(self) -> int:
+        return self.layout.num_replicas
+
     def execute(self, scheduler_output: SchedulerOutput) -> list[RunnerOutput]:
-        """Run one engine step; one `RunnerOutput` per rank, in rank order."""
+        """Run one engine step (`worker_inputs` by replica); one `RunnerOutput` per replica, in
+        replica order: its group's leader's (a replica of one rank is that rank)."""
         self._check_alive()
         try:
             return self._execute(scheduler_output, self.config.step_timeout_s)
@@ -186,12 +202,15 @@ class Executor:
     # The base's own steps over the transport.
 
     def _execute(self, scheduler_output: SchedulerOutput, timeout: float) -> list[RunnerOutput]:
-        """Send each rank with work its part of the step; one `RunnerOutput` per rank, in rank order
-        (an empty one for a rank with nothing to do)."""
-        work = {rank: w for rank, w in scheduler_output.worker_inputs.items() if not w.is_empty}
-        pending = {rank: self._send_step(rank, w) for rank, w in work.items()}
+        """Send each replica with work its part of the step, the same to every rank of its group;
+        one `RunnerOutput` per replica, in replica order: its leader's (an empty one for a replica
+        with nothing to do). The other ranks of a group answer once their step is done."""
+        work = {replica: w for replica, w in scheduler_output.worker_inputs.items() if not w.is_empty}
+        pending = {
+            rank: self._send_step(rank, w) for replica, w in work.items() for rank in self.layout.ranks_of(replica)
+        }
         results = self._answers("execute", pending, timeout)
-        return [results.get(rank, RunnerOutput()) for rank in range(self.num_workers)]
+        return [results.get(self.layout.leader_of(replica), RunnerOutput()) for replica in range(self.num_replicas)]
 
     def _collective_rpc(
         self, name: str, method: str | Callable, args: tuple, kwargs: dict, timeout: float, ranks: list[int]
@@ -217,7 +236,9 @@ class Executor:
         that fails, dies or is late fails the start, and every worker is released."""
         timeout = self.config.startup_timeout_s
         try:
-            answers = self._gather(STARTUP, self._start_workers(WorkerBootstrap.of(self.config)), timeout)
+            self.rendezvous = GroupRendezvous.make(self.config)
+            bootstrap = WorkerBootstrap.of(self.config, self.rendezvous)
+            answers = self._gather(STARTUP, self._start_workers(bootstrap), timeout)
             late = [rank for rank in range(self.num_workers) if rank not in answers]
             if late:
                 raise RuntimeError(f"worker ranks {late} did not start within {timeout}s")
@@ -234,7 +255,14 @@ class Executor:
             self._release_once()
             raise
         self.pids = [answers[rank] for rank in range(self.num_workers)]
-        logger.info("%s started %d workers %s", type(self).__name__, self.num_workers, self.pids)
+        logger.info(
+            "%s started %d workers %s (%d replicas of %d ranks)",
+            type(self).__name__,
+            self.num_workers,
+            self.pids,
+            self.num_replicas,
+            self.layout.ranks_per_replica,
+        )
 
     def _check_alive(self) -> None:
         if self._dead is not None:
@@ -255,7 +283,11 @@ class Executor:
     def _release_once(self) -> None:
         if not self._released:
             self._released = True
-            self._release_workers()
+            try:
+                self._release_workers()
+            finally:
+                if self.rendezvous is not None:
+                    self.rendezvous.remove()
 
     # Helpers for subclasses.
 
@@ -283,7 +315,7 @@ class Executor:
         return sorted(set(ranks))
 
 
-def _writes_transport(cls: type[Executor]) -> bool:
+def writes_transport(cls: type[Executor]) -> bool:
     """True for a backend that writes the transport, False for one written before it existed
     (which starts its own workers); a TypeError naming what is missing for one that does neither."""
     defined = {

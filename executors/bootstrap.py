@@ -13,30 +13,37 @@ from dataclasses import dataclass
 import cloudpickle
 import torch
 
+from executors.replica_groups import GroupRendezvous
 from rollout.config import EngineConfig
 from rollout.worker import build_worker_class
 
 
 def worker_threads(config: EngineConfig) -> int:
     """CPU threads of each worker's torch: `threads_per_worker`, or the machine's cores divided
-    among the workers (at least one)."""
+    among the workers (every rank of every replica group; at least one)."""
     return config.threads_per_worker or max(1, (os.cpu_count() or 1) // config.num_workers)
 
 
 @dataclass(frozen=True)
 class WorkerBootstrap:
     """What a worker process needs to build its worker. The config travels cloudpickled, so a
-    worker extension class defined in a script or a test reaches the worker too."""
+    worker extension class defined in a script or a test reaches the worker too. `rendezvous`:
+    where the ranks of each replica group meet, for replicas of several ranks."""
 
     config_bytes: bytes
     threads: int
+    rendezvous: GroupRendezvous | None = None
 
     @classmethod
-    def of(cls, config: EngineConfig) -> WorkerBootstrap:
-        return cls(cloudpickle.dumps(config), worker_threads(config))
+    def of(cls, config: EngineConfig, rendezvous: GroupRendezvous | None = None) -> WorkerBootstrap:
+        return cls(cloudpickle.dumps(config), worker_threads(config), rendezvous)
 
     def build(self, rank: int):
-        """Set this process's torch threads, then build the worker of `rank` (loads the model)."""
+        """Set this process's torch threads, then build the worker of `rank` (loads the model and,
+        in a replica group of several ranks, joins the group)."""
         torch.set_num_threads(self.threads)
         config = cloudpickle.loads(self.config_bytes)
-        return build_worker_class(config.worker_extension_cls)(config, rank)
+        worker_cls = build_worker_class(config.worker_extension_cls)
+        if self.rendezvous is None:
+            return worker_cls(config, rank)
+        return worker_cls(config, rank, group=self.rendezvous.member(rank))

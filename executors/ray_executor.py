@@ -1,4 +1,5 @@
-"""The Ray executor: one actor per worker, placed together by a placement group.
+"""The Ray executor: one actor per worker, placed together by a placement group (one bundle per
+replica, so the ranks of a replica group share a node).
 
 It attaches to a running Ray cluster when `ray.is_initialized()` or `RAY_ADDRESS` says there is one
 (the multi-node case), and otherwise starts a local one that it also stops. Call arguments and
@@ -101,22 +102,28 @@ class RayExecutor(Executor):
                 ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
                 hold.started_ray = True
         threads = bootstrap.threads
-        bundle = {"CPU": threads} | ({"GPU": 1} if config.device.startswith("cuda") else {})
-        hold.placement_group = placement_group([bundle] * self.num_workers, strategy=config.ray_placement_strategy)
+        gpus = 1 if config.device.startswith("cuda") else 0
+        # One bundle per replica, holding all its ranks: a bundle lies on one node, so a group's
+        # ranks are placed together (STRICT_PACK inside it); the strategy places the replicas.
+        ranks = self.layout.ranks_per_replica
+        bundle = {"CPU": threads * ranks} | ({"GPU": gpus * ranks} if gpus else {})
+        hold.placement_group = placement_group([bundle] * self.num_replicas, strategy=config.ray_placement_strategy)
         try:
             ray.get(hold.placement_group.ready(), timeout=config.startup_timeout_s)
         except ray.exceptions.GetTimeoutError:
             raise RuntimeError(
-                f"Ray could not place {self.num_workers} workers of {bundle} within {config.startup_timeout_s}s "
-                f"(strategy {config.ray_placement_strategy}); cluster resources: {ray.cluster_resources()}"
+                f"Ray could not place {self.num_replicas} replicas of {bundle} ({ranks} workers each) within "
+                f"{config.startup_timeout_s}s (strategy {config.ray_placement_strategy}); cluster resources: "
+                f"{ray.cluster_resources()}"
             ) from None
         actor_cls = ray.remote(RayWorkerHost)
         hold.actors += [
             actor_cls.options(
                 num_cpus=threads,
-                num_gpus=bundle.get("GPU", 0),
+                num_gpus=gpus,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=hold.placement_group, placement_group_bundle_index=rank
+                    placement_group=hold.placement_group,
+                    placement_group_bundle_index=self.layout.replica_of(rank),
                 ),
             ).remote(bootstrap, rank)
             for rank in range(self.num_workers)

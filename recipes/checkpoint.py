@@ -5,7 +5,8 @@ A checkpoint is one folder `output_dir/checkpoints/step-000010/` (10: the steps 
 state_dict; the recipes have no LR schedule, so that is all the optimizer state there is),
 `rng.pt` (the states of every generator the loop draws from) and `state.json` (the step, the
 weight version of the last push, the metrics so far, the eval reward at the start, the training
-time so far and the config the run had).
+time so far and the config the run had); a DiffusionNFT run adds `old_policy/` (its old adapter
+and the optimizer steps its EMA schedule has counted, as `OldPolicy.save` writes them).
 
 Why one folder per checkpoint, published by a rename: a checkpoint is written whole into a hidden
 sibling (`.step-000010.partial`), every file and the folder are fsynced, and only then is it
@@ -29,11 +30,13 @@ from typing import Any
 import torch
 
 from trainers_adapters.lora_policy import LoraPolicy
+from trainers_adapters.old_policy import OldPolicy
 
 logger = logging.getLogger(__name__)
 
 CHECKPOINTS = "checkpoints"  # the folder under output_dir
 STATE_FILE = "state.json"  # written last; a folder without it is not a checkpoint
+OLD_POLICY = "old_policy"  # a decoupled algorithm's old adapter (DiffusionNFT)
 _STEP_FOLDER = re.compile(r"step-(\d{6,})")
 FORMAT = 1
 
@@ -79,10 +82,16 @@ def checkpoint_folder(output_dir: str | Path, step: int) -> Path:
 
 
 def write_checkpoint(
-    output_dir: str | Path, state: TrainingState, policy: LoraPolicy, optimizer: torch.optim.Optimizer, keep: int = 1
+    output_dir: str | Path,
+    state: TrainingState,
+    policy: LoraPolicy,
+    optimizer: torch.optim.Optimizer,
+    keep: int = 1,
+    old_policy: OldPolicy | None = None,
 ) -> Path:
-    """Write `state`, the policy's adapter and the optimizer's state as the checkpoint of
-    `state.step`, atomically (see the module docstring), then delete all but the latest `keep`."""
+    """Write `state`, the policy's adapter, the optimizer's state (and the old policy, if any) as
+    the checkpoint of `state.step`, atomically (see the module docstring), then delete all but the
+    latest `keep`."""
     parent = Path(output_dir) / CHECKPOINTS
     parent.mkdir(parents=True, exist_ok=True)
     for leftover in parent.glob(".step-*"):  # a write or replace that a crash interrupted
@@ -92,6 +101,8 @@ def write_checkpoint(
     partial.mkdir()
     policy.save(partial / "lora")
     torch.save(optimizer.state_dict(), partial / "optimizer.pt")
+    if old_policy is not None:
+        old_policy.save(partial / OLD_POLICY)
     torch.save(state.rng, partial / "rng.pt")
     saved = {key: value for key, value in asdict(state).items() if key != "rng"}
     (partial / STATE_FILE).write_text(json.dumps({"format": FORMAT, **saved}, indent=1) + "\n")

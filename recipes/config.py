@@ -47,7 +47,12 @@ logger = logging.getLogger(__name__)
 
 # Recipe name (the YAML's `recipe:`) -> module defining `Config` (a RecipeConfig) and `run(config)`.
 # Modules are imported only when their recipe is used or listed.
-RECIPES: dict[str, str] = {"rollout": "recipes.rollout", "grpo": "recipes.grpo", "dpo": "recipes.dpo"}
+RECIPES: dict[str, str] = {
+    "rollout": "recipes.rollout",
+    "grpo": "recipes.grpo",
+    "dpo": "recipes.dpo",
+    "nft": "recipes.nft",
+}
 
 TINY_MODEL = "tiny"
 
@@ -109,6 +114,7 @@ class EngineSection:
     # YAML can name an executor or extension class only by its dotted path, hence `str` here.
     executor: str = setting_of(EngineConfig, "executor")
     num_workers: int = setting_of(EngineConfig, "num_workers")
+    sequence_parallel: int = setting_of(EngineConfig, "sequence_parallel")
     device: str = setting_of(EngineConfig, "device")
     dtype: str = setting_of(EngineConfig, "dtype")
     max_batch_size: int = setting_of(EngineConfig, "max_batch_size")

@@ -14,7 +14,7 @@ SOURCES = ("shapes",)
 
 @dataclass(kw_only=True)
 class InputImagesSection:
-    """The input images of an edit recipe's prompts (an edit family's model: flux_kontext)."""
+    """The input images of an edit recipe's prompts (an edit family's model: flux_kontext, flux2_klein)."""
 
     source: str | None = option(
         None, "null: text-only prompts; shapes: each prompt edits its own generated image of a coloured shape"

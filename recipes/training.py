@@ -15,6 +15,10 @@ With `checkpoint_every`, also `checkpoints/step-NNNNNN/` (see `recipes.checkpoin
 `resume` continues the run as if it had not stopped: the rollout seeds and the SDE window are
 derived from the seed and the step, and every generator the loop draws from (prompt order,
 minibatch order, torch's global one) is restored.
+
+A decoupled algorithm (DiffusionNFT) passes `old_policy`: the rollouts then sample with that
+second adapter, which the engine holds next to the policy's (both pushed after every update),
+and checkpoints carry it.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import torch
 from tqdm import tqdm
 
 from recipes.checkpoint import (
+    OLD_POLICY,
     TrainingState,
     drop_later_checkpoints,
     read_resumable,
@@ -50,6 +55,7 @@ from rollout import SamplingParams
 from rollout.rescoring import RATIO_TOLERANCE  # the contract the first update's |log ratio| meets
 from rollout.seeding import derive_seed
 from trainers_adapters.lora_policy import LoraPolicy
+from trainers_adapters.old_policy import OldPolicy
 from trainers_adapters.reward_runner import RewardRunner
 from trainers_adapters.reward_spec import reward_label, reward_problems
 from trainers_adapters.reward_worker_pool import open_reward_runner
@@ -249,9 +255,15 @@ def slide_window(params: SamplingParams, window_range: tuple[int, int], rng: ran
 UpdateFn = Callable[[LoraPolicy, torch.optim.Optimizer, RewardedRollout, torch.Generator], Any]
 
 
-def train(config: TrainingConfig, update: UpdateFn, postfix: Callable[[Any], dict]) -> dict:
+def train(
+    config: TrainingConfig,
+    update: UpdateFn,
+    postfix: Callable[[Any], dict],
+    old_policy: Callable[[LoraPolicy], OldPolicy] | None = None,
+) -> dict:
     """Run the training loop; returns the summary written to summary.json. `postfix` picks the
-    update statistics shown in the progress bar."""
+    update statistics shown in the progress bar. `old_policy(policy)`, if given, makes the adapter
+    the rollouts sample with instead of the policy's own (the evals still show the policy)."""
     prompts = config.all_prompts()
     output_dir = Path(config.output_dir)
     resumed_from = resume_folder(config.resume, output_dir)
@@ -268,10 +280,11 @@ def train(config: TrainingConfig, update: UpdateFn, postfix: Callable[[Any], dic
         device=config.engine.device,
         dtype=getattr(torch, config.engine.dtype),
     )
+    old = old_policy(policy) if old_policy is not None else None
     optimizer = torch.optim.AdamW(
         policy.parameters(), lr=config.optimizer.learning_rate, weight_decay=config.optimizer.weight_decay
     )
-    params = dataclasses.replace(config.sampling, lora=POLICY_ADAPTER)
+    params = dataclasses.replace(config.sampling, lora=POLICY_ADAPTER if old is None else old.name)
     prompt_order = PromptOrder(prompts, config.seed)
     edit_images = config.input_images.for_prompts(prompts)  # prompt -> its input images, or None
     history: list[dict] = []
@@ -279,6 +292,8 @@ def train(config: TrainingConfig, update: UpdateFn, postfix: Callable[[Any], dic
     if resumed is not None:
         state, optimizer_state = resumed
         policy.load(resumed_from / "lora")
+        if old is not None:
+            old.load(resumed_from / OLD_POLICY)
         optimizer.load_state_dict(optimizer_state)
         history, first_step, train_s_before = state.history, state.step, state.train_s
         drop_later_checkpoints(output_dir, state.step)
@@ -291,7 +306,7 @@ def train(config: TrainingConfig, update: UpdateFn, postfix: Callable[[Any], dic
     ):
         # A resumed run re-pushes its adapter with the checkpoint's version, so the numbering (and
         # the check that samples carry the version last pushed) goes on, on a fresh server as on the same.
-        version = policy.push(engine, version=None if resumed is None else resumed[0].weight_version)
+        version = _push(engine, policy, old, version=None if resumed is None else resumed[0].weight_version)
         if resumed is None:
             eval_start = _eval_samples(engine, config, prompts, rewards, edit_images)
             samples_start = save_samples(eval_start.outputs, config.grid_scale, output_dir / "samples_start")
@@ -317,7 +332,7 @@ def train(config: TrainingConfig, update: UpdateFn, postfix: Callable[[Any], dic
             stats = update(policy, optimizer, rollout, generator)
             update_s = time.perf_counter() - update_started
             push_started = time.perf_counter()
-            new_version = policy.push(engine)
+            new_version = _push(engine, policy, old)
             if new_version <= version:
                 raise RuntimeError(f"step {step}: the push returned weight version {new_version}, not above {version}")
             version = new_version
@@ -338,7 +353,7 @@ def train(config: TrainingConfig, update: UpdateFn, postfix: Callable[[Any], dic
                     config=to_dict(config),
                     rng=rng_state(prompt_order, generator),
                 )
-                write_checkpoint(output_dir, state, policy, optimizer, config.keep_checkpoints)
+                write_checkpoint(output_dir, state, policy, optimizer, config.keep_checkpoints, old_policy=old)
         eval_end = _eval_samples(engine, config, prompts, rewards, edit_images)
         # After `steps` updates: the x position that follows the last step's scalars.
         samples_end = save_samples(eval_end.outputs, config.grid_scale, output_dir / "samples_end")
@@ -363,6 +378,15 @@ def train(config: TrainingConfig, update: UpdateFn, postfix: Callable[[Any], dic
         output_dir,
     )
     return summary
+
+
+def _push(engine, policy: LoraPolicy, old: OldPolicy | None, version: int | None = None) -> int:
+    """Push the policy's adapter (then the old policy's, when there is one); returns the weight
+    version the next samples carry (`version`: a resumed run's)."""
+    if old is None:
+        return policy.push(engine, version=version)
+    policy.push(engine)
+    return old.push(engine, version=version)
 
 
 def _eval_samples(

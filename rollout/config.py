@@ -37,7 +37,15 @@ class EngineConfig:
         "where the workers run: 'uni' (in this process), 'mp' (worker processes), 'ray' (Ray actors), or the "
         "dotted path 'pkg.module.MyExecutor' of an executors.Executor subclass (in Python also the class)",
     )
-    num_workers: int = setting(1, "model replicas (data parallel); 'uni' runs exactly one")
+    num_workers: int = setting(
+        1,
+        "worker ranks: replicas (data parallel) x ranks per replica (sequence_parallel); 'uni' runs exactly one",
+    )
+    sequence_parallel: int = setting(
+        1,
+        "ranks per replica that share one sample's forward (Ulysses sequence parallel, through diffusers' context "
+        "parallelism: FLUX.1, FLUX.2, Qwen-Image, Wan); num_workers must be a multiple of it ('mp', 'ray')",
+    )
     worker_extension_cls: str | type | None = setting(
         None,
         "dotted path (in Python also the class) of a class whose methods become worker functions, callable by "
@@ -82,6 +90,16 @@ class EngineConfig:
         return cls(**settings)
 
     @property
+    def ranks_per_replica(self) -> int:
+        """Worker ranks that run one replica's batches together (one sample's forward spans them)."""
+        return self.sequence_parallel
+
+    @property
+    def num_replicas(self) -> int:
+        """Replica groups the scheduler balances batches over: `num_workers // ranks_per_replica`."""
+        return self.num_workers // self.ranks_per_replica
+
+    @property
     def torch_dtype(self) -> torch.dtype:
         return _DTYPES[self.dtype]
 
@@ -101,6 +119,15 @@ def value_problems(config: Any) -> list[str]:
         problems.append(f"dtype must be one of {sorted(_DTYPES)}, got {config.dtype!r}")
     if not isinstance(config.num_workers, int) or config.num_workers < 1:
         problems.append(f"num_workers must be an integer >= 1, got {config.num_workers!r}")
+    if not isinstance(config.sequence_parallel, int) or config.sequence_parallel < 1:
+        problems.append(f"sequence_parallel must be an integer >= 1, got {config.sequence_parallel!r}")
+    elif isinstance(config.num_workers, int) and config.num_workers % config.sequence_parallel:
+        degree = config.sequence_parallel
+        problems.append(
+            f"num_workers={config.num_workers} is not replicas x ranks per replica: each replica spans "
+            f"sequence_parallel={degree} ranks, so num_workers must be a multiple of {degree} "
+            f"(e.g. {degree} for one replica, {2 * degree} for two)"
+        )
     if config.merge_lora not in MERGE_LORA_CHOICES:
         problems.append(f"merge_lora must be one of {', '.join(MERGE_LORA_CHOICES)}, got {config.merge_lora!r}")
     if not isinstance(config.max_batch_size, int) or config.max_batch_size < 1:

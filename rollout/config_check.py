@@ -8,8 +8,10 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from executors import Executor, get_executor_class
+from executors.base import writes_transport
 from rollout.config import EngineConfig, value_problems
 from rollout.pipelines.loading import read_model_index
+from rollout.sequence_parallel import plan_problems
 from rollout.worker import build_worker_class
 
 
@@ -18,7 +20,7 @@ def check_engine_config(config: EngineConfig) -> type[Executor]:
     engine from starting with it."""
     problems = []
     try:
-        read_model_index(config.model)
+        problems += plan_problems(read_model_index(config.model), config.sequence_parallel)
     except ValueError as error:
         problems.append(str(error))
     executor_cls, class_problems = _resolve_classes(config)
@@ -50,7 +52,23 @@ def _resolve_classes(config) -> tuple[type[Executor] | None, list[str]]:
         problems.append(str(error))
     if executor_cls is not None:
         problems += executor_cls.config_problems(config)
+        degree = config.sequence_parallel
+        if isinstance(degree, int) and degree > 1 and not _transport_of(executor_cls):
+            problems.append(
+                f"executor {executor_cls.__qualname__} runs its own workers (it defines _execute), so it cannot "
+                f"run replica groups of sequence_parallel={degree} ranks; write its transport "
+                "(see executors.base.Executor) or use executor='mp' or 'ray'"
+            )
     return executor_cls, problems
+
+
+def _transport_of(executor_cls: type[Executor]) -> bool:
+    """Whether the executor writes the base's transport (True where it defines neither form: the
+    executor's start reports that)."""
+    try:
+        return writes_transport(executor_cls)
+    except TypeError:
+        return True
 
 
 def _defaults() -> dict:

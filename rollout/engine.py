@@ -62,12 +62,13 @@ class RolloutEngine:
         # A trainer passes the same params for every prompt and group: resolving them once each
         # halves what add_request costs (SamplingParams is frozen and hashable).
         self._resolve = functools.lru_cache(maxsize=256)(self.model_spec.resolve)
-        self.scheduler = Scheduler(num_ranks=config.num_workers, max_batch_size=config.max_batch_size)
+        # Batches go to replicas: a replica of several ranks (sequence parallel) runs each as one.
+        self.scheduler = Scheduler(num_ranks=config.num_replicas, max_batch_size=config.max_batch_size)
         self._request_counter = itertools.count()
         self._closed = False
         self._dead: EngineDeadError | None = None
         self._stashed_outputs: list[RolloutOutput] = []  # finished while an update waited for them
-        self._received_conditions = ReceivedConditions(config.num_workers)
+        self._received_conditions = ReceivedConditions(config.num_replicas)
         self._conditions = SharedConditions()
         self._tree_parts = SharedTreeParts()
         self._tree_ids = itertools.count()
@@ -186,6 +187,8 @@ class RolloutEngine:
         if images is not None and not isinstance(images, InputImages):
             images = InputImages.of(images)
         params = self._check_request(prompt, params, images)
+        if images is not None and params.auto_resize is not None:  # the encoding it asks for
+            images = images.encoded_with(auto_resize=params.auto_resize)
         if request_id is not None and "." in request_id:
             raise ValueError(f"request_id {request_id!r} holds '.', which names tree branches; pass one without")
         group_id = request_id if request_id is not None else f"req{next(self._request_counter)}"
@@ -482,7 +485,7 @@ class RolloutEngine:
 
             image_problems = [f"{image_problems[0]} (families that take images: {edit_families_help()})"]
         if images is not None and not image_problems and (params.height is None or params.width is None):
-            height, width = spec.edit_size(*images.sizes[0])
+            height, width = spec.edit_size(*images.sizes[0], auto_resize=spec.auto_resizes(params))
             params = dataclasses.replace(
                 params,
                 height=params.height if params.height is not None else height,

@@ -55,42 +55,60 @@ def frame_pieces(
 
 
 class FrameAssembler:
-    """Cuts a byte stream into frames as it arrives: each frame's bytes are copied once, into a
-    buffer of its own (`frame_buffer`; see `tensors_from_buffer`). `feed(chunk)` yields each frame completed;
-    `close()` raises if the stream ended inside one. A frame longer than `max_frame_bytes` is a
-    `FrameTooLarge` as soon as its length arrives."""
+    """Cuts a byte stream into frames as it arrives, each into a buffer of its own (`frame_buffer`;
+    see `tensors_from_buffer`), in either of two ways: `feed(chunk)` copies the bytes of a chunk
+    and yields each frame completed; or a reader writes the bytes in place, into `get_buffer()`
+    (a socket's `recv_into`: no copy of its own), and `buffer_updated(n)` returns the frame they
+    complete, if any. `close()` raises if the stream ended inside a frame. A frame longer than
+    `max_frame_bytes` is a `FrameTooLarge` as soon as its length arrives."""
 
     def __init__(self, max_frame_bytes: int):
         self.max_frame_bytes = max_frame_bytes
-        self._length = bytearray()  # the length of the next frame, as it arrives
+        self._length = bytearray(LENGTH.size)  # the length of the next frame, as it arrives
         self._frame: bytearray | mmap.mmap | None = None
-        self._filled = 0
+        self._view = memoryview(self._length)  # what get_buffer() offers: the rest of either
+        self._filled = 0  # bytes of the length, or of the frame, that have arrived
 
-    def feed(self, chunk: bytes) -> Iterator[bytearray | mmap.mmap]:
+    def get_buffer(self) -> memoryview:
+        """Where the stream's next bytes go (never empty): what is missing of the next frame's
+        length, or of the frame."""
+        return self._view[self._filled :]
+
+    def buffer_updated(self, nbytes: int) -> bytearray | mmap.mmap | None:
+        """Records that `nbytes` were written at the start of `get_buffer()`; returns the frame
+        that they complete, if they complete one."""
+        self._filled += nbytes
+        if self._filled < len(self._view):
+            return None
+        if self._frame is not None:
+            return self._next_frame()
+        (length,) = LENGTH.unpack(self._length)
+        if length > self.max_frame_bytes:
+            raise FrameTooLarge(f"a frame of {length} bytes is over the limit of {self.max_frame_bytes}")
+        self._frame, self._filled = frame_buffer(length), 0
+        self._view = memoryview(self._frame)
+        return self._next_frame() if length == 0 else None
+
+    def _next_frame(self) -> bytearray | mmap.mmap:
+        done, self._frame, self._filled = self._frame, None, 0
+        self._view.release()  # a view left open would keep an mmap from being closed
+        self._view = memoryview(self._length)
+        return done
+
+    def feed(self, chunk) -> Iterator[bytearray | mmap.mmap]:
         view = memoryview(chunk)
-        while view or (self._frame is not None and self._filled == len(self._frame)):
-            if self._frame is None:
-                taken = LENGTH.size - len(self._length)
-                self._length += view[:taken]
-                view = view[taken:]
-                if len(self._length) < LENGTH.size:
-                    return
-                (length,) = LENGTH.unpack(self._length)
-                self._length.clear()
-                if length > self.max_frame_bytes:
-                    raise FrameTooLarge(f"a frame of {length} bytes is over the limit of {self.max_frame_bytes}")
-                self._frame, self._filled = frame_buffer(length), 0
-            taken = min(len(view), len(self._frame) - self._filled)
-            self._frame[self._filled : self._filled + taken] = view[:taken]
-            self._filled += taken
+        while view:
+            target = self.get_buffer()
+            taken = min(len(view), len(target))
+            target[:taken] = view[:taken]
             view = view[taken:]
-            if self._filled == len(self._frame):
-                done, self._frame = self._frame, None
+            done = self.buffer_updated(taken)
+            if done is not None:
                 yield done
 
     def close(self) -> None:
-        if self._length or self._frame is not None:
-            held = len(self._length) + self._filled
+        if self._filled or self._frame is not None:
+            held = self._filled + (LENGTH.size if self._frame is not None else 0)
             raise WireError(f"the stream ended inside a frame ({held} bytes of it arrived)")
 
 

@@ -22,7 +22,11 @@ class InputImages(Sequence):
     (a sequence of them, so it is itself what `images=` takes)."""
 
     tensors: tuple[torch.Tensor, ...]
-    digest: str  # SHA-256 over every image's shape and bytes: equal digests, equal images
+    # SHA-256 over every image's shape and bytes, and `encoding`: equal digests, equal encodings.
+    digest: str
+    # The request's settings that change how its family encodes these images (FLUX.1 Kontext's
+    # auto_resize), as (name, value) pairs, so that the encoding's caches and batches tell them apart.
+    encoding: tuple[tuple[str, object], ...] = ()
 
     @classmethod
     def of(cls, images: Sequence, where: str = "images") -> InputImages:
@@ -43,6 +47,18 @@ class InputImages(Sequence):
             digest.update(repr(tuple(tensor.shape)).encode())
             digest.update(tensor.numpy().tobytes())
         return cls(tensors, digest.hexdigest())
+
+    def encoded_with(self, **settings) -> InputImages:
+        """The same images, to be encoded with these settings (read by the family's encoder)."""
+        encoding = tuple(sorted(settings.items()))
+        if encoding == self.encoding:
+            return self
+        digest = hashlib.sha256(f"{self.digest}|{encoding!r}".encode()).hexdigest()
+        return InputImages(self.tensors, digest, encoding)
+
+    def setting(self, name: str, default):
+        """One of the `encoding` settings, or `default` where the request gave none."""
+        return dict(self.encoding).get(name, default)
 
     def __len__(self) -> int:
         return len(self.tensors)

@@ -147,9 +147,9 @@ class Request(NamedByNode):
     @property
     def batch_key(self) -> tuple:
         """Requests with equal keys can share one forward pass (same latent and text shapes, same
-        adapter, input images of the same sizes: their encoded tokens stack)."""
+        adapter, input images of the same sizes encoded alike: their encoded tokens stack)."""
         p = self.params
-        images = None if self.images is None else self.images.sizes
+        images = None if self.images is None else (self.images.sizes, self.images.encoding)
         return (p.height, p.width, p.num_frames, p.max_sequence_length, p.lora, p.lora_scale, images)
 
     def new_request_data(self) -> NewRequestData:

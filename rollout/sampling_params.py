@@ -55,6 +55,13 @@ class SamplingParams:
     negative_prompt: str | None = setting(
         None, "text of the unconditional branch of classifier-free guidance; None: SD3 uses ''"
     )
+    auto_resize: bool | None = setting(
+        None,
+        "FLUX.1 Kontext: its pipeline's _auto_resize: the input image is resized to the nearest (by aspect ratio) of "
+        "the pipeline's PREFERRED_KONTEXT_RESOLUTIONS, about a megapixel, before it is encoded, and an edit that sets "
+        "no size is made at that size; false encodes it at its own size; None takes the pipeline's default (true); "
+        "refused by the other families",
+    )
     height: int | None = setting(None, "image height in pixels; None takes the model's default")
     width: int | None = setting(None, "image width in pixels; None takes the model's default")
     max_sequence_length: int | None = setting(
@@ -167,6 +174,8 @@ class SamplingParams:
                 problems.append(f"{name} must be a positive integer or None, got {value!r}")
         if self.seed is not None and not _is_int(self.seed):
             problems.append(f"seed must be an integer or None, got {self.seed!r}")
+        if self.auto_resize is not None and not isinstance(self.auto_resize, bool):
+            problems.append(f"auto_resize must be true, false or None, got {self.auto_resize!r}")
         for name in ("same_noise_in_group", "return_trajectory"):
             if not isinstance(getattr(self, name), bool):
                 problems.append(f"{name} must be true or false, got {getattr(self, name)!r}")

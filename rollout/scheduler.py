@@ -44,7 +44,9 @@ class SchedulerOutput:
 
 class Scheduler:
     """Owns the unfinished requests (the request table) and decides each step's work; each rank
-    steps at most `max_batch_size` at a time.
+    steps at most `max_batch_size` at a time. A rank here is a replica: with sequence parallel, one
+    replica spans several worker ranks, which the executor gives the same work (`num_ranks` is
+    `EngineConfig.num_replicas`).
 
     A request that reaches a branch step is replaced by its children on its rank (the worker holds
     its latents). Admission reserves a request's leaves, so a rank takes a tree only when its

@@ -16,8 +16,9 @@ class StepReport:
     name: str  # "step", or the worker function's name
     wall_s: float  # the engine's whole call: scheduling, the executor, making the outputs
     execute_s: float  # the executor call alone (for "rpc": the same as wall_s)
-    # Per rank, in rank order ("step" only; empty for "rpc"): seconds inside the worker's step
-    # (0 for a rank with nothing to do), rows through the transformer and seconds in its forwards.
+    # Per replica, in replica order (a rank each, unless sequence parallel groups ranks: then the
+    # group's first rank's; "step" only; empty for "rpc"): seconds inside the worker's step (0 for
+    # a replica with nothing to do), rows through the transformer and seconds in its forwards.
     compute_s: tuple[float, ...] = ()
     transformer_rows: tuple[int, ...] = ()
     transformer_s: tuple[float, ...] = ()

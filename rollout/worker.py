@@ -23,6 +23,7 @@ from rollout.pipelines.spec import ModelSpec
 from rollout.regular_files import check_regular
 from rollout.scheduler import WorkerInput
 from rollout.sent_conditions import SentConditions
+from rollout.sequence_parallel import GroupMember, enable_sequence_parallel, join_group
 from rollout.sleep import Sleeper
 from rollout.weights import StagedUpdates, TensorSpec, base_state, checksum, specs_of
 
@@ -30,10 +31,18 @@ logger = logging.getLogger(__name__)
 
 
 class Worker:
-    def __init__(self, config: EngineConfig, rank: int):
+    """`group`: this rank's place in its replica group when a replica spans several ranks
+    (sequence parallel); every rank of the group runs the same steps, and only the group's
+    first rank hands back their outputs."""
+
+    def __init__(self, config: EngineConfig, rank: int, group: GroupMember | None = None):
         self.config = config
         self.rank = rank
+        self.group = group
         self.adapter = load_adapter(config.model, config.device, config.torch_dtype)
+        if group is not None:
+            join_group(group, config.device)
+            enable_sequence_parallel(self.adapter.denoisers, group.size, type(self.adapter.pipeline).__name__)
         self.loras = LoraManager(self.adapter.denoisers, merge=config.merges_lora)
         self.runner = ModelRunner(self.adapter, self.loras)
         self.requests: dict[str, RequestState] = {}
@@ -65,6 +74,13 @@ class Worker:
         done = [s for s in batch if s.done and s.data.request_id not in failed]
         for state in done:
             del self.requests[state.data.request_id]
+        if self.group is not None and not self.group.replies:
+            # The group's first rank decodes and hands back what this step finished; this rank
+            # only keeps its requests' state in step with it.
+            for request_id in failed:
+                self.requests.pop(request_id, None)
+            self.adapter.forwards.take()
+            return RunnerOutput(failed=failed, compute_s=time.perf_counter() - start)
         finished, decode_failed = self.runner.finish(done, self.sent_conditions)
         failed |= decode_failed
         for request_id in failed:
@@ -246,6 +262,7 @@ _WORKER_ATTRIBUTES = {
     "sleeper",
     "loras",
     "broadcast_group",
+    "group",
 }
 
 

@@ -16,6 +16,10 @@ from rollout.pipelines.families import FAMILIES as DESCRIPTORS
 
 TINY_SIZE = {"height": 32, "width": 32}  # every tiny pipeline's images (and video frames)
 TINY_NUM_FRAMES = 9  # a tiny video: 5 latent frames (the tiny VAE halves time after the first frame)
+# An edit family's tiny input images: a square one, and one of another shape (batched apart).
+# Flux2KleinPipeline refuses images under 64 pixels on a side (Flux2ImageProcessor.check_image_input).
+EDIT_SIZES = {"flux2_klein": [(64, 64), (64, 96)]}
+DEFAULT_EDIT_SIZES = [(32, 32), (24, 40)]
 
 
 @dataclass(frozen=True)
@@ -46,8 +50,12 @@ class Family:
 
     @property
     def extra(self) -> dict:
-        """SamplingParams fields every request sets (frames of a video)."""
-        return {"num_frames": TINY_NUM_FRAMES} if self.descriptor.video else {}
+        """SamplingParams fields every request sets: frames of a video; FLUX.1 Kontext's edits encode
+        their tiny images at their own size (its pipeline's default resize to about a megapixel
+        would make each forward attend over ~66k image tokens)."""
+        if self.descriptor.video:
+            return {"num_frames": TINY_NUM_FRAMES}
+        return {"auto_resize": False} if self.name == "flux_kontext" else {}
 
     @property
     def edits(self) -> bool:
@@ -58,26 +66,35 @@ class Family:
         fields = {**TINY_SIZE, **self.extra, **(self.cfg if cfg else self.no_cfg), **kwargs}
         return SamplingParams(**fields)
 
+    @property
+    def edit_sizes(self) -> list[tuple[int, int]]:
+        """(height, width) of an edit family's tiny input images: a square and another shape."""
+        return EDIT_SIZES.get(self.name, DEFAULT_EDIT_SIZES)
+
     def inputs(self, num_prompts: int = 1, sizes: list[tuple[int, int]] | None = None) -> dict:
         """`generate`'s keyword arguments beside prompts and params: for an edit family, one tiny
-        input image per prompt (`input_image(i)`, 32x32 unless `sizes` says), else nothing."""
+        input image per prompt (`input_image(i)`, of the family's square edit size unless `sizes`
+        says), else nothing."""
         if not self.edits:
             return {}
-        sizes = sizes or [(32, 32)] * num_prompts
+        sizes = sizes or [self.edit_sizes[0]] * num_prompts
         return {"images": [[input_image(i, *size)] for i, size in enumerate(sizes)]}
 
     def pipeline_inputs(self, images: dict | None = None, height: int = 32, width: int = 32, prompt: int = 0) -> dict:
-        """The edit pipeline's arguments beside the prompt for an output of `height` x `width`
-        (`max_area` keeps FluxKontextPipeline from rescaling it to a megapixel) and prompt
-        `prompt`'s images of `inputs()` (encoded at their own size: no resize to Kontext's
-        preferred sizes); nothing for a text-to-image family."""
+        """The edit pipeline's arguments beside the prompt for an output of `height` x `width` and
+        prompt `prompt`'s images of `inputs()`; nothing for a text-to-image family. For
+        FluxKontextPipeline, `max_area` keeps it from rescaling the output to a megapixel and
+        `_auto_resize=False` encodes the image at its own size, as the tiny requests ask."""
         if not self.edits:
             return {}
         from rollout.input_images import InputImages
 
+        pil = InputImages.of(images["images"][prompt]).pil() if images else None
+        if self.name == "flux2_klein":
+            return {} if pil is None else {"image": pil}
         call = {"max_area": height * width}
-        if images:
-            (image,) = InputImages.of(images["images"][prompt]).pil()
+        if pil is not None:
+            (image,) = pil
             call |= {"image": image, "_auto_resize": False}
         return call
 

@@ -15,6 +15,7 @@ import torch
 from rollout.settings import setting
 from trainers_adapters.dpo import dpo_loss, flow_matching_error, preference_pairs
 from trainers_adapters.lora_policy import LoraPolicy
+from trainers_adapters.micro_batches import micro_batches
 from trainers_adapters.optim import check_finite_loss, clip_and_step
 from trainers_adapters.rewarded_rollout import RewardedRollout
 
@@ -61,8 +62,8 @@ def dpo_step(
         return DPOStepStats(loss=0.0, accuracy=0.0, num_pairs=0, reward_margin=0.0, grad_norm=0.0)
     optimizer.zero_grad(set_to_none=True)
     total_loss = correct = 0.0
-    for start in range(0, len(pairs), settings.micro_batch_size):
-        chunk = pairs[start : start + settings.micro_batch_size]
+    # A pair shares its group's settings; pairs of groups of other sizes go in other forwards.
+    for chunk in micro_batches(pairs, lambda pair: rollout.outputs[pair[0]].trajectory, settings.micro_batch_size):
         loss, favoured = _chunk_loss(policy, rollout, chunk, settings.beta, generator)
         value = loss.item()
         check_finite_loss(value, optimizer, f"DPO pairs (winner, loser) {chunk[:6]}")

@@ -23,6 +23,7 @@ from rollout.rescoring import RATIO_TOLERANCE
 from rollout.settings import setting
 from trainers_adapters.grpo import KL_FORMS, grpo_policy_loss, kl_to_reference
 from trainers_adapters.lora_policy import LoraPolicy
+from trainers_adapters.micro_batches import micro_batches
 from trainers_adapters.optim import check_finite_loss, clip_and_step
 from trainers_adapters.rewarded_rollout import RewardedRollout
 from trainers_adapters.tree import RolloutTree, build_tree, tree_advantages
@@ -144,8 +145,8 @@ def grpo_step(
     grad_norm = 0.0
     for number, minibatch in enumerate(m for m in minibatches if m):
         optimizer.zero_grad(set_to_none=True)
-        for start in range(0, len(minibatch), settings.micro_batch_size):
-            chunk = [transitions[i] for i in minibatch[start : start + settings.micro_batch_size]]
+        chosen = [transitions[i] for i in minibatch]
+        for chunk in micro_batches(chosen, lambda t: rollout.outputs[t[0]].trajectory, settings.micro_batch_size):
             loss, parts, abs_log_ratio = _chunk_loss(policy, rollout, chunk, settings)
             check_finite_loss(parts["loss"], optimizer, _describe(chunk, parts))
             (loss * len(chunk) / len(minibatch)).backward()

@@ -1,4 +1,5 @@
-"""FLUX.2 [klein] (`Flux2KleinPipeline`), text-to-image: the 4B and 9B models, base and distilled.
+"""FLUX.2 [klein] (`Flux2KleinPipeline`): the 4B and 9B models, base and distilled; text-to-image,
+and edits from reference images.
 
 Latents are the VAE's latents patchified 2x2 into channels, [C*4, h/2, w/2] (C = 32 for FLUX.2's
 VAE), the form `Flux2KleinPipeline` takes as `latents=`; each forward packs them into h/2 * w/2
@@ -13,8 +14,14 @@ empty negative prompt "" unless a request names one (the pipeline's `negative_pr
 step-distilled model ignores `guidance_scale`, so this adapter takes no guidance field for it and
 refuses one.
 
-Reference images (the pipeline's `image=`) are not taken yet; `_model_inputs` is where their packed
-latents and position ids would join the noisy tokens (see its comment).
+Reference images (the pipeline's `image=`, 0 to 4 per request) are encoded as
+`Flux2KleinPipeline.__call__` step 4 and `prepare_image_latents` encode them: an image above a
+megapixel is first resized to one (keeping its aspect), each side is cropped down to a multiple of 2x
+the VAE's scale, the VAE's mode is patchified 2x2 and normalised by the VAE's batch-norm statistics,
+and the tokens of every image, in order, go after the noisy tokens in every forward (the
+unconditional pass of CFG's too), at position ids (t, h, w, 0) with t = 10 for the first image, 20
+for the second, ... (the noisy tokens' t is 0); the prediction is read off the noisy tokens. An edit
+that sets no size is made at its first image's size as the pipeline rounds it (`ModelSpec.edit_size`).
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from rollout.input_images import InputImages
 from rollout.pipelines.adapter import PipelineAdapter, images_to_uint8
 from rollout.pipelines.condition import PromptEmbeds
 from rollout.pipelines.family import Family
@@ -36,6 +44,27 @@ class Flux2KleinEmbeds(PromptEmbeds):
     The text position ids FLUX.2 also takes follow from L, made per forward pass."""
 
     prompt_embeds: torch.Tensor
+
+
+@dataclass
+class Flux2KleinImages(PromptEmbeds):
+    """latents: [N, C*4] the reference images' tokens (patchified, batch-normalised VAE latents, the
+    images' tokens one after the other: N = the sum of their latent grids); ids: [N, 4] their
+    position ids (t, h, w, l), int64, t = 10 * (1 + the image's index)."""
+
+    latents: torch.Tensor
+    ids: torch.Tensor
+
+
+# Flux2KleinPipeline.__call__ step 4 resizes a reference image above this many pixels down to it,
+# and Flux2ImageProcessor.check_image_input refuses an image smaller than 64 pixels on a side or
+# longer than 8x its other side.
+MAX_REFERENCE_AREA = 1024 * 1024
+MIN_REFERENCE_SIDE = 64
+MAX_REFERENCE_ASPECT_RATIO = 8.0
+# The pipeline takes any number; Black Forest Labs' editing guide gives FLUX.2 [klein] 4B and 9B "up
+# to 4" reference images (docs.bfl.ml/guides/prompting_editing_overview).
+MAX_REFERENCE_IMAGES = 4
 
 
 class Flux2KleinAdapter(PipelineAdapter):
@@ -79,6 +108,10 @@ class Flux2KleinAdapter(PipelineAdapter):
             guidance_defaults={} if distilled else {"guidance_scale": 4.0},  # the pipeline's default
             cfg_field=None if distilled else "guidance_scale",
             default_negative_prompt=None if distilled else "",
+            max_input_images=MAX_REFERENCE_IMAGES,
+            min_input_image_side=MIN_REFERENCE_SIDE,
+            max_input_image_aspect_ratio=MAX_REFERENCE_ASPECT_RATIO,
+            max_input_image_area=MAX_REFERENCE_AREA,
         )
 
     def encode_prompt(self, text: str, max_sequence_length: int) -> Flux2KleinEmbeds:
@@ -86,6 +119,24 @@ class Flux2KleinAdapter(PipelineAdapter):
             prompt=[text], device=self.device, max_sequence_length=max_sequence_length
         )
         return Flux2KleinEmbeds(embeds[0]).to(self.device, self.dtype)
+
+    def encode_images(self, images: InputImages) -> Flux2KleinImages:
+        # Flux2KleinPipeline.__call__ step 4 and prepare_image_latents (which draws no noise: the
+        # VAE's mode), on each image in order.
+        pipeline = self.pipeline
+        processor = pipeline.image_processor
+        multiple = pipeline.vae_scale_factor * 2
+        pixels = []
+        for image in images.pil():
+            processor.check_image_input(image)
+            if image.width * image.height > MAX_REFERENCE_AREA:
+                image = processor._resize_to_target_area(image, MAX_REFERENCE_AREA)
+            width, height = image.width // multiple * multiple, image.height // multiple * multiple
+            pixels.append(processor.preprocess(image, height=height, width=width, resize_mode="crop"))
+        latents, ids = pipeline.prepare_image_latents(
+            images=pixels, batch_size=1, generator=None, device=self.device, dtype=pipeline.vae.dtype
+        )
+        return Flux2KleinImages(latents[0], ids[0]).to(self.device, self.dtype)
 
     def set_timesteps(self, scheduler, num_steps: int, height: int, width: int, sigmas) -> None:
         # Imported here, once a pipeline is loaded: the pipeline's module imports transformers' image
@@ -102,10 +153,22 @@ class Flux2KleinAdapter(PipelineAdapter):
         mu = compute_empirical_mu(image_seq_len=h * w, num_steps=num_steps)
         retrieve_timesteps(scheduler, num_steps, "cpu", sigmas=sigmas, mu=mu)
 
-    def run_transformer(self, latents, sigmas, embeds: Flux2KleinEmbeds, guidance_scale, height, width):
+    def run_transformer(
+        self,
+        latents,
+        sigmas,
+        embeds: Flux2KleinEmbeds,
+        guidance_scale,
+        height,
+        width,
+        images: Flux2KleinImages | None = None,
+    ):
         # guidance_scale is CFG's (combined in predict_velocity); the transformer takes no guidance.
         batch, channels, h, w = latents.shape
         hidden_states, image_ids = self._model_inputs(latents)
+        if images is not None:  # the rows of a batch hold reference images of the same sizes
+            hidden_states = torch.cat([hidden_states, images.latents.to(hidden_states.dtype)], dim=1)
+            image_ids = torch.cat([image_ids, images.ids.to(image_ids.device)], dim=1)
         text_ids = self.pipeline._prepare_text_ids(embeds.prompt_embeds).to(latents.device)
         # The pipeline feeds the scheduler's timestep (sigma * 1000) in the latents' dtype, over 1000.
         timestep = (sigmas * self._scheduler.config.num_train_timesteps).to(latents.dtype) / 1000
@@ -123,12 +186,7 @@ class Flux2KleinAdapter(PipelineAdapter):
 
     def _model_inputs(self, latents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The noisy latents [B, C, h, w] as the transformer's tokens [B, h*w, C] and their position
-        ids [B, h*w, 4] (t, h, w, l), as `Flux2KleinPipeline.prepare_latents` makes them.
-
-        Reference images go here: the pipeline appends their packed latents after these tokens
-        (`torch.cat([latents, image_latents], dim=1)`) and their ids (`_prepare_image_ids`: t = 10,
-        20, ... per image) after these ids, and keeps only the first h*w tokens of the prediction,
-        which `run_transformer` already slices."""
+        ids [B, h*w, 4] (t, h, w, l), as `Flux2KleinPipeline.prepare_latents` makes them."""
         ids = self.pipeline._prepare_latent_ids(latents).to(latents.device)
         return self.pipeline._pack_latents(latents), ids
 
@@ -158,4 +216,5 @@ FAMILY = Family(
     # negative): 4.0 is the pipeline's default. Off: 1.0. (A distilled folder takes no guidance field.)
     cfg_on={"guidance_scale": 4.0},
     cfg_off={"guidance_scale": 1.0},
+    edits=True,
 )

@@ -6,12 +6,13 @@ concatenated after the noisy tokens in every forward pass, at position ids whose
 pass of true CFG sees the same image. Without an image the pipeline is FLUX.1's text-to-image, and
 so is a text-only request here.
 
-The input image is encoded at its own size rounded down to a multiple of 2x the VAE's scale
-(`FluxKontextPipeline(..., _auto_resize=False)`; the pipeline's default first resizes it to the
-nearest of `PREFERRED_KONTEXT_RESOLUTIONS`, about a megapixel), with the VAE's mode (no sampling).
-An edit that sets no size is made at that size (the pipeline's own default is 1024 x 1024
+As the pipeline's default (`_auto_resize=True`), the input image is first resized to the nearest,
+by aspect ratio, of `PREFERRED_KONTEXT_RESOLUTIONS` (about a megapixel); a request with
+`auto_resize=False` skips that (`_auto_resize=False`). Either way it is then rounded down to a
+multiple of 2x the VAE's scale and encoded with the VAE's mode (no sampling). An edit that sets no
+size is made at the size its image was encoded at (the pipeline's own default is 1024 x 1024
 rescaled to `max_area`): `pipeline(image=..., height=h, width=w, max_area=h * w,
-_auto_resize=False)` is the engine's edit.
+_auto_resize=auto_resize)` is the engine's edit.
 """
 
 from __future__ import annotations
@@ -41,14 +42,21 @@ class FluxKontextAdapter(FluxAdapter):
     pipeline_class = "FluxKontextPipeline"
 
     def make_spec(self) -> ModelSpec:
-        return dataclasses.replace(super().make_spec(), max_input_images=1)
+        # Imported once a pipeline is loaded, as flux.py imports the FLUX.1 pipeline's module.
+        from diffusers.pipelines.flux.pipeline_flux_kontext import PREFERRED_KONTEXT_RESOLUTIONS
+
+        preferred = tuple((height, width) for width, height in PREFERRED_KONTEXT_RESOLUTIONS)
+        return dataclasses.replace(super().make_spec(), max_input_images=1, preferred_input_sizes=preferred)
 
     def encode_images(self, images: InputImages) -> KontextImages:
-        # FluxKontextPipeline.__call__ step 3 (with _auto_resize=False) and prepare_latents.
+        # FluxKontextPipeline.__call__ step 3 and prepare_latents; the resize of _auto_resize (its
+        # default) unless the request turned it off.
         pipeline = self.pipeline
         (image,) = images.pil()
         multiple = pipeline.vae_scale_factor * 2
         height, width = pipeline.image_processor.get_default_height_width(image)
+        if images.setting("auto_resize", True):
+            height, width = self.spec.edit_size(height, width, auto_resize=True)
         height, width = height // multiple * multiple, width // multiple * multiple
         image = pipeline.image_processor.resize(image, height, width)
         pixels = pipeline.image_processor.preprocess(image, height, width).to(self.device, self.dtype)

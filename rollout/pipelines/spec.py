@@ -8,6 +8,7 @@ error, and every default a request leaves open is filled in once, here.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 from rollout.pipelines.guidance import GUIDANCE_FIELDS  # the fields whose meaning depends on the model
@@ -46,6 +47,14 @@ class ModelSpec:
         and 0 for a text-to-image family; an edit family's pipeline takes up to `max_input_images`
         as `image=`, and needs at least `min_input_images` (FLUX.1 Kontext: 0 to 1, since its
         pipeline without an image is FLUX.1's text-to-image).
+    min_input_image_side, max_input_image_aspect_ratio: the smallest side (0: the size multiple)
+        and the largest ratio of the long side to the short one an input image may have, as the
+        pipeline checks them (FLUX.2: 64 pixels and 8).
+    preferred_input_sizes: (height, width) of the sizes the pipeline resizes an input image to, the
+        nearest by aspect ratio, when a request leaves `auto_resize` on (FLUX.1 Kontext's
+        PREFERRED_KONTEXT_RESOLUTIONS); empty: the family takes no `auto_resize`.
+    max_input_image_area: an input image above this many pixels is resized down to it (keeping its
+        aspect) before it is encoded, as FLUX.2's pipeline does (None: no such resize).
     """
 
     pipeline_class: str
@@ -70,6 +79,10 @@ class ModelSpec:
     temporal_patch_size: int = 1
     min_input_images: int = 0
     max_input_images: int = 0
+    min_input_image_side: int = 0
+    max_input_image_aspect_ratio: float | None = None
+    max_input_image_area: int | None = None
+    preferred_input_sizes: tuple[tuple[int, int], ...] = ()
 
     @property
     def is_video(self) -> bool:
@@ -98,10 +111,28 @@ class ModelSpec:
             return (self.latent_channels, h, w)
         return ((h // p) * (w // p), self.latent_channels * p * p)
 
-    def edit_size(self, image_height: int, image_width: int) -> tuple[int, int]:
+    def auto_resizes(self, params: SamplingParams) -> bool:
+        """Whether the input images of a request with `params` are resized to `preferred_input_sizes`
+        (`auto_resize`, on unless the request turns it off, where the family has such sizes)."""
+        return bool(self.preferred_input_sizes) and params.auto_resize is not False
+
+    def edit_size(self, image_height: int, image_width: int, auto_resize: bool = False) -> tuple[int, int]:
         """The output size of an edit whose request sets none: its first input image's size,
-        rounded down to the size multiple (as edit pipelines round the image they encode)."""
+        rounded down to the size multiple (as edit pipelines round the image they encode), after
+        the resize the pipeline makes: to the nearest of `preferred_input_sizes` with `auto_resize`,
+        or down to `max_input_image_area`."""
         multiple = self.size_multiple
+        if auto_resize and self.preferred_input_sizes:
+            # FluxKontextPipeline.__call__ step 3's choice: the nearest aspect ratio, then the narrowest.
+            aspect_ratio = image_width / image_height
+            _, image_width, image_height = min(
+                (abs(aspect_ratio - width / height), width, height) for height, width in self.preferred_input_sizes
+            )
+        area = self.max_input_image_area
+        if area is not None and image_height * image_width > area:
+            # Flux2ImageProcessor._resize_to_target_area's arithmetic (the encoder calls it).
+            scale = math.sqrt(area / (image_width * image_height))
+            image_height, image_width = int(image_height * scale), int(image_width * scale)
         return max(multiple, image_height // multiple * multiple), max(multiple, image_width // multiple * multiple)
 
     def image_problems(self, sizes: tuple[tuple[int, int], ...]) -> list[str]:
@@ -117,13 +148,21 @@ class ModelSpec:
                 f"{model} edits input images: pass images=[[image], ...] with {self.min_input_images} or more "
                 "images per prompt (uint8 [3, H, W] tensors or PIL images)"
             ]
-        multiple = self.size_multiple
-        return [
-            f"input image {i} is {height}x{width} pixels, smaller than the {multiple} pixels {model} encodes "
+        smallest = max(self.size_multiple, self.min_input_image_side)
+        problems = [
+            f"input image {i} is {height}x{width} pixels, smaller than the {smallest} pixels {model} encodes "
             f"at least on each side; pass a larger image"
             for i, (height, width) in enumerate(sizes)
-            if min(height, width) < multiple
+            if min(height, width) < smallest
         ]
+        ratio = self.max_input_image_aspect_ratio
+        problems += [
+            f"input image {i} is {height}x{width} pixels, longer than {ratio:g} times its other side, the most "
+            f"{model} takes; crop it"
+            for i, (height, width) in enumerate(sizes)
+            if ratio is not None and min(height, width) and max(height, width) / min(height, width) > ratio
+        ]
+        return problems
 
     def resolve(self, params: SamplingParams) -> tuple[SamplingParams, list[str]]:
         """`params` with every model-dependent default filled in, and every problem with them.
@@ -176,6 +215,10 @@ class ModelSpec:
             problems.append(
                 f"max_sequence_length={max_length} is above {model}'s limit of {self.max_sequence_length_limit}"
             )
+        if params.auto_resize is not None and not self.preferred_input_sizes:
+            problems.append(
+                f"auto_resize is FLUX.1 Kontext's resize of its input image; {model} has none, so leave it unset"
+            )
         guidance = {}
         for name in GUIDANCE_FIELDS:
             value = getattr(params, name)
@@ -198,6 +241,7 @@ class ModelSpec:
             max_sequence_length=max_length,
             num_frames=num_frames,
             negative_prompt=negative,
+            auto_resize=self.auto_resizes(params) if self.preferred_input_sizes else None,
             **{name: guidance.get(name) for name in GUIDANCE_FIELDS},
         )
         return resolved, problems

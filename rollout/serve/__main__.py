@@ -241,7 +241,8 @@ def _serve(args: argparse.Namespace, config, settings) -> int:
     from rollout import RolloutEngine
     from rollout.async_engine import AsyncRolloutEngine
     from rollout.serve.app import build_app
-    from rollout.serve.http_protocol import with_header_timeout
+    from rollout.serve.http_protocol import server_protocol
+    from rollout.serve.routes import path
     from rollout.serve.server import RolloutServer
 
     engine = AsyncRolloutEngine(RolloutEngine(config))
@@ -253,7 +254,7 @@ def _serve(args: argparse.Namespace, config, settings) -> int:
                 args.port,
                 log_level=args.log_level,
                 timeout_keep_alive=KEEP_ALIVE_S,
-                http=with_header_timeout(args.header_timeout_s),
+                http=server_protocol(args.header_timeout_s, frame_body_paths=[path("update_weights")]),
                 limit_concurrency=args.max_connections,
             ),
             engine,

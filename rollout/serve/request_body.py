@@ -1,6 +1,8 @@
 """A request body read within the server's limits: at most `limit` bytes (413 past it), each chunk
 within `idle_timeout_s` of the last (408 past it: a client that stops sending mid-body would hold
-its connection forever). Every route's body goes through `body_chunks`, whole or streamed."""
+its connection forever). Every route's body goes through `body_chunks`, whole or streamed, but a
+streamed weight push's on the server's own HTTP protocol (`rollout.serve.frame_body`), under the
+same limits and errors."""
 
 from __future__ import annotations
 
@@ -13,6 +15,14 @@ from starlette.requests import ClientDisconnect
 
 def too_big(limit: int, flag: str) -> HTTPException:
     return HTTPException(413, f"the request body is over this server's limit of {limit} bytes ({flag})")
+
+
+def stalled(idle_timeout_s: float, size: int) -> HTTPException:
+    return HTTPException(408, f"the request body stalled for {idle_timeout_s} s after {size} bytes (--body-timeout-s)")
+
+
+def client_went_away(size: int) -> HTTPException:
+    return HTTPException(400, f"the client went away after {size} bytes of the body")
 
 
 async def body_chunks(request: Request, limit: int, flag: str, idle_timeout_s: float) -> AsyncIterator[bytes]:
@@ -30,11 +40,9 @@ async def body_chunks(request: Request, limit: int, flag: str, idle_timeout_s: f
         except StopAsyncIteration:
             return
         except ClientDisconnect:
-            raise HTTPException(400, f"the client went away after {size} bytes of the body") from None
+            raise client_went_away(size) from None
         except TimeoutError:
-            raise HTTPException(
-                408, f"the request body stalled for {idle_timeout_s} s after {size} bytes (--body-timeout-s)"
-            ) from None
+            raise stalled(idle_timeout_s, size) from None
         size += len(chunk)
         if size > limit:
             raise too_big(limit, flag)

@@ -7,7 +7,8 @@ The body (Content-Type `FRAMES_MEDIA_TYPE`) is a stream of frames (`rollout.wire
    was cut off, and is refused like any other bad body.
 
 The client writes the frames lazily from the tensors (`weight_frames`: views of their memory, no
-join). The server cuts each frame into a buffer of its own as it arrives, and hands its tensors
+join). The server cuts each frame into a buffer of its own as it arrives (on its own HTTP protocol,
+read from the socket straight into that buffer: `rollout.serve.frame_body`), and hands its tensors
 (views of that buffer, which nothing else holds) over to `update_weights` on the engine's thread
 as an iterator (`HandedOver`: the in-process executor stages them without a copy), which checks
 and stages them in buckets while the next frame arrives (`receive_update`). So the server holds
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import mmap
 import queue
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
 
@@ -36,6 +38,7 @@ from rollout.async_engine import AsyncRolloutEngine
 from rollout.frame_views import FrameAssembler, FrameTooLarge, frame_pieces, tensors_from_buffer
 from rollout.handed_over import HandedOver
 from rollout.serve import protocol
+from rollout.serve.frame_body import FRAME_BODY_EXTENSION
 from rollout.serve.request_body import body_chunks, too_big
 from rollout.wire import WireError
 
@@ -75,7 +78,7 @@ async def receive_update(request: Request, engine: AsyncRolloutEngine, limit: in
     """Apply the streamed push in `request`'s body; returns the new weight version. Raises the
     body's own error (HTTPException 408/413, WireError, a 422 for bad options) or the engine's,
     after the engine has dropped whatever it staged."""
-    frames = _frames(body_chunks(request, limit, UPLOAD_FLAG, idle_timeout_s), limit)
+    frames = _frames(_frame_buffers(request, limit, idle_timeout_s))
     try:
         options = _options(await anext(frames, None))
         feed = _BucketFeed(asyncio.get_running_loop())
@@ -107,19 +110,37 @@ def _options(first: tuple[dict, dict] | None) -> protocol.UpdateFromTensorBody:
         raise RequestValidationError(error.errors()) from None
 
 
-async def _frames(chunks: AsyncIterator[bytes], limit: int) -> AsyncIterator[tuple[dict, dict]]:
-    """(fields, tensors) of each frame as it completes; tensors view the frame's own buffer."""
+def _frame_buffers(request: Request, limit: int, idle_timeout_s: float) -> AsyncIterator[bytearray | mmap.mmap]:
+    frame_body = request.scope.get("extensions", {}).get(FRAME_BODY_EXTENSION)
+    if frame_body is not None:  # the server's protocol reads it from the socket into the frames
+        return frame_body.frames(limit, UPLOAD_FLAG, idle_timeout_s)
+    return _assembled(body_chunks(request, limit, UPLOAD_FLAG, idle_timeout_s), limit)
+
+
+async def _assembled(chunks: AsyncIterator[bytes], limit: int) -> AsyncIterator[bytearray | mmap.mmap]:
+    """The buffer of each frame of the body as it completes: a body that the server's protocol did
+    not read itself (one sent with a Content-Length, or on another ASGI server)."""
     assembler = FrameAssembler(limit)
     try:
         async for chunk in chunks:
             for buffer in assembler.feed(chunk):
-                tensors, fields = tensors_from_buffer(buffer, "a frame of the body")
-                yield fields, tensors
+                yield buffer
         assembler.close()
     except FrameTooLarge:
         raise too_big(limit, UPLOAD_FLAG) from None
     finally:
         await chunks.aclose()
+
+
+async def _frames(buffers: AsyncIterator[bytearray | mmap.mmap]) -> AsyncIterator[tuple[dict, dict]]:
+    """(fields, tensors) of each frame as it completes; tensors view the frame's own buffer."""
+    try:
+        async for buffer in buffers:
+            tensors, fields = tensors_from_buffer(buffer, "a frame of the body")
+            del buffer  # the tensors hold it: once they are staged, nothing else does
+            yield fields, tensors
+    finally:
+        await buffers.aclose()
 
 
 async def _feed_buckets(frames: AsyncIterator[tuple[dict, dict]], feed: _BucketFeed, update: asyncio.Future) -> None:

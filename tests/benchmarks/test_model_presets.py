@@ -13,6 +13,7 @@ from benchmarks.model_presets import (
     QWEN_IMAGE,
     SD35_MEDIUM,
     WAN21_T2V_1_3B,
+    WAN21_T2V_14B,
     WAN22_T2V_A14B_EXPERT,
     Z_IMAGE_TURBO,
     build,
@@ -31,6 +32,7 @@ pytestmark = pytest.mark.timeout(120)
         ("Flux2Transformer2DModel", FLUX2_KLEIN_4B, 3.88),  # FLUX.2 [klein] 4B
         ("Flux2Transformer2DModel", FLUX2_KLEIN_9B, 9.08),  # FLUX.2 [klein] 9B
         ("WanTransformer3DModel", WAN21_T2V_1_3B, 1.42),  # Wan 2.1 T2V 1.3B
+        ("WanTransformer3DModel", WAN21_T2V_14B, 14.3),  # Wan 2.1 T2V 14B
         ("WanTransformer3DModel", WAN22_T2V_A14B_EXPERT, 14.3),  # each of Wan 2.2 T2V A14B's two experts
         ("ZImageTransformer2DModel", Z_IMAGE_TURBO, 6.15),  # Z-Image-Turbo (and Z-Image): "6B"
     ],

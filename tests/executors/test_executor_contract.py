@@ -1,6 +1,7 @@
 """One contract, every backend: uni, mp, ray and an external executor class defined here, on the
 tiny SD3; and uni and mp on the tiny FLUX.1, Qwen-Image and Z-Image (weights, checksums, LoRA, sleep/wake),
-and on FLUX.1 Kontext with every request an edit (`EditingEngine`)."""
+and on FLUX.1 Kontext with every request an edit (`EditingEngine`); and mp and ray on FLUX.1 with one
+replica of two ranks (sequence parallel)."""
 
 from __future__ import annotations
 
@@ -49,13 +50,21 @@ BACKENDS = {
     "mp": {"executor": "mp", "num_workers": 2},
     "ray": {"executor": "ray", "num_workers": 2},
     "external": {"executor": f"{__name__}.ExternalExecutor"},
+    # One replica of two ranks (Ulysses sequence parallel; SD3 has no context-parallel plan).
+    "mp-group": {"executor": "mp", "num_workers": 2, "sequence_parallel": 2},
+    "ray-group": {"executor": "ray", "num_workers": 2, "sequence_parallel": 2},
 }
+GROUP_BACKENDS = ("mp-group", "ray-group")
 # Case id -> (family, backend). Every backend on SD3; the in-process and the process backend on the others.
-CASES = {name: ("sd3", name) for name in BACKENDS} | {
-    f"{backend}-{family}": (family, backend)
-    for family in ("flux", "qwen_image", "zimage", "flux_kontext")
-    for backend in ("uni", "mp")
-}
+CASES = (
+    {name: ("sd3", name) for name in BACKENDS if name not in GROUP_BACKENDS}
+    | {
+        f"{backend}-{family}": (family, backend)
+        for family in ("flux", "qwen_image", "zimage", "flux_kontext")
+        for backend in ("uni", "mp")
+    }
+    | {f"{backend}-flux": ("flux", backend) for backend in GROUP_BACKENDS}
+)
 FAMILY_OF_PIPELINE = {family.pipeline_class: family for family in FAMILIES.values()}
 
 
@@ -75,6 +84,9 @@ REPEATS = {
     "uni-zimage",
     "uni-flux_kontext",
     "mp-flux_kontext",
+    # Processes joined in a gloo group: tests/executors/test_sequence_parallel.py has the equality checks.
+    "mp-group-flux",
+    "ray-group-flux",
 }
 
 
@@ -104,7 +116,7 @@ def model_path(case, tiny_models) -> str:
 @pytest.fixture(scope="module")
 def engine(request, case, model_path):
     backend = case[1]
-    if backend == "ray":
+    if backend.startswith("ray"):
         request.getfixturevalue("ray_cluster")
     config = EngineConfig(model=model_path, worker_extension_cls=EXTENSION, **BACKENDS[backend])
     with engine_class(case)(config) as engine:
@@ -130,6 +142,15 @@ def _params(engine, cfg: bool = True, **kwargs) -> SamplingParams:
 
 def _ranks(engine) -> list[int]:
     return list(range(engine.config.num_workers))
+
+
+def _held_by_replica(engine) -> list[list[str]]:
+    """The request ids each replica holds; every rank of a replica group holds the same."""
+    held = engine.collective_rpc("request_ids")
+    ranks = engine.config.ranks_per_replica
+    groups = [held[start : start + ranks] for start in range(0, len(held), ranks)]
+    assert all(group == [group[0]] * ranks for group in groups), groups
+    return [group[0] for group in groups]
 
 
 def test_generate_returns_every_sample_in_order(engine):
@@ -162,7 +183,7 @@ def test_abort_leaves_no_state_on_any_rank(engine):
     for i in range(5):
         ids = engine.add_request(f"p{i}", params, request_id=f"a{i}")
         engine.step()
-        assert sum(len(r) for r in engine.collective_rpc("request_ids")) == 4
+        assert sum(len(r) for r in _held_by_replica(engine)) == 4
         assert sorted(o.request_id for o in engine.abort(f"a{i}")) == sorted(ids)
         assert engine.collective_rpc("request_ids") == [[] for _ in _ranks(engine)]
     assert not engine.has_unfinished_requests()
@@ -329,11 +350,11 @@ def test_same_numbers_on_every_backend(engine, model_path):
 
 
 def test_work_is_spread_over_ranks(engine):
-    if engine.config.num_workers == 1:
-        pytest.skip("one rank")
+    if engine.config.num_replicas == 1:
+        pytest.skip("one replica")
     engine.add_request("x", _params(engine, num_inference_steps=2, num_samples=4, seed=0), request_id="spread")
     engine.step()
-    held = engine.collective_rpc("request_ids")
+    held = _held_by_replica(engine)
     assert [len(ids) for ids in held] == [2, 2]
     while engine.has_unfinished_requests():
         engine.step()
@@ -921,12 +942,12 @@ def test_aborting_a_subtree_frees_it_and_its_siblings_run_on(engine):
     assert ids == ["tree-0.0", "tree-0.1", "tree-1.0", "tree-1.1"]
     for _ in range(2):
         engine.step()
-    assert sorted(i for held in engine.collective_rpc("request_ids") for i in held) == ids
+    assert sorted(i for held in _held_by_replica(engine) for i in held) == ids
     aborted = engine.abort(["tree-0.1", "tree-1"])  # one leaf, and the whole second root
     assert sorted((o.request_id, o.status) for o in aborted) == [
         (i, "aborted") for i in ("tree-0.1", "tree-1.0", "tree-1.1")
     ]
-    assert [i for held in engine.collective_rpc("request_ids") for i in held] == ["tree-0.0"]
+    assert [i for held in _held_by_replica(engine) for i in held] == ["tree-0.0"]
     outputs = []
     while engine.has_unfinished_requests():
         outputs += engine.step()

@@ -82,16 +82,21 @@ def mean(values) -> float:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)
-def test_the_edit_recipe_learns_to_make_its_edits_red(tmp_path, tiny_models):
-    """grpo_flux_kontext_tiny.yaml: every prompt edits its own generated image and the reward reads
-    both images; the reward rises (one seed: an edit step costs twice a FLUX.1 step, with the input
-    image's tokens), and the first update starts at ratio 1 with the encoded images re-used."""
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize(
+    ("recipe", "family"),
+    [("grpo_flux_kontext_tiny.yaml", "flux_kontext"), ("grpo_flux2_klein_edit_tiny.yaml", "flux2_klein")],
+)
+def test_the_edit_recipes_learn_to_make_their_edits_red(tmp_path, tiny_models, recipe, family):
+    """Every prompt edits its own generated image and the reward reads both images; the reward
+    rises (one seed: an edit step costs about twice a text-to-image step, with the input image's
+    tokens; FLUX.2 [klein] edits 64x64 references, 256 reference tokens beside 64 noisy ones), and
+    the first update starts at ratio 1 with the encoded images re-used."""
     out = tmp_path / "edit"
     config = load_config(
-        CONFIG_DIR / "grpo_flux_kontext_tiny.yaml",
+        CONFIG_DIR / recipe,
         [
-            f"model.path={tiny_models('flux_kontext')}",
+            f"model.path={tiny_models(family)}",
             f"output_dir={out}",
             "seed=1",
             "steps=20",

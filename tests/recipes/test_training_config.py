@@ -75,11 +75,42 @@ def test_zimage_config_carries_the_published_flow_factory_settings():
     assert (config.optimizer.learning_rate, config.optimizer.weight_decay) == (3e-4, 1e-4)
 
 
+def test_nft_config_carries_the_published_diffusion_nft_settings():
+    config = load_config(CONFIG_DIR / "nft_sd35_medium_lora.yaml")
+    assert config.recipe == "nft"
+    assert (config.lora.rank, config.lora.alpha) == (32, 64)
+    assert set(config.lora.target_modules) == {
+        "attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out",
+        "attn.to_k", "attn.to_out.0", "attn.to_q", "attn.to_v",
+    }  # fmt: skip
+    sampling = config.sampling
+    assert (sampling.sampler, sampling.guidance_scale) == ("ode", 1.0)  # deterministic and CFG-free
+    assert (sampling.num_inference_steps, config.eval.num_inference_steps) == (10, 40)
+    assert (sampling.height, sampling.width) == (512, 512)
+    assert (sampling.num_samples, config.prompts_per_step) == (24, 48)
+    nft = config.nft
+    assert (nft.beta, nft.adv_clip_max, nft.kl_beta, nft.timestep_fraction) == (1.0, 5.0, 1e-4, 0.99)
+    assert nft.global_std and nft.optimizer_steps == 1 and nft.max_grad_norm == 1.0
+    schedule = nft.decay_schedule()  # the authors' decay_type 1: min(0.001 * step, 0.5)
+    assert (schedule(1), schedule(100), schedule(2000)) == (0.001, 0.1, 0.5)
+    assert (config.optimizer.learning_rate, config.optimizer.weight_decay) == (3e-4, 1e-4)
+    assert config.engine.device == "cuda"
+
+
+def test_nft_refuses_an_sde_sampler_naming_the_fix():
+    with pytest.raises(ValueError) as error:
+        load_config(CONFIG_DIR / "nft_tiny.yaml", ["sampling.sampler=flow_sde", "nft.beta=0"])
+    problems = problems_of(error)
+    assert any("DiffusionNFT samples the old policy deterministically: use ode" in p for p in problems), problems
+    assert any("beta must be in (0, 1]" in p for p in problems), problems
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
     "name, family",
     [
         ("grpo_sd35_medium_lora.yaml", "sd3"),
+        ("nft_sd35_medium_lora.yaml", "sd3"),
         ("grpo_flux1_dev_lora.yaml", "flux"),
         ("grpo_qwen_image_lora.yaml", "qwen_image"),
         ("grpo_flux_tiny.yaml", "flux"),
@@ -87,6 +118,7 @@ def test_zimage_config_carries_the_published_flow_factory_settings():
         ("grpo_qwen_image_tiny.yaml", "qwen_image"),
         ("grpo_flux2_klein_lora.yaml", "flux2_klein"),
         ("grpo_flux2_klein_tiny.yaml", "flux2_klein"),
+        ("grpo_flux2_klein_edit_tiny.yaml", "flux2_klein"),
         ("grpo_zimage_lora.yaml", "zimage"),
         ("grpo_zimage_tiny.yaml", "zimage"),
         ("grpo_wan_tiny.yaml", "wan"),
@@ -116,6 +148,8 @@ PAPER_FORMS = {
     # BranchGRPO's script (finetune_flux_branchgrpo_8gpus.sh) splits at tree_split_noise_scale 4.0,
     # on its own SDE; a config on another sampler says what it chose.
     "BranchGRPO": {("sampling", "branch_noise_scale"): None},
+    # DiffusionNFT's code samples with a 2nd-order DPM-Solver; a config says which ODE step it uses.
+    "DiffusionNFT": {("sampling", "sampler"): None},
 }
 
 
@@ -134,7 +168,7 @@ def test_configs_that_quote_a_paper_name_the_forms_of_its_code(path):
             else:
                 line = next(line for line in text.splitlines() if line.strip().startswith(f"{key}:"))
                 assert paper in line, f"{path.name}: the comment on {section}.{key} does not say what {paper} uses"
-    assert quoted or path.name == "dpo_tiny.yaml"  # every GRPO config follows a paper's code
+    assert quoted or path.name == "dpo_tiny.yaml"  # every GRPO (and NFT) config follows a paper's code
 
 
 def test_flow_grpo_s_kl_weight_keeps_its_meaning():
@@ -287,3 +321,15 @@ def test_reward_workers_must_not_be_negative():
     with pytest.raises(ValueError, match=r"reward_workers must be >= 0 \(0: score on a thread of this process\)"):
         load_config(CONFIG_DIR / "grpo_tiny.yaml", ["reward_workers=-1"])
     assert load_config(CONFIG_DIR / "dpo_tiny.yaml", ["reward_workers=2"]).reward_workers == 2
+
+
+def test_nft_refuses_cfg_before_the_engine_loads(tiny_model, tmp_path):
+    from recipes.nft import run
+
+    config = load_config(
+        CONFIG_DIR / "nft_tiny.yaml",
+        [f"model.path={tiny_model}", f"output_dir={tmp_path / 'out'}", "sampling.guidance_scale=4.5"],
+    )
+    with pytest.raises(ValueError, match="DiffusionNFT samples and trains without CFG: set sampling.guidance_scale=1"):
+        run(config)
+    assert not (tmp_path / "out" / "metrics.jsonl").exists()

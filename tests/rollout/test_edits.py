@@ -30,9 +30,9 @@ def kontext_engine(tiny_models):
 
 def test_an_edit_is_the_pipelines_edit_bit_for_bit(kontext_engine, tiny_models):
     """The engine's ODE edit from its initial latents is FluxKontextPipeline's on the same image
-    (encoded at its own size), with the output at the image's size: bitwise on CPU."""
+    (encoded at its own size: auto_resize=False), with the output at the image's size: bitwise on CPU."""
     image = input_image(3, 24, 40)
-    params = SamplingParams(sampler="ode", num_inference_steps=3, seed=1)
+    params = SamplingParams(sampler="ode", num_inference_steps=3, seed=1, auto_resize=False)
     (output,) = kontext_engine.generate("make it red", params, images=[[image]])
     assert output.image.shape == (3, 24, 40)  # the input's size, as no size was asked for
     pipeline = diffusers.FluxKontextPipeline.from_pretrained(tiny_models("flux_kontext"))
@@ -107,3 +107,54 @@ def test_an_edit_family_that_needs_images_says_so(kontext_engine):
     (problem,) = needs_one.image_problems(())
     assert "FluxKontextPipeline edits input images: pass images=[[image], ...] with 1 or more" in problem
     assert kontext_engine.model_spec.image_problems(()) == []
+
+
+class _Stop(Exception):
+    """Raised by a forward pre-hook to stop at the VAE's encoder, once the pixels it gets are known."""
+
+
+def pixels_to_encode(pipeline, run) -> torch.Tensor:
+    """The pixels [1, 3, H, W] `run()` feeds `pipeline`'s VAE encoder first (it is stopped there)."""
+    captured = []
+
+    def capture(module, args):
+        captured.append(args[0])
+        raise _Stop
+
+    hook = pipeline.vae.encoder.register_forward_pre_hook(capture)
+    try:
+        with pytest.raises(_Stop):
+            run()
+    finally:
+        hook.remove()
+    return captured[0]
+
+
+def test_kontext_resizes_its_input_as_its_pipeline_does_by_default(kontext_engine, tiny_models):
+    """auto_resize left unset is FluxKontextPipeline's default `_auto_resize=True`: the input is
+    resized to the nearest preferred Kontext resolution, bitwise the pixels the pipeline encodes
+    (compared at the VAE's input: the tiny VAE's mid-block attention over a megapixel's latents,
+    and a transformer over ~66k image tokens, are past a test's means; from there on both run the
+    path the own-size parity tests check), and an edit that sets no size is made at that
+    resolution. auto_resize=False is another encoding (digest), cached and batched apart."""
+    spec = kontext_engine.model_spec
+    resolved, problems = spec.resolve(SamplingParams(height=32, width=32))
+    assert problems == [] and resolved.auto_resize is True
+    assert spec.edit_size(24, 40, auto_resize=True) == (800, 1328)  # (1328, 800): the nearest aspect ratio
+    images = InputImages.of([input_image(5, 24, 40)])
+    adapter = load_adapter(tiny_models("flux_kontext"))
+    pipeline = adapter.pipeline  # the FluxKontextPipeline itself, called as a user would
+    expected = pixels_to_encode(
+        pipeline, lambda: pipeline(image=images.pil()[0], prompt="x", height=32, width=32, max_area=32 * 32)
+    )
+    assert tuple(expected.shape) == (1, 3, 800, 1328)
+    for default in (images, images.encoded_with(auto_resize=True)):
+        assert torch.equal(pixels_to_encode(adapter.pipeline, lambda d=default: adapter.encode_images(d)), expected)
+    own_size = images.encoded_with(auto_resize=False)
+    assert own_size.digest != images.encoded_with(auto_resize=True).digest != images.digest
+    assert adapter.encode_images(own_size).latents.shape == (60, 16)  # 24x40 as it is: 6 x 10 tokens
+
+
+def test_auto_resize_is_refused_by_a_family_without_it(engine):
+    with pytest.raises(ValueError, match="auto_resize is FLUX.1 Kontext's resize of its input image"):
+        engine.generate("x", SamplingParams(height=32, width=32, auto_resize=False))

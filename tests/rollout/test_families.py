@@ -34,7 +34,8 @@ def test_a_sample_alone_equals_the_sample_in_a_mixed_batch(family_engine):
         family.params(cfg=False, num_inference_steps=4, seed=21, num_samples=3, sampler="cps"),
         family.params(cfg=True, num_inference_steps=6, seed=21, num_samples=3, sampler="dance_sde", noise_level=0.3),
     ]
-    crowd_inputs = {"images": [[input_image(0)], [input_image(1, 24, 40)], None]} if family.edits else {}
+    square, other = family.edit_sizes
+    crowd_inputs = {"images": [[input_image(0, *square)], [input_image(1, *other)], None]} if family.edits else {}
     crowd = engine.generate(prompts, crowd_params, **crowd_inputs)
     a, b = alone.trajectory, crowd[0].trajectory
     assert (a.latents.stack() - b.latents.stack()).abs().max() < 1e-5

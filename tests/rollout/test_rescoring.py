@@ -31,7 +31,7 @@ def test_recomputed_log_probs_equal_rollout_log_probs(family_engine, sampler):
         for cfg in (True, False)
     ]
     # An edit family's two prompts edit images of different sizes (batched apart).
-    inputs = family.inputs(sizes=[(32, 32), (24, 40)])
+    inputs = family.inputs(sizes=family.edit_sizes)
     outputs = engine.generate(["a red square", "a blue circle in the sky"], params, **inputs)
     for output in outputs:
         trajectory = output.trajectory

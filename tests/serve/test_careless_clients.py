@@ -162,6 +162,7 @@ def test_keys_on_the_command_line(monkeypatch, capsys):
     assert parse_args(["--model", "m", "--no-auth"]).api_key is None
 
 
+@pytest.mark.slow  # a server of its own: 10-15 s
 @pytest.mark.timeout(180)
 def test_without_a_key_the_server_makes_one_only_its_user_can_read(tiny_model, tmp_path):
     key_file = tmp_path / "keys" / "serve.key"

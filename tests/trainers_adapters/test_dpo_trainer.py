@@ -60,3 +60,29 @@ def test_groups_that_tie_give_no_pair_and_no_update(engine, tiny_model):
     assert stats.num_pairs == 0
     assert all(torch.equal(before[k], v) for k, v in policy.lora_state().items())
     engine.unload_lora(policy.name)
+
+
+def test_pairs_of_groups_of_two_output_sizes_train_in_one_step(engine, tiny_model):
+    """Pairs of groups of different output sizes go in different forwards of one step."""
+    import dataclasses
+
+    policy = LoraPolicy(tiny_model, LORA)
+    policy.push(engine)
+    rollouts = []
+    with ThreadPoolExecutor(1) as pool:
+        for prefix, height in (("small", 32), ("large", 48)):
+            params = SamplingParams(num_inference_steps=2, num_samples=2, seed=5, lora=policy.name, height=height)
+            rollouts.append(generate_with_rewards(engine, ["a red square"], params, colour_target, pool, prefix))
+    small, large = rollouts
+    mixed = dataclasses.replace(
+        small,
+        outputs=small.outputs + [dataclasses.replace(o, prompt_index=1) for o in large.outputs],
+        rewards=torch.cat([small.rewards, large.rewards]),
+        group_ids=torch.tensor([0, 0, 1, 1]),
+        reward_components={},
+    )
+    settings = DPOSettings(micro_batch_size=8)
+    stats = dpo_step(policy, torch.optim.SGD(policy.parameters(), lr=0.0), mixed, settings, torch.Generator())
+    assert stats.num_pairs == 2
+    assert stats.loss == pytest.approx(math.log(2), abs=1e-6)
+    engine.unload_lora(policy.name)

@@ -22,12 +22,12 @@ LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["to_q", "to_k", "to_v", "to_
 PROMPTS = ["a red square", "a blue circle"]
 
 
-def rollout_for(engine, policy, steps=4, samples=4, **params):
+def rollout_for(engine, policy, steps=4, samples=4, request_prefix="rollout", **params):
     params = SamplingParams(
         num_inference_steps=steps, num_samples=samples, seed=3, lora=policy.name, noise_level=0.7, **params
     )
     with ThreadPoolExecutor(1) as pool:
-        return generate_with_rewards(engine, PROMPTS, params, colour_target, pool)
+        return generate_with_rewards(engine, PROMPTS, params, colour_target, pool, request_prefix)
 
 
 def test_update_starts_at_ratio_one_and_moves_the_policy(engine, tiny_model):
@@ -65,6 +65,28 @@ def test_timestep_fraction_trains_on_a_random_subset_of_each_trajectory(engine, 
     optimizer = torch.optim.SGD(policy.parameters(), lr=0.0)
     stats = grpo_step(policy, optimizer, rollout, GRPOSettings(timestep_fraction=0.5), torch.Generator())
     assert stats.num_transitions == 8 * 2  # half of the 4 SDE steps of each of the 8 samples
+    engine.unload_lora(policy.name)
+
+
+def test_a_rollout_of_two_output_sizes_trains_in_one_call_from_ratio_one(engine, tiny_model):
+    """Edits of inputs of different sizes give outputs of different sizes; one re-scoring forward
+    takes one size, so the micro-batches split by size (it used to refuse the whole rollout)."""
+    policy = LoraPolicy(tiny_model, LORA)
+    policy.push(engine)
+    small = rollout_for(engine, policy, steps=2, samples=2, height=32, width=32)
+    large = rollout_for(engine, policy, steps=2, samples=2, request_prefix="large", height=48, width=32)
+    moved = [dataclasses.replace(o, prompt_index=o.prompt_index + len(PROMPTS)) for o in large.outputs]
+    mixed = dataclasses.replace(
+        small,
+        outputs=small.outputs + moved,
+        rewards=torch.cat([small.rewards, large.rewards]),
+        group_ids=torch.cat([small.group_ids, large.group_ids + len(PROMPTS)]),
+        reward_components={},
+    )
+    optimizer = torch.optim.SGD(policy.parameters(), lr=0.0)
+    stats = grpo_step(policy, optimizer, mixed, GRPOSettings(micro_batch_size=16), torch.Generator().manual_seed(0))
+    assert stats.num_transitions == sum(len(o.trajectory.scorable_steps) for o in mixed.outputs) >= 8
+    assert stats.log_ratio_before_update < RATIO_TOLERANCE
     engine.unload_lora(policy.name)
 
 

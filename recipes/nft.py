@@ -1,0 +1,72 @@
+"""DiffusionNFT training (Zheng et al., arXiv 2509.16117) of a LoRA policy: the engine samples
+with an old-policy adapter (deterministic ODE, no CFG), the trainer moves the current adapter with
+the implicit-policy loss on the clean samples, and the old adapter follows it by EMA; the engine
+holds both.
+
+    python -m recipes.run recipes/configs/nft_tiny.yaml
+
+See `recipes.training` for the loop and the files a run writes, and
+`trainers_adapters.nft_trainer` for the update.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from recipes.config import option
+from recipes.training import TrainingConfig, train
+from rollout import SamplingParams
+from trainers_adapters.lora_policy import LoraPolicy
+from trainers_adapters.nft_trainer import NFTSettings, NFTStepStats, nft_step
+from trainers_adapters.old_policy import OldPolicy
+
+OLD_ADAPTER = "old"  # the name the old policy's adapter has in the engine
+
+
+@dataclass(kw_only=True)
+class Config(TrainingConfig):
+    sampling: SamplingParams = option(factory=lambda: SamplingParams(sampler="ode", guidance_scale=1.0))
+    nft: NFTSettings = option(factory=NFTSettings)
+    output_dir: str = option("outputs/nft", "folder for metrics, plots, sample grids and the final LoRA")
+
+    @classmethod
+    def value_problems(cls, values: dict) -> list[str]:
+        problems = super().value_problems(values)
+        sampling = values.get("sampling")
+        if sampling is not None and sampling.sampler != "ode":
+            problems.append(
+                f"sampling.sampler is {sampling.sampler!r}; DiffusionNFT samples the old policy deterministically: "
+                "use ode"
+            )
+        if values.get("sde_window_range") is not None:
+            problems.append("sde_window_range slides an SDE window; DiffusionNFT's ODE rollouts have none: null it")
+        return problems
+
+
+def run(config: Config) -> dict:
+    old: OldPolicy | None = None  # made by `attach` when `train` has built the policy
+
+    def attach(policy: LoraPolicy) -> OldPolicy:
+        nonlocal old
+        _check_cfg_free(config.sampling, policy)
+        old = OldPolicy(policy, OLD_ADAPTER)
+        return old
+
+    def update(policy, optimizer, rollout, generator) -> NFTStepStats:
+        return nft_step(policy, old, optimizer, rollout, config.nft, generator)
+
+    return train(config, update, lambda stats: {"old_decay": f"{stats.old_decay:.3f}"}, old_policy=attach)
+
+
+def _check_cfg_free(sampling: SamplingParams, policy: LoraPolicy) -> None:
+    """Refuse CFG before the engine loads: the loss trains the conditional velocity alone."""
+    spec = policy.adapter.spec
+    if spec.cfg_field is None:
+        return
+    scale = getattr(sampling, spec.cfg_field)
+    scale = spec.guidance_defaults.get(spec.cfg_field) if scale is None else scale
+    if scale is not None and scale > spec.cfg_threshold:
+        raise ValueError(
+            f"sampling.{spec.cfg_field} is {scale}, which turns on classifier-free guidance for this model; "
+            f"DiffusionNFT samples and trains without CFG: set sampling.{spec.cfg_field}={spec.cfg_threshold:g}"
+        )

@@ -1,0 +1,137 @@
+"""Sequence parallel (Ulysses) inside one replica group, through diffusers' own context parallelism.
+
+Each rank of a group holds the whole model and runs the same batch; diffusers' `enable_parallelism`
+hooks split the transformer's token sequence across the group's ranks at its entry (the model's
+`_cp_plan`), exchange heads for tokens around every attention (Ulysses all-to-all), and gather the
+whole sequence again at its exit, so every rank ends the forward with the same full velocity and
+takes the same sampler step with the same generators.
+
+The group is its own `torch.distributed` world (the default process group of the worker process,
+gloo on CPU, NCCL on CUDA) over a `FileStore` the executor names: diffusers reads the rank, the
+world size and the device mesh from the default group. A trainer's weight broadcast group
+(`rollout.broadcast_group`) is a standalone group and does not touch it.
+
+diffusers' "Ulysses anything" mode is used: it splits sequences of any length (a batch's text
+length is its longest prompt's, an image's token count its size's), where the plain mode needs
+every length divisible by the degree. It has no backward pass, which a rollout never needs; the
+trainer re-scores on its own single-device copy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class GroupMember:
+    """Where one worker sits in its replica group: what it needs to join the group's process group."""
+
+    store_path: str  # the group's FileStore (one file per group, named by the executor)
+    group: int  # the replica group's index
+    local_rank: int  # this worker's rank inside the group; 0 hands back the group's outputs
+    size: int  # ranks per group (the Ulysses degree)
+    timeout_s: float  # how long joining and every collective may wait for the group's other ranks
+
+    @property
+    def replies(self) -> bool:
+        """Whether this rank hands back the group's outputs (the others run the same step)."""
+        return self.local_rank == 0
+
+
+def join_group(member: GroupMember, device: str) -> None:
+    """Make the group this process's default process group (gloo on CPU, NCCL on CUDA); blocks
+    until every rank of the group has joined."""
+    if dist.is_initialized():
+        raise RuntimeError(
+            "sequence parallel needs the worker's default torch.distributed process group for its replica "
+            "group, but one is already initialized in this worker process"
+        )
+    backend = "nccl" if device.startswith("cuda") else "gloo"
+    os.makedirs(os.path.dirname(member.store_path), exist_ok=True)  # on another node than the engine's (Ray)
+    store = dist.FileStore(member.store_path, member.size)
+    dist.init_process_group(
+        backend,
+        store=store,
+        rank=member.local_rank,
+        world_size=member.size,
+        timeout=datetime.timedelta(seconds=member.timeout_s),
+    )
+    logger.info("joined replica group %d as rank %d of %d (%s)", member.group, member.local_rank, member.size, backend)
+
+
+# The pipeline components that predict velocities (`PipelineAdapter.denoisers`): Wan 2.2 has two.
+DENOISER_COMPONENTS = ("transformer", "transformer_2")
+
+
+def missing_plans(denoisers: dict[str, type]) -> list[str]:
+    """The denoiser classes (as "component (Class)") that have no context-parallel plan."""
+    return [
+        f"{name} ({cls.__name__})"
+        for name, cls in denoisers.items()
+        if cls._cp_plan is None  # every diffusers ModelMixin has one: None where diffusers has no plan
+    ]
+
+
+def plan_problems(model_index: dict, degree: int) -> list[str]:
+    """What stops `sequence_parallel=degree` on the pipeline of `model_index` (its model_index.json),
+    found before any worker loads it: a denoiser whose diffusers class has no context-parallel plan."""
+    if degree == 1:
+        return []
+    import diffusers
+
+    denoisers = {
+        name: getattr(diffusers, model_index[name][1])
+        for name in DENOISER_COMPONENTS
+        if isinstance(model_index.get(name), list) and model_index[name][1] is not None
+    }
+    return _plan_refusal(missing_plans(denoisers), degree, model_index["_class_name"])
+
+
+def _plan_refusal(missing: list[str], degree: int, pipeline_class: str) -> list[str]:
+    if not missing:
+        return []
+    return [
+        f"sequence_parallel={degree} needs a context-parallel plan in diffusers, and {pipeline_class}'s "
+        f"{', '.join(missing)} has none; run this model with sequence_parallel=1 (families with a plan: "
+        "FLUX.1, FLUX.2, Qwen-Image, Wan)"
+    ]
+
+
+def enable_sequence_parallel(denoisers: dict[str, nn.Module], degree: int, pipeline_class: str) -> None:
+    """Shard the sequence of every denoiser across the `degree` ranks of this process's group
+    (`join_group` first). A denoiser whose diffusers class has no context-parallel plan is refused."""
+    from diffusers import ContextParallelConfig
+
+    refusal = _plan_refusal(missing_plans({name: type(m) for name, m in denoisers.items()}), degree, pipeline_class)
+    if refusal:
+        raise ValueError(refusal[0])
+    with _one_device_per_cpu_rank():
+        for module in denoisers.values():
+            module.enable_parallelism(config=ContextParallelConfig(ulysses_degree=degree, ulysses_anything=True))
+
+
+@contextlib.contextmanager
+def _one_device_per_cpu_rank() -> Iterator[None]:
+    """diffusers places a rank on device `rank % torch.accelerator.device_count()`, which is a
+    division by zero on a machine without an accelerator; there, every rank's device is the CPU, so
+    the count answers 1 while parallelism is enabled (and only then)."""
+    if torch.accelerator.device_count() > 0:
+        yield
+        return
+    count = torch.accelerator.device_count
+    torch.accelerator.device_count = lambda: 1
+    try:
+        yield
+    finally:
+        torch.accelerator.device_count = count
