@@ -6,8 +6,7 @@ one group, so the groups finish one after another, and a slow reward: `BusyRewar
 (as tokenizers, PIL and Python-side pre-processing do; by default in a C sleep, which leaves the
 machine's cores to the rollout; `--busy spin`: a Python loop, which takes a core too) for as long as
 the rollout of one group takes (timed again at the start of each round, as the machine's load moves
-it; `--reward-s` fixes it), then scores the colour
-built-in. Each round runs, in a rotated order:
+it; `--reward-s` fixes it), then scores the colour built-in. Each round runs, in a rotated order:
 
   rollout   `engine.generate` alone: no reward (the floor);
   after     `engine.generate`, then each group scored in turn on this thread;
@@ -17,7 +16,8 @@ built-in. Each round runs, in a rotated order:
 The goal (issue 24): with a worker the step takes at most the rollout time plus the last group's
 reward. Target: worker time / (rollout time + one group's reward) <= 1.10, the median of the
 rounds' ratios. One worker can meet it only while a group's reward takes no longer than a group's
-rollout (else the groups queue behind it). The rewards of the thread and worker modes are checked equal to "after"'s.
+rollout (else the groups queue behind it). The rewards of the thread and worker modes are checked
+equal to "after"'s.
 
     python -m benchmarks.reward_overlap                    # 4 groups of 2, 4 steps, 1 warmup + 3 rounds
     python -m benchmarks.reward_overlap --groups 8 --repeats 5 --json out.json
