@@ -59,6 +59,7 @@ bench: setup
 	$(call BENCH,expert_update,,expert_update)
 	$(call BENCH,request_table,,request_table)
 	$(call BENCH,reward_models,,reward_models)
+	$(call BENCH,reward_overlap,,reward_overlap)
 	$(call BENCH,parallel,,parallel)
 	$(PY) -m benchmarks.render
 

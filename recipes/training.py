@@ -1,14 +1,15 @@
 """What the GRPO and DPO recipes share: their config sections and the training loop around one
 update function.
 
-Every step: pick prompts, roll them out with the policy's adapter (each group rewarded on a
-background thread as soon as it finishes), run the update, push the adapter back to the engine and
-check the version it reports. The run writes, under `output_dir`: `metrics.jsonl` (one line per
-step), `reward.png` (reward against step), `log_ratio.png` (GRPO: max |log ratio| per denoising step
-before each update), `samples_start.png` / `samples_end.png` (the same eval prompts and noise before
-and after training; animated `.gif` grids for a video model), `lora/` (the final adapter in the
-diffusers LoRA format) and `summary.json`. The step records and grids also go to the loggers that
-`logger` names (`recipes.loggers`: TensorBoard, wandb).
+Every step: pick prompts, roll them out with the policy's adapter (each group rewarded as soon as it
+finishes, on a background thread or in `reward_workers` reward worker processes), run the update,
+push the adapter back to the engine and check the version it reports. The run writes, under
+`output_dir`: `metrics.jsonl` (one line per step), `reward.png` (reward against step),
+`log_ratio.png` (GRPO: max |log ratio| per denoising step before each update), `samples_start.png` /
+`samples_end.png` (the same eval prompts and noise before and after training; animated `.gif` grids
+for a video model), `lora/` (the final adapter in the diffusers LoRA format) and `summary.json`. The
+step records and grids also go to the loggers that `logger` names (`recipes.loggers`: TensorBoard,
+wandb).
 
 With `checkpoint_every`, also `checkpoints/step-NNNNNN/` (see `recipes.checkpoint`), from which
 `resume` continues the run as if it had not stopped: the rollout seeds and the SDE window are
@@ -28,7 +29,6 @@ import logging
 import random
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -56,7 +56,9 @@ from rollout.rescoring import RATIO_TOLERANCE  # the contract the first update's
 from rollout.seeding import derive_seed
 from trainers_adapters.lora_policy import LoraPolicy
 from trainers_adapters.old_policy import OldPolicy
-from trainers_adapters.reward_spec import build_reward, reward_label, reward_problems
+from trainers_adapters.reward_runner import RewardRunner
+from trainers_adapters.reward_spec import reward_label, reward_problems
+from trainers_adapters.reward_worker_pool import open_reward_runner
 from trainers_adapters.rewarded_rollout import RewardedRollout, generate_with_rewards
 
 logger = logging.getLogger(__name__)
@@ -134,6 +136,11 @@ class TrainingConfig(RecipeConfig):
         "pickscore, aesthetic, or a dotted path), or a mapping name -> {weight, reward model settings} for a "
         "weighted sum, each component logged as reward/<name> (docs/training.md)"
     )
+    reward_workers: int = option(
+        0,
+        "reward worker processes, each holding the reward's models once (on the device its settings name), "
+        "scoring each group as it finishes; 0: on a thread of the trainer's process (docs/training.md)",
+    )
     prompts: list[str] = option(help="training prompts; each step takes `prompts_per_step` of them in turn")
     prompts_file: str | None = option(None, "a text file with one more training prompt per line (optional)")
     prompts_per_step: int = option(4, "prompts per training step; each is sampled sampling.num_samples times")
@@ -177,6 +184,10 @@ class TrainingConfig(RecipeConfig):
             problems.append(f"prompts_file {prompts_file!r} does not exist")
         if values.get("prompts") == [] and "prompts_file" in values and prompts_file is None:
             problems.append("prompts is empty and no prompts_file is given; give at least one prompt")
+        if values.get("reward_workers", 0) < 0:
+            problems.append(
+                f"reward_workers must be >= 0 (0: score on a thread of this process), got {values['reward_workers']}"
+            )
         for name in ("prompts_per_step", "steps", "grid_scale", "keep_checkpoints"):
             if values.get(name, 1) < 1:
                 problems.append(f"{name} must be >= 1, got {values[name]}")
@@ -253,7 +264,6 @@ def train(
     """Run the training loop; returns the summary written to summary.json. `postfix` picks the
     update statistics shown in the progress bar. `old_policy(policy)`, if given, makes the adapter
     the rollouts sample with instead of the policy's own (the evals still show the policy)."""
-    reward = build_reward(config.reward)
     prompts = config.all_prompts()
     output_dir = Path(config.output_dir)
     resumed_from = resume_folder(config.resume, output_dir)
@@ -291,14 +301,14 @@ def train(
     started = time.perf_counter()
     with (
         open_loggers(config.logger, output_dir, to_dict(config), config.wandb, done=history) as loggers,
+        open_reward_runner(config.reward, config.reward_workers) as rewards,
         config.engine.open_engine(model_path) as engine,
-        ThreadPoolExecutor(1, thread_name_prefix="reward") as pool,
     ):
         # A resumed run re-pushes its adapter with the checkpoint's version, so the numbering (and
         # the check that samples carry the version last pushed) goes on, on a fresh server as on the same.
         version = _push(engine, policy, old, version=None if resumed is None else resumed[0].weight_version)
         if resumed is None:
-            eval_start = _eval_samples(engine, config, prompts, reward, pool, edit_images)
+            eval_start = _eval_samples(engine, config, prompts, rewards, edit_images)
             samples_start = save_samples(eval_start.outputs, config.grid_scale, output_dir / "samples_start")
             loggers.log_images(0, {"samples_start": samples_start})
             eval_reward_start = float(eval_start.rewards.mean())
@@ -314,7 +324,7 @@ def train(
                 step_params = slide_window(step_params, config.sde_window_range, window_rng)
             taken = prompt_order.take(config.prompts_per_step)
             images = None if edit_images is None else [edit_images[prompt] for prompt in taken]
-            rollout = generate_with_rewards(engine, taken, step_params, reward, pool, f"step{step}-", images)
+            rollout = generate_with_rewards(engine, taken, step_params, rewards, None, f"step{step}-", images)
             stale = {o.weight_version for o in rollout.outputs} - {version}
             if stale:
                 raise RuntimeError(f"step {step}: samples carry weight versions {stale}, expected {version}")
@@ -344,7 +354,7 @@ def train(
                     rng=rng_state(prompt_order, generator),
                 )
                 write_checkpoint(output_dir, state, policy, optimizer, config.keep_checkpoints, old_policy=old)
-        eval_end = _eval_samples(engine, config, prompts, reward, pool, edit_images)
+        eval_end = _eval_samples(engine, config, prompts, rewards, edit_images)
         # After `steps` updates: the x position that follows the last step's scalars.
         samples_end = save_samples(eval_end.outputs, config.grid_scale, output_dir / "samples_end")
         loggers.log_images(config.steps, {"samples_end": samples_end})
@@ -380,7 +390,7 @@ def _push(engine, policy: LoraPolicy, old: OldPolicy | None, version: int | None
 
 
 def _eval_samples(
-    engine, config: TrainingConfig, prompts: list[str], reward, pool: ThreadPoolExecutor, edit_images: dict | None
+    engine, config: TrainingConfig, prompts: list[str], rewards: RewardRunner, edit_images: dict | None
 ) -> RewardedRollout:
     params = dataclasses.replace(
         config.sampling,
@@ -398,7 +408,7 @@ def _eval_samples(
     )
     prompts = prompts[: config.eval.num_prompts]
     images = None if edit_images is None else [edit_images[prompt] for prompt in prompts]
-    return generate_with_rewards(engine, prompts, params, reward, pool, "eval", images)
+    return generate_with_rewards(engine, prompts, params, rewards, None, "eval", images)
 
 
 def _step_record(step: int, rollout: RewardedRollout, stats, version: int, update_s: float, push_s: float) -> dict:

@@ -30,11 +30,9 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import json
-import struct
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-import safetensors.torch
 import torch
 
 from rollout.input_images import InputImages
@@ -43,55 +41,19 @@ from rollout.outputs import TRAJECTORY_SETTINGS, RequestTimings, RolloutOutput, 
 from rollout.pipelines.condition import Condition, PromptEmbeds
 from rollout.pipelines.families import FAMILIES
 from rollout.step_series import StepSeries
+from rollout.tensor_bytes import (  # here too: the wire's own names
+    LENGTH,
+    SAFETENSORS_MEDIA_TYPE,  # noqa: F401 (the services read it from here)
+    WireError,
+    png_image,
+    read_header,  # noqa: F401 (rollout.frame_views reads it from here)
+    tensors_from_bytes,
+    tensors_to_bytes,
+)
 
 FRAMES_MEDIA_TYPE = "application/x-rollout-frames"
-SAFETENSORS_MEDIA_TYPE = "application/octet-stream"
-LENGTH = struct.Struct("<Q")  # a frame's length, and a safetensors header's
 # Trajectory fields that are tensors; the rest (TRAJECTORY_SETTINGS: sizes, sampler settings) travel as JSON.
 _TRAJECTORY_TENSORS = ("log_probs", "timesteps", "sigmas", "sde_mask")
-
-
-class WireError(ValueError):
-    """Bytes that are not what the protocol says (a malformed safetensors body or frame)."""
-
-
-# Tensor bodies.
-
-
-def tensors_to_bytes(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> bytes:
-    """A safetensors file of `tensors` (moved to CPU) with string `metadata`."""
-    cpu = {name: tensor.detach().to("cpu").contiguous() for name, tensor in tensors.items()}
-    return safetensors.torch.save(cpu, metadata=dict(metadata) if metadata else None)
-
-
-def tensors_from_bytes(data: bytes, what: str = "body") -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """The tensors and metadata of a safetensors file; WireError names `what` if it is not one."""
-    metadata = _read_metadata(data, what)
-    try:
-        tensors = safetensors.torch.load(data)
-    except Exception as error:  # safetensors raises its own SafetensorError (not a public class)
-        raise WireError(f"{what} is not a valid safetensors file: {error}") from None
-    return tensors, metadata
-
-
-def _read_metadata(data: bytes, what: str) -> dict[str, str]:
-    header, _ = read_header(data, what)
-    metadata = header.get("__metadata__") if isinstance(header, dict) else None
-    return metadata if isinstance(metadata, dict) else {}
-
-
-def read_header(data, what: str) -> tuple[Any, int]:
-    """A safetensors file's header (parsed JSON) and where its data starts in `data` (any buffer)."""
-    if len(data) < LENGTH.size:
-        raise WireError(f"{what} is not a valid safetensors file: {len(data)} bytes, shorter than its header")
-    (header_length,) = LENGTH.unpack_from(data)
-    if header_length > len(data) - LENGTH.size:
-        raise WireError(f"{what} is not a valid safetensors file: its header runs past the end")
-    try:
-        header = json.loads(data[LENGTH.size : LENGTH.size + header_length])
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise WireError(f"{what} is not a valid safetensors file: its header is not JSON ({error})") from None
-    return header, LENGTH.size + header_length
 
 
 # Input images of a generate request.
@@ -119,30 +81,13 @@ def images_from_tensors(tensors: Mapping[str, torch.Tensor], num_prompts: int) -
         prompt, k = int(parts[1]), int(parts[2])
         if prompt >= num_prompts:
             raise WireError(f"tensor {name!r} is for prompt {prompt}, but the body has {num_prompts} prompts")
-        found.setdefault(prompt, {})[k] = _png_image(tensor, name) if png else tensor
+        found.setdefault(prompt, {})[k] = png_image(tensor, name) if png else tensor
     result: list[list[torch.Tensor] | None] = [None] * num_prompts
     for prompt, by_index in found.items():
         if sorted(by_index) != list(range(len(by_index))):
             raise WireError(f"the images of prompt {prompt} are numbered {sorted(by_index)}; number them from 0")
         result[prompt] = [by_index[k] for k in range(len(by_index))]
     return result
-
-
-def _png_image(tensor: torch.Tensor, name: str) -> torch.Tensor:
-    import io
-
-    from PIL import Image
-
-    if tensor.dtype != torch.uint8 or tensor.ndim != 1:
-        raise WireError(
-            f"tensor {name!r} must hold a PNG file's bytes as uint8 [N], got {tensor.dtype} {list(tensor.shape)}"
-        )
-    try:
-        with Image.open(io.BytesIO(tensor.numpy().tobytes()), formats=["PNG"]) as image:
-            rgb = image.convert("RGB")
-    except Exception as error:
-        raise WireError(f"tensor {name!r} is not a PNG file: {error}") from None
-    return InputImages.of([rgb]).tensors[0]
 
 
 # Frames.

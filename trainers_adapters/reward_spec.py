@@ -12,7 +12,8 @@ their weights (each component is logged as reward/<name>):
       judge: {reward: mypkg.judges.Pairwise, device: cuda:1}   # `reward:` when the name is not the reward's
 
 A component's reward is a built-in (`trainers_adapters.rewards`), a reward model
-(`trainers_adapters.reward_models`), or a dotted path to a reward function or class; its other
+(`trainers_adapters.reward_models`), `remote` (a reward service: `trainers_adapters.remote_reward`),
+or a dotted path to a reward function or class; its other
 settings are the class's keyword arguments (a function takes none). A `RewardSpec` is frozen plain
 data, so a reward worker process can be sent one and build the reward itself.
 """
@@ -22,10 +23,12 @@ from __future__ import annotations
 import difflib
 import inspect
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from trainers_adapters.composite_reward import CompositeReward, RewardComponent
+from trainers_adapters.remote_reward import RemoteReward
 from trainers_adapters.reward_models import REWARD_MODELS, ClipRewardModel
 from trainers_adapters.rewards import BUILTIN_REWARDS, Reward, get_reward
 
@@ -91,11 +94,13 @@ def resolve_reward(name: str):
     """The reward function or class `name` stands for: a built-in, a reward model, or a dotted path."""
     if name in REWARD_MODELS:
         return REWARD_MODELS[name]
+    if name == RemoteReward.name:
+        return RemoteReward
     if name in BUILTIN_REWARDS or "." in name:
         return get_reward(name)
     raise ValueError(
         f"unknown reward {name!r}; built-ins: {sorted(BUILTIN_REWARDS)}, reward models: {sorted(REWARD_MODELS)}, "
-        "or a dotted path (pkg.module.name) to a reward function or class"
+        f"{RemoteReward.name!r} (a reward service), or a dotted path (pkg.module.name) to a reward function or class"
     )
 
 
@@ -126,7 +131,12 @@ def reward_problems(value: RewardValue) -> list[str]:
 
 def build_reward(value: RewardValue) -> CompositeReward:
     """The reward a `reward:` key names, its models loaded."""
-    return CompositeReward([RewardComponent(s.name, s.build(), s.weight) for s in reward_specs(value)])
+    return build_specs(reward_specs(value))
+
+
+def build_specs(specs: Sequence[RewardSpec]) -> CompositeReward:
+    """The weighted sum of `specs`, each built (what a reward worker does with the specs it is sent)."""
+    return CompositeReward([RewardComponent(s.name, s.build(), s.weight) for s in specs])
 
 
 def reward_label(value: RewardValue) -> str:

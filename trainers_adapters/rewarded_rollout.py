@@ -1,5 +1,6 @@
 """A rollout with its rewards, where each prompt's group is rewarded as soon as all its samples
-finish, on a background thread, while the engine keeps denoising the other groups.
+finish, on a background thread or in reward worker processes (`reward_runner`), while the engine
+keeps denoising the other groups.
 
 With more samples than fit in one batch, the engine finishes the groups a few at a time, so a slow
 reward model (a scorer on its own device, a remote service) overlaps with the rest of the rollout
@@ -19,7 +20,7 @@ import torch
 
 from rollout import NodeId, RolloutOutput, SamplingParams
 from rollout.input_images import images_per_prompt
-from trainers_adapters.composite_reward import CompositeReward, RewardScores, as_composite
+from trainers_adapters.reward_runner import RewardRunner, RewardsOnThreads
 from trainers_adapters.rewards import Reward
 
 
@@ -47,13 +48,16 @@ def generate_with_rewards(
     engine,
     prompts: Sequence[str],
     params: SamplingParams,
-    reward: Reward,
-    pool: ThreadPoolExecutor,
+    reward: Reward | RewardRunner,
+    pool: ThreadPoolExecutor | None = None,
     request_prefix: str = "rollout",
     images: Sequence | None = None,
 ) -> RewardedRollout:
     """Generate `params.num_samples` samples of every prompt (each a tree of leaves when `params`
-    branch) and reward each group on `pool` as it finishes. The reward gets (images [n, 3, H, W]
+    branch) and reward each group as it finishes: `reward` on `pool` (a thread of this process; a
+    one-thread pool for this call when None), or by `reward` itself when it is a `RewardRunner`
+    (`RewardWorkerPool`: in worker processes). A group whose scoring fails stops the rollout at the
+    engine's next step, its requests aborted, with that error. The reward gets (images [n, 3, H, W]
     or videos [n, F, 3, H, W] uint8, prompts, metadata) with metadata per sample: prompt_index,
     sample_index, branch_path, seed, weight_version, and input_images: the prompt's input images
     (an edit's: `images`, one list of uint8 [3, H, W] per prompt, as `generate` takes them), or None.
@@ -62,7 +66,15 @@ def generate_with_rewards(
     anything."""
     if params.output_type != "image":
         raise ValueError("a rewarded rollout needs images (or videos); set output_type='image' in the sampling params")
-    reward = as_composite(reward)
+    if isinstance(reward, RewardRunner):
+        if pool is not None:
+            raise ValueError("pass a thread pool with a reward, not with a RewardRunner, which scores groups itself")
+        return _generate(engine, prompts, params, reward, request_prefix, images)
+    with RewardsOnThreads(reward, pool) as runner:
+        return _generate(engine, prompts, params, runner, request_prefix, images)
+
+
+def _generate(engine, prompts, params, runner: RewardRunner, request_prefix: str, images) -> RewardedRollout:
     started = time.perf_counter()
     group_of: dict[str, int] = {}
     finished: list[list[RolloutOutput]] = [[] for _ in prompts]
@@ -79,9 +91,9 @@ def generate_with_rewards(
                 group = finished[group_of[output.request_id]]
                 group.append(output)
                 if len(group) == params.num_samples * params.leaves_per_sample:
-                    futures[output.prompt_index] = pool.submit(
-                        _reward_group, reward, group, inputs[output.prompt_index]
-                    )
+                    scored = runner.submit(*_group_inputs(group, inputs[output.prompt_index]))
+                    futures[output.prompt_index] = scored
+            _raise_first_failure(futures.values())
     except BaseException:
         # Leave no requests behind in the engine; a dead engine cannot abort, and then the
         # original error is the one worth seeing.
@@ -107,7 +119,15 @@ def _sample_order(output: RolloutOutput) -> NodeId:
     return output.node_id  # within a group: by sample, then branch path
 
 
-def _reward_group(reward: CompositeReward, group: list[RolloutOutput], input_images) -> RewardScores:
+def _raise_first_failure(futures) -> None:
+    """A group that failed fails the rollout now, not after the last sample: the rest is wasted."""
+    for future in futures:
+        if future.done() and future.exception() is not None:
+            raise future.exception()
+
+
+def _group_inputs(group: list[RolloutOutput], input_images) -> tuple[torch.Tensor, list[str], list[dict]]:
+    """(images, prompts, metadata) of one finished group, in sample (then branch) order."""
     group = sorted(group, key=_sample_order)
     images = torch.stack([output.image if output.video is None else output.video for output in group])
     metadata = [
@@ -121,4 +141,4 @@ def _reward_group(reward: CompositeReward, group: list[RolloutOutput], input_ima
         }
         for o in group
     ]
-    return reward.score(images, [o.prompt for o in group], metadata)
+    return images, [o.prompt for o in group], metadata

@@ -13,7 +13,6 @@ import asyncio
 import dataclasses
 import json
 import logging
-import secrets
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Annotated
@@ -32,7 +31,7 @@ from rollout.lora import infer_config, read_lora_folder, remote_config_problems
 from rollout.sampling_params import SamplingParams
 from rollout.serve import protocol
 from rollout.serve.error_table import STATUS_OF
-from rollout.serve.guard import LOOPBACK_NAMES, RequestGuard
+from rollout.serve.guard import LOOPBACK_NAMES, RequestGuard, require_api_key
 from rollout.serve.instance import InstanceHeaders, new_instance_id
 from rollout.serve.request_body import read_body
 from rollout.serve.routes import path
@@ -104,7 +103,7 @@ def build_app(engine: AsyncRolloutEngine, settings: ServerSettings) -> FastAPI:
             return {"status": "busy", "instance_id": instance_id}
         return {"status": "ok", "instance_id": instance_id}
 
-    router = APIRouter(dependencies=[Depends(_auth(settings.api_key))])
+    router = APIRouter(dependencies=[Depends(require_api_key(settings.api_key))])
     json_body = _json_body_parser(settings)
 
     @router.get("/openapi.json", include_in_schema=False)
@@ -434,21 +433,6 @@ async def _collect(stream: OutputStream, request: Request) -> list:
 
 
 # Auth and errors.
-
-
-def _auth(api_key: str | None):
-    async def check(request: Request) -> None:
-        if api_key is None:
-            return
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not token:
-            missing = "missing API key: send 'Authorization: Bearer <key>'"
-            raise HTTPException(401, missing, {"WWW-Authenticate": "Bearer"})
-        if not secrets.compare_digest(token.encode(), api_key.encode()):
-            raise HTTPException(403, "wrong API key")
-
-    return check
 
 
 def _error_body(status: int, error_type: str, message: str, headers=None) -> JSONResponse:

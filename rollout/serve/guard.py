@@ -1,6 +1,7 @@
 """What every HTTP request must show before any route (or the key check) sees it: a `Host` header
 that names this server, and on a POST a body type of JSON (`application/json`), safetensors
-(`application/octet-stream`) or frames of tensors (`rollout.wire.FRAMES_MEDIA_TYPE`).
+(`application/octet-stream`) or frames of tensors (`rollout.wire.FRAMES_MEDIA_TYPE`); and the key
+check itself (`require_api_key`), which the rollout and reward services share.
 
 Both close a door a web page would otherwise have into a server on the same machine: DNS rebinding
 points the attacker's own host name at 127.0.0.1 (the browser then sends that name as `Host`),
@@ -10,6 +11,9 @@ these two types need one, which this server never grants.
 
 from __future__ import annotations
 
+import secrets
+
+from fastapi import HTTPException, Request
 from starlette.datastructures import Headers
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -75,3 +79,21 @@ def _host_name(host: str) -> str:
         return host[1:].partition("]")[0]
     name, colon, port = host.rpartition(":")
     return name if colon and port.isdigit() and ":" not in name else host
+
+
+def require_api_key(api_key: str | None):
+    """A FastAPI dependency: 401 without `Authorization: Bearer <key>`, 403 with another key (compared in
+    constant time); None: no key is asked for."""
+
+    async def check(request: Request) -> None:
+        if api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not token:
+            missing = "missing API key: send 'Authorization: Bearer <key>'"
+            raise HTTPException(401, missing, {"WWW-Authenticate": "Bearer"})
+        if not secrets.compare_digest(token.encode(), api_key.encode()):
+            raise HTTPException(403, "wrong API key")
+
+    return check

@@ -308,13 +308,19 @@ def test_every_bad_reward_setting_is_named_before_any_model_loads(tmp_path, tiny
         "config: reward.aesthetic: model '/nowhere' is not a CLIPModel folder (no config.json there)",
         "config: reward.judge: unknown reward 'nope'; built-ins: ['colour', 'colour_agreement', "
         "'colour_edit', 'jpeg_compressibility', 'jpeg_incompressibility'], reward models: ['aesthetic', 'clip_score', "
-        "'pickscore'], or a dotted path (pkg.module.name) to a reward function or class",
+        "'pickscore'], 'remote' (a reward service), or a dotted path (pkg.module.name) to a reward function or class",
         "config: reward.jpeg_compressibility: expected a weight or a mapping of settings, got [1]",
     ]
     with pytest.raises(ValueError, match=r"AestheticScore needs model, head .*give them as reward: "):
         load_config(CONFIG_DIR / "grpo_tiny.yaml", ["reward=aesthetic"])
     with pytest.raises(ValueError, match="reward is an empty mapping; name at least one reward"):
         load_config(CONFIG_DIR / "grpo_tiny.yaml", ["reward={}"])
+
+
+def test_reward_workers_must_not_be_negative():
+    with pytest.raises(ValueError, match=r"reward_workers must be >= 0 \(0: score on a thread of this process\)"):
+        load_config(CONFIG_DIR / "grpo_tiny.yaml", ["reward_workers=-1"])
+    assert load_config(CONFIG_DIR / "dpo_tiny.yaml", ["reward_workers=2"]).reward_workers == 2
 
 
 def test_nft_refuses_cfg_before_the_engine_loads(tiny_model, tmp_path):

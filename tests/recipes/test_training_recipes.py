@@ -233,3 +233,17 @@ def test_grpo_trains_on_reward_models_from_local_folders(tmp_path, monkeypatch, 
         assert r["reward_mean"] == pytest.approx(total, abs=1e-5)
         assert 0 <= r["reward/clip_score"] <= 100
     assert summary["log_ratio_before_update_max"] < RATIO_TOLERANCE
+
+
+@pytest.mark.slow  # two runs, one of them with a reward worker process
+@pytest.mark.filterwarnings("ignore:.*found in sys.modules:RuntimeWarning")
+@pytest.mark.timeout(300)
+def test_a_run_with_a_reward_worker_gets_the_rewards_of_a_run_without(tmp_path, monkeypatch, tiny_clip):
+    reward = f"reward={{clip_score: {{weight: 0.01, model: {tiny_clip}}}, colour: 1.0}}"
+    found = {}
+    for workers in (0, 1):
+        folder = tmp_path / f"workers{workers}"
+        run_cli(monkeypatch, "grpo_tiny.yaml", *small_run(folder, "uni"), reward, f"reward_workers={workers}")
+        records, _ = check_run_files(folder / "out")
+        found[workers] = [r[name] for r in records for name in ("reward_mean", "reward/clip_score", "reward/colour")]
+    assert found[1] == pytest.approx(found[0], abs=1e-6)

@@ -11,6 +11,7 @@ import torch
 from rollout import EngineConfig, RolloutEngine, SamplingParams
 from trainers_adapters.composite_reward import CompositeReward, RewardComponent, groupwise
 from trainers_adapters.reward_checks import RewardError
+from trainers_adapters.reward_runner import RewardsOnThreads
 from trainers_adapters.rewarded_rollout import generate_with_rewards
 from trainers_adapters.rewards import colour_target
 
@@ -112,3 +113,25 @@ def test_a_groupwise_judge_gets_each_whole_group_of_a_tree_rollout_and_the_compo
     colour = colour_target(images, [o.prompt for o in rollout.outputs], [{}] * 12)
     torch.testing.assert_close(rollout.reward_components["colour"], colour, atol=0, rtol=0)
     torch.testing.assert_close(rollout.rewards, colour + 0.5 * rollout.reward_components["judge"], atol=1e-6, rtol=0)
+
+
+def test_a_runner_scores_the_groups_itself_and_a_failed_group_stops_the_rollout_early(small_batch_engine, monkeypatch):
+    engine = small_batch_engine
+    params = SamplingParams(num_inference_steps=3, num_samples=2, seed=1)
+    with RewardsOnThreads(colour_target) as runner:
+        rollout = generate_with_rewards(engine, PROMPTS, params, runner)
+        with pytest.raises(ValueError, match="not with a RewardRunner"), ThreadPoolExecutor(1) as pool:
+            generate_with_rewards(engine, PROMPTS, params, runner, pool)
+    images = torch.stack([o.image for o in rollout.outputs])
+    assert torch.equal(rollout.rewards, colour_target(images, [o.prompt for o in rollout.outputs], [{}] * 6))
+
+    def first_group_fails(images, prompts, metadata):
+        raise RuntimeError("the scorer is down")
+
+    real_step, steps = engine.step, []
+    monkeypatch.setattr(engine, "step", lambda: steps.append(1) or real_step())
+    with pytest.raises(RuntimeError, match="the scorer is down"):
+        generate_with_rewards(engine, PROMPTS, params, first_group_fails)
+    monkeypatch.undo()
+    assert len(steps) < 3 * 3, "the rollout stopped before the last group's steps"  # 3 groups of 3 steps, one by one
+    assert not engine.has_unfinished_requests()

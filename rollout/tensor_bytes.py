@@ -1,0 +1,82 @@
+"""Tensors as safetensors bytes, and PNG files in tensors: what every body of tensors on the wire is
+made of (`rollout.wire`'s frames and bodies, the reward workers' and reward service's groups).
+
+Kept apart from `rollout.wire`, which knows the families' conditioning (and so imports diffusers),
+so a process that only sends tensors (a reward worker) starts without it.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Mapping
+from typing import Any
+
+import safetensors.torch
+import torch
+
+from rollout.input_images import InputImages
+
+SAFETENSORS_MEDIA_TYPE = "application/octet-stream"  # the Content-Type of a safetensors body
+LENGTH = struct.Struct("<Q")  # a frame's length, and a safetensors header's
+
+
+class WireError(ValueError):
+    """Bytes that are not what the protocol says (a malformed safetensors body or frame)."""
+
+
+# Tensor bodies.
+
+
+def tensors_to_bytes(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> bytes:
+    """A safetensors file of `tensors` (moved to CPU) with string `metadata`."""
+    cpu = {name: tensor.detach().to("cpu").contiguous() for name, tensor in tensors.items()}
+    return safetensors.torch.save(cpu, metadata=dict(metadata) if metadata else None)
+
+
+def tensors_from_bytes(data: bytes, what: str = "body") -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The tensors and metadata of a safetensors file; WireError names `what` if it is not one."""
+    metadata = _read_metadata(data, what)
+    try:
+        tensors = safetensors.torch.load(data)
+    except Exception as error:  # safetensors raises its own SafetensorError (not a public class)
+        raise WireError(f"{what} is not a valid safetensors file: {error}") from None
+    return tensors, metadata
+
+
+def _read_metadata(data: bytes, what: str) -> dict[str, str]:
+    header, _ = read_header(data, what)
+    metadata = header.get("__metadata__") if isinstance(header, dict) else None
+    return metadata if isinstance(metadata, dict) else {}
+
+
+def read_header(data, what: str) -> tuple[Any, int]:
+    """A safetensors file's header (parsed JSON) and where its data starts in `data` (any buffer)."""
+    if len(data) < LENGTH.size:
+        raise WireError(f"{what} is not a valid safetensors file: {len(data)} bytes, shorter than its header")
+    (header_length,) = LENGTH.unpack_from(data)
+    if header_length > len(data) - LENGTH.size:
+        raise WireError(f"{what} is not a valid safetensors file: its header runs past the end")
+    try:
+        header = json.loads(data[LENGTH.size : LENGTH.size + header_length])
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise WireError(f"{what} is not a valid safetensors file: its header is not JSON ({error})") from None
+    return header, LENGTH.size + header_length
+
+
+def png_image(tensor: torch.Tensor, name: str) -> torch.Tensor:
+    """The RGB image (uint8 [3, H, W]) in a uint8 [N] tensor `name` that holds a PNG file's bytes."""
+    import io
+
+    from PIL import Image
+
+    if tensor.dtype != torch.uint8 or tensor.ndim != 1:
+        raise WireError(
+            f"tensor {name!r} must hold a PNG file's bytes as uint8 [N], got {tensor.dtype} {list(tensor.shape)}"
+        )
+    try:
+        with Image.open(io.BytesIO(tensor.numpy().tobytes()), formats=["PNG"]) as image:
+            rgb = image.convert("RGB")
+    except Exception as error:
+        raise WireError(f"tensor {name!r} is not a PNG file: {error}") from None
+    return InputImages.of([rgb]).tensors[0]
