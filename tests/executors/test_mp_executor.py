@@ -150,7 +150,10 @@ if __name__ == "__main__":
 """
 
 
-@pytest.mark.parametrize("how", [pytest.param("raise", marks=pytest.mark.slow), "ctrl-c"])
+# Both in the slow suite: a caller of its own with two workers (three processes importing torch and
+# diffusers) is 10-15 s; the default suite keeps test_killing_a_worker_during_a_rollout_fails_fast.
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["raise", "ctrl-c"])
 def test_caller_exception_or_ctrl_c_leaves_no_worker(tiny_model, tmp_path, how):
     script = tmp_path / "caller.py"
     script.write_text(textwrap.dedent(CALLER))
