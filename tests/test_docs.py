@@ -105,7 +105,7 @@ def test_python_examples_run(page: Path, tmp_path, monkeypatch) -> None:
 
 def bash_commands(block: Block) -> list[list[str]]:
     commands = []
-    for line in block.source.splitlines():
+    for line in block.source.replace("\\\n", " ").splitlines():  # a continued line is one command
         line = line.split(" #")[0].strip().rstrip("&").strip()
         if not line or line.startswith("#"):
             continue
