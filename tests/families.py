@@ -68,18 +68,21 @@ class Family:
 
     def pipeline_inputs(self, images: dict | None = None, height: int = 32, width: int = 32, prompt: int = 0) -> dict:
         """The edit pipeline's arguments beside the prompt for an output of `height` x `width`
-        (`max_area` keeps FluxKontextPipeline from rescaling it to a megapixel) and prompt
-        `prompt`'s images of `inputs()` (encoded at their own size: no resize to Kontext's
-        preferred sizes); nothing for a text-to-image family."""
+        and prompt `prompt`'s images of `inputs()`; nothing for a text-to-image family.
+        FluxKontextPipeline: `max_area` keeps it from rescaling the output to a megapixel, and the
+        image is encoded at its own size (no resize to Kontext's preferred sizes). The Qwen-Image
+        edit pipelines take the image (Plus: the list of images) as they are."""
         if not self.edits:
             return {}
         from rollout.input_images import InputImages
 
-        call = {"max_area": height * width}
-        if images:
-            (image,) = InputImages.of(images["images"][prompt]).pil()
-            call |= {"image": image, "_auto_resize": False}
-        return call
+        pil = InputImages.of(images["images"][prompt]).pil() if images else None
+        if self.pipeline_class == "FluxKontextPipeline":
+            call = {"max_area": height * width}
+            return call | ({"image": pil[0], "_auto_resize": False} if pil else {})
+        if pil is None:
+            return {}
+        return {"image": pil if self.pipeline_class == "QwenImageEditPlusPipeline" else pil[0]}
 
 
 def input_image(index: int, height: int = 32, width: int = 32) -> torch.Tensor:

@@ -15,8 +15,9 @@ with exactly the computation that sampled it. A family supplies hooks, never a d
                                          `image=` (then `run_transformer` takes them as `images=`)
 
 An edit family sets `ModelSpec.max_input_images`. A family whose text encoder reads the images with
-the prompt (Qwen-Image-Edit's vision tokens) would encode them inside `encode_prompt`'s work too;
-the runner keys its cache of encodings by the images' digest.
+the prompt (Qwen-Image-Edit's vision tokens) sets `ModelSpec.prompt_reads_images` and encodes its
+texts in `encode_prompt_with_images(text, max_length, images)`; the runner keys its cache of
+encoded texts by the images' digest too (`ModelSpec.text_key`).
 
 Classifier-free guidance is batched here: the unconditional rows of the samples with a negative
 prompt run in a second forward pass, or in the same pass as the conditional rows where the family's
@@ -144,6 +145,12 @@ class PipelineAdapter(ABC):
         > 0) implement it; the engine refuses images for the others before they reach a worker."""
         raise NotImplementedError(f"{type(self).__name__} ({self.pipeline_class}) takes no input images")
 
+    def encode_prompt_with_images(self, text: str, max_sequence_length: int, images: InputImages) -> PromptEmbeds:
+        """One text's embeddings read together with a request's input images, as the family's edit
+        pipeline encodes its prompt with `image=` (Qwen-Image-Edit's vision tokens). Only families
+        whose spec sets `prompt_reads_images` implement it."""
+        raise NotImplementedError(f"{type(self).__name__} ({self.pipeline_class}) encodes prompts without images")
+
     def combine_cfg(self, cond: torch.Tensor, uncond: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         """Classifier-free guidance of the rows that use it, in float32; `scale` broadcasts."""
         return uncond + scale * (cond - uncond)
@@ -198,7 +205,13 @@ class PipelineAdapter(ABC):
         return 1 if bool(torch.isfinite(sigmas).all()) else 2
 
     @torch.no_grad()
-    def encode_prompts(self, texts: Sequence[str], max_sequence_length: int) -> list[PromptEmbeds]:
+    def encode_prompts(
+        self, texts: Sequence[str], max_sequence_length: int, images: InputImages | None = None
+    ) -> list[PromptEmbeds]:
+        """Each text's embeddings (`encode_prompt`); where the family's prompt encoding reads the
+        request's input images (`spec.prompt_reads_images`), with `images` (`encode_prompt_with_images`)."""
+        if self.spec.prompt_reads_images and images is not None:
+            return [self.encode_prompt_with_images(text, max_sequence_length, images) for text in texts]
         return [self.encode_prompt(text, max_sequence_length) for text in texts]
 
     def predict_velocity(

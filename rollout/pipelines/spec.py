@@ -8,6 +8,7 @@ error, and every default a request leaves open is filled in once, here.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 from rollout.pipelines.guidance import GUIDANCE_FIELDS  # the fields whose meaning depends on the model
@@ -46,6 +47,14 @@ class ModelSpec:
         and 0 for a text-to-image family; an edit family's pipeline takes up to `max_input_images`
         as `image=`, and needs at least `min_input_images` (FLUX.1 Kontext: 0 to 1, since its
         pipeline without an image is FLUX.1's text-to-image).
+    edit_area: the pixel count an edit that sets no size is made at, with its input image's aspect
+        ratio (Qwen-Image-Edit: a megapixel, its pipeline's `calculate_dimensions`); None: the
+        input image's own size.
+    edit_size_image: which input image sets that size (0: the first; -1: the last, as
+        Qwen-Image-Edit-Plus's pipeline reads it).
+    prompt_reads_images: whether the prompt's encoding reads the request's input images
+        (Qwen-Image-Edit's text encoder sees their vision tokens with the prompt), so an encoded
+        text is reused only by requests with the same images (`text_key`).
     """
 
     pipeline_class: str
@@ -70,6 +79,9 @@ class ModelSpec:
     temporal_patch_size: int = 1
     min_input_images: int = 0
     max_input_images: int = 0
+    edit_area: int | None = None
+    edit_size_image: int = 0
+    prompt_reads_images: bool = False
 
     @property
     def is_video(self) -> bool:
@@ -98,11 +110,22 @@ class ModelSpec:
             return (self.latent_channels, h, w)
         return ((h // p) * (w // p), self.latent_channels * p * p)
 
-    def edit_size(self, image_height: int, image_width: int) -> tuple[int, int]:
-        """The output size of an edit whose request sets none: its first input image's size,
-        rounded down to the size multiple (as edit pipelines round the image they encode)."""
+    def edit_size(self, sizes: tuple[tuple[int, int], ...]) -> tuple[int, int]:
+        """The output size of an edit whose request sets none, from its input images' (height,
+        width) sizes: the size of image `edit_size_image`, or `edit_area` pixels at its aspect
+        ratio, rounded down to the size multiple (as edit pipelines round the image they encode)."""
+        height, width = sizes[self.edit_size_image]
+        if self.edit_area is not None:
+            height, width = area_size(self.edit_area, height, width)
         multiple = self.size_multiple
-        return max(multiple, image_height // multiple * multiple), max(multiple, image_width // multiple * multiple)
+        return max(multiple, height // multiple * multiple), max(multiple, width // multiple * multiple)
+
+    def text_key(self, text: str, max_sequence_length: int, images) -> tuple:
+        """What identifies an encoded text: the text and its length, and, where the prompt's encoding
+        reads the images (`prompt_reads_images`), the digest of the request's `InputImages` (or None)."""
+        if not self.prompt_reads_images:
+            return (text, max_sequence_length)
+        return (text, max_sequence_length, None if images is None else images.digest)
 
     def image_problems(self, sizes: tuple[tuple[int, int], ...]) -> list[str]:
         """What is wrong with a request whose input images have these (height, width) sizes
@@ -227,3 +250,13 @@ class ModelSpec:
         if not self.guidance_defaults:
             return f"{self.pipeline_class} takes no guidance settings"
         return f"{self.pipeline_class} takes " + ", ".join(sorted(self.guidance_defaults))
+
+
+def area_size(area: int, height: int, width: int) -> tuple[int, int]:
+    """(height, width) of about `area` pixels at the aspect ratio of `height` x `width`, each a
+    multiple of 32: the rule of Qwen-Image-Edit's `calculate_dimensions` (Python's rounding, half
+    to even, as there)."""
+    ratio = width / height
+    new_width = math.sqrt(area * ratio)
+    new_height = new_width / ratio
+    return round(new_height / 32) * 32, round(new_width / 32) * 32
