@@ -41,6 +41,20 @@ EDIT_IMAGE_AREA = 1024 * 1024
 PLUS_MAX_INPUT_IMAGES = 3
 
 
+def processor_problem() -> str | None:
+    """Why the edit pipelines' `Qwen2VLProcessor` cannot be made here, or None: transformers builds
+    it only with a video processor (`Qwen2VLVideoProcessor`), which needs torchvision."""
+    from transformers.utils import is_torchvision_available
+
+    if is_torchvision_available():
+        return None
+    return (
+        "the Qwen-Image edit pipelines' Qwen2VLProcessor needs torchvision (transformers makes it only "
+        "with its Qwen2VLVideoProcessor, which imports torchvision); install the torchvision release "
+        "built for your torch (pip install torchvision==<the one matching torch.__version__>)"
+    )
+
+
 @dataclass
 class QwenEditImages(PromptEmbeds):
     """latents: [N, C*4] the reference images' packed VAE latents (normalised by the VAE's latent
@@ -55,6 +69,13 @@ class QwenImageEditAdapter(QwenImageAdapter):
     pipeline_class = "QwenImageEditPipeline"
     max_input_images: ClassVar[int] = 1
     edit_size_image: ClassVar[int] = 0  # QwenImageEditPipeline.__call__: `image[0].size` of a list
+
+    @classmethod
+    def load(cls, path, index: dict, device: str = "cpu", dtype: torch.dtype = torch.float32):
+        problem = processor_problem()
+        if problem is not None:  # transformers' own error here is an AttributeError about a mapping
+            raise ImportError(f"cannot load {cls.pipeline_class} from {path}: {problem}")
+        return super().load(path, index, device=device, dtype=dtype)
 
     def make_spec(self) -> ModelSpec:
         return dataclasses.replace(
@@ -170,6 +191,7 @@ EDIT_FAMILY = Family(
     cfg_on=CFG_ON,
     cfg_off=CFG_OFF,
     edits=True,
+    requires=("torchvision",),
 )
 
 PLUS_FAMILY = Family(
@@ -185,4 +207,5 @@ PLUS_FAMILY = Family(
     cfg_on=CFG_ON,
     cfg_off=CFG_OFF,
     edits=True,
+    requires=("torchvision",),
 )

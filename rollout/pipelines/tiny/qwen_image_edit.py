@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from rollout.pipelines.qwen_image_edit import processor_problem
 from rollout.pipelines.tiny.qwen_image import QWEN_IMAGE, TinyQwenImageSizes, build_tiny_qwen_image
 from rollout.pipelines.tiny.tokenizers import qwen25_vl_tokenizer
 
@@ -31,6 +32,11 @@ def tiny_processor():
     `TINY_MAX_VISION_TOKENS` merged vision tokens."""
     from transformers import Qwen2VLImageProcessor, Qwen2VLProcessor
 
+    problem = processor_problem()
+    if problem is not None:
+        raise ImportError(f"cannot build a tiny Qwen-Image edit pipeline: {problem}")
+    from transformers import Qwen2VLVideoProcessor  # unused by the pipelines, but the processor needs one
+
     merged = (VISION_PATCH * VISION_MERGE) ** 2
     image_processor = Qwen2VLImageProcessor(
         size={"shortest_edge": merged, "longest_edge": merged * TINY_MAX_VISION_TOKENS},
@@ -38,7 +44,9 @@ def tiny_processor():
         merge_size=VISION_MERGE,
         temporal_patch_size=2,
     )
-    return Qwen2VLProcessor(image_processor=image_processor, tokenizer=qwen25_vl_tokenizer())
+    return Qwen2VLProcessor(
+        image_processor=image_processor, tokenizer=qwen25_vl_tokenizer(), video_processor=Qwen2VLVideoProcessor()
+    )
 
 
 def build_tiny_qwen_image_edit(path: str | Path, seed: int = 0, **kwargs) -> Path:
