@@ -140,6 +140,13 @@ class ModelSpec:
                 f"{model} edits input images: pass images=[[image], ...] with {self.min_input_images} or more "
                 "images per prompt (uint8 [3, H, W] tensors or PIL images)"
             ]
+        if self.edit_area is not None:  # resized to the area first: only the aspect ratio can be wrong
+            return [
+                f"input image {i} is {height}x{width} pixels, too narrow for {model}, which resizes it to about "
+                f"{self.edit_area} pixels at its aspect ratio in multiples of 32; pass a less elongated image"
+                for i, (height, width) in enumerate(sizes)
+                if min(area_size(self.edit_area, height, width)) == 0
+            ]
         multiple = self.size_multiple
         return [
             f"input image {i} is {height}x{width} pixels, smaller than the {multiple} pixels {model} encodes "
