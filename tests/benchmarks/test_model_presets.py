@@ -17,7 +17,9 @@ from benchmarks.model_presets import (
     Z_IMAGE_TURBO,
     build,
 )
-from rollout.pipelines.families import family_names
+from rollout.pipelines.families import FAMILIES
+from rollout.pipelines.tiny.qwen_image_edit import QWEN_IMAGE_EDIT, QWEN_IMAGE_EDIT_2509, QWEN_IMAGE_EDIT_2511
+from tests.families import unavailable
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -33,6 +35,9 @@ pytestmark = pytest.mark.timeout(120)
         ("WanTransformer3DModel", WAN21_T2V_1_3B, 1.42),  # Wan 2.1 T2V 1.3B
         ("WanTransformer3DModel", WAN22_T2V_A14B_EXPERT, 14.3),  # each of Wan 2.2 T2V A14B's two experts
         ("ZImageTransformer2DModel", Z_IMAGE_TURBO, 6.15),  # Z-Image-Turbo (and Z-Image): "6B"
+        ("QwenImageTransformer2DModel", QWEN_IMAGE_EDIT, 20.4),  # Qwen-Image's MMDiT
+        ("QwenImageTransformer2DModel", QWEN_IMAGE_EDIT_2509, 20.4),
+        ("QwenImageTransformer2DModel", QWEN_IMAGE_EDIT_2511, 20.4),  # zero_cond_t adds no parameters
     ],
 )
 def test_real_transformers_have_the_published_size(class_name, config, billions):
@@ -44,7 +49,7 @@ def test_real_transformers_have_the_published_size(class_name, config, billions)
     assert parameters == pytest.approx(billions, rel=0.02)
 
 
-@pytest.mark.parametrize("family", family_names())
+@pytest.mark.parametrize("family", [pytest.param(f.name, marks=unavailable(f)) for f in FAMILIES])
 def test_small_preset_builds_a_loadable_pipeline(tmp_path, family):
     from rollout.pipelines.loading import load_adapter
 
