@@ -18,7 +18,7 @@ from benchmarks.model_presets import (
     build,
 )
 from rollout.pipelines.families import FAMILIES
-from rollout.pipelines.tiny.qwen_image_edit import QWEN_IMAGE_EDIT, QWEN_IMAGE_EDIT_2509, QWEN_IMAGE_EDIT_2511
+from rollout.pipelines.tiny.qwen_image_edit import QWEN_IMAGE_EDIT_2511
 from tests.families import unavailable
 
 pytestmark = pytest.mark.timeout(120)
@@ -35,9 +35,8 @@ pytestmark = pytest.mark.timeout(120)
         ("WanTransformer3DModel", WAN21_T2V_1_3B, 1.42),  # Wan 2.1 T2V 1.3B
         ("WanTransformer3DModel", WAN22_T2V_A14B_EXPERT, 14.3),  # each of Wan 2.2 T2V A14B's two experts
         ("ZImageTransformer2DModel", Z_IMAGE_TURBO, 6.15),  # Z-Image-Turbo (and Z-Image): "6B"
-        ("QwenImageTransformer2DModel", QWEN_IMAGE_EDIT, 20.4),  # Qwen-Image's MMDiT
-        ("QwenImageTransformer2DModel", QWEN_IMAGE_EDIT_2509, 20.4),
-        ("QwenImageTransformer2DModel", QWEN_IMAGE_EDIT_2511, 20.4),  # zero_cond_t adds no parameters
+        # Qwen-Image-Edit's and -2509's configs are Qwen-Image's (above); -2511's adds zero_cond_t, no parameters.
+        ("QwenImageTransformer2DModel", QWEN_IMAGE_EDIT_2511, 20.4),
     ],
 )
 def test_real_transformers_have_the_published_size(class_name, config, billions):
@@ -57,3 +56,11 @@ def test_small_preset_builds_a_loadable_pipeline(tmp_path, family):
     adapter = load_adapter(tmp_path / family)
     assert adapter.spec.size_multiple <= 64 and sum(p.numel() for p in adapter.transformer.parameters()) > 1e6
     assert len(adapter.denoisers) == (2 if family == "wan22" else 1)  # Wan 2.2: two experts
+
+
+def test_the_edit_presets_are_qwen_images_transformer():
+    from benchmarks.model_presets import QWEN_IMAGE
+    from rollout.pipelines.tiny.qwen_image_edit import QWEN_IMAGE_EDIT, QWEN_IMAGE_EDIT_2509
+
+    assert QWEN_IMAGE_EDIT == QWEN_IMAGE_EDIT_2509 == QWEN_IMAGE
+    assert QWEN_IMAGE_EDIT_2511 == {**QWEN_IMAGE, "zero_cond_t": True}
