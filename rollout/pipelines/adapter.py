@@ -32,7 +32,7 @@ import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
@@ -93,10 +93,19 @@ class PipelineAdapter(ABC):
         # Components saved as [null, null] (SD3 without T5) must be passed explicitly as None.
         absent = {name: None for name, value in index.items() if isinstance(value, list) and value[0] is None}
         pipeline_cls = getattr(diffusers, cls.pipeline_class)
-        pipeline = pipeline_cls.from_pretrained(str(path), dtype=dtype, local_files_only=True, **absent)
+        pipeline = pipeline_cls.from_pretrained(
+            str(path), dtype=dtype, local_files_only=True, **absent, **cls.given_components(Path(path))
+        )
         pipeline.to(device)
         pipeline.set_progress_bar_config(disable=True)
         return cls(pipeline)
+
+    @classmethod
+    def given_components(cls, path: Path) -> dict[str, Any]:
+        """Components of the folder at `path` that the family loads itself and passes to the
+        pipeline's `from_pretrained` (and so must a caller that loads the pipeline with diffusers);
+        most families: none."""
+        return {}
 
     # Hooks a family implements.
 

@@ -11,7 +11,6 @@ import itself.
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,8 +40,6 @@ class Family:
         this family (the same-named arguments of its diffusers pipeline mean the same).
     video: whether the family makes videos (`num_frames`, outputs' `video`) rather than images.
     edits: whether its requests take input images (`images=`), as an edit pipeline's `image=`.
-    requires: modules beyond the project's dependencies that its pipeline needs (the Qwen-Image edit
-        pipelines' processor: torchvision); `missing()` names those not installed.
     """
 
     name: str
@@ -55,11 +52,6 @@ class Family:
     cfg_off: Mapping[str, Any]
     video: bool = False
     edits: bool = False
-    requires: tuple[str, ...] = ()
-
-    def missing(self) -> tuple[str, ...]:
-        """The modules of `requires` that are not installed here."""
-        return tuple(name for name in self.requires if importlib.util.find_spec(name) is None)
 
     @property
     def pipeline_class(self) -> str:

@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import ClassVar
+from pathlib import Path
+from typing import Any, ClassVar
 
 import torch
 
@@ -39,20 +40,6 @@ from rollout.pipelines.spec import ModelSpec, area_size
 EDIT_IMAGE_AREA = 1024 * 1024
 # Qwen-Image-Edit-2509's model card: multi-image editing works best with 1 to 3 input images.
 PLUS_MAX_INPUT_IMAGES = 3
-
-
-def processor_problem() -> str | None:
-    """Why the edit pipelines' `Qwen2VLProcessor` cannot be made here, or None: transformers builds
-    it only with a video processor (`Qwen2VLVideoProcessor`), which needs torchvision."""
-    from transformers.utils import is_torchvision_available
-
-    if is_torchvision_available():
-        return None
-    return (
-        "the Qwen-Image edit pipelines' Qwen2VLProcessor needs torchvision (transformers makes it only "
-        "with its Qwen2VLVideoProcessor, which imports torchvision); install the torchvision release "
-        "built for your torch (pip install torchvision==<the one matching torch.__version__>)"
-    )
 
 
 @dataclass
@@ -71,11 +58,12 @@ class QwenImageEditAdapter(QwenImageAdapter):
     edit_size_image: ClassVar[int] = 0  # QwenImageEditPipeline.__call__: `image[0].size` of a list
 
     @classmethod
-    def load(cls, path, index: dict, device: str = "cpu", dtype: torch.dtype = torch.float32):
-        problem = processor_problem()
-        if problem is not None:  # transformers' own error here is an AttributeError about a mapping
-            raise ImportError(f"cannot load {cls.pipeline_class} from {path}: {problem}")
-        return super().load(path, index, device=device, dtype=dtype)
+    def given_components(cls, path: Path) -> dict[str, Any]:
+        # The pipelines' processor, made without torchvision where it is missing (qwen_vl_processor.py;
+        # diffusers' own loader would need torchvision). Imported here: the registry imports this file.
+        from rollout.pipelines.qwen_vl_processor import load_qwen_vl_processor
+
+        return {"processor": load_qwen_vl_processor(path / "processor")}
 
     def make_spec(self) -> ModelSpec:
         return dataclasses.replace(
@@ -191,7 +179,6 @@ EDIT_FAMILY = Family(
     cfg_on=CFG_ON,
     cfg_off=CFG_OFF,
     edits=True,
-    requires=("torchvision",),
 )
 
 PLUS_FAMILY = Family(
@@ -207,5 +194,4 @@ PLUS_FAMILY = Family(
     cfg_on=CFG_ON,
     cfg_off=CFG_OFF,
     edits=True,
-    requires=("torchvision",),
 )

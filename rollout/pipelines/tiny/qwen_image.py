@@ -102,6 +102,9 @@ def build_tiny_qwen_image(
         transformer=transformer,
         **({} if processor is None else {"processor": processor}),
     )
+    if processor is not None:  # model_index.json names the class whose files the folder holds, as
+        # a downloaded folder does, whatever subclass made them (qwen_vl_processor.py)
+        pipeline.register_to_config(processor=("transformers", "Qwen2VLProcessor"))
     return save(pipeline, path, dtype)
 
 

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import torch
 
-from rollout.pipelines.qwen_image_edit import processor_problem
 from rollout.pipelines.tiny.qwen_image import QWEN_IMAGE, TinyQwenImageSizes, build_tiny_qwen_image
 from rollout.pipelines.tiny.tokenizers import qwen25_vl_tokenizer
 
@@ -28,42 +27,42 @@ TINY_MAX_VISION_TOKENS = 4
 
 
 def tiny_processor():
-    """A `Qwen2VLProcessor` over `qwen25_vl_tokenizer()` that resizes every image to at most
-    `TINY_MAX_VISION_TOKENS` merged vision tokens."""
-    from transformers import Qwen2VLImageProcessor, Qwen2VLProcessor
+    """A `Qwen2VLImageTextProcessor` over `qwen25_vl_tokenizer()` that resizes every image to at most
+    `TINY_MAX_VISION_TOKENS` merged vision tokens (no torchvision needed to make or save it)."""
+    from transformers import Qwen2VLImageProcessorPil
 
-    problem = processor_problem()
-    if problem is not None:
-        raise ImportError(f"cannot build a tiny Qwen-Image edit pipeline: {problem}")
-    from transformers import Qwen2VLVideoProcessor  # unused by the pipelines, but the processor needs one
+    from rollout.pipelines.qwen_vl_processor import Qwen2VLImageTextProcessor
 
     merged = (VISION_PATCH * VISION_MERGE) ** 2
-    image_processor = Qwen2VLImageProcessor(
+    image_processor = Qwen2VLImageProcessorPil(
         size={"shortest_edge": merged, "longest_edge": merged * TINY_MAX_VISION_TOKENS},
         patch_size=VISION_PATCH,
         merge_size=VISION_MERGE,
         temporal_patch_size=2,
     )
-    return Qwen2VLProcessor(
-        image_processor=image_processor, tokenizer=qwen25_vl_tokenizer(), video_processor=Qwen2VLVideoProcessor()
-    )
+    return Qwen2VLImageTextProcessor(image_processor=image_processor, tokenizer=qwen25_vl_tokenizer())
 
 
 def build_tiny_qwen_image_edit(path: str | Path, seed: int = 0, **kwargs) -> Path:
     """A tiny `QwenImageEditPipeline` (see `build_tiny_qwen_image`; `TINY_EDIT_SIZES` unless
     `sizes=` says)."""
-    kwargs.setdefault("sizes", TINY_EDIT_SIZES)
-    return build_tiny_qwen_image(
-        path, seed=seed, pipeline_class="QwenImageEditPipeline", processor=tiny_processor(), **kwargs
-    )
+    return _build_tiny_edit(path, seed, "QwenImageEditPipeline", **kwargs)
 
 
 def build_tiny_qwen_image_edit_plus(path: str | Path, seed: int = 0, **kwargs) -> Path:
     """A tiny `QwenImageEditPlusPipeline` (several reference images; see `build_tiny_qwen_image_edit`)."""
+    return _build_tiny_edit(path, seed, "QwenImageEditPlusPipeline", **kwargs)
+
+
+def _build_tiny_edit(path: str | Path, seed: int, pipeline_class: str, **kwargs) -> Path:
     kwargs.setdefault("sizes", TINY_EDIT_SIZES)
-    return build_tiny_qwen_image(
-        path, seed=seed, pipeline_class="QwenImageEditPlusPipeline", processor=tiny_processor(), **kwargs
-    )
+    processor = tiny_processor()
+    path = build_tiny_qwen_image(path, seed=seed, pipeline_class=pipeline_class, processor=processor, **kwargs)
+    # The image processor's config also in its own file (preprocessor_config.json), as a downloaded
+    # folder has it: where torchvision is installed, Qwen2VLProcessor.from_pretrained makes its video
+    # processor from that file when the folder saved none.
+    processor.image_processor.save_pretrained(path / "processor")
+    return path
 
 
 # Benchmark presets (benchmarks/model_presets.py), as in tiny/qwen_image.py.
