@@ -370,7 +370,8 @@ def main(argv: list[str] | None = None) -> dict:
     with tempfile.TemporaryDirectory(prefix="rollout-bench-") as folder:
         model_presets.build(args.family, args.preset, folder, args.device, dtype)
         class_name = json.loads((Path(folder) / "model_index.json").read_text())["_class_name"]
-        pipeline = getattr(diffusers, class_name).from_pretrained(folder, dtype=dtype, local_files_only=True)
+        given = adapter_class(class_name).given_components(Path(folder))  # an edit family's processor
+        pipeline = getattr(diffusers, class_name).from_pretrained(folder, dtype=dtype, local_files_only=True, **given)
         pipeline = pipeline.to(args.device)
         pipeline.set_progress_bar_config(disable=True)
         params = sum(p.numel() for p in pipeline.transformer.parameters())

@@ -19,7 +19,7 @@ from benchmarks.model_presets import (
 )
 from rollout.pipelines.families import FAMILIES
 from rollout.pipelines.tiny.qwen_image_edit import QWEN_IMAGE_EDIT_2511
-from tests.families import unavailable
+from tests.families import slow_family
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -48,7 +48,7 @@ def test_real_transformers_have_the_published_size(class_name, config, billions)
     assert parameters == pytest.approx(billions, rel=0.02)
 
 
-@pytest.mark.parametrize("family", [pytest.param(f.name, marks=unavailable(f)) for f in FAMILIES])
+@pytest.mark.parametrize("family", [pytest.param(f.name, marks=slow_family(f)) for f in FAMILIES])
 def test_small_preset_builds_a_loadable_pipeline(tmp_path, family):
     from rollout.pipelines.loading import load_adapter
 

@@ -1,7 +1,7 @@
 """grpo_qwen_image_edit_tiny.yaml runs end to end: every prompt edits its own generated image, the
 reward reads both images, and the first update starts at ratio 1 (the trainer re-scores with the
 trajectories' prompt and image encodings). A short run, not a learning check: each step encodes
-its megapixel reference images (slow, and only where torchvision is installed)."""
+its megapixel reference images (slow)."""
 
 from __future__ import annotations
 
@@ -13,18 +13,14 @@ import pytest
 import recipes.config
 from recipes.config import load_config
 from recipes.grpo import run
-from rollout.pipelines.families import family_named
 from rollout.rescoring import RATIO_TOLERANCE
-from tests.families import unavailable
 
 CONFIG_DIR = Path(recipes.config.__file__).parent / "configs"
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize(
-    "family", [pytest.param("qwen_image_edit", marks=unavailable(family_named("qwen_image_edit")))]
-)
+@pytest.mark.parametrize("family", ["qwen_image_edit"])
 def test_the_qwen_image_edit_recipe_runs_and_starts_at_ratio_one(tmp_path, tiny_models, family):
     out = tmp_path / "edit"
     config = load_config(

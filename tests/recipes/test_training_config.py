@@ -11,8 +11,6 @@ import yaml
 
 import recipes.config
 from recipes.config import load_config
-from rollout.pipelines.families import family_named
-from tests.families import unavailable
 from trainers_adapters.reward_spec import reward_specs
 
 CONFIG_DIR = Path(recipes.config.__file__).parent / "configs"
@@ -89,9 +87,6 @@ def test_zimage_config_carries_the_published_flow_factory_settings():
     assert (config.optimizer.learning_rate, config.optimizer.weight_decay) == (3e-4, 1e-4)
 
 
-QWEN_EDIT_UNAVAILABLE = unavailable(family_named("qwen_image_edit"))  # its processor needs torchvision
-
-
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
     "name, family",
@@ -109,7 +104,7 @@ QWEN_EDIT_UNAVAILABLE = unavailable(family_named("qwen_image_edit"))  # its proc
         ("grpo_wan_tiny.yaml", "wan"),
         ("grpo_wan22_a14b_lora.yaml", "wan22"),
         *(
-            pytest.param(name, "qwen_image_edit", marks=[pytest.mark.slow, *QWEN_EDIT_UNAVAILABLE])
+            pytest.param(name, "qwen_image_edit", marks=pytest.mark.slow)
             for name in ("grpo_qwen_image_edit_lora.yaml", "grpo_qwen_image_edit_tiny.yaml")
         ),
     ],

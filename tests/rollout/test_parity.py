@@ -3,7 +3,6 @@ initial latents, passed to the pipeline as `latents=`, give the engine's final l
 
 from __future__ import annotations
 
-import diffusers
 import pytest
 import torch
 
@@ -35,8 +34,7 @@ def family_setup(request, tiny_models):
     """(family, engine, the family's diffusers pipeline) on the same tiny folder."""
     family = FAMILIES[request.param]
     path = tiny_models(family.name)
-    pipeline = getattr(diffusers, family.pipeline_class).from_pretrained(path)  # no extra arguments
-    pipeline.set_progress_bar_config(disable=True)
+    pipeline = family.diffusers_pipeline(path)  # the real pipeline; only an edit family's processor is given
     with RolloutEngine(EngineConfig(model=path)) as engine:
         yield family, engine, pipeline
 

@@ -1,28 +1,22 @@
 """Qwen-Image-Edit and Qwen-Image-Edit-Plus beyond the family matrix: the output size of an edit
 that sets none is the pipelines' (a megapixel at the input's aspect ratio), a prompt's embeddings
 are encoded with its images and shared per (prompt, images), and Plus edits with two reference
-images as its pipeline does. The model tests need torchvision (the pipelines' processor) and run
-in the slow suite: each encodes megapixel reference images."""
+images as its pipeline does. The model tests run in the slow suite: each encodes megapixel
+reference images."""
 
 from __future__ import annotations
 
-import diffusers
 import pytest
 import torch
 
 from rollout import EngineConfig, RolloutEngine
 from rollout.input_images import InputImages
-from rollout.pipelines.families import family_named
 from rollout.pipelines.spec import ModelSpec, area_size
-from tests.families import FAMILIES, input_image, unavailable
+from tests.families import FAMILIES, input_image
 
 pytestmark = pytest.mark.timeout(300)
 
 EDIT_FAMILIES = ("qwen_image_edit", "qwen_image_edit_plus")
-
-
-def _needs_processor(name: str) -> list:
-    return [pytest.mark.slow, *unavailable(family_named(name))]
 
 
 def test_the_edit_size_rule_is_the_pipelines_calculate_dimensions():
@@ -58,16 +52,13 @@ def test_the_edit_size_rule_is_the_pipelines_calculate_dimensions():
 def plus_setup(tiny_models):
     family = FAMILIES["qwen_image_edit_plus"]
     path = tiny_models(family.name)
-    pipeline = diffusers.QwenImageEditPlusPipeline.from_pretrained(path)
-    pipeline.set_progress_bar_config(disable=True)
+    pipeline = family.diffusers_pipeline(path)  # the real QwenImageEditPlusPipeline; its processor given
     with RolloutEngine(EngineConfig(model=path, max_batch_size=16)) as engine:
         yield family, engine, pipeline
 
 
 @pytest.mark.parametrize("cfg", [True, False], ids=["cfg", "no-cfg"])
-@pytest.mark.parametrize(
-    "name", [pytest.param("qwen_image_edit_plus", marks=_needs_processor("qwen_image_edit_plus"))]
-)
+@pytest.mark.parametrize("name", [pytest.param("qwen_image_edit_plus", marks=pytest.mark.slow)])
 def test_plus_with_two_reference_images_equals_its_pipeline(plus_setup, name, cfg):
     """Two reference images of different sizes: both are encoded (vision tokens and VAE latents)
     and packed after the noisy tokens, as QwenImageEditPlusPipeline does."""
@@ -88,9 +79,7 @@ def test_plus_with_two_reference_images_equals_its_pipeline(plus_setup, name, cf
     assert (output.trajectory.latents[-1][None] - reference).abs().max() < 1e-4
 
 
-@pytest.mark.parametrize(
-    "name", [pytest.param("qwen_image_edit_plus", marks=_needs_processor("qwen_image_edit_plus"))]
-)
+@pytest.mark.parametrize("name", [pytest.param("qwen_image_edit_plus", marks=pytest.mark.slow)])
 def test_a_prompts_embeddings_are_shared_per_prompt_and_images(plus_setup, name):
     """The same text with other images is encoded again (its vision tokens differ); with the same
     images, every sample (and every prompt entry) shares one encoding."""
@@ -105,7 +94,7 @@ def test_a_prompts_embeddings_are_shared_per_prompt_and_images(plus_setup, name)
     assert not torch.equal(conditions[2].prompt.prompt_embeds, conditions[0].prompt.prompt_embeds)
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=_needs_processor(n)) for n in EDIT_FAMILIES])
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) for n in EDIT_FAMILIES])
 def test_an_edit_without_a_size_is_made_at_the_pipelines_default(tiny_models, name):
     """No height or width: about a megapixel at the (Plus: last) input image's aspect ratio."""
     family = FAMILIES[name]

@@ -1,7 +1,7 @@
 """GRPO on Qwen-Image-Edit rollouts starts at ratio 1 (the trainer re-scores with the trajectories'
 encoded prompts and reference images, never re-encoding), and the LoRA the policy trains loads in
 the edit pipeline's `load_lora_weights` and gives the engine's edit from the same initial latents.
-Slow, and only where torchvision is installed (the pipelines' processor needs it)."""
+Slow: each rollout encodes megapixel reference images."""
 
 from __future__ import annotations
 
@@ -11,9 +11,8 @@ import pytest
 import torch
 
 from rollout import EngineConfig, RolloutEngine
-from rollout.pipelines.families import family_named
 from rollout.rescoring import RATIO_TOLERANCE
-from tests.families import FAMILIES, input_image, unavailable
+from tests.families import FAMILIES, input_image
 from trainers_adapters.grpo_trainer import GRPOSettings, grpo_step
 from trainers_adapters.lora_policy import LoraPolicy
 from trainers_adapters.rewarded_rollout import generate_with_rewards
@@ -26,15 +25,11 @@ LORA = {"r": 4, "lora_alpha": 8}  # no target_modules: the family's default targ
 
 @pytest.mark.parametrize(
     "name",
-    [
-        pytest.param(name, marks=[pytest.mark.slow, *unavailable(family_named(name))])
-        for name in ("qwen_image_edit", "qwen_image_edit_plus")
-    ],
+    [pytest.param(name, marks=pytest.mark.slow) for name in ("qwen_image_edit", "qwen_image_edit_plus")],
 )
 def test_an_edit_policy_trains_from_ratio_one_and_its_lora_reproduces_the_engine_in_diffusers(
     tiny_models, tmp_path, name
 ):
-    import diffusers
 
     family = FAMILIES[name]
     path = tiny_models(name)
@@ -64,8 +59,7 @@ def test_an_edit_policy_trains_from_ratio_one_and_its_lora_reproduces_the_engine
         )
         (base,) = engine.generate("make it red", ode, images=[[image]])
 
-    pipeline = getattr(diffusers, family.pipeline_class).from_pretrained(path)
-    pipeline.set_progress_bar_config(disable=True)
+    pipeline = family.diffusers_pipeline(path)  # the real edit pipeline; its processor given
     pipeline.load_lora_weights(folder)
     latents = with_lora.trajectory.latents.stack()
     call = {"num_inference_steps": 3, "height": 32, "width": 32, **family.no_cfg}
