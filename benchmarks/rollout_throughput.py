@@ -43,6 +43,7 @@ from benchmarks import harness, model_presets
 from benchmarks.model_presets import PRESETS, VIDEO_FAMILIES
 from benchmarks.worker_timers import install_timers, remove_timers
 from rollout import EngineConfig, RolloutEngine, SamplingParams
+from rollout.input_images import InputImages
 from rollout.pipelines.families import FAMILIES as FAMILY_DESCRIPTORS
 from rollout.pipelines.families import family_named, family_names
 from rollout.pipelines.loading import adapter_class
@@ -106,7 +107,20 @@ def common_fields(args: argparse.Namespace) -> dict:
 # The three modes: each `make_*` does the untimed setup and returns a function that runs one batch.
 
 
+def edit_input(args: argparse.Namespace, spec) -> InputImages | None:
+    """The input image of a family whose pipeline requires one (the Qwen-Image edit pipelines): a
+    deterministic gradient of `--height` x `--width` pixels; None for every other family, which
+    the benchmark runs text-to-image."""
+    if not spec.min_input_images:
+        return None
+    rows = torch.linspace(0, 255, args.height).view(1, -1, 1).expand(3, args.height, args.width)
+    cols = torch.linspace(255, 0, args.width).view(1, 1, -1).expand(3, args.height, args.width)
+    return InputImages.of([((rows + cols) / 2).round().to(torch.uint8)])
+
+
 def make_engine_run(engine: RolloutEngine, args: argparse.Namespace) -> Callable[[int], None]:
+    inputs = {} if args.images is None else {"images": [args.images]}
+
     def run(seed: int) -> None:
         params = SamplingParams(
             sampler="flow_sde",
@@ -117,7 +131,7 @@ def make_engine_run(engine: RolloutEngine, args: argparse.Namespace) -> Callable
             return_trajectory=True,
             **common_fields(args),
         )
-        outputs = engine.generate([args.prompt], params)
+        outputs = engine.generate([args.prompt], params, **inputs)
         decoded = outputs[0].video if is_video(args) else outputs[0].image
         assert len(outputs) == args.batch_size and outputs[0].trajectory is not None and decoded is not None
 
@@ -133,6 +147,8 @@ def make_diffusers_run(pipeline, args: argparse.Namespace) -> Callable[[int], No
     shape = {"num_images_per_prompt": args.batch_size}
     if is_video(args):  # WanPipeline: videos per prompt, frames out
         shape = {"num_videos_per_prompt": args.batch_size, "num_frames": args.num_frames}
+    if args.images is not None:  # one image: both Qwen-Image edit pipelines take it as a PIL image
+        (shape["image"],) = args.images.pil()
 
     def run(seed: int) -> None:
         generator = torch.Generator("cpu").manual_seed(seed)
@@ -151,12 +167,18 @@ class FloorRun:
         resolved, problems = adapter.spec.resolve(SamplingParams(num_frames=args.num_frames, **common_fields(args)))
         assert not problems, problems
         negative, length = resolved.negative_prompt, resolved.max_sequence_length
+        images = args.images
         with torch.no_grad():
-            prompts = [adapter.encode_prompt(args.prompt, length)] * args.batch_size
-            negatives = [adapter.encode_prompt(negative, length)] * args.batch_size if negative is not None else []
+            prompts = adapter.encode_prompts([args.prompt], length, images) * args.batch_size
+            negatives = []
+            if negative is not None:
+                negatives = adapter.encode_prompts([negative], length, images) * args.batch_size
+            encoded = adapter.encode_images(images) if images is not None else None
         embeds_type = type(prompts[0])
         passes = [prompts + negatives] if adapter.cfg_in_one_pass else [prompts, negatives]
         self.passes = [embeds_type.stack(rows) for rows in passes if rows]
+        # An edit's encoded images, batched to each pass's rows (the same images in every row).
+        self.images = [None if encoded is None else type(encoded).stack([encoded] * len(rows)) for rows in passes]
         shape = adapter.spec.latent_shape(args.height, args.width, args.num_frames)
         rows = 2 * args.batch_size if negatives else args.batch_size
         latents = torch.randn(rows, *shape, generator=torch.Generator().manual_seed(0))
@@ -172,11 +194,12 @@ class FloorRun:
         self.adapter, self.height, self.width = adapter, args.height, args.width
 
     def forward(self, sigma: torch.Tensor) -> None:
-        for embeds in self.passes:
+        for embeds, images in zip(self.passes, self.images, strict=True):
             rows = embeds.prompt_embeds.shape[0]
             guidance = self.guidance[:rows] if self.guidance is not None else None
+            extra = {} if images is None else {"images": images}
             self.adapter.run_transformer(
-                self.latents[:rows], sigma.expand(rows), embeds, guidance, self.height, self.width
+                self.latents[:rows], sigma.expand(rows), embeds, guidance, self.height, self.width, **extra
             )
 
     @torch.no_grad()
@@ -347,7 +370,8 @@ def main(argv: list[str] | None = None) -> dict:
     with tempfile.TemporaryDirectory(prefix="rollout-bench-") as folder:
         model_presets.build(args.family, args.preset, folder, args.device, dtype)
         class_name = json.loads((Path(folder) / "model_index.json").read_text())["_class_name"]
-        pipeline = getattr(diffusers, class_name).from_pretrained(folder, dtype=dtype, local_files_only=True)
+        given = adapter_class(class_name).given_components(Path(folder))  # an edit family's processor
+        pipeline = getattr(diffusers, class_name).from_pretrained(folder, dtype=dtype, local_files_only=True, **given)
         pipeline = pipeline.to(args.device)
         pipeline.set_progress_bar_config(disable=True)
         params = sum(p.numel() for p in pipeline.transformer.parameters())
@@ -355,6 +379,9 @@ def main(argv: list[str] | None = None) -> dict:
         denoisers = list(adapter.denoisers)
         experts = f" (each of {len(denoisers)} experts: {', '.join(denoisers)})" if len(denoisers) > 1 else ""
         report.note(f"{class_name}, transformer parameters: {params / 1e6:.2f}M{experts}")
+        args.images = edit_input(args, adapter.spec)
+        if args.images is not None:
+            report.note(f"every request edits one {args.height}x{args.width} input image (the pipeline requires one)")
         config = EngineConfig(
             model=folder, executor="uni", device=args.device, dtype=args.dtype, max_batch_size=args.batch_size
         )

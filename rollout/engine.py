@@ -69,7 +69,7 @@ class RolloutEngine:
         self._dead: EngineDeadError | None = None
         self._stashed_outputs: list[RolloutOutput] = []  # finished while an update waited for them
         self._received_conditions = ReceivedConditions(config.num_replicas)
-        self._conditions = SharedConditions()
+        self._conditions = SharedConditions(self.model_spec)
         self._tree_parts = SharedTreeParts()
         self._tree_ids = itertools.count()
         self._step_observers: list[Callable[[StepReport], None]] = []
@@ -472,7 +472,7 @@ class RolloutEngine:
 
     def _check_request(self, prompt: str, params: SamplingParams, images: InputImages | None = None) -> SamplingParams:
         """Check what depends on the model; returns `params` with the model's defaults filled in
-        (an edit's size, where it sets none, from its first input image: `ModelSpec.edit_size`)."""
+        (an edit's size, where it sets none, from its input images: `ModelSpec.edit_size`)."""
         if not isinstance(prompt, str):
             raise TypeError(f"a prompt must be a str, got {type(prompt).__name__}")
         if not isinstance(params, SamplingParams):
@@ -485,7 +485,7 @@ class RolloutEngine:
 
             image_problems = [f"{image_problems[0]} (families that take images: {edit_families_help()})"]
         if images is not None and not image_problems and (params.height is None or params.width is None):
-            height, width = spec.edit_size(*images.sizes[0], auto_resize=spec.auto_resizes(params))
+            height, width = spec.edit_size(images.sizes, auto_resize=spec.auto_resizes(params))
             params = dataclasses.replace(
                 params,
                 height=params.height if params.height is not None else height,

@@ -9,7 +9,8 @@ Text is encoded once per distinct text: a new request reuses the embeddings of a
 the same prompt (or negative prompt), so every sample of a prompt references one conditioning, and
 a finished trajectory names it by number (`rollout.sent_conditions`): each crosses to the engine once.
 An edit's input images are encoded once per distinct set of images (by digest) in the same way,
-and cross the same way.
+and cross the same way. Where the family's prompt encoding reads the images too (Qwen-Image-Edit),
+a text is encoded once per (text, images): `ModelSpec.text_key`.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from rollout.outputs import Trajectory
 from rollout.path_history import PathHistory
 from rollout.pipelines.condition import Condition, PromptEmbeds
 from rollout.pipelines.guidance import Guidance
+from rollout.pipelines.spec import ModelSpec
 from rollout.request import Fork, NewRequestData
 from rollout.samplers import get_sampler
 from rollout.seeding import make_generator
@@ -65,12 +67,12 @@ class RequestState:
             log_probs=list(self.log_probs),
         )
 
-    def encoded_texts(self) -> dict[tuple[str, int], PromptEmbeds]:
-        """(text, max_sequence_length) -> embeddings, for the texts this request holds."""
-        params = self.data.params
-        texts = {(self.data.prompt, params.max_sequence_length): self.condition.prompt}
+    def encoded_texts(self, spec: ModelSpec) -> dict[tuple, PromptEmbeds]:
+        """`spec.text_key` -> embeddings, for the texts this request holds."""
+        params, images = self.data.params, self.data.images
+        texts = {spec.text_key(self.data.prompt, params.max_sequence_length, images): self.condition.prompt}
         if self.condition.negative is not None:
-            texts[(params.negative_prompt, params.max_sequence_length)] = self.condition.negative
+            texts[spec.text_key(params.negative_prompt, params.max_sequence_length, images)] = self.condition.negative
         return texts
 
     def encoded_images(self) -> dict[str, PromptEmbeds]:
@@ -136,22 +138,28 @@ class ModelRunner:
         request's embeddings are reused only when they were encoded at the same count."""
         if not new_requests:
             return [], {}
-        encoded: dict[tuple[str, int], PromptEmbeds] = {}
+        spec = self.adapter.spec
+        encoded: dict[tuple, PromptEmbeds] = {}
         encoded_images: dict[str, PromptEmbeds] = {}
         for state in live:
             if state.encoder_generation == encoder_generation:
-                encoded |= state.encoded_texts()
+                encoded |= state.encoded_texts(spec)
                 encoded_images |= state.encoded_images()
-        wanted = [(r.prompt, r.params.max_sequence_length) for r in new_requests]
-        wanted += [(r.params.negative_prompt, r.params.max_sequence_length) for r in new_requests]
-        unencodable: dict[tuple[str, int], str] = {}
-        for text, length in dict.fromkeys(wanted):  # first-seen order, no repeats
-            if text is not None and (text, length) not in encoded:
+        # (key, text, length, images): the images only where the prompt's encoding reads them.
+        wanted = {}
+        for r in new_requests:
+            length, images = r.params.max_sequence_length, r.images if spec.prompt_reads_images else None
+            for text in (r.prompt, r.params.negative_prompt):
+                if text is not None:
+                    wanted.setdefault(spec.text_key(text, length, images), (text, length, images))
+        unencodable: dict[tuple | str, str] = {}
+        for key, (text, length, images) in wanted.items():  # first-seen order, no repeats
+            if key not in encoded:
                 try:
-                    encoded[(text, length)] = self.adapter.encode_prompts([text], length)[0]
+                    encoded[key] = self.adapter.encode_prompts([text], length, images)[0]
                 except Exception as error:
                     logger.warning("a text of %d characters did not encode", len(text), exc_info=True)
-                    unencodable[(text, length)] = describe(error)
+                    unencodable[key] = describe(error)
         for images in {r.images.digest: r.images for r in new_requests if r.images is not None}.values():
             if images.digest not in encoded_images:
                 try:
@@ -163,7 +171,9 @@ class ModelRunner:
         states, failed = [], {}
         for data in new_requests:
             length = data.params.max_sequence_length
-            bad = unencodable.get((data.prompt, length)) or unencodable.get((data.params.negative_prompt, length))
+            bad = unencodable.get(spec.text_key(data.prompt, length, data.images)) or unencodable.get(
+                spec.text_key(data.params.negative_prompt, length, data.images)
+            )
             if bad is None and data.images is not None:
                 bad = unencodable.get(data.images.digest)
             if bad is not None:
@@ -180,13 +190,17 @@ class ModelRunner:
     def _new_state(
         self,
         data: NewRequestData,
-        encoded: dict[tuple[str, int], PromptEmbeds],
+        encoded: dict[tuple, PromptEmbeds],
         images: PromptEmbeds | None,
         encoder_generation: int,
     ) -> RequestState:
-        params = data.params
+        params, spec = data.params, self.adapter.spec
         length = params.max_sequence_length
-        negative = encoded[(params.negative_prompt, length)] if params.negative_prompt is not None else None
+        negative = (
+            encoded[spec.text_key(params.negative_prompt, length, data.images)]
+            if params.negative_prompt is not None
+            else None
+        )
         timesteps, sigmas = self.adapter.schedule(
             params.num_inference_steps, params.height, params.width, params.sigmas
         )
@@ -197,7 +211,7 @@ class ModelRunner:
         history.add("latents", 0, initial)
         return RequestState(
             data=data,
-            condition=Condition(encoded[(data.prompt, length)], negative, images),
+            condition=Condition(encoded[spec.text_key(data.prompt, length, data.images)], negative, images),
             encoder_generation=encoder_generation,
             timesteps=timesteps,
             sigmas=sigmas,

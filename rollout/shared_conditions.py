@@ -13,28 +13,29 @@ from __future__ import annotations
 import weakref
 
 from rollout.pipelines.condition import Condition, PromptEmbeds
+from rollout.pipelines.spec import ModelSpec
 from rollout.request import Request
 
 
 class SharedConditions:
-    def __init__(self):
-        # Keyed by text, length and the encoders' generation the request was encoded at (embeddings
-        # encoded before and after a weight change are different objects).
+    def __init__(self, spec: ModelSpec):
+        # Texts keyed by `spec.text_key` (with the images' digest where the prompt's encoding reads
+        # them) and the encoders' generation the request was encoded at (embeddings encoded before
+        # and after a weight change are different objects).
+        self._spec = spec
         self._alive: weakref.WeakValueDictionary[tuple, PromptEmbeds] = weakref.WeakValueDictionary()
 
     def share(self, request: Request, condition: Condition) -> Condition:
         """`condition` (of a finished `request`) with its embeddings replaced by the shared ones."""
-        params = request.params
-        prompt = self._shared(request.prompt, params.max_sequence_length, request.encoder_generation, condition.prompt)
+        prompt = self._shared(request, request.prompt, condition.prompt)
         negative = condition.negative
         if negative is not None:
-            negative = self._shared(
-                params.negative_prompt, params.max_sequence_length, request.encoder_generation, negative
-            )
+            negative = self._shared(request, request.params.negative_prompt, negative)
         images = condition.images
         if images is not None:
             images = self._alive.setdefault(("images", request.images.digest, request.encoder_generation), images)
         return Condition(prompt, negative, images)
 
-    def _shared(self, text: str, length: int, generation: int, embeds: PromptEmbeds) -> PromptEmbeds:
-        return self._alive.setdefault((text, length, generation), embeds)
+    def _shared(self, request: Request, text: str, embeds: PromptEmbeds) -> PromptEmbeds:
+        key = self._spec.text_key(text, request.params.max_sequence_length, request.images)
+        return self._alive.setdefault((*key, request.encoder_generation), embeds)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -61,6 +62,19 @@ class Family:
     def edits(self) -> bool:
         return self.descriptor.edits
 
+    def diffusers_pipeline(self, path: str | Path):
+        """The family's own diffusers pipeline, loaded from the folder at `path` as the engine loads
+        it: with the components the family makes itself (`PipelineAdapter.given_components`; the
+        Qwen-Image edit pipelines' processor, which without torchvision is a `Qwen2VLProcessor`
+        subclass with no video processor). The pipeline class and every other component are
+        diffusers' and transformers' own."""
+        import diffusers
+
+        pipeline_class = getattr(diffusers, self.pipeline_class)
+        pipeline = pipeline_class.from_pretrained(path, **self.descriptor.adapter.given_components(Path(path)))
+        pipeline.set_progress_bar_config(disable=True)
+        return pipeline
+
     def params(self, cfg: bool = False, **kwargs) -> SamplingParams:
         """Sampling params for this family's tiny model: 32x32 images (or 9-frame videos), CFG on or off."""
         fields = {**TINY_SIZE, **self.extra, **(self.cfg if cfg else self.no_cfg), **kwargs}
@@ -81,22 +95,24 @@ class Family:
         return {"images": [[input_image(i, *size)] for i, size in enumerate(sizes)]}
 
     def pipeline_inputs(self, images: dict | None = None, height: int = 32, width: int = 32, prompt: int = 0) -> dict:
-        """The edit pipeline's arguments beside the prompt for an output of `height` x `width` and
-        prompt `prompt`'s images of `inputs()`; nothing for a text-to-image family. For
-        FluxKontextPipeline, `max_area` keeps it from rescaling the output to a megapixel and
-        `_auto_resize=False` encodes the image at its own size, as the tiny requests ask."""
+        """The edit pipeline's arguments beside the prompt for an output of `height` x `width`
+        and prompt `prompt`'s images of `inputs()`; nothing for a text-to-image family.
+        FluxKontextPipeline: `max_area` keeps it from rescaling the output to a megapixel, and
+        `_auto_resize=False` encodes the image at its own size, as the tiny requests ask. FLUX.2
+        [klein] and the Qwen-Image edit pipelines take the image (Plus, FLUX.2: the list of images)
+        as they are."""
         if not self.edits:
             return {}
         from rollout.input_images import InputImages
 
         pil = InputImages.of(images["images"][prompt]).pil() if images else None
-        if self.name == "flux2_klein":
-            return {} if pil is None else {"image": pil}
-        call = {"max_area": height * width}
-        if pil is not None:
-            (image,) = pil
-            call |= {"image": image, "_auto_resize": False}
-        return call
+        if self.pipeline_class == "FluxKontextPipeline":
+            call = {"max_area": height * width}
+            return call | ({"image": pil[0], "_auto_resize": False} if pil else {})
+        if pil is None:
+            return {}
+        takes_a_list = self.pipeline_class in ("QwenImageEditPlusPipeline", "Flux2KleinPipeline")
+        return {"image": pil if takes_a_list else pil[0]}
 
 
 def input_image(index: int, height: int = 32, width: int = 32) -> torch.Tensor:
@@ -123,8 +139,21 @@ ALL_FAMILIES = FAMILIES | VIDEO_FAMILIES
 DEFAULT_MATRIX = ("sd3", "flux", "qwen_image")
 
 
+# Families whose every request encodes megapixel reference images (the Qwen-Image edit pipelines
+# resize each input image to about a megapixel for the VAE): even the per-family checks that run in
+# the default suite for other families (the tiny folder, the small preset) run in the slow one.
+SLOW_FAMILIES = ("qwen_image_edit", "qwen_image_edit_plus")
+
+
+def slow_family(descriptor: family_module.Family) -> list:
+    """The slow mark for a family of SLOW_FAMILIES, else nothing."""
+    return [pytest.mark.slow] if descriptor.name in SLOW_FAMILIES else []
+
+
 def matrix(families: dict[str, Family] | None = None) -> list:
     """Pytest params over `families` (default: the image families): a family outside DEFAULT_MATRIX
     is marked slow."""
-    names = list(FAMILIES if families is None else families)
-    return [name if name in DEFAULT_MATRIX else pytest.param(name, marks=pytest.mark.slow) for name in names]
+    families = FAMILIES if families is None else families
+    return [
+        pytest.param(name, marks=[] if name in DEFAULT_MATRIX else [pytest.mark.slow]) for name, f in families.items()
+    ]

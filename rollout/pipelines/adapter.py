@@ -15,8 +15,9 @@ with exactly the computation that sampled it. A family supplies hooks, never a d
                                          `image=` (then `run_transformer` takes them as `images=`)
 
 An edit family sets `ModelSpec.max_input_images`. A family whose text encoder reads the images with
-the prompt (Qwen-Image-Edit's vision tokens) would encode them inside `encode_prompt`'s work too;
-the runner keys its cache of encodings by the images' digest.
+the prompt (Qwen-Image-Edit's vision tokens) sets `ModelSpec.prompt_reads_images` and encodes its
+texts in `encode_prompt_with_images(text, max_length, images)`; the runner keys its cache of
+encoded texts by the images' digest too (`ModelSpec.text_key`).
 
 Classifier-free guidance is batched here: the unconditional rows of the samples with a negative
 prompt run in a second forward pass, or in the same pass as the conditional rows where the family's
@@ -31,7 +32,7 @@ import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
@@ -92,10 +93,19 @@ class PipelineAdapter(ABC):
         # Components saved as [null, null] (SD3 without T5) must be passed explicitly as None.
         absent = {name: None for name, value in index.items() if isinstance(value, list) and value[0] is None}
         pipeline_cls = getattr(diffusers, cls.pipeline_class)
-        pipeline = pipeline_cls.from_pretrained(str(path), dtype=dtype, local_files_only=True, **absent)
+        pipeline = pipeline_cls.from_pretrained(
+            str(path), dtype=dtype, local_files_only=True, **absent, **cls.given_components(Path(path))
+        )
         pipeline.to(device)
         pipeline.set_progress_bar_config(disable=True)
         return cls(pipeline)
+
+    @classmethod
+    def given_components(cls, path: Path) -> dict[str, Any]:
+        """Components of the folder at `path` that the family loads itself and passes to the
+        pipeline's `from_pretrained` (and so must a caller that loads the pipeline with diffusers);
+        most families: none."""
+        return {}
 
     # Hooks a family implements.
 
@@ -143,6 +153,12 @@ class PipelineAdapter(ABC):
         (unbatched, on the model's device and dtype). Only edit families (`spec.max_input_images`
         > 0) implement it; the engine refuses images for the others before they reach a worker."""
         raise NotImplementedError(f"{type(self).__name__} ({self.pipeline_class}) takes no input images")
+
+    def encode_prompt_with_images(self, text: str, max_sequence_length: int, images: InputImages) -> PromptEmbeds:
+        """One text's embeddings read together with a request's input images, as the family's edit
+        pipeline encodes its prompt with `image=` (Qwen-Image-Edit's vision tokens). Only families
+        whose spec sets `prompt_reads_images` implement it."""
+        raise NotImplementedError(f"{type(self).__name__} ({self.pipeline_class}) encodes prompts without images")
 
     def combine_cfg(self, cond: torch.Tensor, uncond: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         """Classifier-free guidance of the rows that use it, in float32; `scale` broadcasts."""
@@ -198,7 +214,13 @@ class PipelineAdapter(ABC):
         return 1 if bool(torch.isfinite(sigmas).all()) else 2
 
     @torch.no_grad()
-    def encode_prompts(self, texts: Sequence[str], max_sequence_length: int) -> list[PromptEmbeds]:
+    def encode_prompts(
+        self, texts: Sequence[str], max_sequence_length: int, images: InputImages | None = None
+    ) -> list[PromptEmbeds]:
+        """Each text's embeddings (`encode_prompt`); where the family's prompt encoding reads the
+        request's input images (`spec.prompt_reads_images`), with `images` (`encode_prompt_with_images`)."""
+        if self.spec.prompt_reads_images and images is not None:
+            return [self.encode_prompt_with_images(text, max_sequence_length, images) for text in texts]
         return [self.encode_prompt(text, max_sequence_length) for text in texts]
 
     def predict_velocity(

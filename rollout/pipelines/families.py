@@ -7,7 +7,7 @@ family is its module (adapter and `Family`) plus its line here.
 
 from __future__ import annotations
 
-from rollout.pipelines import flux, flux2, flux_kontext, qwen_image, sd3, wan, z_image
+from rollout.pipelines import flux, flux2, flux_kontext, qwen_image, qwen_image_edit, sd3, wan, z_image
 from rollout.pipelines.adapter import PipelineAdapter
 from rollout.pipelines.family import Family
 
@@ -16,6 +16,8 @@ FAMILIES: tuple[Family, ...] = (
     flux.FAMILY,
     flux_kontext.FAMILY,
     qwen_image.FAMILY,
+    qwen_image_edit.EDIT_FAMILY,
+    qwen_image_edit.PLUS_FAMILY,
     flux2.FAMILY,
     wan.WAN21_FAMILY,
     wan.WAN22_FAMILY,

@@ -56,7 +56,7 @@ class FluxKontextAdapter(FluxAdapter):
         multiple = pipeline.vae_scale_factor * 2
         height, width = pipeline.image_processor.get_default_height_width(image)
         if images.setting("auto_resize", True):
-            height, width = self.spec.edit_size(height, width, auto_resize=True)
+            height, width = self.spec.edit_size(((height, width),), auto_resize=True)
         height, width = height // multiple * multiple, width // multiple * multiple
         image = pipeline.image_processor.resize(image, height, width)
         pixels = pipeline.image_processor.preprocess(image, height, width).to(self.device, self.dtype)

@@ -82,16 +82,26 @@ class QwenImageAdapter(PipelineAdapter):
         retrieve_timesteps(scheduler, num_steps, "cpu", sigmas=sigmas, mu=mu)
 
     def run_transformer(self, latents, sigmas, embeds: QwenImageEmbeds, guidance_scale, height, width) -> torch.Tensor:
+        return self._forward(latents, sigmas, embeds, guidance_scale, [self.output_tokens(height, width)])
+
+    def output_tokens(self, height: int, width: int) -> tuple[int, int, int]:
+        """The (frames, rows, columns) token grid of an output of `height` x `width` pixels, as
+        `img_shapes` lists it."""
         grid = self.spec.vae_scale_factor * 2
+        return (1, height // grid, width // grid)
+
+    def _forward(self, hidden_states, sigmas, embeds: QwenImageEmbeds, guidance_scale, img_shapes) -> torch.Tensor:
+        """One transformer pass over `hidden_states` [B, N, C*4], whose tokens are the grids of
+        `img_shapes` (the output's, then any reference images': the edit pipelines'), each row alike."""
         mask = embeds.prompt_mask
         # The pipeline passes no mask when nothing is padded; the result is the same either way.
         return self.transformer(
-            hidden_states=latents,
-            timestep=(sigmas * self._scheduler.config.num_train_timesteps).to(latents.dtype) / 1000,
+            hidden_states=hidden_states,
+            timestep=(sigmas * self._scheduler.config.num_train_timesteps).to(hidden_states.dtype) / 1000,
             guidance=guidance_scale if self.transformer.config.guidance_embeds else None,
             encoder_hidden_states_mask=None if mask.all() else mask,
             encoder_hidden_states=embeds.prompt_embeds,
-            img_shapes=[[(1, height // grid, width // grid)]] * latents.shape[0],
+            img_shapes=[list(img_shapes)] * hidden_states.shape[0],
             return_dict=False,
         )[0]
 

@@ -55,6 +55,14 @@ class ModelSpec:
         PREFERRED_KONTEXT_RESOLUTIONS); empty: the family takes no `auto_resize`.
     max_input_image_area: an input image above this many pixels is resized down to it (keeping its
         aspect) before it is encoded, as FLUX.2's pipeline does (None: no such resize).
+    edit_area: the pixel count an edit that sets no size is made at, with its input image's aspect
+        ratio (Qwen-Image-Edit: a megapixel, its pipeline's `calculate_dimensions`); None: the
+        input image's own size.
+    edit_size_image: which input image sets that size (0: the first; -1: the last, as
+        Qwen-Image-Edit-Plus's pipeline reads it).
+    prompt_reads_images: whether the prompt's encoding reads the request's input images
+        (Qwen-Image-Edit's text encoder sees their vision tokens with the prompt), so an encoded
+        text is reused only by requests with the same images (`text_key`).
     """
 
     pipeline_class: str
@@ -83,6 +91,9 @@ class ModelSpec:
     max_input_image_aspect_ratio: float | None = None
     max_input_image_area: int | None = None
     preferred_input_sizes: tuple[tuple[int, int], ...] = ()
+    edit_area: int | None = None
+    edit_size_image: int = 0
+    prompt_reads_images: bool = False
 
     @property
     def is_video(self) -> bool:
@@ -116,11 +127,13 @@ class ModelSpec:
         (`auto_resize`, on unless the request turns it off, where the family has such sizes)."""
         return bool(self.preferred_input_sizes) and params.auto_resize is not False
 
-    def edit_size(self, image_height: int, image_width: int, auto_resize: bool = False) -> tuple[int, int]:
-        """The output size of an edit whose request sets none: its first input image's size,
-        rounded down to the size multiple (as edit pipelines round the image they encode), after
-        the resize the pipeline makes: to the nearest of `preferred_input_sizes` with `auto_resize`,
-        or down to `max_input_image_area`."""
+    def edit_size(self, sizes: tuple[tuple[int, int], ...], auto_resize: bool = False) -> tuple[int, int]:
+        """The output size of an edit whose request sets none, from its input images' (height,
+        width) sizes: the size of image `edit_size_image`, after the resize the pipeline makes (to
+        the nearest of `preferred_input_sizes` with `auto_resize`, to `edit_area` pixels at its
+        aspect ratio, or down to `max_input_image_area`), rounded down to the size multiple (as edit
+        pipelines round the image they encode)."""
+        image_height, image_width = sizes[self.edit_size_image]
         multiple = self.size_multiple
         if auto_resize and self.preferred_input_sizes:
             # FluxKontextPipeline.__call__ step 3's choice: the nearest aspect ratio, then the narrowest.
@@ -128,12 +141,21 @@ class ModelSpec:
             _, image_width, image_height = min(
                 (abs(aspect_ratio - width / height), width, height) for height, width in self.preferred_input_sizes
             )
+        if self.edit_area is not None:
+            image_height, image_width = area_size(self.edit_area, image_height, image_width)
         area = self.max_input_image_area
         if area is not None and image_height * image_width > area:
             # Flux2ImageProcessor._resize_to_target_area's arithmetic (the encoder calls it).
             scale = math.sqrt(area / (image_width * image_height))
             image_height, image_width = int(image_height * scale), int(image_width * scale)
         return max(multiple, image_height // multiple * multiple), max(multiple, image_width // multiple * multiple)
+
+    def text_key(self, text: str, max_sequence_length: int, images) -> tuple:
+        """What identifies an encoded text: the text and its length, and, where the prompt's encoding
+        reads the images (`prompt_reads_images`), the digest of the request's `InputImages` (or None)."""
+        if not self.prompt_reads_images:
+            return (text, max_sequence_length)
+        return (text, max_sequence_length, None if images is None else images.digest)
 
     def image_problems(self, sizes: tuple[tuple[int, int], ...]) -> list[str]:
         """What is wrong with a request whose input images have these (height, width) sizes
@@ -147,6 +169,13 @@ class ModelSpec:
             return [
                 f"{model} edits input images: pass images=[[image], ...] with {self.min_input_images} or more "
                 "images per prompt (uint8 [3, H, W] tensors or PIL images)"
+            ]
+        if self.edit_area is not None:  # resized to the area first: only the aspect ratio can be wrong
+            return [
+                f"input image {i} is {height}x{width} pixels, too narrow for {model}, which resizes it to about "
+                f"{self.edit_area} pixels at its aspect ratio in multiples of 32; pass a less elongated image"
+                for i, (height, width) in enumerate(sizes)
+                if min(area_size(self.edit_area, height, width)) == 0
             ]
         smallest = max(self.size_multiple, self.min_input_image_side)
         problems = [
@@ -271,3 +300,13 @@ class ModelSpec:
         if not self.guidance_defaults:
             return f"{self.pipeline_class} takes no guidance settings"
         return f"{self.pipeline_class} takes " + ", ".join(sorted(self.guidance_defaults))
+
+
+def area_size(area: int, height: int, width: int) -> tuple[int, int]:
+    """(height, width) of about `area` pixels at the aspect ratio of `height` x `width`, each a
+    multiple of 32: the rule of Qwen-Image-Edit's `calculate_dimensions` (Python's rounding, half
+    to even, as there)."""
+    ratio = width / height
+    new_width = math.sqrt(area * ratio)
+    new_height = new_width / ratio
+    return round(new_height / 32) * 32, round(new_width / 32) * 32

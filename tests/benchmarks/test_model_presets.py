@@ -18,7 +18,9 @@ from benchmarks.model_presets import (
     Z_IMAGE_TURBO,
     build,
 )
-from rollout.pipelines.families import family_names
+from rollout.pipelines.families import FAMILIES
+from rollout.pipelines.tiny.qwen_image_edit import QWEN_IMAGE_EDIT_2511
+from tests.families import slow_family
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -35,6 +37,8 @@ pytestmark = pytest.mark.timeout(120)
         ("WanTransformer3DModel", WAN21_T2V_14B, 14.3),  # Wan 2.1 T2V 14B
         ("WanTransformer3DModel", WAN22_T2V_A14B_EXPERT, 14.3),  # each of Wan 2.2 T2V A14B's two experts
         ("ZImageTransformer2DModel", Z_IMAGE_TURBO, 6.15),  # Z-Image-Turbo (and Z-Image): "6B"
+        # Qwen-Image-Edit's and -2509's configs are Qwen-Image's (above); -2511's adds zero_cond_t, no parameters.
+        ("QwenImageTransformer2DModel", QWEN_IMAGE_EDIT_2511, 20.4),
     ],
 )
 def test_real_transformers_have_the_published_size(class_name, config, billions):
@@ -46,7 +50,7 @@ def test_real_transformers_have_the_published_size(class_name, config, billions)
     assert parameters == pytest.approx(billions, rel=0.02)
 
 
-@pytest.mark.parametrize("family", family_names())
+@pytest.mark.parametrize("family", [pytest.param(f.name, marks=slow_family(f)) for f in FAMILIES])
 def test_small_preset_builds_a_loadable_pipeline(tmp_path, family):
     from rollout.pipelines.loading import load_adapter
 
@@ -54,3 +58,11 @@ def test_small_preset_builds_a_loadable_pipeline(tmp_path, family):
     adapter = load_adapter(tmp_path / family)
     assert adapter.spec.size_multiple <= 64 and sum(p.numel() for p in adapter.transformer.parameters()) > 1e6
     assert len(adapter.denoisers) == (2 if family == "wan22" else 1)  # Wan 2.2: two experts
+
+
+def test_the_edit_presets_are_qwen_images_transformer():
+    from benchmarks.model_presets import QWEN_IMAGE
+    from rollout.pipelines.tiny.qwen_image_edit import QWEN_IMAGE_EDIT, QWEN_IMAGE_EDIT_2509
+
+    assert QWEN_IMAGE_EDIT == QWEN_IMAGE_EDIT_2509 == QWEN_IMAGE
+    assert QWEN_IMAGE_EDIT_2511 == {**QWEN_IMAGE, "zero_cond_t": True}

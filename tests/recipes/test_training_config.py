@@ -53,6 +53,18 @@ def test_qwen_image_config_carries_the_published_flow_grpo_settings():
     assert (config.sampling.num_samples, config.prompts_per_step) == (16, 32)
 
 
+def test_qwen_image_edit_config_carries_the_published_flow_grpo_settings():
+    """Flow-GRPO's `counting_qwenimage_edit`: noise 1.0 on every step (no SDE window), true CFG 4."""
+    config = load_config(CONFIG_DIR / "grpo_qwen_image_edit_lora.yaml")
+    assert (config.sampling.num_inference_steps, config.eval.num_inference_steps) == (10, 50)
+    assert (config.sampling.true_cfg_scale, config.sampling.negative_prompt) == (4.0, " ")
+    assert (config.sampling.noise_level, config.sampling.sde_window) == (1.0, None)
+    assert (config.sampling.height, config.sampling.width) == (512, 512)
+    assert (config.sampling.num_samples, config.prompts_per_step) == (16, 32)
+    assert config.grpo.kl_beta == 0.0 and config.grpo.global_std and config.grpo.optimizer_steps == 2
+    assert config.input_images.source == "shapes" and config.reward == "colour_edit"
+
+
 def test_flux2_klein_config_carries_the_flow_grpo_settings_it_cites():
     config = load_config(CONFIG_DIR / "grpo_flux2_klein_lora.yaml")
     assert (config.lora.rank, config.lora.alpha, config.lora.target_modules) == (64, 128, None)
@@ -123,6 +135,10 @@ def test_nft_refuses_an_sde_sampler_naming_the_fix():
         ("grpo_zimage_tiny.yaml", "zimage"),
         ("grpo_wan_tiny.yaml", "wan"),
         ("grpo_wan22_a14b_lora.yaml", "wan22"),
+        *(
+            pytest.param(name, "qwen_image_edit", marks=pytest.mark.slow)
+            for name in ("grpo_qwen_image_edit_lora.yaml", "grpo_qwen_image_edit_tiny.yaml")
+        ),
     ],
 )
 def test_sampling_settings_fit_their_model_family(tiny_models, name, family):

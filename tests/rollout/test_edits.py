@@ -140,7 +140,7 @@ def test_kontext_resizes_its_input_as_its_pipeline_does_by_default(kontext_engin
     spec = kontext_engine.model_spec
     resolved, problems = spec.resolve(SamplingParams(height=32, width=32))
     assert problems == [] and resolved.auto_resize is True
-    assert spec.edit_size(24, 40, auto_resize=True) == (800, 1328)  # (1328, 800): the nearest aspect ratio
+    assert spec.edit_size(((24, 40),), auto_resize=True) == (800, 1328)  # (1328, 800): the nearest aspect ratio
     images = InputImages.of([input_image(5, 24, 40)])
     adapter = load_adapter(tiny_models("flux_kontext"))
     pipeline = adapter.pipeline  # the FluxKontextPipeline itself, called as a user would

@@ -35,7 +35,9 @@ def test_a_sample_alone_equals_the_sample_in_a_mixed_batch(family_engine):
         family.params(cfg=True, num_inference_steps=6, seed=21, num_samples=3, sampler="dance_sde", noise_level=0.3),
     ]
     square, other = family.edit_sizes
-    crowd_inputs = {"images": [[input_image(0, *square)], [input_image(1, *other)], None]} if family.edits else {}
+    # The third is text-only where the family allows it (Qwen-Image-Edit's pipelines need an image).
+    third = [input_image(2, *reversed(other))] if engine.model_spec.min_input_images else None
+    crowd_inputs = {"images": [[input_image(0, *square)], [input_image(1, *other)], third]} if family.edits else {}
     crowd = engine.generate(prompts, crowd_params, **crowd_inputs)
     a, b = alone.trajectory, crowd[0].trajectory
     assert (a.latents.stack() - b.latents.stack()).abs().max() < 1e-5
@@ -53,6 +55,9 @@ def test_trajectory_form_is_the_pipelines_latents_argument(family_engine):
         "flux2_klein": (4, 16, 8, 8),
         "zimage": (4, 4, 16, 16),
         "flux_kontext": (4, 64, 16),
+        # The tiny edit VAE compresses by 16 (a megapixel reference image is 1024 tokens): one token.
+        "qwen_image_edit": (4, 1, 16),
+        "qwen_image_edit_plus": (4, 1, 16),
     }
     # Packed 2x2 patches for FLUX.1 and Qwen-Image; FLUX.2 patchifies 2x2 into channels on the grid.
     assert tuple(output.trajectory.latents.stack().shape) == expected[family.name]
@@ -82,6 +87,15 @@ REFUSED = {
         ({"true_cfg_scale": 4.0}, "needs a negative_prompt"),
         ({"num_frames": 9}, "num_frames is for video pipelines"),
         ({"num_inference_steps": 1}, "num_inference_steps=1 is too few for QwenImagePipeline"),
+    ],
+    "qwen_image_edit": [
+        ({}, "QwenImageEditPipeline edits input images: pass images="),
+        ({"guidance_scale": 4.0}, "guidance_scale is not used by QwenImageEditPipeline; leave it unset"),
+        ({"true_cfg_scale": 4.0}, "needs a negative_prompt"),
+    ],
+    "qwen_image_edit_plus": [
+        ({}, "QwenImageEditPlusPipeline edits input images: pass images="),
+        ({"guidance_scale": 4.0}, "guidance_scale is not used by QwenImageEditPlusPipeline; leave it unset"),
     ],
     "flux2_klein": [
         ({"true_cfg_scale": 4.0}, "true_cfg_scale is not used by Flux2KleinPipeline; leave it unset"),
@@ -116,6 +130,8 @@ def test_defaults_come_from_the_model(family_engine):
         "flux": (3.5, 1.0, None, 512),  # FLUX.1-dev's distilled guidance; true CFG off
         "flux_kontext": (3.5, 1.0, None, 512),  # as FLUX.1-dev
         "qwen_image": (None, 1.0, None, 512),
+        "qwen_image_edit": (None, 1.0, None, 512),
+        "qwen_image_edit_plus": (None, 1.0, None, 512),
         "flux2_klein": (4.0, None, "", 512),  # a base klein model: CFG against "", as the pipeline
         "zimage": (5.0, None, "", 512),  # ZImagePipeline's defaults: CFG with the negative prompt ""
     }[family.name]

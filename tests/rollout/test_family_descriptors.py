@@ -26,7 +26,7 @@ from rollout.pipelines.adapter import PipelineAdapter
 from rollout.pipelines.families import FAMILIES, adapters_by_pipeline, family_named, family_names
 from rollout.pipelines.family import Family
 from rollout.pipelines.tiny import TINY_BUILDERS
-from tests.families import ALL_FAMILIES
+from tests.families import ALL_FAMILIES, slow_family
 
 ROOT = Path(__file__).resolve().parents[2]
 NAMES = family_names()
@@ -83,7 +83,7 @@ def test_every_preset_and_tiny_builder_names_a_function(family):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("family", FAMILIES, ids=NAMES)
+@pytest.mark.parametrize("family", [pytest.param(f, marks=slow_family(f)) for f in FAMILIES], ids=NAMES)
 def test_the_tiny_folder_maps_back_and_the_cfg_settings_mean_what_they_say(tiny_models, family):
     """The folder's `_class_name` loads the family's adapter; on its model, `cfg_on` resolves to a
     request with classifier-free guidance (a negative prompt) and `cfg_off` to one without."""

@@ -79,8 +79,11 @@ def test_the_pipelines_rules_for_reference_images(flux2_engine):
     big = InputImages.of([torch.zeros(3, 1000, 1300, dtype=torch.uint8)]).pil()[0]
     resized = Flux2ImageProcessor._resize_to_target_area(big, 1024 * 1024)
     multiple = spec.size_multiple  # Flux2KleinPipeline's vae_scale_factor * 2
-    assert spec.edit_size(1000, 1300) == (resized.height // multiple * multiple, resized.width // multiple * multiple)
-    assert spec.edit_size(66, 98) == (64, 96)
+    assert spec.edit_size(((1000, 1300),)) == (
+        resized.height // multiple * multiple,
+        resized.width // multiple * multiple,
+    )
+    assert spec.edit_size(((66, 98),)) == (64, 96)
     for images, message in [
         ([input_image(0, 48, 64)], "smaller than the 64 pixels Flux2KleinPipeline encodes"),
         ([input_image(0, 64, 576)], "longer than 8 times its other side"),

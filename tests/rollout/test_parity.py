@@ -3,7 +3,6 @@ initial latents, passed to the pipeline as `latents=`, give the engine's final l
 
 from __future__ import annotations
 
-import diffusers
 import pytest
 import torch
 
@@ -24,13 +23,18 @@ def as_latent_output(family, pipeline, latents: torch.Tensor) -> torch.Tensor:
     return pipeline._unpatchify_latents(latents * std + bn.running_mean.view(1, -1, 1, 1))
 
 
+def _required_inputs(family, engine) -> dict:
+    """An input image per prompt where the family's pipeline requires one (the Qwen-Image edit
+    pipelines), else nothing: these tests compare text-to-image schedules where there is one."""
+    return family.inputs(1) if engine.model_spec.min_input_images else {}
+
+
 @pytest.fixture(scope="module", params=matrix())
 def family_setup(request, tiny_models):
     """(family, engine, the family's diffusers pipeline) on the same tiny folder."""
     family = FAMILIES[request.param]
     path = tiny_models(family.name)
-    pipeline = getattr(diffusers, family.pipeline_class).from_pretrained(path)  # no extra arguments
-    pipeline.set_progress_bar_config(disable=True)
+    pipeline = family.diffusers_pipeline(path)  # the real pipeline; only an edit family's processor is given
     with RolloutEngine(EngineConfig(model=path)) as engine:
         yield family, engine, pipeline
 
@@ -70,9 +74,11 @@ def test_schedule_matches_diffusers(family_setup):
         captured["timesteps"] = pipe.scheduler.timesteps.clone()
         return callback_kwargs
 
-    (output,) = engine.generate("x", family.params(sampler="ode", num_inference_steps=7, seed=0))
+    inputs = _required_inputs(family, engine)
+    (output,) = engine.generate("x", family.params(sampler="ode", num_inference_steps=7, seed=0), **inputs)
     call = {"guidance_scale": 1.0} if family.name == "sd3" else {}
-    call |= {"num_inference_steps": 7, "height": 32, "width": 32, "output_type": "latent", **family.pipeline_inputs()}
+    call |= {"num_inference_steps": 7, "height": 32, "width": 32, "output_type": "latent"}
+    call |= family.pipeline_inputs(inputs)
     pipeline(prompt="x", callback_on_step_end=capture, **call)
     assert torch.equal(output.trajectory.sigmas, captured["sigmas"])
     assert torch.equal(output.trajectory.timesteps, captured["timesteps"])
@@ -84,11 +90,13 @@ def test_sigmas_dictated_by_the_trainer_match_the_pipelines_sigmas_argument(fami
     family, engine, pipeline = family_setup
     sigmas = (1.0, 0.8, 0.45, 0.2)
     params = family.params(cfg=False, sampler="ode", num_inference_steps=4, seed=4, sigmas=sigmas)
-    (output,) = engine.generate("a red square", params)
-    default = engine.generate("a red square", family.params(cfg=False, sampler="ode", num_inference_steps=4, seed=4))
+    inputs = _required_inputs(family, engine)
+    (output,) = engine.generate("a red square", params, **inputs)
+    default_params = family.params(cfg=False, sampler="ode", num_inference_steps=4, seed=4)
+    default = engine.generate("a red square", default_params, **inputs)
     assert not torch.equal(output.trajectory.sigmas, default[0].trajectory.sigmas)
     call = {"num_inference_steps": 4, "height": 32, "width": 32, "sigmas": list(sigmas), **family.no_cfg}
-    call |= family.pipeline_inputs()
+    call |= family.pipeline_inputs(inputs)
     if family.name == "sd3":
         call["guidance_scale"] = 1.0
     elif family.name == "qwen_image":

@@ -1,5 +1,6 @@
 """A tiny `QwenImagePipeline`: a Qwen2.5-VL text encoder, the dual-stream transformer, the causal
-3D VAE (colour-faithful), all random, with Qwen-Image's own scheduler settings."""
+3D VAE (colour-faithful), all random, with Qwen-Image's own scheduler settings. The edit pipelines
+(`QwenImageEditPipeline`, `QwenImageEditPlusPipeline`) add a processor: tiny/qwen_image_edit.py."""
 
 from __future__ import annotations
 
@@ -51,20 +52,19 @@ def build_tiny_qwen_image(
     transformer_config: dict | None = None,
     device: str = "cpu",
     dtype: torch.dtype = torch.float32,
+    pipeline_class: str = "QwenImagePipeline",
+    processor=None,
 ) -> Path:
     """Build a `QwenImagePipeline` with random weights and save it to `path`; returns `path`.
     Deterministic in `seed`; a folder that already holds a pipeline is overwritten.
     `transformer_config` replaces the tiny transformer (benchmarks pass a published config); the
-    modules are made on `device` and saved in `dtype`."""
-    from diffusers import (
-        AutoencoderKLQwenImage,
-        FlowMatchEulerDiscreteScheduler,
-        QwenImagePipeline,
-        QwenImageTransformer2DModel,
-    )
+    modules are made on `device` and saved in `dtype`. An edit `pipeline_class` takes a
+    `processor` (a `Qwen2VLProcessor`), whose tokenizer the pipeline and its text encoder share."""
+    import diffusers
+    from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
 
     path = Path(path)
-    tokenizer = qwen2_tokenizer()
+    tokenizer = qwen2_tokenizer() if processor is None else processor.tokenizer
     torch.manual_seed(seed)
     channels = sizes.latent_channels
     with torch.device(device):
@@ -91,14 +91,20 @@ def build_tiny_qwen_image(
             latents_std=[1.0] * channels,
         )
         make_causal_decoder_colour_faithful(vae)
-        text_encoder = qwen25_vl_encoder(tokenizer, sizes.text_hidden_size, sizes.text_layers)
-    pipeline = QwenImagePipeline(
+        text_encoder = qwen25_vl_encoder(
+            tokenizer, sizes.text_hidden_size, sizes.text_layers, reads_images=processor is not None
+        )
+    pipeline = getattr(diffusers, pipeline_class)(
         scheduler=FlowMatchEulerDiscreteScheduler(**QWEN_IMAGE_SCHEDULER),
         vae=vae,
         text_encoder=text_encoder,
         tokenizer=tokenizer,
         transformer=transformer,
+        **({} if processor is None else {"processor": processor}),
     )
+    if processor is not None:  # model_index.json names the class whose files the folder holds, as
+        # a downloaded folder does, whatever subclass made them (qwen_vl_processor.py)
+        pipeline.register_to_config(processor=("transformers", "Qwen2VLProcessor"))
     return save(pipeline, path, dtype)
 
 

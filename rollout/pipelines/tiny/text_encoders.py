@@ -55,15 +55,23 @@ def _t5_sizes(tokenizer, width: int) -> dict:
     )
 
 
-def qwen25_vl_encoder(tokenizer, width: int, layers: int):
+def qwen25_vl_encoder(tokenizer, width: int, layers: int, reads_images: bool = False):
     """A `Qwen2_5_VLForConditionalGeneration` (Qwen-Image's text encoder) with a `width`-wide
-    language model of `layers` layers and a one-block vision tower that text prompts never use."""
+    language model of `layers` layers and a one-block vision tower. Text prompts never use the
+    tower; with `reads_images` its markers are the tokenizer's own (`qwen25_vl_tokenizer()`), so
+    the processor's image tokens reach it (Qwen-Image-Edit)."""
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    from rollout.pipelines.tiny.tokenizers import QWEN_VISION_TOKENS  # start, end, image, video
 
     heads = max(2, width // 128)
     rotary_half = width // heads // 2  # multimodal RoPE splits each head's rotary half in 3 sections
     sections = [rotary_half - 2 * (rotary_half // 3), rotary_half // 3, rotary_half // 3]
     vocab_size = len(tokenizer)
+    if reads_images:
+        markers = tokenizer.convert_tokens_to_ids(list(QWEN_VISION_TOKENS))
+    else:  # image and video markers past the vocabulary: prompts are text only
+        markers = [vocab_size, vocab_size + 1, vocab_size + 2, vocab_size + 3]
     config = Qwen2_5_VLConfig(
         text_config={
             "vocab_size": vocab_size,
@@ -85,11 +93,10 @@ def qwen25_vl_encoder(tokenizer, width: int, layers: int):
             "num_heads": 2,
             "out_hidden_size": width,
         },
-        # Image and video markers past the vocabulary: prompts are text only.
-        vision_start_token_id=vocab_size,
-        vision_end_token_id=vocab_size + 1,
-        image_token_id=vocab_size + 2,
-        video_token_id=vocab_size + 3,
+        vision_start_token_id=markers[0],
+        vision_end_token_id=markers[1],
+        image_token_id=markers[2],
+        video_token_id=markers[3],
     )
     return Qwen2_5_VLForConditionalGeneration(config)
 

@@ -17,6 +17,8 @@ CLIP_EOS = "<|endoftext|>"
 QWEN_PAD = "<|endoftext|>"
 # The chat markers of Qwen-Image's prompt template (QwenImagePipeline.prompt_template_encode).
 QWEN_CHAT_TOKENS = ("<|im_start|>", "<|im_end|>")
+# The vision markers Qwen2.5-VL's processor expands an image into (Qwen-Image-Edit's prompt template).
+QWEN_VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 # A chat template (Jinja) with the layout of Qwen3's for text messages: each message between the
 # chat markers, then the assistant's turn when asked for; `enable_thinking=False` adds the empty
 # thinking block, as Qwen3's own template does. Z-Image's pipeline calls it with thinking enabled.
@@ -88,6 +90,14 @@ def qwen2_tokenizer():
     vocab[QWEN_PAD] = len(vocab)
     tokenizer = Qwen2Tokenizer(vocab=vocab, merges=[])
     tokenizer.add_special_tokens({"additional_special_tokens": list(QWEN_CHAT_TOKENS)})
+    return tokenizer
+
+
+def qwen25_vl_tokenizer():
+    """`qwen2_tokenizer()` plus the vision markers, for a Qwen2.5-VL that reads images with the
+    prompt (Qwen-Image-Edit's processor puts them around an image's tokens)."""
+    tokenizer = qwen2_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": list(QWEN_CHAT_TOKENS + QWEN_VISION_TOKENS)})
     return tokenizer
 
 
