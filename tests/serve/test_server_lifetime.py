@@ -50,6 +50,7 @@ def test_sigterm_finishes_what_fits_in_the_grace_and_ends_the_rest(tiny_model):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow  # a server of its own (about 11 s); the default suite keeps mp's killed-worker test
 def test_a_killed_server_fails_every_call_at_once_with_engine_dead(tiny_model):
     with ServerProcess.start(tiny_model, "--worker-extension-cls", EXTENSION, api_key=API_KEY) as server:
         with RemoteRolloutEngine(server.url, api_key=API_KEY) as remote:
