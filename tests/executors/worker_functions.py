@@ -41,10 +41,10 @@ def fail_requests_of(worker, prompt: str, stage: str = "step") -> None:
     else:
         encode = runner.adapter.encode_prompts
 
-        def failing_encode(texts, length):
+        def failing_encode(texts, length, images=None):
             if prompt in texts:
                 raise RuntimeError(f"injected encode failure for {prompt!r}")
-            return encode(texts, length)
+            return encode(texts, length, images)
 
         runner.adapter.encode_prompts = failing_encode
 
