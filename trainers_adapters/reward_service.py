@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
     from rollout.serve.guard import allowed_hosts
-    from rollout.serve.http_protocol import with_header_timeout
+    from rollout.serve.http_protocol import server_protocol
     from trainers_adapters.reward_service_app import RewardServiceSettings, build_reward_app
     from trainers_adapters.reward_spec import reward_specs
     from trainers_adapters.reward_worker_pool import open_reward_runner
@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         app = build_reward_app(runner, names, settings)
         logger.info("serving rewards %s on http://%s:%d (%d workers)", names, args.host, args.port, args.workers)
         try:
-            uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, http=with_header_timeout(10.0))
+            uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, http=server_protocol(10.0))
         except KeyboardInterrupt:
             return 130
     return 0
