@@ -25,8 +25,8 @@ def _in_pipeline_form(adapter, latents: torch.Tensor) -> torch.Tensor:
 
 # A known defect, found at this stop: the Qwen edit families' tiny VAE (base dim 4, for fast
 # megapixel encodes) halves its feature channels in each upsampling conv, so latent channel 2 (blue)
-# does not reach the output (red and green do). A base dim of 8, as Qwen-Image's tiny VAE has, should
-# keep it (8 halves to 4), at about 4x the encode time; not tried yet.
+# does not reach the output (red and green do). A base dim of 8 or more (Qwen-Image's tiny VAE has 24)
+# should keep it (8 halves to 4), at about 4x the encode time; not tried yet.
 QWEN_EDIT_FAMILIES = ("qwen_image_edit", "qwen_image_edit_plus")
 KNOWN_DEFECT = pytest.mark.xfail(strict=True, reason="the tiny Qwen edit VAE loses latent channel 2 (blue)")
 
