@@ -201,7 +201,7 @@ def test_a_kontext_policy_trains_on_edits_and_its_lora_reproduces_the_engine_in_
         policy.push(engine)
         params = family.params(cfg=True, num_inference_steps=4, num_samples=4, seed=3, lora=policy.name)
         params = dataclasses.replace(params, height=None, width=None)  # the edit's size: its input's
-        images = [[image], [input_image(3, 24, 40)]]  # one output size: the trainer scores one size per call
+        images = [[image], [input_image(3, 24, 40)]]
         rollout = generate_with_rewards(
             engine, ["make it red", "make it red"], params, colour_edit, pool, images=images
         )
