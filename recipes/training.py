@@ -2,7 +2,7 @@
 update function.
 
 Every step: pick prompts, roll them out with the policy's adapter (each group rewarded as soon as it
-finishes, on a background thread or in `reward_workers` reward worker processes), run the update,
+finishes, on a background thread or in `reward_workers` reward workers: processes or Ray actors), run the update,
 push the adapter back to the engine and check the version it reports. The run writes, under
 `output_dir`: `metrics.jsonl` (one line per step), `reward.png` (reward against step),
 `log_ratio.png` (GRPO: max |log ratio| per denoising step before each update), `samples_start.png` /
@@ -56,9 +56,9 @@ from rollout.rescoring import RATIO_TOLERANCE  # the contract the first update's
 from rollout.seeding import derive_seed
 from trainers_adapters.lora_policy import LoraPolicy
 from trainers_adapters.old_policy import OldPolicy
+from trainers_adapters.reward_placement import open_reward_runner, placement_problems
 from trainers_adapters.reward_runner import RewardRunner
 from trainers_adapters.reward_spec import reward_label, reward_problems
-from trainers_adapters.reward_worker_pool import open_reward_runner
 from trainers_adapters.rewarded_rollout import RewardedRollout, generate_with_rewards
 
 logger = logging.getLogger(__name__)
@@ -141,6 +141,18 @@ class TrainingConfig(RecipeConfig):
         "reward worker processes, each holding the reward's models once (on the device its settings name), "
         "scoring each group as it finishes; 0: on a thread of the trainer's process (docs/training.md)",
     )
+    reward_runner: str = option(
+        "process", "what a reward worker is: process (spawned on this machine) or ray (a Ray actor, on a cluster)"
+    )
+    reward_devices: list[str] | None = option(
+        None,
+        "one device per reward worker (cpu, cuda:1; with ray: cpu or cuda, a GPU Ray picks), where it builds the "
+        "reward's models; null: where each reward's own device setting says",
+    )
+    reward_timeout_s: float = option(
+        600.0,
+        "the longest a reward worker may take over one group; past it the step fails and the worker is restarted",
+    )
     prompts: list[str] = option(help="training prompts; each step takes `prompts_per_step` of them in turn")
     prompts_file: str | None = option(None, "a text file with one more training prompt per line (optional)")
     prompts_per_step: int = option(4, "prompts per training step; each is sampled sampling.num_samples times")
@@ -184,10 +196,13 @@ class TrainingConfig(RecipeConfig):
             problems.append(f"prompts_file {prompts_file!r} does not exist")
         if values.get("prompts") == [] and "prompts_file" in values and prompts_file is None:
             problems.append("prompts is empty and no prompts_file is given; give at least one prompt")
-        if values.get("reward_workers", 0) < 0:
-            problems.append(
-                f"reward_workers must be >= 0 (0: score on a thread of this process), got {values['reward_workers']}"
-            )
+        problems += placement_problems(
+            values.get("reward_workers", 0),
+            values.get("reward_runner", "process"),
+            values.get("reward_devices"),
+            values.get("reward_timeout_s", 600.0),
+            values.get("reward"),
+        )
         for name in ("prompts_per_step", "steps", "grid_scale", "keep_checkpoints"):
             if values.get(name, 1) < 1:
                 problems.append(f"{name} must be >= 1, got {values[name]}")
@@ -301,7 +316,13 @@ def train(
     started = time.perf_counter()
     with (
         open_loggers(config.logger, output_dir, to_dict(config), config.wandb, done=history) as loggers,
-        open_reward_runner(config.reward, config.reward_workers) as rewards,
+        open_reward_runner(
+            config.reward,
+            config.reward_workers,
+            runner=config.reward_runner,
+            devices=config.reward_devices,
+            timeout_s=config.reward_timeout_s,
+        ) as rewards,
         config.engine.open_engine(model_path) as engine,
     ):
         # A resumed run re-pushes its adapter with the checkpoint's version, so the numbering (and

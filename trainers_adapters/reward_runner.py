@@ -5,9 +5,10 @@ answers with a future of its `RewardScores`, so the engine goes on denoising the
 while the group is scored. Two runners:
 - `RewardsOnThreads`: the reward in this process, on a thread (the default: nothing to start);
 - `RewardWorkerPool` (`trainers_adapters.reward_worker_pool`): worker processes, each holding
-  the reward's models once, on the device its settings name.
-`reward_worker_pool.open_reward_runner(reward, workers)` gives the one a recipe's `reward_workers`
-asks for.
+  the reward's models once, on its own device;
+- `RayRewardPool` (`trainers_adapters.ray_reward_pool`): the same in Ray actors, on a cluster.
+`reward_placement.open_reward_runner` gives the one a recipe's `reward_workers`, `reward_runner`,
+`reward_devices` and `reward_timeout_s` ask for.
 """
 
 from __future__ import annotations

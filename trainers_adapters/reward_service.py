@@ -101,9 +101,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from rollout.serve.guard import allowed_hosts
     from rollout.serve.http_protocol import server_protocol
+    from trainers_adapters.reward_placement import open_reward_runner
     from trainers_adapters.reward_service_app import RewardServiceSettings, build_reward_app
     from trainers_adapters.reward_spec import reward_specs
-    from trainers_adapters.reward_worker_pool import open_reward_runner
 
     settings = RewardServiceSettings(
         api_key=args.api_key,

@@ -22,7 +22,7 @@ from rollout.serve.guard import LOOPBACK_NAMES, RequestGuard, require_api_key
 from rollout.serve.request_body import read_body
 from trainers_adapters.reward_runner import RewardRunner
 from trainers_adapters.reward_wire import decode_group, scores_to_json
-from trainers_adapters.reward_worker_pool import RewardWorkerDied
+from trainers_adapters.reward_worker_queue import RewardWorkerDied
 
 logger = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ import difflib
 import inspect
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from trainers_adapters.composite_reward import CompositeReward, RewardComponent
@@ -71,6 +71,36 @@ class RewardSpec:
         if issubclass(target, ClipRewardModel):
             problems += target.settings_problems(self.settings)
         return problems
+
+    def takes_device(self) -> bool:
+        """Whether the reward is a class with a `device` setting (a reward model, a user's class)."""
+        target = resolve_reward(self.reward)
+        return isinstance(target, type) and "device" in inspect.signature(target).parameters
+
+    def placed_on(self, device: str) -> RewardSpec:
+        """This spec with its models on `device` (a reward worker's): its `device` setting, where
+        the reward takes one; a function or a class without one runs as it is."""
+        if not self.takes_device():
+            return self
+        if "device" in self.settings:
+            raise ValueError(device_conflict(self.name))
+        return replace(self, settings={**self.settings, "device": device})
+
+
+def device_conflict(name: str) -> str:
+    return (
+        f"reward.{name}.device is set, and reward_devices places every worker's models too; "
+        "drop one of them (reward_devices: one device per reward worker)"
+    )
+
+
+def device_conflicts(value: RewardValue) -> list[str]:
+    """The components of a `reward:` key that name their own device (refused with reward_devices)."""
+    return [
+        device_conflict(item.name)
+        for item in _parse(value)
+        if isinstance(item, RewardSpec) and "device" in item.settings
+    ]
 
 
 def _argument_problems(cls: type, settings: dict) -> list[str]:

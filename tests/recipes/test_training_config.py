@@ -339,6 +339,42 @@ def test_reward_workers_must_not_be_negative():
     assert load_config(CONFIG_DIR / "dpo_tiny.yaml", ["reward_workers=2"]).reward_workers == 2
 
 
+def test_where_rewards_run_is_checked_with_every_problem_at_once():
+    config = load_config(
+        CONFIG_DIR / "grpo_tiny.yaml", ["reward_workers=2", "reward_runner=ray", "reward_devices=[cpu, cuda]"]
+    )
+    assert (config.reward_runner, config.reward_devices, config.reward_timeout_s) == ("ray", ["cpu", "cuda"], 600.0)
+    with pytest.raises(ValueError) as error:
+        load_config(
+            CONFIG_DIR / "grpo_tiny.yaml",
+            ["reward_workers=2", "reward_runner=threads", "reward_devices=[cuda:0]", "reward_timeout_s=0"],
+        )
+    assert problems_of(error) == [
+        "config: reward_runner must be one of ('process', 'ray') (worker processes or Ray actors), got 'threads'",
+        "config: reward_timeout_s must be > 0 seconds, got 0.0",
+        "config: reward_devices names 1 devices for reward_workers 2; give one device per worker",
+    ]
+    with pytest.raises(ValueError) as error:
+        load_config(
+            CONFIG_DIR / "grpo_tiny.yaml",
+            ["reward_workers=1", "reward_runner=ray", "reward_devices=[cuda:1]", "reward={clip_score: {device: cpu}}"],
+        )
+    found = problems_of(error)
+    assert (
+        "config: reward_devices: 'cuda:1': Ray gives each actor its GPU; write cuda (one GPU per actor) or cpu"
+        in found
+    )
+    assert any(
+        "reward.clip_score.device is set, and reward_devices places every worker's models too" in p for p in found
+    )
+    with pytest.raises(ValueError, match="reward_runner 'ray' needs reward_workers >= 1"):
+        load_config(CONFIG_DIR / "grpo_tiny.yaml", ["reward_runner=ray"])
+    with pytest.raises(ValueError, match="reward_devices: 'gpu0' is not a device; write cpu, cuda or cuda:N"):
+        load_config(CONFIG_DIR / "grpo_tiny.yaml", ["reward_workers=1", "reward_devices=[gpu0]"])
+    with pytest.raises(ValueError, match="reward_devices places reward workers, but reward_workers is 0"):
+        load_config(CONFIG_DIR / "grpo_tiny.yaml", ["reward_devices=[cpu]"])
+
+
 def test_nft_refuses_cfg_before_the_engine_loads(tiny_model, tmp_path):
     from recipes.nft import run
 

@@ -1,8 +1,10 @@
-"""Rewards in reward worker processes: the same scores as in process, and a worker killed mid-step
-fails that step within seconds while the next step runs (the pool starts a new worker).
+"""Rewards in reward worker processes: the same scores as in process, a worker killed mid-step
+fails that step within seconds while the next step runs (the pool starts a new worker), a reward
+that hangs fails the step at the timeout, and a worker builds its reward on its own device.
 
-One pool per module: a spawned worker imports torch and loads the tiny CLIP before its first group,
-about 10 s of CPU (start and stop) on the 2-core CI machine, so the module runs in the slow suite.
+Two pools per module (the tiny CLIP's, and the probe's alone): a spawned worker imports torch and
+loads its reward before its first group, about 10 s of CPU (start and stop) on the 2-core CI
+machine, so the module runs in the slow suite.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import torch
 from rollout import SamplingParams
 from trainers_adapters.reward_checks import RewardError
 from trainers_adapters.reward_spec import build_reward
-from trainers_adapters.reward_worker_pool import RewardWorkerDied, RewardWorkerPool
+from trainers_adapters.reward_worker_pool import RewardWorkerDied, RewardWorkerPool, RewardWorkerTimeout
 from trainers_adapters.rewarded_rollout import generate_with_rewards
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
@@ -106,3 +108,34 @@ def test_a_worker_killed_mid_step_fails_the_step_within_seconds_and_the_next_ste
 def test_a_reward_that_fails_to_build_fails_the_pool_start_with_its_error():
     with pytest.raises(ValueError, match=r"reward worker 0 could not build the reward: Probe was told to fail"):
         RewardWorkerPool({"probe": {"reward": PROBE, "fail_to_build": True}}, num_workers=1, start_timeout_s=120)
+
+
+@pytest.fixture(scope="module")
+def probe_pool():
+    """A pool of the probe alone (no CLIP to load) on a named device, with a short timeout."""
+    with RewardWorkerPool({"probe": {"reward": PROBE}}, num_workers=1, devices=["cpu"], timeout_s=3.0) as pool:
+        yield pool
+
+
+def test_a_worker_builds_its_reward_on_its_device(probe_pool, tmp_path):
+    device_file = tmp_path / "device"
+    probe_pool.submit(*group_of(2, device_to=str(device_file))).result(timeout=60)
+    assert device_file.read_text() == "cpu"  # the pool's device became the reward's device setting
+
+
+def test_a_reward_that_hangs_fails_the_step_at_the_timeout_and_the_worker_is_restarted(probe_pool, tmp_path):
+    started = tmp_path / "started"
+    pid = probe_pool.pids[0]
+    submitted = time.monotonic()
+    hung = probe_pool.submit(*group_of(2, started=str(started), sleep_s=3600.0))
+    queued = probe_pool.submit(*group_of(2, seed=1))
+    timed_out = r"reward worker 0 \(pid \d+\) did not answer within 3 s \(reward_timeout_s\) .* reward 1\*probe"
+    with pytest.raises(RewardWorkerTimeout, match=timed_out):
+        hung.result(timeout=30)
+    assert started.exists() and time.monotonic() - submitted < 3.0 + 10  # the timeout, plus the kill
+    with pytest.raises(RewardWorkerTimeout, match="queued in the same step"):
+        queued.result(timeout=10)
+    images, prompts, metadata = group_of(2, seed=2)
+    after = probe_pool.submit(images, prompts, metadata).result(timeout=180)  # a new worker, the next step
+    assert probe_pool.pids[0] != pid
+    torch.testing.assert_close(after.total, images.float().mean(dim=(1, 2, 3)) / 255, atol=1e-6, rtol=0)
