@@ -7,7 +7,9 @@ it is always called with exactly one whole group, in sample order (then branch p
 part of a group or with two groups together. `CompositeReward` scores each component (a pointwise
 one once for the whole batch, a groupwise one once per group), checks every component's output
 (`reward_checks`), and sums them with their weights; the components' own scores travel with the
-total, so a run logs each one.
+total, so a run logs each one. A component that has components of its own (a `RewardWithComponents`:
+a composite, a reward service's composite behind `RemoteReward`) passes them on too, each named
+"<component>/<its component>" (logged as reward/judge/clip_score), outside the sum.
 """
 
 from __future__ import annotations
@@ -61,6 +63,17 @@ def reward_name(reward: Reward) -> str:
     return type(reward).__name__  # an instance of a user's reward class
 
 
+class RewardWithComponents:
+    """Base of a reward that gives the scores of its own components with its total:
+    `score(images, prompts, metadata) -> RewardScores`; calling it gives the total."""
+
+    def __call__(self, images, prompts: Sequence[str], metadata: Sequence[dict]) -> torch.Tensor:
+        return self.score(images, prompts, metadata).total
+
+    def score(self, images, prompts: Sequence[str], metadata: Sequence[dict]) -> RewardScores:
+        raise NotImplementedError
+
+
 @dataclass(frozen=True)
 class RewardComponent:
     name: str  # in errors and in the metrics (reward/<name>)
@@ -76,7 +89,7 @@ class RewardScores:
     components: dict[str, torch.Tensor]
 
 
-class CompositeReward:
+class CompositeReward(RewardWithComponents):
     """The weighted sum of named rewards; a reward itself (`(images, prompts, metadata) -> [N]`)."""
 
     def __init__(self, components: Sequence[RewardComponent]):
@@ -86,6 +99,9 @@ class CompositeReward:
         names = [component.name for component in components]
         if len(set(names)) != len(names):
             problems.append(f"component names must differ, got {names}")
+        slashed = [name for name in names if "/" in name]
+        if slashed:
+            problems.append(f"component names must not hold '/', which names a component's own components: {slashed}")
         for component in components:
             if not math.isfinite(component.weight):
                 problems.append(f"the weight of {component.name!r} must be a finite number, got {component.weight}")
@@ -93,18 +109,20 @@ class CompositeReward:
             raise ValueError("; ".join(problems))
         self.components = tuple(components)
 
-    def __call__(self, images, prompts: Sequence[str], metadata: Sequence[dict]) -> torch.Tensor:
-        return self.score(images, prompts, metadata).total
-
     def score(self, images, prompts: Sequence[str], metadata: Sequence[dict]) -> RewardScores:
-        """Every component's checked scores and their weighted sum; raises RewardError naming the
-        first component whose output is not one finite number per sample."""
-        scores = {c.name: score_component(c.name, c.reward, images, prompts, metadata) for c in self.components}
+        """Every component's checked scores (each followed by its own components, if it has any)
+        and their weighted sum; raises RewardError naming the first component whose output is
+        not one finite number per sample."""
+        components: dict[str, torch.Tensor] = {}
         total = torch.zeros(len(metadata), dtype=torch.float32)
         for component in self.components:
-            total = total + component.weight * scores[component.name]
-        total = checked_scores("the weighted sum of " + ", ".join(scores), total, metadata)  # weights can overflow
-        return RewardScores(total=total, components=scores)
+            scores = score_component(component.name, component.reward, images, prompts, metadata)
+            components[component.name] = scores.total
+            components.update(scores.components)
+            total = total + component.weight * scores.total
+        names = ", ".join(component.name for component in self.components)
+        total = checked_scores("the weighted sum of " + names, total, metadata)  # weights can overflow
+        return RewardScores(total=total, components=components)
 
 
 def as_composite(reward: Reward) -> CompositeReward:
@@ -116,11 +134,12 @@ def as_composite(reward: Reward) -> CompositeReward:
 
 def score_component(
     name: str, reward: Reward, images, prompts: Sequence[str], metadata: Sequence[dict]
-) -> torch.Tensor:
-    """`reward`'s checked scores [N] of the batch: in one call, or, for a groupwise reward, one call
+) -> RewardScores:
+    """`reward`'s checked scores [N] of the batch as `total`, with (for a `RewardWithComponents`)
+    its own components' as "<name>/<component>": in one call, or, for a groupwise reward, one call
     per group (the samples of one prompt_index, in the batch's order), put back in the batch's order."""
     if not isinstance(reward, GroupwiseReward):
-        return checked_scores(name, reward(images, prompts, metadata), metadata)
+        return _checked_call(name, reward, images, prompts, metadata)
     missing = [row for row, meta in enumerate(metadata) if "prompt_index" not in meta]
     if missing:
         raise RewardError(
@@ -131,9 +150,30 @@ def score_component(
     for row, meta in enumerate(metadata):
         groups.setdefault(meta["prompt_index"], []).append(row)
     images = torch.stack(list(images)) if not isinstance(images, torch.Tensor) else images
-    scores = torch.empty(len(metadata), dtype=torch.float32)
+    total = torch.empty(len(metadata), dtype=torch.float32)
+    components: dict[str, torch.Tensor] | None = None  # the first group's names, in its order
     for rows in groups.values():
-        group_metadata = [metadata[row] for row in rows]
-        values = reward(images[rows], [prompts[row] for row in rows], group_metadata)
-        scores[rows] = checked_scores(name, values, group_metadata)
-    return scores
+        group = _checked_call(name, reward, images[rows], [prompts[row] for row in rows], [metadata[r] for r in rows])
+        if components is None:
+            components = {part: torch.empty(len(metadata), dtype=torch.float32) for part in group.components}
+        if list(group.components) != list(components):
+            prompt = metadata[rows[0]]["prompt_index"]
+            raise RewardError(
+                f"reward {name!r} gave components {list(group.components)} for prompt {prompt} but "
+                f"{list(components)} for an earlier group; every group needs the same components"
+            )
+        total[rows] = group.total
+        for part, values in group.components.items():
+            components[part][rows] = values
+    return RewardScores(total=total, components=components if components is not None else {})
+
+
+def _checked_call(name: str, reward: Reward, images, prompts: Sequence[str], metadata: Sequence[dict]) -> RewardScores:
+    if not isinstance(reward, RewardWithComponents):
+        return RewardScores(total=checked_scores(name, reward(images, prompts, metadata), metadata), components={})
+    scores = reward.score(images, prompts, metadata)
+    components = {
+        f"{name}/{part}": checked_scores(f"{name}/{part}", values, metadata)
+        for part, values in scores.components.items()
+    }
+    return RewardScores(total=checked_scores(name, scores.total, metadata), components=components)

@@ -8,7 +8,10 @@ never stands in a config that a run writes out:
       judge: {reward: remote, url: http://scorer:8100, api_key_env: REWARD_SERVICE_KEY, weight: 1.0}
 
 It scores one whole group per request (it is a `GroupwiseReward`), so a groupwise judge behind the
-service gets whole groups too. Its output is checked here like any reward's.
+service gets whole groups too. The service's components come back with its total (it is a
+`RewardWithComponents`), so a run logs them as an in-process composite's: the component `judge`
+above, serving {clip_score, aesthetic}, logs reward/judge, reward/judge/clip_score and
+reward/judge/aesthetic. Its output is checked here like any reward's.
 """
 
 from __future__ import annotations
@@ -17,15 +20,14 @@ import os
 from collections.abc import Sequence
 
 import httpx
-import torch
 
 from rollout.tensor_bytes import SAFETENSORS_MEDIA_TYPE
-from trainers_adapters.composite_reward import GroupwiseReward
+from trainers_adapters.composite_reward import GroupwiseReward, RewardScores, RewardWithComponents
 from trainers_adapters.reward_checks import RewardError
 from trainers_adapters.reward_wire import encode_group, scores_from_json
 
 
-class RemoteReward(GroupwiseReward):
+class RemoteReward(RewardWithComponents, GroupwiseReward):
     """url: the service's base URL (http://host:port); api_key_env: the environment variable that
     holds its key (None: a service started with --no-auth); timeout_s: for one group's answer."""
 
@@ -46,7 +48,8 @@ class RemoteReward(GroupwiseReward):
         self._headers = headers
         self._client: httpx.Client | None = None  # made on first use: a spec's reward may be built, then sent
 
-    def __call__(self, images, prompts: Sequence[str], metadata: Sequence[dict]) -> torch.Tensor:
+    def score(self, images, prompts: Sequence[str], metadata: Sequence[dict]) -> RewardScores:
+        """The service's scores of one group: its total and its components' (as the service names them)."""
         if self._client is None:
             self._client = httpx.Client(timeout=self.timeout_s, headers=self._headers)
         body = encode_group(images, prompts, metadata)
@@ -62,7 +65,13 @@ class RemoteReward(GroupwiseReward):
             error_class = {400: RewardError, 401: PermissionError, 403: PermissionError}.get(answer.status_code)
             error_class = error_class or RuntimeError
             raise error_class(f"remote reward at {self.url} answered {answer.status_code}: {message}")
-        return scores_from_json(answer.json()).total
+        try:
+            return scores_from_json(answer.json())
+        except (ValueError, KeyError, TypeError, AttributeError) as error:
+            raise RewardError(
+                f'remote reward at {self.url}: the answer is not JSON {{"total": [...], "components": {{...}}}}: '
+                f"{error!r}"
+            ) from None
 
     def close(self) -> None:
         if self._client is not None:

@@ -13,6 +13,8 @@ from trainers_adapters.composite_reward import (
     CompositeReward,
     GroupwiseReward,
     RewardComponent,
+    RewardScores,
+    RewardWithComponents,
     as_composite,
     groupwise,
 )
@@ -168,3 +170,37 @@ def test_a_reward_spec_is_plain_data_a_worker_can_build_from(tiny_clip):
     assert composite.components[1].reward is colour_target
     mine = build_reward({"mine": {"reward": "trainers_adapters.reward_models.ClipScore", "model": tiny_clip}})
     assert isinstance(mine.components[0].reward, ClipScore)  # a dotted path to a class, built with its settings
+
+
+class GroupParts(RewardWithComponents, GroupwiseReward):
+    """A groupwise reward with components of its own, as a reward service's; `odd` names another
+    component for the groups of odd prompt indices (a service that changed what it serves)."""
+
+    def __init__(self, odd: str = "b"):
+        self.odd = odd
+
+    def score(self, images, prompts, metadata):
+        brightness = images.float().mean(dim=(1, 2, 3)) / 255
+        second = self.odd if metadata[0]["prompt_index"] % 2 else "b"
+        return RewardScores(total=brightness + 1, components={"a": brightness, second: torch.ones(len(images))})
+
+
+def test_a_component_with_components_of_its_own_passes_them_on_outside_the_sum():
+    images, prompts, metadata = _batch([0, 1, 2])
+    inner = CompositeReward([RewardComponent("colour", colour_target), RewardComponent("judge", GroupParts(), 2.0)])
+    outer = CompositeReward([RewardComponent("service", inner, 0.5), RewardComponent("jpeg", jpeg_compressibility)])
+    scores = outer.score(images, prompts, metadata)
+    parts = ["service/colour", "service/judge", "service/judge/a", "service/judge/b"]
+    assert list(scores.components) == ["service", *parts, "jpeg"]
+    brightness = images.float().mean(dim=(1, 2, 3)) / 255
+    torch.testing.assert_close(scores.components["service/judge/a"], brightness)  # put back in the batch's order
+    torch.testing.assert_close(scores.components["service/judge"], brightness + 1)
+    torch.testing.assert_close(scores.total, 0.5 * scores.components["service"] + scores.components["jpeg"])
+    changed = CompositeReward([RewardComponent("judge", GroupParts(odd="c"))])
+    with pytest.raises(
+        RewardError,
+        match=r"reward 'judge' gave components \['judge/a', 'judge/c'\] for prompt 1 but \['judge/a', 'judge/b'\]",
+    ):
+        changed.score(images, prompts, metadata)
+    with pytest.raises(ValueError, match="component names must not hold '/'"):
+        CompositeReward([RewardComponent("judge/a", colour_target)])

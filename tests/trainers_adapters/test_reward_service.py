@@ -1,6 +1,7 @@
 """The reward service over real HTTP (uvicorn in a thread of this process, the rewards on a thread of
 it) and `RemoteReward` calling it: the key, safetensors and PNG bodies, a NaN refused naming the
-reward, the same scores as in process. The command line with a reward worker runs in the slow suite."""
+reward, the same scores as in process, the service's components passed on to the rollout. The
+command line with a reward worker runs in the slow suite."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import torch
 import uvicorn
 from PIL import Image
 
+from rollout import SamplingParams
 from rollout.serve.launch import free_port
 from rollout.tensor_bytes import SAFETENSORS_MEDIA_TYPE, tensors_to_bytes
 from trainers_adapters.composite_reward import CompositeReward, RewardComponent
@@ -26,6 +28,7 @@ from trainers_adapters.reward_runner import RewardsOnThreads
 from trainers_adapters.reward_service_app import RewardServiceSettings, build_reward_app
 from trainers_adapters.reward_spec import build_reward
 from trainers_adapters.reward_wire import encode_group
+from trainers_adapters.rewarded_rollout import generate_with_rewards
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -126,6 +129,24 @@ def test_a_remote_reward_equals_the_reward_in_process(url, monkeypatch):
     monkeypatch.delenv("REWARD_KEY_FOR_TEST")
     with pytest.raises(ValueError, match="the environment variable REWARD_KEY_FOR_TEST .* is not set"):
         RemoteReward(url, api_key_env="REWARD_KEY_FOR_TEST")
+
+
+def test_a_remote_reward_passes_the_services_components_to_the_rollout(url, engine, monkeypatch):
+    monkeypatch.setenv("REWARD_KEY_FOR_TEST", KEY)
+    reward = build_reward(
+        {"judge": {"reward": "remote", "url": url, "api_key_env": "REWARD_KEY_FOR_TEST"}, "colour": 0.1}
+    )
+    params = SamplingParams(num_inference_steps=2, num_samples=2, seed=5)
+    rollout = generate_with_rewards(engine, ["a red square", "a blue star"], params, reward)
+    components = rollout.reward_components
+    assert list(components) == ["judge", "judge/colour", "judge/probe", "colour"]  # as the trainer logs them
+    images = torch.stack([output.image for output in rollout.outputs])
+    metadata = [{"prompt_index": o.prompt_index, "sample_index": o.sample_index} for o in rollout.outputs]
+    local = in_process(images, [o.prompt for o in rollout.outputs], metadata)
+    torch.testing.assert_close(components["judge/colour"], local.components["colour"], atol=0, rtol=0)
+    torch.testing.assert_close(components["judge/probe"], local.components["probe"], atol=0, rtol=0)
+    torch.testing.assert_close(components["judge"], local.total, atol=0, rtol=0)
+    torch.testing.assert_close(rollout.rewards, local.total + 0.1 * components["colour"], atol=1e-6, rtol=0)
 
 
 @pytest.mark.slow  # a server process and its reward worker each import torch
