@@ -5,7 +5,9 @@ KEY is what a recipe's `reward:` key holds, as YAML text or a .yaml/.json file o
     python -m trainers_adapters.reward_service --workers 2 --port 8100 \\
         --reward '{clip_score: {model: /models/clip-vit-large-patch14, device: cuda:0}, aesthetic: {...}}'
 
-The rewards run in a `RewardWorkerPool` (`--workers N`) or on a thread of the server (`--workers 0`);
+The rewards run in a pool of `--workers N` reward workers (`--runner process`: processes; `ray`:
+Ray actors; `--devices`: one device per worker; `--timeout-s`: the longest one group may take) or
+on a thread of the server (`--workers 0`);
 routes in `reward_service_app`, the client is `RemoteReward`. The key comes from
 $REWARD_SERVICE_API_KEY or --api-key, as the rollout service's does; --no-auth only on loopback.
 """
@@ -20,10 +22,17 @@ from pathlib import Path
 
 import yaml
 
+from trainers_adapters.reward_placement import open_reward_runner, placement_problems
 from trainers_adapters.reward_spec import reward_problems
 
 API_KEY_ENV = "REWARD_SERVICE_API_KEY"
 _MB = 1 << 20
+_FLAG_OF_KEY = {
+    "reward_workers": "--workers",
+    "reward_runner": "--runner",
+    "reward_devices": "--devices",
+    "reward_timeout_s": "--timeout-s",
+}
 
 logger = logging.getLogger("trainers_adapters.reward_service")
 
@@ -43,6 +52,25 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--workers", type=int, default=1, help="reward worker processes (each loads the models); 0: a thread here"
+    )
+    parser.add_argument(
+        "--runner",
+        default="process",
+        choices=["process", "ray"],
+        help="what a reward worker is: a process or a Ray actor",
+    )
+    parser.add_argument(
+        "--devices",
+        nargs="+",
+        default=None,
+        metavar="DEVICE",
+        help="one device per worker (cpu, cuda:1; with --runner ray: cpu or cuda), where it builds the models",
+    )
+    parser.add_argument(
+        "--timeout-s",
+        type=float,
+        default=600.0,
+        help="the longest a worker may take over one group before it is killed",
     )
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: every interface)")
     parser.add_argument("--port", type=int, default=8100, help="TCP port to listen on")
@@ -70,8 +98,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     problems = reward_problems(args.reward)
     if problems:
         parser.error("--reward: " + "; ".join(problems))
-    if args.workers < 0:
-        parser.error(f"--workers must be >= 0 (0: score on a thread of the server), got {args.workers}")
+    placement = placement_problems(args.workers, args.runner, args.devices, args.timeout_s, args.reward)
+    if placement:  # the recipe keys' checks, told with this command's option names
+        text = "; ".join(placement)
+        for key, flag in _FLAG_OF_KEY.items():
+            text = text.replace(key, flag)
+        parser.error(text)
     if args.max_images < 1 or args.max_body_mb <= 0 or args.body_timeout_s <= 0:
         parser.error("--max-images, --max-body-mb and --body-timeout-s must be > 0")
     if args.api_key is None and not args.no_auth:
@@ -101,7 +133,6 @@ def main(argv: list[str] | None = None) -> int:
 
     from rollout.serve.guard import allowed_hosts
     from rollout.serve.http_protocol import server_protocol
-    from trainers_adapters.reward_placement import open_reward_runner
     from trainers_adapters.reward_service_app import RewardServiceSettings, build_reward_app
     from trainers_adapters.reward_spec import reward_specs
 
@@ -113,7 +144,10 @@ def main(argv: list[str] | None = None) -> int:
         body_timeout_s=args.body_timeout_s,
     )
     names = [spec.name for spec in reward_specs(args.reward)]
-    with open_reward_runner(args.reward, args.workers) as runner:
+    runner = open_reward_runner(
+        args.reward, args.workers, runner=args.runner, devices=args.devices, timeout_s=args.timeout_s
+    )
+    with runner:
         app = build_reward_app(runner, names, settings)
         logger.info("serving rewards %s on http://%s:%d (%d workers)", names, args.host, args.port, args.workers)
         try:

@@ -28,6 +28,10 @@ from trainers_adapters.reward_worker import ERROR, SCORES
 
 logger = logging.getLogger(__name__)
 
+# How long `close` lets a worker finish the group it holds before stopping it (a group longer
+# than that fails: the pool is closing).
+_CLOSE_WAIT_S = 35.0
+
 
 class RewardWorkerDied(RuntimeError):
     """A reward worker ended (or was killed) while it held a group, or before it was ready."""
@@ -163,7 +167,7 @@ class QueuedRewardPool(RewardRunner):
         for _ in self._workers:  # after the failed groups: a worker finishes only the group it holds
             self._jobs.put(None)
         for thread in self._threads:
-            thread.join(self.timeout_s + 5)
+            thread.join(_CLOSE_WAIT_S)
         self._stop_workers()
 
     def _stop_workers(self) -> None:

@@ -25,6 +25,7 @@ from trainers_adapters.composite_reward import CompositeReward, RewardComponent
 from trainers_adapters.remote_reward import RemoteReward
 from trainers_adapters.reward_checks import RewardError
 from trainers_adapters.reward_runner import RewardsOnThreads
+from trainers_adapters.reward_service import parse_args
 from trainers_adapters.reward_service_app import RewardServiceSettings, build_reward_app
 from trainers_adapters.reward_spec import build_reward
 from trainers_adapters.reward_wire import encode_group
@@ -149,6 +150,15 @@ def test_a_remote_reward_passes_the_services_components_to_the_rollout(url, engi
     torch.testing.assert_close(rollout.rewards, local.total + 0.1 * components["colour"], atol=1e-6, rtol=0)
 
 
+def test_the_command_line_checks_where_rewards_run_in_its_own_option_names(capsys):
+    args = parse_args(["--reward", "colour", "--no-auth", "--workers", "2", "--devices", "cpu", "cpu"])
+    assert (args.runner, args.devices, args.timeout_s) == ("process", ["cpu", "cpu"], 600.0)
+    with pytest.raises(SystemExit):
+        parse_args(["--reward", "colour", "--no-auth", "--runner", "ray", "--workers", "0", "--timeout-s", "-1"])
+    error = capsys.readouterr().err
+    assert "--runner 'ray' needs --workers >= 1" in error and "--timeout-s must be > 0 seconds" in error
+
+
 @pytest.mark.slow  # a server process and its reward worker each import torch
 @pytest.mark.timeout(300)
 def test_the_command_line_serves_rewards_from_a_worker(monkeypatch):
@@ -157,6 +167,7 @@ def test_the_command_line_serves_rewards_from_a_worker(monkeypatch):
     environment = {**os.environ, "REWARD_SERVICE_API_KEY": KEY}
     reward = "{colour: 1.0, probe: {reward: tests.trainers_adapters.reward_probe.Probe, weight: 0.5}}"
     command = [sys.executable, "-m", "trainers_adapters.reward_service", "--reward", reward, "--workers", "1"]
+    command += ["--devices", "cpu", "--timeout-s", "120"]
     process = subprocess.Popen([*command, "--port", str(port)], env=environment)
     url = f"http://127.0.0.1:{port}"
     try:
