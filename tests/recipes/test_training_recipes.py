@@ -243,7 +243,8 @@ def test_a_run_with_a_reward_worker_gets_the_rewards_of_a_run_without(tmp_path, 
     found = {}
     for workers in (0, 1):
         folder = tmp_path / f"workers{workers}"
-        run_cli(monkeypatch, "grpo_tiny.yaml", *small_run(folder, "uni"), reward, f"reward_workers={workers}")
+        placed = [f"reward_workers={workers}"] + (["reward_devices=[cpu]"] if workers else [])
+        run_cli(monkeypatch, "grpo_tiny.yaml", *small_run(folder, "uni"), reward, *placed)
         records, _ = check_run_files(folder / "out")
         found[workers] = [r[name] for r in records for name in ("reward_mean", "reward/clip_score", "reward/colour")]
     assert found[1] == pytest.approx(found[0], abs=1e-6)
