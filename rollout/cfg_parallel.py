@@ -24,8 +24,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from rollout.pipelines.adapter import RowsForward
 from rollout.pipelines.condition import PromptEmbeds
+from rollout.pipelines.guidance_passes import RowsForward
 
 logger = logging.getLogger(__name__)
 

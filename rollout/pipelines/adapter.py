@@ -30,9 +30,9 @@ import dataclasses
 import time
 import warnings
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar
 
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
@@ -41,6 +41,7 @@ from torch import nn
 from rollout.input_images import InputImages
 from rollout.pipelines.condition import Condition, PromptEmbeds
 from rollout.pipelines.guidance import Guidance, Scale, guidance_argument
+from rollout.pipelines.guidance_passes import GuidancePasses, guidance_passes_here
 from rollout.pipelines.spec import ModelSpec
 
 
@@ -315,46 +316,6 @@ class PipelineAdapter(ABC):
         scale = self.cfg_scale(guidance, sigmas)[cfg].view(-1, *([1] * (velocity.ndim - 1)))
         guided = self.combine_cfg(velocity[cfg], uncond, scale)
         return velocity.index_put((cfg.nonzero(as_tuple=True)[0],), guided)
-
-
-# One forward over some rows of a batch: (the rows, as an index, mask or slice; their embeddings) ->
-# the transformer's prediction for them, in the model's dtype.
-RowsForward = Callable[[torch.Tensor | slice, list[PromptEmbeds]], torch.Tensor]
-
-
-class GuidancePasses(Protocol):
-    def __call__(
-        self,
-        run: RowsForward,
-        shape: torch.Size,
-        cfg: torch.Tensor,
-        prompts: list[PromptEmbeds],
-        negatives: list[PromptEmbeds],
-        one_pass: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The conditional prediction of every row of a batch of latents of `shape`, and the
-        unconditional one of the rows `cfg` marks ([B] bool), both float32; None for the second
-        when no row has a negative prompt (`negatives` empty). `one_pass`: the family's pipeline
-        runs both in one forward (`cfg_in_one_pass`)."""
-        ...
-
-
-def guidance_passes_here(
-    run: RowsForward,
-    shape: torch.Size,
-    cfg: torch.Tensor,
-    prompts: list[PromptEmbeds],
-    negatives: list[PromptEmbeds],
-    one_pass: bool,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Both passes in this process, as the family's pipeline runs them (see `GuidancePasses`)."""
-    batch = shape[0]
-    if negatives and one_pass:
-        rows = torch.cat([torch.arange(batch, device=cfg.device), cfg.nonzero(as_tuple=True)[0]])
-        out = run(rows, prompts + negatives).to(torch.float32)
-        return out[:batch], out[batch:]
-    velocity = run(slice(None), prompts).to(torch.float32)
-    return velocity, run(cfg, negatives).to(torch.float32) if negatives else None
 
 
 def _images_shape(images: PromptEmbeds | None) -> tuple | None:

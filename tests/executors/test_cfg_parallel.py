@@ -175,3 +175,23 @@ def test_the_server_and_the_recipes_take_cfg_parallel():
     assert EngineSection(executor="mp", num_workers=4, cfg_parallel=2).to_engine_config("m").cfg_parallel == 2
     with pytest.raises(ValueError, match="num_workers=3 is not replicas x ranks per replica"):
         EngineSection(executor="mp", num_workers=3, cfg_parallel=2)
+
+
+@pytest.mark.timeout(120)
+def test_the_halves_of_a_pair_share_their_passes_and_fail_together(tmp_path):
+    """Two gloo processes and a stand-in forward (no model): both halves end with what one process
+    computes; a pass that fails on one half raises on both at once, not at the group's timeout."""
+    import torch
+    import torch.multiprocessing as mp
+
+    from tests.executors.cfg_pair import passes_of_one_rank
+
+    mp.spawn(passes_of_one_rank, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2)
+    conditional, unconditional = (torch.load(tmp_path / f"rank{rank}.pt") for rank in range(2))
+    for outcome in (conditional, unconditional):
+        (cond, uncond), (want_cond, want_uncond) = outcome["got"], outcome["want"]
+        assert cond.equal(want_cond) and uncond.equal(want_uncond)
+        cond, uncond = outcome["no_negatives"]  # the conditional half's pass, shared
+        assert cond.equal(want_cond) and uncond is None
+    assert unconditional["error"] == "ValueError: injected failure for ''"
+    assert conditional["error"].startswith("RuntimeError: the unconditional pass of classifier-free guidance failed")
