@@ -43,7 +43,7 @@ class GroupMember:
     store_path: str  # the group's FileStore (one file per group, named by the executor)
     group: int  # the replica group's index
     local_rank: int  # this worker's rank inside the group; 0 hands back the group's outputs
-    size: int  # ranks per group (the Ulysses degree)
+    size: int  # ranks per group (cfg_parallel x sequence_parallel)
     timeout_s: float  # how long joining and every collective may wait for the group's other ranks
 
     @property

@@ -21,7 +21,8 @@ encoded texts by the images' digest too (`ModelSpec.text_key`).
 
 Classifier-free guidance is batched here: the unconditional rows of the samples with a negative
 prompt run in a second forward pass, or in the same pass as the conditional rows where the family's
-pipeline does so (`cfg_in_one_pass`).
+pipeline does so (`cfg_in_one_pass`); `guidance_passes` runs them (in this process, or on the two
+halves of a CFG-parallel replica group: `rollout.cfg_parallel`), and the family combines them.
 """
 
 from __future__ import annotations
