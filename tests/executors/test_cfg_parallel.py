@@ -177,6 +177,7 @@ def test_the_server_and_the_recipes_take_cfg_parallel():
         EngineSection(executor="mp", num_workers=3, cfg_parallel=2)
 
 
+@pytest.mark.slow  # two spawned processes that import torch: 14 s wall on the loaded 2-core machine
 @pytest.mark.timeout(120)
 def test_the_halves_of_a_pair_share_their_passes_and_fail_together(tmp_path):
     """Two gloo processes and a stand-in forward (no model): both halves end with what one process
