@@ -46,13 +46,13 @@ class Executor:
     backend sets up what `_release_workers` frees before calling `super().__init__(config)`,
     which starts the workers (and releases them if start-up fails).
 
-    Replica groups come with the base: with `sequence_parallel` > 1 a replica spans that many
-    consecutive ranks (`executors.replica_groups`). `execute` takes and returns one part per
-    replica and sends a replica's part to every rank of its group; `_send_step` still addresses
-    one rank. The bootstrap builds each worker with its place in its group, and the worker joins
-    the group's process group; a transport need only start every rank (on Ray, a group's ranks on
-    one node). `collective_rpc` addresses ranks, so every hot-swap call reaches every rank of
-    every group.
+    Replica groups come with the base: with `ranks_per_replica` (`cfg_parallel` x
+    `sequence_parallel`) > 1 a replica spans that many consecutive ranks
+    (`executors.replica_groups`). `execute` takes and returns one part per replica and sends a
+    replica's part to every rank of its group; `_send_step` still addresses one rank. The
+    bootstrap builds each worker with its place in its group, and the worker joins the group's
+    process group; a transport need only start every rank (on Ray, a group's ranks on one node).
+    `collective_rpc` addresses ranks, so every hot-swap call reaches every rank of every group.
 
     The contract every backend keeps: worker functions get their own copies of the tensors in
     their arguments (the caller may change or free its tensors right after the call), and calls

@@ -115,6 +115,7 @@ class EngineSection:
     executor: str = setting_of(EngineConfig, "executor")
     num_workers: int = setting_of(EngineConfig, "num_workers")
     sequence_parallel: int = setting_of(EngineConfig, "sequence_parallel")
+    cfg_parallel: int = setting_of(EngineConfig, "cfg_parallel")
     device: str = setting_of(EngineConfig, "device")
     dtype: str = setting_of(EngineConfig, "dtype")
     max_batch_size: int = setting_of(EngineConfig, "max_batch_size")

@@ -17,6 +17,7 @@ from rollout.settings import setting
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 MERGE_LORA_CHOICES = ("auto", "always", "never")
+CFG_PARALLEL_CHOICES = (1, 2)
 # The dtypes merge_lora="auto" merges in. A merged delta rounded into bfloat16 (8 bits of mantissa)
 # or float16 (11) weights moves the velocity enough that re-scoring by the trainer's unmerged copy
 # misses |log-ratio| < 1e-5: measured 7.9e-4 and 1.4e-4 on the tiny SD3 (float32: 2.4e-7; see
@@ -39,12 +40,19 @@ class EngineConfig:
     )
     num_workers: int = setting(
         1,
-        "worker ranks: replicas (data parallel) x ranks per replica (sequence_parallel); 'uni' runs exactly one",
+        "worker ranks: replicas (data parallel) x ranks per replica (cfg_parallel x sequence_parallel); 'uni' runs "
+        "exactly one",
     )
     sequence_parallel: int = setting(
         1,
         "ranks per replica that share one sample's forward (Ulysses sequence parallel, through diffusers' context "
         "parallelism: FLUX.1, FLUX.2, Qwen-Image, Wan); num_workers must be a multiple of it ('mp', 'ray')",
+    )
+    cfg_parallel: int = setting(
+        1,
+        "1 or 2: with 2, a replica's ranks split in two halves, the conditional rows of classifier-free guidance "
+        "on one and the unconditional rows on the other, at the same time (each half sequence_parallel ranks); "
+        "num_workers must be a multiple of cfg_parallel x sequence_parallel ('mp', 'ray')",
     )
     worker_extension_cls: str | type | None = setting(
         None,
@@ -91,8 +99,9 @@ class EngineConfig:
 
     @property
     def ranks_per_replica(self) -> int:
-        """Worker ranks that run one replica's batches together (one sample's forward spans them)."""
-        return self.sequence_parallel
+        """Worker ranks that run one replica's batches together (one sample's forward spans them):
+        `cfg_parallel` halves of `sequence_parallel` ranks each."""
+        return self.cfg_parallel * self.sequence_parallel
 
     @property
     def num_replicas(self) -> int:
@@ -119,15 +128,18 @@ def value_problems(config: Any) -> list[str]:
         problems.append(f"dtype must be one of {sorted(_DTYPES)}, got {config.dtype!r}")
     if not isinstance(config.num_workers, int) or config.num_workers < 1:
         problems.append(f"num_workers must be an integer >= 1, got {config.num_workers!r}")
-    if not isinstance(config.sequence_parallel, int) or config.sequence_parallel < 1:
+    sequence_ok = isinstance(config.sequence_parallel, int) and config.sequence_parallel >= 1
+    if not sequence_ok:
         problems.append(f"sequence_parallel must be an integer >= 1, got {config.sequence_parallel!r}")
-    elif isinstance(config.num_workers, int) and config.num_workers % config.sequence_parallel:
-        degree = config.sequence_parallel
+    cfg_ok = type(config.cfg_parallel) is int and config.cfg_parallel in CFG_PARALLEL_CHOICES
+    if not cfg_ok:
         problems.append(
-            f"num_workers={config.num_workers} is not replicas x ranks per replica: each replica spans "
-            f"sequence_parallel={degree} ranks, so num_workers must be a multiple of {degree} "
-            f"(e.g. {degree} for one replica, {2 * degree} for two)"
+            f"cfg_parallel must be 1 or 2 (2: the conditional and the unconditional pass of classifier-free "
+            f"guidance on two halves of a replica), got {config.cfg_parallel!r}"
         )
+    degree = config.cfg_parallel * config.sequence_parallel if sequence_ok and cfg_ok else 1
+    if isinstance(config.num_workers, int) and config.num_workers % degree:
+        problems.append(_layout_problem(config.num_workers, config.cfg_parallel, config.sequence_parallel))
     if config.merge_lora not in MERGE_LORA_CHOICES:
         problems.append(f"merge_lora must be one of {', '.join(MERGE_LORA_CHOICES)}, got {config.merge_lora!r}")
     if not isinstance(config.max_batch_size, int) or config.max_batch_size < 1:
@@ -142,3 +154,18 @@ def value_problems(config: Any) -> list[str]:
     if not (config.device == "cpu" or config.device.startswith("cuda")):
         problems.append(f"device must be 'cpu' or 'cuda[:N]', got {config.device!r}")
     return problems
+
+
+def _layout_problem(num_workers: int, cfg: int, sequence: int) -> str:
+    """Why `num_workers` ranks do not make whole replicas of `cfg` x `sequence` ranks."""
+    degree = cfg * sequence
+    if cfg == 1:
+        spans = f"sequence_parallel={sequence} ranks"
+    elif sequence == 1:
+        spans = f"cfg_parallel={cfg} ranks"
+    else:
+        spans = f"cfg_parallel={cfg} x sequence_parallel={sequence} = {degree} ranks"
+    return (
+        f"num_workers={num_workers} is not replicas x ranks per replica: each replica spans {spans}, so "
+        f"num_workers must be a multiple of {degree} (e.g. {degree} for one replica, {2 * degree} for two)"
+    )

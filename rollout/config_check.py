@@ -52,11 +52,13 @@ def _resolve_classes(config) -> tuple[type[Executor] | None, list[str]]:
         problems.append(str(error))
     if executor_cls is not None:
         problems += executor_cls.config_problems(config)
-        degree = config.sequence_parallel
-        if isinstance(degree, int) and degree > 1 and not _transport_of(executor_cls):
+        layout = {"cfg_parallel": config.cfg_parallel, "sequence_parallel": config.sequence_parallel}
+        spread = {name: degree for name, degree in layout.items() if isinstance(degree, int) and degree > 1}
+        if spread and not _transport_of(executor_cls):
+            named = " x ".join(f"{name}={degree}" for name, degree in spread.items())
             problems.append(
                 f"executor {executor_cls.__qualname__} runs its own workers (it defines _execute), so it cannot "
-                f"run replica groups of sequence_parallel={degree} ranks; write its transport "
+                f"run replica groups of {named} ranks; write its transport "
                 "(see executors.base.Executor) or use executor='mp' or 'ray'"
             )
     return executor_cls, problems

@@ -7,8 +7,10 @@ whole sequence again at its exit, so every rank ends the forward with the same f
 takes the same sampler step with the same generators.
 
 The group is its own `torch.distributed` world (the default process group of the worker process,
-gloo on CPU, NCCL on CUDA) over a `FileStore` the executor names: diffusers reads the rank, the
-world size and the device mesh from the default group. A trainer's weight broadcast group
+gloo on CPU, NCCL on CUDA) over a `FileStore` the executor names, laid out as a device mesh of
+dims ("cfg", "ring", "ulysses") (`group_mesh`): with CFG parallel (`rollout.cfg_parallel`) each
+half of the group is a Ulysses sub-group of its own, and diffusers is given the mesh, so its
+all-to-alls stay inside the half. A trainer's weight broadcast group
 (`rollout.broadcast_group`) is a standalone group and does not touch it.
 
 diffusers' "Ulysses anything" mode is used: it splits sequences of any length (a batch's text
@@ -29,6 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +43,7 @@ class GroupMember:
     store_path: str  # the group's FileStore (one file per group, named by the executor)
     group: int  # the replica group's index
     local_rank: int  # this worker's rank inside the group; 0 hands back the group's outputs
-    size: int  # ranks per group (the Ulysses degree)
+    size: int  # ranks per group (cfg_parallel x sequence_parallel)
     timeout_s: float  # how long joining and every collective may wait for the group's other ranks
 
     @property
@@ -68,6 +71,17 @@ def join_group(member: GroupMember, device: str) -> None:
         timeout=datetime.timedelta(seconds=member.timeout_s),
     )
     logger.info("joined replica group %d as rank %d of %d (%s)", member.group, member.local_rank, member.size, backend)
+
+
+MESH_DIMS = ("cfg", "ring", "ulysses")  # ring attention is not offered: its degree is 1
+
+
+def group_mesh(cfg_degree: int, ulysses_degree: int, device: str) -> DeviceMesh:
+    """The replica group's device mesh over this process's default group (`join_group` first):
+    rank = cfg coordinate x `ulysses_degree` + ulysses coordinate, so the group's first
+    `ulysses_degree` ranks are the conditional half. Every rank of the group must call it."""
+    device_type = "cuda" if device.startswith("cuda") else "cpu"
+    return init_device_mesh(device_type, (cfg_degree, 1, ulysses_degree), mesh_dim_names=MESH_DIMS)
 
 
 # The pipeline components that predict velocities (`PipelineAdapter.denoisers`): Wan 2.2 has two.
@@ -108,17 +122,20 @@ def _plan_refusal(missing: list[str], degree: int, pipeline_class: str) -> list[
     ]
 
 
-def enable_sequence_parallel(denoisers: dict[str, nn.Module], degree: int, pipeline_class: str) -> None:
-    """Shard the sequence of every denoiser across the `degree` ranks of this process's group
-    (`join_group` first). A denoiser whose diffusers class has no context-parallel plan is refused."""
+def enable_sequence_parallel(denoisers: dict[str, nn.Module], mesh: DeviceMesh, pipeline_class: str) -> None:
+    """Shard the sequence of every denoiser across the ranks of this rank's "ulysses" sub-mesh of
+    `mesh` (`group_mesh`). A denoiser whose diffusers class has no context-parallel plan is refused."""
     from diffusers import ContextParallelConfig
 
+    degree = mesh["ulysses"].size()
     refusal = _plan_refusal(missing_plans({name: type(m) for name, m in denoisers.items()}), degree, pipeline_class)
     if refusal:
         raise ValueError(refusal[0])
     with _one_device_per_cpu_rank():
         for module in denoisers.values():
-            module.enable_parallelism(config=ContextParallelConfig(ulysses_degree=degree, ulysses_anything=True))
+            # diffusers shards over the ("ring", "ulysses") slice of the mesh that holds this rank.
+            config = ContextParallelConfig(ulysses_degree=degree, ulysses_anything=True, mesh=mesh)
+            module.enable_parallelism(config=config)
 
 
 @contextlib.contextmanager

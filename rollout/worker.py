@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from rollout.broadcast_group import BroadcastEntry, connect, receive_bucket
+from rollout.cfg_parallel import CfgParallelPasses
 from rollout.config import EngineConfig
 from rollout.imports import import_by_path
 from rollout.lora import LoraManager, read_lora_folder
@@ -23,7 +24,7 @@ from rollout.pipelines.spec import ModelSpec
 from rollout.regular_files import check_regular
 from rollout.scheduler import WorkerInput
 from rollout.sent_conditions import SentConditions
-from rollout.sequence_parallel import GroupMember, enable_sequence_parallel, join_group
+from rollout.sequence_parallel import GroupMember, enable_sequence_parallel, group_mesh, join_group
 from rollout.sleep import Sleeper
 from rollout.weights import StagedUpdates, TensorSpec, base_state, checksum, specs_of
 
@@ -32,8 +33,8 @@ logger = logging.getLogger(__name__)
 
 class Worker:
     """`group`: this rank's place in its replica group when a replica spans several ranks
-    (sequence parallel); every rank of the group runs the same steps, and only the group's
-    first rank hands back their outputs."""
+    (sequence parallel, CFG parallel); every rank of the group runs the same steps, and only the
+    group's first rank hands back their outputs."""
 
     def __init__(self, config: EngineConfig, rank: int, group: GroupMember | None = None):
         self.config = config
@@ -42,7 +43,11 @@ class Worker:
         self.adapter = load_adapter(config.model, config.device, config.torch_dtype)
         if group is not None:
             join_group(group, config.device)
-            enable_sequence_parallel(self.adapter.denoisers, group.size, type(self.adapter.pipeline).__name__)
+            mesh = group_mesh(config.cfg_parallel, config.sequence_parallel, config.device)
+            if config.sequence_parallel > 1:
+                enable_sequence_parallel(self.adapter.denoisers, mesh, type(self.adapter.pipeline).__name__)
+            if config.cfg_parallel > 1:
+                self.adapter.guidance_passes = CfgParallelPasses(mesh)
         self.loras = LoraManager(self.adapter.denoisers, merge=config.merges_lora)
         self.runner = ModelRunner(self.adapter, self.loras)
         self.requests: dict[str, RequestState] = {}

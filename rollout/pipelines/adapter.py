@@ -21,7 +21,8 @@ encoded texts by the images' digest too (`ModelSpec.text_key`).
 
 Classifier-free guidance is batched here: the unconditional rows of the samples with a negative
 prompt run in a second forward pass, or in the same pass as the conditional rows where the family's
-pipeline does so (`cfg_in_one_pass`).
+pipeline does so (`cfg_in_one_pass`); `guidance_passes` runs them (in this process, or on the two
+halves of a CFG-parallel replica group: `rollout.cfg_parallel`), and the family combines them.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from torch import nn
 from rollout.input_images import InputImages
 from rollout.pipelines.condition import Condition, PromptEmbeds
 from rollout.pipelines.guidance import Guidance, Scale, guidance_argument
+from rollout.pipelines.guidance_passes import GuidancePasses, guidance_passes_here
 from rollout.pipelines.spec import ModelSpec
 
 
@@ -84,6 +86,9 @@ class PipelineAdapter(ABC):
         self.spec = self.make_spec()
         self.spec = dataclasses.replace(self.spec, min_inference_steps=self._min_inference_steps())
         self.forwards = ForwardTally()
+        # Where the passes of a batch run: here, or split over a replica group's halves (a
+        # CFG-parallel worker installs `rollout.cfg_parallel.CfgParallelPasses`).
+        self.guidance_passes: GuidancePasses = guidance_passes_here
 
     @classmethod
     def load(cls, path: str | Path, index: dict, device: str = "cpu", dtype: torch.dtype = torch.float32):
@@ -306,13 +311,7 @@ class PipelineAdapter(ABC):
             self.forwards.add(out.shape[0], time.perf_counter() - start)
             return out
 
-        if negatives and self.cfg_in_one_pass:
-            rows = torch.cat([torch.arange(batch, device=device), cfg.nonzero(as_tuple=True)[0]])
-            out = run(rows, prompts + negatives).to(torch.float32)
-            velocity, uncond = out[:batch], out[batch:]
-        else:
-            velocity = run(slice(None), prompts).to(torch.float32)
-            uncond = run(cfg, negatives).to(torch.float32) if negatives else None
+        velocity, uncond = self.guidance_passes(run, latents.shape, cfg, prompts, negatives, self.cfg_in_one_pass)
         if uncond is None:
             return velocity
         scale = self.cfg_scale(guidance, sigmas)[cfg].view(-1, *([1] * (velocity.ndim - 1)))

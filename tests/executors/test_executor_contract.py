@@ -53,8 +53,10 @@ BACKENDS = {
     # One replica of two ranks (Ulysses sequence parallel; SD3 has no context-parallel plan).
     "mp-group": {"executor": "mp", "num_workers": 2, "sequence_parallel": 2},
     "ray-group": {"executor": "ray", "num_workers": 2, "sequence_parallel": 2},
+    # One replica of two ranks, the conditional and the unconditional rows of guidance apart.
+    "mp-cfg": {"executor": "mp", "num_workers": 2, "cfg_parallel": 2},
 }
-GROUP_BACKENDS = ("mp-group", "ray-group")
+GROUP_BACKENDS = ("mp-group", "ray-group", "mp-cfg")
 # Case id -> (family, backend). Every backend on SD3; the in-process and the process backend on the others.
 CASES = (
     {name: ("sd3", name) for name in BACKENDS if name not in GROUP_BACKENDS}
@@ -63,7 +65,8 @@ CASES = (
         for family in ("flux", "qwen_image", "zimage", "flux_kontext")
         for backend in ("uni", "mp")
     }
-    | {f"{backend}-flux": ("flux", backend) for backend in GROUP_BACKENDS}
+    | {f"{backend}-flux": ("flux", backend) for backend in ("mp-group", "ray-group")}
+    | {"mp-cfg-sd3": ("sd3", "mp-cfg")}
 )
 FAMILY_OF_PIPELINE = {family.pipeline_class: family for family in FAMILIES.values()}
 
@@ -87,6 +90,8 @@ REPEATS = {
     # Processes joined in a gloo group: tests/executors/test_sequence_parallel.py has the equality checks.
     "mp-group-flux",
     "ray-group-flux",
+    # ... tests/executors/test_cfg_parallel.py has them for CFG parallel.
+    "mp-cfg-sd3",
 }
 
 
