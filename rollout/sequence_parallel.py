@@ -49,9 +49,10 @@ class GroupMember:
         return self.local_rank == 0
 
 
-def join_group(member: GroupMember, device: str) -> None:
+def join_group(member: GroupMember, device: str) -> dist.Store:
     """Make the group this process's default process group (gloo on CPU, NCCL on CUDA); blocks
-    until every rank of the group has joined."""
+    until every rank of the group has joined. Returns the group's store (where its ranks report
+    failed steps, `rollout.group_failures`)."""
     if dist.is_initialized():
         raise RuntimeError(
             "sequence parallel needs the worker's default torch.distributed process group for its replica "
@@ -68,6 +69,7 @@ def join_group(member: GroupMember, device: str) -> None:
         timeout=datetime.timedelta(seconds=member.timeout_s),
     )
     logger.info("joined replica group %d as rank %d of %d (%s)", member.group, member.local_rank, member.size, backend)
+    return store
 
 
 # The pipeline components that predict velocities (`PipelineAdapter.denoisers`): Wan 2.2 has two.
