@@ -123,6 +123,25 @@ def enable_sequence_parallel(denoisers: dict[str, nn.Module], degree: int, pipel
             module.enable_parallelism(config=ContextParallelConfig(ulysses_degree=degree, ulysses_anything=True))
 
 
+def sequence_boundaries(denoiser: nn.Module) -> set[str]:
+    """Names of the denoiser's modules where diffusers' context parallelism splits the token
+    sequence (at their input) or gathers it (at their output): the modules its hooks sit on
+    (`enable_parallelism` puts them there, from the class's `_cp_plan`). A LoRA layer wrapping one
+    would run its own path on the other side of the hook from its base layer (FLUX.1's `proj_out`:
+    the base output gathered, the adapter's from one rank's tokens), so `LoraManager` refuses them."""
+    from diffusers.hooks.context_parallel import ContextParallelGatherHook, ContextParallelSplitHook
+    from diffusers.hooks.hooks import HookRegistry
+
+    names = set()
+    for name, module in denoiser.named_modules():
+        registry = module.__dict__.get("_diffusers_hook")  # set on the modules diffusers hooks, only there
+        if isinstance(registry, HookRegistry) and any(
+            isinstance(hook, ContextParallelGatherHook | ContextParallelSplitHook) for hook in registry.hooks.values()
+        ):
+            names.add(name)
+    return names
+
+
 @contextlib.contextmanager
 def _one_device_per_cpu_rank() -> Iterator[None]:
     """diffusers places a rank on device `rank % torch.accelerator.device_count()`, which is a

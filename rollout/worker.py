@@ -24,7 +24,7 @@ from rollout.pipelines.spec import ModelSpec
 from rollout.regular_files import check_regular
 from rollout.scheduler import WorkerInput
 from rollout.sent_conditions import SentConditions
-from rollout.sequence_parallel import GroupMember, enable_sequence_parallel, join_group
+from rollout.sequence_parallel import GroupMember, enable_sequence_parallel, join_group, sequence_boundaries
 from rollout.sleep import Sleeper
 from rollout.weights import StagedUpdates, TensorSpec, base_state, checksum, specs_of
 
@@ -45,7 +45,10 @@ class Worker:
         if group is not None:
             self.failure_agreement = FailureAgreement(join_group(group, config.device), group.local_rank, group.size)
             enable_sequence_parallel(self.adapter.denoisers, group.size, type(self.adapter.pipeline).__name__)
-        self.loras = LoraManager(self.adapter.denoisers, merge=config.merges_lora)
+        boundaries = (
+            {name: sequence_boundaries(module) for name, module in self.adapter.denoisers.items()} if group else {}
+        )
+        self.loras = LoraManager(self.adapter.denoisers, merge=config.merges_lora, sequence_boundaries=boundaries)
         self.runner = ModelRunner(self.adapter, self.loras)
         self.requests: dict[str, RequestState] = {}
         self.sent_conditions = SentConditions()  # the text embeddings the engine holds
