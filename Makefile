@@ -61,6 +61,7 @@ bench: setup
 	$(call BENCH,reward_models,,reward_models)
 	$(call BENCH,reward_overlap,,reward_overlap)
 	$(call BENCH,parallel,,parallel)
+	$(call BENCH,parallel,--mode measure,parallel_measure)
 	$(PY) -m benchmarks.render
 
 clean:

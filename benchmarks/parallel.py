@@ -1,7 +1,6 @@
 """Sequence and CFG parallel layouts at real size: FLOPs, all-to-all bytes and the speedup on 8 GPUs.
 
-`--mode cost` (the default, and for now the only one of `MODES`; a mode that measures the layouts
-on CPU processes goes beside it): a cost model, nothing runs on a GPU. The
+`--mode cost` (the default): a cost model, nothing runs on a GPU. The
 published transformers of Wan 2.1 T2V 14B (480x832, 81 frames), Qwen-Image (1024x1024) and
 FLUX.1-dev (1024x1024) are built on the meta device; torch's FlopCounterMode counts one forward
 (cross-checked against 2·params·tokens + 4·L·S²·d); `benchmarks/parallel_cost.py` turns the counts
@@ -12,8 +11,14 @@ parallel, the layout it picks for RL rollouts and why, and its prediction for vL
 Qwen-Image measurement (2048x2048, 50 steps, H800: 112.5 s on one GPU, 65.2 / 39.6 / 30.8 s with
 Ulysses 2 / 4 / 8) next to those numbers.
 
+`--mode measure`: the layouts measured on CPU processes (`benchmarks/parallel_measure.py`): the
+per-step time of one worker against a group of Ulysses 2 with the same total threads, and the
+bytes each layout's collectives send a step, counted inside the workers and checked against the
+cost model's all-to-all formula.
+
     python -m benchmarks.parallel                        # about 30 s of CPU, no memory to speak of
     python -m benchmarks.parallel --mfu 0.5 --link-gbs 450 --gpu-memory-gb 141
+    python -m benchmarks.parallel --mode measure         # a few minutes of 2 CPU cores
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from benchmarks import harness
+from benchmarks import harness, parallel_measure
 from benchmarks.parallel_cases import Counted, count, flux1_dev, qwen_image, wan21_14b
 from benchmarks.parallel_cost import (
     Hardware,
@@ -34,6 +39,7 @@ from benchmarks.parallel_cost import (
     pick,
     step_cost,
 )
+from benchmarks.parallel_measure import add_arguments, measure_mode
 
 GB = 1e9
 
@@ -314,12 +320,17 @@ def assumptions(args: argparse.Namespace) -> list[str]:
     ]
 
 
-MODES = {"cost": cost_mode}
+MODES = {"cost": cost_mode, "measure": measure_mode}
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = harness.parser("parallel", __doc__)
-    parser.add_argument("--mode", choices=sorted(MODES), default="cost", help="cost: the cost model at real size")
+    parser = harness.parser("parallel", __doc__, repeats=3, warmup=1)
+    parser.add_argument(
+        "--mode",
+        choices=sorted(MODES),
+        default="cost",
+        help="cost: the cost model at real size; measure: the layouts on CPU processes",
+    )
     parser.add_argument("--gpus", type=harness.positive_int, default=8, help="GPUs in the node")
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="bf16 dense peak per GPU, TFLOP/s")
     parser.add_argument("--mfu", type=float, default=0.4, help="fraction of peak a forward reaches")
@@ -337,10 +348,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument(
         "--tie", type=float, default=0.005, help="throughput fraction a lower-latency pick may give up"
     )
+    add_arguments(parser)
     args = parser.parse_args(argv)
     if not 0 < args.mfu <= 1:
         parser.error(f"--mfu {args.mfu} is not a fraction of peak: give a value in (0, 1], e.g. 0.4")
-    report = harness.Report("parallel", args, __doc__, argv)
+    doc = parallel_measure.__doc__ if args.mode == "measure" else __doc__
+    report = harness.Report("parallel", args, doc, argv)
     MODES[args.mode](report, args)
     return report.finish()
 

@@ -210,7 +210,24 @@ class Executor:
             rank: self._send_step(rank, w) for replica, w in work.items() for rank in self.layout.ranks_of(replica)
         }
         results = self._answers("execute", pending, timeout)
+        for replica in work:
+            self._check_in_step(replica, results)
         return [results.get(self.layout.leader_of(replica), RunnerOutput()) for replica in range(self.num_replicas)]
+
+    def _check_in_step(self, replica: int, results: dict[int, RunnerOutput]) -> None:
+        """A follower that dropped a request its leader kept (it failed to start there alone) would
+        step a batch of another size next: the group is out of step, and the engine stops. (The
+        leader's failures include its decodes, which a follower does not run, so only this way round
+        is a sign.)"""
+        leader, *followers = self.layout.ranks_of(replica)
+        for rank in followers:
+            extra = sorted(set(results[rank].failed) - set(results[leader].failed))
+            if extra:
+                raise EngineDeadError(
+                    f"worker rank {rank} of replica group {replica} failed requests {extra} that its leader "
+                    f"(rank {leader}) did not: {results[rank].failed[extra[0]]}; the group's ranks are out of "
+                    "step, so the engine stops: create a new engine"
+                )
 
     def _collective_rpc(
         self, name: str, method: str | Callable, args: tuple, kwargs: dict, timeout: float, ranks: list[int]
@@ -220,9 +237,18 @@ class Executor:
         return [results[rank] for rank in ranks]
 
     def _answers(self, name: str, pending: dict[int, Any], timeout: float) -> dict[int, Any]:
-        """rank -> result of every pending call. Raises TimeoutError naming the ranks that did not
+        """rank -> result of every pending call. Raises EngineDeadError where a rank of a replica
+        group failed a step (`group_step_failed`), else TimeoutError naming the ranks that did not
         answer, or else the `WorkerError` of the lowest rank that failed."""
         answers = self._gather(name, pending, timeout)
+        broken = self.group_step_failed(name, answers)
+        if broken is not None:
+            group = self.layout.replica_of(broken.rank)
+            raise EngineDeadError(
+                f"worker rank {broken.rank} of replica group {group} failed a step: {broken.error}; the group's "
+                "ranks are out of step (the others may wait for it in a collective), so the engine stops: "
+                f"create a new engine\n--- worker traceback ---\n{broken.remote_traceback}"
+            )
         late = sorted(set(pending) - set(answers))
         if late:
             raise TimeoutError(f"worker call {name!r} timed out after {timeout}s; ranks that did not answer: {late}")
@@ -290,6 +316,17 @@ class Executor:
                     self.rendezvous.remove()
 
     # Helpers for subclasses.
+
+    def group_step_failed(self, name: str, answers: dict[int, Any]) -> WorkerError | None:
+        """The error of the lowest rank of a replica group of several ranks that failed a step, if
+        any. A worker raises out of a step only where its group did not fail with it (it does not
+        isolate requests then: `rollout.group_failures`), and its peers may wait in a collective
+        until their timeout: a transport's `_gather` stops waiting as soon as this answers one
+        (one that waits on is slower, not wrong)."""
+        if name != "execute" or self.layout.ranks_per_replica == 1:
+            return None
+        failed = [rank for rank, answer in answers.items() if isinstance(answer, WorkerError)]
+        return answers[min(failed)] if failed else None
 
     def resolve_method(self, method: str | Callable) -> tuple[str, Callable]:
         """(name for messages, function taking the worker first) for a method name or a callable."""

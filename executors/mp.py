@@ -129,6 +129,8 @@ class MPExecutor(Executor):
                         _discard_result(reply)
                         continue
                     answers[rank] = self._answer(name, rank, reply, self._reply_readers[rank])
+                if self.group_step_failed(name, answers) is not None:
+                    break  # its peers may never answer: the base stops the engine
         finally:
             for sent in pending.values():
                 if sent.own_arguments is not None:

@@ -158,6 +158,8 @@ class RayExecutor(Executor):
             except ray.exceptions.RayTaskError as error:
                 cause = error.cause
                 answers[rank] = WorkerError(name, rank, WorkerError.type_path(cause), str(cause), str(error))
+                if self.group_step_failed(name, answers) is not None:
+                    break  # its peers may never answer: the base stops the engine
             except ray.exceptions.RayActorError as error:
                 raise EngineDeadError(f"worker rank {rank} (Ray actor) died during {name!r}: {error}") from None
             except ray.exceptions.RayError as error:  # an object was lost, Ray itself failed, ...

@@ -227,9 +227,17 @@ class LoraManager:
     (`lora_merge.merge_problems`); the others run unmerged.
     """
 
-    def __init__(self, components: Mapping[str, nn.Module], merge: bool = False):
+    def __init__(
+        self,
+        components: Mapping[str, nn.Module],
+        merge: bool = False,
+        sequence_boundaries: Mapping[str, set[str]] | None = None,
+    ):
         self.components = dict(components)
         self.merge = merge
+        # component -> its modules where sequence parallel splits or gathers the tokens, which no
+        # adapter may target (`rollout.sequence_parallel.sequence_boundaries`); none on one rank
+        self.sequence_boundaries = dict(sequence_boundaries or {})
         self.configs: dict[str, LoraConfig] = {}
         self.placed: dict[str, tuple[str, ...]] = {}  # adapter -> the components it has layers on
         self._layers: dict[str, str] = {}  # adapter -> the PEFT adapter name its live layers carry
@@ -277,6 +285,7 @@ class LoraManager:
         config = config_from_dict(config) if isinstance(config, Mapping) else config
         for component, part in parts.items():
             self._check_fits(name, self.components[component], part, config)
+            self._check_clear_of_boundaries(name, component, config)
         same_layout = name in self.configs and _layout(self.configs[name]) == _layout(config)
         if same_layout and self.placed[name] == tuple(parts):
             copies = [pair for c, part in parts.items() for pair in self._copies(name, self.components[c], part)]
@@ -470,6 +479,19 @@ class LoraManager:
             )
         if problems:
             raise ValueError(f"LoRA {name!r} refused: " + "; ".join(problems))
+
+    def _check_clear_of_boundaries(self, name: str, component: str, config: LoraConfig) -> None:
+        """Refuse an adapter on a module where sequence parallel splits or gathers the tokens. Merged
+        into the base weights it would sample right, but a merge can fall back to the unmerged
+        path forward by forward (`lora_merge.merge_problems`), so the refusal does not depend on it."""
+        crossing = sorted(m for m in self.sequence_boundaries.get(component, ()) if _is_target(config, m))
+        if crossing:
+            raise ValueError(
+                f"LoRA {name!r} refused: it targets {component} modules {crossing}, where sequence parallel splits "
+                "or gathers the token sequence (diffusers' context-parallel plan), so the adapter's path would see "
+                "another part of the sequence than its base layer; leave them out of target_modules (or list them "
+                "in exclude_modules), or run this adapter with sequence_parallel=1"
+            )
 
 
 def _lora_key(key: str) -> tuple[str, str, str] | None:

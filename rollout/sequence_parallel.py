@@ -52,9 +52,10 @@ class GroupMember:
         return self.local_rank == 0
 
 
-def join_group(member: GroupMember, device: str) -> None:
+def join_group(member: GroupMember, device: str) -> dist.Store:
     """Make the group this process's default process group (gloo on CPU, NCCL on CUDA); blocks
-    until every rank of the group has joined."""
+    until every rank of the group has joined. Returns the group's store (where its ranks report
+    failed steps, `rollout.group_failures`)."""
     if dist.is_initialized():
         raise RuntimeError(
             "sequence parallel needs the worker's default torch.distributed process group for its replica "
@@ -71,6 +72,7 @@ def join_group(member: GroupMember, device: str) -> None:
         timeout=datetime.timedelta(seconds=member.timeout_s),
     )
     logger.info("joined replica group %d as rank %d of %d (%s)", member.group, member.local_rank, member.size, backend)
+    return store
 
 
 MESH_DIMS = ("cfg", "ring", "ulysses")  # ring attention is not offered: its degree is 1
@@ -136,6 +138,25 @@ def enable_sequence_parallel(denoisers: dict[str, nn.Module], mesh: DeviceMesh, 
             # diffusers shards over the ("ring", "ulysses") slice of the mesh that holds this rank.
             config = ContextParallelConfig(ulysses_degree=degree, ulysses_anything=True, mesh=mesh)
             module.enable_parallelism(config=config)
+
+
+def sequence_boundaries(denoiser: nn.Module) -> set[str]:
+    """Names of the denoiser's modules where diffusers' context parallelism splits the token
+    sequence (at their input) or gathers it (at their output): the modules its hooks sit on
+    (`enable_parallelism` puts them there, from the class's `_cp_plan`). A LoRA layer wrapping one
+    would run its own path on the other side of the hook from its base layer (FLUX.1's `proj_out`:
+    the base output gathered, the adapter's from one rank's tokens), so `LoraManager` refuses them."""
+    from diffusers.hooks.context_parallel import ContextParallelGatherHook, ContextParallelSplitHook
+    from diffusers.hooks.hooks import HookRegistry
+
+    names = set()
+    for name, module in denoiser.named_modules():
+        registry = module.__dict__.get("_diffusers_hook")  # set on the modules diffusers hooks, only there
+        if isinstance(registry, HookRegistry) and any(
+            isinstance(hook, ContextParallelGatherHook | ContextParallelSplitHook) for hook in registry.hooks.values()
+        ):
+            names.add(name)
+    return names
 
 
 @contextlib.contextmanager

@@ -16,6 +16,7 @@ import torch
 from rollout.broadcast_group import BroadcastEntry, connect, receive_bucket
 from rollout.cfg_parallel import CfgParallelPasses
 from rollout.config import EngineConfig
+from rollout.group_failures import FailureAgreement, GroupOutOfStep
 from rollout.imports import import_by_path
 from rollout.lora import LoraManager, read_lora_folder
 from rollout.model_runner import BatchLost, ModelRunner, RequestState, RunnerOutput, describe
@@ -24,7 +25,13 @@ from rollout.pipelines.spec import ModelSpec
 from rollout.regular_files import check_regular
 from rollout.scheduler import WorkerInput
 from rollout.sent_conditions import SentConditions
-from rollout.sequence_parallel import GroupMember, enable_sequence_parallel, group_mesh, join_group
+from rollout.sequence_parallel import (
+    GroupMember,
+    enable_sequence_parallel,
+    group_mesh,
+    join_group,
+    sequence_boundaries,
+)
 from rollout.sleep import Sleeper
 from rollout.weights import StagedUpdates, TensorSpec, base_state, checksum, specs_of
 
@@ -41,14 +48,20 @@ class Worker:
         self.rank = rank
         self.group = group
         self.adapter = load_adapter(config.model, config.device, config.torch_dtype)
+        self.failure_agreement = None  # a group's ranks agree on failed steps (rollout.group_failures)
         if group is not None:
-            join_group(group, config.device)
+            self.failure_agreement = FailureAgreement(join_group(group, config.device), group.local_rank, group.size)
             mesh = group_mesh(config.cfg_parallel, config.sequence_parallel, config.device)
             if config.sequence_parallel > 1:
                 enable_sequence_parallel(self.adapter.denoisers, mesh, type(self.adapter.pipeline).__name__)
             if config.cfg_parallel > 1:
                 self.adapter.guidance_passes = CfgParallelPasses(mesh)
-        self.loras = LoraManager(self.adapter.denoisers, merge=config.merges_lora)
+        boundaries = (
+            {name: sequence_boundaries(module) for name, module in self.adapter.denoisers.items()}
+            if group is not None and config.sequence_parallel > 1
+            else {}
+        )
+        self.loras = LoraManager(self.adapter.denoisers, merge=config.merges_lora, sequence_boundaries=boundaries)
         self.runner = ModelRunner(self.adapter, self.loras)
         self.requests: dict[str, RequestState] = {}
         self.sent_conditions = SentConditions()  # the text embeddings the engine holds
@@ -104,21 +117,34 @@ class Worker:
 
     def _step_isolating(self, batch: list[RequestState]) -> dict[str, str]:
         """Step `batch`; if its forward fails, step each of its requests alone, so only those that
-        fail alone fail (request id -> error). The failure is logged with its traceback here."""
+        fail alone fail (request id -> error). The failure is logged with its traceback here. In a
+        replica group, a rank goes on from a failure only where every rank of its group failed the
+        same way (else `GroupOutOfStep`: see `rollout.group_failures`)."""
         if not batch:
             return {}
         try:
             self.runner.step(batch)
         except BatchLost as error:
+            self._check_group_failed_too(f"lost {len(batch)}", error)
             logger.error("%s; failing its requests", error, exc_info=True)
             return dict.fromkeys((s.data.request_id for s in batch), describe(error.__cause__))
         except Exception as error:
+            self._check_group_failed_too(f"forward {len(batch)}", error)
             if len(batch) == 1:
                 logger.warning("request %s failed in its step", batch[0].data.request_id, exc_info=True)
                 return {batch[0].data.request_id: describe(error)}
             logger.warning("a step of %d requests failed (%s); stepping them one by one", len(batch), describe(error))
             return {request_id: why for state in batch for request_id, why in self._step_isolating([state]).items()}
         return {}
+
+    def _check_group_failed_too(self, what: str, error: Exception) -> None:
+        """In a replica group: raise `GroupOutOfStep` unless every rank failed this step with `what`."""
+        if self.failure_agreement is None or self.failure_agreement.all_failed(what):
+            return
+        raise GroupOutOfStep(
+            f"rank {self.group.local_rank} of replica group {self.group.group} failed a step ({what} requests) "
+            f"that its group's other ranks did not fail within {self.failure_agreement.grace_s}s: {describe(error)}"
+        ) from error
 
     def model_spec(self) -> ModelSpec:
         return self.adapter.spec
@@ -268,6 +294,7 @@ _WORKER_ATTRIBUTES = {
     "loras",
     "broadcast_group",
     "group",
+    "failure_agreement",
 }
 
 

@@ -25,3 +25,32 @@ def test_cost_mode_picks_cfg_parallel_where_there_are_two_passes(tmp_path):
     vllm = results["vllm_omni_qwen_image_2048"]
     assert 0 < vllm["mfu_fit_1_pass"] < vllm["mfu_fit_cfg"] < 1
     assert json.loads((tmp_path / "parallel.json").read_text())["header"]["benchmark"] == "parallel"
+
+
+@pytest.mark.slow  # a worker process and a group of two: ~35 s of CPU
+@pytest.mark.timeout(600)
+def test_measure_mode_counts_the_all_to_all_bytes_the_cost_model_predicts(tmp_path):
+    argv = [
+        "--mode",
+        "measure",
+        "--preset",
+        "tiny",
+        "--measure-steps",
+        "2",
+        "--repeats",
+        "1",
+        "--warmup",
+        "0",
+        "--no-reference",
+    ]
+    report = parallel.main([*argv, "--json", str(tmp_path / "measure.json")])
+    assert report["targets"] and all(target["met"] for target in report["targets"]), report["targets"]
+    measured = report["results"]["measure"]
+    assert measured["one worker"]["sent_bytes_per_step_per_rank"] == {}  # one rank: no collective at all
+    ulysses = measured["Ulysses 2"]
+    assert (ulysses["ranks"], ulysses["threads_per_rank"]) == (2, 1)  # the same 2 threads as one worker
+    sent = ulysses["sent_bytes_per_step_per_rank"]
+    assert sent["all_to_all_single"] == pytest.approx(ulysses["cost_model_all_to_all_bytes_per_step"], rel=0.02)
+    assert 0 < sent.get("all_gather", 0) + sent.get("all_gather_tensor", 0) < sent["all_to_all_single"]
+    assert ulysses["step_ms"]["median"] > 0
+    assert json.loads((tmp_path / "measure.json").read_text())["header"]["command"].endswith("measure.json")

@@ -13,8 +13,15 @@ import pytest
 from executors.replica_groups import ReplicaLayout
 from rollout import EngineConfig, RolloutEngine
 from rollout.errors import EngineDeadError
+from rollout.group_failures import FAILURE_GRACE_S
 from rollout.rescoring import RATIO_TOLERANCE, recompute_log_probs
-from tests.executors.worker_functions import slow_down_steps, wait_gone, worker_pid
+from tests.executors.worker_functions import (
+    fail_inside_the_forward,
+    fail_requests_of,
+    slow_down_steps,
+    wait_gone,
+    worker_pid,
+)
 from tests.families import ALL_FAMILIES as FAMILIES
 
 pytestmark = pytest.mark.timeout(300)
@@ -125,6 +132,32 @@ def test_a_replica_s_step_goes_to_every_rank_of_its_group_and_its_leader_answers
     assert not os.path.exists(folder)
 
 
+def test_a_step_failed_on_one_rank_of_a_group_kills_the_engine_and_names_the_rank(tmp_path):
+    """Over the scripted transport: rank 1 fails its step and rank 0 never answers (it waits in a
+    collective); the base reports rank 1's error, not a timeout, and stops every worker. A follower
+    that dropped a request its leader kept is out of step too."""
+    from rollout.group_failures import GroupOutOfStep
+    from rollout.model_runner import RunnerOutput
+    from rollout.scheduler import SchedulerOutput, WorkerInput
+    from tests.executors.fake_executor import Answer, Fails, Hangs, ScriptedExecutor
+
+    (tmp_path / "model_index.json").write_text('{"_class_name": "FluxPipeline"}')
+    config = EngineConfig(model=str(tmp_path), executor=ScriptedExecutor, num_workers=4, sequence_parallel=2)
+    executor = ScriptedExecutor(config)
+    executor.script("execute", Hangs(), ranks=[2])
+    executor.script("execute", Fails(GroupOutOfStep("rank 1 of replica group 1 failed: OSError: device")), ranks=[3])
+    with pytest.raises(
+        EngineDeadError, match=r"worker rank 3 of replica group 1 failed a step: GroupOutOfStep.*device"
+    ):
+        executor.execute(SchedulerOutput({1: WorkerInput(step_ids=["a"])}))
+    assert executor.log.stopped == 1 and executor.dead.startswith("worker rank 3 of replica group 1")
+
+    executor = ScriptedExecutor(config)
+    executor.script("execute", Answer(RunnerOutput(failed={"b": "RuntimeError: only here"})), ranks=[1])
+    with pytest.raises(EngineDeadError, match=r"rank 1 of replica group 0 failed requests \['b'\] that its leader"):
+        executor.execute(SchedulerOutput({0: WorkerInput(step_ids=["a", "b"])}))
+
+
 def test_layouts_that_are_not_replicas_times_ranks_are_refused():
     with pytest.raises(ValueError, match=r"num_workers=3 is not replicas x ranks per replica.*multiple of 2"):
         EngineConfig(model="x", executor="mp", num_workers=3, sequence_parallel=2)
@@ -164,6 +197,37 @@ def test_killing_one_rank_of_a_group_fails_the_engine_fast(tiny_models):
     assert wait_gone(pids) == []
     engine.shutdown()
     killer.join()
+
+
+@pytest.mark.slow  # two processes
+@pytest.mark.parametrize("where", ["before the forward", "inside the forward"])
+def test_a_step_that_fails_on_one_rank_only_fails_the_engine_fast(tiny_models, where):
+    """Rank 0 waits in an all-to-all (or the output gather) that rank 1 never joins; without the
+    group's failure reports it would wait out the step timeout (120 s here)."""
+    config = EngineConfig(
+        model=tiny_models("flux"), executor="mp", num_workers=2, sequence_parallel=2, step_timeout_s=120
+    )
+    engine = RolloutEngine(config)
+    pids = engine.collective_rpc(worker_pid)
+    params = FAMILIES["flux"].params(num_inference_steps=2, num_samples=2, seed=0)
+    start = time.monotonic()
+    engine.generate("x", params)
+    baseline = time.monotonic() - start  # a whole rollout of the same size, both ranks well
+    if where == "before the forward":
+        engine.collective_rpc(fail_requests_of, args=("x",), ranks=[1])
+        original = "RuntimeError: injected step failure for 'x'"
+    else:
+        engine.collective_rpc(fail_inside_the_forward, ranks=[1])
+        original = "RuntimeError: injected failure inside the forward on rank 1"
+    start = time.monotonic()
+    with pytest.raises(EngineDeadError, match=r"worker rank 1 of replica group 0 failed a step") as raised:
+        engine.generate("x", params)
+    assert time.monotonic() - start < baseline + FAILURE_GRACE_S + 5.0
+    assert original in str(raised.value)
+    assert wait_gone(pids) == []  # the rank left waiting in the collective is stopped too
+    with pytest.raises(EngineDeadError, match="worker rank 1 of replica group 0"):
+        engine.generate("x", params)
+    engine.shutdown()
 
 
 @pytest.fixture(scope="module")

@@ -49,6 +49,17 @@ def fail_requests_of(worker, prompt: str, stage: str = "step") -> None:
         runner.adapter.encode_prompts = failing_encode
 
 
+def fail_inside_the_forward(worker) -> None:
+    """From now on this worker's transformer raises inside its forward: after its blocks (and, in
+    a sequence-parallel group, their all-to-alls), before its output projection gathers the
+    sequence (FLUX.1's `norm_out`)."""
+
+    def fail(module, args):
+        raise RuntimeError(f"injected failure inside the forward on rank {worker.rank}")
+
+    worker.adapter.denoisers["transformer"].norm_out.register_forward_pre_hook(fail)
+
+
 def fail_decodes_of_height(worker, height: int) -> None:
     """From now on decoding images `height` pixels high fails (the batch of that size)."""
     decode = worker.runner.adapter.decode
