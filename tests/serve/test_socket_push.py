@@ -64,12 +64,19 @@ def test_an_error_answer_mid_body_is_the_httpx_push_s_exception(clients, transfo
     """A bucket over the server's --max-upload-mb (64) is answered 413 as its length arrives, with
     the body still going out; the socket path stops sending and raises the server's message."""
     before, version = clients["socket"].weights_checksum(), clients["socket"].weight_version
-    big = {"too.big": torch.zeros(20 << 20)}  # 80 MiB in one frame
-    errors = {}
+    errors, pulled = {}, {name: [] for name in clients}
+
+    def pairs(pulled: list):
+        yield "too.big", torch.zeros(20 << 20)  # 80 MiB in one frame
+        for index in range(4):  # more buckets, pulled only once that one is sent whole
+            pulled.append(index)
+            yield f"more.{index}", torch.zeros(1 << 20)
+
     for name, client in clients.items():
         with pytest.raises(ValueError) as raised:
-            client.update_weights(big)
+            client.update_weights(pairs(pulled[name]), bucket_bytes=1)
         errors[name] = raised.value
+    assert pulled == {"socket": [], "httpx": [0, 1, 2, 3]}  # the socket path stopped when the answer came
     assert type(errors["socket"]) is type(errors["httpx"])
     assert str(errors["socket"]) == str(errors["httpx"])
     assert "--max-upload-mb" in str(errors["socket"])
