@@ -18,10 +18,12 @@ from rollout.safetensors_files import DTYPES
 from rollout.wire import LENGTH, WireError, read_header
 
 _DTYPE_CODES = {dtype: code for code, dtype in DTYPES.items()}
-# What one write hands the connection. The HTTP client copies each piece once (h11 joins it with
-# its chunk header); a piece under glibc's mmap threshold (1 MiB as the benchmark pins it) reuses
-# warm heap memory, where 4 MiB ones faulted fresh pages in on every copy: the client's CPU for a
-# 219 MB push went ~0.48 -> ~0.29 s (benchmarks/http_weight_push).
+# What one write hands the connection. The client's own sender (`rollout.serve.socket_post`) hands
+# the pieces to the kernel as they are, a few MiB per sendmsg, so their size barely matters there.
+# httpx (its fallback) copies each piece once (h11 joins it with its chunk header); a piece under
+# glibc's mmap threshold (1 MiB as the benchmark pins it) reuses warm heap memory, where 4 MiB ones
+# faulted fresh pages in on every copy: httpx's CPU for a 219 MB push went ~0.48 -> ~0.29 s
+# (benchmarks/http_weight_push).
 _PIECE_BYTES = 512 << 10
 
 

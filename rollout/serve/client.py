@@ -41,6 +41,7 @@ from rollout.serve import API_KEY_ENV
 from rollout.serve.error_table import exception_for
 from rollout.serve.instance import InstanceCheck
 from rollout.serve.routes import ROUTES, body_json, path
+from rollout.serve.socket_post import AnswerTimedOut, ConnectionFailed, SocketTarget, post_chunked
 from rollout.serve.weight_stream import weight_frames
 from rollout.weight_sync import DEFAULT_BUCKET_BYTES
 from rollout.wire import (
@@ -53,6 +54,9 @@ from rollout.wire import (
     tensors_to_bytes,
 )
 
+WEIGHT_PUSHES = ("socket", "httpx")  # RemoteRolloutEngine(weight_push=...)
+CONNECT_TIMEOUT_S = 10.0
+
 
 class RemoteRolloutEngine:
     """`RolloutEngine`'s API over HTTP. `config` and `model_spec` are the server's.
@@ -61,7 +65,10 @@ class RemoteRolloutEngine:
     the server and the recipes do; a server started with --no-auth needs none);
     timeout_s: how long one call may wait for its answer (None: as long as the server works on it;
     a closed connection still fails at once); instance_id: the server instance to talk to (None:
-    the one that answers first; see `instance_id`).
+    the one that answers first; see `instance_id`); weight_push: how `update_weights` sends its
+    body: "socket" (the default) writes it from the tensors' memory to a socket of its own
+    (`rollout.serve.socket_post`), falling back to httpx where that cannot go (https, a proxy);
+    "httpx" always sends it with httpx, as every other call is.
     """
 
     def __init__(
@@ -71,7 +78,10 @@ class RemoteRolloutEngine:
         *,
         timeout_s: float | None = None,
         instance_id: str | None = None,
+        weight_push: str = "socket",
     ):
+        if weight_push not in WEIGHT_PUSHES:
+            raise ValueError(f"weight_push must be one of {WEIGHT_PUSHES}, got {weight_push!r}")
         self.url = url.rstrip("/")
         self._instance = InstanceCheck(self.url, instance_id)
         api_key = api_key if api_key is not None else os.environ.get(API_KEY_ENV)
@@ -79,7 +89,9 @@ class RemoteRolloutEngine:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="remote-rollout-engine", daemon=True)
         self._thread.start()
-        timeout = httpx.Timeout(timeout_s, connect=10.0)
+        timeout = httpx.Timeout(timeout_s, connect=CONNECT_TIMEOUT_S)
+        self._headers, self._timeout_s = headers, timeout_s
+        self._push_target = SocketTarget.of(self.url) if weight_push == "socket" else None
         # Idle connections are dropped well before the server's keep-alive timeout (60 s) closes
         # them: reusing one the server is closing fails the call.
         limits = httpx.Limits(keepalive_expiry=10.0)
@@ -263,8 +275,11 @@ class RemoteRolloutEngine:
             check_finite=check_finite,
             bucket_bytes=bucket_bytes,
         )
-        content = _async_pieces(weight_frames(named_tensors, options, bucket_bytes))
-        answer = self._request_route("update_weights", content=content, headers={"content-type": FRAMES_MEDIA_TYPE})
+        body, headers = weight_frames(named_tensors, options, bucket_bytes), {"content-type": FRAMES_MEDIA_TYPE}
+        if self._push_target is None:
+            answer = self._request_route("update_weights", content=_async_pieces(body), headers=headers)
+        else:
+            answer = self._post_over_socket("update_weights", body, headers)
         return answer[ROUTES["update_weights"].answer]
 
     def update_weights_from_disk(
@@ -449,9 +464,9 @@ class RemoteRolloutEngine:
         except httpx.TransportError as error:
             raise self._transport_failure(error) from error
 
-    def _transport_failure(self, error: httpx.TransportError) -> Exception:
+    def _transport_failure(self, error: httpx.TransportError | ConnectionFailed) -> Exception:
         """The engine's exception for a call that got no answer: a timeout, or a server gone."""
-        if isinstance(error, httpx.TimeoutException):
+        if isinstance(error, httpx.TimeoutException | AnswerTimedOut):
             return TimeoutError(f"the rollout server at {self.url} did not answer within timeout_s: {error!r}")
         return EngineDeadError(
             f"lost the rollout server at {self.url} ({type(error).__name__}: {error}); is it running? "
@@ -478,6 +493,27 @@ class RemoteRolloutEngine:
 
     def _request_route(self, route: str, **kwargs) -> dict:
         return self._request(ROUTES[route].method, ROUTES[route].path, **kwargs)
+
+    def _post_over_socket(self, route: str, body: Iterator[bytes | memoryview], headers: dict[str, str]) -> dict:
+        """POST route `route` with a chunked `body` on a connection of its own (`post_chunked`),
+        from the calling thread; answers and failures as `_request_route`'s."""
+        if self._closed:
+            raise RuntimeError("this RemoteRolloutEngine is shut down; create a new one")
+        method, route_path = ROUTES[route].method, ROUTES[route].path
+        headers = {**self._headers, **self._instance.request_headers(), **headers}
+        try:
+            answer = post_chunked(
+                self._push_target,
+                route_path,
+                headers,
+                body,
+                timeout_s=self._timeout_s,
+                connect_timeout_s=CONNECT_TIMEOUT_S,
+            )
+        except ConnectionFailed as error:
+            raise self._transport_failure(error) from error
+        self._instance.check(answer.status, answer.headers, f"{method} {route_path}")
+        return _answer_json(answer.status, answer.content)
 
     async def _post_outputs(self, path: str, body: dict) -> list[RolloutOutput]:
         response = _checked(await self._client.post(path, json=body))
@@ -562,12 +598,25 @@ async def _outputs(frames):
 def _checked(response: httpx.Response) -> httpx.Response:
     if response.status_code < 400:
         return response
+    raise _error_answer(response.status_code, response.content, response.text)
+
+
+def _answer_json(status: int, content: bytes) -> dict:
+    """The JSON of an answer that came without httpx, or the exception an error answer stands for."""
+    if status >= 400:
+        raise _error_answer(status, content, content.decode("utf-8", errors="replace"))
+    return json.loads(content)
+
+
+def _error_answer(status: int, content: bytes, text: str) -> Exception:
+    """The exception for an error answer: the one its {"error": {"type", "message"}} body names,
+    else the one of its status, with its text."""
     try:
-        error = response.json()["error"]
+        error = json.loads(content)["error"]
         error_type, message = error["type"], error["message"]
     except (ValueError, KeyError, TypeError):
-        error_type, message = "", response.text
-    raise exception_for(error_type, message, response.status_code)
+        error_type, message = "", text
+    return exception_for(error_type, message, status)
 
 
 def _with_images(body: dict, images, num_prompts: int) -> dict | bytes:
