@@ -113,10 +113,15 @@ def test_a_lora_from_the_policy_reproduces_the_engine_in_diffusers(tiny_models, 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("cfg", [True, False], ids=["cfg", "no-cfg"])
-def test_a_flux2_klein_lora_from_the_policy_reproduces_the_engine_in_diffusers(tiny_models, tmp_path, cfg):
+@pytest.mark.parametrize(
+    "cfg, edit",
+    [(True, False), (False, False), (True, True), (False, True)],
+    ids=["cfg", "no-cfg", "edit-cfg", "edit"],
+)
+def test_a_flux2_klein_lora_from_the_policy_reproduces_the_engine_in_diffusers(tiny_models, tmp_path, cfg, edit):
     """FLUX.2 [klein]: the policy's default targets (double and single blocks) load with
-    `Flux2KleinPipeline.load_lora_weights`, guided (CFG against "") and not."""
+    `Flux2KleinPipeline.load_lora_weights`, guided (CFG against "") and not, text-to-image and on
+    an edit with reference images (their tokens go through the adapted blocks too)."""
     from diffusers import Flux2KleinPipeline
 
     from tests.rollout.test_parity import as_latent_output
@@ -131,11 +136,14 @@ def test_a_flux2_klein_lora_from_the_policy_reproduces_the_engine_in_diffusers(t
             parameter.add_(0.2 * torch.randn_like(parameter))
     folder = policy.save(tmp_path / "lora").parent
     params = family.params(cfg=cfg, sampler="ode", num_inference_steps=4, seed=0, lora="trained")
+    inputs = family.inputs(1) if edit else {}  # one 64x64 reference image
     with RolloutEngine(EngineConfig(model=path)) as engine:
         engine.load_lora("trained", str(folder))
-        (with_lora,) = engine.generate("a red square", params)
+        (with_lora,) = engine.generate("a red square", params, **inputs)
         engine.unload_lora("trained")
-        (base,) = engine.generate("a red square", family.params(cfg=cfg, sampler="ode", num_inference_steps=4, seed=0))
+        base_params = family.params(cfg=cfg, sampler="ode", num_inference_steps=4, seed=0)
+        (base,) = engine.generate("a red square", base_params, **inputs)
+    assert (with_lora.trajectory.condition.images is not None) == edit
 
     pipeline = Flux2KleinPipeline.from_pretrained(path)
     pipeline.set_progress_bar_config(disable=True)
@@ -143,6 +151,7 @@ def test_a_flux2_klein_lora_from_the_policy_reproduces_the_engine_in_diffusers(t
     latents = with_lora.trajectory.latents.stack()
     call = {"num_inference_steps": 4, "height": 32, "width": 32, "output_type": "latent"}
     call |= family.cfg if cfg else family.no_cfg
+    call |= family.pipeline_inputs(inputs or None)
     reference = pipeline(prompt="a red square", latents=latents[0][None].clone(), **call).images
     assert (as_latent_output(family, pipeline, latents[-1][None]) - reference).abs().max() < 1e-4
     assert (latents[-1] - base.trajectory.latents[-1]).abs().max() > 1e-2  # the adapter changed the samples
