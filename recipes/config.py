@@ -39,6 +39,7 @@ from rollout.config import EngineConfig
 from rollout.config_check import problems_without_model
 from rollout.engine import RolloutEngine
 from rollout.pipelines.tiny import TINY_BUILDERS
+from rollout.pipelines.tiny.saving import is_current_build
 from rollout.serve import API_KEY_ENV
 from rollout.serve.client import RemoteRolloutEngine
 from rollout.settings import setting, setting_help, setting_of
@@ -75,14 +76,22 @@ class ModelSection:
             raise ValueError(f"tiny_family must be one of {sorted(TINY_BUILDERS)}, got {self.tiny_family!r}")
 
     def resolve_path(self) -> str:
-        """The pipeline folder to load; for `tiny`, builds it into `tiny_cache_dir` the first time."""
+        """The pipeline folder to load; for `tiny`, builds it into `tiny_cache_dir` the first time, and
+        again when the tiny builders have changed since (`rollout.pipelines.tiny.saving.is_current_build`)."""
         if self.path != TINY_MODEL:
             return self.path
         cache = Path(self.tiny_cache_dir or f".cache/tiny_{self.tiny_family}")
-        if (cache / "model_index.json").is_file():
+        stale = (cache / "model_index.json").is_file()
+        if stale and is_current_build(cache):
             logger.info("using the tiny %s pipeline cached in %s", self.tiny_family, cache)
             return str(cache)
-        if cache.exists() and any(cache.iterdir()):
+        if stale:  # a pipeline that other builders made (or older ones, before they stamped their folders)
+            logger.warning(
+                "the tiny %s pipeline cached in %s was built by other tiny builders than these; rebuilding it",
+                self.tiny_family,
+                cache,
+            )
+        elif cache.exists() and any(cache.iterdir()):
             raise ValueError(
                 f"model.tiny_cache_dir {str(cache)!r} is not empty but holds no model_index.json; "
                 "empty it or point model.tiny_cache_dir at a new folder"
@@ -95,7 +104,9 @@ class ModelSection:
         if staging.exists():
             shutil.rmtree(staging)  # left by an interrupted build of an earlier process with this pid
         TINY_BUILDERS[self.tiny_family](staging, seed=0)
-        if cache.exists():
+        if stale:
+            shutil.rmtree(cache)
+        elif cache.exists():
             cache.rmdir()  # empty, checked above
         os.rename(staging, cache)
         return str(cache)

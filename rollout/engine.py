@@ -198,6 +198,8 @@ class RolloutEngine:
             base_seed = params.seed
         elif base_seed is None:
             base_seed = fresh_base_seed()
+        spec = self.model_spec
+        encoded_sizes = () if images is None else spec.encoded_image_sizes(images.sizes, spec.auto_resizes(params))
         output_ids = []
         for k, root in enumerate(roots):
             init_index = 0 if params.same_noise_in_group else k
@@ -211,6 +213,7 @@ class RolloutEngine:
                 base_seed=base_seed,
                 tree_id=next(self._tree_ids),
                 images=images,
+                encoded_image_sizes=encoded_sizes,
             )
             self.scheduler.add(request)
             output_ids += [str(leaf) for leaf in request.leaves()]

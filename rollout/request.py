@@ -63,6 +63,9 @@ class Request(NamedByNode):
     base_seed: int  # what the seeds derive from (children's too)
     tree_id: int  # unique per root in the engine's life, shared by its children
     images: InputImages | None = None  # an edit's input images (the pipeline's `image=`)
+    # The (height, width) its images are encoded at (`ModelSpec.encoded_image_sizes`; empty for a
+    # text-only request): what it batches by, since encodings of equal sizes stack.
+    encoded_image_sizes: tuple[tuple[int, int], ...] = ()
     pruned: set[NodeId] = field(default_factory=set)  # its descendants aborted before they existed
     status: RequestStatus = RequestStatus.WAITING
     rank: int | None = None
@@ -147,10 +150,9 @@ class Request(NamedByNode):
     @property
     def batch_key(self) -> tuple:
         """Requests with equal keys can share one forward pass (same latent and text shapes, same
-        adapter, input images of the same sizes encoded alike: their encoded tokens stack)."""
+        adapter, input images encoded at the same sizes, whatever their own: their tokens stack)."""
         p = self.params
-        images = None if self.images is None else (self.images.sizes, self.images.encoding)
-        return (p.height, p.width, p.num_frames, p.max_sequence_length, p.lora, p.lora_scale, images)
+        return (p.height, p.width, p.num_frames, p.max_sequence_length, p.lora, p.lora_scale, self.encoded_image_sizes)
 
     def new_request_data(self) -> NewRequestData:
         return NewRequestData(

@@ -51,13 +51,10 @@ class FluxKontextAdapter(FluxAdapter):
     def encode_images(self, images: InputImages) -> KontextImages:
         # FluxKontextPipeline.__call__ step 3 and prepare_latents; the resize of _auto_resize (its
         # default) unless the request turned it off.
+        # The size is the spec's arithmetic (`encoded_image_sizes`), which the scheduler batches by.
         pipeline = self.pipeline
         (image,) = images.pil()
-        multiple = pipeline.vae_scale_factor * 2
-        height, width = pipeline.image_processor.get_default_height_width(image)
-        if images.setting("auto_resize", True):
-            height, width = self.spec.edit_size(((height, width),), auto_resize=True)
-        height, width = height // multiple * multiple, width // multiple * multiple
+        ((height, width),) = self.spec.encoded_image_sizes(images.sizes, images.setting("auto_resize", True))
         image = pipeline.image_processor.resize(image, height, width)
         pixels = pipeline.image_processor.preprocess(image, height, width).to(self.device, self.dtype)
         latents = pipeline._encode_vae_image(image=pixels, generator=None)  # the VAE's mode: no noise drawn

@@ -136,11 +136,7 @@ class ModelSpec:
         image_height, image_width = sizes[self.edit_size_image]
         multiple = self.size_multiple
         if auto_resize and self.preferred_input_sizes:
-            # FluxKontextPipeline.__call__ step 3's choice: the nearest aspect ratio, then the narrowest.
-            aspect_ratio = image_width / image_height
-            _, image_width, image_height = min(
-                (abs(aspect_ratio - width / height), width, height) for height, width in self.preferred_input_sizes
-            )
+            image_height, image_width = self._preferred_size(image_height, image_width)
         if self.edit_area is not None:
             image_height, image_width = area_size(self.edit_area, image_height, image_width)
         area = self.max_input_image_area
@@ -149,6 +145,28 @@ class ModelSpec:
             scale = math.sqrt(area / (image_width * image_height))
             image_height, image_width = int(image_height * scale), int(image_width * scale)
         return max(multiple, image_height // multiple * multiple), max(multiple, image_width // multiple * multiple)
+
+    def encoded_image_sizes(self, sizes: tuple[tuple[int, int], ...], auto_resize: bool = False) -> tuple:
+        """The (height, width) each input image of these sizes is encoded at, where the family's
+        resize is known here: FLUX.1 Kontext's (rounded down to the size multiple, as its image
+        processor's `get_default_height_width` does, after the resize to `preferred_input_sizes`
+        with `auto_resize`). Elsewhere, the images' own sizes. Requests whose images encode at equal
+        sizes stack their encoded tokens, so this is what the scheduler batches edits by: raw sizes
+        that encode alike (any two of an aspect ratio, auto-resized) share their forwards."""
+        if not self.preferred_input_sizes:
+            return sizes
+        multiple = self.size_multiple
+        resized = [self._preferred_size(*size) if auto_resize else size for size in sizes]
+        return tuple((height // multiple * multiple, width // multiple * multiple) for height, width in resized)
+
+    def _preferred_size(self, height: int, width: int) -> tuple[int, int]:
+        """FluxKontextPipeline.__call__ step 3's choice for an image of `height` x `width` (rounded
+        down to the size multiple first, as its `get_default_height_width`): the preferred size of
+        the nearest aspect ratio, the narrowest of equals."""
+        multiple = self.size_multiple
+        aspect_ratio = (width // multiple * multiple) / (height // multiple * multiple)
+        _, width, height = min((abs(aspect_ratio - w / h), w, h) for h, w in self.preferred_input_sizes)
+        return height, width
 
     def text_key(self, text: str, max_sequence_length: int, images) -> tuple:
         """What identifies an encoded text: the text and its length, and, where the prompt's encoding

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ import recipes.config
 from recipes.config import EngineSection, ModelSection, config_keys, load_config, recipe_module
 from recipes.run import main
 from rollout import EngineConfig, SamplingParams
+from rollout.pipelines.tiny.saving import BUILD_STAMP, builder_digest, is_current_build
 from rollout.settings import setting_default, setting_help
 
 CONFIG_DIR = Path(recipes.config.__file__).parent / "configs"
@@ -194,13 +196,32 @@ def test_tiny_model_cache_is_reused_and_never_clobbered(tmp_path):
     cache = tmp_path / "tiny"
     cache.mkdir()
     (cache / "model_index.json").write_text("{}")
+    (cache / BUILD_STAMP).write_text(json.dumps({"builder": builder_digest()}))
     assert ModelSection(tiny_cache_dir=str(cache)).resolve_path() == str(cache)  # reused: no build
+    assert (cache / "model_index.json").read_text() == "{}"
     other = tmp_path / "other"
     other.mkdir()
     (other / "notes.txt").write_text("mine")
     with pytest.raises(ValueError, match="is not empty but holds no model_index.json"):
         ModelSection(tiny_cache_dir=str(other)).resolve_path()
     assert (other / "notes.txt").read_text() == "mine"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("stamp", [None, {"builder": "an older builder's digest"}], ids=["unstamped", "older"])
+def test_a_tiny_model_cache_from_other_builders_is_rebuilt(tmp_path, stamp):
+    """A cache that today's tiny builders did not make (made before they stamped their folders, or
+    by a version whose sizes have changed since) is rebuilt in its place, not loaded."""
+    cache = tmp_path / "tiny"
+    cache.mkdir()
+    (cache / "model_index.json").write_text("{}")
+    (cache / "left_by_the_old_build.txt").write_text("stale")
+    if stamp is not None:
+        (cache / BUILD_STAMP).write_text(json.dumps(stamp))
+    assert ModelSection(tiny_cache_dir=str(cache)).resolve_path() == str(cache)
+    assert json.loads((cache / "model_index.json").read_text())["_class_name"] == "StableDiffusion3Pipeline"
+    assert is_current_build(cache) and not (cache / "left_by_the_old_build.txt").exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["tiny"]  # no staging folder left beside it
 
 
 def test_the_engine_section_shows_engine_config_s_own_defaults_and_help():

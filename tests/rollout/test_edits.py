@@ -158,3 +158,38 @@ def test_kontext_resizes_its_input_as_its_pipeline_does_by_default(kontext_engin
 def test_auto_resize_is_refused_by_a_family_without_it(engine):
     with pytest.raises(ValueError, match="auto_resize is FLUX.1 Kontext's resize of its input image"):
         engine.generate("x", SamplingParams(height=32, width=32, auto_resize=False))
+
+
+def test_inputs_of_two_sizes_that_encode_alike_share_every_forward(kontext_engine, tiny_models):
+    """Edits batch by the size their input is encoded at, not its own: auto-resized (FLUX.1
+    Kontext's default), any two images of one aspect ratio encode at one preferred resolution, as
+    the pipeline encodes them; at their own size, sizes that round down alike. Two such edits run
+    in one forward per step, and each equals itself alone (< 1e-5)."""
+    spec = kontext_engine.model_spec
+    assert spec.encoded_image_sizes(((24, 40), (30, 50), (26, 43)), auto_resize=True) == ((800, 1328),) * 3
+    pipeline = load_adapter(tiny_models("flux_kontext")).pipeline
+    for height, width in ((30, 50), (26, 43)):
+        (pil,) = InputImages.of([input_image(5, height, width)]).pil()
+        run = lambda pil=pil: pipeline(image=pil, prompt="x", height=32, width=32, max_area=32 * 32)  # noqa: E731
+        assert tuple(pixels_to_encode(pipeline, run).shape) == (1, 3, 800, 1328)
+    # Encoded at their own size (the tiny requests', auto_resize=False): 34x35 rounds down to 32x32.
+    assert spec.encoded_image_sizes(((32, 32), (34, 35))) == ((32, 32), (32, 32))
+    images = [input_image(0, 32, 32), input_image(1, 34, 35)]
+    params = KONTEXT.params(num_inference_steps=3, seed=4, noise_level=0.7)
+    alone = []
+    for prompt_index, image in enumerate(images):  # its seeds as among the prompts of `together`
+        kontext_engine.add_request("make it red", params, images=[image], prompt_index=prompt_index)
+        while kontext_engine.has_unfinished_requests():
+            alone += kontext_engine.step()
+    reports = []
+    stop_watching = kontext_engine.add_step_observer(reports.append)
+    try:
+        together = kontext_engine.generate(["make it red"] * 2, params, images=[[image] for image in images])
+    finally:
+        stop_watching()
+    # Both rows in one forward at each of the 3 steps (batched apart: 6 steps of one row each).
+    assert [report.transformer_rows for report in reports if report.kind == "step"] == [(2,)] * 3
+    for one, crowd in zip(alone, together, strict=True):
+        assert (one.trajectory.latents.stack() - crowd.trajectory.latents.stack()).abs().max() < 1e-5
+        assert (one.trajectory.log_probs - crowd.trajectory.log_probs).abs().max() < 1e-5
+    assert not torch.equal(together[0].trajectory.latents[-1], together[1].trajectory.latents[-1])

@@ -23,25 +23,8 @@ def _in_pipeline_form(adapter, latents: torch.Tensor) -> torch.Tensor:
     return type(adapter.pipeline)._pack_latents(latents, batch, channels, height, width)
 
 
-# A known defect, found at this stop: the Qwen edit families' tiny VAE (base dim 4, for fast
-# megapixel encodes) halves its feature channels in each upsampling conv, so latent channel 2 (blue)
-# does not reach the output (red and green do). A base dim of 8 or more (Qwen-Image's tiny VAE has 24)
-# should keep it (8 halves to 4), at about 4x the encode time; not tried yet.
-QWEN_EDIT_FAMILIES = ("qwen_image_edit", "qwen_image_edit_plus")
-KNOWN_DEFECT = pytest.mark.xfail(strict=True, reason="the tiny Qwen edit VAE loses latent channel 2 (blue)")
-
-
-def _colour_matrix() -> list:
-    return [
-        pytest.param(*param.values, marks=[*param.marks, KNOWN_DEFECT])
-        if param.values[0] in QWEN_EDIT_FAMILIES
-        else param
-        for param in matrix()
-    ]
-
-
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("family", _colour_matrix())
+@pytest.mark.parametrize("family", matrix())
 def test_latent_channels_set_the_image_colour(tiny_models, family):
     adapter = load_adapter(tiny_models(family))
     side = 32 // adapter.spec.vae_scale_factor  # latents of a 32x32 image (the Qwen edit VAEs scale by 16)

@@ -5,7 +5,6 @@ reproduces the engine's samples."""
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from concurrent.futures import ThreadPoolExecutor
 
@@ -114,10 +113,15 @@ def test_a_lora_from_the_policy_reproduces_the_engine_in_diffusers(tiny_models, 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("cfg", [True, False], ids=["cfg", "no-cfg"])
-def test_a_flux2_klein_lora_from_the_policy_reproduces_the_engine_in_diffusers(tiny_models, tmp_path, cfg):
+@pytest.mark.parametrize(
+    "cfg, edit",
+    [(True, False), (False, False), (True, True), (False, True)],
+    ids=["cfg", "no-cfg", "edit-cfg", "edit"],
+)
+def test_a_flux2_klein_lora_from_the_policy_reproduces_the_engine_in_diffusers(tiny_models, tmp_path, cfg, edit):
     """FLUX.2 [klein]: the policy's default targets (double and single blocks) load with
-    `Flux2KleinPipeline.load_lora_weights`, guided (CFG against "") and not."""
+    `Flux2KleinPipeline.load_lora_weights`, guided (CFG against "") and not, text-to-image and on
+    an edit with reference images (their tokens go through the adapted blocks too)."""
     from diffusers import Flux2KleinPipeline
 
     from tests.rollout.test_parity import as_latent_output
@@ -132,11 +136,14 @@ def test_a_flux2_klein_lora_from_the_policy_reproduces_the_engine_in_diffusers(t
             parameter.add_(0.2 * torch.randn_like(parameter))
     folder = policy.save(tmp_path / "lora").parent
     params = family.params(cfg=cfg, sampler="ode", num_inference_steps=4, seed=0, lora="trained")
+    inputs = family.inputs(1) if edit else {}  # one 64x64 reference image
     with RolloutEngine(EngineConfig(model=path)) as engine:
         engine.load_lora("trained", str(folder))
-        (with_lora,) = engine.generate("a red square", params)
+        (with_lora,) = engine.generate("a red square", params, **inputs)
         engine.unload_lora("trained")
-        (base,) = engine.generate("a red square", family.params(cfg=cfg, sampler="ode", num_inference_steps=4, seed=0))
+        base_params = family.params(cfg=cfg, sampler="ode", num_inference_steps=4, seed=0)
+        (base,) = engine.generate("a red square", base_params, **inputs)
+    assert (with_lora.trajectory.condition.images is not None) == edit
 
     pipeline = Flux2KleinPipeline.from_pretrained(path)
     pipeline.set_progress_bar_config(disable=True)
@@ -144,6 +151,7 @@ def test_a_flux2_klein_lora_from_the_policy_reproduces_the_engine_in_diffusers(t
     latents = with_lora.trajectory.latents.stack()
     call = {"num_inference_steps": 4, "height": 32, "width": 32, "output_type": "latent"}
     call |= family.cfg if cfg else family.no_cfg
+    call |= family.pipeline_inputs(inputs or None)
     reference = pipeline(prompt="a red square", latents=latents[0][None].clone(), **call).images
     assert (as_latent_output(family, pipeline, latents[-1][None]) - reference).abs().max() < 1e-4
     assert (latents[-1] - base.trajectory.latents[-1]).abs().max() > 1e-2  # the adapter changed the samples
@@ -179,53 +187,3 @@ def test_a_wan22_policy_trains_both_experts_from_ratio_one_and_saves_both(tiny_m
         saved = engine.generate("x", SamplingParams(**{**p.__dict__, "lora": "saved"}))
         pushed = engine.generate("x", SamplingParams(**{**p.__dict__, "lora": policy.name}))
         assert torch.equal(saved[0].trajectory.latents.stack(), pushed[0].trajectory.latents.stack())
-
-
-@pytest.mark.slow
-def test_a_kontext_policy_trains_on_edits_and_its_lora_reproduces_the_engine_in_diffusers(tiny_models, tmp_path):
-    """GRPO on edit rollouts starts at ratio 1 (the trainer re-scores with the trajectories' encoded
-    input images); the adapter, saved, loads in `FluxKontextPipeline.load_lora_weights` and gives the
-    engine's edit from the same initial latents."""
-    from diffusers import FluxKontextPipeline
-
-    from rollout.input_images import InputImages
-    from tests.families import input_image
-    from trainers_adapters.rewards import colour_edit
-
-    family = FAMILIES["flux_kontext"]
-    path = tiny_models("flux_kontext")
-    torch.manual_seed(0)
-    policy = LoraPolicy(path, LORA)
-    image = input_image(2, 24, 40)
-    with RolloutEngine(EngineConfig(model=path)) as engine, ThreadPoolExecutor(1) as pool:
-        policy.push(engine)
-        params = family.params(cfg=True, num_inference_steps=4, num_samples=4, seed=3, lora=policy.name)
-        params = dataclasses.replace(params, height=None, width=None)  # the edit's size: its input's
-        images = [[image], [input_image(3, 24, 40)]]
-        rollout = generate_with_rewards(
-            engine, ["make it red", "make it red"], params, colour_edit, pool, images=images
-        )
-        optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-2)
-        stats = grpo_step(policy, optimizer, rollout, GRPOSettings(), torch.Generator().manual_seed(0))
-        assert stats.log_ratio_before_update < RATIO_TOLERANCE
-        with torch.no_grad():  # further from the base than one step takes it, for a clear comparison
-            for parameter in policy.parameters():
-                parameter.add_(0.2 * torch.randn_like(parameter))
-        folder = policy.save(tmp_path / "lora").parent
-        engine.load_lora("trained", str(folder))
-        ode = family.params(sampler="ode", num_inference_steps=4, seed=0)
-        ode = dataclasses.replace(ode, height=None, width=None)
-        (with_lora,) = engine.generate("make it red", dataclasses.replace(ode, lora="trained"), images=[[image]])
-        (base,) = engine.generate("make it red", ode, images=[[image]])
-
-    pipeline = FluxKontextPipeline.from_pretrained(path)
-    pipeline.set_progress_bar_config(disable=True)
-    pipeline.load_lora_weights(folder)
-    latents = with_lora.trajectory.latents.stack()
-    (pil,) = InputImages.of([image]).pil()
-    call = {"num_inference_steps": 4, "height": 24, "width": 40, "max_area": 24 * 40, "_auto_resize": False}
-    reference = pipeline(
-        image=pil, prompt="make it red", latents=latents[0][None].clone(), output_type="latent", **call
-    ).images
-    assert (latents[-1] - reference[0]).abs().max() < 1e-4
-    assert (latents[-1] - base.trajectory.latents[-1]).abs().max() > 1e-2  # the adapter changed the edit
