@@ -35,6 +35,7 @@ from rollout.pipelines.families import family_named
 LAYOUTS = {
     "one worker": {},
     "Ulysses 2": {"sequence_parallel": 2},
+    "CFG 2": {"cfg_parallel": 2},  # sends each step's velocity to its pair (one all_gather), no all-to-all
     # Not the same threads: tells what a layout gains from its ranks from what one process loses
     # to its threads (on a loaded machine a thread that waits for a core stalls its whole forward).
     "one worker, 1 thread": {"threads_per_worker": 1},

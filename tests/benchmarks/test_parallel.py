@@ -27,7 +27,7 @@ def test_cost_mode_picks_cfg_parallel_where_there_are_two_passes(tmp_path):
     assert json.loads((tmp_path / "parallel.json").read_text())["header"]["benchmark"] == "parallel"
 
 
-@pytest.mark.slow  # a worker process and a group of two: ~35 s of CPU
+@pytest.mark.slow  # a worker process and two groups of two: ~60 s of CPU
 @pytest.mark.timeout(600)
 def test_measure_mode_counts_the_all_to_all_bytes_the_cost_model_predicts(tmp_path):
     argv = [
@@ -53,4 +53,9 @@ def test_measure_mode_counts_the_all_to_all_bytes_the_cost_model_predicts(tmp_pa
     assert sent["all_to_all_single"] == pytest.approx(ulysses["cost_model_all_to_all_bytes_per_step"], rel=0.02)
     assert 0 < sent.get("all_gather", 0) + sent.get("all_gather_tensor", 0) < sent["all_to_all_single"]
     assert ulysses["step_ms"]["median"] > 0
+    cfg = measured["CFG 2"]
+    assert (cfg["ranks"], cfg["threads_per_rank"]) == (2, 1)
+    exchanged = cfg["sent_bytes_per_step_per_rank"]
+    assert "all_to_all_single" not in exchanged  # each half runs its whole pass: nothing to shard
+    assert 0 < exchanged["all_gather"] < sent["all_to_all_single"]  # a velocity a step, against every layer's
     assert json.loads((tmp_path / "measure.json").read_text())["header"]["command"].endswith("measure.json")
