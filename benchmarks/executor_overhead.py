@@ -7,7 +7,10 @@ from the engine's `StepReport`:
 
   overhead     = the step's wall time - the worker's `compute_s` (its time inside
                  `Worker.execute`): scheduler, executor hop, wire format, outputs;
-  executor hop = the executor call's time (`execute_s`) - compute_s.
+  executor hop = the executor call's time (`execute_s`) - compute_s;
+  engine cpu   = the CPU time of the engine's thread in `engine.step()` (with `mp` the transport's
+                 engine side; with `uni` the worker runs on a thread of its own, not counted):
+                 under a loaded machine the CPU time holds steady where wall time does not.
 
 Steps where no request finishes and steps where some finish (those carry images and trajectories
 back through shared memory / the object store) are reported apart (median and p90, in us), and all
@@ -123,20 +126,23 @@ def stats(values: list[float]) -> dict | None:
 # Part 1: overhead.
 
 
-def overhead_round(started: Engine, args, seed: int) -> tuple[list[tuple[StepReport, int]], list[float]]:
+def overhead_round(started: Engine, args, seed: int) -> tuple[list[tuple[StepReport, int, float]], list[float]]:
     """Add this round's requests and step them to completion (one record per step that reached the
-    workers), then time `--rpc-calls` get_rank RPCs."""
+    workers: its report, its outputs' bytes and the engine thread's CPU seconds in it), then time
+    `--rpc-calls` get_rank RPCs."""
     engine = started.engine
     for i in range(args.requests):
         steps = args.min_steps + round(i * (args.max_steps - args.min_steps) / max(args.requests - 1, 1))
         params = flow_sde_params(num_inference_steps=steps, num_samples=args.group_size, seed=seed * 1000 + i)
         engine.add_request(f"prompt {i} of round {seed}", params, prompt_index=i)
-    records = []  # (StepReport, bytes of the outputs of its step)
+    records = []
     started.take("step")
     while engine.has_unfinished_requests():
+        cpu_start = time.thread_time()
         outputs = engine.step()
+        cpu_s = time.thread_time() - cpu_start
         output_bytes = sum(tensor_bytes(o) for o in outputs)
-        records += [(r, output_bytes) for r in started.take("step")]  # none for a step with nothing scheduled
+        records += [(r, output_bytes, cpu_s) for r in started.take("step")]  # none for a step with nothing scheduled
     for _ in range(args.rpc_calls):
         engine.collective_rpc("get_rank")
     return records, [r.wall_s for r in started.take("rpc")]
@@ -144,7 +150,7 @@ def overhead_round(started: Engine, args, seed: int) -> tuple[list[tuple[StepRep
 
 def run_overhead(args, report: harness.Report) -> None:
     backends = [b for b in BACKENDS if b in args.backends]
-    steps: dict[str, list[tuple[StepReport, int]]] = {b: [] for b in backends}
+    steps: dict[str, list[tuple[StepReport, int, float]]] = {b: [] for b in backends}
     rpcs: dict[str, list[float]] = {b: [] for b in backends}
 
     def run(backend: str, round_: harness.Round) -> dict:
@@ -175,13 +181,14 @@ def summarize_overhead(steps: dict, rpcs: dict, startup: dict, report: harness.R
     for backend, records in steps.items():
         kinds = {}
         for kind in STEP_KINDS:
-            chosen = [(r, n) for r, n in records if kind == "all" or (r.finished > 0) == (kind == "finishing")]
+            chosen = [(r, n, c) for r, n, c in records if kind == "all" or (r.finished > 0) == (kind == "finishing")]
             kinds[kind] = {
-                "overhead_us": stats([1e6 * (r.wall_s - max(r.compute_s)) for r, _ in chosen]),
-                "executor_us": stats([1e6 * (r.execute_s - max(r.compute_s)) for r, _ in chosen]),
-                "compute_ms": stats([1e3 * max(r.compute_s) for r, _ in chosen]),
-                "finished_per_step": statistics.mean(r.finished for r, _ in chosen) if chosen else 0.0,
-                "kib_per_step": statistics.mean(n for _, n in chosen) / 1024 if chosen else 0.0,
+                "overhead_us": stats([1e6 * (r.wall_s - max(r.compute_s)) for r, _, _ in chosen]),
+                "executor_us": stats([1e6 * (r.execute_s - max(r.compute_s)) for r, _, _ in chosen]),
+                "engine_cpu_us": stats([1e6 * c for _, _, c in chosen]),
+                "compute_ms": stats([1e3 * max(r.compute_s) for r, _, _ in chosen]),
+                "finished_per_step": statistics.mean(r.finished for r, _, _ in chosen) if chosen else 0.0,
+                "kib_per_step": statistics.mean(n for _, n, _ in chosen) / 1024 if chosen else 0.0,
             }
         rpc_us = stats([1e6 * t for t in rpcs[backend]])
         result[backend] = {"startup_s": startup[backend], "steps": kinds, "rpc_us": rpc_us}
@@ -190,19 +197,19 @@ def summarize_overhead(steps: dict, rpcs: dict, startup: dict, report: harness.R
     def row(backend: str, kind: str) -> list:
         k = result[backend]["steps"][kind]
         over, hop = k["overhead_us"], k["executor_us"]
-        measured = [0] + ["-"] * 6
+        measured = [0] + ["-"] * 7
         if over:
             measured = [over["n"], k["compute_ms"]["median"], over["median"], over["p90"], over["mean"]]
-            measured += [hop["median"], hop["p90"]]
+            measured += [hop["median"], hop["p90"], k["engine_cpu_us"]["median"]]
         return [backend, STEP_KINDS[kind], *measured, k["finished_per_step"], k["kib_per_step"]]
 
     report.table(
         "Part 1: per-step overhead (us)",
         ["backend", "steps", "n", "compute ms", "overhead med", "p90", "mean", "executor med", "p90"]
-        + ["done/step", "KiB/step"],
+        + ["engine cpu med", "done/step", "KiB/step"],
         [row(backend, kind) for backend in result for kind in STEP_KINDS],
         note="overhead = StepReport.wall_s - the worker's compute_s; executor = execute_s - compute_s (the rest:\n"
-        "scheduler and outputs, the same code on every backend)",
+        "scheduler and outputs, the same code on every backend); engine cpu = the engine thread's CPU time in step()",
     )
     report.table(
         "get_rank round trips",
