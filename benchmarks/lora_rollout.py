@@ -111,9 +111,6 @@ def make_run(engine: RolloutEngine, args: argparse.Namespace, reports: list, lor
     def set_merge(worker) -> None:
         worker.loras.set_merge(merge)
 
-    def merged(worker):
-        return worker.loras.merged
-
     def run(round_: harness.Round) -> dict[str, float]:
         engine.collective_rpc(set_merge)  # from the base weights, as a rollout right after a push
         params = SamplingParams(
@@ -129,7 +126,10 @@ def make_run(engine: RolloutEngine, args: argparse.Namespace, reports: list, lor
         reports.clear()
         _, seconds = harness.timed_call(engine.generate, ["a red cube on a blue table"], params, device=args.device)
         forwards = sum(sum(report.transformer_s) for report in reports if report.kind == "step")
-        (held,) = engine.collective_rpc(merged)
+        # The worker's read-only `hot_swap_state`: any other function gets the base weights back
+        # before it runs (`rollout.worker.call_function`), so it would always find nothing merged.
+        (state,) = engine.collective_rpc("hot_swap_state")
+        held = state["merged_lora"]
         assert held == ((lora, 1.0) if merge and lora is not None else None), held
         return {"s": seconds, "transformer_s": forwards}
 
