@@ -24,6 +24,21 @@ def worker_threads(config: EngineConfig) -> int:
     return config.threads_per_worker or max(1, (os.cpu_count() or 1) // config.num_workers)
 
 
+def worker_gpu(device: str, rank: int, visible: str | None, count: int) -> str | None:
+    """The `CUDA_VISIBLE_DEVICES` of the worker process of `rank` on one machine (`mp`): one GPU of
+    the `count` this process sees (`visible`: its own `CUDA_VISIBLE_DEVICES`, None if unset), GPU
+    rank % count, where `device` is "cuda" and several GPUs are visible; None (the process sees what
+    this one sees) otherwise: on the CPU, on one GPU, or where `device` names its GPU ("cuda:1").
+
+    Each worker then sees one GPU, its "cuda": the ranks of a replica group lie on distinct GPUs
+    while it has no more ranks than there are GPUs, and diffusers, which puts a rank of a group on
+    device `rank % torch.accelerator.device_count()`, finds it on the only one it sees."""
+    if device != "cuda" or count < 2:
+        return None
+    gpus = visible.split(",") if visible else [str(index) for index in range(count)]
+    return gpus[rank % count].strip()
+
+
 @dataclass(frozen=True)
 class WorkerBootstrap:
     """What a worker process needs to build its worker. The config travels cloudpickled, so a

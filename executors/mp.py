@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import logging
 import multiprocessing
+import os
 import time
 import weakref
 from collections.abc import Callable
@@ -19,8 +20,10 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
+import torch
+
 from executors.base import STARTUP, Executor, method_to_wire
-from executors.bootstrap import WorkerBootstrap
+from executors.bootstrap import WorkerBootstrap, worker_gpu
 from executors.messages import Call, Reply, Shutdown, receive, send
 from executors.mp_worker import worker_main
 from executors.shm import (
@@ -74,12 +77,20 @@ class MPExecutor(Executor):
     def _start_workers(self, bootstrap: WorkerBootstrap) -> dict[int, _Sent]:
         context = multiprocessing.get_context("spawn")  # fork would copy the parent's threads and CUDA state
         ready = {}
+        visible, gpus = os.environ.get("CUDA_VISIBLE_DEVICES"), torch.cuda.device_count()  # NVML: no CUDA init
         for rank in range(self.num_workers):
             parent_end, child_end = context.Pipe(duplex=True)
             ready[rank] = _Sent(next(self._call_ids))
             process = context.Process(
                 target=worker_main,
-                args=(bootstrap, rank, child_end, ready[rank].call_id, self._prefix),
+                args=(
+                    bootstrap,
+                    rank,
+                    child_end,
+                    ready[rank].call_id,
+                    self._prefix,
+                    worker_gpu(self.config.device, rank, visible, gpus),
+                ),
                 name=f"rollout-worker-{rank}",
                 daemon=True,
             )

@@ -22,12 +22,20 @@ logger = logging.getLogger(__name__)
 
 
 def worker_main(
-    bootstrap: WorkerBootstrap, rank: int, conn: Connection, ready_call_id: int, block_prefix: str
+    bootstrap: WorkerBootstrap,
+    rank: int,
+    conn: Connection,
+    ready_call_id: int,
+    block_prefix: str,
+    gpu: str | None = None,
 ) -> None:
     """Entry point of a spawned worker process. Its first reply, to call `ready_call_id`, is its
-    pid once the worker is built, or the error that building it raised (then it exits)."""
+    pid once the worker is built, or the error that building it raised (then it exits). `gpu`:
+    the one GPU this process sees (`executors.bootstrap.worker_gpu`), None to see the engine's."""
     # Ctrl-C in a terminal reaches the whole process group; the engine decides how workers stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if gpu is not None:  # before anything initializes CUDA, which reads it once
+        os.environ["CUDA_VISIBLE_DEVICES"] = gpu
     block_prefix = f"{block_prefix}-r{rank}"
     try:
         worker = bootstrap.build(rank)

@@ -172,3 +172,20 @@ def test_caller_exception_or_ctrl_c_leaves_no_worker(tiny_model, tmp_path, how):
     assert caller.returncode != 0
     assert ("KeyboardInterrupt" if how == "ctrl-c" else "the caller failed") in stderr
     assert wait_gone(pids) == []
+
+
+@pytest.mark.parametrize(
+    ("device", "rank", "visible", "count", "gpu"),
+    [
+        ("cpu", 3, None, 8, None),  # a CPU worker sees what the engine sees
+        ("cuda", 1, None, 1, None),  # one GPU: every worker on it, as before
+        ("cuda:1", 2, None, 4, None),  # a named GPU: the user placed every worker
+        ("cuda", 0, None, 4, "0"),
+        ("cuda", 5, None, 4, "1"),  # more workers than GPUs: they share, rank % count
+        ("cuda", 1, "4,6, 7", 3, "6"),  # the engine's own CUDA_VISIBLE_DEVICES, in its order
+    ],
+)
+def test_each_mp_worker_sees_one_gpu_of_the_engines(device, rank, visible, count, gpu):
+    from executors.bootstrap import worker_gpu
+
+    assert worker_gpu(device, rank, visible, count) == gpu
