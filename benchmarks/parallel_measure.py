@@ -246,8 +246,9 @@ def _report(report, args, layouts: dict, samples: dict, counted: dict, transform
         "shares with other work spins, and counts here too). Bytes: what one rank's collectives send a "
         "step, counted inside the workers (an "
         "all-to-all: its input but the rows it keeps; a gather: its input to each other rank), averaged "
-        "over the group's ranks. Other collectives: the output gather at `proj_out` and the all-gathers of "
-        "split sizes diffusers' Ulysses-anything mode makes.",
+        "over the group's ranks. Other collectives: Ulysses' output gather at `proj_out` and the all-gathers "
+        "of split sizes diffusers' Ulysses-anything mode makes; CFG's exchange of each step's velocity "
+        "(and of a flag that both passes ran).",
     )
     report.note(
         "Where the cores run other work too, a wall time measures a layout's share of the cores as much as its "
