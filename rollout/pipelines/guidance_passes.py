@@ -10,7 +10,6 @@ replica group instead (`rollout.cfg_parallel`). Nothing here imports diffusers.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
 
 import torch
 
@@ -21,21 +20,14 @@ from rollout.pipelines.condition import PromptEmbeds
 RowsForward = Callable[[torch.Tensor | slice, list[PromptEmbeds]], torch.Tensor]
 
 
-class GuidancePasses(Protocol):
-    def __call__(
-        self,
-        run: RowsForward,
-        shape: torch.Size,
-        cfg: torch.Tensor,
-        prompts: list[PromptEmbeds],
-        negatives: list[PromptEmbeds],
-        one_pass: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The conditional prediction of every row of a batch of latents of `shape`, and the
-        unconditional one of the rows `cfg` marks ([B] bool), both float32; None for the second
-        when no row has a negative prompt (`negatives` empty). `one_pass`: the family's pipeline
-        runs both in one forward (`cfg_in_one_pass`)."""
-        ...
+# Where both passes run, given (run, shape, cfg, prompts, negatives, one_pass): the conditional
+# prediction of every row of a batch of latents of `shape`, and the unconditional one of the rows
+# `cfg` marks ([B] bool), both float32; None for the second when no row has a negative prompt
+# (`negatives` empty). `one_pass`: the family's pipeline runs both in one forward (`cfg_in_one_pass`).
+GuidancePasses = Callable[
+    [RowsForward, torch.Size, torch.Tensor, list[PromptEmbeds], list[PromptEmbeds], bool],
+    tuple[torch.Tensor, torch.Tensor | None],
+]
 
 
 def guidance_passes_here(

@@ -73,20 +73,6 @@ def reference(tiny_models):
     return outputs
 
 
-@pytest.fixture(scope="module")
-def trainer_adapters(tiny_models):
-    from rollout.pipelines.loading import load_adapter
-
-    cache: dict = {}
-
-    def adapter(name: str):
-        if name not in cache:
-            cache[name] = load_adapter(tiny_models(name))
-        return cache[name]
-
-    return adapter
-
-
 def _assert_rescored(trainer_adapter, outputs: dict) -> None:
     """A single-device trainer re-scores the group's rollouts within the contract's bound."""
     for output in outputs.values():

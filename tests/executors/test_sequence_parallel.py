@@ -230,20 +230,6 @@ def test_a_step_that_fails_on_one_rank_only_fails_the_engine_fast(tiny_models, w
     engine.shutdown()
 
 
-@pytest.fixture(scope="module")
-def trainer_adapters(tiny_models):
-    from rollout.pipelines.loading import load_adapter
-
-    cache: dict = {}
-
-    def adapter(name: str):
-        if name not in cache:
-            cache[name] = load_adapter(tiny_models(name))
-        return cache[name]
-
-    return adapter
-
-
 def test_the_server_and_the_recipes_take_the_layout():
     from recipes.config import EngineSection
     from rollout.serve.__main__ import engine_flag_names, parse_args

@@ -17,9 +17,10 @@ import pytest
 import torch
 
 from rollout import SamplingParams
+from tests.trainers_adapters.reward_groups import group_of, kill_while_scoring
 from trainers_adapters.reward_checks import RewardError
 from trainers_adapters.reward_spec import build_reward
-from trainers_adapters.reward_worker_pool import RewardWorkerDied, RewardWorkerPool, RewardWorkerTimeout
+from trainers_adapters.reward_worker_pool import RewardWorkerPool, RewardWorkerTimeout
 from trainers_adapters.rewarded_rollout import generate_with_rewards
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
@@ -37,13 +38,6 @@ def reward_key(tiny_clip):
 def pool(reward_key):
     with RewardWorkerPool(reward_key, num_workers=1) as pool:
         yield pool
-
-
-def group_of(count: int, seed: int = 0, **meta) -> tuple[torch.Tensor, list[str], list[dict]]:
-    generator = torch.Generator().manual_seed(seed)
-    images = torch.randint(0, 256, (count, 3, 32, 32), dtype=torch.uint8, generator=generator)
-    metadata = [{"prompt_index": 0, "sample_index": k, "branch_path": (), **meta} for k in range(count)]
-    return images, ["a red square"] * count, metadata
 
 
 def test_a_rollout_scored_in_a_worker_equals_the_same_groups_scored_in_process(engine, pool, reward_key):
@@ -82,25 +76,11 @@ def test_a_nan_from_a_worker_stops_the_step_naming_the_reward_and_the_sample(poo
 
 
 def test_a_worker_killed_mid_step_fails_the_step_within_seconds_and_the_next_step_runs(pool, reward_key, tmp_path):
-    started = tmp_path / "started"
-    busy = pool.submit(*group_of(2, started=str(started), sleep_s=60.0))
-    queued = pool.submit(*group_of(2, seed=1))
-    deadline = time.monotonic() + 60
-    while not started.exists():
-        assert time.monotonic() < deadline, "the worker never started scoring"
-        time.sleep(0.05)
     pid = pool.pids[0]
-    killed = time.monotonic()
-    os.kill(pid, signal.SIGKILL)
     died = rf"reward worker 0 \(pid {pid}\) died with exit code -9 \(killed by SIGKILL\)"
-    with pytest.raises(RewardWorkerDied, match=died):
-        busy.result(timeout=10)
-    assert time.monotonic() - killed < 5
-    with pytest.raises(RewardWorkerDied, match="queued in the same step"):
-        queued.result(timeout=10)
-    images, prompts, metadata = group_of(2, seed=2)
-    after = pool.submit(images, prompts, metadata).result(timeout=180)  # a new worker scores the next step
-    assert pool.pids[0] != pid
+    (images, prompts, metadata), after = kill_while_scoring(
+        pool, lambda: os.kill(pid, signal.SIGKILL), died, tmp_path / "started"
+    )
     expected = build_reward(reward_key).score(images, prompts, metadata)
     torch.testing.assert_close(after.total, expected.total, atol=1e-6, rtol=0)
 
