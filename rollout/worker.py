@@ -49,18 +49,15 @@ class Worker:
         self.group = group
         self.adapter = load_adapter(config.model, config.device, config.torch_dtype)
         self.failure_agreement = None  # a group's ranks agree on failed steps (rollout.group_failures)
+        boundaries = {}  # denoiser -> its modules where sequence parallel splits or gathers the tokens
         if group is not None:
             self.failure_agreement = FailureAgreement(join_group(group, config.device), group.local_rank, group.size)
             mesh = group_mesh(config.cfg_parallel, config.sequence_parallel, config.device)
             if config.sequence_parallel > 1:
                 enable_sequence_parallel(self.adapter.denoisers, mesh, type(self.adapter.pipeline).__name__)
+                boundaries = {name: sequence_boundaries(module) for name, module in self.adapter.denoisers.items()}
             if config.cfg_parallel > 1:
                 self.adapter.guidance_passes = CfgParallelPasses(mesh)
-        boundaries = (
-            {name: sequence_boundaries(module) for name, module in self.adapter.denoisers.items()}
-            if group is not None and config.sequence_parallel > 1
-            else {}
-        )
         self.loras = LoraManager(self.adapter.denoisers, merge=config.merges_lora, sequence_boundaries=boundaries)
         self.runner = ModelRunner(self.adapter, self.loras)
         self.requests: dict[str, RequestState] = {}

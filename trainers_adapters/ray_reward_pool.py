@@ -38,6 +38,13 @@ def import_ray():
     return ray
 
 
+def ray_device_problem(device: str) -> str | None:
+    """Why a Ray actor cannot be placed on `device`, or None: Ray picks each actor's GPU itself."""
+    if torch.device(device).type == "cuda" and torch.device(device).index is not None:
+        return f"{device!r}: Ray gives each actor its GPU; write cuda (one GPU per actor) or cpu"
+    return None
+
+
 class RayRewardHost:
     """Runs inside a Ray actor: builds the reward once, then answers groups one at a time."""
 
@@ -84,8 +91,9 @@ class RayRewardPool(QueuedRewardPool):
             raise
 
     def _new_worker(self, index: int, device: str | None) -> RewardWorker:
-        if device is not None and torch.device(device).type == "cuda" and torch.device(device).index is not None:
-            raise ValueError(f"device {device!r}: Ray gives each actor its GPU; write cuda (one GPU per actor) or cpu")
+        problem = None if device is None else ray_device_problem(device)
+        if problem is not None:
+            raise ValueError(f"device {problem}")
         return _ActorWorker(self, index, device)
 
     @property

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import torch
 
-from trainers_adapters.ray_reward_pool import RayRewardPool
+from trainers_adapters.ray_reward_pool import RayRewardPool, ray_device_problem
 from trainers_adapters.reward_runner import RewardRunner, RewardsOnThreads
 from trainers_adapters.reward_spec import RewardValue, build_reward, device_conflicts
 from trainers_adapters.reward_worker_pool import RewardWorkerPool
@@ -52,12 +52,11 @@ def placement_problems(
 
 def _device_problems(device, runner: str) -> list[str]:
     try:
-        parsed = torch.device(device)
+        torch.device(device)  # parses it
     except (RuntimeError, TypeError):
         return [f"reward_devices: {device!r} is not a device; write cpu, cuda or cuda:N"]
-    if runner == "ray" and parsed.type == "cuda" and parsed.index is not None:
-        return [f"reward_devices: {device!r}: Ray gives each actor its GPU; write cuda (one GPU per actor) or cpu"]
-    return []
+    problem = ray_device_problem(device) if runner == "ray" else None
+    return [] if problem is None else [f"reward_devices: {problem}"]
 
 
 def open_reward_runner(
