@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
 import json
 from pathlib import Path
 
@@ -222,6 +223,20 @@ def test_a_tiny_model_cache_from_other_builders_is_rebuilt(tmp_path, stamp):
     assert json.loads((cache / "model_index.json").read_text())["_class_name"] == "StableDiffusion3Pipeline"
     assert is_current_build(cache) and not (cache / "left_by_the_old_build.txt").exists()
     assert [p.name for p in tmp_path.iterdir()] == ["tiny"]  # no staging folder left beside it
+
+
+@pytest.mark.timeout(30)
+def test_a_tiny_model_cache_saved_under_another_diffusers_is_stale(monkeypatch):
+    """The stamp covers the library versions the builders use, not only their source: an upgraded
+    diffusers saves other config fields, so a folder the old one saved is rebuilt."""
+    today = builder_digest()
+    installed = importlib.metadata.version
+
+    def upgraded(library: str) -> str:
+        return "99.0.0" if library == "diffusers" else installed(library)
+
+    monkeypatch.setattr(importlib.metadata, "version", upgraded)
+    assert builder_digest() != today
 
 
 def test_the_engine_section_shows_engine_config_s_own_defaults_and_help():

@@ -5,6 +5,7 @@ the builders change instead of being loaded with another version's sizes."""
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import json
 import logging
 from pathlib import Path
@@ -14,6 +15,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 BUILD_STAMP = "tiny_build.json"  # beside model_index.json; diffusers' from_pretrained ignores it
+# The libraries whose classes, saved configs and random initialisation a tiny build depends on.
+BUILDING_LIBRARIES = ("diffusers", "transformers", "torch")
 
 
 def save(pipeline, path: Path, dtype: torch.dtype) -> Path:
@@ -28,10 +31,14 @@ def save(pipeline, path: Path, dtype: torch.dtype) -> Path:
 
 
 def builder_digest() -> str:
-    """SHA-256 of the tiny builders' source (every module of this package): any change to how a tiny
-    pipeline is made changes it (a changed comment too, which costs one needless rebuild; a version
-    number bumped by hand would be forgotten, as the Qwen edit VAE's rebuild showed)."""
+    """SHA-256 of the tiny builders' source (every module of this package) and of the versions of the
+    libraries whose classes and random initialisation they use: any change to how a tiny pipeline is
+    made changes it (a changed comment too, which costs one needless rebuild; a version number bumped
+    by hand would be forgotten, as the Qwen edit VAE's rebuild showed). An upgraded diffusers can
+    save a class's config with other fields and defaults, so a folder saved by the old one is stale."""
     digest = hashlib.sha256()
+    for library in BUILDING_LIBRARIES:
+        digest.update(f"{library}=={importlib.metadata.version(library)}\0".encode())
     for module in sorted(Path(__file__).parent.glob("*.py")):
         digest.update(module.name.encode() + b"\0" + module.read_bytes() + b"\0")
     return digest.hexdigest()
