@@ -325,9 +325,11 @@ def _images_shape(images: PromptEmbeds | None) -> tuple | None:
 
 
 def images_to_uint8(images: torch.Tensor) -> torch.Tensor:
-    """A VAE's [-1, 1] images as uint8 on CPU, rounded as diffusers' image processor rounds."""
+    """A VAE's [-1, 1] images as uint8 on CPU, rounded as diffusers' image processor rounds, laid
+    out contiguously whatever the VAE's memory format (a channels-last or transposed batch would
+    otherwise give each image of it a copy of its own on its way out of a worker process)."""
     images = (images.float() / 2 + 0.5).clamp(0, 1)
-    return (images * 255).round().to(torch.uint8).cpu()
+    return (images * 255).round().to(torch.uint8, memory_format=torch.contiguous_format).cpu()
 
 
 def decode_scaled_latents(vae, latents: torch.Tensor) -> torch.Tensor:
