@@ -13,11 +13,12 @@ import itertools
 import logging
 import multiprocessing
 import os
+import selectors
 import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import Connection
 from typing import Any
 
 import torch
@@ -44,6 +45,8 @@ from rollout.scheduler import WorkerInput
 logger = logging.getLogger(__name__)
 
 _JOIN_TIMEOUT_S = 5.0
+# What a registered handle of `MPExecutor._selector` is: a rank's pipe, or its process's sentinel.
+_REPLY, _DEATH = "reply", "death"
 
 
 @dataclass(frozen=True)
@@ -66,9 +69,12 @@ class MPExecutor(Executor):
         self._conns: list[Connection] = []
         self._procs: list[multiprocessing.process.BaseProcess] = []
         self._reply_readers: list[ReusedBlockReader] = []  # per rank: its reply block, kept mapped
+        # Every rank's pipe and sentinel, registered once: a selector made per wait (what
+        # `multiprocessing.connection.wait` does) costs several system calls on every step.
+        self._selector = selectors.DefaultSelector()
         # Runs at shutdown(), at garbage collection, or at interpreter exit, whichever comes first.
         self._stop = weakref.finalize(
-            self, _stop_processes, self._procs, self._conns, self._reply_readers, self._prefix
+            self, _stop_processes, self._procs, self._conns, self._reply_readers, self._selector, self._prefix
         )
         super().__init__(config)
 
@@ -99,6 +105,8 @@ class MPExecutor(Executor):
             self._conns.append(parent_end)  # in place: the finalizer holds these lists
             self._procs.append(process)
             self._reply_readers.append(ReusedBlockReader())
+            self._selector.register(parent_end, selectors.EVENT_READ, (_REPLY, rank))
+            self._selector.register(process.sentinel, selectors.EVENT_READ, (_DEATH, rank))
         return ready
 
     def _send_step(self, rank: int, work: WorkerInput) -> _Sent:
@@ -120,23 +128,23 @@ class MPExecutor(Executor):
         sentinels too is what makes a dead worker fail the call at once."""
         deadline = time.monotonic() + timeout
         answers: dict[int, Any] = {}
-        sentinels = {process.sentinel: rank for rank, process in enumerate(self._procs)}
         try:
             while len(answers) < len(pending):
-                waiting = {self._conns[rank]: rank for rank in pending if rank not in answers}
                 remaining = deadline - time.monotonic()
-                ready = wait([*waiting, *sentinels], timeout=remaining) if remaining > 0 else []
+                ready = self._selector.select(remaining) if remaining > 0 else []
                 if not ready:
                     break  # the base names the ranks that did not answer
-                for handle in ready:
-                    if handle in sentinels:
-                        raise EngineDeadError(self._death_message(sentinels[handle], name))
-                    rank = waiting[handle]
+                for key, _ in ready:
+                    kind, rank = key.data
+                    if kind == _DEATH:
+                        raise EngineDeadError(self._death_message(rank, name))
                     try:
-                        reply = receive(handle)
+                        reply = receive(self._conns[rank])
                     except (EOFError, OSError):
                         raise EngineDeadError(self._death_message(rank, name)) from None
-                    if reply.call_id != pending[rank].call_id:  # the late reply of an earlier, timed-out call
+                    # A rank not asked this time, or a reply to another call id: the late reply of
+                    # an earlier call given up on (read now, or its pipe would stay ready).
+                    if rank not in pending or rank in answers or reply.call_id != pending[rank].call_id:
                         _discard_result(reply)
                         continue
                     answers[rank] = self._answer(name, rank, reply, self._reply_readers[rank])
@@ -190,8 +198,9 @@ def _discard_result(reply: Reply) -> None:
         discard(reply.result)
 
 
-def _stop_processes(procs, conns, readers, prefix: str) -> None:
+def _stop_processes(procs, conns, readers, selector: selectors.BaseSelector, prefix: str) -> None:
     """Ask each worker to exit, then terminate and kill what is left; remove leftover shm blocks."""
+    selector.close()
     for conn in conns:
         try:
             send(conn, Shutdown())
