@@ -98,6 +98,25 @@ def test_steps_rewrite_one_reply_block_per_worker_and_outputs_stay_the_callers(t
     assert list(shm_dir().glob(f"{prefix}-*")) == []
 
 
+def _rank_sleeps(worker, seconds: float) -> int:
+    time.sleep(seconds if worker.rank == 1 else 0)
+    return worker.rank
+
+
+@pytest.mark.slow  # two workers and three seconds of waiting; the contract suite drops late replies by default
+def test_a_late_reply_of_a_rank_not_asked_is_dropped(tiny_model):
+    # Rank 1 answers a call given up on while the engine waits on rank 0 alone: every rank's pipe
+    # stays watched, so that reply is read and dropped then, and later calls get their own answers.
+    with _mp_engine(tiny_model, num_workers=2) as engine:
+        assert engine.collective_rpc(_rank_sleeps, args=(0.0,), timeout=30) == [0, 1]  # warm
+        with pytest.raises(TimeoutError, match="ranks that did not answer: \\[1\\]"):
+            engine.collective_rpc(_rank_sleeps, args=(2.0,), timeout=1.0)
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline:  # past the late reply, waiting on rank 0 only
+            assert engine.collective_rpc("get_rank", ranks=[0], timeout=30) == [0]
+        assert engine.collective_rpc(_rank_sleeps, args=(0.0,), timeout=30) == [0, 1]
+
+
 @pytest.mark.slow  # repetition for the default suite: CI runs it (make test-slow)
 def test_shutdown_and_garbage_collection_leave_no_process_or_shared_memory(tiny_model):
     engine = _mp_engine(tiny_model, num_workers=2)
