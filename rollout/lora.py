@@ -13,7 +13,9 @@ a component it has none for runs its base weights when the adapter is picked.
 With `merge` on, a forward runs its adapter merged into the base weights (`rollout.lora_merge`):
 `activate` merges, and the base comes back bitwise on the next `activate` of another adapter or
 scale, on a load or unload, and on `restore` (which the worker calls before anything reads or
-changes the base weights).
+changes the base weights). A model whose LoRA layers are all off for the forward (the base, or a
+merged adapter) runs them as their base layers (`rollout.lora_bypass`), at the cost of the model
+without adapters; `restore` puts PEFT's forwards back too.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from peft.tuners.tuners_utils import BaseTunerLayer, _ExcludedModule, check_targ
 from peft.utils import set_peft_model_state_dict
 from torch import nn
 
+from rollout.lora_bypass import BypassedLoraLayers
 from rollout.lora_merge import MergedLora, merge_problems
 from rollout.regular_files import open_regular, read_regular
 from rollout.weights import all_finite
@@ -245,6 +248,7 @@ class LoraManager:
         self._builds = itertools.count()
         self._active: tuple[str | None, float] | None = None  # what the models are set up for now
         self._merged: dict[str, MergedLora] = {}  # component -> the adapter merged into its weights now
+        self._bypassed: dict[str, BypassedLoraLayers] = {}  # component -> its LoRA layers, all off, bypassed
         self._merge_problems: dict[str, list[str]] = {}  # adapter -> why it runs unmerged ([]: it merges)
 
     def load(
@@ -382,7 +386,8 @@ class LoraManager:
     def activate(self, name: str | None, scale: float) -> None:
         """Set the models up to run adapter `name` at `scale` (the base weights where it has no
         layers), or the base models for None. With `merge` on, an adapter that merges exactly is
-        merged into the base weights, its LoRA layers off; any adapter merged before is restored."""
+        merged into the base weights, its LoRA layers off; any adapter merged before is restored.
+        A component whose LoRA layers end up all off runs them as their base layers (`lora_bypass`)."""
         if self._active == (name, scale):
             return
         self.restore()
@@ -400,8 +405,12 @@ class LoraManager:
                 else:
                     model.enable_lora()
                     model.set_adapters([self._layers[name]], [scale])
+                    continue
             elif component in with_layers:
                 model.disable_lora()
+            else:
+                continue  # no LoRA layers to bypass
+            self._bypassed[component] = BypassedLoraLayers(model)
         self._active = (name, scale)
 
     def _merge(self, name: str, scale: float) -> bool:
@@ -432,10 +441,14 @@ class LoraManager:
         return self._active if self._merged else None
 
     def restore(self) -> None:
-        """Put the base weights back (bitwise) where an adapter is merged into them; the next
-        `activate` merges again. Anything that reads or changes the base weights calls this first."""
-        if not self._merged:
+        """Put the base weights back (bitwise) where an adapter is merged into them, and PEFT's
+        forwards where LoRA layers are bypassed; the next `activate` merges and bypasses again.
+        Anything that reads or changes the base weights or the LoRA layers calls this first."""
+        if not (self._merged or self._bypassed):
             return
+        for bypassed in self._bypassed.values():
+            bypassed.put_back()
+        self._bypassed.clear()
         for merged in self._merged.values():
             merged.restore()
         self._merged.clear()
