@@ -115,22 +115,25 @@ class FrameAssembler:
 
 
 def frame_buffer(length: int) -> bytearray | mmap.mmap:
-    """A writable buffer of `length` bytes for one frame. A big one is memory mapped with
-    transparent huge pages where the kernel offers them: filling fresh 4 KiB pages costs a fault
-    each, which made copying a bucket in 5x slower than the copy itself (0.5 vs 2.9 GB/s). Its
-    pages are faulted in by a thread of their own meanwhile (`rollout.page_prefault`), so the
-    faults leave the thread that fills it (the server's event loop)."""
-    if length < _HUGE_PAGE_BYTES:
+    """A writable buffer of `length` bytes for one frame. A big one is memory mapped, and its
+    pages are faulted in by a thread of their own meanwhile (`rollout.page_prefault`): filling
+    fresh pages costs a fault each, which made copying a bucket in 5x slower than the copy itself
+    (0.5 vs 2.9 GB/s), and so the faults leave the thread that fills it (the server's event loop).
+
+    Plain pages, not transparent huge pages: with THP in `madvise` mode (the usual default) a
+    `MADV_HUGEPAGE` mapping makes the kernel compact memory on the spot to find free 2 MiB pages,
+    and on a machine whose memory other processes churn that cost the receiving server 0.5 to
+    3.0 s of CPU per GB (median 1.4) and a streamed 1 GB push 160-725 MB/s; with 4 KiB pages the
+    same pushes took 0.55-0.66 s/GB and ran at 580-670 MB/s (load ~6 on 2 cores;
+    benchmarks/http_weight_push, server process CPU)."""
+    if length < _MAPPED_BYTES:
         return bytearray(length)
     buffer = mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if _MADV_HUGEPAGE is not None:
-        buffer.madvise(_MADV_HUGEPAGE)
     populate_in_background(buffer)
     return buffer
 
 
-_HUGE_PAGE_BYTES = 2 << 20
-_MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", None)  # Linux only: elsewhere plain pages
+_MAPPED_BYTES = 2 << 20
 
 
 class FrameTooLarge(WireError):

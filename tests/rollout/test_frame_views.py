@@ -77,7 +77,7 @@ def test_a_big_frame_is_read_into_mapped_memory_bitwise():
     assembler = FrameAssembler(max_frame_bytes=len(data))
     [buffer] = [b for start in range(0, len(data), 65536) for b in assembler.feed(data[start : start + 65536])]
     views, _ = tensors_from_buffer(buffer, "a frame")
-    assert not isinstance(buffer, bytearray)  # over 2 MiB: mapped, with huge pages where offered
+    assert not isinstance(buffer, bytearray)  # over 2 MiB: mapped
     assert all(torch.equal(views[name], tensor) for name, tensor in tensors.items())
 
 
