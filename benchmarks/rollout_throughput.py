@@ -178,6 +178,11 @@ def make_diffusers_run(pipeline, args: argparse.Namespace) -> Callable[[int], No
         shape = {"num_videos_per_prompt": args.batch_size, "num_frames": args.num_frames}
     if args.images is not None:  # one image: both Qwen-Image edit pipelines take it as a PIL image
         (shape["image"],) = args.images.pil()
+    if type(pipeline).__name__ == "FluxKontextPipeline":
+        # Its `max_area` (a megapixel by default) rescales the output whatever height and width say:
+        # at 64x64 it made 1024x1024 images, 256 times the engine's tokens. The engine's output is
+        # the request's size, which this area keeps.
+        shape["max_area"] = args.height * args.width
 
     def run(seed: int) -> None:
         generator = torch.Generator("cpu").manual_seed(seed)
