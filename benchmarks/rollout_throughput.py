@@ -6,8 +6,14 @@ measures, at the same batch size, steps, image size (and frames) and guidance:
 
   engine     `RolloutEngine` (executor "uni"), flow_sde, trajectories recorded, outputs decoded;
   diffusers  the family's diffusers pipeline from the same folder, ODE sampling, output_type="np";
-  floor      the same transformer calls on the same input shapes (2 x batch with CFG), embeddings
-             precomputed, under torch.no_grad: what any sampler must at least spend.
+  floor      the same transformer calls on the same input shapes (2 x batch with CFG), text embeddings
+             precomputed, under torch.no_grad: what any sampler must at least spend. An edit's input
+             images are encoded in each floor batch, once, as the engine and the pipeline do: every
+             sampler must, and Qwen-Image-Edit's megapixel reference costs a tenth of a CPU batch.
+
+The report also says how many bytes of conditioning (prompt, negative prompt, an edit's encoded
+images) the engine's trajectories of one group hold per sample, and how many copies of one
+sample's that is (1: one shared copy per group).
 
 Video families report frames/s (videos/s x frames). On CUDA the table adds each mode's memory peak
 above what was allocated when its call began (the weights, allocated throughout, are printed once);
@@ -118,10 +124,16 @@ def edit_input(args: argparse.Namespace, spec) -> InputImages | None:
     return InputImages.of([((rows + cols) / 2).round().to(torch.uint8)])
 
 
-def make_engine_run(engine: RolloutEngine, args: argparse.Namespace) -> Callable[[int], None]:
-    inputs = {} if args.images is None else {"images": [args.images]}
+class EngineRun:
+    """One engine batch per call; the latest batch's outputs are kept for `conditioning_bytes`."""
 
-    def run(seed: int) -> None:
+    def __init__(self, engine: RolloutEngine, args: argparse.Namespace):
+        self.engine, self.args = engine, args
+        self.inputs = {} if args.images is None else {"images": [args.images]}
+        self.outputs: list = []
+
+    def __call__(self, seed: int) -> None:
+        args = self.args
         params = SamplingParams(
             sampler="flow_sde",
             noise_level=args.noise_level,
@@ -131,11 +143,28 @@ def make_engine_run(engine: RolloutEngine, args: argparse.Namespace) -> Callable
             return_trajectory=True,
             **common_fields(args),
         )
-        outputs = engine.generate([args.prompt], params, **inputs)
+        self.outputs = []  # the last batch's outputs go before the next one's are made
+        outputs = self.engine.generate([args.prompt], params, **self.inputs)
         decoded = outputs[0].video if is_video(args) else outputs[0].image
         assert len(outputs) == args.batch_size and outputs[0].trajectory is not None and decoded is not None
+        self.outputs = outputs
 
-    return run
+
+def conditioning_bytes(outputs: list) -> dict:
+    """What a group's trajectories hold of conditioning (prompt, negative prompt and an edit's
+    encoded images): every distinct tensor storage they reference, counted once, per sample; and
+    one sample's own, so `copies` is 1 when the group shares one copy (and the batch size when
+    every sample holds its own)."""
+
+    def held(conditions) -> int:
+        tensors = [
+            t for c in conditions for part in c.parts().values() if part is not None for t in part.tensors().values()
+        ]
+        return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+
+    group = held([output.trajectory.condition for output in outputs])
+    one = held([outputs[0].trajectory.condition])
+    return {"per_sample": group / len(outputs), "group": group, "one_sample": one, "copies": group / one}
 
 
 def on_worker_thread(engine: RolloutEngine, run: Callable[[int], None]) -> Callable[[int], None]:
@@ -149,6 +178,11 @@ def make_diffusers_run(pipeline, args: argparse.Namespace) -> Callable[[int], No
         shape = {"num_videos_per_prompt": args.batch_size, "num_frames": args.num_frames}
     if args.images is not None:  # one image: both Qwen-Image edit pipelines take it as a PIL image
         (shape["image"],) = args.images.pil()
+    if type(pipeline).__name__ == "FluxKontextPipeline":
+        # Its `max_area` (a megapixel by default) rescales the output whatever height and width say:
+        # at 64x64 it made 1024x1024 images, 256 times the engine's tokens. The engine's output is
+        # the request's size, which this area keeps.
+        shape["max_area"] = args.height * args.width
 
     def run(seed: int) -> None:
         generator = torch.Generator("cpu").manual_seed(seed)
@@ -173,12 +207,11 @@ class FloorRun:
             negatives = []
             if negative is not None:
                 negatives = adapter.encode_prompts([negative], length, images) * args.batch_size
-            encoded = adapter.encode_images(images) if images is not None else None
         embeds_type = type(prompts[0])
         passes = [prompts + negatives] if adapter.cfg_in_one_pass else [prompts, negatives]
         self.passes = [embeds_type.stack(rows) for rows in passes if rows]
-        # An edit's encoded images, batched to each pass's rows (the same images in every row).
-        self.images = [None if encoded is None else type(encoded).stack([encoded] * len(rows)) for rows in passes]
+        self.input_images = images
+        self.images = [None] * len(self.passes)
         shape = adapter.spec.latent_shape(args.height, args.width, args.num_frames)
         rows = 2 * args.batch_size if negatives else args.batch_size
         latents = torch.randn(rows, *shape, generator=torch.Generator().manual_seed(0))
@@ -202,8 +235,17 @@ class FloorRun:
                 self.latents[:rows], sigma.expand(rows), embeds, guidance, self.height, self.width, **extra
             )
 
+    def encode_input_images(self) -> None:
+        """An edit's input images encoded (the reference latents every forward reads), batched to
+        each pass's rows: once per batch, as the engine and the pipeline encode them, since any
+        sampler must (at a megapixel, Qwen-Image-Edit's size, a tenth of a CPU-sized batch)."""
+        encoded = self.adapter.encode_images(self.input_images)
+        self.images = [type(encoded).stack([encoded] * embeds.prompt_embeds.shape[0]) for embeds in self.passes]
+
     @torch.no_grad()
     def __call__(self, seed: int) -> None:
+        if self.input_images is not None:
+            self.encode_input_images()
         for sigma in self.sigmas:
             self.forward(sigma)
 
@@ -213,6 +255,9 @@ def forward_flops(floor: FloorRun) -> float:
     counts them)."""
     from torch.utils.flop_counter import FlopCounterMode
 
+    with torch.no_grad():
+        if floor.input_images is not None:
+            floor.encode_input_images()
     with torch.no_grad(), FlopCounterMode(display=False) as counter:
         floor.forward(floor.sigmas[0])
     return float(counter.get_total_flops())
@@ -388,7 +433,7 @@ def main(argv: list[str] | None = None) -> dict:
         floor = FloorRun(adapter, args)
         flops = forward_flops(floor) if args.peak_tflops else None
         with RolloutEngine(config) as engine:
-            engine_run = make_engine_run(engine, args)
+            engine_run = EngineRun(engine, args)
             runs = {
                 "engine": engine_run,
                 "diffusers": on_worker_thread(engine, make_diffusers_run(pipeline, args)),
@@ -396,6 +441,7 @@ def main(argv: list[str] | None = None) -> dict:
             }
             modes = {mode: measured(run, args.device) for mode, run in runs.items()}
             samples = harness.run_rounds(modes, args.warmup, args.repeats)
+            conditioning = conditioning_bytes(engine_run.outputs)
             breakdown = None if args.no_breakdown else engine_breakdown(engine, engine_run, args, denoisers)
     report.results = {
         "pipeline_class": class_name,
@@ -404,6 +450,13 @@ def main(argv: list[str] | None = None) -> dict:
         "transformer_forward_flops": flops,
     }
     report_modes(report, samples, args, class_name, flops)
+    kib = {name: value / 2**10 for name, value in conditioning.items() if name != "copies"}
+    report.note(
+        f"conditioning held by the group's trajectories: {kib['per_sample']:.1f} KiB per sample "
+        f"({kib['group']:.1f} KiB in all, {conditioning['copies']:.2f} x one sample's {kib['one_sample']:.1f} KiB)"
+        + (": an edit's encoded images included" if args.images is not None else "")
+    )
+    report.results["conditioning_bytes"] = conditioning
     if breakdown is not None:
         wall, calls = breakdown["wall_s"], breakdown["calls"]
         report.table(

@@ -72,12 +72,16 @@ class QwenImageEditAdapter(QwenImageAdapter):
             max_input_images=self.max_input_images,
             edit_area=EDIT_IMAGE_AREA,
             edit_size_image=self.edit_size_image,
+            encoded_image_area=EDIT_IMAGE_AREA,  # Edit resizes for the VAE as for the output size
             prompt_reads_images=True,
         )
 
     def vae_sizes(self, images: InputImages) -> list[tuple[int, int]]:
-        """(height, width) each image is resized to before the VAE encodes it."""
-        return [area_size(EDIT_IMAGE_AREA, height, width) for height, width in images.sizes]
+        """(height, width) each image is resized to before the VAE encodes it: the spec's arithmetic
+        (`encoded_image_sizes`), which the scheduler batches by. (Edit's vision encoder reads the
+        same resized image, so its vision tokens follow from this size too; Plus's read a smaller
+        resize, which only sets the prompt's length, and prompts of any length pad to one batch.)"""
+        return list(self.spec.encoded_image_sizes(images.sizes))
 
     def vision_images(self, images: InputImages) -> list:
         """The PIL images the vision encoder reads with the prompt (Edit: the resized VAE image)."""
@@ -132,10 +136,10 @@ class QwenImageEditPlusAdapter(QwenImageEditAdapter):
     max_input_images = PLUS_MAX_INPUT_IMAGES
     edit_size_image = -1  # QwenImageEditPlusPipeline.__call__: `image[-1].size`
 
-    def vae_sizes(self, images: InputImages) -> list[tuple[int, int]]:
+    def make_spec(self) -> ModelSpec:
         from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus import VAE_IMAGE_SIZE
 
-        return [area_size(VAE_IMAGE_SIZE, height, width) for height, width in images.sizes]
+        return dataclasses.replace(super().make_spec(), encoded_image_area=VAE_IMAGE_SIZE)
 
     def vision_images(self, images: InputImages) -> list:
         from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus import CONDITION_IMAGE_SIZE

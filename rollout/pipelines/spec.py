@@ -60,6 +60,9 @@ class ModelSpec:
         input image's own size.
     edit_size_image: which input image sets that size (0: the first; -1: the last, as
         Qwen-Image-Edit-Plus's pipeline reads it).
+    encoded_image_area: the pixel count each input image is resized to, at its aspect ratio,
+        before the VAE encodes it (Qwen-Image-Edit: a megapixel; Plus: its `VAE_IMAGE_SIZE`);
+        None: no such resize.
     prompt_reads_images: whether the prompt's encoding reads the request's input images
         (Qwen-Image-Edit's text encoder sees their vision tokens with the prompt), so an encoded
         text is reused only by requests with the same images (`text_key`).
@@ -93,6 +96,7 @@ class ModelSpec:
     preferred_input_sizes: tuple[tuple[int, int], ...] = ()
     edit_area: int | None = None
     edit_size_image: int = 0
+    encoded_image_area: int | None = None
     prompt_reads_images: bool = False
 
     @property
@@ -150,9 +154,13 @@ class ModelSpec:
         """The (height, width) each input image of these sizes is encoded at, where the family's
         resize is known here: FLUX.1 Kontext's (rounded down to the size multiple, as its image
         processor's `get_default_height_width` does, after the resize to `preferred_input_sizes`
-        with `auto_resize`). Elsewhere, the images' own sizes. Requests whose images encode at equal
-        sizes stack their encoded tokens, so this is what the scheduler batches edits by: raw sizes
-        that encode alike (any two of an aspect ratio, auto-resized) share their forwards."""
+        with `auto_resize`); Qwen-Image-Edit's (`encoded_image_area` pixels at the image's aspect
+        ratio, in multiples of 32). Elsewhere, the images' own sizes. Requests whose images encode
+        at equal sizes stack their encoded tokens, so this is what the scheduler batches edits by:
+        raw sizes that encode alike (any two of an aspect ratio, auto-resized or resized to an
+        area) share their forwards."""
+        if self.encoded_image_area is not None:
+            return tuple(area_size(self.encoded_image_area, height, width) for height, width in sizes)
         if not self.preferred_input_sizes:
             return sizes
         multiple = self.size_multiple
