@@ -96,18 +96,23 @@ class Round:
     index: int  # 0-based over warmup and timed rounds (benchmarks also use it as a seed)
     timed: bool
     tag: str  # "warmup k/n" or "round k/n", for the progress lines
-    order: list  # the modes, rotated by `index`
+    order: list  # the modes, rotated by `index`, reversed in every other cycle
 
 
 def interleaved_rounds(modes: Iterable, warmup: int, repeats: int) -> Iterator[Round]:
-    """`warmup` untimed rounds, then `repeats` timed ones; round r runs the modes rotated by r, so no
-    mode always follows the same one (they share the machine's state, caches and load alike)."""
+    """`warmup` untimed rounds, then `repeats` timed ones; round r runs the modes rotated by r, and
+    reversed in every other cycle of len(modes) rounds, so each mode runs first as often as the
+    others and, over two cycles, follows each of the others (they share the machine's state, caches
+    and load alike). A rotation alone keeps the cycle: each mode would always follow the same one,
+    and whatever that one leaves behind (memory the allocator hands back, a cold cache) would count
+    against it in every round."""
     modes = list(modes)
     for index in range(warmup + repeats):
         timed = index >= warmup
         rotation = index % len(modes)
+        order = modes[rotation:] + modes[:rotation]
         tag = f"round {index - warmup + 1}/{repeats}" if timed else f"warmup {index + 1}/{warmup}"
-        yield Round(index, timed, tag, modes[rotation:] + modes[:rotation])
+        yield Round(index, timed, tag, order[::-1] if index // len(modes) % 2 else order)
 
 
 Measurement = float | dict[str, float]  # a mode's seconds, or several named measurements

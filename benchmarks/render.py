@@ -22,10 +22,11 @@ its JSON report under `benchmarks/results/` and renders this page from them with
 `python -m benchmarks.render`; edit the benchmarks, not this page. Each benchmark's `--help` says
 what it measures and why.
 
-Every timed benchmark runs its modes in interleaved rounds (round r runs them rotated by r, after
-untimed warm-up rounds) and reports medians with min and max; percentiles are one definition
-(linear interpolation between the closest ranks, numpy's default) everywhere. Ratios measured side
-by side in one run are what to compare across machines; absolute times are this machine's.
+Every timed benchmark runs its modes in interleaved rounds (round r runs them rotated by r,
+reversed in every other cycle, after untimed warm-up rounds) and reports medians with min and
+max; percentiles are one definition (linear interpolation between the closest ranks, numpy's
+default) everywhere. Ratios measured side by side in one run are what to compare across machines;
+absolute times are this machine's.
 
 **Adding a benchmark.** A benchmark is a module in `benchmarks/` that keeps only its modes, its
 checks and its summary; `benchmarks/harness.py` does the rest: `harness.parser(name, __doc__,

@@ -42,8 +42,16 @@ def test_rounds_interleave_and_keep_only_the_timed_ones():
         return run
 
     samples = harness.run_rounds({"a": mode("a"), "b": mode("b")}, warmup=1, repeats=2, quiet=True)
-    assert order == [(0, "a"), (0, "b"), (1, "b"), (1, "a"), (2, "a"), (2, "b")]
+    assert order == [(0, "a"), (0, "b"), (1, "b"), (1, "a"), (2, "b"), (2, "a")]
     assert samples == {"a": {"s": [1.0, 2.0], "MB": [1.0, 1.0]}, "b": {"s": [1.0, 2.0], "MB": [1.0, 1.0]}}
+
+
+def test_over_two_cycles_each_mode_runs_first_as_often_and_follows_every_other():
+    modes = ["engine", "diffusers", "floor"]
+    orders = [round_.order for round_ in harness.interleaved_rounds(modes, warmup=0, repeats=2 * len(modes))]
+    assert sorted(order[0] for order in orders) == sorted(modes * 2)
+    followed = {(order[i], order[i + 1]) for order in orders for i in range(len(order) - 1)}
+    assert followed == {(a, b) for a in modes for b in modes if a != b}  # a rotation alone gives 3 of these 6
 
 
 def test_shared_options_have_one_name_and_the_report_renders(tmp_path, capsys):
