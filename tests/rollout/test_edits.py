@@ -130,6 +130,28 @@ def pixels_to_encode(pipeline, run) -> torch.Tensor:
     return captured[0]
 
 
+def assert_two_edits_share_every_forward(engine, params, images) -> None:
+    """Two edit requests (one input image each, `params` of 3 steps) run in one forward at each
+    step, and each equals itself run alone (latents and log-probs < 1e-5)."""
+    alone = []
+    for prompt_index, image in enumerate(images):  # its seeds as among the prompts of `together`
+        engine.add_request("make it red", params, images=[image], prompt_index=prompt_index)
+        while engine.has_unfinished_requests():
+            alone += engine.step()
+    reports = []
+    stop_watching = engine.add_step_observer(reports.append)
+    try:
+        together = engine.generate(["make it red"] * 2, params, images=[[image] for image in images])
+    finally:
+        stop_watching()
+    # Both rows in one forward at each of the 3 steps (batched apart: 6 steps of one row each).
+    assert [report.transformer_rows for report in reports if report.kind == "step"] == [(2,)] * 3
+    for one, crowd in zip(alone, together, strict=True):
+        assert (one.trajectory.latents.stack() - crowd.trajectory.latents.stack()).abs().max() < 1e-5
+        assert (one.trajectory.log_probs - crowd.trajectory.log_probs).abs().max() < 1e-5
+    assert not torch.equal(together[0].trajectory.latents[-1], together[1].trajectory.latents[-1])
+
+
 def test_kontext_resizes_its_input_as_its_pipeline_does_by_default(kontext_engine, tiny_models):
     """auto_resize left unset is FluxKontextPipeline's default `_auto_resize=True`: the input is
     resized to the nearest preferred Kontext resolution, bitwise the pixels the pipeline encodes
@@ -176,20 +198,4 @@ def test_inputs_of_two_sizes_that_encode_alike_share_every_forward(kontext_engin
     assert spec.encoded_image_sizes(((32, 32), (34, 35))) == ((32, 32), (32, 32))
     images = [input_image(0, 32, 32), input_image(1, 34, 35)]
     params = KONTEXT.params(num_inference_steps=3, seed=4, noise_level=0.7)
-    alone = []
-    for prompt_index, image in enumerate(images):  # its seeds as among the prompts of `together`
-        kontext_engine.add_request("make it red", params, images=[image], prompt_index=prompt_index)
-        while kontext_engine.has_unfinished_requests():
-            alone += kontext_engine.step()
-    reports = []
-    stop_watching = kontext_engine.add_step_observer(reports.append)
-    try:
-        together = kontext_engine.generate(["make it red"] * 2, params, images=[[image] for image in images])
-    finally:
-        stop_watching()
-    # Both rows in one forward at each of the 3 steps (batched apart: 6 steps of one row each).
-    assert [report.transformer_rows for report in reports if report.kind == "step"] == [(2,)] * 3
-    for one, crowd in zip(alone, together, strict=True):
-        assert (one.trajectory.latents.stack() - crowd.trajectory.latents.stack()).abs().max() < 1e-5
-        assert (one.trajectory.log_probs - crowd.trajectory.log_probs).abs().max() < 1e-5
-    assert not torch.equal(together[0].trajectory.latents[-1], together[1].trajectory.latents[-1])
+    assert_two_edits_share_every_forward(kontext_engine, params, images)

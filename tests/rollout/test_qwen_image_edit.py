@@ -113,7 +113,7 @@ def test_inputs_of_two_sizes_that_encode_alike_share_every_forward(tiny_models, 
     input image to a megapixel at its aspect ratio before the VAE, so any two images of one aspect
     ratio encode alike (Edit's vision encoder reads that same resized image). Two such edits run
     in one forward per step, and each equals itself alone (< 1e-5)."""
-    from tests.rollout.test_edits import pixels_to_encode
+    from tests.rollout.test_edits import assert_two_edits_share_every_forward, pixels_to_encode
 
     family = FAMILIES[name]
     sizes = ((32, 32), (40, 40))
@@ -126,20 +126,4 @@ def test_inputs_of_two_sizes_that_encode_alike_share_every_forward(tiny_models, 
         assert engine.model_spec.encoded_image_sizes(sizes) == ((1024, 1024),) * 2
         images = [input_image(0, *sizes[0]), input_image(1, *sizes[1])]
         params = family.params(num_inference_steps=3, seed=4, noise_level=0.7)
-        alone = []
-        for prompt_index, image in enumerate(images):  # its seeds as among the prompts of `together`
-            engine.add_request("make it red", params, images=[image], prompt_index=prompt_index)
-            while engine.has_unfinished_requests():
-                alone += engine.step()
-        reports = []
-        stop_watching = engine.add_step_observer(reports.append)
-        try:
-            together = engine.generate(["make it red"] * 2, params, images=[[image] for image in images])
-        finally:
-            stop_watching()
-    # Both rows in one forward at each of the 3 steps (batched apart: 6 steps of one row each).
-    assert [report.transformer_rows for report in reports if report.kind == "step"] == [(2,)] * 3
-    for one, crowd in zip(alone, together, strict=True):
-        assert (one.trajectory.latents.stack() - crowd.trajectory.latents.stack()).abs().max() < 1e-5
-        assert (one.trajectory.log_probs - crowd.trajectory.log_probs).abs().max() < 1e-5
-    assert not torch.equal(together[0].trajectory.latents[-1], together[1].trajectory.latents[-1])
+        assert_two_edits_share_every_forward(engine, params, images)
