@@ -12,7 +12,7 @@ targets into one "uni" engine, and measures, at the same batch, steps, size and 
                 one merge included (each run starts from the base: as a rollout after a push does);
   unmerged rR   with the rank-R adapter as PEFT runs it: two low-rank matmuls added per targeted layer.
 
-Every mode runs once per round, in an order rotated round by round, after the same warm-up
+Every mode runs once per round, in the harness's interleaved order, after the same warm-up
 rounds; `--threads` is 1 by default: more torch threads than idle cores make each op wait for
 descheduled threads, and the ratios then wander by more than the 2% they are held to.
 
