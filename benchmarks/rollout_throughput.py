@@ -47,6 +47,7 @@ import torch
 
 from benchmarks import harness, model_presets
 from benchmarks.model_presets import PRESETS, VIDEO_FAMILIES
+from benchmarks.output_memory import referenced_bytes
 from benchmarks.worker_timers import install_timers, remove_timers
 from rollout import EngineConfig, RolloutEngine, SamplingParams
 from rollout.input_images import InputImages
@@ -160,7 +161,7 @@ def conditioning_bytes(outputs: list) -> dict:
         tensors = [
             t for c in conditions for part in c.parts().values() if part is not None for t in part.tensors().values()
         ]
-        return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+        return referenced_bytes(tensors)
 
     group = held([output.trajectory.condition for output in outputs])
     one = held([outputs[0].trajectory.condition])
