@@ -103,6 +103,15 @@ class PipelineAdapter(ABC):
         )
         pipeline.to(device)
         pipeline.set_progress_bar_config(disable=True)
+        for module in pipeline.components.values():
+            # Frozen from the start: nothing here takes a weight gradient (a trainer turns on what it
+            # trains, as LoraPolicy does its adapter), and torch's matmul picks its kernel by the weights'
+            # requires_grad even under no_grad: a strided input (SD3's text half of the joint
+            # attention) is folded into one mm for a weight that requires grad and run as a bmm for
+            # one that does not, 6e-8 apart on two threads. PEFT freezes the base layers it wraps,
+            # so a model loaded with grads computed another base after its first adapter than before.
+            if isinstance(module, nn.Module):
+                module.requires_grad_(False)
         return cls(pipeline)
 
     @classmethod

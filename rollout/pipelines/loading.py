@@ -56,7 +56,9 @@ def adapter_class(pipeline_class: str) -> type:
 @quietly
 def load_adapter(path: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32):
     """Load the pipeline with diffusers' `from_pretrained` (local files only) and wrap it in its
-    family's `PipelineAdapter`."""
+    family's `PipelineAdapter`. Its weights load frozen (`requires_grad` False), as the engine runs
+    them: a trainer turns on what it trains (`LoraPolicy` its adapter; a full fine-tune
+    `adapter.transformer.requires_grad_(True)`). Gradients still flow to `predict_velocity`'s inputs."""
     index = read_model_index(path)
     adapter = adapter_class(index["_class_name"]).load(path, index, device, dtype)
     logger.info("loaded %s from %s on %s (%s)", index["_class_name"], path, device, dtype)

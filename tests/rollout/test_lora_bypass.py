@@ -13,6 +13,7 @@ from peft.tuners.lora import LoraLayer
 
 from rollout.lora import LoraManager
 from rollout.lora_bypass import BypassedLoraLayers
+from rollout.pipelines.loading import load_adapter
 from rollout.weights import base_state, checksum
 from trainers_adapters.lora_policy import LoraPolicy
 
@@ -30,7 +31,18 @@ def adapter(tiny_model) -> tuple[dict[str, torch.Tensor], dict]:
 
 @pytest.fixture
 def transformer(tiny_model) -> SD3Transformer2DModel:
-    return SD3Transformer2DModel.from_pretrained(Path(tiny_model) / "transformer").eval()
+    """The transformer as the engine loads it (weights frozen: see PipelineAdapter.load)."""
+    return load_adapter(tiny_model).transformer.eval()
+
+
+@pytest.fixture(autouse=True)
+def two_threads():
+    """Two threads, as on the machines where a frozen and a grad-requiring weight took torch's matmul
+    through kernels 6e-8 apart (one thread ran both alike and hid it)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(threads)
 
 
 def _forward(transformer: SD3Transformer2DModel) -> torch.Tensor:
