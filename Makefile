@@ -4,16 +4,20 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 # The CPU build of PyTorch; a GPU user sets TORCH_SPEC=torch (or their CUDA build) instead.
 TORCH_SPEC ?= torch==2.13.0
+# The versions the suite last passed with (CI installs these); `make setup PINS=` takes the newest
+# releases pyproject.toml's ranges admit instead.
+PINS ?= .ci/constraints.txt
+EXTRAS := .[test,ray,tensorboard,wandb]
 
-.PHONY: setup demo test test-slow lint bench clean
+.PHONY: setup demo test test-slow test-latest pins lint bench clean
 
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml $(PINS)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[test,ray,tensorboard,wandb]"
+	$(PY) -m pip install -q -e "$(EXTRAS)" $(if $(PINS),-c $(PINS))
 	touch $@
 
 # The main job: GRPO on the tiny built-in model (about 1.5 minutes on 2 CPU cores).
@@ -30,6 +34,24 @@ test: lint
 # Tests marked slow; pytest exits 5 when none are collected, which is fine here.
 test-slow: setup
 	$(PY) -m pytest -q -m slow || [ $$? -eq 5 ]
+
+# The default suite against the newest release of every dependency (torch stays TORCH_SPEC), in a
+# venv of its own: first what moved from the pins, then lint and tests. When it passes,
+# `make pins VENV=.venv-latest` records its versions as the new pins.
+LATEST := .venv-latest
+test-latest:
+	rm -rf $(LATEST) && $(PYTHON) -m venv $(LATEST)
+	$(LATEST)/bin/pip install -q --upgrade pip
+	$(LATEST)/bin/pip install -q "$(TORCH_SPEC)"
+	$(LATEST)/bin/pip install -q -e "$(EXTRAS)"
+	$(LATEST)/bin/python .ci/versions_moved.py $(PINS)
+	$(LATEST)/bin/python -m ruff check .
+	$(LATEST)/bin/python -m pytest -q -p no:cacheprovider
+
+# Record the versions of a venv whose suite passed as the pins (VENV=.venv-latest after test-latest).
+pins:
+	{ sed -n '/^#/p' .ci/constraints.txt; $(VENV)/bin/pip freeze --exclude-editable --exclude torch; } > $(PINS).new
+	mv $(PINS).new $(PINS)
 
 # Every benchmark writes its JSON report under benchmarks/results/; docs/benchmarks.md is rendered
 # from them, so the page's numbers are the ones this run measured.
@@ -68,4 +90,4 @@ bench: setup
 	$(PY) -m benchmarks.render
 
 clean:
-	rm -rf $(VENV) outputs .cache .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(LATEST) outputs .cache .pytest_cache .ruff_cache
