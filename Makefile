@@ -45,8 +45,8 @@ test-latest:
 	$(LATEST)/bin/pip install -q "$(TORCH_SPEC)"
 	$(LATEST)/bin/pip install -q -e "$(EXTRAS)"
 	$(LATEST)/bin/python .ci/versions_moved.py $(PINS)
-	$(LATEST)/bin/python -m ruff check .
-	$(LATEST)/bin/python -m pytest -q -p no:cacheprovider
+	status=0; $(LATEST)/bin/python -m ruff check . || status=1; \
+	$(LATEST)/bin/python -m pytest -q -p no:cacheprovider || status=1; exit $$status
 
 # Record the versions of a venv whose suite passed as the pins (VENV=.venv-latest after test-latest).
 pins:

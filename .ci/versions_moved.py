@@ -29,7 +29,8 @@ def pinned(path: Path) -> dict[str, str]:
 def main(pins_file: str) -> None:
     pins = pinned(Path(pins_file))
     here = {canonicalize_name(d.metadata["Name"]): d.version for d in distributions()}
-    moved = [f"{name}: {pins[name]} -> {here[name]}" for name in sorted(pins.keys() & here.keys()) if pins[name] != here[name]]
+    both = sorted(pins.keys() & here.keys())
+    moved = [f"{name}: {pins[name]} -> {here[name]}" for name in both if pins[name] != here[name]]
     new = [f"{name}: {here[name]} (not pinned)" for name in sorted(here.keys() - pins.keys() - UNPINNED)]
     gone = [f"{name}: {pins[name]} (no longer installed)" for name in sorted(pins.keys() - here.keys())]
     print(f"torch {here.get('torch', 'not installed')} (TORCH_SPEC)")

@@ -4,8 +4,6 @@ module tree, the state dict and the adapters stay PEFT's; `restore` puts PEFT's 
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 from diffusers import SD3Transformer2DModel
