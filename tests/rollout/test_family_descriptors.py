@@ -82,6 +82,17 @@ def test_every_preset_and_tiny_builder_names_a_function(family):
         family.build_preset("huge", "/nonexistent")
 
 
+def test_every_familys_tiny_builder_is_importable_from_the_tiny_package():
+    """The docs import builders as `from rollout.pipelines.tiny import build_tiny_...`: every family's
+    builder is there, and listed in `__all__`."""
+    import rollout.pipelines.tiny as tiny
+
+    for family in FAMILIES:
+        name = family.tiny_builder.rpartition(".")[2]
+        assert getattr(tiny, name, None) is import_by_path(family.tiny_builder, "builder"), family.name
+        assert name in tiny.__all__, family.name
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("family", [pytest.param(f, marks=slow_family(f)) for f in FAMILIES], ids=NAMES)
 def test_the_tiny_folder_maps_back_and_the_cfg_settings_mean_what_they_say(tiny_models, family):
