@@ -149,6 +149,12 @@ class EngineSection:
         logger.info("using the rollout service at %s (its own engine settings apply)", self.url)
         return RemoteRolloutEngine(self.url)  # its key: $ROLLOUT_API_KEY
 
+    def check_service(self) -> None:
+        """With `url`: connect once, so that a service that is down, or refuses this client (no key,
+        a wrong one), says so before the recipe loads anything of its own."""
+        if self.url is not None:
+            RemoteRolloutEngine(self.url).shutdown()
+
     def _engine_settings(self) -> dict:
         settings = dataclasses.asdict(self)
         del settings["url"]

@@ -286,6 +286,7 @@ def train(
     output_dir.mkdir(parents=True, exist_ok=True)
     model_path = config.model.resolve_path()
     config.engine.to_engine_config(model_path)  # checks the model folder (and engine settings) before any load
+    config.engine.check_service()  # and a rollout service's answer (its key), before the policy loads
     torch.manual_seed(config.seed)
     generator = torch.Generator().manual_seed(config.seed)
     policy = LoraPolicy(
