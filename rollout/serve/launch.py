@@ -38,10 +38,10 @@ class ServerProcess:
         self.process = process
         self.url = url
         self.instance_id: str | None = None
-        # The server's stderr goes on to ours as it comes; its last lines say why it stopped, if it does.
+        # Of a server `start` made: its stderr goes on to ours as it comes, and its last lines say why
+        # it stopped, if it does.
         self._last_lines: collections.deque[str] = collections.deque(maxlen=STDERR_LINES_KEPT)
-        self._stderr_copier = threading.Thread(target=self._copy_stderr, name="rollout-server-stderr", daemon=True)
-        self._stderr_copier.start()
+        self._stderr_copier: threading.Thread | None = None
 
     @classmethod
     def start(
@@ -71,6 +71,8 @@ class ServerProcess:
             command.append("--no-auth")
         process = subprocess.Popen([*command, "--log-level", log_level, *flags], env=env, stderr=subprocess.PIPE)
         server = cls(process, f"http://127.0.0.1:{port}")
+        server._stderr_copier = threading.Thread(target=server._copy_stderr, name="rollout-server-stderr", daemon=True)
+        server._stderr_copier.start()
         try:
             server._wait_until_healthy(timeout_s)
         except BaseException:
@@ -82,11 +84,12 @@ class ServerProcess:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                self._stderr_copier.join(timeout=5.0)  # its last words, up to the end of the pipe
-                last_words = "".join(self._last_lines).strip() or "(nothing on stderr)"
+                if self._stderr_copier is not None:
+                    self._stderr_copier.join(timeout=5.0)  # its last words, up to the end of the pipe
+                last_words = "".join(self._last_lines).strip()
                 raise RuntimeError(
-                    f"the rollout server exited with code {self.process.returncode} before it answered; its stderr "
-                    f"ended with:\n{last_words}"
+                    f"the rollout server exited with code {self.process.returncode} before it answered"
+                    + (f"; its stderr ended with:\n{last_words}" if last_words else "")
                 )
             try:
                 answer = httpx.get(f"{self.url}/health", timeout=5.0)
