@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import importlib
 import json
 import logging
@@ -28,7 +29,7 @@ import re
 import shutil
 import types
 import typing
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,8 @@ import yaml
 from rollout.config import EngineConfig
 from rollout.config_check import problems_without_model
 from rollout.engine import RolloutEngine
+from rollout.pipelines.families import families_of, family_named, request_field_problems
+from rollout.pipelines.loading import read_model_index
 from rollout.pipelines.tiny import TINY_BUILDERS
 from rollout.pipelines.tiny.saving import is_current_build
 from rollout.serve import API_KEY_ENV
@@ -149,6 +152,12 @@ class EngineSection:
         logger.info("using the rollout service at %s (its own engine settings apply)", self.url)
         return RemoteRolloutEngine(self.url)  # its key: $ROLLOUT_API_KEY
 
+    def check_service(self) -> None:
+        """With `url`: connect once, so that a service that is down, or refuses this client (no key,
+        a wrong one), says so before the recipe loads anything of its own."""
+        if self.url is not None:
+            RemoteRolloutEngine(self.url).shutdown()
+
     def _engine_settings(self) -> dict:
         settings = dataclasses.asdict(self)
         del settings["url"]
@@ -188,8 +197,11 @@ def recipe_module(name: str) -> types.ModuleType:
 # Loading.
 
 
-def load_config(path: str | Path, overrides: Sequence[str] = ()) -> RecipeConfig:
-    """Read the YAML at `path`, apply `overrides` ("dotted.key=yaml value"), and check everything.
+def load_config(path: str | Path, overrides: Sequence[str] = (), *, model_folder: bool = False) -> RecipeConfig:
+    """Read the YAML at `path`, apply `overrides` ("dotted.key=yaml value"), and check everything:
+    with the keys and values, what the model would refuse once loaded (`model_problems`), and with
+    `model_folder` (as `python -m recipes.run` checks a config it is about to run) that `model.path`
+    is a supported pipeline folder on this machine.
 
     Raises ValueError listing every problem found.
     """
@@ -203,10 +215,42 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> RecipeConfig
     if not isinstance(name, str) or name not in RECIPES:
         problems.insert(0, f"recipe: must be one of {sorted(RECIPES)}, got {name!r}")
         raise ValueError(_format_problems(path, problems))
-    config = build_section(recipe_module(name).Config, data, "", problems)
+    checks = functools.partial(model_problems_of, folder_must_exist=model_folder)
+    config = build_section(recipe_module(name).Config, data, "", problems, checks)
     if problems:
         raise ValueError(_format_problems(path, problems))
     return config
+
+
+def model_problems(model: ModelSection, sampling: Any, folder_must_exist: bool) -> list[str]:
+    """What the model would refuse, known before it loads: a `model.path` that is not a supported
+    pipeline folder (only if `folder_must_exist`: a config may be checked where its model is not),
+    and the fields of `sampling` (a `SamplingParams`; None: not known) that its family does not take."""
+    if model.path == TINY_MODEL:
+        families = (family_named(model.tiny_family),)
+    else:
+        try:
+            families = families_of(read_model_index(model.path)["_class_name"])
+        except ValueError as error:
+            return [f"model.path: {error}"] if folder_must_exist else []
+    if sampling is None:
+        return []
+    return [f"sampling: {problem}" for problem in request_field_problems(families, sampling)]
+
+
+def model_problems_of(values: dict[str, Any], folder_must_exist: bool) -> list[str]:
+    """`model_problems` of a recipe config's well-formed values (a malformed section was reported)."""
+    if values.get("model") is None:
+        return []
+    return model_problems(values["model"], values.get("sampling"), folder_must_exist)
+
+
+def check_model(config: RecipeConfig) -> None:
+    """Raise ValueError with `model_problems` (the folder must exist): a recipe's first act, before it
+    writes or loads anything."""
+    problems = model_problems(config.model, config.sampling, folder_must_exist=True)
+    if problems:
+        raise ValueError("invalid config: " + "; ".join(problems))
 
 
 def apply_overrides(data: dict, overrides: Sequence[str]) -> list[str]:
@@ -236,8 +280,12 @@ def apply_overrides(data: dict, overrides: Sequence[str]) -> list[str]:
     return problems
 
 
-def build_section(cls: type, data: Any, prefix: str, problems: list[str]) -> Any:
+def build_section(
+    cls: type, data: Any, prefix: str, problems: list[str], checks: Callable[[dict], list[str]] | None = None
+) -> Any:
     """Check `data` against dataclass `cls` and build it; appends problems instead of raising.
+    `checks`: more checks of a recipe config's well-formed values (its sections built), beside
+    its own `value_problems`.
 
     Returns the instance, or None when something was wrong.
     """
@@ -268,6 +316,7 @@ def build_section(cls: type, data: Any, prefix: str, problems: list[str]) -> Any
         values = {name: _default(f) for name, f in fields.items() if name not in data and name not in malformed}
         values |= {name: value for name, value in kwargs.items() if name not in malformed}
         problems += [f"{where}: {problem}" for problem in cls.value_problems(values)]
+        problems += checks(values) if checks is not None else []
     if len(problems) > count:
         return None
     try:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from PIL import Image
 
-from recipes.config import EngineSection, ModelSection, RecipeConfig, option, to_dict
+from recipes.config import EngineSection, ModelSection, RecipeConfig, check_model, option, to_dict
 from rollout import RolloutOutput, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -47,6 +47,8 @@ class Config(RecipeConfig):
 
 def run(config: Config) -> dict:
     """Run the rollout and write its files; returns the summary written to summary.json."""
+    check_model(config)  # before anything is built or loaded
+    config.engine.check_service()  # and a rollout service's answer (its key)
     model_path = config.model.resolve_path()
     started = time.perf_counter()
     with config.engine.open_engine(model_path) as engine:

@@ -45,7 +45,7 @@ from recipes.checkpoint import (
     resume_problems,
     write_checkpoint,
 )
-from recipes.config import EngineSection, ModelSection, RecipeConfig, option, to_dict
+from recipes.config import EngineSection, ModelSection, RecipeConfig, check_model, option, to_dict
 from recipes.edit_images import InputImagesSection
 from recipes.loggers import WandbSection, logger_problems, open_loggers
 from recipes.plots import plot_log_ratio, plot_reward
@@ -279,6 +279,7 @@ def train(
     """Run the training loop; returns the summary written to summary.json. `postfix` picks the
     update statistics shown in the progress bar. `old_policy(policy)`, if given, makes the adapter
     the rollouts sample with instead of the policy's own (the evals still show the policy)."""
+    check_model(config)  # before anything is written or loaded
     prompts = config.all_prompts()
     output_dir = Path(config.output_dir)
     resumed_from = resume_folder(config.resume, output_dir)
@@ -286,6 +287,7 @@ def train(
     output_dir.mkdir(parents=True, exist_ok=True)
     model_path = config.model.resolve_path()
     config.engine.to_engine_config(model_path)  # checks the model folder (and engine settings) before any load
+    config.engine.check_service()  # and a rollout service's answer (its key), before the policy loads
     torch.manual_seed(config.seed)
     generator = torch.Generator().manual_seed(config.seed)
     policy = LoraPolicy(

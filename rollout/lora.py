@@ -316,6 +316,7 @@ class LoraManager:
         if name not in self._staged:
             raise ValueError(f"no LoRA {name!r} is staged; stage it first")
         staged = self._staged.pop(name)
+        replaced = name in self.configs
         if staged.layers is None:
             with torch.no_grad():
                 for target, value in staged.copies:
@@ -334,7 +335,15 @@ class LoraManager:
             self._merge_problems[name] = problems
             if self.merge and problems:
                 logger.info("LoRA %r runs unmerged: it has %s", name, "; ".join(problems))
-        logger.info("loaded LoRA %r (rank %d) on %d modules", name, staged.config.r, self.bound_modules(name))
+        # A trainer replaces its adapter at every step: said once, then only at DEBUG.
+        logger.log(
+            logging.DEBUG if replaced else logging.INFO,
+            "%s LoRA %r (rank %d) on %d modules",
+            "replaced" if replaced else "loaded",
+            name,
+            staged.config.r,
+            self.bound_modules(name),
+        )
 
     def rollback(self, name: str) -> None:
         """Drop what is staged under `name` (nothing staged: nothing to do)."""

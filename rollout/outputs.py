@@ -8,6 +8,7 @@ import torch
 
 from rollout.node_id import NamedByNode, NodeId
 from rollout.pipelines.condition import Condition
+from rollout.reprs import dataclass_repr
 from rollout.step_series import StepSeries
 
 # The plain-value fields of a `Trajectory` that say how its steps were computed: what re-scoring
@@ -87,6 +88,9 @@ class Trajectory:
         kept[self.kept_steps] = True
         return (self.sde_mask & kept).nonzero(as_tuple=True)[0]
 
+    def __repr__(self) -> str:  # one line of shapes and settings, not the tensors' values
+        return dataclass_repr(self)
+
 
 @dataclass
 class RequestTimings:
@@ -130,3 +134,6 @@ class RolloutOutput(NamedByNode):
     lora: str | None = None
     timings: RequestTimings = field(default_factory=RequestTimings)
     error: str | None = None
+
+    def __repr__(self) -> str:  # one line: which sample, its status, shapes and versions
+        return dataclass_repr(self, {"request_id": self.request_id}, hidden=("node_id", "timings"))

@@ -2,7 +2,8 @@
 
 - A ```python block runs. The blocks of one page run in order in one namespace (a page reads as
   one session: a later block may use what an earlier one made), in a fresh working directory.
-  Top-level `await` is allowed; such a block runs in its own event loop.
+  A block is a script's text: no top-level `await` (a reader pastes it into a file, where that is a
+  SyntaxError); async examples await inside an `async def` that `asyncio.run` runs.
 - A ```python block whose fence info names a reason after the language (```python gpu,
   ```python model-folder, ```python sketch) needs what the tiny models cannot give (a GPU, a real
   model folder, the reader's own objects); it is only compiled.
@@ -12,8 +13,6 @@
 
 from __future__ import annotations
 
-import ast
-import asyncio
 import contextlib
 import io
 import os
@@ -66,11 +65,8 @@ def blocks_of(page: Path) -> list[Block]:
 
 
 def run_block(block: Block, namespace: dict) -> None:
-    flags = ast.PyCF_ALLOW_TOP_LEVEL_AWAIT
-    code = compile(block.source, block.where, "exec", flags=flags)
-    result = eval(code, namespace)  # noqa: S307 - our own documentation
-    if asyncio.iscoroutine(result):
-        asyncio.run(result)
+    code = compile(block.source, block.where, "exec")  # a SyntaxError for a top-level await
+    exec(code, namespace)  # noqa: S102 - our own documentation
 
 
 def check_compile_only(block: Block) -> None:
@@ -79,7 +75,7 @@ def check_compile_only(block: Block) -> None:
         f"{block.where}: fence info {block.info!r} names no reason from {sorted(COMPILE_ONLY)}; "
         "a block that is not run must say why"
     )
-    compile(block.source, block.where, "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT)
+    compile(block.source, block.where, "exec")
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda page: str(page.relative_to(ROOT)))

@@ -9,6 +9,7 @@ import logging
 import os
 import secrets
 import signal
+import socket
 import sys
 from pathlib import Path
 
@@ -182,6 +183,13 @@ def is_loopback(host: str) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    try:
+        listening = listen(args.host, args.port)  # before anything loads: a port in use fails at once
+    except OSError as error:
+        sys.exit(
+            f"error: cannot listen on {args.host}:{args.port}: {error.strerror or error}; another program (another "
+            "rollout server?) serves that port: stop it, or pick another --port"
+        )
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # Imported after the checks, so a refused command line answers at once.
     from rollout.config_check import check_engine_config
@@ -216,10 +224,25 @@ def main(argv: list[str] | None = None) -> int:
         body_timeout_s=args.body_timeout_s,
     )
     try:
-        return _serve(args, config, settings)
+        return _serve(args, config, settings, listening)
     finally:
         if generated_key_file is not None:
             generated_key_file.unlink(missing_ok=True)
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """The server's socket, bound and listening as uvicorn would make it. A client that connects
+    while the model loads waits in the backlog until the server answers."""
+    listening = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        # As uvicorn binds: a port a stopped server left in TIME_WAIT is free to take again.
+        listening.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listening.bind((host, port))
+        listening.listen(2048)  # uvicorn's default backlog
+    except OSError:
+        listening.close()
+        raise
+    return listening
 
 
 def _remove_on_sigterm(path: Path) -> None:
@@ -235,7 +258,7 @@ def _remove_on_sigterm(path: Path) -> None:
     signal.signal(signal.SIGTERM, remove_then_exit)
 
 
-def _serve(args: argparse.Namespace, config, settings) -> int:
+def _serve(args: argparse.Namespace, config, settings, listening: socket.socket) -> int:
     import uvicorn
 
     from rollout import RolloutEngine
@@ -260,7 +283,7 @@ def _serve(args: argparse.Namespace, config, settings) -> int:
             engine,
             grace_s=args.shutdown_grace_s,
         )
-        server.run()
+        server.run(sockets=[listening])
     except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C once it has shut down; nothing is left to report
         return 130
     finally:

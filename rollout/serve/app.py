@@ -88,11 +88,14 @@ def build_app(engine: AsyncRolloutEngine, settings: ServerSettings) -> FastAPI:
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
 
+    key_required = settings.api_key is not None  # told to anyone: a client without a key refuses to start
+
     @app.get(path("health"))
     async def health() -> dict:
         """200 while every worker answers; 503 with the reason once one is gone. The check runs
         between engine steps; while the engine is in a long call (a hot swap waiting for running
-        requests) the answer comes from what is known at once, within _HEALTH_WAIT_S: "busy"."""
+        requests) the answer comes from what is known at once, within _HEALTH_WAIT_S: "busy".
+        `api_key_required`: whether every other route needs `Authorization: Bearer <key>`."""
         check = asyncio.ensure_future(engine.check_health())
         try:
             await asyncio.wait_for(asyncio.shield(check), _HEALTH_WAIT_S)
@@ -100,8 +103,8 @@ def build_app(engine: AsyncRolloutEngine, settings: ServerSettings) -> FastAPI:
             check.add_done_callback(lambda done: done.cancelled() or done.exception())  # retrieved, not logged
             if engine.dead is not None:
                 raise engine.dead from None
-            return {"status": "busy", "instance_id": instance_id}
-        return {"status": "ok", "instance_id": instance_id}
+            return {"status": "busy", "instance_id": instance_id, "api_key_required": key_required}
+        return {"status": "ok", "instance_id": instance_id, "api_key_required": key_required}
 
     router = APIRouter(dependencies=[Depends(require_api_key(settings.api_key))])
     json_body = _json_body_parser(settings)

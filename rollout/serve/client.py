@@ -62,7 +62,9 @@ class RemoteRolloutEngine:
     """`RolloutEngine`'s API over HTTP. `config` and `model_spec` are the server's.
 
     url: "http://host:port" of a rollout service; api_key: its key (None reads $ROLLOUT_API_KEY, as
-    the server and the recipes do; a server started with --no-auth needs none);
+    the server and the recipes do; a server started with --no-auth needs none, and a client without
+    a key asks the server's /health whether it needs one, raising PermissionError before anything
+    else is sent if it does);
     timeout_s: how long one call may wait for its answer (None: as long as the server works on it;
     a closed connection still fails at once); instance_id: the server instance to talk to (None:
     the one that answers first; see `instance_id`); weight_push: how `update_weights` sends its
@@ -105,6 +107,8 @@ class RemoteRolloutEngine:
         self._unfinished: set[str] = set()
         self._changed = threading.Condition()
         try:
+            if not api_key:
+                self._refuse_a_keyed_server()
             info = self.server_info()
         except BaseException:
             self.shutdown()  # no thread left behind by a server that is down or refuses the key
@@ -443,6 +447,17 @@ class RemoteRolloutEngine:
         self.shutdown()
 
     # HTTP.
+
+    def _refuse_a_keyed_server(self) -> None:
+        """For a client without a key: ask `/health` (which needs none) whether the server requires
+        one, and raise PermissionError naming where the key goes if it does, before any call of the
+        API is sent."""
+        if self._request("GET", path("health"))["api_key_required"]:
+            raise PermissionError(
+                f"the rollout server at {self.url} requires an API key, and this client has none: export "
+                f"{API_KEY_ENV}=<key>, or pass RemoteRolloutEngine(url, api_key=<key>). A server started without "
+                "one generated its key into its --api-key-file (its log names the file)"
+            )
 
     def _take_server_info(self, info: dict) -> None:
         self.config = EngineConfig.described(info["engine_config"])

@@ -7,16 +7,20 @@ trainer that runs its own server):
 
 from __future__ import annotations
 
+import collections
 import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
 
 from rollout.serve import API_KEY_ENV
 from rollout.serve.instance import INSTANCE_HEADER
+
+STDERR_LINES_KEPT = 20  # of a server that stops before it answers, for the exception
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -34,6 +38,10 @@ class ServerProcess:
         self.process = process
         self.url = url
         self.instance_id: str | None = None
+        # Of a server `start` made: its stderr goes on to ours as it comes, and its last lines say why
+        # it stopped, if it does.
+        self._last_lines: collections.deque[str] = collections.deque(maxlen=STDERR_LINES_KEPT)
+        self._stderr_copier: threading.Thread | None = None
 
     @classmethod
     def start(
@@ -50,8 +58,9 @@ class ServerProcess:
         `env` adds to this process's environment (e.g. OMP_NUM_THREADS); `port`: where it listens
         (None: a free one; given, to start a server again where one was). The key goes through the
         environment, not the command line; without one the server runs with --no-auth. Raises
-        RuntimeError with the server's exit code if it stops before it answers, TimeoutError after
-        `timeout_s`."""
+        RuntimeError with the server's exit code and the last lines of its stderr (why it stopped:
+        a port in use, a bad flag, a model that does not load) if it stops before it answers,
+        TimeoutError after `timeout_s`."""
         port = free_port() if port is None else port
         env = {**os.environ, **(env or {})}
         env.pop(API_KEY_ENV, None)
@@ -60,8 +69,10 @@ class ServerProcess:
         command = [sys.executable, "-m", "rollout.serve", "--model", str(model), "--port", str(port)]
         if api_key is None:
             command.append("--no-auth")
-        process = subprocess.Popen([*command, "--log-level", log_level, *flags], env=env)
+        process = subprocess.Popen([*command, "--log-level", log_level, *flags], env=env, stderr=subprocess.PIPE)
         server = cls(process, f"http://127.0.0.1:{port}")
+        server._stderr_copier = threading.Thread(target=server._copy_stderr, name="rollout-server-stderr", daemon=True)
+        server._stderr_copier.start()
         try:
             server._wait_until_healthy(timeout_s)
         except BaseException:
@@ -73,7 +84,13 @@ class ServerProcess:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(f"the rollout server exited with code {self.process.returncode} before it answered")
+                if self._stderr_copier is not None:
+                    self._stderr_copier.join(timeout=5.0)  # its last words, up to the end of the pipe
+                last_words = "".join(self._last_lines).strip()
+                raise RuntimeError(
+                    f"the rollout server exited with code {self.process.returncode} before it answered"
+                    + (f"; its stderr ended with:\n{last_words}" if last_words else "")
+                )
             try:
                 answer = httpx.get(f"{self.url}/health", timeout=5.0)
                 if answer.status_code == 200:
@@ -83,6 +100,17 @@ class ServerProcess:
                 pass  # not listening yet
             time.sleep(0.2)
         raise TimeoutError(f"the rollout server at {self.url} did not answer /health within {timeout_s} s")
+
+    def _copy_stderr(self) -> None:
+        """Copy the server's stderr to this process's file descriptor 2 (where it went before it was
+        piped), keeping its last lines; reads to the end, so the server never blocks on a full pipe."""
+        for line in iter(self.process.stderr.readline, b""):
+            self._last_lines.append(line.decode(errors="replace"))
+            try:
+                os.write(2, line)
+            except OSError:
+                pass  # our stderr is gone; keep draining the pipe
+        self.process.stderr.close()
 
     def stop(self, timeout_s: float = 30.0) -> int:
         """Stop the server (SIGTERM, then SIGKILL after `timeout_s`); returns its exit code."""

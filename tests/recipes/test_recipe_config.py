@@ -253,7 +253,8 @@ def test_the_engine_section_shows_engine_config_s_own_defaults_and_help():
 def test_a_float_key_takes_a_number_written_as_text(tmp_path):
     """YAML 1.1 (PyYAML) reads 1e-5, with no dot, as the string '1e-5'."""
     text = MINIMAL + "sampling:\n  noise_level: 5e-1\n  guidance_scale: '2'\n"
-    config = load_config(write(tmp_path, text), ["sampling.lora_scale=1E0", "sampling.guidance_scale_2=3"])
+    overrides = ["sampling.lora_scale=1E0", "sampling.guidance_scale_2=3", "model.tiny_family=wan22"]  # it takes _2
+    config = load_config(write(tmp_path, text), overrides)
     assert config.sampling.noise_level == 0.5 and isinstance(config.sampling.noise_level, float)
     assert config.sampling.guidance_scale == 2.0 and isinstance(config.sampling.guidance_scale, float)
     assert config.sampling.lora_scale == 1.0 and config.sampling.guidance_scale_2 == 3.0

@@ -25,6 +25,7 @@ from rollout.pipelines import loading
 from rollout.pipelines.adapter import PipelineAdapter
 from rollout.pipelines.families import FAMILIES, adapters_by_pipeline, family_named, family_names
 from rollout.pipelines.family import Family
+from rollout.pipelines.guidance import GUIDANCE_FIELDS
 from rollout.pipelines.tiny import TINY_BUILDERS
 from tests.families import ALL_FAMILIES, slow_family
 
@@ -82,16 +83,30 @@ def test_every_preset_and_tiny_builder_names_a_function(family):
         family.build_preset("huge", "/nonexistent")
 
 
+def test_every_familys_tiny_builder_is_importable_from_the_tiny_package():
+    """The docs import builders as `from rollout.pipelines.tiny import build_tiny_...`: every family's
+    builder is there, and listed in `__all__`."""
+    import rollout.pipelines.tiny as tiny
+
+    for family in FAMILIES:
+        name = family.tiny_builder.rpartition(".")[2]
+        assert getattr(tiny, name, None) is import_by_path(family.tiny_builder, "builder"), family.name
+        assert name in tiny.__all__, family.name
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("family", [pytest.param(f, marks=slow_family(f)) for f in FAMILIES], ids=NAMES)
 def test_the_tiny_folder_maps_back_and_the_cfg_settings_mean_what_they_say(tiny_models, family):
-    """The folder's `_class_name` loads the family's adapter; on its model, `cfg_on` resolves to a
-    request with classifier-free guidance (a negative prompt) and `cfg_off` to one without."""
+    """The folder's `_class_name` loads the family's adapter; its model takes no guidance field the
+    family does not declare; on its model, `cfg_on` resolves to a request with classifier-free
+    guidance (a negative prompt) and `cfg_off` to one without."""
     path = tiny_models(family.name)
     index = loading.read_model_index(path)
     assert loading.adapter_class(index["_class_name"]) is family.adapter
     spec = loading.load_adapter(path).spec
     assert spec.is_video == family.video
+    # What a config check refuses before loading, the model refuses too (it may refuse more).
+    assert set(spec.guidance_defaults) <= set(family.guidance_fields) <= set(GUIDANCE_FIELDS)
     size = {"height": 32, "width": 32} | ({"num_frames": 9} if family.video else {})
     on, problems = spec.resolve(SamplingParams(**size, **family.cfg_on))
     assert problems == [] and on.negative_prompt is not None

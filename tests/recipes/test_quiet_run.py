@@ -1,0 +1,40 @@
+"""A training run prints its own progress bar and a few lines, not a line per step: what a step
+did goes to the metrics, a repeated adapter load is DEBUG, and no third-party progress bar shows."""
+
+from __future__ import annotations
+
+import collections
+import logging
+
+import pytest
+
+from recipes.config import load_config
+from recipes.grpo import run
+from tests.recipes.test_training_recipes import CONFIG_DIR
+from tests.rollout.test_quiet import NOISE
+
+STEPS = 4
+
+
+@pytest.mark.timeout(120)
+def test_a_training_run_logs_no_line_per_step_and_no_third_party_bars(tiny_model, tmp_path, caplog, capfd):
+    settings = [
+        f"model.path={tiny_model}",
+        f"output_dir={tmp_path / 'out'}",
+        f"steps={STEPS}",
+        "prompts_per_step=1",
+        "sampling.num_samples=2",
+        "sampling.num_inference_steps=2",
+        "eval.num_prompts=1",
+        "eval.num_samples=1",
+        "eval.num_inference_steps=1",
+    ]
+    with caplog.at_level(logging.INFO):
+        run(load_config(CONFIG_DIR / "grpo_tiny.yaml", settings))
+    shown = [record for record in caplog.records if record.levelno >= logging.INFO]
+    repeated = {message: count for message, count in collections.Counter(r.getMessage() for r in shown).items()}
+    assert all(count < STEPS for count in repeated.values()), repeated
+    assert len(shown) < 12, [record.getMessage() for record in shown]
+    printed = capfd.readouterr()
+    noisy = [line for line in (printed.out + printed.err).splitlines() if any(n in line for n in NOISE)]
+    assert noisy == [], noisy[:5]
