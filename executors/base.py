@@ -21,6 +21,7 @@ import torch
 
 from executors.bootstrap import WorkerBootstrap, worker_threads
 from executors.replica_groups import GroupRendezvous, ReplicaLayout
+from rollout import last_resort
 from rollout.config import EngineConfig
 from rollout.errors import EngineDeadError, WorkerError, interrupted_reason
 from rollout.handed_over import HandedOver
@@ -87,6 +88,7 @@ class Executor:
     shares_memory = False
 
     def __init__(self, config: EngineConfig):
+        last_resort.install()  # the engine's warnings carry a format in a script without logging set up
         self.config = config
         self.num_workers = config.num_workers  # ranks: replicas x ranks per replica
         self.layout = ReplicaLayout.of(config)

@@ -14,6 +14,7 @@ import cloudpickle
 import torch
 
 from executors.replica_groups import GroupRendezvous
+from rollout import last_resort
 from rollout.config import EngineConfig
 from rollout.worker import build_worker_class
 
@@ -57,6 +58,7 @@ class WorkerBootstrap:
         """Set this process's torch threads, then build the worker of `rank` (loads the model and,
         in a replica group of several ranks, joins the group)."""
         torch.set_num_threads(self.threads)
+        last_resort.install()  # as the engine's process does: a worker's warnings carry a format
         config = cloudpickle.loads(self.config_bytes)
         worker_cls = build_worker_class(config.worker_extension_cls)
         if self.rendezvous is None:

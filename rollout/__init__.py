@@ -1,16 +1,11 @@
 """diffusion-rollout: an RL rollout engine for diffusion policies."""
 
-from rollout import last_resort
 from rollout.config import EngineConfig
 from rollout.node_id import NodeId
 from rollout.outputs import RolloutOutput, Trajectory
 from rollout.sampling_params import SamplingParams
 
 __all__ = ["EngineConfig", "NodeId", "RolloutEngine", "RolloutOutput", "SamplingParams", "Trajectory"]
-
-# The project's packages all import this one: their warnings print with a format in a script that
-# configured no logging, and as the application says once it does (rollout/last_resort.py).
-last_resort.install("rollout", "executors", "trainers_adapters")
 
 
 def __getattr__(name: str):

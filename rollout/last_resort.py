@@ -41,10 +41,14 @@ class FormattedLastResort(logging.Handler):
         return False
 
 
-def install(*packages: str) -> None:
-    """Give the logger of each of `packages` (top-level packages of the project) the formatted last
-    resort, once."""
-    for package in packages:
+PACKAGES = ("rollout", "executors", "trainers_adapters")
+
+
+def install() -> None:
+    """Give the project's package loggers the formatted last resort, once per process. An engine's
+    executor installs it in its process, and each worker in its own, as they start: importing the
+    project changes no logging."""
+    for package in PACKAGES:
         logger = logging.getLogger(package)
         if not any(isinstance(handler, FormattedLastResort) for handler in logger.handlers):
             logger.addHandler(FormattedLastResort())

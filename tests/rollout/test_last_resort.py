@@ -29,8 +29,9 @@ ENGINE_DEATH = textwrap.dedent(
 LOG_LINES = textwrap.dedent(
     """
     import logging
-    import rollout
+    from rollout import last_resort
 
+    last_resort.install()  # as an engine's executor and workers do when they start
     logging.getLogger("executors.base").error("engine is dead: worker rank 0 (pid 1) died")
     logging.getLogger("rollout.worker").info("below the last resort's level")
     logging.basicConfig(format="APP %(levelname)s %(name)s: %(message)s")
