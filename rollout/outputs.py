@@ -22,6 +22,7 @@ TRAJECTORY_SETTINGS = (
     "guidance_scale",
     "guidance_scale_2",
     "true_cfg_scale",
+    "lora_scale",
 )
 
 
@@ -48,6 +49,8 @@ class Trajectory:
     sampler, noise_level, log_prob_form, guidance_scale, true_cfg_scale, guidance_scale_2: what
         the steps used (None where the model does not use a guidance field), so re-scoring needs
         nothing else.
+    lora_scale: the strength the request's LoRA adapter ran at (`SamplingParams.lora_scale`); None
+        for a sample of the base model (no adapter). `LoraPolicy.score` re-scores at this scale.
     records: the per-step tensors `SamplingParams.record` asked for, each a `StepSeries` over the
         T steps (at `record_steps`): "x0" the clean-sample prediction x_i - sigma_i * v_i, "mean"
         and "std" the transition x_i -> x_{i+1} (std 0 at ODE steps).
@@ -68,6 +71,7 @@ class Trajectory:
     guidance_scale_2: float | None = None
     num_frames: int | None = None
     log_prob_form: str = "gaussian"
+    lora_scale: float | None = None
     records: dict[str, StepSeries] = field(default_factory=dict)
 
     @property
