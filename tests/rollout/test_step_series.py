@@ -135,7 +135,7 @@ def test_tensor_methods_and_arithmetic_point_to_stack():
         with pytest.raises(TypeError, match=r"not a tensor .*\.stack\(\)"):
             use()
     with pytest.raises(AttributeError, match="no attribute 'not_a_tensor_name'"):
-        series.not_a_tensor_name
+        series.not_a_tensor_name  # noqa: B018
     assert torch.equal(series.stack().clone().float() * 2, DENSE * 2)
 
 
