@@ -36,7 +36,8 @@ class Trajectory:
         `torch.stack([t.latents for t in trajectories])` work, `latents.stack()` is the tensor. Each entry has
         the form the model's diffusers pipeline takes as `latents=`: [C, h, w] for SD3, packed 2x2
         patches [h/2 * w/2, C*4] for FLUX.1 and Qwen-Image. With `record_steps` only the entries
-        around those steps (and x_T) are kept; the leaves of a tree rollout share their prefix.
+        around those steps (and x_T) are kept, and torch functions and iteration refuse the series
+        (its k-th kept entry is not step k); the leaves of a tree rollout share their prefix.
     log_probs: [T] float32; log-density of latents[i+1] given latents[i] for SDE steps (averaged
         over the latent's elements), 0 where `sde_mask` is False.
     timesteps: [T] float32, the model timesteps (sigma * num_train_timesteps).
