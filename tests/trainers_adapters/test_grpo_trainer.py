@@ -220,8 +220,9 @@ def test_a_rollout_at_a_lora_scale_rescores_at_that_scale_and_the_drift_error_na
     assert {t.lora_scale for t in rollout.trajectories} == {0.5}
     assert {o.weight_version for o in rollout.outputs} == {version}
     optimizer = torch.optim.AdamW(policy.parameters(), lr=5e-2)
-    stats = grpo_step(policy, optimizer, rollout, GRPOSettings(), torch.Generator().manual_seed(0))
+    stats = grpo_step(policy, optimizer, rollout, GRPOSettings(kl_beta=0.04), torch.Generator().manual_seed(0))
     assert stats.log_ratio_before_update < RATIO_TOLERANCE  # today: the policy re-scored at scale 1
+    assert stats.kl > 0  # the reference stays the base while the policy is at 0.5
     assert policy.adapter.transformer.transformer_blocks[0].attn.to_q.scaling[policy.name] == 2.0  # back to 1x
     stale = rollout_for(engine, policy, steps=2, samples=2, request_prefix="stale", lora_scale=0.5)  # not pushed
     with pytest.raises(PolicyDriftError, match=rf"weight version\(s\) \[{version}\] with lora_scale \[0.5\]"):
