@@ -95,10 +95,13 @@ class HotSwap:
         """Replace weights of `component` on every worker, all at once; returns the new weight version.
 
         `named_tensors`: a name -> tensor mapping or an iterator of (name, tensor) pairs (streamed in
-        buckets of about `bucket_bytes`); names, shapes and dtypes must match the component's own,
-        and with `check_finite` every value must be finite (one summing pass over the bytes;
-        `benchmarks/weight_sync` measures it; False skips it). A bad update is refused whole
-        (ValueError listing every offending tensor) and nothing changes. `mode="wait"`: running
+        buckets of about `bucket_bytes`); names and shapes must be the component's own, dtypes its
+        own or widened exactly (`rollout.weights.DTYPE_RULE`: bfloat16 into a float32 model is
+        converted, float32 into a bfloat16 model refused), and with `check_finite` every value must
+        be finite (one summing pass over the bytes; `benchmarks/weight_sync` measures it; False
+        skips it). A bad update is refused whole (ValueError listing every offending tensor) and
+        nothing changes. An update may name some of the component's weights: those change, the
+        rest keep their values (compare `weights_checksum` to check a full push). `mode="wait"`: running
         requests finish on the old weights first (their outputs come from the next `step()`);
         `mode="pause"`: the update applies now, between two steps, and running requests continue
         on the new weights (`RolloutOutput.weight_versions` lists both).
@@ -232,7 +235,9 @@ class HotSwap:
 
         `source`: a PEFT folder (adapter_config.json + adapter_model.safetensors), a diffusers LoRA
         folder (pytorch_lora_weights.safetensors), or a mapping of PEFT LoRA tensors with `config`
-        (a `peft.LoraConfig` or its dict). Requests pick it with `SamplingParams(lora=name)`.
+        (a `peft.LoraConfig` or its dict; without `target_modules` it targets the family's default
+        modules). Requests pick it with `SamplingParams(lora=name)`. The engine keeps LoRA layers
+        in float32: tensors of a dtype that widens to it exactly are taken, others refused.
         Running requests finish on the adapter they started with. An adapter whose keys do not fit
         the model, or (with `check_finite`) that holds NaN or infinity, is refused (ValueError) and
         the one loaded before stays.
