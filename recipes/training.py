@@ -327,6 +327,7 @@ def train(
         ) as rewards,
         config.engine.open_engine(model_path) as engine,
     ):
+        policy.check_same_base(engine)  # a server on another model folder answers here, not as a drift later
         # A resumed run re-pushes its adapter with the checkpoint's version, so the numbering (and
         # the check that samples carry the version last pushed) goes on, on a fresh server as on the same.
         version = _push(engine, policy, old, version=None if resumed is None else resumed[0].weight_version)

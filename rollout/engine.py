@@ -80,6 +80,7 @@ class RolloutEngine:
             die=self._die,
             unfinished=lambda: self.scheduler.requests.values(),
             config=config,
+            check_component=self.model_spec.check_component,
         )
 
     # Generation.

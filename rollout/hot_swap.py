@@ -42,7 +42,9 @@ class HotSwap:
     drain: steps the running requests to the end (their outputs kept for the next step);
     die: `die(EngineDeadError)` marks the engine dead and fails its requests;
     unfinished: the unfinished requests;
-    config: the engine's `EngineConfig`.
+    config: the engine's `EngineConfig`;
+    check_component: raises ValueError unless its argument names a component of the model
+        (`ModelSpec.check_component`): checked before a call that names one sends anything.
     """
 
     def __init__(
@@ -54,8 +56,10 @@ class HotSwap:
         die: Callable[[EngineDeadError], None],
         unfinished: Callable[[], Collection[Request]],
         config: EngineConfig,
+        check_component: Callable[[str], None],
     ):
         self.collective_rpc = rpc
+        self._check_component = check_component
         self._check_open = check_open
         self._drain = drain
         self._die = die
@@ -91,10 +95,13 @@ class HotSwap:
         """Replace weights of `component` on every worker, all at once; returns the new weight version.
 
         `named_tensors`: a name -> tensor mapping or an iterator of (name, tensor) pairs (streamed in
-        buckets of about `bucket_bytes`); names, shapes and dtypes must match the component's own,
-        and with `check_finite` every value must be finite (one summing pass over the bytes;
-        `benchmarks/weight_sync` measures it; False skips it). A bad update is refused whole
-        (ValueError listing every offending tensor) and nothing changes. `mode="wait"`: running
+        buckets of about `bucket_bytes`); names and shapes must be the component's own, dtypes its
+        own or widened exactly (`rollout.weights.DTYPE_RULE`: bfloat16 into a float32 model is
+        converted, float32 into a bfloat16 model refused), and with `check_finite` every value must
+        be finite (one summing pass over the bytes; `benchmarks/weight_sync` measures it; False
+        skips it). A bad update is refused whole (ValueError listing every offending tensor) and
+        nothing changes. An update may name some of the component's weights: those change, the
+        rest keep their values (compare `weights_checksum` to check a full push). `mode="wait"`: running
         requests finish on the old weights first (their outputs come from the next `step()`);
         `mode="pause"`: the update applies now, between two steps, and running requests continue
         on the new weights (`RolloutOutput.weight_versions` lists both).
@@ -103,6 +110,7 @@ class HotSwap:
         that never touches them again) are kept as they are where the workers run in this process.
         """
         self._check_open()
+        self._check_component(component)
         _check_bucket_bytes(bucket_bytes)
         push_args = (named_tensors, component, check_finite, bucket_bytes)
         return self._update(self._weight_sync.push, push_args, component, version, mode)
@@ -138,6 +146,7 @@ class HotSwap:
         reads the files itself. Names, shapes and dtypes are checked from the file headers first,
         the values (`check_finite`) by the workers as they read them."""
         self._check_open()
+        self._check_component(component)
         files = safetensors_files(path)
         push_args = (files, component, check_finite)
         return self._update(self._weight_sync.push_from_files, push_args, component, version, mode)
@@ -180,6 +189,7 @@ class HotSwap:
         buckets of `bucket_bytes`) while this call waits; names, dtypes and shapes are checked first,
         the values (`check_finite`) by the workers once received."""
         self._check_open()
+        self._check_component(component)
         _check_bucket_bytes(bucket_bytes)
         entries = _broadcast_entries(names, dtypes, shapes)
         push_args = (entries, component, bucket_bytes, check_finite)
@@ -195,11 +205,13 @@ class HotSwap:
         """Raise ValueError if an update with these tensors would be refused (a trainer checks before
         it broadcasts, so receivers are never left waiting for a refused update)."""
         self._check_open()
+        self._check_component(component)
         entries = _broadcast_entries(names, dtypes, shapes)
         self._weight_sync.check_specs({e.name: e.spec for e in entries}, component)
 
     def weights_checksum(self, component: str = "transformer") -> str:
         """SHA-256 of every weight of `component`; raises if the ranks disagree."""
+        self._check_component(component)
         self.check_awake()
         digests = self.collective_rpc("weights_checksum", args=(component,))
         if len(set(digests)) != 1:
@@ -223,7 +235,9 @@ class HotSwap:
 
         `source`: a PEFT folder (adapter_config.json + adapter_model.safetensors), a diffusers LoRA
         folder (pytorch_lora_weights.safetensors), or a mapping of PEFT LoRA tensors with `config`
-        (a `peft.LoraConfig` or its dict). Requests pick it with `SamplingParams(lora=name)`.
+        (a `peft.LoraConfig` or its dict; without `target_modules` it targets the family's default
+        modules). Requests pick it with `SamplingParams(lora=name)`. The engine keeps LoRA layers
+        in float32: tensors of a dtype that widens to it exactly are taken, others refused.
         Running requests finish on the adapter they started with. An adapter whose keys do not fit
         the model, or (with `check_finite`) that holds NaN or infinity, is refused (ValueError) and
         the one loaded before stays.

@@ -20,6 +20,7 @@ without adapters; `restore` puts PEFT's forwards back too.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import logging
@@ -39,7 +40,7 @@ from torch import nn
 from rollout.lora_bypass import BypassedLoraLayers
 from rollout.lora_merge import MergedLora, merge_problems
 from rollout.regular_files import open_regular, read_regular
-from rollout.weights import all_finite
+from rollout.weights import DTYPE_RULE, all_finite, converts_exactly
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +53,7 @@ class LoraLoadFailed(RuntimeError):
 _KEY_PREFIXES = ("base_model.model.", "transformer.")
 DIFFUSERS_LORA_FILE = "pytorch_lora_weights.safetensors"
 MAX_CONFIG_BYTES = 1 << 20  # an adapter_config.json is a few KB
+FLOAT32 = torch.float32  # the dtype of every LoRA layer, whatever the model's (`adapter_to_float32`)
 # Wan 2.2's low-noise expert: a second diffusers LoRA file, keyed like the first.
 DIFFUSERS_LORA_FILE_2 = "pytorch_lora_weights_transformer_2.safetensors"
 DIFFUSERS_SECOND_COMPONENT = "transformer_2"  # the component whose keys DIFFUSERS_LORA_FILE_2 holds
@@ -227,7 +229,8 @@ class LoraManager:
     the live adapter of its name, `rollback` drops what was staged. `load` does the three.
 
     `merge`: run each forward's adapter merged into the base weights where it merges exactly
-    (`lora_merge.merge_problems`); the others run unmerged.
+    (`lora_merge.merge_problems`); the others run unmerged. `default_targets`: the modules a config
+    that names no `target_modules` targets (the family's, as `LoraPolicy` takes them).
     """
 
     def __init__(
@@ -235,8 +238,10 @@ class LoraManager:
         components: Mapping[str, nn.Module],
         merge: bool = False,
         sequence_boundaries: Mapping[str, set[str]] | None = None,
+        default_targets: Sequence[str] = (),
     ):
         self.components = dict(components)
+        self.default_targets = tuple(default_targets)
         self.merge = merge
         # component -> its modules where sequence parallel splits or gathers the tokens, which no
         # adapter may target (`rollout.sequence_parallel.sequence_boundaries`); none on one rank
@@ -284,9 +289,17 @@ class LoraManager:
                     f"({sorted(bad)[:5]}); the adapter loaded before under this name (if any) stays. "
                     "A trainer step that diverged usually causes this; pass check_finite=False only to load it anyway"
                 )
+        rounded = sorted(f"{key} ({t.dtype})" for key, t in tensors.items() if not converts_exactly(t.dtype, FLOAT32))
+        if rounded:
+            raise ValueError(
+                f"LoRA {name!r} refused: the engine holds LoRA layers in float32, and {len(rounded)} of its tensors "
+                f"are not exactly float32 values: {rounded[:5]}; {DTYPE_RULE}"
+            )
         parts = split_by_component(tensors, list(self.components))
         config = infer_config({k: t for part in parts.values() for k, t in part.items()}) if config is None else config
         config = config_from_dict(config) if isinstance(config, Mapping) else config
+        if config.target_modules is None:
+            config = self._with_default_targets(name, config)
         for component, part in parts.items():
             self._check_fits(name, self.components[component], part, config)
             self._check_clear_of_boundaries(name, component, config)
@@ -310,6 +323,13 @@ class LoraManager:
             ) from error
         self._staged[name] = _Staged(config, tuple(parts), layers)
         return sum(_bound_modules(self.components[c], layers) for c in parts)
+
+    def _with_default_targets(self, name: str, config: LoraConfig) -> LoraConfig:
+        """`config` targeting the family's default modules, as `LoraPolicy` makes a config that
+        names none (PEFT itself would look its defaults up by a transformers model type)."""
+        if not self.default_targets:
+            raise ValueError(f"LoRA {name!r} refused: its config names no target_modules; name the modules it targets")
+        return dataclasses.replace(config, target_modules=set(self.default_targets))
 
     def commit(self, name: str) -> None:
         """Make the adapter staged under `name` the live one (the previous layers are freed)."""

@@ -363,6 +363,7 @@ class ModelRunner:
             guidance_scale_2=params.guidance_scale_2,
             true_cfg_scale=params.true_cfg_scale,
             num_frames=params.num_frames,
+            lora_scale=params.lora_scale if params.lora is not None else None,
         )
 
 

@@ -23,6 +23,7 @@ TRAJECTORY_SETTINGS = (
     "guidance_scale",
     "guidance_scale_2",
     "true_cfg_scale",
+    "lora_scale",
 )
 
 
@@ -36,7 +37,8 @@ class Trajectory:
         `torch.stack([t.latents for t in trajectories])` work, `latents.stack()` is the tensor. Each entry has
         the form the model's diffusers pipeline takes as `latents=`: [C, h, w] for SD3, packed 2x2
         patches [h/2 * w/2, C*4] for FLUX.1 and Qwen-Image. With `record_steps` only the entries
-        around those steps (and x_T) are kept; the leaves of a tree rollout share their prefix.
+        around those steps (and x_T) are kept, and torch functions and iteration refuse the series
+        (its k-th kept entry is not step k); the leaves of a tree rollout share their prefix.
     log_probs: [T] float32; log-density of latents[i+1] given latents[i] for SDE steps (averaged
         over the latent's elements), 0 where `sde_mask` is False.
     timesteps: [T] float32, the model timesteps (sigma * num_train_timesteps).
@@ -49,6 +51,8 @@ class Trajectory:
     sampler, noise_level, log_prob_form, guidance_scale, true_cfg_scale, guidance_scale_2: what
         the steps used (None where the model does not use a guidance field), so re-scoring needs
         nothing else.
+    lora_scale: the strength the request's LoRA adapter ran at (`SamplingParams.lora_scale`); None
+        for a sample of the base model (no adapter). `LoraPolicy.score` re-scores at this scale.
     records: the per-step tensors `SamplingParams.record` asked for, each a `StepSeries` over the
         T steps (at `record_steps`): "x0" the clean-sample prediction x_i - sigma_i * v_i, "mean"
         and "std" the transition x_i -> x_{i+1} (std 0 at ODE steps).
@@ -69,6 +73,7 @@ class Trajectory:
     guidance_scale_2: float | None = None
     num_frames: int | None = None
     log_prob_form: str = "gaussian"
+    lora_scale: float | None = None
     records: dict[str, StepSeries] = field(default_factory=dict)
 
     @property

@@ -8,6 +8,12 @@ A series answers like the dense [length, ...] tensor it stands for (the first re
 `Trajectory.latents`, and what trainers ported from Flow-GRPO or DanceGRPO index), by chain
 position: `series[i]`, `series[1:-1]`, `series[[0, 2]]`, `series[i, 0]`, `.shape`, `.to(device)`,
 and `torch.stack([t.latents for t in trajectories])`.
+
+It is not a tensor: tensor methods and arithmetic (`.clone()`, `.float()`, `series * 2`) are
+refused with a pointer to `.stack()`. With `record_steps` a series keeps only some positions, so the
+k-th kept entry is not position k: handing it to a torch function, or iterating it, would line its
+entries up with per-step tensors (`log_probs[:, j]`) wrongly, without an error; both are refused,
+and `.stack()` (its kept entries, at `.positions`) or `series[steps]` say which entries one means.
 """
 
 from __future__ import annotations
@@ -35,10 +41,12 @@ class StepSeries:
     `record_steps`, `series[:]` refuses (use `.stack()`), `series[3:5]` works if 3 and 4 are kept.
     Without `record_steps` every position is kept and the series answers as the dense tensor would.
 
-    `len`, iteration, `.shape` ([len(self), *entry_shape]) and `.stack()` count the kept entries.
-    Handed to a torch function (`torch.stack`, `torch.cat`, `torch.equal`, ...), a series stands
-    for `.stack()`. Entries and views share memory with the parts, which the leaves of a tree
-    share: do not write into them.
+    `len`, `.shape` ([len(self), *entry_shape]) and `.stack()` count the kept entries.
+    Handed to a torch function (`torch.stack`, `torch.cat`, `torch.equal`, ...), a series that
+    keeps every position stands for `.stack()`, the dense tensor; one that keeps only some
+    (`record_steps`) is refused there and in iteration (`TypeError`): its k-th entry is not position
+    k, so `torch.stack([t.latents ...])[:, j]` would not be step j as `log_probs[:, j]` is. Entries
+    and views share memory with the parts, which the leaves of a tree share: do not write into them.
     """
 
     def __init__(self, positions: Sequence[int] | torch.Tensor, parts: Sequence[torch.Tensor], length: int):
@@ -68,9 +76,26 @@ class StepSeries:
         return len(self.positions)
 
     def __iter__(self):
-        """The kept entries in position order (views of the parts)."""
+        """The entries in position order (views of the parts), when every position is kept."""
+        self._check_dense("iterating it")
         for part in self.parts:
             yield from part
+
+    @property
+    def keeps_every_position(self) -> bool:
+        """Whether every chain position is kept (no `record_steps`): the series is the dense tensor."""
+        return len(self.positions) == self.length
+
+    def _check_dense(self, what: str) -> None:
+        """Refuse `what` (something that reads the entries by their order, not their positions) on
+        a series that keeps only some positions: its k-th entry is not position k."""
+        if not self.keeps_every_position:
+            raise TypeError(
+                f"{what} would give this series' kept entries (positions {self.positions.tolist()} of "
+                f"{self.length}, record_steps), so its k-th entry would not be step k as in log_probs, sigmas and "
+                "sde_mask; say which you mean: series[steps] picks entries by chain position, series.stack() gives "
+                "the kept entries [len(series), ...] (their positions: series.positions)"
+            )
 
     def __contains__(self, position: int) -> bool:
         return self._normalise(position) in self._where
@@ -150,9 +175,30 @@ class StepSeries:
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        # A series handed to a torch function stands for its kept entries, as the dense tensor did:
-        # torch.stack([t.latents for t in trajectories]) is [B, T+1, ...].
-        return func(*_stacked(args), **_stacked(kwargs or {}))
+        # A series handed to a torch function stands for the dense tensor, as the first release's
+        # Trajectory.latents was: torch.stack([t.latents for t in trajectories]) is [B, T+1, ...].
+        name = getattr(func, "__name__", str(func))
+        return func(*_stacked(args, name), **_stacked(kwargs or {}, name))
+
+    def __getattr__(self, name: str):
+        # Only reached for names a series lacks: a tensor's method gets the pointer to .stack().
+        if not name.startswith("_") and hasattr(torch.Tensor, name):
+            raise AttributeError(
+                f"a StepSeries is not a tensor and has no .{name}; .stack() gives a tensor of its kept entries "
+                f"(series.stack().{name}), series[positions] the entries at chain positions"
+            )
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def _no_arithmetic(self, *_):
+        raise TypeError(
+            "a StepSeries is not a tensor and takes no arithmetic or comparison; .stack() gives a tensor of its "
+            "kept entries (series.stack() * 2), series[positions] the entries at chain positions"
+        )
+
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = _no_arithmetic
+    __truediv__ = __rtruediv__ = __floordiv__ = __rfloordiv__ = __mod__ = __rmod__ = _no_arithmetic
+    __pow__ = __rpow__ = __matmul__ = __rmatmul__ = __neg__ = __pos__ = __abs__ = _no_arithmetic
+    __lt__ = __le__ = __gt__ = __ge__ = _no_arithmetic
 
     def _index_then_within(self, key: tuple) -> torch.Tensor:
         if not key or key[0] is Ellipsis or key[0] is None:
@@ -213,12 +259,14 @@ class StepSeries:
         return f"StepSeries({len(self)} of {self.length} positions, entries {shape}, {len(self.parts)} parts)"
 
 
-def _stacked(value):
-    """`value` with every StepSeries in it (in lists, tuples and dicts too) replaced by `.stack()`."""
+def _stacked(value, function: str):
+    """`value` with every StepSeries in it (in lists, tuples and dicts too) replaced by `.stack()`;
+    a series that keeps only some positions is refused (see `StepSeries._check_dense`)."""
     if isinstance(value, StepSeries):
+        value._check_dense(f"torch.{function} on it")
         return value.stack()
     if isinstance(value, list | tuple):
-        return type(value)(_stacked(item) for item in value)
+        return type(value)(_stacked(item, function) for item in value)
     if isinstance(value, dict):
-        return {name: _stacked(item) for name, item in value.items()}
+        return {name: _stacked(item, function) for name, item in value.items()}
     return value

@@ -29,9 +29,28 @@ class WireError(ValueError):
 
 
 def tensors_to_bytes(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> bytes:
-    """A safetensors file of `tensors` (moved to CPU) with string `metadata`."""
-    cpu = {name: tensor.detach().to("cpu").contiguous() for name, tensor in tensors.items()}
+    """A safetensors file of `tensors` (moved to CPU) with string `metadata`. Tensors that share
+    memory (one tensor under two names, overlapping views) are written each with its own values,
+    as the process they came from would read them."""
+    cpu = _unshared({name: tensor.detach().to("cpu").contiguous() for name, tensor in tensors.items()})
     return safetensors.torch.save(cpu, metadata=dict(metadata) if metadata else None)
+
+
+def _unshared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`tensors` (contiguous, on CPU) with a copy of each one whose bytes overlap another's, which
+    safetensors refuses to write; views of disjoint parts of one buffer stay as they are."""
+    taken: dict[int, list[tuple[int, int]]] = {}  # storage address -> byte ranges already written
+    unshared = {}
+    for name, tensor in tensors.items():
+        start = tensor.storage_offset() * tensor.element_size()
+        end = start + tensor.numel() * tensor.element_size()
+        ranges = taken.setdefault(tensor.untyped_storage().data_ptr(), [])
+        if tensor.numel() and any(start < other_end and other_start < end for other_start, other_end in ranges):
+            tensor = tensor.clone()
+        else:
+            ranges.append((start, end))
+        unshared[name] = tensor
+    return unshared
 
 
 def tensors_from_bytes(data: bytes, what: str = "body") -> tuple[dict[str, torch.Tensor], dict[str, str]]:

@@ -22,7 +22,7 @@ from rollout.broadcast_group import BroadcastEntry, plan_buckets
 from rollout.errors import EngineDeadError, WorkerError
 from rollout.handed_over import HandedOver
 from rollout.safetensors_files import read_specs
-from rollout.weights import TensorSpec, refusal_message, update_problems
+from rollout.weights import TensorSpec, refusal_message, spec_problem, update_problems
 
 DEFAULT_BUCKET_BYTES = 512 * 2**20
 
@@ -110,13 +110,7 @@ class WeightSync:
     def check_specs(self, given: Mapping[str, TensorSpec], component: str) -> None:
         """Raise ValueError listing every name that is unknown or has the wrong shape or dtype."""
         specs = self.specs(component)
-        problems = [
-            f"{name}: not a weight of this component"
-            if name not in specs
-            else f"{name}: expected {specs[name]}, got {spec}"
-            for name, spec in given.items()
-            if specs.get(name) != spec
-        ]
+        problems = [problem for name, spec in given.items() if (problem := spec_problem(name, specs.get(name), spec))]
         _raise_if_refused(component, problems, given)
 
     @contextmanager

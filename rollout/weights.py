@@ -43,18 +43,50 @@ def specs_of(module: nn.Module) -> dict[str, TensorSpec]:
     return {name: TensorSpec(tuple(t.shape), t.dtype) for name, t in base_state(module).items()}
 
 
+# The one dtype rule of the hot-swap API (weight updates and LoRA loads): a tensor is taken in its
+# target's dtype, or in a float dtype every value of which the target holds exactly (bfloat16 and
+# float16 into float32; any of them into float64), converted on the way in. Anything that would
+# round (float32 into a bfloat16 model, float64 LoRA tensors into the engine's float32 layers) or
+# change kind is refused: the engine never changes a value it is given.
+_EXACT_WIDENINGS = {
+    (torch.bfloat16, torch.float32),
+    (torch.float16, torch.float32),
+    (torch.bfloat16, torch.float64),
+    (torch.float16, torch.float64),
+    (torch.float32, torch.float64),
+}
+DTYPE_RULE = (
+    "a tensor is taken in the target's dtype or widened exactly (bfloat16 or float16 into float32); "
+    "cast it yourself where that would round"
+)
+
+
+def converts_exactly(given: torch.dtype, target: torch.dtype) -> bool:
+    """Whether every value of dtype `given` is a value of `target` (see `DTYPE_RULE`)."""
+    return given == target or (given, target) in _EXACT_WIDENINGS
+
+
+def spec_problem(name: str, expected: TensorSpec | None, given: TensorSpec) -> str | None:
+    """Why a tensor of spec `given` cannot update weight `name` (`expected`: its spec, None if the
+    component has no such weight), or None when it can."""
+    if expected is None:
+        return f"{name}: not a weight of this component"
+    if given.shape != expected.shape:
+        return f"{name}: expected {expected}, got {given}"
+    if not converts_exactly(given.dtype, expected.dtype):
+        return f"{name}: expected {expected}, got {given} ({DTYPE_RULE})"
+    return None
+
+
 def update_problems(
     expected: Mapping[str, TensorSpec], named_tensors: Iterable[tuple[str, torch.Tensor]], check_finite: bool
 ) -> list[str]:
-    """One line per offending tensor: unknown name, wrong shape or dtype, non-finite values."""
+    """One line per offending tensor: unknown name, wrong shape or dtype (`DTYPE_RULE`), non-finite values."""
     problems = []
     for name, tensor in named_tensors:
-        spec = expected.get(name)
-        given = TensorSpec(tuple(tensor.shape), tensor.dtype)
-        if spec is None:
-            problems.append(f"{name}: not a weight of this component")
-        elif given != spec:
-            problems.append(f"{name}: expected {spec}, got {given}")
+        problem = spec_problem(name, expected.get(name), TensorSpec(tuple(tensor.shape), tensor.dtype))
+        if problem is not None:
+            problems.append(problem)
         elif check_finite and not all_finite(tensor):
             problems.append(f"{name}: holds NaN or infinite values")
     return problems
@@ -160,13 +192,13 @@ class StagedUpdates:
         return self.components[component]
 
     def stage(self, component: str, named_tensors: Mapping[str, torch.Tensor]) -> int:
-        """Keep tensors for `apply`, on the component's device. They must be this worker's own
-        (executors hand worker functions private copies, or tensors handed over to them), so no
-        copy is made here on CPU."""
+        """Keep tensors for `apply`, on the component's device and in its dtype (checked to widen
+        exactly). They must be this worker's own (executors hand worker functions private copies,
+        or tensors handed over to them), so no copy is made here on CPU in the same dtype."""
         state = base_state(self.module(component))
         staged = self._staged.setdefault(component, {})
         for name, tensor in named_tensors.items():
-            staged[name] = tensor.to(device=state[name].device)
+            staged[name] = tensor.to(device=state[name].device, dtype=state[name].dtype)
         return len(staged)
 
     def stage_checked(self, component: str, parts: Iterable[Mapping[str, torch.Tensor]], check_finite: bool) -> int:

@@ -58,7 +58,12 @@ class Worker:
                 boundaries = {name: sequence_boundaries(module) for name, module in self.adapter.denoisers.items()}
             if config.cfg_parallel > 1:
                 self.adapter.guidance_passes = CfgParallelPasses(mesh)
-        self.loras = LoraManager(self.adapter.denoisers, merge=config.merges_lora, sequence_boundaries=boundaries)
+        self.loras = LoraManager(
+            self.adapter.denoisers,
+            merge=config.merges_lora,
+            sequence_boundaries=boundaries,
+            default_targets=self.adapter.default_lora_targets,
+        )
         self.runner = ModelRunner(self.adapter, self.loras)
         self.requests: dict[str, RequestState] = {}
         self.sent_conditions = SentConditions()  # the text embeddings the engine holds

@@ -126,7 +126,9 @@ def grpo_step(
     generator: torch.Generator,
 ) -> GRPOStepStats:
     """Run `settings.optimizer_steps` optimizer steps on `rollout`. The caller pushes the policy to
-    the engine afterwards (the engine samples only with pushed weights)."""
+    the engine afterwards (the engine samples only with pushed weights). A rollout the policy's
+    adapter did not sample (`SamplingParams(lora=policy.name)`) is refused before anything changes."""
+    _check_sampled_by_policy(policy, rollout)
     tree = build_tree(rollout.outputs, rollout.rewards, rollout.branch_steps, rollout.trajectories[0].num_steps)
     advantages = tree_advantages(tree, global_std=settings.global_std, clip_max=settings.adv_clip_max)
     trained = _trained_nodes(tree, advantages, settings.width_ratio)
@@ -157,7 +159,7 @@ def grpo_step(
                 first_steps += [step for _, step, _ in chunk]
                 first_abs_log_ratios.append(abs_log_ratio.cpu())
         if number == 0:
-            _check_ratio(log_ratio_before_update, settings.max_log_ratio_before_update, optimizer)
+            _check_ratio(log_ratio_before_update, settings.max_log_ratio_before_update, optimizer, rollout)
         grad_norm = clip_and_step(policy.parameters(), optimizer, settings.max_grad_norm)
     optimizer.zero_grad(set_to_none=True)
     count = len(transitions)
@@ -187,17 +189,36 @@ class PolicyDriftError(RuntimeError):
     any update): training on would push it in the wrong direction."""
 
 
-def _check_ratio(log_ratio: float, tolerance: float | None, optimizer: torch.optim.Optimizer) -> None:
+def _check_sampled_by_policy(policy: LoraPolicy, rollout: RewardedRollout) -> None:
+    """The ratio compares the policy with the adapter that sampled: samples of the base model or of
+    another adapter would train one step (the fresh LoRA is the base) and then fail the drift check
+    for a reason it does not name."""
+    others = sorted({output.lora for output in rollout.outputs} - {policy.name}, key=str)
+    if others:
+        raise ValueError(
+            f"GRPO update refused: the rollout's samples come from adapter(s) {others} (None: the base model), "
+            f"not the policy's {policy.name!r}; generate with SamplingParams(lora={policy.name!r}) after "
+            "policy.push(engine)"
+        )
+
+
+def _check_ratio(
+    log_ratio: float, tolerance: float | None, optimizer: torch.optim.Optimizer, rollout: RewardedRollout
+) -> None:
     if tolerance is None or log_ratio <= tolerance:
         return
     optimizer.zero_grad(set_to_none=True)
+    scales = sorted({t.lora_scale for t in rollout.trajectories}, key=str)
+    versions = sorted({output.weight_version for output in rollout.outputs})
     raise PolicyDriftError(
         f"before any update the policy re-scores the rollout with max |log ratio| {log_ratio:.2e} > "
-        f"{tolerance:g}: it is not the policy that sampled. Likely causes: the engine's base weights were "
-        "updated (update_weights) and the policy's were not (policy.load_base_weights with the same tensors; "
-        "compare policy.weights_checksum() with engine.weights_checksum()); the adapter was not pushed "
-        "(policy.push(engine)); or the engine and the policy differ in dtype or device. "
-        "GRPOSettings(max_log_ratio_before_update=None) only reports it."
+        f"{tolerance:g}: it is not the policy that sampled. The rollout was sampled at weight version(s) "
+        f"{versions} with lora_scale {scales} (re-scored at the same scale). Likely causes: the adapter was not "
+        "pushed after the last update (policy.push(engine); compare the version it returns with the outputs' "
+        "weight_version); the engine's base weights were updated (update_weights) and the policy's were not "
+        "(policy.load_base_weights with the same tensors), or the engine loaded another model folder "
+        "(policy.check_same_base(engine) compares weights_checksum); or the engine and the policy differ in "
+        "dtype or device. GRPOSettings(max_log_ratio_before_update=None) only reports it."
     )
 
 

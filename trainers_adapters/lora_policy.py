@@ -46,6 +46,7 @@ class LoraPolicy:
         dtype: torch.dtype = torch.float32,
     ):
         self.adapter = load_adapter(model, device, dtype)
+        self.model = str(model)
         self.name = name
         config = lora_config if isinstance(lora_config, LoraConfig) else LoraConfig(**lora_config)
         if config.target_modules is None:
@@ -96,6 +97,27 @@ class LoraPolicy:
     def weights_checksum(self, component: str = "transformer") -> str:
         """The digest `engine.weights_checksum(component)` gives for the same base weights."""
         return checksum(base_state(self.adapter.components[component]))
+
+    def check_same_base(self, engine) -> None:
+        """Raise ValueError unless `engine` (in process or a server's client) holds exactly this
+        policy's base weights on every denoiser, compared by `weights_checksum`. A policy loaded
+        from another model folder than the engine's (or in another dtype) re-scores samples of
+        another model: call this when a run starts, before the first rollout. It hashes every
+        denoiser weight on both sides (seconds for a billion parameters)."""
+        differ = {
+            component: (engine.weights_checksum(component), self.weights_checksum(component))
+            for component in self.denoisers
+        }
+        differ = {component: pair for component, pair in differ.items() if pair[0] != pair[1]}
+        if differ:
+            digests = ", ".join(f"{c}: engine {e[:12]}, policy {p[:12]}" for c, (e, p) in differ.items())
+            dtype = str(self.adapter.dtype).removeprefix("torch.")
+            raise ValueError(
+                f"the engine's base weights are not this policy's ({digests}): the policy loaded {self.model!r} in "
+                f"{dtype}, the engine {engine.config.model!r} in {engine.config.dtype}. Load both from the same "
+                "model folder in the same dtype; after engine.update_weights(tensors), give the policy the same "
+                "with policy.load_base_weights(tensors)"
+            )
 
     def save(self, folder: str | Path) -> Path:
         """Write the adapter as diffusers writes LoRAs (`pytorch_lora_weights.safetensors`, PEFT
@@ -186,20 +208,37 @@ class LoraPolicy:
         _check_shared_settings(trajectories)
         first = trajectories[0]
         pairs = list(zip(trajectories, steps, strict=True))
-        return score_transitions(
-            self.adapter,
-            torch.stack([t.latents[s] for t, s in pairs]),
-            torch.stack([t.latents[s + 1] for t, s in pairs]),
-            torch.stack([t.sigmas[s] for t, s in pairs]),
-            torch.stack([t.sigmas[s + 1] for t, s in pairs]),
-            [t.condition for t in trajectories],
-            first.sampler,
-            first.noise_level,
-            height=first.height,
-            width=first.width,
-            log_prob_form=first.log_prob_form,
-            guidance=Guidance.of(first),
-        )
+        with self._at_scale(first.lora_scale):
+            return score_transitions(
+                self.adapter,
+                torch.stack([t.latents[s] for t, s in pairs]),
+                torch.stack([t.latents[s + 1] for t, s in pairs]),
+                torch.stack([t.sigmas[s] for t, s in pairs]),
+                torch.stack([t.sigmas[s + 1] for t, s in pairs]),
+                [t.condition for t in trajectories],
+                first.sampler,
+                first.noise_level,
+                height=first.height,
+                width=first.width,
+                log_prob_form=first.log_prob_form,
+                guidance=Guidance.of(first),
+            )
+
+    @contextlib.contextmanager
+    def _at_scale(self, scale: float | None) -> Iterator[None]:
+        """The adapter at `scale` (a trajectory's `lora_scale`, as the engine ran it: PEFT's scaling
+        times `scale`); None (a base-model sample) or 1: at full strength. The forward keeps the
+        scale it ran with for the backward, so the scale goes back at once."""
+        if scale is None or scale == 1:
+            yield
+            return
+        for denoiser in self.denoisers.values():
+            denoiser.set_adapters([self.name], [scale])
+        try:
+            yield
+        finally:
+            for denoiser in self.denoisers.values():
+                denoiser.set_adapters([self.name])
 
     def predict_velocity(
         self, latents: torch.Tensor, sigmas: torch.Tensor, trajectories: Sequence[Trajectory]

@@ -84,7 +84,9 @@ class PipelineAdapter(ABC):
         self._scheduler = self.make_scheduler()
         self._schedules: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self.spec = self.make_spec()
-        self.spec = dataclasses.replace(self.spec, min_inference_steps=self._min_inference_steps())
+        self.spec = dataclasses.replace(
+            self.spec, min_inference_steps=self._min_inference_steps(), components=tuple(sorted(self.components))
+        )
         self.forwards = ForwardTally()
         # Where the passes of a batch run: here, or split over a replica group's halves (a
         # CFG-parallel worker installs `rollout.cfg_parallel.CfgParallelPasses`).

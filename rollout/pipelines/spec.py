@@ -66,6 +66,8 @@ class ModelSpec:
     prompt_reads_images: whether the prompt's encoding reads the request's input images
         (Qwen-Image-Edit's text encoder sees their vision tokens with the prompt), so an encoded
         text is reused only by requests with the same images (`text_key`).
+    components: the names of the model's components whose weights the hot-swap API reads and
+        updates (`update_weights(component=...)`, `weights_checksum(component)`), sorted.
     """
 
     pipeline_class: str
@@ -98,6 +100,16 @@ class ModelSpec:
     edit_size_image: int = 0
     encoded_image_area: int | None = None
     prompt_reads_images: bool = False
+    components: tuple[str, ...] = ()
+
+    def check_component(self, component: str) -> None:
+        """Raise ValueError unless `component` names one of the model's components: what the
+        engine and its client check before a weight update or checksum sends anything."""
+        if component not in self.components:
+            raise ValueError(
+                f"unknown component {component!r}; this model has {sorted(self.components)} "
+                "(component= of update_weights and weights_checksum takes one of them)"
+            )
 
     @property
     def is_video(self) -> bool:

@@ -270,7 +270,9 @@ class RemoteRolloutEngine:
     ) -> int:
         """`RolloutEngine.update_weights`: the tensors stream to the server in buckets of about
         `bucket_bytes`, read from `named_tensors` as they are sent (`rollout.serve.weight_stream`),
-        and the server stages each bucket as it arrives."""
+        and the server stages each bucket as it arrives. A component the model lacks is refused
+        before anything is sent."""
+        self.model_spec.check_component(component)
         options = body_json(
             "update_weights",
             component=component,
@@ -296,6 +298,7 @@ class RemoteRolloutEngine:
         check_finite: bool = True,
     ) -> int:
         """`RolloutEngine.update_weights_from_disk`; `path` is on the server's machine."""
+        self.model_spec.check_component(component)
         return self._call(
             "update_weights_from_disk",
             model_path=str(path),
@@ -356,6 +359,7 @@ class RemoteRolloutEngine:
         self._call("check_weight_update", **_tensor_layout(names, dtypes, shapes), component=component)
 
     def weights_checksum(self, component: str = "transformer") -> str:
+        self.model_spec.check_component(component)
         return self._call("weights_checksum", component=component)
 
     def load_lora(

@@ -130,6 +130,7 @@ def swap(tmp_path):
         die=engine.die,
         unfinished=lambda: engine.unfinished,
         config=EngineConfig(model=str(tmp_path)),
+        check_component=lambda component: None,
     )
     return hot_swap, workers, engine
 

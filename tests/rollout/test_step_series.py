@@ -95,6 +95,50 @@ def test_with_record_steps_positions_stay_chain_positions_and_unkept_ones_are_re
         series[:]  # every chain position: .stack() gives the kept ones
 
 
+def test_a_series_with_record_steps_is_never_lined_up_with_steps_by_its_order():
+    """torch.stack([t.latents ...])[:, j] would be the j-th kept entry, not step j as log_probs[:, j]
+    is: a series that keeps only some positions is refused wherever its order would stand for
+    positions (torch functions, iteration), with the calls that say which entries are meant."""
+    series = _sparse_series()
+    pointer = r"positions \[1, 2, 4, 5\] of 6.*series\[steps\].*series\.stack\(\)"
+    for use in (
+        lambda: torch.stack([series, series]),
+        lambda: torch.cat([series]),
+        lambda: torch.equal(series, DENSE[[1, 2, 4, 5]]),
+        lambda: list(series),
+        lambda: [entry for entry in series],
+    ):
+        with pytest.raises(TypeError, match=pointer):
+            use()
+    assert not series.keeps_every_position and _dense_series().keeps_every_position
+    # What a ported loop writes instead: the entries by chain position, or the kept ones knowingly.
+    assert torch.equal(torch.stack([series[[1, 4]], series[[1, 4]]])[:, 1], DENSE[[4, 4]])
+    assert torch.equal(torch.stack([series.stack()])[0, 2], DENSE[series.positions[2]])
+
+
+def test_tensor_methods_and_arithmetic_point_to_stack():
+    series = _dense_series()
+    for method in ("clone", "float", "mean", "numpy", "cpu", "detach", "sum", "view"):
+        with pytest.raises(AttributeError, match=rf"has no \.{method}.*\.stack\(\)"):
+            getattr(series, method)
+    for use in (
+        lambda: series + 1,
+        lambda: 1 + series,
+        lambda: series * 2,
+        lambda: 2.0 * series,
+        lambda: series - DENSE,
+        lambda: series / 2,
+        lambda: -series,
+        lambda: series**2,
+        lambda: series < 1,
+    ):
+        with pytest.raises(TypeError, match=r"not a tensor .*\.stack\(\)"):
+            use()
+    with pytest.raises(AttributeError, match="no attribute 'not_a_tensor_name'"):
+        series.not_a_tensor_name  # noqa: B018
+    assert torch.equal(series.stack().clone().float() * 2, DENSE * 2)
+
+
 def test_bad_keys_say_what_a_series_takes():
     series = _dense_series()
     for key in ("0", 1.5, None, torch.tensor([0.5])):

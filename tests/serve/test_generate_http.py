@@ -89,6 +89,11 @@ def test_a_tree_with_records_and_latent_output_over_http_equals_in_process(remot
     for g, e in zip(got, expected, strict=True):
         assert_same_output(g, e)
     assert got[0].trajectory.latents.parts[0] is got[2].trajectory.latents.parts[0]  # shared again on arrival
+    for outputs in (got, expected):  # record_steps: kept entries are never lined up with steps by their order
+        with pytest.raises(TypeError, match=r"series\[steps\] picks entries by chain position"):
+            torch.stack([o.trajectory.latents for o in outputs])
+        with pytest.raises(AttributeError, match=r"\.stack\(\)"):
+            outputs[0].trajectory.records["x0"].clone()
 
 
 def test_add_request_and_step_over_http_equal_in_process(remote, engine):

@@ -192,3 +192,39 @@ def test_branchgrpo_pruning_skips_the_pruned_steps_and_the_middle_leaves(engine,
     with pytest.raises(ValueError, match="prune_steps must be step indices >= 0.*width_ratio must be in"):
         GRPOSettings(prune_steps=(-1,), width_ratio=0.0)
     engine.unload_lora(policy.name)
+
+
+def test_a_rollout_the_policy_did_not_sample_is_refused_at_the_first_step(engine, tiny_model):
+    """Sampling without lora=policy.name gave base-model rollouts; a fresh LoRA is the base, so the
+    first step trained on them, and a PolicyDriftError one step later named causes that were not it."""
+    policy = LoraPolicy(tiny_model, LORA)
+    policy.push(engine)
+    with ThreadPoolExecutor(1) as pool:
+        params = SamplingParams(num_inference_steps=2, num_samples=2, seed=3, noise_level=0.7)  # no lora=
+        unadapted = generate_with_rewards(engine, PROMPTS, params, colour_target, pool, "unadapted")
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-2)
+    before = policy.lora_state()
+    with pytest.raises(ValueError, match=r"adapter\(s\) \[None\].*SamplingParams\(lora='policy'\)"):
+        grpo_step(policy, optimizer, unadapted, GRPOSettings(), torch.Generator().manual_seed(0))
+    assert all(torch.equal(before[k], v) for k, v in policy.lora_state().items())
+    engine.unload_lora(policy.name)
+
+
+def test_a_rollout_at_a_lora_scale_rescores_at_that_scale_and_the_drift_error_names_it(engine, tiny_model):
+    from trainers_adapters.grpo_trainer import PolicyDriftError
+
+    torch.manual_seed(0)
+    policy = LoraPolicy(tiny_model, {**LORA, "init_lora_weights": False})  # a LoRA that changes the samples
+    version = policy.push(engine)
+    rollout = rollout_for(engine, policy, steps=2, samples=2, lora_scale=0.5)
+    assert {t.lora_scale for t in rollout.trajectories} == {0.5}
+    assert {o.weight_version for o in rollout.outputs} == {version}
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=5e-2)
+    stats = grpo_step(policy, optimizer, rollout, GRPOSettings(kl_beta=0.04), torch.Generator().manual_seed(0))
+    assert stats.log_ratio_before_update < RATIO_TOLERANCE  # today: the policy re-scored at scale 1
+    assert stats.kl > 0  # the reference stays the base while the policy is at 0.5
+    assert policy.adapter.transformer.transformer_blocks[0].attn.to_q.scaling[policy.name] == 2.0  # back to 1x
+    stale = rollout_for(engine, policy, steps=2, samples=2, request_prefix="stale", lora_scale=0.5)  # not pushed
+    with pytest.raises(PolicyDriftError, match=rf"weight version\(s\) \[{version}\] with lora_scale \[0.5\]"):
+        grpo_step(policy, optimizer, stale, GRPOSettings(), torch.Generator().manual_seed(0))
+    engine.unload_lora(policy.name)
