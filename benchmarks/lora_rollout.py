@@ -2,14 +2,17 @@
 
 Builds a pipeline of the chosen family (SD3 or FLUX.1; random weights, see benchmarks/model_presets.py)
 in a temporary folder, loads one random rank-r adapter per `--ranks` on the family's default LoRA
-targets into one "uni" engine, and measures, at the same batch, steps, size and guidance:
+targets into one engine of one worker (`--executor`: "uni" runs it in this process, "mp" in a worker
+process, where a step reaches it through the RPC dispatch real runs use), and measures, at the same
+batch, steps, size and guidance:
 
   base          `engine.generate` without an adapter: the LoRA layers off and bypassed
                 (`rollout.lora_bypass`), so it runs the model as it is without adapters;
   base again    the same once more: its ratio to the base is the noise floor of the ratios (the
                 two are one mode measured twice, in the same rounds);
   merged rR     with the rank-R adapter merged into the base weights (`merge_lora`), the time of
-                one merge included (each run starts from the base: as a rollout after a push does);
+                one merge included (each run starts from the base: as a rollout after a push does;
+                the worker's merge count checks that it merges once, not once per step);
   unmerged rR   with the rank-R adapter as PEFT runs it: two low-rank matmuls added per targeted layer.
 
 Every mode runs once per round, in the harness's interleaved order, after the same warm-up
@@ -22,6 +25,7 @@ rest of its pipeline (weights allocated, not initialised: the timing does not de
 a CPU without the memory or the speed to run the real model. Target: merged within 2% of the base.
 
     python -m benchmarks.lora_rollout                              # SD3, CPU-sized, ranks 8 and 64
+    python -m benchmarks.lora_rollout --executor mp                # the same, the worker in a process
     python -m benchmarks.lora_rollout --family flux --cfg off                 # FLUX.1-dev's distilled guidance
     python -m benchmarks.lora_rollout --family sd3 --merge-at-real-size sd35_medium   # + a real-size merge
     python -m benchmarks.lora_rollout --family sd3 --preset real --device cuda --dtype bfloat16 --ranks 32 64
@@ -49,6 +53,7 @@ from rollout.pipelines.families import family_named
 from rollout.pipelines.loading import adapter_class
 
 FAMILIES = ("sd3", "flux")
+EXECUTORS = ("uni", "mp")
 TARGET_MERGED_VS_BASE = 1.02
 DEFAULTS = {  # preset -> (batch, steps)
     "small": (8, 6),
@@ -65,6 +70,9 @@ REAL_TRANSFORMERS = {
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = harness.parser("lora_rollout", __doc__, repeats=5, warmup=1, threads=1, device="cpu", dtype="float32")
     parser.add_argument("--family", choices=FAMILIES, default="sd3", help="the pipeline family")
+    parser.add_argument(
+        "--executor", choices=EXECUTORS, default="uni", help="where the one worker runs: this process or its own"
+    )
     parser.add_argument("--preset", choices=model_presets.PRESETS, default="small", help="small: CPU; real: GPU")
     parser.add_argument("--ranks", type=harness.positive_int, nargs="+", default=[8, 64], help="LoRA ranks r")
     parser.add_argument("--batch-size", type=harness.positive_int, help="images per call (8)")
@@ -111,11 +119,25 @@ def random_adapter(shapes: dict[str, tuple[int, int]], rank: int, seed: int) -> 
     return tensors
 
 
+def worker_state(engine: RolloutEngine) -> dict:
+    """The worker's read-only `hot_swap_state`: any other function gets the base weights back
+    before it runs (`rollout.worker.call_function`), so it would always find nothing merged."""
+    (state,) = engine.collective_rpc("hot_swap_state")
+    return state
+
+
+def worker_cpu_seconds(engine: RolloutEngine) -> float:
+    """The CPU seconds so far of the worker's process (this one on "uni"). A worker function: it
+    restores a merged adapter before it runs."""
+    (seconds,) = engine.collective_rpc(lambda worker: time.process_time())
+    return seconds
+
+
 def make_run(engine: RolloutEngine, args: argparse.Namespace, reports: list, lora: str | None, merge: bool):
     """One mode: a generate call's wall seconds ("s"), its seconds in transformer forwards
     ("transformer_s", from the engine's StepReports: a merge is outside them), and the CPU seconds
-    this process spent in it ("cpu_s": the uni worker runs here; what a loaded machine's other
-    processes take is in the wall seconds, not in these)."""
+    the worker's process spent in it ("cpu_s": what a loaded machine's other processes take is in
+    the wall seconds, not in these)."""
     guidance = family_named(args.family).guidance_fields(args.cfg == "on")
 
     def set_merge(worker) -> None:
@@ -134,15 +156,15 @@ def make_run(engine: RolloutEngine, args: argparse.Namespace, reports: list, lor
             **guidance,
         )
         reports.clear()
-        cpu_start = time.process_time()
+        merges, cpu_start = worker_state(engine)["merges"], worker_cpu_seconds(engine)
         _, seconds = harness.timed_call(engine.generate, ["a red cube on a blue table"], params, device=args.device)
-        cpu_seconds = time.process_time() - cpu_start
+        state = worker_state(engine)  # before anything restores the merge
+        cpu_seconds = worker_cpu_seconds(engine) - cpu_start
         forwards = sum(sum(report.transformer_s) for report in reports if report.kind == "step")
-        # The worker's read-only `hot_swap_state`: any other function gets the base weights back
-        # before it runs (`rollout.worker.call_function`), so it would always find nothing merged.
-        (state,) = engine.collective_rpc("hot_swap_state")
-        held = state["merged_lora"]
-        assert held == ((lora, 1.0) if merge and lora is not None else None), held
+        merged = merge and lora is not None
+        assert state["merged_lora"] == ((lora, 1.0) if merged else None), state["merged_lora"]
+        # One merge for the whole rollout, on every executor (a step never restores the base).
+        assert state["merges"] - merges == int(merged), f"{state['merges'] - merges} merges in one rollout"
         return {"s": seconds, "transformer_s": forwards, "cpu_s": cpu_seconds}
 
     return run
@@ -219,13 +241,13 @@ def main(argv: list[str] | None = None) -> dict:
 
     diffusers_logging.set_verbosity_error()
     previous_threads = torch.get_num_threads()
-    torch.set_num_threads(args.threads)  # the uni worker runs in this process (the header records it)
+    torch.set_num_threads(args.threads)  # a uni worker runs in this process (the header records it)
     report = harness.Report("lora_rollout", args, __doc__, argv)
     load = os.getloadavg()[0]
     report.note(
-        f"family {args.family}, preset {args.preset}, dtype {args.dtype}, batch {args.batch_size}, steps "
-        f"{args.steps}, {args.size}x{args.size}, CFG {args.cfg}, flow_sde; {args.threads} threads; rounds "
-        f"{args.warmup} warmup + {args.repeats} timed"
+        f"family {args.family}, executor {args.executor}, preset {args.preset}, dtype {args.dtype}, batch "
+        f"{args.batch_size}, steps {args.steps}, {args.size}x{args.size}, CFG {args.cfg}, flow_sde; "
+        f"{args.threads} threads; rounds {args.warmup} warmup + {args.repeats} timed"
     )
     try:
         measure(args, report)
@@ -242,7 +264,13 @@ def measure(args: argparse.Namespace, report: harness.Report) -> None:
         class_name = json.loads((Path(folder) / "model_index.json").read_text())["_class_name"]
         targets = list(adapter_class(class_name).default_lora_targets)
         config = EngineConfig(
-            model=folder, device=args.device, dtype=args.dtype, max_batch_size=args.batch_size, merge_lora="always"
+            model=folder,
+            executor=args.executor,
+            threads_per_worker=args.threads if args.executor == "mp" else None,
+            device=args.device,
+            dtype=args.dtype,
+            max_batch_size=args.batch_size,
+            merge_lora="always",
         )
         with RolloutEngine(config) as engine:
             (shapes,) = engine.collective_rpc(lambda worker: linear_shapes(worker, targets))
@@ -296,7 +324,7 @@ def measure(args: argparse.Namespace, report: harness.Report) -> None:
         rows,
         note="/ base: the median of the rounds' ratios; base again / base is their noise floor; merged runs "
         "include their one merge, which the forwards' seconds (the transformer calls alone) leave out; cpu: "
-        "this process's CPU seconds, which other processes on a loaded machine do not add to",
+        "the worker's process's CPU seconds, which other processes on a loaded machine do not add to",
     )
     for rank in args.ranks:
         ratio = results[f"merged r{rank}"]["vs_base"]

@@ -177,7 +177,9 @@ class Executor:
         raise NotImplementedError
 
     def _send_step(self, rank: int, work: WorkerInput) -> Any:
-        """Send `rank` its part of an engine step (`Worker.execute(work)`); the pending call."""
+        """Send `rank` its part of an engine step, `Worker.execute(work)` run as every worker function
+        is (`rollout.worker.call_function`, which leaves a merged LoRA adapter in place for a step);
+        the pending call."""
         raise NotImplementedError
 
     def _send_rpc(self, name: str, method: str | Callable, args: tuple, kwargs: dict, ranks: list[int]) -> dict:

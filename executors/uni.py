@@ -50,7 +50,8 @@ class UniExecutor(Executor):
         return {0: self._thread.submit(self._build_worker)}
 
     def _send_step(self, rank: int, work: WorkerInput) -> Future:
-        return self._thread.submit(self.worker.execute, work)
+        # Through the dispatch a worker process runs for its steps too: one rule for every executor.
+        return self._thread.submit(call_function, self.worker, self.worker_cls.execute, (work,), {})
 
     def _send_rpc(self, name: str, method: str | Callable, args: tuple, kwargs: dict, ranks: list[int]) -> dict:
         _, fn = self.resolve_method(method)

@@ -252,11 +252,14 @@ class Worker:
 
     def hot_swap_state(self) -> dict:
         """What the engine tracks of this worker: adapters (name -> modules bound) and sleep level;
-        and the (adapter, scale) merged into the base weights for the forward, or None."""
+        and the (adapter, scale) merged into the base weights for the forward, or None, and how
+        many merges this worker has made (one per change of the forward's adapter or scale, and one
+        after each function that restored the base weights)."""
         return {
             "loras": {name: self.loras.bound_modules(name) for name in self.loras.configs},
             "sleep_level": self.sleeper.level,
             "merged_lora": self.loras.merged,
+            "merges": self.loras.merges,
         }
 
     def wake_up(self) -> None:
@@ -269,16 +272,20 @@ class Worker:
 READ_ONLY_METHODS = frozenset(
     {"model_spec", "check_health", "get_rank", "request_ids", "weight_specs", "weights_checksum", "hot_swap_state"}
 )
+# What runs with a merged LoRA adapter left in place: an engine step, whose forward merges only when
+# its adapter or scale changes (`LoraManager.activate`), and the read-only functions.
+_KEEP_THE_MERGE = READ_ONLY_METHODS | {"execute"}
 
 
 def call_function(worker: Worker, fn: Callable, args: Sequence, kwargs: dict) -> Any:
-    """`fn(worker, *args, **kwargs)` as `collective_rpc` runs it on a worker. Any function but the
-    worker's own read-only ones gets the base weights back first where a LoRA adapter is merged
-    into them for the forward (`rollout.lora_merge`): a user's function that reads or writes a
-    weight sees the base, and what it writes is not lost when the merge is undone. The next forward
-    merges again."""
+    """`fn(worker, *args, **kwargs)` as a worker runs what an executor sends it: an engine step
+    (`Worker.execute`) or a `collective_rpc` function, on every executor. Any function but a step
+    and the worker's own read-only ones gets the base weights back first where a LoRA adapter is
+    merged into them for the forward (`rollout.lora_merge`): a user's function that reads or writes
+    a weight sees the base, and what it writes is not lost when the merge is undone. The next
+    forward merges again. A step never restores: an adapter merges once per change, not per step."""
     name = getattr(fn, "__name__", None)
-    if not (name in READ_ONLY_METHODS and fn is getattr(type(worker), name, None)):
+    if not (name in _KEEP_THE_MERGE and fn is getattr(type(worker), name, None)):
         worker.loras.restore()
     return fn(worker, *args, **kwargs)
 

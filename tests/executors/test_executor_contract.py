@@ -763,6 +763,38 @@ def test_lora_load_swap_unload_cycles_do_not_grow_memory(engine, lora_tensors, c
     assert max(growth) < 50, f"resident memory grew by {growth} MiB over {cycles} cycles"
 
 
+def test_a_merged_adapter_is_merged_once_per_change_not_per_step(engine, lora_tensors, original_weights):
+    """With merge_lora on (float32 "auto"), a step runs an adapter that is merged already as it is:
+    every rank merges once per change of adapter, and once more after a weight push or any worker
+    function but the read-only ones (which get the base weights back), never once per step. The
+    workers count their merges themselves (`hot_swap_state`, read-only: it leaves a merge in place)."""
+    (policy, other), config = lora_tensors
+    assert engine.config.merges_lora
+    engine.load_lora("policy", policy, config)
+    engine.load_lora("other", other, config)
+    once = [1] * engine.config.num_workers  # every replica gets a sample: every rank merges
+
+    def merges_in_generate(lora: str) -> list[int]:
+        """Each rank's merges during one 6-step generate with adapter `lora`."""
+        before = [state["merges"] for state in engine.collective_rpc("hot_swap_state")]
+        params = _params(engine, num_inference_steps=6, num_samples=engine.config.num_replicas, seed=5, lora=lora)
+        engine.generate("a merged adapter", params)
+        after = [state["merges"] for state in engine.collective_rpc("hot_swap_state")]
+        return [a - b for a, b in zip(after, before, strict=True)]
+
+    try:
+        assert merges_in_generate("policy") == once
+        assert merges_in_generate("policy") == [0] * len(once)  # still merged
+        assert merges_in_generate("other") == once
+        engine.update_weights(original_weights)  # a push restores the base weights and changes them
+        assert merges_in_generate("other") == once
+        engine.collective_rpc(lambda worker: None)  # a worker function may read or write any weight
+        assert merges_in_generate("other") == once
+    finally:
+        engine.unload_lora("policy")
+        engine.unload_lora("other")
+
+
 # The hot-swap API: sleep and wake.
 
 
