@@ -12,6 +12,12 @@ high-water mark, exactly and the same on every run. Two limits follow from the p
   own, so `AllocationPeakExtension` profiles there;
 - a block allocated before the start and freed during it is not reported (the profiler does not
   know its size), so such frees never lower the figure.
+
+The profiler logs each start and stop (`USDT: ... profiler_start`), and where a process profiles
+first on a thread other than its main one, once, "ERROR: External init callback must run in same
+thread as registerClient": libkineto's notice that it starts on another thread than the one it
+registered on. The allocation events still arrive in full (a known 15 MB peak measures 15 MB on
+such a thread as on the main one).
 """
 
 from __future__ import annotations
