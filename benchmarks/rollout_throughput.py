@@ -15,10 +15,14 @@ The report also says how many bytes of conditioning (prompt, negative prompt, an
 images) the engine's trajectories of one group hold per sample, and how many copies of one
 sample's that is (1: one shared copy per group).
 
-Video families report frames/s (videos/s x frames). On CUDA the table adds each mode's memory peak
-above what was allocated when its call began (the weights, allocated throughout, are printed once);
-with --peak-tflops, the transformer's model-FLOPs utilisation (torch's FLOP counter on one step).
-Targets: engine speed >= 0.95 x diffusers', engine time <= 1.10 x the floor's.
+Video families report frames/s (videos/s x frames). The table gives each mode's memory peak above
+what was allocated when its call began (the weights, allocated throughout, are not in it): on CUDA
+`torch.cuda.max_memory_allocated` over the timed rounds (the weights are printed once); on the CPU
+the high-water mark of torch's CPU allocator in one more, untimed, batch per mode under the profiler
+(benchmarks/allocation_peak.py, the figure tests/executors/test_memory_peaks.py holds the engine to).
+With --peak-tflops, the transformer's model-FLOPs utilisation (torch's FLOP counter on one step).
+Targets: engine speed >= 0.95 x diffusers', engine time <= 1.10 x the floor's, engine memory peak
+<= 1.2 x diffusers'.
 
 Rounds run the three in a rotated order, all on the engine's worker thread (diffusers and the floor
 through `collective_rpc`): glibc gives each thread its own malloc arena, and activations
@@ -46,6 +50,7 @@ from pathlib import Path
 import torch
 
 from benchmarks import harness, model_presets
+from benchmarks.allocation_peak import AllocationPeakExtension, engine_peak
 from benchmarks.model_presets import PRESETS, VIDEO_FAMILIES
 from benchmarks.output_memory import referenced_bytes
 from benchmarks.worker_timers import install_timers, remove_timers
@@ -59,6 +64,7 @@ FAMILIES = family_names()
 MODES = ("engine", "diffusers", "floor")
 TARGET_SPEED_VS_DIFFUSERS = 0.95
 TARGET_TIME_VS_FLOOR = 1.10
+TARGET_PEAK_VS_DIFFUSERS = 1.2
 DEFAULT_BATCH_SIZE = 16
 # A small video (9 frames of 32x32) has about an image's tokens; RL recipes for Wan run 1-2 real videos per GPU.
 DEFAULT_VIDEO_BATCH_SIZE = {"small": 16, "real": 1}
@@ -284,6 +290,17 @@ def measured(run: Callable[[int], None], device: str) -> Callable[[harness.Round
     return mode
 
 
+def cpu_allocation_peaks(engine: RolloutEngine, runs: dict[str, Callable[[int], None]], seed: int) -> dict:
+    """Mode -> {"peak_above_start_gib"}: one batch of each mode with the engine's worker thread (where
+    all three compute) profiled for its allocation high-water mark (`benchmarks.allocation_peak`)."""
+    peaks = {}
+    for mode, run in runs.items():
+        gc.collect()
+        _, (peak,) = engine_peak(engine, lambda run=run: run(seed))
+        peaks[mode] = {"peak_above_start_gib": peak / GIB}
+    return peaks
+
+
 # The breakdown: timers on the worker's pieces; a step observer counts the engine steps.
 
 _TIMED_PIECES = (
@@ -333,10 +350,17 @@ def engine_breakdown(engine: RolloutEngine, run: Callable, args: argparse.Namesp
 # Reporting.
 
 
-def report_modes(report: harness.Report, samples: dict, args: argparse.Namespace, label: str, flops: float | None):
-    """The modes' table, the ratios and the targets."""
+def report_modes(
+    report: harness.Report,
+    samples: dict,
+    args: argparse.Namespace,
+    label: str,
+    flops: float | None,
+    cpu_peaks: dict | None,
+):
+    """The modes' table, the ratios and the targets; `cpu_peaks`: `cpu_allocation_peaks` (on the CPU)."""
     stats = {mode: harness.Stats.of(samples[mode]["s"]) for mode in MODES}
-    memory = "peak_gib" in samples["engine"]
+    cuda_memory = "peak_gib" in samples["engine"]
     rates = ["videos/s", "frames/s"] if is_video(args) else ["images/s"]
     labels = {
         "engine": "engine (uni, flow_sde, trajectory)",
@@ -355,22 +379,31 @@ def report_modes(report: harness.Report, samples: dict, args: argparse.Namespace
         if flops:  # the transformer's FLOPs per batch over the median time
             result["mfu"] = flops * args.steps / seconds.median / (args.peak_tflops * 1e12)
             row.append(100 * result["mfu"])
-        if memory:
+        if cuda_memory:
             result["peak_above_start_gib"] = max(samples[mode]["peak_above_start_gib"])
             result["peak_gib"] = max(samples[mode]["peak_gib"])
             result["allocated_at_start_gib"] = min(samples[mode]["start_gib"])
+        elif cpu_peaks is not None:
+            result["peak_above_start_gib"] = cpu_peaks[mode]["peak_above_start_gib"]
+        if "peak_above_start_gib" in result:
             row.append(result["peak_above_start_gib"])
         modes[mode] = result
         rows.append(row)
     columns = ["mode", "median s", "min s", "max s", *rates, "x floor"] + ["MFU %"] * bool(flops)
     note = ""
-    if memory:
+    if cuda_memory:
         columns.append("peak +GiB")
         note = (
             "peak +GiB: a call's memory peak above what was allocated when it began. Allocated between calls (the "
             "engine's and the diffusers pipeline's copies of the weights): "
             f"{min(m['allocated_at_start_gib'] for m in modes.values()):.2f} GiB; "
             f"highest peak: {max(m['peak_gib'] for m in modes.values()):.2f} GiB"
+        )
+    elif cpu_peaks is not None:
+        columns.append("peak +GiB")
+        note = (
+            "peak +GiB: the high-water mark of torch's CPU allocator above what was allocated when the call "
+            "began (one more, untimed, batch per mode under the profiler; the weights are not in it)"
         )
     report.table("throughput (medians of the timed rounds)", columns, rows, note)
     engine, diffusers, floor = (stats[mode] for mode in MODES)
@@ -385,17 +418,25 @@ def report_modes(report: harness.Report, samples: dict, args: argparse.Namespace
         "engine_time_vs_floor_per_round": harness.per_round_ratio(engine_s, floor_s),
     }
     speed, floor_time = "engine_speed_vs_diffusers", "engine_time_vs_floor"
-    report.table(
-        "ratios (the targets are on the medians)",
-        ["ratio", "medians", "minima", "per-round"],
-        [
-            ["engine / diffusers speed", *(ratios[speed + kind] for kind in ("", "_min", "_per_round"))],
-            ["engine time / floor time", *(ratios[floor_time + kind] for kind in ("", "_min", "_per_round"))],
-            ["diffusers time / floor time", ratios["diffusers_time_vs_floor"], "-", "-"],
-        ],
-    )
+    rows = [
+        ["engine / diffusers speed", *(ratios[speed + kind] for kind in ("", "_min", "_per_round"))],
+        ["engine time / floor time", *(ratios[floor_time + kind] for kind in ("", "_min", "_per_round"))],
+        ["diffusers time / floor time", ratios["diffusers_time_vs_floor"], "-", "-"],
+    ]
+    memory = "peak_above_start_gib" in modes["engine"]
+    if memory:
+        engine_gib, diffusers_gib = (modes[mode]["peak_above_start_gib"] for mode in ("engine", "diffusers"))
+        ratios["engine_peak_vs_diffusers"] = engine_gib / diffusers_gib
+        rows.append(["engine / diffusers memory peak", ratios["engine_peak_vs_diffusers"], "-", "-"])
+    report.table("ratios (the targets are on the medians)", ["ratio", "medians", "minima", "per-round"], rows)
     report.check(harness.Target("engine / diffusers speed", ratios[speed], ">=", TARGET_SPEED_VS_DIFFUSERS))
     report.check(harness.Target("engine time / floor time", ratios[floor_time], "<=", TARGET_TIME_VS_FLOOR))
+    if memory:
+        report.check(
+            harness.Target(
+                "engine / diffusers memory peak", ratios["engine_peak_vs_diffusers"], "<=", TARGET_PEAK_VS_DIFFUSERS
+            )
+        )
     report.results |= {"modes": modes, "ratios": ratios}
 
 
@@ -429,7 +470,12 @@ def main(argv: list[str] | None = None) -> dict:
         if args.images is not None:
             report.note(f"every request edits one {args.height}x{args.width} input image (the pipeline requires one)")
         config = EngineConfig(
-            model=folder, executor="uni", device=args.device, dtype=args.dtype, max_batch_size=args.batch_size
+            model=folder,
+            executor="uni",
+            device=args.device,
+            dtype=args.dtype,
+            max_batch_size=args.batch_size,
+            worker_extension_cls=AllocationPeakExtension,
         )
         floor = FloorRun(adapter, args)
         flops = forward_flops(floor) if args.peak_tflops else None
@@ -442,6 +488,9 @@ def main(argv: list[str] | None = None) -> dict:
             }
             modes = {mode: measured(run, args.device) for mode, run in runs.items()}
             samples = harness.run_rounds(modes, args.warmup, args.repeats)
+            cpu_peaks = None
+            if not args.device.startswith("cuda"):  # on CUDA the rounds measured the peaks
+                cpu_peaks = cpu_allocation_peaks(engine, runs, args.warmup + args.repeats)
             conditioning = conditioning_bytes(engine_run.outputs)
             breakdown = None if args.no_breakdown else engine_breakdown(engine, engine_run, args, denoisers)
     report.results = {
@@ -450,7 +499,7 @@ def main(argv: list[str] | None = None) -> dict:
         "denoisers": denoisers,
         "transformer_forward_flops": flops,
     }
-    report_modes(report, samples, args, class_name, flops)
+    report_modes(report, samples, args, class_name, flops, cpu_peaks)
     kib = {name: value / 2**10 for name, value in conditioning.items() if name != "copies"}
     report.note(
         f"conditioning held by the group's trajectories: {kib['per_sample']:.1f} KiB per sample "

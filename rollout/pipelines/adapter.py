@@ -162,7 +162,9 @@ class PipelineAdapter(ABC):
 
     @abstractmethod
     def decode(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
-        """Images [B, 3, H, W] (videos [B, F, 3, H, W]) uint8 on CPU from latents [B, *latent_shape]."""
+        """Images [B, 3, H, W] (videos [B, F, 3, H, W]) uint8 on CPU from latents [B, *latent_shape],
+        decoded under `torch.no_grad()` as the family's pipeline decodes (with autograd on, a VAE keeps
+        every activation: a video's cost tens of GiB)."""
 
     def encode_images(self, images: InputImages) -> PromptEmbeds:
         """One request's input images, encoded as the family's edit pipeline encodes its `image=`

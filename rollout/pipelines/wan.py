@@ -131,6 +131,7 @@ class WanAdapter(PipelineAdapter):
         high_noise = sigmas * self._scheduler.config.num_train_timesteps >= self.boundary_timestep
         return torch.where(high_noise, guidance.guidance_scale, guidance.guidance_scale_2)
 
+    @torch.no_grad()
     def decode(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
         vae = self.pipeline.vae
         latents = latents.to(vae.device, vae.dtype)
