@@ -11,6 +11,7 @@ import dataclasses
 import functools
 import itertools
 import logging
+import re
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -36,6 +37,11 @@ from rollout.shared_parts import SharedTreeParts
 from rollout.step_report import StepReport
 
 logger = logging.getLogger(__name__)
+
+# The ids `add_request` makes (groups "req0", "req1", ..., their samples "req0-0", ...): a caller
+# may not take one, else a request of another caller (another client of a server) that gets it next
+# would be refused as a clash.
+_AUTOMATIC_ID = re.compile(r"req[0-9]+(-[0-9]+)?")
 
 
 def _hot_swap_method(method: Callable) -> Callable:
@@ -214,11 +220,18 @@ class RolloutEngine:
 
         A `request_id` that an unfinished request's group or sample id already has, or whose
         sample ids would be one's group id, is refused: `abort` takes both kinds of id. It may not
-        hold "." (which separates the branches of a tree rollout)."""
+        hold "." (which separates the branches of a tree rollout), nor have the form of the ids the
+        engine makes ("req<n>", "req<n>-<k>"), which are another caller's."""
         self._check_open()
         self._check_awake()
         if request_id is not None and "." in request_id:
             raise ValueError(f"request_id {request_id!r} holds '.', which names tree branches; pass one without")
+        if request_id is not None and _AUTOMATIC_ID.fullmatch(request_id):
+            raise ValueError(
+                f"request_id {request_id!r} has the form of an id the engine makes ('req<n>' for a request "
+                "without a request_id, 'req<n>-<k>' for its samples), which it may give another caller's "
+                "request next; pass another"
+            )
         if images is not None and not isinstance(images, InputImages):
             images = InputImages.of(images)
         if images is not None:
