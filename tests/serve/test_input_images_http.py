@@ -8,14 +8,13 @@ answers throughout."""
 from __future__ import annotations
 
 import json
-import struct
 import time
-import zlib
 
 import httpx
 import pytest
 import torch
 
+from benchmarks.serve_probes import png_of_zeros
 from rollout import SamplingParams
 from rollout.serve.launch import ServerProcess
 from rollout.wire import SAFETENSORS_MEDIA_TYPE, tensors_to_bytes
@@ -27,21 +26,6 @@ from trainers_adapters.remote_engine import RemoteRolloutEngine
 pytestmark = pytest.mark.timeout(240)
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
-
-
-def png_of_zeros(height: int, width: int, colour: bool = False) -> bytes:
-    """A PNG file of a black image, written by hand (PIL would hold every pixel to write it): 1-bit
-    grey, or 8-bit RGB with `colour`. Zeros deflate about 1000 to 1: 12000 x 12000 at 1 bit is 17 KB."""
-    bits, color_type, channels = (8, 2, 3) if colour else (1, 0, 1)
-    row = bytes(1 + (width * bits * channels + 7) // 8)  # a filter byte, then the row's samples
-    compressor = zlib.compressobj(9)
-    data = b"".join(compressor.compress(row) for _ in range(height)) + compressor.flush()
-
-    def chunk(kind: bytes, body: bytes) -> bytes:
-        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
-
-    header = struct.pack(">IIBBBBB", width, height, bits, color_type, 0, 0, 0)
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", data) + chunk(b"IEND", b"")
 
 
 def image_body(request: dict, images: dict[str, bytes | torch.Tensor]) -> bytes:
