@@ -54,10 +54,10 @@ class RequestLimits:
             raise ValueError(f"RequestLimits: {', '.join(bad)} must be integers >= 1")
 
     def problems(
-        self, prompt: str, params: SamplingParams, spec: ModelSpec, encoded_image_sizes: Sequence = ()
+        self, prompt: str, params: SamplingParams, spec: ModelSpec, encoded_image_pixels: Sequence[int] = ()
     ) -> list[str]:
         """Every bound `params` (resolved against `spec`) and `prompt` exceed, each naming the bound;
-        `encoded_image_sizes`: (height, width) of each input image as the model encodes it (an edit's)."""
+        `encoded_image_pixels`: of each input image as the model encodes it (an edit's)."""
         problems = []
         steps = params.num_inference_steps
         if steps > self.max_inference_steps:
@@ -68,7 +68,7 @@ class RequestLimits:
             what = f"branch_factor ** len(branch_steps) = {params.leaves_per_sample} leaves per sample"
             problems.append(_over(what, None, "max_leaves", self.max_leaves))
         pixels = params.height * params.width
-        encoded = sum(height * width for height, width in encoded_image_sizes)
+        encoded = sum(encoded_image_pixels)
         if pixels > self.max_pixels:
             problems.append(_over(f"height x width = {pixels} pixels", None, "max_pixels", self.max_pixels))
         elif pixels + encoded > self.max_pixels:
@@ -76,7 +76,7 @@ class RequestLimits:
             # beside a 32 x 32 output made a tiny model's first step run for hours.
             what = (
                 f"the output's {pixels} pixels plus the {encoded} its input images are encoded at "
-                f"({' + '.join(f'{h}x{w}' for h, w in encoded_image_sizes)}; every forward pass sees both)"
+                "(every forward pass sees both)"
             )
             problems.append(_over(what, None, "max_pixels", self.max_pixels))
         if params.num_frames is not None and params.num_frames > self.max_num_frames:

@@ -98,9 +98,8 @@ def test_an_edit_whose_input_image_is_as_big_as_the_largest_output_is_refused(ko
         good_edit(kontext_remote),
         lambda: post_images(kontext_server, request, {"images.0.0.png": image}),
         400,
-        "the output's 1024 pixels plus the 16777216 its input images are encoded at (4096x4096; every forward "
-        "pass sees both) is above this engine's limit of 16777216 (RequestLimits.max_pixels; a server's "
-        "--max-pixels)",
+        "the output's 1024 pixels plus the 16777216 its input images are encoded at (every forward pass sees "
+        "both) is above this engine's limit of 16777216 (RequestLimits.max_pixels; a server's --max-pixels)",
     )
 
 
