@@ -75,8 +75,8 @@ def refused_beside_a_good_request(
     peak_mb: float | None = None,
 ) -> None:
     """Send the bad request while `generate_good()` runs (its steps slowed so that the two overlap):
-    the bad one is refused with `status` naming `names` within a second (or the good one's time
-    alone, if longer), raising the server's peak memory by less than `peak_mb` (None: not checked);
+    the bad one is refused with `status` naming `names` within a second (or twice the good one's
+    time alone, if longer), raising the server's peak memory by less than `peak_mb` (None: not checked);
     the good one gives the bytes it gave alone; /health answers throughout."""
     remote.collective_rpc("set_step_delay", args=(0.05,))
     try:
@@ -93,7 +93,7 @@ def refused_beside_a_good_request(
         remote.collective_rpc("set_step_delay", args=(0.0,))
     assert response.status_code == status, response.text
     assert names in response.json()["error"]["message"], response.text
-    assert refused_s < max(1.0, alone_s), (refused_s, alone_s)
+    assert refused_s < max(1.0, 2 * alone_s), (refused_s, alone_s)  # a loaded machine slows both alike
     assert peak_mb is None or memory.growth_mb < peak_mb, memory.growth_mb
     assert torch.equal(together.image, alone.image)
     assert torch.equal(together.trajectory.latents.stack(), alone.trajectory.latents.stack())
