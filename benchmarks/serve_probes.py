@@ -1,11 +1,12 @@
-"""Serve probes: a shared rollout server against careless and hostile clients (issue 19's probes).
+"""Serve probes: a shared rollout server against careless and hostile clients (issues 19 and 37).
 
 Starts `python -m rollout.serve` (executor mp, 2 workers, an API key) on a tiny SD3 pipeline built in a
 temporary folder and sends each probe while a well-formed streamed request runs: wrong types, NaN and absurd
-magnitudes, bodies that cost more than they weigh, LoRA uploads that could break PEFT or hang it, paths that
-are FIFOs or devices, worker functions that would bypass the engine, a foreign Host, a text/plain body,
-half-sent connections. One row per probe (what was sent, the status, seconds, the start of the message);
-checked, for the whole run:
+magnitudes, bodies that cost more than they weigh (a PNG bomb to a model that takes no images), a schedule
+whose log-prob is NaN, a request_id of the engine's own, a push taking the weight version back, LoRA uploads
+that could break PEFT or hang it, paths that are FIFOs or devices, worker functions that would bypass the
+engine, a foreign Host, a text/plain body, half-sent connections. One row per probe (what was sent, the
+status, seconds, the start of the message); checked, for the whole run:
 
   - every probe got the status it should, within a second (--probe-bound-s);
   - the good request finished with the same bytes (image and trajectory) as when run alone;
@@ -24,9 +25,11 @@ import json
 import os
 import secrets
 import socket
+import struct
 import tempfile
 import threading
 import time
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -95,8 +98,8 @@ def probes(tensors: dict, config: dict, files: dict[str, Path]) -> list[Probe]:
         """A generate request whose params are raw JSON text (NaN and 1e30 are not Python's JSON)."""
         return generate('{"prompts": ["x"], "params": {' + ", ".join(f'"{k}": {v}' for k, v in fields.items()) + "}}")
 
-    def lora(changes: dict, name: str = "policy", tensors: dict = tensors):
-        request = json.dumps({"lora_name": name, "lora_config": {**config, **changes}})
+    def lora(changes: dict, name: str = "policy", tensors: dict = tensors, version: int | None = None):
+        request = json.dumps({"lora_name": name, "lora_config": {**config, **changes}, "version": version})
         body = tensors_to_bytes(tensors, {"request": request})
         return lambda client: client.post("/v1/load_lora_adapter", content=body, headers=SAFETENSORS)
 
@@ -114,6 +117,13 @@ def probes(tensors: dict, config: dict, files: dict[str, Path]) -> list[Probe]:
 
     def resume(**request):
         return lambda client: client.post("/resume", **request)
+
+    def with_png(png: bytes):
+        """A generate request with one input image, a PNG file's bytes (SD3 takes none)."""
+        request = json.dumps({"prompts": "x", "params": {"num_inference_steps": 1}})
+        image = torch.frombuffer(bytearray(png), dtype=torch.uint8)
+        body = tensors_to_bytes({"images.0.0.png": image}, {"request": request})
+        return lambda client: client.post("/rollout/generate", content=body, headers=SAFETENSORS)
 
     key = sorted(tensors)[0]
     bogus = {**tensors, key.replace(".lora_A.", ".lora_C."): tensors[key].clone()}
@@ -137,6 +147,13 @@ def probes(tensors: dict, config: dict, files: dict[str, Path]) -> list[Probe]:
         Probe("guidance_scale NaN", params(guidance_scale="NaN"), 422),
         Probe('num_samples "2"', params(num_samples='"2"'), 422),
         Probe("num_inference_steps true", params(num_inference_steps="true"), 422),
+        Probe("sigmas [1e-30] (a NaN log-prob)", params(num_inference_steps="1", sigmas="[1e-30]"), 400),
+        Probe(
+            'request_id "req99", of the ids the engine makes',
+            generate(json.dumps({"prompts": "x", "params": {"num_inference_steps": 1}, "request_id": "req99"})),
+            400,
+        ),
+        Probe("a 17 KB PNG of 12000 x 12000 pixels (2 GB decoded)", with_png(png_of_zeros(12000, 12000)), 400),
         Probe('same_noise_in_group "yes"', params(same_noise_in_group='"yes"'), 422),
         Probe("LoRA target_modules as a backtracking regex", lora({"target_modules": "(?:[^.]|[^.]|[^.])*Q"}), 400),
         Probe("LoRA r -1", lora({"r": -1}), 400),
@@ -144,6 +161,7 @@ def probes(tensors: dict, config: dict, files: dict[str, Path]) -> list[Probe]:
         Probe("LoRA with an empty name", lora({}, name=""), 400),
         Probe("LoRA rank 3 with rank-2 tensors (fails in PEFT)", lora({"r": 3}), 409),
         Probe("LoRA hot swap with one bogus key", lora({}, tensors=bogus), 400),
+        Probe("LoRA hot swap taking the weight version to -5", lora({}, version=-5), 400),
         Probe("weights from a folder with a FIFO", from_disk("fifo"), 400),
         Probe("weights from a symlink to /dev/urandom", from_disk("device.safetensors"), 400),
         Probe("weights from a directory named x.safetensors", from_disk("dir"), 400),
@@ -160,6 +178,21 @@ def probes(tensors: dict, config: dict, files: dict[str, Path]) -> list[Probe]:
         Probe("an unknown route", lambda client: client.get("/no/such/route"), 404),
         Probe("a wrong method", lambda client: client.get("/rollout/generate"), 405),
     ]
+
+
+def png_of_zeros(height: int, width: int, colour: bool = False) -> bytes:
+    """A PNG file of a black image, written without holding its pixels (PIL would): 1-bit grey, or
+    8-bit RGB with `colour`. Zeros deflate about 1000 to 1: 12000 x 12000 at 1 bit is 17 KB."""
+    bits, color_type, channels = (8, 2, 3) if colour else (1, 0, 1)
+    row = bytes(1 + (width * bits * channels + 7) // 8)  # a filter byte, then the row's samples
+    compressor = zlib.compressobj(9)
+    data = b"".join(compressor.compress(row) for _ in range(height)) + compressor.flush()
+
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
+    header = struct.pack(">IIBBBBB", width, height, bits, color_type, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", data) + chunk(b"IEND", b"")
 
 
 def half_sent_connections(url: str, count: int, header_timeout_s: float) -> float:

@@ -11,6 +11,7 @@ import dataclasses
 import functools
 import itertools
 import logging
+import re
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -36,6 +37,11 @@ from rollout.shared_parts import SharedTreeParts
 from rollout.step_report import StepReport
 
 logger = logging.getLogger(__name__)
+
+# The ids `add_request` makes (groups "req0", "req1", ..., their samples "req0-0", ...): a caller
+# may not take one, else a request of another caller (another client of a server) that gets it next
+# would be refused as a clash.
+_AUTOMATIC_ID = re.compile(r"req[0-9]+(-[0-9]+)?")
 
 
 def _hot_swap_method(method: Callable) -> Callable:
@@ -153,13 +159,46 @@ class RolloutEngine:
             prompts = [prompts]
         params_list = self._params_per_prompt(prompts, params)
         images_list = images_per_prompt(images, len(prompts))
+        self._check_input_images([() if one is None else one.sizes for one in images_list])
         for prompt, p, one in zip(prompts, params_list, images_list, strict=True):
-            self._check_request(prompt, p, one)  # all of them before any is queued
+            self._check_request(prompt, p, () if one is None else one.sizes)  # all of them before any is queued
         base_seed = fresh_base_seed()
         request_ids = []
         for prompt_index, (prompt, p, one) in enumerate(zip(prompts, params_list, images_list, strict=True)):
             request_ids += self.add_request(prompt, p, images=one, prompt_index=prompt_index, base_seed=base_seed)
         return request_ids
+
+    def check_requests(
+        self,
+        prompts: Sequence[str],
+        params: SamplingParams | Sequence[SamplingParams] | None,
+        image_sizes: Sequence[Sequence[tuple[int, int]]],
+    ) -> None:
+        """Raise ValueError for what `add_requests(prompts, params, images=)` would refuse, from the
+        input images' sizes alone (`image_sizes`: per prompt, the (height, width) of each image as
+        sent; adapters are checked when the requests are added). A server asks before it decodes
+        any image file a client sent: a few KB of PNG can hold gigabytes of pixels."""
+        params_list = self._params_per_prompt(prompts, params)
+        self._check_input_images(image_sizes)
+        problems = [
+            problem
+            for prompt, one, sizes in zip(prompts, params_list, image_sizes, strict=True)
+            for problem in self._request_problems(prompt, one, tuple(sizes))[1]
+        ]
+        if problems:
+            raise ValueError("invalid request: " + "; ".join(dict.fromkeys(problems)))
+
+    def _check_input_images(self, sizes: Sequence[Sequence[tuple[int, int]]]) -> None:
+        """Raise ValueError if one request's input images of these sizes (per prompt) are more than
+        the model takes per prompt (none, for a text-to-image family), or past
+        `RequestLimits.max_input_images` and `max_input_pixels`."""
+        most = self.model_spec.max_input_images
+        too_many = [tuple(one) for one in sizes if len(one) > most]
+        # Its first problem is the count's ("takes no input images", "takes at most N").
+        problems = self._image_problems(too_many[0])[:1] if too_many else []
+        problems += self.config.request_limits.input_image_problems(sizes)
+        if problems:
+            raise ValueError("invalid request: " + "; ".join(problems))
 
     def add_request(
         self,
@@ -182,16 +221,25 @@ class RolloutEngine:
 
         A `request_id` that an unfinished request's group or sample id already has, or whose
         sample ids would be one's group id, is refused: `abort` takes both kinds of id. It may not
-        hold "." (which separates the branches of a tree rollout)."""
+        hold "." (which separates the branches of a tree rollout), nor have the form of the ids the
+        engine makes ("req<n>", "req<n>-<k>"), which are another caller's."""
         self._check_open()
         self._check_awake()
-        if images is not None and not isinstance(images, InputImages):
-            images = InputImages.of(images)
-        params = self._check_request(prompt, params, images)
-        if images is not None and params.auto_resize is not None:  # the encoding it asks for
-            images = images.encoded_with(auto_resize=params.auto_resize)
         if request_id is not None and "." in request_id:
             raise ValueError(f"request_id {request_id!r} holds '.', which names tree branches; pass one without")
+        if request_id is not None and _AUTOMATIC_ID.fullmatch(request_id):
+            raise ValueError(
+                f"request_id {request_id!r} has the form of an id the engine makes ('req<n>' for a request "
+                "without a request_id, 'req<n>-<k>' for its samples), which it may give another caller's "
+                "request next; pass another"
+            )
+        if images is not None and not isinstance(images, InputImages):
+            images = InputImages.of(images)
+        if images is not None:
+            self._check_input_images([images.sizes])
+        params = self._check_request(prompt, params, () if images is None else images.sizes)
+        if images is not None and params.auto_resize is not None:  # the encoding it asks for
+            images = images.encoded_with(auto_resize=params.auto_resize)
         group_id = request_id if request_id is not None else f"req{next(self._request_counter)}"
         roots = [NodeId(group_id, k) for k in range(params.num_samples)]
         self._check_ids_free(group_id, [str(root) for root in roots])
@@ -474,22 +522,31 @@ class RolloutEngine:
             )
         return params
 
-    def _check_request(self, prompt: str, params: SamplingParams, images: InputImages | None = None) -> SamplingParams:
-        """Check what depends on the model; returns `params` with the model's defaults filled in
-        (an edit's size, where it sets none, from its input images: `ModelSpec.edit_size`)."""
+    def _check_request(self, prompt: str, params: SamplingParams, sizes: tuple = ()) -> SamplingParams:
+        """Check what depends on the model (`_request_problems`) and the adapter `params` names;
+        returns `params` with the model's defaults filled in."""
+        resolved, problems = self._request_problems(prompt, params, sizes)
+        if params.lora is not None and not self.hot_swap.has_lora(params.lora):
+            problems.append(f"lora {params.lora!r} is not loaded; loaded: {self.list_loras()} (see load_lora)")
+        if problems:
+            raise ValueError("invalid request: " + "; ".join(problems))
+        return resolved
+
+    def _request_problems(
+        self, prompt: str, params: SamplingParams, sizes: tuple[tuple[int, int], ...]
+    ) -> tuple[SamplingParams, list[str]]:
+        """What the model's rules and this engine's limits find wrong with one prompt's request
+        whose input images have these (height, width) sizes (none: text only), and `params` with
+        the model's defaults filled in (an edit's size, where it sets none, from its input images:
+        `ModelSpec.edit_size`). It reads only what never changes, so any thread may ask."""
         if not isinstance(prompt, str):
             raise TypeError(f"a prompt must be a str, got {type(prompt).__name__}")
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         spec = self.model_spec
-        sizes = () if images is None else images.sizes
-        image_problems = spec.image_problems(sizes)
-        if sizes and not spec.max_input_images:
-            from rollout.pipelines.families import edit_families_help
-
-            image_problems = [f"{image_problems[0]} (families that take images: {edit_families_help()})"]
-        if images is not None and not image_problems and (params.height is None or params.width is None):
-            height, width = spec.edit_size(images.sizes, auto_resize=spec.auto_resizes(params))
+        image_problems = self._image_problems(sizes)
+        if sizes and not image_problems and (params.height is None or params.width is None):
+            height, width = spec.edit_size(sizes, auto_resize=spec.auto_resizes(params))
             params = dataclasses.replace(
                 params,
                 height=params.height if params.height is not None else height,
@@ -497,20 +554,19 @@ class RolloutEngine:
             )
         resolved, problems = self._resolve(params)
         problems = image_problems + list(problems)  # the cached list stays as it was
-        limit = self.config.request_limits.max_pixels
-        problems += [
-            f"input image {i} of {height}x{width} pixels is above this engine's limit of {limit} "
-            "(RequestLimits.max_pixels; a server's --max-pixels); pass a smaller image or raise the limit"
-            for i, (height, width) in enumerate(sizes)
-            if height * width > limit
-        ]
         if not problems:  # the limits read the sizes the model's rules checked
-            problems += self.config.request_limits.problems(prompt, resolved, self.model_spec)
-        if params.lora is not None and not self.hot_swap.has_lora(params.lora):
-            problems.append(f"lora {params.lora!r} is not loaded; loaded: {self.list_loras()} (see load_lora)")
-        if problems:
-            raise ValueError("invalid request: " + "; ".join(problems))
-        return resolved
+            encoded = spec.encoded_image_pixels(sizes, spec.auto_resizes(resolved)) if sizes else ()
+            problems += self.config.request_limits.problems(prompt, resolved, spec, encoded)
+        return resolved, problems
+
+    def _image_problems(self, sizes: tuple[tuple[int, int], ...]) -> list[str]:
+        """The model's rules for one prompt's input images of these (height, width) sizes."""
+        problems = self.model_spec.image_problems(sizes)
+        if sizes and not self.model_spec.max_input_images:
+            from rollout.pipelines.families import edit_families_help
+
+            problems = [f"{problems[0]} (families that take images: {edit_families_help()})"]
+        return problems
 
     def _finish_running_requests(self) -> None:
         """Step the admitted requests to the end (admitting no new ones); keep their outputs for

@@ -23,6 +23,7 @@ from rollout.broadcast_group import BroadcastEntry
 from rollout.errors import EngineDeadError, WorkerError
 from rollout.safetensors_files import safetensors_files
 from rollout.weight_sync import DEFAULT_BUCKET_BYTES, WeightSync
+from rollout.weight_versions import WeightVersions
 from rollout.weights import TensorSpec
 
 if TYPE_CHECKING:
@@ -66,12 +67,16 @@ class HotSwap:
         self._unfinished = unfinished
         self.config = config
         self._weight_sync = WeightSync(rpc)
-        self.weight_version = 0
+        self.versions = WeightVersions()
         self.sleep_level = 0
         # Counts the changes of the text encoders' weights; the engine sends it with every step, and
         # embeddings encoded at an older count are never reused.
         self.encoder_generation = 0
         self._loras: dict[str, int] = {}  # name -> modules it binds
+
+    @property
+    def weight_version(self) -> int:
+        return self.versions.current
 
     def check_awake(self) -> None:
         if self.sleep_level:
@@ -105,9 +110,11 @@ class HotSwap:
         requests finish on the old weights first (their outputs come from the next `step()`);
         `mode="pause"`: the update applies now, between two steps, and running requests continue
         on the new weights (`RolloutOutput.weight_versions` lists both).
-        The version becomes `version`, or the current one plus 1. Workers keep copies of the
-        tensors, so the caller may change them at once; tensors wrapped in `HandedOver` (a caller
-        that never touches them again) are kept as they are where the workers run in this process.
+        The version becomes `version`, or the current one plus 1; a `version` below the current one
+        is refused unless the engine held it before (`rollout.weight_versions`). Workers keep copies
+        of the tensors, so the caller may change them at once; tensors wrapped in `HandedOver` (a
+        caller that never touches them again) are kept as they are where the workers run in this
+        process.
         """
         self._check_open()
         self._check_component(component)
@@ -119,8 +126,7 @@ class HotSwap:
         self.check_awake()
         if mode not in ("wait", "pause"):
             raise ValueError(f"mode must be 'wait' or 'pause', got {mode!r}")
-        if version is not None and not isinstance(version, int):
-            raise ValueError(f"version must be an int or None, got {version!r}")
+        new_version = self.versions.next(version)  # before anything is staged
         if mode == "wait":
             self._drain()
         try:
@@ -129,9 +135,9 @@ class HotSwap:
             self._die(error)
             raise
         self.encoder_generation += 1
-        self.weight_version = self.weight_version + 1 if version is None else version
-        logger.info("weights of %s updated to version %d", component, self.weight_version)
-        return self.weight_version
+        self.versions.move_to(new_version)
+        logger.info("weights of %s updated to version %d", component, new_version)
+        return new_version
 
     def update_weights_from_disk(
         self,
@@ -253,6 +259,7 @@ class HotSwap:
             raise TypeError(f"LoRA source must be a folder path or a mapping of tensors, got {type(source).__name__}")
         elif config is None:
             raise ValueError(f"LoRA {name!r} from tensors needs a config (a peft.LoraConfig or its dict)")
+        new_version = self.versions.next(version)
         # Every rank stages it beside its live adapter (running requests keep theirs, so a refusal
         # answers at once); only once all have, and the running requests are done, does any switch.
         kept = f"the {name!r} it had" if name in self._loras else f"no adapter named {name!r}"
@@ -285,9 +292,9 @@ class HotSwap:
             self._loras.pop(name, None)
             raise RuntimeError(f"committing LoRA {name!r} failed ({error}); it is unloaded everywhere") from error
         self._loras[name] = bound[0]
-        self.weight_version = self.weight_version + 1 if version is None else version
-        logger.debug("LoRA %r loaded on %d modules; weight version %d", name, bound[0], self.weight_version)
-        return self.weight_version
+        self.versions.move_to(new_version)
+        logger.debug("LoRA %r loaded on %d modules; weight version %d", name, bound[0], new_version)
+        return new_version
 
     def _roll_back_lora(self, name: str, cause: BaseException) -> None:
         """Drop what any rank staged for `name` (a late stage still running in a worker is done
@@ -361,7 +368,7 @@ class HotSwap:
     def _woke(self, deepest: int) -> None:
         self.encoder_generation += 1
         if deepest == 2:
-            self.weight_version = 0
+            self.versions.move_to(0)
         self.sleep_level = 0
 
     # After a timeout.

@@ -3,13 +3,15 @@
 The model's rules say what it can take (sizes its VAE and positional embeddings allow); these say
 what this engine is willing to spend on one request, so that no client, careless or hostile, costs
 the others their memory or their turn: a `num_inference_steps` of 10^7 was accepted and allocated
-1.8 GB before the first step, a 0.9 MB prompt took 7.6 s of worker time to tokenise. Each bound has
+1.8 GB before the first step, a 0.9 MB prompt took 7.6 s of worker time to tokenise, a 10 KB PNG
+decoded to 1.15 GB. Each bound has
 a server flag of the same name (`--max-inference-steps`, ...), and its error names both.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
 from rollout.pipelines.spec import ModelSpec
@@ -26,7 +28,15 @@ class RequestLimits:
     max_inference_steps: int = setting(1000, "denoising steps of one request")
     max_branch_factor: int = setting(64, "children per branch step of a tree rollout")
     max_leaves: int = setting(1024, "outputs (leaves) per sample of a tree rollout")
-    max_pixels: int = setting(4096 * 4096, "height x width of an image or of one video frame")
+    max_pixels: int = setting(
+        4096 * 4096,
+        "height x width of an image or of one video frame; for an edit, of the output and its input images as "
+        "the model encodes them, together (every forward pass sees the tokens of both)",
+    )
+    max_input_images: int = setting(16, "input images (an edit family's images=) of one request, all its prompts")
+    max_input_pixels: int = setting(
+        4096 * 4096, "height x width of one input image as sent, checked from its header before it is decoded"
+    )
     max_num_frames: int = setting(1025, "frames of a video")
     max_prompt_bytes: int = setting(
         16384,
@@ -43,8 +53,11 @@ class RequestLimits:
         if bad:
             raise ValueError(f"RequestLimits: {', '.join(bad)} must be integers >= 1")
 
-    def problems(self, prompt: str, params: SamplingParams, spec: ModelSpec) -> list[str]:
-        """Every bound `params` (resolved against `spec`) and `prompt` exceed, each naming the bound."""
+    def problems(
+        self, prompt: str, params: SamplingParams, spec: ModelSpec, encoded_image_pixels: Sequence[int] = ()
+    ) -> list[str]:
+        """Every bound `params` (resolved against `spec`) and `prompt` exceed, each naming the bound;
+        `encoded_image_pixels`: of each input image as the model encodes it (an edit's)."""
         problems = []
         steps = params.num_inference_steps
         if steps > self.max_inference_steps:
@@ -55,8 +68,17 @@ class RequestLimits:
             what = f"branch_factor ** len(branch_steps) = {params.leaves_per_sample} leaves per sample"
             problems.append(_over(what, None, "max_leaves", self.max_leaves))
         pixels = params.height * params.width
+        encoded = sum(encoded_image_pixels)
         if pixels > self.max_pixels:
             problems.append(_over(f"height x width = {pixels} pixels", None, "max_pixels", self.max_pixels))
+        elif pixels + encoded > self.max_pixels:
+            # FLUX.1 Kontext's auto_resize=False encodes an image at its own size: a 4096 x 4096 one
+            # beside a 32 x 32 output made a tiny model's first step run for hours.
+            what = (
+                f"the output's {pixels} pixels plus the {encoded} its input images are encoded at "
+                "(every forward pass sees both)"
+            )
+            problems.append(_over(what, None, "max_pixels", self.max_pixels))
         if params.num_frames is not None and params.num_frames > self.max_num_frames:
             problems.append(_over("num_frames", params.num_frames, "max_num_frames", self.max_num_frames))
         for name, text in (("prompt", prompt), ("negative_prompt", params.negative_prompt)):
@@ -68,6 +90,22 @@ class RequestLimits:
             if held > self.max_trajectory_bytes:
                 what = f"the trajectory of one sample ({held} bytes: latents around every kept step, for every leaf)"
                 problems.append(_over(what, None, "max_trajectory_bytes", self.max_trajectory_bytes))
+        return problems
+
+    def input_image_problems(self, sizes: Sequence[Sequence[tuple[int, int]]]) -> list[str]:
+        """Every bound the input images of one request exceed, from their sizes alone (`sizes`: per
+        prompt, the (height, width) of each image as sent), so that none is decoded first."""
+        problems = []
+        count = sum(len(one) for one in sizes)
+        if count > self.max_input_images:
+            problems.append(_over(f"{count} input images", None, "max_input_images", self.max_input_images))
+        limit = self.max_input_pixels
+        problems += [
+            _over(f"input image {k} of prompt {p} ({h}x{w} = {h * w} pixels)", None, "max_input_pixels", limit)
+            for p, one in enumerate(sizes)
+            for k, (h, w) in enumerate(one)
+            if h * w > limit
+        ]
         return problems
 
 

@@ -22,6 +22,11 @@ MAX_INFERENCE_STEPS = 100_000
 MAX_LEAVES_LOG2 = 24
 MAX_NOISE_LEVEL = 10.0
 MAX_LORA_SCALE = 100.0
+# The smallest sigma a schedule may hold: that of the last step of the longest schedule
+# (1 / MAX_INFERENCE_STEPS, where diffusers' flow-matching pipelines end theirs at 1 / steps). Far
+# below it a stochastic step's noise is lost to float32 rounding beside the latents, and its
+# variance to underflow (sigmas=[1e-30] finished with a NaN log-prob).
+MIN_SIGMA = 1 / MAX_INFERENCE_STEPS
 
 
 @dataclass(frozen=True)
@@ -107,7 +112,7 @@ class SamplingParams:
     )
     sigmas: tuple[float, ...] | None = setting(
         None,
-        "the noise levels of the steps, one per step, decreasing in (0, 1], passed to the scheduler as the "
+        "the noise levels of the steps, one per step, decreasing in [1e-5, 1], passed to the scheduler as the "
         "model's diffusers pipeline passes sigmas= (its shift still applies); None takes the pipeline's schedule",
     )
     branch_steps: tuple[int, ...] = setting(
@@ -225,8 +230,11 @@ class SamplingParams:
                 f"sigmas has {len(sigmas)} entries but num_inference_steps is {steps}; "
                 f"pass one sigma per step (num_inference_steps={len(sigmas)})"
             ]
-        if not all(0 < s <= 1 for s in sigmas) or any(a <= b for a, b in itertools.pairwise(sigmas)):
-            return [f"sigmas must decrease strictly and lie in (0, 1], got {tuple(sigmas)}"]
+        if not all(MIN_SIGMA <= s <= 1 for s in sigmas) or any(a <= b for a, b in itertools.pairwise(sigmas)):
+            return [
+                f"sigmas must decrease strictly and lie in [{MIN_SIGMA:g}, 1] (below {MIN_SIGMA:g} a step's noise is "
+                f"lost to float32 rounding and its log-prob is not a number), got {tuple(sigmas)}"
+            ]
         return []
 
     @staticmethod

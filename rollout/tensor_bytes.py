@@ -19,6 +19,8 @@ from rollout.input_images import InputImages
 
 SAFETENSORS_MEDIA_TYPE = "application/octet-stream"  # the Content-Type of a safetensors body
 LENGTH = struct.Struct("<Q")  # a frame's length, and a safetensors header's
+_PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+_PNG_HEADER = struct.Struct(">8sI4sII")  # signature, IHDR's length, b"IHDR", width, height
 
 
 class WireError(ValueError):
@@ -83,16 +85,31 @@ def read_header(data, what: str) -> tuple[Any, int]:
     return header, LENGTH.size + header_length
 
 
-def png_image(tensor: torch.Tensor, name: str) -> torch.Tensor:
-    """The RGB image (uint8 [3, H, W]) in a uint8 [N] tensor `name` that holds a PNG file's bytes."""
-    import io
-
-    from PIL import Image
-
+def png_size(tensor: torch.Tensor, name: str) -> tuple[int, int]:
+    """(height, width) of the PNG file whose bytes a uint8 [N] tensor `name` holds, from its header
+    alone: a few KB of PNG can hold gigabytes of pixels, so sizes are checked before decoding."""
     if tensor.dtype != torch.uint8 or tensor.ndim != 1:
         raise WireError(
             f"tensor {name!r} must hold a PNG file's bytes as uint8 [N], got {tensor.dtype} {list(tensor.shape)}"
         )
+    # A PNG file is its signature, then its IHDR chunk: length, b"IHDR", width, height (big-endian).
+    head = tensor[: _PNG_HEADER.size].numpy().tobytes()
+    if len(head) < _PNG_HEADER.size:
+        raise WireError(f"tensor {name!r} is not a PNG file: {len(head)} bytes, shorter than a PNG header")
+    signature, _, chunk, width, height = _PNG_HEADER.unpack(head)
+    if signature != _PNG_SIGNATURE or chunk != b"IHDR":
+        raise WireError(f"tensor {name!r} is not a PNG file: it does not start with a PNG signature and IHDR chunk")
+    return height, width
+
+
+def png_image(tensor: torch.Tensor, name: str) -> torch.Tensor:
+    """The RGB image (uint8 [3, H, W]) in a uint8 [N] tensor `name` that holds a PNG file's bytes
+    (check its `png_size` first: this decodes it)."""
+    import io
+
+    from PIL import Image
+
+    png_size(tensor, name)
     try:
         with Image.open(io.BytesIO(tensor.numpy().tobytes()), formats=["PNG"]) as image:
             rgb = image.convert("RGB")

@@ -30,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import json
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -46,6 +46,7 @@ from rollout.tensor_bytes import (  # here too: the wire's own names
     SAFETENSORS_MEDIA_TYPE,  # noqa: F401 (the services read it from here)
     WireError,
     png_image,
+    png_size,
     read_header,  # noqa: F401 (rollout.frame_views reads it from here)
     tensors_from_bytes,
     tensors_to_bytes,
@@ -69,10 +70,16 @@ def images_to_tensors(images: list[InputImages | None]) -> dict[str, torch.Tenso
     }
 
 
-def images_from_tensors(tensors: Mapping[str, torch.Tensor], num_prompts: int) -> list[list[torch.Tensor] | None]:
-    """The images of a generate body, one list per prompt (None for a prompt without images);
-    PNG files are decoded. WireError names a tensor that is not an image of the protocol."""
-    found: dict[int, dict[int, torch.Tensor]] = {}
+def images_from_tensors(
+    tensors: Mapping[str, torch.Tensor],
+    num_prompts: int,
+    check_sizes: Callable[[list[list[tuple[int, int]]]], None],
+) -> list[list[torch.Tensor] | None]:
+    """The images of a generate body, one list per prompt (None for a prompt without images).
+    `check_sizes` gets every image's (height, width), per prompt, before any PNG file is decoded
+    (a PNG's from its header; `RolloutEngine.check_input_images` raises for what the engine would
+    refuse). WireError names a tensor that is not an image of the protocol."""
+    found: dict[int, dict[int, tuple[str, torch.Tensor]]] = {}
     for name, tensor in tensors.items():
         parts = name.split(".")
         png = len(parts) == 4 and parts[3] == "png"
@@ -81,13 +88,22 @@ def images_from_tensors(tensors: Mapping[str, torch.Tensor], num_prompts: int) -
         prompt, k = int(parts[1]), int(parts[2])
         if prompt >= num_prompts:
             raise WireError(f"tensor {name!r} is for prompt {prompt}, but the body has {num_prompts} prompts")
-        found.setdefault(prompt, {})[k] = png_image(tensor, name) if png else tensor
-    result: list[list[torch.Tensor] | None] = [None] * num_prompts
+        found.setdefault(prompt, {})[k] = (name, tensor)
+    named: list[list[tuple[str, torch.Tensor]]] = [[] for _ in range(num_prompts)]
     for prompt, by_index in found.items():
         if sorted(by_index) != list(range(len(by_index))):
             raise WireError(f"the images of prompt {prompt} are numbered {sorted(by_index)}; number them from 0")
-        result[prompt] = [by_index[k] for k in range(len(by_index))]
-    return result
+        named[prompt] = [by_index[k] for k in range(len(by_index))]
+    check_sizes([[_image_size(name, tensor) for name, tensor in one] for one in named])
+    return [[png_image(t, n) if n.endswith(".png") else t for n, t in one] if one else None for one in named]
+
+
+def _image_size(name: str, tensor: torch.Tensor) -> tuple[int, int]:
+    """(height, width) of an image tensor of a generate body: a PNG file's from its header; a uint8
+    [3, H, W] tensor's from its shape (one of another shape is refused by `InputImages` later)."""
+    if name.endswith(".png"):
+        return png_size(tensor, name)
+    return (int(tensor.shape[-2]), int(tensor.shape[-1])) if tensor.ndim >= 2 else (0, 0)
 
 
 # Frames.

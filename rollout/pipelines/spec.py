@@ -179,6 +179,14 @@ class ModelSpec:
         resized = [self._preferred_size(*size) if auto_resize else size for size in sizes]
         return tuple((height // multiple * multiple, width // multiple * multiple) for height, width in resized)
 
+    def encoded_image_pixels(self, sizes: tuple[tuple[int, int], ...], auto_resize: bool = False) -> tuple[int, ...]:
+        """The pixels each input image of these (height, width) sizes is encoded at, what every
+        forward pass sees of it: `encoded_image_sizes`, and at most `max_input_image_area` where
+        the family resizes down to it (FLUX.2)."""
+        area = self.max_input_image_area
+        encoded = (height * width for height, width in self.encoded_image_sizes(sizes, auto_resize))
+        return tuple(pixels if area is None else min(pixels, area) for pixels in encoded)
+
     def _preferred_size(self, height: int, width: int) -> tuple[int, int]:
         """FluxKontextPipeline.__call__ step 3's choice for an image of `height` x `width` (rounded
         down to the size multiple first, as its `get_default_height_width`): the preferred size of

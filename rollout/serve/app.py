@@ -11,6 +11,7 @@ the server's instance id (`instance.InstanceHeaders`), made when the app is buil
 # name dependencies made inside `build_app`, which only eager evaluation can see.
 import asyncio
 import dataclasses
+import functools
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -133,11 +134,9 @@ def build_app(engine: AsyncRolloutEngine, settings: ServerSettings) -> FastAPI:
     async def generate(request: Request):
         """Body: the JSON of `GenerateBody`; or, with input images, a safetensors body whose
         metadata "request" holds that JSON (rollout.wire: images as uint8 tensors or PNG bytes)."""
-        images = None
+        images = tensors = None
         if request.headers.get("content-type", "").startswith(SAFETENSORS_MEDIA_TYPE):
             tensors, body = await _tensor_body(request, settings, protocol.GenerateBody)
-            count = 1 if isinstance(body.prompts, str) else len(body.prompts)
-            images = await asyncio.to_thread(images_from_tensors, tensors, count)
         else:
             body = await _parse_json(request, settings, protocol.GenerateBody)
         prompts = [body.prompts] if isinstance(body.prompts, str) else body.prompts
@@ -151,6 +150,11 @@ def build_app(engine: AsyncRolloutEngine, settings: ServerSettings) -> FastAPI:
                 f"the request asks for {sum(counts)} samples; this server takes at most "
                 f"{settings.max_samples_per_request} per request (--max-samples-per-request); split it",
             )
+        if tensors is not None:
+            # The requests are checked with the images' sizes first (a PNG's from its header): a few KB
+            # of PNG can decode to gigabytes, and a model that takes no images needs none decoded.
+            check = functools.partial(engine.engine.check_requests, prompts, params)
+            images = await asyncio.to_thread(images_from_tensors, tensors, len(prompts), check)
         if body.request_id is not None or body.prompt_index != 0 or body.base_seed is not None:
             if len(prompts) != 1 or isinstance(params, list):
                 raise ValueError(

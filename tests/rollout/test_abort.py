@@ -70,6 +70,21 @@ def test_outputs_parked_by_a_waiting_update_survive_a_generate(engine):
     assert engine.step() == []
 
 
+def test_the_ids_the_engine_makes_are_not_a_caller_s_to_take(engine):
+    """A caller that took "req<n>", the id the engine gives the next request without one, made that
+    request (another client's, behind a server) fail as a clash: the engine's ids are its own."""
+    params = SamplingParams(num_inference_steps=3, seed=0)
+    (made,) = engine.add_request("x", params)
+    number = int(made.removeprefix("req").removesuffix("-0"))
+    for taken in (f"req{number + 1}", f"req{number + 1}-0", "req0"):
+        with pytest.raises(ValueError, match=f"request_id {taken!r} has the form of an id the engine makes"):
+            engine.add_request("y", params, request_id=taken)
+    assert engine.add_request("z", params) == [f"req{number + 1}-0"]
+    assert engine.add_request("z", params, request_id="req") == ["req-0"]  # not a number: the caller's
+    engine.abort(engine.unfinished_request_ids())
+    _assert_no_state(engine)
+
+
 def test_group_and_sample_ids_cannot_be_confused(engine):
     """abort() takes sample ids and group ids, so an id that would name both is refused at once."""
     params = SamplingParams(num_inference_steps=3, num_samples=2, seed=0)

@@ -5,6 +5,9 @@ and batching tests on flux_kontext in the slow suite.)"""
 
 from __future__ import annotations
 
+import dataclasses
+import re
+
 import diffusers
 import PIL.Image
 import pytest
@@ -98,11 +101,29 @@ def test_a_text_to_image_family_refuses_images_and_names_the_edit_families(engin
         engine.generate("x", SamplingParams(height=32, width=32), images=[[input_image(0)]])
 
 
+def test_input_images_past_the_engine_s_budget_are_refused_by_their_sizes(kontext_engine, engine):
+    """An input image counts against max_pixels as the model encodes it, beside the output (with
+    auto_resize off Kontext encodes it at its own size: 4096 x 4096 beside a 32 x 32 output ran a
+    tiny model's first step for hours); pixels per image as sent and images per request have
+    limits of their own. The sizes alone decide, so a server asks before it decodes anything."""
+    raw = KONTEXT.params(num_inference_steps=2, height=32, width=32, auto_resize=False)
+    with pytest.raises(ValueError, match=re.escape("the output's 1024 pixels plus the 16777216 its input images")):
+        kontext_engine.check_requests(["x"], raw, [[(4096, 4096)]])
+    resized = dataclasses.replace(raw, auto_resize=True)  # to about a megapixel first, as the pipeline's default
+    kontext_engine.check_requests(["x"], resized, [[(4096, 4096)]])
+    with pytest.raises(ValueError, match=re.escape("(12000x12000 = 144000000 pixels) is above this engine's limit")):
+        kontext_engine.check_requests(["x"], KONTEXT.params(), [[(12000, 12000)]])
+    images = [[input_image(k)] for k in range(17)]
+    with pytest.raises(ValueError, match=re.escape("17 input images is above this engine's limit of 16")):
+        kontext_engine.generate(["x"] * 17, KONTEXT.params(num_inference_steps=2), images=images)
+    assert not kontext_engine.has_unfinished_requests()
+    with pytest.raises(ValueError, match="StableDiffusion3Pipeline takes no input images.*max_input_pixels"):
+        engine.check_requests(["x"], SamplingParams(), [[(12000, 12000)]])
+
+
 def test_an_edit_family_that_needs_images_says_so(kontext_engine):
     """FLUX.1 Kontext runs text-only requests as FLUX.1 does; a family whose pipeline needs an
     image (Qwen-Image-Edit's) sets min_input_images, and a request without one is told what to pass."""
-    import dataclasses
-
     needs_one = dataclasses.replace(kontext_engine.model_spec, min_input_images=1)
     (problem,) = needs_one.image_problems(())
     assert "FluxKontextPipeline edits input images: pass images=[[image], ...] with 1 or more" in problem

@@ -92,6 +92,9 @@ def test_the_pipelines_rules_for_reference_images(flux2_engine):
         with pytest.raises(ValueError, match=message):
             engine.generate("x", FLUX2.params(num_inference_steps=2), images=[images])
     assert not engine.has_unfinished_requests()
+    # Against --max-pixels a reference counts as the megapixel it is encoded at, not as sent.
+    assert spec.encoded_image_pixels(((4096, 4096),) * 4) == (1024 * 1024,) * 4
+    engine.check_requests(["x"], FLUX2.params(num_inference_steps=2), [[(4096, 4096)] * 4])
 
 
 @pytest.mark.slow

@@ -144,6 +144,29 @@ def test_an_update_reaches_every_rank_and_bumps_version_and_generation(swap):
     assert engine.drains == 1  # "pause" applies between two steps, without draining
 
 
+def test_a_version_goes_down_only_to_one_the_engine_held(swap):
+    """17 then -5 is refused, naming the current version, before anything is staged or drained; a
+    trainer resumed from a checkpoint re-pushes its checkpoint's version to the engine that held it."""
+    hot_swap, workers, engine = swap
+    assert hot_swap.update_weights({"w": torch.ones(2)}, version=5) == 5
+    assert hot_swap.update_weights({"w": torch.ones(2)}) == 6
+    assert hot_swap.load_lora("policy", {"a": torch.ones(1)}, {"r": 1}, version=17) == 17
+    calls, drains = len(workers.calls), engine.drains
+    message = "version -5 is below this engine's weight version 17, and no weights it held had it"
+    with pytest.raises(ValueError, match=message):
+        hot_swap.update_weights({"w": torch.zeros(2)}, version=-5)
+    with pytest.raises(ValueError, match="version 3 is below this engine's weight version 17.*>= 17, or none for 18"):
+        hot_swap.load_lora("policy", {"a": torch.zeros(1)}, {"r": 1}, version=3)
+    with pytest.raises(ValueError, match="version must be an int or None, got True"):
+        hot_swap.update_weights({"w": torch.zeros(2)}, version=True)
+    assert (len(workers.calls), engine.drains, hot_swap.weight_version) == (calls, drains, 17)
+    assert [r.weights.tolist() for r in workers.ranks] == [[1.0, 1.0]] * 2
+    assert hot_swap.update_weights({"w": torch.ones(2)}, version=6) == 6  # held: a resumed trainer's
+    assert hot_swap.update_weights({"w": torch.ones(2)}, version=6) == 6  # the same again
+    assert hot_swap.update_weights({"w": torch.ones(2)}) == 7
+    assert hot_swap.update_weights({"w": torch.ones(2)}, version=0) == 0  # where every engine starts
+
+
 def test_a_refused_update_changes_nothing(swap):
     hot_swap, workers, _ = swap
     with pytest.raises(ValueError, match="w"):

@@ -88,8 +88,10 @@ def test_bad_settings_name_the_field():
         SamplingParams(record_steps=(10,))
     with pytest.raises(ValueError, match=r"sigmas has 3 entries but num_inference_steps is 10; .*=3\)"):
         SamplingParams(sigmas=(1.0, 0.5, 0.2))
-    with pytest.raises(ValueError, match=r"sigmas must decrease strictly and lie in \(0, 1\]"):
+    with pytest.raises(ValueError, match=r"sigmas must decrease strictly and lie in \[1e-05, 1\]"):
         SamplingParams(num_inference_steps=3, sigmas=(1.0, 0.5, 0.5))
     with pytest.raises(ValueError, match=r"sigmas must decrease strictly"):
         SamplingParams(num_inference_steps=2, sigmas=(1.2, 0.5))
+    with pytest.raises(ValueError, match=r"\[1e-05, 1\] \(below 1e-05 a step's noise is lost to float32 rounding"):
+        SamplingParams(num_inference_steps=1, sigmas=(1e-30,))  # once a NaN log-prob
     assert SamplingParams(num_inference_steps=2, sigmas=[1.0, 0.5]).sigmas == (1.0, 0.5)  # lists from YAML

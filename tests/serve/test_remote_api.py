@@ -8,8 +8,9 @@ from rollout.engine import RolloutEngine
 from trainers_adapters.remote_engine import RemoteRolloutEngine
 
 # What the async engine's loop drives the in-process engine with (a trainer never calls these),
-# and what watches this process's engine (a server's steps are the server's to observe).
-LOOP_HOOKS = {"add_requests", "take_finished", "unfinished_request_ids", "dead", "add_step_observer"}
+# what watches this process's engine (a server's steps are the server's to observe), and what a
+# server asks before it decodes a client's images (a client's requests are checked there).
+LOOP_HOOKS = {"add_requests", "take_finished", "unfinished_request_ids", "dead", "add_step_observer", "check_requests"}
 LOOP_PARAMETERS = {"step": {"admit"}}
 
 

@@ -1,0 +1,126 @@
+"""Input images from a careless or hostile client: a PNG that decodes to gigabytes, images sent to a
+model that takes none, more images than a request may carry, and an edit whose input image makes
+every forward pass of the model as long as the biggest output. Each is refused from the image's
+header, before anything is decoded, within a good request's time and naming the limit; the server's
+peak memory stays where it was, a good request beside it gives the same bytes as alone, and /health
+answers throughout."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import pytest
+import torch
+
+from benchmarks.serve_probes import png_of_zeros
+from rollout import SamplingParams
+from rollout.serve.launch import ServerProcess
+from rollout.wire import SAFETENSORS_MEDIA_TYPE, tensors_to_bytes
+from tests.families import FAMILIES, input_image
+from tests.serve.conftest import API_KEY
+from tests.serve.probing import refused_beside_a_good_request
+from trainers_adapters.remote_engine import RemoteRolloutEngine
+
+pytestmark = pytest.mark.timeout(240)
+
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+
+
+def image_body(request: dict, images: dict[str, bytes | torch.Tensor]) -> bytes:
+    """A generate body with input images: PNG files' bytes (names ending .png) or uint8 tensors."""
+    tensors = {
+        name: torch.frombuffer(bytearray(image), dtype=torch.uint8) if isinstance(image, bytes) else image
+        for name, image in images.items()
+    }
+    return tensors_to_bytes(tensors, {"request": json.dumps(request)})
+
+
+def post_images(server, request: dict, images: dict) -> tuple[httpx.Response, float]:
+    headers = {**AUTH, "content-type": SAFETENSORS_MEDIA_TYPE}
+    body = image_body(request, images)
+    start = time.monotonic()
+    response = httpx.post(f"{server.url}/rollout/generate", content=body, headers=headers, timeout=60)
+    return response, time.monotonic() - start
+
+
+def test_a_png_bomb_sent_to_a_model_that_takes_no_images_is_never_decoded(server, remote):
+    """A 17 KB PNG of a 12000 x 12000 1-bit image decodes to 2 GB (PIL only warns); SD3 takes no
+    input images: the server says so from the body's names and the PNG's header."""
+    bomb = png_of_zeros(12000, 12000)
+    assert len(bomb) < 20_000
+    params = SamplingParams(num_inference_steps=4, seed=11)
+    request = {"prompts": "x", "params": {"num_inference_steps": 2, "seed": 0}}
+    refused_beside_a_good_request(
+        server,
+        remote,
+        lambda: remote.generate("fine", params),
+        lambda: post_images(server, request, {"images.0.0.png": bomb}),
+        400,
+        "StableDiffusion3Pipeline takes no input images",
+        peak_mb=100,  # decoding it took 2 GB
+    )
+
+
+KONTEXT = FAMILIES["flux_kontext"]
+
+
+@pytest.fixture(scope="module")
+def kontext_server(tiny_models):
+    flags = ("--worker-extension-cls", "tests.serve.worker_extension.ServeTestExtension")
+    with ServerProcess.start(tiny_models("flux_kontext"), *flags, api_key=API_KEY) as running:
+        yield running
+
+
+@pytest.fixture
+def kontext_remote(kontext_server):
+    with RemoteRolloutEngine(kontext_server.url, api_key=API_KEY) as client:
+        yield client
+
+
+def good_edit(remote: RemoteRolloutEngine):
+    params = KONTEXT.params(num_inference_steps=4, seed=12)
+    return lambda: remote.generate("make it red", params, images=[[input_image(3)]])
+
+
+@pytest.mark.slow  # a Kontext server of its own: 10-15 s
+def test_an_edit_whose_input_image_is_as_big_as_the_largest_output_is_refused(kontext_server, kontext_remote):
+    """Kontext with auto_resize off encodes its image at its own size: one of 4096 x 4096 (exactly
+    --max-pixels) beside a 32 x 32 output once ran a tiny model's first step past the step timeout,
+    and the engine was dead for everyone. The image counts against --max-pixels with the output."""
+    image = png_of_zeros(4096, 4096, colour=True)
+    params = {"num_inference_steps": 2, "seed": 0, "auto_resize": False, "height": 32, "width": 32}
+    request = {"prompts": "make it red", "params": {**params, "guidance_scale": 3.5}}
+    refused_beside_a_good_request(
+        kontext_server,
+        kontext_remote,
+        good_edit(kontext_remote),
+        lambda: post_images(kontext_server, request, {"images.0.0.png": image}),
+        400,
+        "the output's 1024 pixels plus the 16777216 its input images are encoded at (every forward pass sees "
+        "both) is above this engine's limit of 16777216 (RequestLimits.max_pixels; a server's --max-pixels)",
+    )
+
+
+@pytest.mark.slow  # the Kontext server of the test above
+def test_an_edit_s_image_bomb_and_too_many_images_are_refused_before_decoding(kontext_server, kontext_remote):
+    """An edit family takes images, so the PNG's header is what refuses the bomb: above
+    --max-input-pixels. And a request may carry at most --max-input-images images in all."""
+    request = {"prompts": "make it red", "params": {"num_inference_steps": 2, "seed": 0}}
+    refused_beside_a_good_request(
+        kontext_server,
+        kontext_remote,
+        good_edit(kontext_remote),
+        lambda: post_images(kontext_server, request, {"images.0.0.png": png_of_zeros(12000, 12000)}),
+        400,
+        "input image 0 of prompt 0 (12000x12000 = 144000000 pixels) is above this engine's limit of 16777216 "
+        "(RequestLimits.max_input_pixels; a server's --max-input-pixels)",
+        peak_mb=100,
+    )
+    many = {"prompts": ["make it red"] * 17, "params": {"num_inference_steps": 2, "seed": 0}}
+    small = png_of_zeros(32, 32, colour=True)
+    response, _ = post_images(kontext_server, many, {f"images.{p}.0.png": small for p in range(17)})
+    assert response.status_code == 400, response.text
+    message = response.json()["error"]["message"]
+    assert "17 input images is above this engine's limit of 16 (RequestLimits.max_input_images; a server's " in message
