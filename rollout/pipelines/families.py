@@ -61,7 +61,7 @@ def request_field_problems(families: tuple[Family, ...], params) -> list[str]:
     of one pipeline class; Wan 2.1 and 2.2 share theirs), in the engine's words. Known before any
     model loads; the loaded model's spec refuses more (a distilled variant takes fewer fields)."""
     model = families[0].pipeline_class
-    taken = sorted({name for family in families for name in family.guidance_fields})
+    taken = sorted({name for family in families for name in family.accepted_guidance_fields})
     problems = [
         f"{name} is not used by {model}; leave it unset ({model} takes {', '.join(taken)})"
         for name in GUIDANCE_FIELDS

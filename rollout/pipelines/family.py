@@ -38,7 +38,7 @@ class Family:
     real_model: the published model whose transformer the "real" preset builds.
     cfg_on, cfg_off: the `SamplingParams` fields that turn classifier-free guidance on and off for
         this family (the same-named arguments of its diffusers pipeline mean the same).
-    guidance_fields: the guidance fields of `SamplingParams` a model of this family may take; a
+    accepted_guidance_fields: the guidance fields of `SamplingParams` a model of this family may take; a
         request that sets another is refused before anything loads (a recipe's config check). A
         model's own spec may take fewer (a guidance-distilled variant takes no `guidance_scale`).
     video: whether the family makes videos (`num_frames`, outputs' `video`) rather than images.
@@ -53,7 +53,7 @@ class Family:
     real_model: str
     cfg_on: Mapping[str, Any]
     cfg_off: Mapping[str, Any]
-    guidance_fields: tuple[str, ...]
+    accepted_guidance_fields: tuple[str, ...]
     video: bool = False
     edits: bool = False
 

@@ -140,5 +140,5 @@ FAMILY = Family(
     # these are Qwen-Image's (its default 4, and the empty negative prompt " " its docstring suggests).
     cfg_on={"true_cfg_scale": 4.0, "negative_prompt": " "},
     cfg_off={"true_cfg_scale": 1.0},
-    guidance_fields=("true_cfg_scale", "guidance_scale"),  # guidance_scale: FLUX.1 [dev]'s guidance embedding
+    accepted_guidance_fields=("true_cfg_scale", "guidance_scale"),  # guidance_scale: FLUX.1 [dev]'s guidance embedding
 )

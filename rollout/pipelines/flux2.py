@@ -216,6 +216,6 @@ FAMILY = Family(
     # negative): 4.0 is the pipeline's default. Off: 1.0. (A distilled folder takes no guidance field.)
     cfg_on={"guidance_scale": 4.0},
     cfg_off={"guidance_scale": 1.0},
-    guidance_fields=("guidance_scale",),  # none for the distilled FLUX.2 [klein] models
+    accepted_guidance_fields=("guidance_scale",),  # none for the distilled FLUX.2 [klein] models
     edits=True,
 )

@@ -89,6 +89,6 @@ FAMILY = Family(
     # true_cfg_scale > 1 and a negative prompt is given; guidance_scale is distilled guidance.
     cfg_on={"true_cfg_scale": 4.0, "negative_prompt": " "},
     cfg_off={"true_cfg_scale": 1.0},
-    guidance_fields=("true_cfg_scale", "guidance_scale"),  # guidance_scale: its guidance embedding
+    accepted_guidance_fields=("true_cfg_scale", "guidance_scale"),  # guidance_scale: its guidance embedding
     edits=True,
 )

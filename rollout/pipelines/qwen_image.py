@@ -135,5 +135,5 @@ FAMILY = Family(
     # default, and " " the empty negative prompt its docstring suggests. Off: 1.0, the adapter's default.
     cfg_on={"true_cfg_scale": 4.0, "negative_prompt": " "},
     cfg_off={"true_cfg_scale": 1.0},
-    guidance_fields=("true_cfg_scale", "guidance_scale"),  # guidance_scale: guidance-distilled variants
+    accepted_guidance_fields=("true_cfg_scale", "guidance_scale"),  # guidance_scale: guidance-distilled variants
 )

@@ -182,7 +182,7 @@ EDIT_FAMILY = Family(
     real_model="Qwen-Image-Edit",
     cfg_on=CFG_ON,
     cfg_off=CFG_OFF,
-    guidance_fields=("true_cfg_scale", "guidance_scale"),  # guidance_scale: guidance-distilled variants
+    accepted_guidance_fields=("true_cfg_scale", "guidance_scale"),  # guidance_scale: guidance-distilled variants
     edits=True,
 )
 
@@ -198,6 +198,6 @@ PLUS_FAMILY = Family(
     real_model="Qwen-Image-Edit-2511",
     cfg_on=CFG_ON,
     cfg_off=CFG_OFF,
-    guidance_fields=("true_cfg_scale", "guidance_scale"),  # guidance_scale: guidance-distilled variants
+    accepted_guidance_fields=("true_cfg_scale", "guidance_scale"),  # guidance_scale: guidance-distilled variants
     edits=True,
 )

@@ -110,5 +110,5 @@ FAMILY = Family(
     # 4.5 is the adapter's default (Flow-GRPO's for SD3.5), so a request that names nothing guides.
     cfg_on={"guidance_scale": 4.5},
     cfg_off={"guidance_scale": 1.0},
-    guidance_fields=("guidance_scale",),
+    accepted_guidance_fields=("guidance_scale",),
 )

@@ -165,7 +165,7 @@ WAN21_FAMILY = Family(
     # default and the adapter's.
     cfg_on={"guidance_scale": 5.0},
     cfg_off={"guidance_scale": 1.0},
-    guidance_fields=("guidance_scale",),
+    accepted_guidance_fields=("guidance_scale",),
     video=True,
 )
 WAN22_FAMILY = Family(
@@ -182,6 +182,6 @@ WAN22_FAMILY = Family(
     # (guidance_scale_2). Off: guidance_scale 1, which guidance_scale_2 then takes too.
     cfg_on={"guidance_scale": 4.0, "guidance_scale_2": 3.0},
     cfg_off={"guidance_scale": 1.0},
-    guidance_fields=("guidance_scale", "guidance_scale_2"),  # the second: the low-noise expert's
+    accepted_guidance_fields=("guidance_scale", "guidance_scale_2"),  # the second: the low-noise expert's
     video=True,
 )

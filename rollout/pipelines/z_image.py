@@ -148,5 +148,5 @@ FAMILY = Family(
     # 5.0 is its default (and the adapter's), 0 what Z-Image-Turbo is sampled with.
     cfg_on={"guidance_scale": 5.0},
     cfg_off={"guidance_scale": 0.0},
-    guidance_fields=("guidance_scale",),
+    accepted_guidance_fields=("guidance_scale",),
 )

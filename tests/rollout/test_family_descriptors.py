@@ -106,7 +106,7 @@ def test_the_tiny_folder_maps_back_and_the_cfg_settings_mean_what_they_say(tiny_
     spec = loading.load_adapter(path).spec
     assert spec.is_video == family.video
     # What a config check refuses before loading, the model refuses too (it may refuse more).
-    assert set(spec.guidance_defaults) <= set(family.guidance_fields) <= set(GUIDANCE_FIELDS)
+    assert set(spec.guidance_defaults) <= set(family.accepted_guidance_fields) <= set(GUIDANCE_FIELDS)
     size = {"height": 32, "width": 32} | ({"num_frames": 9} if family.video else {})
     on, problems = spec.resolve(SamplingParams(**size, **family.cfg_on))
     assert problems == [] and on.negative_prompt is not None
