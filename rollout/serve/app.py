@@ -105,7 +105,9 @@ def build_app(engine: AsyncRolloutEngine, settings: ServerSettings) -> FastAPI:
         return {"status": "ok", "instance_id": instance_id}
 
     router = APIRouter(dependencies=[Depends(require_api_key(settings.api_key))])
-    push_lock = asyncio.Lock()  # the weight pushes of this route, one at a time
+    # Weight updates one at a time: the engine refuses one while a streamed push stages, so the
+    # next waits here, its body unread, rather than being refused.
+    push_lock = asyncio.Lock()
     json_body = _json_body_parser(settings)
 
     @router.get("/openapi.json", include_in_schema=False)
@@ -205,7 +207,8 @@ def build_app(engine: AsyncRolloutEngine, settings: ServerSettings) -> FastAPI:
         body: Annotated[protocol.UpdateFromDiskBody, json_body(protocol.UpdateFromDiskBody)],
     ):
         options = body.model_dump(exclude={"model_path"})
-        return {"weight_version": await engine.update_weights_from_disk(body.model_path, **options)}
+        async with push_lock:
+            return {"weight_version": await engine.update_weights_from_disk(body.model_path, **options)}
 
     @router.post(path("weights_checksum"))
     async def get_weights_checksum(body: Annotated[protocol.ChecksumBody, json_body(protocol.ChecksumBody)]) -> dict:
@@ -270,7 +273,8 @@ def build_app(engine: AsyncRolloutEngine, settings: ServerSettings) -> FastAPI:
     ) -> dict:
         options = body.model_dump(exclude={"names", "dtypes", "shapes"})
         dtypes = [_dtype(name) for name in body.dtypes]
-        version = await engine.update_weights_from_distributed(body.names, dtypes, body.shapes, **options)
+        async with push_lock:
+            version = await engine.update_weights_from_distributed(body.names, dtypes, body.shapes, **options)
         return {"weight_version": version}
 
     @router.post(path("check_weight_update"))

@@ -9,16 +9,18 @@ The body (Content-Type `FRAMES_MEDIA_TYPE`) is a stream of frames (`rollout.wire
 The client writes the frames lazily from the tensors (`weight_frames`: views of their memory, no
 join). The server cuts each frame into a buffer of its own as it arrives (on its own HTTP protocol,
 read from the socket straight into that buffer: `rollout.serve.frame_body`), and hands its tensors
-(views of that buffer, which nothing else holds) over to `update_weights` on the engine's thread
-as an iterator (`HandedOver`: the in-process executor stages them without a copy), which checks
-and stages them in buckets while the next frame arrives (`receive_update`). So the server holds
-the staged update plus about a bucket, not the body, its parse and the update.
+(views of that buffer, which nothing else holds) over to the engine, a bucket per call between two
+engine steps (`RolloutEngine.open_weight_push`; `HandedOver`: the in-process executor stages them
+without a copy), which checks and stages them while the next frame arrives (`receive_update`). So
+the server holds the staged update plus about a bucket, not the body, its parse and the update;
+and the engine generates on while the body arrives: a body that trickled in held every generation
+for as long as it trickled, when the whole push was one engine call that waited for its buckets.
+The body must arrive whole within --upload-timeout-s.
 
 All-or-nothing, as in process: whatever goes wrong before the end frame (a body cut off, stalled
-past --body-timeout-s, over --max-upload-mb, a malformed frame, a tensor the engine refuses) ends
-the iterator with that error, so `WeightSync` drops what it staged and the weights and version stay.
-The answer waits for that rollback. While the buckets arrive the engine is inside the update call
-and does not step, as while it stages an update in process: the network time is the update's.
+past --body-timeout-s, past --upload-timeout-s, over --max-upload-mb, a malformed frame, a tensor
+the engine refuses) drops what the engine staged, and the weights and version stay. The answer
+waits for that rollback. Only applying the update pauses generation.
 """
 
 from __future__ import annotations
