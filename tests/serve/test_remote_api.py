@@ -8,8 +8,10 @@ from rollout.engine import RolloutEngine
 from trainers_adapters.remote_engine import RemoteRolloutEngine
 
 # What the async engine's loop drives the in-process engine with (a trainer never calls these),
-# and what watches this process's engine (a server's steps are the server's to observe).
+# what watches this process's engine (a server's steps are the server's to observe), and the parts
+# of a push that the server receives over time (a remote trainer's update_weights streams into them).
 LOOP_HOOKS = {"add_requests", "take_finished", "unfinished_request_ids", "dead", "add_step_observer"}
+LOOP_HOOKS |= {"open_weight_push", "finish_weight_push", "abort_weight_push"}
 LOOP_PARAMETERS = {"step": {"admit"}}
 
 
