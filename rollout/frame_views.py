@@ -69,7 +69,7 @@ class FrameAssembler:
         self.max_frame_bytes = max_frame_bytes
         self._length = bytearray(LENGTH.size)  # the length of the next frame, as it arrives
         self._frame: bytearray | mmap.mmap | None = None
-        self._prefault: PagePrefault | None = None  # of a mapped frame's pages, just ahead of its bytes
+        self._prefault: PagePrefault | None = None  # faults a mapped frame in ahead of its bytes
         self._view = memoryview(self._length)  # what get_buffer() offers: the rest of either
         self._filled = 0  # bytes of the length, or of the frame, that have arrived
 
@@ -93,7 +93,7 @@ class FrameAssembler:
             raise FrameTooLarge(f"a frame of {length} bytes is over the limit of {self.max_frame_bytes}")
         self._frame, self._filled = frame_buffer(length), 0
         if isinstance(self._frame, mmap.mmap):
-            self._prefault = PagePrefault(self._frame, _PREFAULT_AHEAD_BYTES)
+            self._prefault = PagePrefault(self._frame, start_after=min(length // 8, _PREFAULT_AFTER_BYTES))
         self._view = memoryview(self._frame)
         return self._next_frame() if length == 0 else None
 
@@ -134,10 +134,10 @@ class FrameAssembler:
 def frame_buffer(length: int) -> bytearray | mmap.mmap:
     """A writable buffer of `length` bytes for one frame. A big one is memory mapped, unreserved:
     its pages are memory only once written, so a frame's length announces address space, not
-    memory. `FrameAssembler` has a thread fault them in just ahead of the bytes that arrive
-    (`rollout.page_prefault`): filling fresh pages costs a fault each, which made copying a bucket
-    in 5x slower than the copy itself (0.5 vs 2.9 GB/s), and so the faults leave the thread that
-    fills it (the server's event loop).
+    memory. Once some of a frame has come, `FrameAssembler` has a thread fault the rest in ahead of
+    its bytes (`rollout.page_prefault`): filling fresh pages costs a fault each, which made copying
+    a bucket in 5x slower than the copy itself (0.5 vs 2.9 GB/s), and so the faults leave the
+    thread that fills it (the server's event loop).
 
     Plain pages, not transparent huge pages: with THP in `madvise` mode (the usual default) a
     `MADV_HUGEPAGE` mapping makes the kernel compact memory on the spot to find free 2 MiB pages,
@@ -154,9 +154,10 @@ _MAPPED_BYTES = 2 << 20
 # <bits/mman-linux.h>; Python's mmap module names it from 3.13. Without it, a frame announced
 # bigger than the machine's free memory would be refused by the kernel's overcommit heuristic.
 _MAP_NORESERVE = 0x4000 if sys.platform.startswith("linux") else 0
-# How far the faulting thread runs ahead of the bytes received: far enough that the event loop
-# never catches up with it at a few GB/s, and all a stalled or lying sender costs beyond its bytes.
-_PREFAULT_AHEAD_BYTES = 64 << 20
+# A frame's pages are faulted in ahead of its bytes (`rollout.page_prefault`) once an eighth of it,
+# or 32 MiB, has come: a sender that stops costs at most eight times what it sent, or one frame
+# once it sent 32 MiB (and the server reads one push at a time, and frees a failed frame at once).
+_PREFAULT_AFTER_BYTES = 32 << 20
 
 
 class FrameTooLarge(WireError):

@@ -1,5 +1,5 @@
-"""Fault a fresh memory mapping's pages in on a thread of its own, a bounded way ahead of the thread
-that fills it.
+"""Fault a fresh memory mapping's pages in on a thread of its own, ahead of the thread that fills it,
+once some of it has been filled.
 
 The first write to each page of a new mapping faults, and the kernel zeroes the page. In this VM
 that was most of the cost of receiving a streamed push: the event loop copying 1 GB into fresh
@@ -10,10 +10,11 @@ changing what a page holds, so it may run while the buffer is being filled; ctyp
 GIL for the call. Elsewhere (another OS, an older kernel) nothing is done and the filling thread
 takes the faults as before.
 
-The thread stays at most as far past what has been written as has been written (`advance`; 4 MiB
-at first, `ahead_bytes` at most): faulting in a whole buffer at once made memory of what a peer
-only announced (a push frame's header claiming 8 GiB took 8 GiB before a byte of it came).
-`release` stops the thread and gives the pages back at once.
+The thread starts only once `start_after` bytes have been written (`advance`): faulting a whole
+buffer in at once made memory of what a peer only announced (a push frame's header claiming 8 GiB
+took 8 GiB before a byte of it came). Then it faults in the rest, from the page being written, in
+one call as before, so that the filling thread never takes the GIL back from it between steps.
+`release` gives the pages back at once (a call still running frees what it faulted in as it ends).
 """
 
 from __future__ import annotations
@@ -29,65 +30,56 @@ import threading
 logger = logging.getLogger(__name__)
 
 _MADV_POPULATE_WRITE = 23  # <asm-generic/mman-common.h>; Python's mmap module does not name it before 3.13
-_STEP_BYTES = 4 << 20  # faulted in per call, so that `release` waits for one call at most
-_FIRST_BYTES = 4 << 20  # faulted in before the first byte comes
 
 
 class PagePrefault:
-    """Faults `buffer`'s pages (an anonymous mapping) in on a daemon thread, up to `ahead_bytes`
-    past the last `advance(written)`; the thread ends at the buffer's end or at `release()`."""
+    """Faults the pages of `buffer` (an anonymous mapping) in on a daemon thread, from the point
+    written when `advance(written)` first reaches `start_after` to the end; `release()` frees them."""
 
-    def __init__(self, buffer: mmap.mmap, ahead_bytes: int):
-        self._buffer, self._ahead_bytes = buffer, ahead_bytes
-        self._target = min(len(buffer), _FIRST_BYTES)  # fault in up to here
-        self._wanted = threading.Condition()
-        self._stopped = False
-        self._thread: threading.Thread | None = None
-        if sys.platform.startswith("linux") and len(buffer):
-            address = ctypes.addressof(ctypes.c_char.from_buffer(buffer))  # the export ends with the statement
-            self._thread = threading.Thread(target=self._run, args=(address,), name="rollout-prefault", daemon=True)
-            self._thread.start()
+    def __init__(self, buffer: mmap.mmap, start_after: int):
+        self._buffer, self._start_after = buffer, start_after
+        self._lock = threading.Lock()
+        self._started = self._populating = self._released = False
 
     def advance(self, written: int) -> None:
-        """`written` bytes of the buffer are filled: fault in as many again past them, at least
-        4 MiB and at most `ahead_bytes`, so what a sender costs grows with what it sent."""
-        target = min(len(self._buffer), written + min(max(written, _FIRST_BYTES), self._ahead_bytes))
-        if self._thread is None or target < min(self._target + _STEP_BYTES, len(self._buffer)):
-            return  # not a step further yet: no lock taken for each read from the socket
-        with self._wanted:
-            if target > self._target:
-                self._target = target
-                self._wanted.notify()
+        """`written` bytes of the buffer are filled."""
+        if self._started or written < self._start_after or not sys.platform.startswith("linux"):
+            return
+        self._started = True
+        start = written - written % mmap.PAGESIZE  # madvise takes whole pages (EINVAL otherwise)
+        if start < len(self._buffer):
+            self._populating = True
+            address = ctypes.addressof(ctypes.c_char.from_buffer(self._buffer))  # the export ends here
+            args = (address + start, len(self._buffer) - start)
+            threading.Thread(target=self._run, args=args, name="rollout-prefault", daemon=True).start()
 
     def release(self) -> None:
-        """Stop faulting in and free the buffer's pages now (its contents are lost), rather than
-        when the last reference to it goes (a traceback that holds it may keep it for a while)."""
-        with self._wanted:
-            self._stopped = True
-            self._wanted.notify()
-        if self._thread is not None:
-            self._thread.join()
-        with contextlib.suppress(ValueError):  # already closed
-            self._buffer.madvise(mmap.MADV_DONTNEED)
-        with contextlib.suppress(BufferError):  # a view of it is still alive somewhere: the pages are gone anyway
-            self._buffer.close()
+        """Free the buffer's pages now (its contents are lost), rather than when the last reference
+        to it goes (a traceback that holds it may keep it for a while)."""
+        with self._lock:
+            self._released = True
+            populating = self._populating
+        _free(self._buffer)  # what is there now; a call that runs frees what it faulted in as it ends
+        if not populating:
+            with contextlib.suppress(BufferError):  # a view of it is still alive somewhere: the pages are gone anyway
+                self._buffer.close()
 
-    def _run(self, address: int) -> None:
-        done = 0
-        while True:
-            with self._wanted:
-                while not self._stopped and done >= self._target:
-                    self._wanted.wait()
-                if self._stopped:
-                    return
-                end = min(self._target, done + _STEP_BYTES)
-            if _libc().madvise(address + done, end - done, _MADV_POPULATE_WRITE) != 0:
-                errno = ctypes.get_errno()
-                logger.debug("MADV_POPULATE_WRITE refused (errno %s): pages fault in as they are written", errno)
-                return
-            done = end
-            if done == len(self._buffer):
-                return
+    def _run(self, address: int, length: int) -> None:
+        if _libc().madvise(address, length, _MADV_POPULATE_WRITE) != 0:
+            errno = ctypes.get_errno()
+            logger.debug("MADV_POPULATE_WRITE refused (errno %s): pages fault in as they are written", errno)
+        with self._lock:
+            self._populating = False
+            released = self._released
+        if released:  # released while this ran: the buffer is closed here, once no call uses it
+            _free(self._buffer)
+            with contextlib.suppress(BufferError):
+                self._buffer.close()
+
+
+def _free(buffer: mmap.mmap) -> None:
+    with contextlib.suppress(ValueError):  # already closed
+        buffer.madvise(mmap.MADV_DONTNEED)
 
 
 @functools.cache
