@@ -154,9 +154,10 @@ _MAPPED_BYTES = 2 << 20
 # <bits/mman-linux.h>; Python's mmap module names it from 3.13. Without it, a frame announced
 # bigger than the machine's free memory would be refused by the kernel's overcommit heuristic.
 _MAP_NORESERVE = 0x4000 if sys.platform.startswith("linux") else 0
-# A frame's pages are faulted in ahead of its bytes (`rollout.page_prefault`) once an eighth of it,
-# or 32 MiB, has come: a sender that stops costs at most eight times what it sent, or one frame
-# once it sent 32 MiB (and the server reads one push at a time, and frees a failed frame at once).
+# A frame's first eighth (at most 32 MiB) is faulted in at once, the rest once that has come
+# (`rollout.page_prefault`): a sender that stops costs at most an eighth of what it announced
+# before it sent that, one frame after (the server reads one push at a time, and frees a failed
+# frame at once). The event loop takes no faults, as when the whole frame was faulted in at once.
 _PREFAULT_AFTER_BYTES = 32 << 20
 
 

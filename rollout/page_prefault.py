@@ -10,11 +10,12 @@ changing what a page holds, so it may run while the buffer is being filled; ctyp
 GIL for the call. Elsewhere (another OS, an older kernel) nothing is done and the filling thread
 takes the faults as before.
 
-The thread starts only once `start_after` bytes have been written (`advance`): faulting a whole
-buffer in at once made memory of what a peer only announced (a push frame's header claiming 8 GiB
-took 8 GiB before a byte of it came). Then it faults in the rest, from the page being written, in
-one call as before, so that the filling thread never takes the GIL back from it between steps.
-`release` gives the pages back at once (a call still running frees what it faulted in as it ends).
+Faulting a whole buffer in at once made memory of what a peer only announced (a push frame's header
+claiming 8 GiB took 8 GiB before a byte of it came). So its first `start_after` bytes are faulted
+in at once, and the rest only once they have been written (`advance`), in one call from the page
+being written: one call, so that the filling thread never takes the GIL back from it between
+steps. `release` gives the pages back at once (a call still running frees what it faulted in as it
+ends).
 """
 
 from __future__ import annotations
@@ -33,25 +34,23 @@ _MADV_POPULATE_WRITE = 23  # <asm-generic/mman-common.h>; Python's mmap module d
 
 
 class PagePrefault:
-    """Faults the pages of `buffer` (an anonymous mapping) in on a daemon thread, from the point
-    written when `advance(written)` first reaches `start_after` to the end; `release()` frees them."""
+    """Faults the pages of `buffer` (an anonymous mapping) in on daemon threads: its first
+    `start_after` bytes at once, the rest once `advance(written)` reaches `start_after`;
+    `release()` frees them."""
 
     def __init__(self, buffer: mmap.mmap, start_after: int):
         self._buffer, self._start_after = buffer, start_after
         self._lock = threading.Lock()
-        self._started = self._populating = self._released = False
+        self._started, self._released = False, False
+        self._populating = 0  # calls running
+        self._populate(0, start_after)
 
     def advance(self, written: int) -> None:
         """`written` bytes of the buffer are filled."""
-        if self._started or written < self._start_after or not sys.platform.startswith("linux"):
+        if self._started or written < self._start_after:
             return
         self._started = True
-        start = written - written % mmap.PAGESIZE  # madvise takes whole pages (EINVAL otherwise)
-        if start < len(self._buffer):
-            self._populating = True
-            address = ctypes.addressof(ctypes.c_char.from_buffer(self._buffer))  # the export ends here
-            args = (address + start, len(self._buffer) - start)
-            threading.Thread(target=self._run, args=args, name="rollout-prefault", daemon=True).start()
+        self._populate(written - written % mmap.PAGESIZE, len(self._buffer))  # madvise takes whole pages
 
     def release(self) -> None:
         """Free the buffer's pages now (its contents are lost), rather than when the last reference
@@ -64,14 +63,24 @@ class PagePrefault:
             with contextlib.suppress(BufferError):  # a view of it is still alive somewhere: the pages are gone anyway
                 self._buffer.close()
 
+    def _populate(self, start: int, end: int) -> None:
+        end = min(end, len(self._buffer))
+        if start >= end or not sys.platform.startswith("linux"):
+            return
+        with self._lock:
+            self._populating += 1
+        address = ctypes.addressof(ctypes.c_char.from_buffer(self._buffer))  # the export ends here
+        args = (address + start, end - start)
+        threading.Thread(target=self._run, args=args, name="rollout-prefault", daemon=True).start()
+
     def _run(self, address: int, length: int) -> None:
         if _libc().madvise(address, length, _MADV_POPULATE_WRITE) != 0:
             errno = ctypes.get_errno()
             logger.debug("MADV_POPULATE_WRITE refused (errno %s): pages fault in as they are written", errno)
         with self._lock:
-            self._populating = False
-            released = self._released
-        if released:  # released while this ran: the buffer is closed here, once no call uses it
+            self._populating -= 1
+            last = self._released and not self._populating
+        if last:  # released while this ran: the buffer is closed here, once no call uses it
             _free(self._buffer)
             with contextlib.suppress(BufferError):
                 self._buffer.close()
