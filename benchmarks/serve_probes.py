@@ -4,13 +4,19 @@ Starts `python -m rollout.serve` (executor mp, 2 workers, an API key) on a tiny 
 temporary folder and sends each probe while a well-formed streamed request runs: wrong types, NaN and absurd
 magnitudes, bodies that cost more than they weigh (a PNG bomb to a model that takes no images), a schedule
 whose log-prob is NaN, a request_id of the engine's own, a push taking the weight version back, LoRA uploads
-that could break PEFT or hang it, paths that are FIFOs or devices, worker functions that would bypass the
-engine, a foreign Host, a text/plain body, half-sent connections. One row per probe (what was sent, the
-status, seconds, the start of the message); checked, for the whole run:
+that could break PEFT or hang it, paths that are FIFOs or devices or files whose tensor names are not the
+client's to read, worker functions that would bypass the engine or wait for 1e308 s, a foreign Host, a
+text/plain body, a 65 KiB head, half-sent connections; then a one-step generate while a weight push trickles
+in (a byte every 0.5 s), and ten pushes that each announce a 500 MB bucket and send 1 KiB of it. One row per
+probe (what was sent, the status, seconds, the start of the message); checked, for the whole run:
 
   - every probe got the status it should, within a second (--probe-bound-s);
   - the good request finished with the same bytes (image and trajectory) as when run alone;
-  - /health, polled every 0.1 s from a thread, always answered within 2 s (--health-bound-s);
+  - /health, polled every 0.1 s from a thread, always answered within a second (--health-bound-s);
+  - no message named the tensors of the server's file, and the trickling push held no generation (the
+    one-step generate beside it took under --probe-bound-s plus a few steps of the good request);
+  - the announced pushes raised the server's RSS by what they sent (and pages faulted in a few MiB ahead),
+    not by what they announced (--announced-slack-mb), and nothing once closed;
   - afterwards the server's RSS (server and workers) is within --rss-slack-mb of where it was,
     and /dev/shm holds the server's blocks it held before (the one it rewrites for call arguments).
 
@@ -40,12 +46,14 @@ from benchmarks import harness
 from rollout import SamplingParams
 from rollout.pipelines.tiny import build_tiny_sd3
 from rollout.serve.launch import ServerProcess
-from rollout.wire import SAFETENSORS_MEDIA_TYPE, tensors_to_bytes
+from rollout.serve.routes import body_json
+from rollout.wire import FRAMES_MEDIA_TYPE, LENGTH, SAFETENSORS_MEDIA_TYPE, frame, tensors_to_bytes
 from trainers_adapters.remote_engine import RemoteRolloutEngine
 
 # Long enough to run through every probe (checked: it must still be running after the last one).
 GOOD = SamplingParams(num_inference_steps=800, num_samples=2, seed=7)
 JSON = {"content-type": "application/json"}
+FOREIGN_NAME = "someone_elses_model.private_layer"  # must appear in no answer
 SAFETENSORS = {"content-type": SAFETENSORS_MEDIA_TYPE}
 
 
@@ -76,6 +84,8 @@ def make_files(folder: Path, tensors: dict, config: dict) -> dict[str, Path]:
     from safetensors.torch import save_file
 
     paths = {name: folder / name for name in ("fifo", "device.safetensors", "dir", "fifo_lora", "sparse_lora")}
+    paths["foreign.safetensors"] = folder / "foreign.safetensors"  # tensors of someone else's
+    save_file({f"{FOREIGN_NAME}.{k}": torch.zeros(2) for k in range(3)}, paths["foreign.safetensors"])
     paths["fifo"].mkdir()
     os.mkfifo(paths["fifo"] / "diffusion_pytorch_model.safetensors")
     paths["device.safetensors"].symlink_to("/dev/urandom")
@@ -165,12 +175,15 @@ def probes(tensors: dict, config: dict, files: dict[str, Path]) -> list[Probe]:
         Probe("weights from a folder with a FIFO", from_disk("fifo"), 400),
         Probe("weights from a symlink to /dev/urandom", from_disk("device.safetensors"), 400),
         Probe("weights from a directory named x.safetensors", from_disk("dir"), 400),
+        Probe("weights from a file that is not this model's", from_disk("foreign.safetensors"), 400),
         Probe("LoRA folder whose weights are a FIFO", lora_folder("fifo_lora"), 400),
         Probe("LoRA folder with a 1 GB sparse config", lora_folder("sparse_lora"), 400),
         Probe("collective_rpc sleep", rpc("sleep", 1), 403),
         Probe("collective_rpc unload_lora", rpc("unload_lora", "policy"), 403),
         Probe("collective_rpc init_weight_update_group on 0.0.0.0", rendezvous, 403),
         Probe("bucket_bytes -1", post("/update_weights_from_distributed", bucket), 422),
+        Probe("collective_rpc timeout 1e308", post("/collective_rpc", {"method": "get_rank", "timeout": 1e308}), 400),
+        Probe("a 65 KiB head", lambda client: client.get("/health", headers={"x-filler": "x" * (65 << 10)}), 400),
         Probe("no key", lambda client: httpx.post(f"{client.base_url}/resume", json={}), 401),
         Probe("a foreign Host (DNS rebinding)", resume(json={}, headers={"host": "attacker.example"}), 400),
         Probe("a text/plain body", resume(content=b"{}", headers={"content-type": "text/plain"}), 415),
@@ -208,6 +221,58 @@ def half_sent_connections(url: str, count: int, header_timeout_s: float) -> floa
     return time.monotonic() - start
 
 
+def chunk(data: bytes) -> bytes:
+    return f"{len(data):x}\r\n".encode() + data + b"\r\n"
+
+
+def open_push(url: str, key: str) -> socket.socket:
+    """A streamed push's connection, its head and options frame sent; then a bucket frame's length."""
+    port = int(url.rpartition(":")[2])
+    sock = socket.create_connection(("127.0.0.1", port), timeout=30)
+    sock.sendall(
+        b"POST /update_weights_from_tensor HTTP/1.1\r\nHost: 127.0.0.1\r\nTransfer-Encoding: chunked\r\n"
+        + f"Content-Type: {FRAMES_MEDIA_TYPE}\r\nAuthorization: Bearer {key}\r\n\r\n".encode()
+        + chunk(frame("update_weights", {"request": body_json("update_weights")}))
+    )
+    return sock
+
+
+class TricklingPush(threading.Thread):
+    """A push whose bucket comes a byte every 0.5 s (never stalled past --body-timeout-s)."""
+
+    def __init__(self, url: str, key: str):
+        super().__init__(daemon=True)
+        self.sock = open_push(url, key)
+        self.sock.sendall(chunk(LENGTH.pack(1 << 20)))
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        try:
+            while not self.stop.wait(0.5):
+                self.sock.sendall(chunk(b"\0"))
+        except OSError:  # cut off by the server (--upload-timeout-s): then it holds nothing either
+            return
+
+    def close(self) -> None:
+        self.stop.set()
+        self.join()
+        self.sock.close()
+
+
+def announced_pushes(url: str, key: str, pids: list[int], count: int, announced_mb: int) -> tuple[float, float]:
+    """`count` pushes in turn, each announcing a bucket of `announced_mb` and sending 1 KiB of it
+    before it drops: the RSS growth while the last was held, and a second after all were gone."""
+    before, held = rss_mb(pids), 0.0
+    for _ in range(count):
+        sock = open_push(url, key)
+        sock.sendall(chunk(LENGTH.pack(announced_mb << 20) + bytes(1024)))
+        time.sleep(0.5)
+        held = max(held, rss_mb(pids) - before)
+        sock.close()
+    time.sleep(1.0)
+    return held, rss_mb(pids) - before
+
+
 def rss_mb(pids: list[int]) -> float:
     total = 0
     for pid in pids:
@@ -242,7 +307,10 @@ class HealthWatch(threading.Thread):
 def main(argv: list[str] | None = None) -> dict:
     parser = harness.parser("serve_probes", __doc__)
     parser.add_argument("--probe-bound-s", type=float, default=1.0, help="most seconds a probe's answer may take")
-    parser.add_argument("--health-bound-s", type=float, default=2.0, help="most seconds /health may take")
+    parser.add_argument("--health-bound-s", type=float, default=1.0, help="most seconds /health may take")
+    parser.add_argument(
+        "--announced-slack-mb", type=float, default=100.0, help="RSS growth allowed while 500 MB are announced"
+    )
     parser.add_argument("--rss-slack-mb", type=float, default=200.0, help="RSS growth allowed over the run")
     args = parser.parse_args(argv)
     report = harness.Report("serve_probes", args, __doc__, argv)
@@ -266,8 +334,16 @@ def main(argv: list[str] | None = None) -> dict:
             (good_id, *_) = remote.add_request("a red square", GOOD, request_id="good")
             with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {key}"}, timeout=60) as client:
                 rows = [send(probe, client, args.probe_bound_s) for probe in probes(tensors, config, files)]
+            trickling = TricklingPush(server.url, key)
+            trickling.start()
+            time.sleep(1.0)  # being received
+            start = time.monotonic()
+            remote.generate("beside a trickling push", SamplingParams(num_inference_steps=1, seed=0))
+            beside_trickle_s = time.monotonic() - start
+            trickling.close()
             running = remote.server_info()["running_requests"]
             half_s = half_sent_connections(server.url, 50, 2.0)
+            announced_held, announced_after = announced_pushes(server.url, key, pids, 10, 500)
             together = []
             while remote.has_unfinished_requests():
                 together += remote.step()
@@ -295,6 +371,12 @@ def main(argv: list[str] | None = None) -> dict:
         f"still running after the last probe: {running > 0}"
     )
     report.note(f"/health: {watch.polls} polls, slowest {watch.worst_s:.3f} s, {watch.failures} not 200")
+    report.note(f"a one-step generate while a push trickled in: {beside_trickle_s:.2f} s")
+    report.note(
+        f"10 pushes announcing 500 MB and sending 1 KiB each: RSS +{announced_held:.0f} MB while held, "
+        f"+{announced_after:.0f} MB a second after they dropped"
+    )
+    named = sum(FOREIGN_NAME in row["message"] for row in rows)
     report.note(
         f"RSS of the server and its workers: {rss_before:.0f} MB before, {rss_after:.0f} MB after; "
         f"/dev/shm blocks left beyond the one kept for call arguments: {len(shm)}"
@@ -306,6 +388,9 @@ def main(argv: list[str] | None = None) -> dict:
         harness.Target("good request's samples not bitwise as alone", different, "==", 0),
         harness.Target("/health polls not 200 or unanswered", watch.failures, "==", 0),
         harness.Target("/health slowest s", watch.worst_s, "<", args.health_bound_s),
+        harness.Target("answers naming the server file's tensors", named, "==", 0),
+        harness.Target("one-step generate beside a trickling push s", beside_trickle_s, "<", args.probe_bound_s + 4),
+        harness.Target("RSS growth MB while 500 MB are announced", announced_held, "<", args.announced_slack_mb),
         harness.Target("RSS growth MB", rss_after - rss_before, "<", args.rss_slack_mb),
         harness.Target("/dev/shm blocks left", len(shm), "==", 0),
     ):
@@ -315,6 +400,8 @@ def main(argv: list[str] | None = None) -> dict:
         "half_sent_close_s": half_s,
         "health": {"polls": watch.polls, "worst_s": watch.worst_s, "failures": watch.failures},
         "rss_mb": [rss_before, rss_after],
+        "announced_pushes_rss_mb": [announced_held, announced_after],
+        "beside_trickling_push_s": beside_trickle_s,
         "shm_left": sorted(shm),
     }
     return report.finish()

@@ -37,6 +37,7 @@ TRANSPORT_METHODS = ("_start_workers", "_send_step", "_send_rpc", "_gather", "_r
 OWN_LIFECYCLE_METHODS = ("_execute", "_collective_rpc", "_stop_workers")
 # The ready handshake's name, as messages about it show it.
 STARTUP = "start-up"
+MAX_RPC_TIMEOUT_S = 7 * 24 * 3600
 
 
 class Executor:
@@ -139,7 +140,14 @@ class Executor:
         timeout: float | None = None,
         ranks: Sequence[int] | None = None,
     ) -> list[Any]:
-        """Call `method` on the addressed ranks (all when None); results in rank order."""
+        """Call `method` on the addressed ranks (all when None); results in rank order. `timeout`:
+        seconds in (0, MAX_RPC_TIMEOUT_S], or None for the config's `rpc_timeout_s`."""
+        if timeout is not None and not (isinstance(timeout, int | float) and 0 < timeout <= MAX_RPC_TIMEOUT_S):
+            # NaN fails the comparison too; a huge one overflowed the waits below (an HTTP client got a 500)
+            raise ValueError(
+                f"collective_rpc timeout must be a number of seconds in (0, {MAX_RPC_TIMEOUT_S}] (a week), "
+                f"or None for rpc_timeout_s; got {timeout!r}"
+            )
         self._check_alive()
         name, _ = self.resolve_method(method)
         ranks = self.resolve_ranks(ranks)

@@ -27,6 +27,7 @@ from rollout.engine import RolloutEngine
 from rollout.errors import EngineDeadError, RequestFailedError
 from rollout.outputs import RolloutOutput
 from rollout.sampling_params import SamplingParams
+from rollout.weight_sync import StagedPush
 
 logger = logging.getLogger(__name__)
 
@@ -213,6 +214,15 @@ class AsyncRolloutEngine:
 
     update_weights = _between_steps(RolloutEngine.update_weights)
     update_weights_from_disk = _between_steps(RolloutEngine.update_weights_from_disk)
+    open_weight_push = _between_steps(RolloutEngine.open_weight_push)
+    finish_weight_push = _between_steps(RolloutEngine.finish_weight_push)
+    abort_weight_push = _between_steps(RolloutEngine.abort_weight_push)
+
+    async def add_to_weight_push(self, push: StagedPush, named_tensors) -> None:
+        """`push.add(named_tensors)` (a push from `open_weight_push`), between two steps: the
+        engine steps on between the parts of a push that arrives over time."""
+        await self._call(push.add, named_tensors)
+
     init_weight_update_group = _between_steps(RolloutEngine.init_weight_update_group)
     update_weights_from_distributed = _between_steps(RolloutEngine.update_weights_from_distributed)
     check_weight_update = _between_steps(RolloutEngine.check_weight_update)

@@ -396,6 +396,9 @@ class RolloutEngine:
 
     update_weights = _hot_swap_method(HotSwap.update_weights)
     update_weights_from_disk = _hot_swap_method(HotSwap.update_weights_from_disk)
+    open_weight_push = _hot_swap_method(HotSwap.open_weight_push)
+    finish_weight_push = _hot_swap_method(HotSwap.finish_weight_push)
+    abort_weight_push = _hot_swap_method(HotSwap.abort_weight_push)
     init_weight_update_group = _hot_swap_method(HotSwap.init_weight_update_group)
     update_weights_from_distributed = _hot_swap_method(HotSwap.update_weights_from_distributed)
     check_weight_update = _hot_swap_method(HotSwap.check_weight_update)

@@ -8,12 +8,13 @@ from __future__ import annotations
 import json
 import math
 import mmap
+import sys
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 
-from rollout.page_prefault import populate_in_background
+from rollout.page_prefault import PagePrefault
 from rollout.safetensors_files import DTYPES
 from rollout.wire import LENGTH, WireError, read_header
 
@@ -68,6 +69,7 @@ class FrameAssembler:
         self.max_frame_bytes = max_frame_bytes
         self._length = bytearray(LENGTH.size)  # the length of the next frame, as it arrives
         self._frame: bytearray | mmap.mmap | None = None
+        self._prefault: PagePrefault | None = None  # faults a mapped frame in ahead of its bytes
         self._view = memoryview(self._length)  # what get_buffer() offers: the rest of either
         self._filled = 0  # bytes of the length, or of the frame, that have arrived
 
@@ -80,6 +82,8 @@ class FrameAssembler:
         """Records that `nbytes` were written at the start of `get_buffer()`; returns the frame
         that they complete, if they complete one."""
         self._filled += nbytes
+        if self._prefault is not None:
+            self._prefault.advance(self._filled)
         if self._filled < len(self._view):
             return None
         if self._frame is not None:
@@ -88,14 +92,27 @@ class FrameAssembler:
         if length > self.max_frame_bytes:
             raise FrameTooLarge(f"a frame of {length} bytes is over the limit of {self.max_frame_bytes}")
         self._frame, self._filled = frame_buffer(length), 0
+        if isinstance(self._frame, mmap.mmap):
+            self._prefault = PagePrefault(self._frame, start_after=min(length // 8, _PREFAULT_AFTER_BYTES))
         self._view = memoryview(self._frame)
         return self._next_frame() if length == 0 else None
 
     def _next_frame(self) -> bytearray | mmap.mmap:
-        done, self._frame, self._filled = self._frame, None, 0
+        done, self._frame, self._filled, self._prefault = self._frame, None, 0, None
         self._view.release()  # a view left open would keep an mmap from being closed
         self._view = memoryview(self._length)
         return done
+
+    def release(self) -> None:
+        """Free the frame in progress now, if there is one (the stream failed or was refused): its
+        pages go back at once, not when a traceback that holds this assembler is collected."""
+        frame, prefault, self._frame, self._prefault, self._filled = self._frame, self._prefault, None, None, 0
+        if frame is None:
+            return
+        self._view.release()
+        self._view = memoryview(self._length)
+        if prefault is not None:
+            prefault.release()
 
     def feed(self, chunk) -> Iterator[bytearray | mmap.mmap]:
         view = memoryview(chunk)
@@ -115,10 +132,12 @@ class FrameAssembler:
 
 
 def frame_buffer(length: int) -> bytearray | mmap.mmap:
-    """A writable buffer of `length` bytes for one frame. A big one is memory mapped, and its
-    pages are faulted in by a thread of their own meanwhile (`rollout.page_prefault`): filling
-    fresh pages costs a fault each, which made copying a bucket in 5x slower than the copy itself
-    (0.5 vs 2.9 GB/s), and so the faults leave the thread that fills it (the server's event loop).
+    """A writable buffer of `length` bytes for one frame. A big one is memory mapped, unreserved:
+    its pages are memory only once written, so a frame's length announces address space, not
+    memory. Once some of a frame has come, `FrameAssembler` has a thread fault the rest in ahead of
+    its bytes (`rollout.page_prefault`): filling fresh pages costs a fault each, which made copying
+    a bucket in 5x slower than the copy itself (0.5 vs 2.9 GB/s), and so the faults leave the
+    thread that fills it (the server's event loop).
 
     Plain pages, not transparent huge pages: with THP in `madvise` mode (the usual default) a
     `MADV_HUGEPAGE` mapping makes the kernel compact memory on the spot to find free 2 MiB pages,
@@ -128,12 +147,18 @@ def frame_buffer(length: int) -> bytearray | mmap.mmap:
     benchmarks/http_weight_push, server process CPU)."""
     if length < _MAPPED_BYTES:
         return bytearray(length)
-    buffer = mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    populate_in_background(buffer)
-    return buffer
+    return mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE)
 
 
 _MAPPED_BYTES = 2 << 20
+# <bits/mman-linux.h>; Python's mmap module names it from 3.13. Without it, a frame announced
+# bigger than the machine's free memory would be refused by the kernel's overcommit heuristic.
+_MAP_NORESERVE = 0x4000 if sys.platform.startswith("linux") else 0
+# A frame's first eighth (at most 32 MiB) is faulted in at once, the rest once that has come
+# (`rollout.page_prefault`): a sender that stops costs at most an eighth of what it announced
+# before it sent that, one frame after (the server reads one push at a time, and frees a failed
+# frame at once). The event loop takes no faults, as when the whole frame was faulted in at once.
+_PREFAULT_AFTER_BYTES = 32 << 20
 
 
 class FrameTooLarge(WireError):

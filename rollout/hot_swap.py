@@ -22,7 +22,7 @@ from peft import LoraConfig
 from rollout.broadcast_group import BroadcastEntry
 from rollout.errors import EngineDeadError, WorkerError
 from rollout.safetensors_files import safetensors_files
-from rollout.weight_sync import DEFAULT_BUCKET_BYTES, WeightSync
+from rollout.weight_sync import DEFAULT_BUCKET_BYTES, StagedPush, WeightSync
 from rollout.weight_versions import WeightVersions
 from rollout.weights import TensorSpec
 
@@ -73,6 +73,7 @@ class HotSwap:
         # embeddings encoded at an older count are never reused.
         self.encoder_generation = 0
         self._loras: dict[str, int] = {}  # name -> modules it binds
+        self._staged_push: StagedPush | None = None  # an update staged in parts, until it ends
 
     @property
     def weight_version(self) -> int:
@@ -122,7 +123,48 @@ class HotSwap:
         push_args = (named_tensors, component, check_finite, bucket_bytes)
         return self._update(self._weight_sync.push, push_args, component, version, mode)
 
+    def open_weight_push(
+        self, *, component: str = "transformer", check_finite: bool = True, bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    ) -> StagedPush:
+        """`update_weights` in parts, for a caller whose tensors arrive over time (the HTTP
+        server's streamed push): `push.add(pairs)` stages them, a call of its own each, and the
+        engine may step between the calls (staged tensors are invisible to sampling);
+        `finish_weight_push` applies the update, `abort_weight_push` drops it. While it is open,
+        every other weight update and sleep is refused (RuntimeError): they would stage beside it."""
+        self._check_open()
+        self.check_awake()
+        _check_bucket_bytes(bucket_bytes)
+        self._check_no_staged_push()
+        self._staged_push = self._weight_sync.open(component, check_finite, bucket_bytes)
+        return self._staged_push
+
+    def finish_weight_push(self, push: StagedPush, *, version: int | None = None, mode: str = "wait") -> int:
+        """Apply an update opened with `open_weight_push` as `update_weights` applies its own;
+        returns the new weight version. It has ended whether this returns or raises."""
+        finish, self._staged_push = push.finish, None
+        try:
+            return self._update(finish, (), push.component, version, mode)
+        except BaseException as error:
+            if not push.ended:  # refused before the push's own finish: drop what it staged
+                push.abort(error)
+            raise
+
+    def abort_weight_push(self, push: StagedPush, cause: BaseException) -> None:
+        """Drop what an update opened with `open_weight_push` staged (its body failed)."""
+        if self._staged_push is push:
+            self._staged_push = None
+        if not push.ended:
+            push.abort(cause)
+
+    def _check_no_staged_push(self) -> None:
+        if self._staged_push is not None:
+            raise RuntimeError(
+                f"a weight push of {self._staged_push.component} is being received and staged; "
+                "send this once it has ended"
+            )
+
     def _update(self, push: Callable, push_args: tuple, component: str, version: int | None, mode: str) -> int:
+        self._check_no_staged_push()
         self.check_awake()
         if mode not in ("wait", "pause"):
             raise ValueError(f"mode must be 'wait' or 'pause', got {mode!r}")
@@ -339,6 +381,7 @@ class HotSwap:
         self._check_open()
         if level not in (1, 2):
             raise ValueError(f"sleep level must be 1 (offload weights) or 2 (discard them), got {level!r}")
+        self._check_no_staged_push()
         unfinished = len(self._unfinished())
         if unfinished:
             raise RuntimeError(

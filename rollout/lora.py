@@ -136,6 +136,14 @@ def split_by_component(tensors: Mapping[str, torch.Tensor], components: Sequence
     return {component: normalize_keys(part) for component, part in parts.items()}
 
 
+def count_non_lora_keys(tensors: Mapping[str, torch.Tensor]) -> int:
+    """How many keys name no LoRA tensor (`<module>.lora_A.weight`, ...), whatever their prefixes:
+    a folder on the server is checked so before anything names its keys (a client that names the
+    folder may not be allowed to read it)."""
+    keys = normalize_keys({key.removeprefix(f"{DIFFUSERS_SECOND_COMPONENT}."): t for key, t in tensors.items()})
+    return sum(_lora_key(key) is None for key in keys)
+
+
 def infer_config(tensors: Mapping[str, torch.Tensor]) -> LoraConfig:
     """A config for a diffusers LoRA file: its rank from lora_A, alpha = rank, its modules as targets
     (keys as a file or `split_by_component` gives them: the component prefixes do not count)."""

@@ -49,14 +49,16 @@ def safetensors_files(path: str | Path) -> list[Path]:
 def read_specs(files: list[Path]) -> dict[str, TensorSpec]:
     """Name -> spec of every tensor in the files, from their JSON headers."""
     specs = {}
+    # The tensors go by their place in the header, not their names: these files may be anyone's
+    # (`WeightSync.check_specs` names only the model's own).
     for file in files:
-        for name, entry in _header(file).items():
+        for index, (name, entry) in enumerate(_header(file).items()):
             if name == "__metadata__":
                 continue
             if not (isinstance(entry, dict) and isinstance(entry.get("shape"), list) and "dtype" in entry):
-                raise ValueError(f"{str(file)!r} is not a safetensors file: its entry for {name!r} is malformed")
+                raise ValueError(f"{str(file)!r} is not a safetensors file: its header's entry #{index} is malformed")
             if entry["dtype"] not in DTYPES:
-                raise ValueError(f"{file}: tensor {name} has dtype {entry['dtype']}, which is not supported")
+                raise ValueError(f"{file}: its header's entry #{index} has a dtype this engine does not support")
             specs[name] = TensorSpec(tuple(entry["shape"]), DTYPES[entry["dtype"]])
     return specs
 

@@ -10,6 +10,7 @@ import os
 import secrets
 import signal
 import socket
+import stat
 import sys
 from pathlib import Path
 
@@ -105,6 +106,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="a request body may pause this long between two chunks; past it the request is a 408",
     )
     server.add_argument(
+        "--upload-timeout-s",
+        type=float,
+        default=600.0,
+        help="a body of tensors (a weight push, streamed or whole; an adapter) must arrive whole this long after "
+        "its request started; past it the request is a 408 and its connection is closed",
+    )
+    server.add_argument(
         "--max-connections",
         type=int,
         default=1024,
@@ -132,7 +140,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.api_key = os.environ.get(API_KEY_ENV)  # read here, so --help never shows it
     if args.api_key is not None and not args.api_key.strip():
         parser.error(f"the API key (--api-key or ${API_KEY_ENV}) is empty; give a real one, or unset it to get one")
-    for name in ("header_timeout_s", "body_timeout_s", "shutdown_grace_s"):
+    for name in ("header_timeout_s", "body_timeout_s", "upload_timeout_s", "shutdown_grace_s"):
         if getattr(args, name) <= 0:
             parser.error(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
     if args.max_connections < 1:
@@ -155,16 +163,48 @@ def key_file_path(args: argparse.Namespace) -> Path:
 
 def write_generated_key(path: Path) -> str:
     """A fresh key, written to `path` readable and writable by this user only (as Jupyter writes
-    its tokens), the folder made private too if this makes it."""
+    its tokens), the folder made private too if this makes it. The file is always a new one, made
+    without following links: in a folder others can write to, a link planted at `path` would have
+    the key written wherever it points, and a file another user made (left readable to them) would
+    hand them the key. A file of this user's at `path` (a key left by a server that was killed) is
+    replaced; anything else there, or a folder others may change, is refused (ValueError)."""
     key = secrets.token_urlsafe(32)
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    _check_key_folder(path.parent)
     try:
-        os.fchmod(descriptor, 0o600)  # a file that existed keeps its mode through O_CREAT
+        existing = path.lstat()
+    except FileNotFoundError:
+        existing = None
+    if existing is not None:
+        if not stat.S_ISREG(existing.st_mode) or existing.st_uid != os.geteuid():
+            what = "a symbolic link" if stat.S_ISLNK(existing.st_mode) else "not a regular file of this user's"
+            raise ValueError(
+                f"--api-key-file {path} exists and is {what} (owner uid {existing.st_uid}): the key is written only "
+                "to a new file; remove it, or name another file"
+            )
+        path.unlink()  # a new file, not this one: whoever opened it before reads nothing of the key
+    try:
+        descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    except FileExistsError:
+        raise ValueError(f"--api-key-file {path} was made by someone else while this server wrote it") from None
+    try:
+        os.fchmod(descriptor, 0o600)  # whatever the umask
         os.write(descriptor, key.encode())
     finally:
         os.close(descriptor)
     return key
+
+
+def _check_key_folder(folder: Path) -> None:
+    """The key file's folder must be this user's (or root's), and if others may write to it, sticky
+    (/tmp): otherwise another user could swap the key file for one of theirs after it is written."""
+    info = folder.stat()
+    writable_by_others = info.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+    if info.st_uid not in (os.geteuid(), 0) or writable_by_others and not info.st_mode & stat.S_ISVTX:
+        raise ValueError(
+            f"--api-key-file: its folder {folder} belongs to uid {info.st_uid} with mode "
+            f"{stat.filemode(info.st_mode)}: others could replace the key file; use a folder of your own"
+        )
 
 
 def engine_flag_names() -> list[str]:
@@ -205,7 +245,10 @@ def main(argv: list[str] | None = None) -> int:
     generated_key_file = None
     if args.api_key is None and not args.no_auth:
         generated_key_file = key_file_path(args)
-        args.api_key = write_generated_key(generated_key_file)
+        try:
+            args.api_key = write_generated_key(generated_key_file)
+        except ValueError as error:
+            sys.exit(f"error: {error}")
         _remove_on_sigterm(generated_key_file)
         logger.warning(
             "no API key was given: generated one into %s (readable by you only); clients read it with "
@@ -222,6 +265,7 @@ def main(argv: list[str] | None = None) -> int:
         max_upload_bytes=int(args.max_upload_mb * _MB),
         max_samples_per_request=args.max_samples_per_request,
         body_timeout_s=args.body_timeout_s,
+        upload_timeout_s=args.upload_timeout_s,
     )
     try:
         return _serve(args, config, settings, listening)

@@ -109,6 +109,7 @@ class ChunkedFrameReader:
     def _refuse(self, error: FrameTooLarge | BodyTooLarge) -> None:
         self.refused = self.refused or error
         self.discarding = True
+        self.assembler.release()
 
     def _framing_arrived(self, view: memoryview) -> int:
         """Takes framing bytes from the start of `view`; returns how many."""

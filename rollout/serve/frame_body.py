@@ -117,6 +117,7 @@ class FrameBody:
             reader.discarding = True
             self._start(reader)
         self._reader.discarding, self._draining = True, True
+        self._reader.assembler.release()
         self._ready.clear()
         self._set_reading()
 
@@ -164,6 +165,7 @@ class FrameBody:
         self.framing_lost = self.framing_lost or framing_lost
         if self._reader is not None:
             self._reader.discarding = True  # the route stops at the error: what follows is dropped
+            self._reader.assembler.release()  # now: the error's traceback may hold this body a while
         self._wake()
 
     def _wake(self) -> None:

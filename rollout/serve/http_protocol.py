@@ -61,7 +61,7 @@ class ServerProtocol(HttpToolsProtocol, asyncio.BufferedProtocol):
     frame_body_paths: frozenset[str] = frozenset()
     _deadline: asyncio.TimerHandle | None = None
     _in_headers = False  # the parser is inside a request's URL or headers
-    _header_bytes = 0  # received of them
+    _header_bytes = 0  # received of them, counted before httptools parses them (`_received`)
     _frame_body: FrameBody | None = None  # the body being read into frames, if one is
     _head_seen = b""  # the last bytes of a head whose end is being looked for
 
@@ -86,6 +86,12 @@ class ServerProtocol(HttpToolsProtocol, asyncio.BufferedProtocol):
         while data and not self.transport.is_closing():
             if self._in_headers or not self._request_in_progress():
                 end = self._head_end(data)
+                if not self._in_headers:  # a request's head starts here
+                    self._header_bytes = 0
+                self._header_bytes += end
+                if self._header_bytes > self.max_header_bytes:  # the head's whole block: line, headers, blank line
+                    self._refuse_long_head()
+                    return
             else:  # a body's bytes, for httptools: a head after them is one queued behind this request
                 end, self._head_seen = len(data), b""
             self.data_received(data[:end])
@@ -111,26 +117,22 @@ class ServerProtocol(HttpToolsProtocol, asyncio.BufferedProtocol):
         return len(data)
 
     def data_received(self, data: bytes) -> None:
-        # Bytes that come while no request is in progress are the next request's; while one is, a
-        # chunk may hold the end of its body, so only the chunks after the next one's begins count.
-        counted = self._in_headers or not self._request_in_progress()
         super().data_received(data)
-        if counted and self._in_headers:  # chunks of a request's URL and headers that did not end them
-            self._header_bytes += len(data)
-            if self._header_bytes > self.max_header_bytes and not self.transport.is_closing():
-                logger.info("refused a request whose headers ran past %s bytes", self.max_header_bytes)
-                self.send_400_response(
-                    f"The request's URL and headers are over this server's limit of {self.max_header_bytes} bytes."
-                )
-                return
         if self._request_in_progress():  # its headers are all here: the time bound is met
             self._disarm()
         else:  # the bytes of a request whose headers are not all here
             self._arm()
 
+    def _refuse_long_head(self) -> None:
+        # Before httptools sees the bytes: a head that ends past the limit is never dispatched.
+        logger.info("refused a request whose headers ran past %s bytes", self.max_header_bytes)
+        self.send_400_response(
+            f"The request's URL and headers are over this server's limit of {self.max_header_bytes} bytes."
+        )
+
     def on_message_begin(self) -> None:
         super().on_message_begin()
-        self._in_headers, self._header_bytes = True, 0
+        self._in_headers = True
 
     def on_headers_complete(self) -> None:
         self._in_headers = False

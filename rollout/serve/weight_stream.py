@@ -9,16 +9,18 @@ The body (Content-Type `FRAMES_MEDIA_TYPE`) is a stream of frames (`rollout.wire
 The client writes the frames lazily from the tensors (`weight_frames`: views of their memory, no
 join). The server cuts each frame into a buffer of its own as it arrives (on its own HTTP protocol,
 read from the socket straight into that buffer: `rollout.serve.frame_body`), and hands its tensors
-(views of that buffer, which nothing else holds) over to `update_weights` on the engine's thread
-as an iterator (`HandedOver`: the in-process executor stages them without a copy), which checks
-and stages them in buckets while the next frame arrives (`receive_update`). So the server holds
-the staged update plus about a bucket, not the body, its parse and the update.
+(views of that buffer, which nothing else holds) over to the engine, a bucket per call between two
+engine steps (`RolloutEngine.open_weight_push`; `HandedOver`: the in-process executor stages them
+without a copy), which checks and stages them while the next frame arrives (`receive_update`). So
+the server holds the staged update plus about a bucket, not the body, its parse and the update;
+and the engine generates on while the body arrives: a body that trickled in held every generation
+for as long as it trickled, when the whole push was one engine call that waited for its buckets.
+The body must arrive whole within --upload-timeout-s.
 
 All-or-nothing, as in process: whatever goes wrong before the end frame (a body cut off, stalled
-past --body-timeout-s, over --max-upload-mb, a malformed frame, a tensor the engine refuses) ends
-the iterator with that error, so `WeightSync` drops what it staged and the weights and version stay.
-The answer waits for that rollback. While the buckets arrive the engine is inside the update call
-and does not step, as while it stages an update in process: the network time is the update's.
+past --body-timeout-s, past --upload-timeout-s, over --max-upload-mb, a malformed frame, a tensor
+the engine refuses) drops what the engine staged, and the weights and version stay. The answer
+waits for that rollback. Only applying the update pauses generation.
 """
 
 from __future__ import annotations
@@ -26,11 +28,10 @@ from __future__ import annotations
 import asyncio
 import json
 import mmap
-import queue
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
 
 import torch
-from fastapi import Request
+from fastapi import HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
@@ -74,26 +75,43 @@ def weight_frames(
 # The server's side.
 
 
-async def receive_update(request: Request, engine: AsyncRolloutEngine, limit: int, idle_timeout_s: float) -> int:
+async def receive_update(
+    request: Request,
+    engine: AsyncRolloutEngine,
+    limit: int,
+    idle_timeout_s: float,
+    deadline_s: float,
+    one_at_a_time: asyncio.Lock,
+) -> int:
     """Apply the streamed push in `request`'s body; returns the new weight version. Raises the
     body's own error (HTTPException 408/413, WireError, a 422 for bad options) or the engine's,
-    after the engine has dropped whatever it staged."""
+    after the engine has dropped whatever it staged. The body must arrive whole within
+    `deadline_s` of its first read (408 past it, and the connection is closed). The engine stages
+    one push at a time (`RolloutEngine.open_weight_push`): the next one waits for `one_at_a_time`,
+    its body unread, rather than being refused."""
+    async with one_at_a_time:
+        return await _receive_update(request, engine, limit, idle_timeout_s, deadline_s)
+
+
+async def _receive_update(
+    request: Request, engine: AsyncRolloutEngine, limit: int, idle_timeout_s: float, deadline_s: float
+) -> int:
+    arrive_by = asyncio.get_running_loop().time() + deadline_s
     frames = _frames(_frame_buffers(request, limit, idle_timeout_s))
     try:
-        options = _options(await anext(frames, None))
-        feed = _BucketFeed(asyncio.get_running_loop())
-        update = asyncio.ensure_future(engine.update_weights(HandedOver(feed), **options.model_dump()))
+        options = _options(await _next(frames, arrive_by, deadline_s))
+        push = await engine.open_weight_push(
+            component=options.component, check_finite=options.check_finite, bucket_bytes=options.bucket_bytes
+        )
         try:
-            await _feed_buckets(frames, feed, update)
-        except BaseException as error:  # the body failed: the engine's push ends with it and rolls back
-            feed.fail(error)
-            await asyncio.wait({update})
-            if update.done() and not update.cancelled():
-                update.exception()  # the body's error is the answer; the engine's is that error, or later
-            raise
-        if update.done():  # the engine stopped before the body ended (refused, asleep): its error is the answer
-            await _discard(frames)
-        return await update
+            await _stage_buckets(frames, engine, push, arrive_by, deadline_s)
+        except BaseException as error:  # the body failed, or the engine's staging did: drop what it staged
+            await engine.abort_weight_push(push, error)
+            if not isinstance(error, _StagingFailed):
+                raise
+            await _discard(frames, arrive_by, deadline_s)  # read the rest, so that the client gets to read the answer
+            raise error.cause from None
+        return await engine.finish_weight_push(push, version=options.version, mode=options.mode)
     finally:
         await frames.aclose()
 
@@ -129,6 +147,7 @@ async def _assembled(chunks: AsyncIterator[bytes], limit: int) -> AsyncIterator[
     except FrameTooLarge:
         raise too_big(limit, UPLOAD_FLAG) from None
     finally:
+        assembler.release()  # a frame cut off by the body's failure, freed now
         await chunks.aclose()
 
 
@@ -143,81 +162,73 @@ async def _frames(buffers: AsyncIterator[bytearray | mmap.mmap]) -> AsyncIterato
         await buffers.aclose()
 
 
-async def _feed_buckets(frames: AsyncIterator[tuple[dict, dict]], feed: _BucketFeed, update: asyncio.Future) -> None:
-    """Hand each bucket to the engine as it arrives, until the end frame and the end of the body;
-    returns early if the engine's call ends first."""
-    sent = 0
-    async for fields, tensors in frames:
-        kind = fields.get("kind")
-        if kind == "end":
-            expected = fields.get("tensors")
-            if await anext(frames, None) is not None:
-                raise WireError("the body goes on after its 'end' frame")
-            if expected != sent:
-                raise WireError(f"the body's 'end' frame counts {expected!r} tensors, but its buckets held {sent}")
-            feed.end()
-            return
-        if kind != "bucket":
-            raise WireError(f"a streamed push holds 'bucket' frames, then an 'end' frame; got {kind!r}")
-        put = asyncio.ensure_future(feed.put(tensors))
-        await asyncio.wait({put, update}, return_when=asyncio.FIRST_COMPLETED)
-        if not put.done():
-            put.cancel()
-            return
-        sent += len(tensors)
-    raise WireError(f"the body was cut off after {sent} tensors, before its 'end' frame")
+async def _next(frames: AsyncIterator[tuple[dict, dict]], arrive_by: float, deadline_s: float):
+    """The body's next frame, or None at its end; a 408 once `arrive_by` (event loop time) passes."""
+    try:
+        async with asyncio.timeout_at(arrive_by):
+            return await anext(frames, None)
+    except TimeoutError:
+        raise HTTPException(
+            408,
+            f"the push's body did not arrive whole within {deadline_s} s (--upload-timeout-s)",
+            headers={"Connection": "close"},  # what is left of it is not waited for
+        ) from None
 
 
-async def _discard(frames: AsyncIterator) -> None:
+async def _stage_buckets(
+    frames: AsyncIterator[tuple[dict, dict]], engine: AsyncRolloutEngine, push, arrive_by: float, deadline_s: float
+) -> None:
+    """Stage each bucket as it arrives, a call between two engine steps each, until the end frame
+    and the end of the body. One bucket is staged while the next arrives: that is the overlap of
+    network and staging, and the bound on what the body holds in memory."""
+    sent, staging = 0, None
+    try:
+        while (frame := await _next(frames, arrive_by, deadline_s)) is not None:
+            fields, tensors = frame
+            del frame
+            kind = fields.get("kind")
+            if kind == "end":
+                expected = fields.get("tensors")
+                if await _next(frames, arrive_by, deadline_s) is not None:
+                    raise WireError("the body goes on after its 'end' frame")
+                if expected != sent:
+                    raise WireError(f"the body's 'end' frame counts {expected!r} tensors, but its buckets held {sent}")
+                return
+            if kind != "bucket":
+                raise WireError(f"a streamed push holds 'bucket' frames, then an 'end' frame; got {kind!r}")
+            if staging is not None:
+                await _staged(staging)
+            # Views of the frame's own buffer, which nothing else holds: an in-process worker keeps them.
+            staging = asyncio.ensure_future(engine.add_to_weight_push(push, HandedOver(tensors)))
+            sent += len(tensors)
+            del tensors
+        raise WireError(f"the body was cut off after {sent} tensors, before its 'end' frame")
+    finally:
+        if staging is not None:
+            await asyncio.wait({staging})
+            if not staging.cancelled() and staging.exception() is not None:
+                raise _StagingFailed(staging.exception())
+
+
+async def _staged(staging: asyncio.Future) -> None:
+    try:
+        await staging
+    except Exception as error:
+        raise _StagingFailed(error) from None
+
+
+class _StagingFailed(Exception):
+    """The engine failed to stage a bucket (a worker failed): its error is the answer."""
+
+    def __init__(self, cause: Exception):
+        super().__init__(str(cause))
+        self.cause = cause
+
+
+async def _discard(frames: AsyncIterator, arrive_by: float, deadline_s: float) -> None:
     """Read the rest of a body that will not be used, so the client gets to read the answer."""
     try:
-        async for _ in frames:
+        while await _next(frames, arrive_by, deadline_s) is not None:
             pass
     except Exception:  # the answer is the engine's error; what else is wrong with the body is moot
         return
-
-
-class _End:
-    pass
-
-
-class _BucketFeed:
-    """The buckets the event loop receives, as the (name, tensor) iterator the engine's thread
-    consumes. One bucket waits here while the engine stages the one before: that is the overlap
-    of network and staging, and the bound on what the body holds in memory."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop):
-        self._loop = loop
-        self._items: queue.SimpleQueue = queue.SimpleQueue()
-        self._free = asyncio.Semaphore(1)  # buckets handed over that the engine is not done with
-
-    async def put(self, tensors: dict[str, torch.Tensor]) -> None:
-        await self._free.acquire()
-        self._items.put(tensors)
-
-    def end(self) -> None:
-        self._items.put(_End())
-
-    def fail(self, error: BaseException) -> None:
-        self._items.put(error)
-
-    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        while True:
-            item = self._items.get()
-            if isinstance(item, _End):
-                return
-            if isinstance(item, BaseException):
-                raise _BodyFailed(f"the request body failed before its end ({type(item).__name__}: {item})")
-            yield from item.items()
-            del item  # staged: copied, or (an in-process worker) kept as the staged tensors themselves
-            self._release()
-
-    def _release(self) -> None:
-        try:
-            self._loop.call_soon_threadsafe(self._free.release)
-        except RuntimeError:  # the loop is closed: the server is stopping, nobody is waiting
-            pass
-
-
-class _BodyFailed(ValueError):
-    """Raised into the engine's push when the body fails; the client is answered the body's error."""

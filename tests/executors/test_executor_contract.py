@@ -1016,3 +1016,36 @@ def test_the_engine_never_aliases_the_callers_tensors(engine, original_weights):
     engine.collective_rpc(lambda worker, t: t.add_(1), args=(echoed,))
     assert torch.equal(echoed, torch.ones(3))
     engine.update_weights(original_weights)
+
+
+def test_a_push_staged_in_parts_lets_requests_step_between_them(engine, original_weights):
+    """`open_weight_push`: the HTTP server's streamed push stages each bucket in a call of its own;
+    requests step on the old weights between the parts (bitwise as without the push), nothing
+    else may update or sleep meanwhile, and the update applies whole at the end, or not at all."""
+    from rollout.handed_over import HandedOver
+    from rollout.weights import checksum
+
+    before, version = _images(engine), engine.weight_version
+    pushed = {name: t + 0.25 for name, t in original_weights.items()}
+    items = list(pushed.items())
+    push = engine.open_weight_push(bucket_bytes=1)
+    push.add(HandedOver(dict(items[: len(items) // 2])))
+    assert all(torch.equal(a, b) for a, b in zip(_images(engine), before, strict=True))  # steps between the parts
+    with pytest.raises(RuntimeError, match="is being received and staged"):
+        engine.update_weights(original_weights)
+    with pytest.raises(RuntimeError, match="is being received and staged"):
+        engine.sleep(1)
+    push.add(HandedOver(dict(items[len(items) // 2 :])))
+    assert engine.finish_weight_push(push) == version + 1
+    assert engine.weights_checksum() == checksum(pushed)
+    dropped = engine.open_weight_push()
+    dropped.add(iter(original_weights.items()))
+    engine.abort_weight_push(dropped, ValueError("the body was cut off"))
+    assert engine.weights_checksum() == checksum(pushed) and engine.weight_version == version + 1
+    engine.update_weights(original_weights, version=version)
+
+
+@pytest.mark.parametrize("timeout", [1e308, float("inf"), float("nan"), 0, -1])
+def test_an_rpc_timeout_is_finite_positive_and_bounded(engine, timeout):
+    with pytest.raises(ValueError, match=r"timeout must be a number of seconds in \(0, 604800\]"):
+        engine.collective_rpc("get_rank", timeout=timeout)

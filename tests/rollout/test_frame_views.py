@@ -4,12 +4,14 @@
 from __future__ import annotations
 
 import json
+import sys
+import time
 
 import pytest
 import torch
 
 from rollout.frame_views import FrameAssembler, FrameTooLarge, frame_buffer, frame_pieces, tensors_from_buffer
-from rollout.wire import FrameReader, WireError, tensors_to_bytes
+from rollout.wire import LENGTH, FrameReader, WireError, tensors_to_bytes
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -81,16 +83,46 @@ def test_a_big_frame_is_read_into_mapped_memory_bitwise():
     assert all(torch.equal(views[name], tensor) for name, tensor in tensors.items())
 
 
-def test_a_big_frame_buffer_keeps_what_is_written_while_its_pages_are_faulted_in():
+def test_a_big_frame_keeps_what_is_written_while_its_pages_are_faulted_in():
     import threading
     import time
 
     data = torch.randint(0, 256, (64 << 20,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
-    buffer = frame_buffer(data.numel())  # its pages are faulted in on a thread while it is filled
-    view = memoryview(data.numpy())
-    for start in range(0, len(view), 256 << 10):
-        buffer[start : start + (256 << 10)] = view[start : start + (256 << 10)]
+    assembler = FrameAssembler(max_frame_bytes=data.numel())
+    assert list(assembler.feed(LENGTH.pack(data.numel()))) == []
+    view, frames = memoryview(data.numpy()), []
+    for start in range(0, len(view), 256 << 10):  # past an eighth, its pages are faulted in on a thread
+        frames += assembler.feed(view[start : start + (256 << 10)])
     deadline = time.monotonic() + 60
     while any(t.name == "rollout-prefault" for t in threading.enumerate()) and time.monotonic() < deadline:
         time.sleep(0.01)
+    [buffer] = frames
     assert torch.equal(torch.frombuffer(buffer, dtype=torch.uint8), data)
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmRSS:")) / 1024
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_frame_takes_memory_as_its_bytes_come_and_release_gives_it_back():
+    """A frame announcing 1 GiB costs its first 32 MiB (an eighth, at most 32 MiB) until they have
+    come; then the rest is faulted in ahead of its bytes; `release` frees it at once, not at a
+    garbage collection."""
+    import threading
+
+    assembler, before = FrameAssembler(max_frame_bytes=1 << 30), _rss_mb()
+    list(assembler.feed(LENGTH.pack(1 << 30) + bytes(1 << 20)))
+    deadline = time.monotonic() + 30
+    while any(t.name == "rollout-prefault" for t in threading.enumerate()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert _rss_mb() - before < 40  # 1 MiB came: before, the whole GiB was faulted in at once
+    list(assembler.feed(bytes(40 << 20)))  # past 32 MiB: the rest is faulted in ahead of the bytes
+    deadline = time.monotonic() + 30
+    while _rss_mb() - before < 200 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert _rss_mb() - before >= 200
+    assembler.release()
+    assert _rss_mb() - before < 50
+    assert list(assembler.feed(LENGTH.pack(8) + bytes(8))) == [bytearray(8)]  # and it reads on

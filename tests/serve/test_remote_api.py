@@ -8,9 +8,11 @@ from rollout.engine import RolloutEngine
 from trainers_adapters.remote_engine import RemoteRolloutEngine
 
 # What the async engine's loop drives the in-process engine with (a trainer never calls these),
-# what watches this process's engine (a server's steps are the server's to observe), and what a
-# server asks before it decodes a client's images (a client's requests are checked there).
+# what watches this process's engine (a server's steps are the server's to observe), what a server
+# asks before it decodes a client's images (a client's requests are checked there), and the parts
+# of a push that the server receives over time (a remote trainer's update_weights streams into them).
 LOOP_HOOKS = {"add_requests", "take_finished", "unfinished_request_ids", "dead", "add_step_observer", "check_requests"}
+LOOP_HOOKS |= {"open_weight_push", "finish_weight_push", "abort_weight_push"}
 LOOP_PARAMETERS = {"step": {"admit"}}
 
 

@@ -1,0 +1,187 @@
+"""Weight pushes that a careless or hostile client sends badly, against a real server: a frame that
+announces more than it sends, a body that trickles in, a server stopped while a push trickles and a
+client does not read its answer. Each costs the server only what arrived, holds no generation, and
+ends within its bound; a well-formed request beside it gets the same numbers and /health answers."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+import torch
+
+from rollout import SamplingParams
+from rollout.serve.launch import ServerProcess
+from rollout.serve.routes import body_json
+from rollout.wire import FRAMES_MEDIA_TYPE, LENGTH, frame
+from tests.serve.conftest import API_KEY, EXTENSION
+
+pytestmark = pytest.mark.timeout(240)
+
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+BESIDE = SamplingParams(num_inference_steps=2, seed=3)
+
+
+def chunk(data: bytes) -> bytes:
+    return f"{len(data):x}\r\n".encode() + data + b"\r\n"
+
+
+def open_push(url: str) -> socket.socket:
+    """A streamed push's connection with its head and options frame sent; the buckets are the caller's."""
+    port = int(url.rpartition(":")[2])
+    sock = socket.create_connection(("127.0.0.1", port), timeout=30)
+    sock.sendall(
+        b"POST /update_weights_from_tensor HTTP/1.1\r\nHost: 127.0.0.1\r\nTransfer-Encoding: chunked\r\n"
+        + f"Content-Type: {FRAMES_MEDIA_TYPE}\r\nAuthorization: Bearer {API_KEY}\r\n\r\n".encode()
+        + chunk(frame("update_weights", {"request": body_json("update_weights")}))
+    )
+    return sock
+
+
+def rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmRSS:")) / 1024
+
+
+def health_s(url: str) -> float:
+    start = time.monotonic()
+    assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+    return time.monotonic() - start
+
+
+def answer_of(sock: socket.socket) -> bytes:
+    answer = b""
+    while chunk_ := sock.recv(65536):
+        answer += chunk_
+    return answer
+
+
+def test_a_frame_that_announces_more_than_it_sends_costs_what_arrived(server, remote):
+    """Ten pushes in turn, each announcing a 60 MB bucket and sending 1 KiB of it before its
+    connection drops: the server held 60 MB for each (faulted in before a byte came) and freed
+    them only at a later garbage collection. Now each costs what arrived (and a few MiB of pages
+    faulted in ahead), and nothing once it is gone."""
+    checksum, version = remote.weights_checksum(), remote.weight_version
+    (alone,) = remote.generate("beside", BESIDE)
+    pid = server.process.pid
+    before, held, health = rss_mb(pid), [], []
+    for _ in range(10):
+        sock = open_push(server.url)
+        sock.sendall(chunk(LENGTH.pack(60 << 20) + bytes(1024)))
+        time.sleep(0.4)  # read, and (before) faulted in
+        held.append(rss_mb(pid) - before)
+        health.append(health_s(server.url))
+        sock.close()
+    time.sleep(0.5)
+    after = rss_mb(pid) - before
+    (beside,) = remote.generate("beside", BESIDE)
+    assert max(held) < 40 and after < 20, (held, after)  # before: 60 MB more per push, 600 MB in all
+    assert max(health) < 1.0, health
+    assert torch.equal(beside.image, alone.image)
+    assert remote.weights_checksum() == checksum and remote.weight_version == version
+
+
+def test_a_trickling_push_holds_no_generation(server, remote):
+    """A push whose bucket trickles in, a byte every 0.2 s (never stalled long enough for
+    --body-timeout-s): generation goes on beside it at its own speed, not once the push ends."""
+    checksum, version = remote.weights_checksum(), remote.weight_version
+    start = time.monotonic()
+    (alone,) = remote.generate("beside", BESIDE)
+    alone_s = time.monotonic() - start
+    sock = open_push(server.url)
+    sock.sendall(chunk(LENGTH.pack(1 << 20)))
+    stop = threading.Event()
+
+    def trickle() -> None:
+        while not stop.wait(0.2):
+            sock.sendall(chunk(b"\0"))
+
+    trickling = threading.Thread(target=trickle, daemon=True)
+    trickling.start()
+    pool = ThreadPoolExecutor(1)
+    try:
+        time.sleep(0.5)  # the push is being received
+        start = time.monotonic()
+        beside = pool.submit(remote.generate, "beside", BESIDE)
+        waited_s = health_s(server.url)
+        (output,) = beside.result(timeout=2 * alone_s + 10)  # before: held until the push ended
+        beside_s = time.monotonic() - start
+    finally:
+        stop.set()
+        trickling.join()
+        sock.close()
+        pool.shutdown()
+    assert beside_s < 3 * alone_s + 1.0, (beside_s, alone_s)  # a loaded machine's noise, not the push's wait
+    assert waited_s < 1.0
+    assert torch.equal(output.image, alone.image)
+    deadline = time.monotonic() + 10  # the dropped push is rolled back; then the next update may come
+    while remote.server_info()["weight_version"] != version and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert remote.weights_checksum() == checksum and remote.weight_version == version
+
+
+@pytest.mark.slow  # a server of its own, a push that trickles to its deadline, and a stop: about 25 s
+@pytest.mark.timeout(240)
+def test_a_push_has_a_deadline_and_a_stopping_server_waits_for_no_one(tiny_model):
+    """A push trickling a byte a second under --body-timeout-s 3 is cut off at --upload-timeout-s
+    (408, the connection closed); then SIGTERM with --shutdown-grace-s 3 while a client does not
+    read its streamed answer and another push trickles: the process is gone within the grace and
+    the engine's stop (it ran on for 40-60 s, as long as the push trickled)."""
+    flags = ("--body-timeout-s", "3", "--upload-timeout-s", "4", "--shutdown-grace-s", "3")
+    with ServerProcess.start(tiny_model, *flags, "--worker-extension-cls", EXTENSION, api_key=API_KEY) as server:
+        sock = open_push(server.url)
+        sock.sendall(chunk(LENGTH.pack(1 << 20)))
+        start = time.monotonic()
+        stop = threading.Event()
+
+        def trickle(sock: socket.socket, every_s: float) -> None:
+            try:
+                while not stop.wait(every_s):
+                    sock.sendall(chunk(b"\0"))
+            except OSError:  # closed by the server
+                return
+
+        threading.Thread(target=trickle, args=(sock, 1.0), daemon=True).start()
+        assert health_s(server.url) < 1.0
+        answer = answer_of(sock)  # read until the server closes it
+        cut_s = time.monotonic() - start
+        assert answer.startswith(b"HTTP/1.1 408") and b"--upload-timeout-s" in answer, answer
+        assert 3.5 < cut_s < 7, cut_s
+        sock.close()
+        with httpx.Client(base_url=server.url, headers=AUTH, timeout=30) as client:
+            assert client.get("/server_info").json()["weight_version"] == 0
+
+            # A client that asks for ~10 MB of outputs and never reads them: the server's writes
+            # stall once the socket buffers are full.
+            port = int(server.url.rpartition(":")[2])
+            deaf = socket.socket()
+            deaf.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            deaf.connect(("127.0.0.1", port))
+            body = body_json("generate", prompts=["deaf"], stream=True)
+            body["params"] = {"num_inference_steps": 10, "num_samples": 48, "seed": 0}
+            content = httpx.Request("POST", "http://x", json=body).content
+            deaf.sendall(
+                b"POST /rollout/generate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                + f"Authorization: Bearer {API_KEY}\r\nContent-Length: {len(content)}\r\n\r\n".encode()
+                + content
+            )
+            deadline = time.monotonic() + 120
+            while client.get("/server_info").json()["unfinished_requests"] and time.monotonic() < deadline:
+                time.sleep(0.2)
+        pushing = open_push(server.url)
+        pushing.sendall(chunk(LENGTH.pack(1 << 20)))
+        threading.Thread(target=trickle, args=(pushing, 0.5), daemon=True).start()
+        time.sleep(0.5)
+        stopping = time.monotonic()
+        exit_code = server.stop(timeout_s=60)
+        stopped_s = time.monotonic() - stopping
+        stop.set()
+        deaf.close()
+        pushing.close()
+    assert exit_code == -signal.SIGTERM
+    assert stopped_s < 3 + 8, stopped_s  # the grace, a second for the answers, the engine's stop
