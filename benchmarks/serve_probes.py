@@ -175,7 +175,12 @@ def probes(tensors: dict, config: dict, files: dict[str, Path]) -> list[Probe]:
         Probe("weights from a folder with a FIFO", from_disk("fifo"), 400),
         Probe("weights from a symlink to /dev/urandom", from_disk("device.safetensors"), 400),
         Probe("weights from a directory named x.safetensors", from_disk("dir"), 400),
-        Probe("weights from a file that is not this model's", from_disk("foreign.safetensors"), 400),
+        # mode "pause": refused between two steps; "wait" would first run the good request to its end.
+        Probe(
+            "weights from a file that is not this model's",
+            post("/update_weights_from_disk", {"model_path": str(files["foreign.safetensors"]), "mode": "pause"}),
+            400,
+        ),
         Probe("LoRA folder whose weights are a FIFO", lora_folder("fifo_lora"), 400),
         Probe("LoRA folder with a 1 GB sparse config", lora_folder("sparse_lora"), 400),
         Probe("collective_rpc sleep", rpc("sleep", 1), 403),
@@ -337,9 +342,10 @@ def main(argv: list[str] | None = None) -> dict:
             trickling = TricklingPush(server.url, key)
             trickling.start()
             time.sleep(1.0)  # being received
-            start = time.monotonic()
-            remote.generate("beside a trickling push", SamplingParams(num_inference_steps=1, seed=0))
-            beside_trickle_s = time.monotonic() - start
+            with RemoteRolloutEngine(server.url, key) as beside:  # `remote` streams the good request
+                start = time.monotonic()
+                beside.generate("beside a trickling push", SamplingParams(num_inference_steps=1, seed=0))
+                beside_trickle_s = time.monotonic() - start
             trickling.close()
             running = remote.server_info()["running_requests"]
             half_s = half_sent_connections(server.url, 50, 2.0)
