@@ -102,26 +102,48 @@ def check_scorable(trajectories: Sequence[Trajectory], steps: Sequence[int]) -> 
     )
 
 
-def recompute_log_probs(adapter, trajectory: Trajectory) -> torch.Tensor:
+def recompute_log_probs(adapter, trajectory: Trajectory, lora_scale: float | None = None) -> torch.Tensor:
     """Log-probs [T] float32 of the steps of `trajectory` (0 at ODE steps and at steps whose
-    transition `record_steps` did not keep), computed in one batched forward over its stochastic steps."""
+    transition `record_steps` did not keep), computed in one batched forward over its stochastic steps.
+
+    `lora_scale`: the strength the adapter's LoRA runs at now, where you set one yourself (PEFT's
+    `set_adapters(name, [scale])`); None means full strength or no LoRA. A trajectory sampled at
+    another `lora_scale` is refused: re-scored at the wrong strength, its ratio is not 1.
+    (`LoraPolicy.score` sets each trajectory's scale itself.)"""
+    sampled_at = 1.0 if trajectory.lora_scale is None else trajectory.lora_scale
+    scoring_at = 1.0 if lora_scale is None else lora_scale
+    if sampled_at != scoring_at:
+        raise ValueError(
+            f"the trajectory was sampled with its LoRA at lora_scale={sampled_at:g}, and this re-scores at "
+            f"{scoring_at:g}: set the scale on your model (set_adapters(name, [{sampled_at:g}])) and "
+            f"pass lora_scale={sampled_at:g}, or re-score with LoraPolicy.score, which runs each trajectory's scale"
+        )
     steps = trajectory.scorable_steps
     log_probs = torch.zeros(trajectory.num_steps, dtype=torch.float32)
     if len(steps) == 0:
         return log_probs
-    scored = score_transitions(
-        adapter,
-        trajectory.latents[steps],
-        trajectory.latents[steps + 1],
-        trajectory.sigmas[steps],
-        trajectory.sigmas[steps + 1],
-        [trajectory.condition] * len(steps),
-        trajectory.sampler,
-        trajectory.noise_level,
-        height=trajectory.height,
-        width=trajectory.width,
-        log_prob_form=trajectory.log_prob_form,
-        guidance=Guidance.of(trajectory),
-    )
+    scored = score_steps(adapter, [trajectory] * len(steps), steps.tolist())
     log_probs[steps] = scored.log_prob.detach().cpu()
     return log_probs
+
+
+def score_steps(adapter, trajectories: Sequence[Trajectory], steps: Sequence[int]) -> StepOutput:
+    """The transition of step `steps[i]` of trajectory i, scored in one batched forward. The
+    trajectories share their settings (image size, sampler, noise level, log-prob form, guidance)
+    and each step is scorable: the caller checks both."""
+    first = trajectories[0]
+    pairs = list(zip(trajectories, steps, strict=True))
+    return score_transitions(
+        adapter,
+        torch.stack([t.latents[s] for t, s in pairs]),
+        torch.stack([t.latents[s + 1] for t, s in pairs]),
+        torch.stack([t.sigmas[s] for t, s in pairs]),
+        torch.stack([t.sigmas[s + 1] for t, s in pairs]),
+        [t.condition for t in trajectories],
+        first.sampler,
+        first.noise_level,
+        height=first.height,
+        width=first.width,
+        log_prob_form=first.log_prob_form,
+        guidance=Guidance.of(first),
+    )

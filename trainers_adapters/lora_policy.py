@@ -27,7 +27,7 @@ from rollout.outputs import TRAJECTORY_SETTINGS, Trajectory
 from rollout.pipelines.condition import Condition
 from rollout.pipelines.guidance import Guidance
 from rollout.pipelines.loading import load_adapter
-from rollout.rescoring import check_scorable, score_transitions
+from rollout.rescoring import check_scorable, score_steps
 from rollout.samplers import StepOutput
 from rollout.weights import base_state, checksum, specs_of, update_problems
 
@@ -206,23 +206,8 @@ class LoraPolicy:
             steps = [steps] * len(trajectories)
         check_scorable(trajectories, steps)
         _check_shared_settings(trajectories)
-        first = trajectories[0]
-        pairs = list(zip(trajectories, steps, strict=True))
-        with self._at_scale(first.lora_scale):
-            return score_transitions(
-                self.adapter,
-                torch.stack([t.latents[s] for t, s in pairs]),
-                torch.stack([t.latents[s + 1] for t, s in pairs]),
-                torch.stack([t.sigmas[s] for t, s in pairs]),
-                torch.stack([t.sigmas[s + 1] for t, s in pairs]),
-                [t.condition for t in trajectories],
-                first.sampler,
-                first.noise_level,
-                height=first.height,
-                width=first.width,
-                log_prob_form=first.log_prob_form,
-                guidance=Guidance.of(first),
-            )
+        with self._at_scale(trajectories[0].lora_scale):
+            return score_steps(self.adapter, trajectories, steps)
 
     @contextlib.contextmanager
     def _at_scale(self, scale: float | None) -> Iterator[None]:

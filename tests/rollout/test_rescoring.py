@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -50,6 +52,17 @@ def test_rescoring_detects_a_different_policy(engine, trainer_adapter):
     perturbed.guidance_scale = perturbed.guidance_scale + 2.0  # a different velocity field
     log_ratio = recompute_log_probs(trainer_adapter, perturbed) - output.trajectory.log_probs
     assert log_ratio.abs().max() > 1e-3
+
+
+def test_a_trajectory_sampled_at_another_lora_scale_is_refused_not_rescored_at_full_strength(engine, trainer_adapter):
+    (output,) = engine.generate("a red square", SamplingParams(num_inference_steps=3, seed=5))
+    half = dataclasses.replace(output.trajectory, lora_scale=0.5)
+    with pytest.raises(ValueError, match=r"lora_scale=0.5.*pass lora_scale=0.5"):
+        recompute_log_probs(trainer_adapter, half)
+    # Said to run at that scale, it is scored (here the model has no LoRA, so the numbers are the base's).
+    log_ratio = recompute_log_probs(trainer_adapter, half, lora_scale=0.5) - half.log_probs
+    assert log_ratio.abs().max() < RATIO_TOLERANCE
+    assert (recompute_log_probs(trainer_adapter, output.trajectory) - half.log_probs).abs().max() < RATIO_TOLERANCE
 
 
 def test_trajectory_layout(engine):
