@@ -10,6 +10,7 @@ import pytest
 
 from recipes.config import load_config
 from recipes.grpo import run
+from tests.recipes.test_checkpoint_resume import SMALL
 from tests.recipes.test_training_recipes import CONFIG_DIR
 from tests.rollout.test_quiet import NOISE
 
@@ -18,17 +19,7 @@ STEPS = 4
 
 @pytest.mark.timeout(120)
 def test_a_training_run_logs_no_line_per_step_and_no_third_party_bars(tiny_model, tmp_path, caplog, capfd):
-    settings = [
-        f"model.path={tiny_model}",
-        f"output_dir={tmp_path / 'out'}",
-        f"steps={STEPS}",
-        "prompts_per_step=1",
-        "sampling.num_samples=2",
-        "sampling.num_inference_steps=2",
-        "eval.num_prompts=1",
-        "eval.num_samples=1",
-        "eval.num_inference_steps=1",
-    ]
+    settings = [f"model.path={tiny_model}", f"output_dir={tmp_path / 'out'}", f"steps={STEPS}", *SMALL]
     with caplog.at_level(logging.INFO):
         run(load_config(CONFIG_DIR / "grpo_tiny.yaml", settings))
     shown = [record for record in caplog.records if record.levelno >= logging.INFO]
