@@ -233,8 +233,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # Imported after the checks, so a refused command line answers at once.
     from rollout.config_check import check_engine_config
+    from rollout.http.guard import allowed_hosts
     from rollout.serve.app import ServerSettings
-    from rollout.serve.guard import allowed_hosts
 
     limits = settings_from_args(args, [f.name for f in dataclasses.fields(RequestLimits)])
     try:
@@ -307,8 +307,8 @@ def _serve(args: argparse.Namespace, config, settings, listening: socket.socket)
 
     from rollout import RolloutEngine
     from rollout.async_engine import AsyncRolloutEngine
+    from rollout.http.protocol import server_protocol
     from rollout.serve.app import build_app
-    from rollout.serve.http_protocol import server_protocol
     from rollout.serve.routes import path
     from rollout.serve.server import RolloutServer
 

@@ -28,13 +28,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from rollout.async_engine import AsyncRolloutEngine, OutputStream
 from rollout.errors import WorkerError
+from rollout.http.guard import LOOPBACK_NAMES, RequestGuard, require_api_key
+from rollout.http.request_body import read_body
 from rollout.lora import count_non_lora_keys, infer_config, read_lora_folder, remote_config_problems
 from rollout.sampling_params import SamplingParams
 from rollout.serve import protocol
 from rollout.serve.error_table import STATUS_OF
-from rollout.serve.guard import LOOPBACK_NAMES, RequestGuard, require_api_key
 from rollout.serve.instance import InstanceHeaders, new_instance_id
-from rollout.serve.request_body import read_body
 from rollout.serve.routes import path
 from rollout.serve.weight_stream import UPLOAD_FLAG, receive_update
 from rollout.wire import (
