@@ -21,19 +21,6 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from rollout.wire import FRAMES_MEDIA_TYPE, SAFETENSORS_MEDIA_TYPE
 
 BODY_TYPES = ("application/json", SAFETENSORS_MEDIA_TYPE, FRAMES_MEDIA_TYPE)
-LOOPBACK_NAMES = frozenset({"127.0.0.1", "localhost", "::1"})
-
-
-def allowed_hosts(bound_host: str, extra: tuple[str, ...] = ()) -> frozenset[str] | None:
-    """The names a `Host` header may carry for a server bound to `bound_host`: the bound address
-    (and every loopback name for a loopback bind) plus `extra`; None (any) when bound to every
-    interface, where the names the machine is reached by are not known here."""
-    if bound_host in ("0.0.0.0", "::", ""):
-        return None
-    names = {bound_host.lower().strip("[]"), *(name.lower() for name in extra)}
-    if names & LOOPBACK_NAMES or bound_host.startswith("127."):
-        names |= LOOPBACK_NAMES
-    return frozenset(names)
 
 
 class RequestGuard:

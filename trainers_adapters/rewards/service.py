@@ -22,6 +22,7 @@ from pathlib import Path
 
 import yaml
 
+from rollout.http.hosts import allowed_hosts, is_loopback
 from trainers_adapters.rewards.placement import open_reward_runner, placement_problems
 from trainers_adapters.rewards.spec import reward_problems
 
@@ -90,8 +91,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from rollout.serve.__main__ import is_loopback
-
     parser = build_parser()
     args = parser.parse_args(argv)
     args.reward = _reward_value(args.reward, parser)
@@ -131,7 +130,6 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     import uvicorn
 
-    from rollout.http.guard import allowed_hosts
     from rollout.http.protocol import server_protocol
     from trainers_adapters.rewards.service_app import RewardServiceSettings, build_reward_app
     from trainers_adapters.rewards.spec import reward_specs

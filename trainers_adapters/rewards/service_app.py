@@ -18,7 +18,8 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from rollout.http.guard import LOOPBACK_NAMES, RequestGuard, require_api_key
+from rollout.http.guard import RequestGuard, require_api_key
+from rollout.http.hosts import LOOPBACK_NAMES
 from rollout.http.request_body import read_body
 from trainers_adapters.rewards.runner import RewardRunner
 from trainers_adapters.rewards.wire import decode_group, scores_to_json
@@ -30,7 +31,7 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class RewardServiceSettings:
     """api_key: asked for as `Authorization: Bearer <key>` on /score (None: open); allowed_hosts:
-    what a request's Host header may name (`rollout.http.guard.allowed_hosts`); max_body_bytes
+    what a request's Host header may name (`rollout.http.hosts.allowed_hosts`); max_body_bytes
     and max_images: of one request; body_timeout_s: the longest pause inside a body."""
 
     api_key: str | None = None
