@@ -10,3 +10,32 @@
 - `service` (`python -m trainers_adapters.rewards.service`), `service_app`: the reward service,
   and `remote`: its client, `RemoteReward`.
 """
+
+from rollout.imports import warn_moved
+
+# `trainers_adapters.rewards` was the built-ins' module; for one release their names still resolve
+# here, with a DeprecationWarning (once per name) that names `builtin`.
+_BUILTIN_NAMES = frozenset(
+    {
+        "Reward",
+        "COLOURS",
+        "LAYOUT_WEIGHT",
+        "BUILTIN_REWARDS",
+        "get_reward",
+        "jpeg_compressibility",
+        "jpeg_incompressibility",
+        "colour_target",
+        "colour_agreement",
+        "colour_edit",
+    }
+)
+
+
+def __getattr__(name: str):
+    if name not in _BUILTIN_NAMES:  # a submodule not imported yet, or a typo
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from trainers_adapters.rewards import builtin
+
+    warn_moved(f"{__name__}.{name}", f"{builtin.__name__}.{name}")
+    value = globals()[name] = getattr(builtin, name)  # warned once: `from ... import` looks it up twice
+    return value
