@@ -14,7 +14,7 @@ the whole transformer, perturbed before each round so every push changes every w
   in-process  `RolloutEngine.update_weights(state)` on an engine of this process (executor uni);
   raw HTTP    the streamed push's bytes, sent by httpx (chunked) to a bare uvicorn route that only
               reads and drops them, on the server's own HTTP protocol (httptools,
-              `rollout.serve.http_protocol`): what the HTTP stack itself carries on this machine;
+              `rollout.http.protocol`): what the HTTP stack itself carries on this machine;
   raw socket  the same bytes sent as the streamed push sends them (`post_chunked`): the ceiling of
               the streamed push, and with raw HTTP the client's two ways side by side;
   raw h11     the same, on uvicorn's pure-Python h11 protocol, which the server ran before: its
@@ -149,7 +149,7 @@ def serve_sink(port: int, http: str) -> None:
         return JSONResponse({"bytes": size})
 
     app = Starlette(routes=[Route("/sink", sink, methods=["POST"])])
-    from rollout.serve.http_protocol import server_protocol
+    from rollout.http.protocol import server_protocol
 
     protocol = server_protocol(10.0) if http == "rollout" else http
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", http=protocol)

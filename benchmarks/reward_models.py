@@ -27,9 +27,9 @@ from pathlib import Path
 import torch
 
 from benchmarks import harness
-from trainers_adapters.composite_reward import CompositeReward, RewardComponent
-from trainers_adapters.reward_models import ClipScore
-from trainers_adapters.reward_models.tiny import build_tiny_clip
+from trainers_adapters.rewards.composite import CompositeReward, RewardComponent
+from trainers_adapters.rewards.models import ClipScore
+from trainers_adapters.rewards.models.tiny import build_tiny_clip
 
 MODES = {
     "direct": "direct transformers (baseline)",

@@ -37,12 +37,12 @@ import torch
 from benchmarks import harness
 from rollout import EngineConfig, RolloutEngine, SamplingParams
 from rollout.pipelines.tiny import build_tiny_sd3
-from trainers_adapters.composite_reward import CompositeReward, RewardComponent
-from trainers_adapters.reward_runner import RewardsOnThreads
-from trainers_adapters.reward_spec import RewardSpec
-from trainers_adapters.reward_worker_pool import RewardWorkerPool
-from trainers_adapters.rewarded_rollout import generate_with_rewards
-from trainers_adapters.rewards import colour_target
+from trainers_adapters.rewards.builtin import colour_target
+from trainers_adapters.rewards.composite import CompositeReward, RewardComponent
+from trainers_adapters.rewards.rewarded_rollout import generate_with_rewards
+from trainers_adapters.rewards.runner import RewardsOnThreads
+from trainers_adapters.rewards.spec import RewardSpec
+from trainers_adapters.rewards.worker_pool import RewardWorkerPool
 
 MODES = {
     "rollout": "rollout alone (floor)",

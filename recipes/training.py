@@ -56,10 +56,10 @@ from rollout.rescoring import RATIO_TOLERANCE  # the contract the first update's
 from rollout.seeding import derive_seed
 from trainers_adapters.lora_policy import LoraPolicy
 from trainers_adapters.old_policy import OldPolicy
-from trainers_adapters.reward_placement import open_reward_runner, placement_problems
-from trainers_adapters.reward_runner import RewardRunner
-from trainers_adapters.reward_spec import reward_label, reward_problems
-from trainers_adapters.rewarded_rollout import RewardedRollout, generate_with_rewards
+from trainers_adapters.rewards.placement import open_reward_runner, placement_problems
+from trainers_adapters.rewards.rewarded_rollout import RewardedRollout, generate_with_rewards
+from trainers_adapters.rewards.runner import RewardRunner
+from trainers_adapters.rewards.spec import reward_label, reward_problems
 
 logger = logging.getLogger(__name__)
 

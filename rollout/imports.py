@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import warnings
 
 
 def import_by_path(dotted: str, what: str):
@@ -18,3 +19,10 @@ def import_by_path(dotted: str, what: str):
         return getattr(module, attribute)
     except AttributeError:
         raise ValueError(f"{what} {dotted!r}: module {module_name!r} has no attribute {attribute!r}") from None
+
+
+def warn_moved(old: str, new: str) -> None:
+    """Warn that module `old` moved to `new`: called by the alias module left at `old` for one release
+    as it is imported, so the warning names the line that imported `old`."""
+    message = f"{old} moved to {new}: import it from there ({old} goes in the next release)"
+    warnings.warn(message, DeprecationWarning, stacklevel=3)

@@ -50,7 +50,7 @@ def trainer_adapter(tiny_model):
 @pytest.fixture(scope="session")
 def tiny_clip(tmp_path_factory) -> str:
     """Path of a tiny random `CLIPModel` + `CLIPProcessor` folder (the reward models' tests)."""
-    from trainers_adapters.reward_models.tiny import build_tiny_clip
+    from trainers_adapters.rewards.models.tiny import build_tiny_clip
 
     return str(build_tiny_clip(tmp_path_factory.mktemp("tiny_clip") / "clip", seed=0))
 
@@ -58,6 +58,6 @@ def tiny_clip(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def tiny_aesthetic_head(tmp_path_factory) -> str:
     """Path of a random LAION-style aesthetic head (safetensors) over the tiny CLIP's features."""
-    from trainers_adapters.reward_models.tiny import build_tiny_aesthetic_head
+    from trainers_adapters.rewards.models.tiny import build_tiny_aesthetic_head
 
     return str(build_tiny_aesthetic_head(tmp_path_factory.mktemp("aesthetic") / "head.safetensors", seed=0))

@@ -1,4 +1,5 @@
-"""The packages' import graph has no cycle, and every module imports on its own.
+"""The packages' import graph has no cycle, nothing imports a package it must not, and every module
+imports on its own.
 
 Every import statement counts, at module level and inside functions alike: an import moved into a
 function to dodge a cycle still makes one (the cycle is only hidden until that function runs).
@@ -96,6 +97,56 @@ def test_the_cycle_finder_finds_a_function_level_cycle(tmp_path):
     modules = {"a": tmp_path / "a.py", "b": tmp_path / "b.py"}
     graph = {name: imported_modules(name, path, modules) for name, path in modules.items()}
     assert cycles(graph) == [["a", "b"]]
+
+
+# (importer, imported): no module under the first reaches one under the second, directly or through
+# other project modules. The reward service shares the rollout server's HTTP hardening through
+# `rollout.http`; it never loads the server.
+FORBIDDEN = [("trainers_adapters.rewards", "rollout.serve")]
+
+
+def under(name: str, package: str) -> bool:
+    return name == package or name.startswith(package + ".")
+
+
+def forbidden_chains(graph: dict[str, set[str]], importer: str, imported: str) -> list[list[str]]:
+    """For each module under `importer` that reaches a module under `imported`, one shortest chain
+    of imports from it to there (breadth first over the project's import graph)."""
+    chains = []
+    for start in sorted(name for name in graph if under(name, importer)):
+        parent: dict[str, str | None] = {start: None}
+        frontier = [start]
+        while frontier:
+            found = next((name for name in frontier if under(name, imported)), None)
+            if found is not None:
+                chain = [found]
+                while parent[chain[-1]] is not None:
+                    chain.append(parent[chain[-1]])
+                chains.append(chain[::-1])
+                break
+            following = []
+            for name in frontier:
+                for target in sorted(graph[name]):
+                    if target not in parent:
+                        parent[target] = name
+                        following.append(target)
+            frontier = following
+    return chains
+
+
+@pytest.mark.parametrize(("importer", "imported"), FORBIDDEN)
+def test_no_module_imports_a_package_it_must_not(importer, imported):
+    modules = project_modules()
+    graph = {name: imported_modules(name, path, modules) for name, path in modules.items()}
+    assert any(under(name, importer) and name != importer for name in graph)  # the rule names a package
+    chains = forbidden_chains(graph, importer, imported)
+    assert not chains, "\n".join(f"{chain[0]} imports {chain[-1]}: " + " -> ".join(chain) for chain in chains)
+
+
+def test_the_rule_names_both_modules_and_the_chain_between_them():
+    graph = {"a.x": {"b.y"}, "b.y": {"c.z"}, "c.z": set(), "a.w": {"c"}, "c": set()}
+    assert forbidden_chains(graph, "a", "c") == [["a.w", "c"], ["a.x", "b.y", "c.z"]]
+    assert forbidden_chains(graph, "b", "a") == []
 
 
 @pytest.mark.slow  # the static walk above runs by default: CI runs it (make test-slow)

@@ -17,7 +17,7 @@ from trainers_adapters.dpo import dpo_loss, flow_matching_error, preference_pair
 from trainers_adapters.lora_policy import LoraPolicy
 from trainers_adapters.micro_batches import micro_batches
 from trainers_adapters.optim import check_finite_loss, clip_and_step
-from trainers_adapters.rewarded_rollout import RewardedRollout
+from trainers_adapters.rewards.rewarded_rollout import RewardedRollout
 
 
 @dataclass(kw_only=True)

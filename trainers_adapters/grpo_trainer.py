@@ -25,7 +25,7 @@ from trainers_adapters.grpo import KL_FORMS, grpo_policy_loss, kl_to_reference
 from trainers_adapters.lora_policy import LoraPolicy
 from trainers_adapters.micro_batches import micro_batches
 from trainers_adapters.optim import check_finite_loss, clip_and_step
-from trainers_adapters.rewarded_rollout import RewardedRollout
+from trainers_adapters.rewards.rewarded_rollout import RewardedRollout
 from trainers_adapters.tree import RolloutTree, build_tree, tree_advantages
 
 

@@ -22,7 +22,7 @@ from trainers_adapters.lora_policy import LoraPolicy
 from trainers_adapters.nft import nft_loss, optimality_probability
 from trainers_adapters.old_policy import DecaySchedule, OldPolicy
 from trainers_adapters.optim import check_finite_loss, clip_and_step
-from trainers_adapters.rewarded_rollout import RewardedRollout
+from trainers_adapters.rewards.rewarded_rollout import RewardedRollout
 
 
 @dataclass(kw_only=True)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import ipaddress
 import logging
 import os
 import secrets
@@ -15,6 +14,7 @@ import sys
 from pathlib import Path
 
 from rollout.config import EngineConfig
+from rollout.http.hosts import allowed_hosts, is_loopback
 from rollout.request_limits import RequestLimits
 from rollout.serve import API_KEY_ENV
 from rollout.serve.setting_flags import add_setting_flags, settings_from_args
@@ -212,15 +212,6 @@ def engine_flag_names() -> list[str]:
     return [f.name for f in dataclasses.fields(EngineConfig) if f.name not in NOT_ENGINE_FLAGS]
 
 
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:  # a host name: it may resolve to anything
-        return False
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
@@ -234,7 +225,6 @@ def main(argv: list[str] | None = None) -> int:
     # Imported after the checks, so a refused command line answers at once.
     from rollout.config_check import check_engine_config
     from rollout.serve.app import ServerSettings
-    from rollout.serve.guard import allowed_hosts
 
     limits = settings_from_args(args, [f.name for f in dataclasses.fields(RequestLimits)])
     try:
@@ -307,8 +297,8 @@ def _serve(args: argparse.Namespace, config, settings, listening: socket.socket)
 
     from rollout import RolloutEngine
     from rollout.async_engine import AsyncRolloutEngine
+    from rollout.http.protocol import server_protocol
     from rollout.serve.app import build_app
-    from rollout.serve.http_protocol import server_protocol
     from rollout.serve.routes import path
     from rollout.serve.server import RolloutServer
 

@@ -28,13 +28,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from rollout.async_engine import AsyncRolloutEngine, OutputStream
 from rollout.errors import WorkerError
+from rollout.http.guard import RequestGuard, require_api_key
+from rollout.http.hosts import LOOPBACK_NAMES
+from rollout.http.request_body import read_body
 from rollout.lora import count_non_lora_keys, infer_config, read_lora_folder, remote_config_problems
 from rollout.sampling_params import SamplingParams
 from rollout.serve import protocol
 from rollout.serve.error_table import STATUS_OF
-from rollout.serve.guard import LOOPBACK_NAMES, RequestGuard, require_api_key
 from rollout.serve.instance import InstanceHeaders, new_instance_id
-from rollout.serve.request_body import read_body
 from rollout.serve.routes import path
 from rollout.serve.weight_stream import UPLOAD_FLAG, receive_update
 from rollout.wire import (
@@ -55,7 +56,7 @@ logger = logging.getLogger(__name__)
 class ServerSettings:
     """api_key: required as `Authorization: Bearer <key>` on every route but /health (None: open;
     the command line makes that an explicit --no-auth). allowed_hosts: the names a request's Host
-    header may carry (None: any; see `guard.allowed_hosts`). max_body_bytes: of a JSON body;
+    header may carry (None: any; see `rollout.http.hosts.allowed_hosts`). max_body_bytes: of a JSON body;
     max_upload_bytes: of a safetensors body (weights, adapters); max_samples_per_request: outputs
     of one generate call (prompts x num_samples x a tree's leaves per sample). rpc_allow: the
     worker's own state-changing functions /collective_rpc may call too (see `_rpc_refusal`)."""

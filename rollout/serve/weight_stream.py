@@ -8,7 +8,7 @@ The body (Content-Type `FRAMES_MEDIA_TYPE`) is a stream of frames (`rollout.wire
 
 The client writes the frames lazily from the tensors (`weight_frames`: views of their memory, no
 join). The server cuts each frame into a buffer of its own as it arrives (on its own HTTP protocol,
-read from the socket straight into that buffer: `rollout.serve.frame_body`), and hands its tensors
+read from the socket straight into that buffer: `rollout.http.frame_body`), and hands its tensors
 (views of that buffer, which nothing else holds) over to the engine, a bucket per call between two
 engine steps (`RolloutEngine.open_weight_push`; `HandedOver`: the in-process executor stages them
 without a copy), which checks and stages them while the next frame arrives (`receive_update`). So
@@ -38,9 +38,9 @@ from pydantic import ValidationError
 from rollout.async_engine import AsyncRolloutEngine
 from rollout.frame_views import FrameAssembler, FrameTooLarge, frame_pieces, tensors_from_buffer
 from rollout.handed_over import HandedOver
+from rollout.http.frame_body import FRAME_BODY_EXTENSION
+from rollout.http.request_body import body_chunks, too_big
 from rollout.serve import protocol
-from rollout.serve.frame_body import FRAME_BODY_EXTENSION
-from rollout.serve.request_body import body_chunks, too_big
 from rollout.wire import WireError
 
 UPLOAD_FLAG = "--max-upload-mb"

@@ -11,7 +11,7 @@ import yaml
 
 import recipes.config
 from recipes.config import load_config
-from trainers_adapters.reward_spec import reward_specs
+from trainers_adapters.rewards.spec import reward_specs
 
 CONFIG_DIR = Path(recipes.config.__file__).parent / "configs"
 

@@ -17,8 +17,8 @@ from rollout.rescoring import RATIO_TOLERANCE
 from tests.families import FAMILIES, input_image
 from trainers_adapters.grpo_trainer import GRPOSettings, grpo_step
 from trainers_adapters.lora_policy import LoraPolicy
-from trainers_adapters.rewarded_rollout import generate_with_rewards
-from trainers_adapters.rewards import colour_edit
+from trainers_adapters.rewards.builtin import colour_edit
+from trainers_adapters.rewards.rewarded_rollout import generate_with_rewards
 
 pytestmark = pytest.mark.timeout(600)
 

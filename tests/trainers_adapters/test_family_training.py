@@ -17,8 +17,8 @@ from tests.families import FAMILIES
 from trainers_adapters.dpo_trainer import DPOSettings, dpo_step
 from trainers_adapters.grpo_trainer import GRPOSettings, grpo_step
 from trainers_adapters.lora_policy import LoraPolicy
-from trainers_adapters.rewarded_rollout import generate_with_rewards
-from trainers_adapters.rewards import colour_target
+from trainers_adapters.rewards.builtin import colour_target
+from trainers_adapters.rewards.rewarded_rollout import generate_with_rewards
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -159,7 +159,7 @@ def test_a_flux2_klein_lora_from_the_policy_reproduces_the_engine_in_diffusers(t
 
 def test_a_wan22_policy_trains_both_experts_from_ratio_one_and_saves_both(tiny_models, tmp_path):
     from tests.families import VIDEO_FAMILIES
-    from trainers_adapters.rewards import colour_agreement
+    from trainers_adapters.rewards.builtin import colour_agreement
 
     family = VIDEO_FAMILIES["wan22"]
     path = tiny_models("wan22")

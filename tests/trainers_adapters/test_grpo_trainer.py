@@ -13,8 +13,8 @@ from rollout import SamplingParams
 from rollout.rescoring import RATIO_TOLERANCE
 from trainers_adapters.grpo_trainer import GRPOSettings, grpo_step
 from trainers_adapters.lora_policy import LoraPolicy
-from trainers_adapters.rewarded_rollout import generate_with_rewards
-from trainers_adapters.rewards import colour_target
+from trainers_adapters.rewards.builtin import colour_target
+from trainers_adapters.rewards.rewarded_rollout import generate_with_rewards
 
 pytestmark = pytest.mark.timeout(120)
 
