@@ -14,6 +14,12 @@ written as text: YAML 1.1 (PyYAML) reads `1e-5` without a dot as a string.
 Checking collects every problem (unknown keys, wrong types, missing keys, bad values caught by a
 dataclass's `__post_init__`) and raises them together in one ValueError. A dataclass's own value
 checks run once its fields are well-typed and its sections are valid, since they may compare fields.
+
+Checking imports no torch, diffusers or fastapi, so a typo is answered at once: the keys, values,
+model families and model folder are checked with plain data. What can only be checked by importing
+what the config names (the executor and worker extension classes, the reward classes, devices) is
+a config's `import_problems`, which `load_config` runs once everything else is valid; the engine,
+the tiny builders and the service client are imported when a recipe runs.
 """
 
 from __future__ import annotations
@@ -32,20 +38,19 @@ import typing
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from rollout.config import EngineConfig
-from rollout.config_check import problems_without_model
-from rollout.engine import RolloutEngine
-from rollout.pipelines.families import families_of, family_named, request_field_problems
-from rollout.pipelines.loading import read_model_index
-from rollout.pipelines.tiny import TINY_BUILDERS
-from rollout.pipelines.tiny.saving import is_current_build
+from rollout.config import EngineConfig, settings_problems
+from rollout.pipelines.families import families_of, family_named, family_names, request_field_problems
+from rollout.pipelines.model_index import read_model_index
 from rollout.serve import API_KEY_ENV
-from rollout.serve.client import RemoteRolloutEngine
 from rollout.settings import setting, setting_help, setting_of
+
+if TYPE_CHECKING:
+    from rollout.engine import RolloutEngine
+    from rollout.serve.client import RemoteRolloutEngine
 
 logger = logging.getLogger(__name__)
 
@@ -69,20 +74,22 @@ class ModelSection:
     path: str = option(
         TINY_MODEL, f"local diffusers pipeline folder, or {TINY_MODEL!r} for a tiny random pipeline of tiny_family"
     )
-    tiny_family: str = option("sd3", f"family of the tiny pipeline: {', '.join(TINY_BUILDERS)}")
+    tiny_family: str = option("sd3", f"family of the tiny pipeline: {', '.join(family_names())}")
     tiny_cache_dir: str | None = option(
         None, f"where path={TINY_MODEL!r} builds its pipeline once and reuses it; null: .cache/tiny_<tiny_family>"
     )
 
     def __post_init__(self) -> None:
-        if self.tiny_family not in TINY_BUILDERS:
-            raise ValueError(f"tiny_family must be one of {sorted(TINY_BUILDERS)}, got {self.tiny_family!r}")
+        if self.tiny_family not in family_names():
+            raise ValueError(f"tiny_family must be one of {sorted(family_names())}, got {self.tiny_family!r}")
 
     def resolve_path(self) -> str:
         """The pipeline folder to load; for `tiny`, builds it into `tiny_cache_dir` the first time, and
         again when the tiny builders have changed since (`rollout.pipelines.tiny.saving.is_current_build`)."""
         if self.path != TINY_MODEL:
             return self.path
+        from rollout.pipelines.tiny.saving import is_current_build  # the builders: torch and diffusers
+
         cache = Path(self.tiny_cache_dir or f".cache/tiny_{self.tiny_family}")
         stale = (cache / "model_index.json").is_file()
         if stale and is_current_build(cache):
@@ -106,7 +113,7 @@ class ModelSection:
         staging = cache.with_name(f".{cache.name}.building-{os.getpid()}")
         if staging.exists():
             shutil.rmtree(staging)  # left by an interrupted build of an earlier process with this pid
-        TINY_BUILDERS[self.tiny_family](staging, seed=0)
+        family_named(self.tiny_family).build_tiny(staging, seed=0)
         if stale:
             shutil.rmtree(cache)
         elif cache.exists():
@@ -136,17 +143,27 @@ class EngineSection:
     merge_lora: str = setting_of(EngineConfig, "merge_lora")
 
     def __post_init__(self) -> None:
-        problems = problems_without_model(**self._engine_settings())
+        problems = settings_problems(**self._engine_settings())
         if self.url is not None and not self.url.startswith(("http://", "https://")):
             problems.append(f"url must start with http:// or https://, got {self.url!r}")
         if problems:
             raise ValueError("; ".join(problems))
+
+    def class_problems(self) -> list[str]:
+        """What the executor and worker extension classes (imported, and torch with them) and the
+        executor's own rules find wrong with these settings."""
+        from rollout.config_check import class_problems
+
+        return class_problems(**self._engine_settings())
 
     def to_engine_config(self, model_path: str) -> EngineConfig:
         return EngineConfig(model=model_path, **self._engine_settings())
 
     def open_engine(self, model_path: str) -> RolloutEngine | RemoteRolloutEngine:
         """The engine a recipe drives: a client of the service at `url`, or an engine in this process."""
+        from rollout.engine import RolloutEngine
+        from rollout.serve.client import RemoteRolloutEngine
+
         if self.url is None:
             return RolloutEngine(self.to_engine_config(model_path))
         logger.info("using the rollout service at %s (its own engine settings apply)", self.url)
@@ -155,6 +172,8 @@ class EngineSection:
     def check_service(self) -> None:
         """With `url`: connect once, so that a service that is down, or refuses this client (no key,
         a wrong one), says so before the recipe loads anything of its own."""
+        from rollout.serve.client import RemoteRolloutEngine
+
         if self.url is not None:
             RemoteRolloutEngine(self.url).shutdown()
 
@@ -170,7 +189,8 @@ class RecipeConfig:
 
     A recipe states its checks of values and combinations in `value_problems`, over a dict of the
     keys that are well-formed, so they run (and report) even when other keys of the same file are
-    broken: one error then lists every problem.
+    broken: one error then lists every problem. They import no torch; checks that must import
+    what they check go in `import_problems`.
     """
 
     recipe: str = option(help=f"which recipe to run: {', '.join(RECIPES)}")
@@ -184,6 +204,12 @@ class RecipeConfig:
     def value_problems(cls, values: dict[str, Any]) -> list[str]:
         """Problems of the values in `values` (key -> checked value); a key that is missing was
         malformed and has been reported already, so checks that need it are skipped."""
+        return []
+
+    def import_problems(self) -> list[str]:
+        """Problems found by importing what the config names (classes, rewards; torch with them),
+        each prefixed with its key: run by `load_config` once every key and value is valid, so that
+        a config with a typo is answered without those imports."""
         return []
 
 
@@ -217,6 +243,9 @@ def load_config(path: str | Path, overrides: Sequence[str] = (), *, model_folder
         raise ValueError(_format_problems(path, problems))
     checks = functools.partial(model_problems_of, folder_must_exist=model_folder)
     config = build_section(recipe_module(name).Config, data, "", problems, checks)
+    if problems:
+        raise ValueError(_format_problems(path, problems))
+    problems = config.import_problems()
     if problems:
         raise ValueError(_format_problems(path, problems))
     return config

@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from recipes.config import option
-from recipes.training import TrainingConfig, train
-from trainers_adapters.dpo_trainer import DPOSettings, DPOStepStats, dpo_step
+from recipes.training_config import TrainingConfig
+from trainers_adapters.dpo_settings import DPOSettings
 
 
 @dataclass(kw_only=True)
@@ -23,7 +23,12 @@ class Config(TrainingConfig):
 
 
 def run(config: Config) -> dict:
-    def update(policy, optimizer, rollout, generator) -> DPOStepStats:
+    # The loop and the update import torch: imported when the recipe runs, so that its config is
+    # checked without them.
+    from recipes.training import train
+    from trainers_adapters.dpo_trainer import dpo_step
+
+    def update(policy, optimizer, rollout, generator):
         return dpo_step(policy, optimizer, rollout, config.dpo, generator)
 
     return train(config, update, lambda stats: {"pairs": stats.num_pairs, "acc": f"{stats.accuracy:.2f}"})

@@ -4,10 +4,12 @@ from a seed (so a run, its eval and a resumed run edit the same images)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from recipes.config import option
+
+if TYPE_CHECKING:
+    import torch
 
 SOURCES = ("shapes",)
 
@@ -43,6 +45,8 @@ class InputImagesSection:
 def shape_image(seed: int, index: int, height: int, width: int) -> torch.Tensor:
     """uint8 [3, H, W]: a square or a disc of one colour on a background of another, its size and
     place drawn from (seed, index)."""
+    import torch  # here, not with the section: a recipe's config is checked without torch
+
     generator = torch.Generator().manual_seed(seed * 1_000_003 + index)
     background, colour = torch.randint(0, 256, (2, 3), generator=generator).to(torch.uint8)
     size = int(torch.randint(min(height, width) // 3, min(height, width) * 2 // 3 + 1, (), generator=generator))

@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from recipes.config import option
-from recipes.training import TrainingConfig, train
-from trainers_adapters.grpo_trainer import GRPOSettings, GRPOStepStats, grpo_step
+from recipes.training_config import TrainingConfig
+from trainers_adapters.grpo_settings import GRPOSettings
 
 
 @dataclass(kw_only=True)
@@ -32,7 +32,12 @@ class Config(TrainingConfig):
 
 
 def run(config: Config) -> dict:
-    def update(policy, optimizer, rollout, generator) -> GRPOStepStats:
+    # The loop and the update import torch: imported when the recipe runs, so that its config is
+    # checked without them.
+    from recipes.training import train
+    from trainers_adapters.grpo_trainer import grpo_step
+
+    def update(policy, optimizer, rollout, generator):
         return grpo_step(policy, optimizer, rollout, config.grpo, generator)
 
     return train(config, update, lambda stats: {"log_ratio0": f"{stats.log_ratio_before_update:.1e}"})

@@ -12,13 +12,16 @@ See `recipes.training` for the loop and the files a run writes, and
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from recipes.config import option
-from recipes.training import TrainingConfig, train
+from recipes.training_config import TrainingConfig
 from rollout import SamplingParams
-from trainers_adapters.lora_policy import LoraPolicy
-from trainers_adapters.nft_trainer import NFTSettings, NFTStepStats, nft_step
-from trainers_adapters.old_policy import OldPolicy
+from trainers_adapters.nft_settings import NFTSettings
+
+if TYPE_CHECKING:
+    from trainers_adapters.lora_policy import LoraPolicy
+    from trainers_adapters.old_policy import OldPolicy
 
 OLD_ADAPTER = "old"  # the name the old policy's adapter has in the engine
 
@@ -44,6 +47,12 @@ class Config(TrainingConfig):
 
 
 def run(config: Config) -> dict:
+    # The loop, the update and the old policy import torch: imported when the recipe runs, so that
+    # its config is checked without them.
+    from recipes.training import train
+    from trainers_adapters.nft_trainer import nft_step
+    from trainers_adapters.old_policy import OldPolicy
+
     old: OldPolicy | None = None  # made by `attach` when `train` has built the policy
 
     def attach(policy: LoraPolicy) -> OldPolicy:
@@ -52,7 +61,7 @@ def run(config: Config) -> dict:
         old = OldPolicy(policy, OLD_ADAPTER)
         return old
 
-    def update(policy, optimizer, rollout, generator) -> NFTStepStats:
+    def update(policy, optimizer, rollout, generator):
         return nft_step(policy, old, optimizer, rollout, config.nft, generator)
 
     return train(config, update, lambda stats: {"old_decay": f"{stats.old_decay:.3f}"}, old_policy=attach)

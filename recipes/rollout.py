@@ -15,11 +15,15 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from PIL import Image
 
 from recipes.config import EngineSection, ModelSection, RecipeConfig, check_model, option, to_dict
-from rollout import RolloutOutput, SamplingParams
+from rollout import SamplingParams
+
+if TYPE_CHECKING:
+    from rollout import RolloutOutput
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +47,10 @@ class Config(RecipeConfig):
         if values.get("grid_scale", 1) < 1:
             problems.append(f"grid_scale must be an integer >= 1, got {values['grid_scale']}")
         return problems
+
+    def import_problems(self) -> list[str]:
+        problems = self.engine.class_problems()
+        return [f"engine: {'; '.join(problems)}"] if problems else []
 
 
 def run(config: Config) -> dict:

@@ -1,5 +1,5 @@
-"""What the GRPO and DPO recipes share: their config sections and the training loop around one
-update function.
+"""What the training recipes (GRPO, DPO, DiffusionNFT) share: the training loop around one update
+function (their config: `recipes.training_config`).
 
 Every step: pick prompts, roll them out with the policy's adapter (each group rewarded as soon as it
 finishes, on a background thread or in `reward_workers` reward workers: processes or Ray actors), run the update,
@@ -29,7 +29,6 @@ import logging
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -42,215 +41,25 @@ from recipes.checkpoint import (
     drop_later_checkpoints,
     read_resumable,
     resume_folder,
-    resume_problems,
     write_checkpoint,
 )
-from recipes.config import EngineSection, ModelSection, RecipeConfig, check_model, option, to_dict
-from recipes.edit_images import InputImagesSection
-from recipes.loggers import WandbSection, logger_problems, open_loggers
+from recipes.config import check_model, to_dict
+from recipes.loggers import open_loggers
 from recipes.plots import plot_log_ratio, plot_reward
 from recipes.randomness import PromptOrder, restore_rng, rng_state
 from recipes.rollout import save_samples
+from recipes.training_config import POLICY_ADAPTER, TrainingConfig
 from rollout import SamplingParams
 from rollout.rescoring import RATIO_TOLERANCE  # the contract the first update's |log ratio| meets
 from rollout.seeding import derive_seed
 from trainers_adapters.lora_policy import LoraPolicy
 from trainers_adapters.old_policy import OldPolicy
-from trainers_adapters.rewards.placement import open_reward_runner, placement_problems
+from trainers_adapters.rewards.placement import open_reward_runner
 from trainers_adapters.rewards.rewarded_rollout import RewardedRollout, generate_with_rewards
 from trainers_adapters.rewards.runner import RewardRunner
-from trainers_adapters.rewards.spec import reward_label, reward_problems
+from trainers_adapters.rewards.spec import reward_label
 
 logger = logging.getLogger(__name__)
-
-POLICY_ADAPTER = "policy"  # the name the trained adapter has in the engine
-
-
-@dataclass(kw_only=True)
-class LoraSection:
-    rank: int = option(8, "LoRA rank r")
-    alpha: float = option(16.0, "LoRA alpha (the update is scaled by alpha / rank)")
-    target_modules: list[str] | None = option(
-        None, "transformer module names (or name suffixes) that get a LoRA; null: the model family's default"
-    )
-
-    def __post_init__(self) -> None:
-        problems = []
-        if self.rank < 1:
-            problems.append(f"rank must be >= 1, got {self.rank}")
-        if self.alpha <= 0:
-            problems.append(f"alpha must be > 0, got {self.alpha}")
-        if self.target_modules == []:
-            problems.append("target_modules is empty; name at least one module (e.g. to_q), or null for the default")
-        if problems:
-            raise ValueError("; ".join(problems))
-
-    def peft_config(self) -> dict:
-        """The LoRA's config; without target_modules `LoraPolicy` takes the family's default targets."""
-        config = {"r": self.rank, "lora_alpha": self.alpha}
-        if self.target_modules is not None:
-            config["target_modules"] = list(self.target_modules)
-        return config
-
-
-@dataclass(kw_only=True)
-class OptimizerSection:
-    learning_rate: float = option(3e-4, "AdamW learning rate of the LoRA parameters")
-    weight_decay: float = option(0.0, "AdamW weight decay")
-
-    def __post_init__(self) -> None:
-        if self.learning_rate <= 0:
-            raise ValueError(f"learning_rate must be > 0, got {self.learning_rate}")
-
-
-@dataclass(kw_only=True)
-class EvalSection:
-    """The fixed-noise samples drawn before and after training (samples_start/end.png)."""
-
-    num_prompts: int = option(4, "how many of the training prompts (the first ones) make the eval grids' rows")
-    num_samples: int = option(4, "samples per eval prompt (the grids' columns)")
-    num_inference_steps: int = option(10, "denoising steps of the eval samples")
-    sampler: str = option("ode", "update rule of the eval samples (ode: deterministic, as Flow-GRPO evaluates)")
-    seed: int = option(1234, "seed of the eval samples' noise, the same at the start and the end")
-
-    def __post_init__(self) -> None:
-        problems = []
-        for name in ("num_prompts", "num_samples", "num_inference_steps"):
-            if getattr(self, name) < 1:
-                problems.append(f"{name} must be >= 1, got {getattr(self, name)}")
-        if problems:
-            raise ValueError("; ".join(problems))
-
-
-@dataclass(kw_only=True)
-class TrainingConfig(RecipeConfig):
-    model: ModelSection = option(factory=ModelSection)
-    engine: EngineSection = option(factory=EngineSection)
-    sampling: SamplingParams = option(factory=lambda: SamplingParams(sampler="flow_sde", noise_level=0.7))
-    lora: LoraSection = option(factory=LoraSection)
-    optimizer: OptimizerSection = option(factory=OptimizerSection)
-    eval: EvalSection = option(factory=EvalSection)
-    # A bare dict: its entries are checked by reward_problems, which names each bad one, not as one type error.
-    reward: str | dict = option(
-        help="one reward by name (a built-in such as colour or jpeg_compressibility, a reward model: clip_score, "
-        "pickscore, aesthetic, or a dotted path), or a mapping name -> {weight, reward model settings} for a "
-        "weighted sum, each component logged as reward/<name> (docs/training.md)"
-    )
-    reward_workers: int = option(
-        0,
-        "reward worker processes, each holding the reward's models once (on the device its settings name), "
-        "scoring each group as it finishes; 0: on a thread of the trainer's process (docs/training.md)",
-    )
-    reward_runner: str = option(
-        "process", "what a reward worker is: process (spawned on this machine) or ray (a Ray actor, on a cluster)"
-    )
-    reward_devices: list[str] | None = option(
-        None,
-        "one device per reward worker (cpu, cuda:1; with ray: cpu or cuda, a GPU Ray picks), where it builds the "
-        "reward's models; null: where each reward's own device setting says",
-    )
-    reward_timeout_s: float = option(
-        600.0,
-        "the longest a reward worker may take over one group; past it the step fails and the worker is restarted",
-    )
-    prompts: list[str] = option(help="training prompts; each step takes `prompts_per_step` of them in turn")
-    prompts_file: str | None = option(None, "a text file with one more training prompt per line (optional)")
-    prompts_per_step: int = option(4, "prompts per training step; each is sampled sampling.num_samples times")
-    input_images: InputImagesSection = option(
-        factory=InputImagesSection, help="an edit recipe's input images, one per prompt (null source: none)"
-    )
-    sde_window_range: tuple[int, int] | None = option(
-        None,
-        "[start, stop): each step slides sampling.sde_window, and sampling.branch_steps with it, to a random "
-        "place inside this range (Flow-GRPO-Fast's sde_window_range); null: the window stays where it is",
-    )
-    steps: int = option(60, "training steps (one rollout, its updates and one push each)")
-    seed: int = option(0, "seed of the LoRA init, prompt order, rollout noise and training randomness")
-    output_dir: str = option("outputs/train", "folder for metrics, plots, sample grids and the final LoRA")
-    grid_scale: int = option(4, "nearest-neighbour upscale of each image in the sample grids")
-    logger: str | list[str] = option(
-        factory=lambda: ["jsonl"],
-        help="where step metrics and sample grids go, one or a list: jsonl (metrics.jsonl), tensorboard "
-        "(output_dir/tensorboard; pip extra [tensorboard]), wandb (the wandb section; pip extra [wandb])",
-    )
-    wandb: WandbSection = option(factory=WandbSection)
-    checkpoint_every: int = option(
-        0,
-        "write a checkpoint (LoRA, optimizer, generator states, step, metrics) to output_dir/checkpoints "
-        "every N steps and after the last; 0: none",
-    )
-    keep_checkpoints: int = option(1, "how many of the latest checkpoints to keep; older ones go once a newer is in")
-    resume: str | None = option(
-        None,
-        "continue a run: auto (from the latest checkpoint in output_dir, or a new run if there is none), a "
-        "checkpoint folder, or an output_dir with checkpoints (as --resume DIR); null: a new run",
-    )
-
-    @classmethod
-    def value_problems(cls, values: dict) -> list[str]:
-        problems = logger_problems(values["logger"]) if "logger" in values else []
-        if "reward" in values:
-            problems += reward_problems(values["reward"])
-        prompts_file = values.get("prompts_file")
-        if prompts_file is not None and not Path(prompts_file).is_file():
-            problems.append(f"prompts_file {prompts_file!r} does not exist")
-        if values.get("prompts") == [] and "prompts_file" in values and prompts_file is None:
-            problems.append("prompts is empty and no prompts_file is given; give at least one prompt")
-        problems += placement_problems(
-            values.get("reward_workers", 0),
-            values.get("reward_runner", "process"),
-            values.get("reward_devices"),
-            values.get("reward_timeout_s", 600.0),
-            values.get("reward"),
-        )
-        for name in ("prompts_per_step", "steps", "grid_scale", "keep_checkpoints"):
-            if values.get(name, 1) < 1:
-                problems.append(f"{name} must be >= 1, got {values[name]}")
-        if values.get("checkpoint_every", 0) < 0:
-            problems.append(f"checkpoint_every must be >= 0 (0: no checkpoints), got {values['checkpoint_every']}")
-        if "resume" in values and "output_dir" in values:
-            problems += resume_problems(values["resume"], values["output_dir"])
-        sampling = values.get("sampling")
-        if sampling is not None:
-            problems += _sampling_problems(sampling)
-        window_range = values.get("sde_window_range")
-        if window_range is not None and sampling is not None:
-            problems += _window_range_problems(window_range, sampling)
-        return problems
-
-    def all_prompts(self) -> list[str]:
-        prompts = list(self.prompts)
-        if self.prompts_file is not None:
-            lines = Path(self.prompts_file).read_text().splitlines()
-            prompts += [line.strip() for line in lines if line.strip()]
-        return prompts
-
-
-def _sampling_problems(sampling: SamplingParams) -> list[str]:
-    problems = []
-    if sampling.lora is not None:
-        problems.append(f"sampling.lora must be null: the recipe samples with its own adapter {POLICY_ADAPTER!r}")
-    if not (sampling.return_trajectory and sampling.output_type == "image"):
-        problems.append("sampling.return_trajectory must be true and sampling.output_type 'image' for training")
-    if sampling.num_samples * sampling.leaves_per_sample < 2:
-        problems.append(
-            f"sampling.num_samples (the group size) is {sampling.num_samples}; training compares the samples "
-            "of a prompt with each other, so it needs at least 2 (or a tree: sampling.branch_steps)"
-        )
-    return problems
-
-
-def _window_range_problems(window_range: tuple[int, int], sampling: SamplingParams) -> list[str]:
-    if sampling.sde_window is None:
-        return ["sde_window_range slides sampling.sde_window, which is null; set it (e.g. [0, 2] for 2 SDE steps)"]
-    start, stop = window_range
-    steps = sampling.num_inference_steps
-    if not 0 <= start < stop <= steps:
-        return [f"sde_window_range {list(window_range)} must satisfy 0 <= start < stop <= {steps} (the steps)"]
-    size = sampling.sde_window[1] - sampling.sde_window[0]
-    if stop - start < size:
-        return [f"sde_window_range {list(window_range)} is narrower than sampling.sde_window's {size} steps"]
-    return []
 
 
 def slide_window(params: SamplingParams, window_range: tuple[int, int], rng: random.Random) -> SamplingParams:

@@ -1,19 +1,29 @@
-"""diffusion-rollout: an RL rollout engine for diffusion policies."""
+"""diffusion-rollout: an RL rollout engine for diffusion policies.
 
-from rollout.config import EngineConfig
-from rollout.node_id import NodeId
-from rollout.outputs import RolloutOutput, Trajectory
-from rollout.sampling_params import SamplingParams
+The public names, each imported from its module on first use (PEP 562): importing a submodule
+runs this file, and `rollout.config` or `rollout.sampling_params` must not bring torch with them
+(a recipe's config check runs without it). Importing the engine here would also make every
+`import executors` depend on itself: the executors' modules import rollout's own.
+"""
 
-__all__ = ["EngineConfig", "NodeId", "RolloutEngine", "RolloutOutput", "SamplingParams", "Trajectory"]
+from __future__ import annotations
+
+import importlib
+
+# Public name -> the module that defines it.
+PUBLIC_NAMES = {
+    "EngineConfig": "rollout.config",
+    "NodeId": "rollout.node_id",
+    "RolloutEngine": "rollout.engine",
+    "RolloutOutput": "rollout.outputs",
+    "SamplingParams": "rollout.sampling_params",
+    "Trajectory": "rollout.outputs",
+}
+
+__all__ = sorted(PUBLIC_NAMES)
 
 
 def __getattr__(name: str):
-    # The engine is imported on first use (PEP 562), not with the package: it imports the executors,
-    # whose modules import rollout's own (and so run this file); importing it here would make every
-    # `import executors` depend on itself.
-    if name == "RolloutEngine":
-        from rollout.engine import RolloutEngine
-
-        return RolloutEngine
+    if name in PUBLIC_NAMES:
+        return getattr(importlib.import_module(PUBLIC_NAMES[name]), name)
     raise AttributeError(f"module 'rollout' has no attribute {name!r}")

@@ -2,20 +2,23 @@
 
 What needs the file system or imports (the model folder, the executor and worker extension classes,
 the executor's own rules) is checked by `rollout.config_check` when an engine is built, before any
-worker starts, so a typo still fails before any model loads.
+worker starts, so a typo still fails before any model loads. This module imports no torch (a
+recipe checks its `engine` section with it); `torch_dtype` imports it when asked.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Any
-
-import torch
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any
 
 from rollout.request_limits import RequestLimits
 from rollout.settings import setting
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+if TYPE_CHECKING:
+    import torch
+
+DTYPES = ("float32", "bfloat16", "float16")  # the names of torch's dtypes a model may be loaded in
 MERGE_LORA_CHOICES = ("auto", "always", "never")
 CFG_PARALLEL_CHOICES = (1, 2)
 # The dtypes merge_lora="auto" merges in. A merged delta rounded into bfloat16 (8 bits of mantissa)
@@ -110,7 +113,9 @@ class EngineConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return _DTYPES[self.dtype]
+        import torch
+
+        return getattr(torch, self.dtype)
 
     @property
     def merges_lora(self) -> bool:
@@ -124,8 +129,8 @@ def value_problems(config: Any) -> list[str]:
     """What is wrong with the values of `config` (an `EngineConfig`, or any object with its
     attributes), without reading files or importing classes."""
     problems = []
-    if config.dtype not in _DTYPES:
-        problems.append(f"dtype must be one of {sorted(_DTYPES)}, got {config.dtype!r}")
+    if config.dtype not in DTYPES:
+        problems.append(f"dtype must be one of {sorted(DTYPES)}, got {config.dtype!r}")
     if not isinstance(config.num_workers, int) or config.num_workers < 1:
         problems.append(f"num_workers must be an integer >= 1, got {config.num_workers!r}")
     sequence_ok = isinstance(config.sequence_parallel, int) and config.sequence_parallel >= 1
@@ -154,6 +159,12 @@ def value_problems(config: Any) -> list[str]:
     if not (config.device == "cpu" or config.device.startswith("cuda")):
         problems.append(f"device must be 'cpu' or 'cuda[:N]', got {config.device!r}")
     return problems
+
+
+def settings_problems(**settings) -> list[str]:
+    """`value_problems` of `EngineConfig(model=..., **settings)`, for settings checked before their
+    model exists (a recipe builds `tiny` only when it runs); nothing is read or imported."""
+    return value_problems(SimpleNamespace(**(vars(EngineConfig(model="")) | settings)))
 
 
 def _layout_problem(num_workers: int, cfg: int, sequence: int) -> str:

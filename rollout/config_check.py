@@ -9,8 +9,8 @@ from types import SimpleNamespace
 
 from executors import Executor, get_executor_class
 from executors.base import writes_transport
-from rollout.config import EngineConfig, value_problems
-from rollout.pipelines.loading import read_model_index
+from rollout.config import EngineConfig, settings_problems
+from rollout.pipelines.model_index import read_model_index
 from rollout.sequence_parallel import plan_problems
 from rollout.worker import build_worker_class
 
@@ -34,9 +34,13 @@ def problems_without_model(**settings) -> list[str]:
     """What `EngineConfig(model=..., **settings)` and its classes would find wrong apart from the
     model folder, for configs checked before their model exists (a recipe builds `tiny` only when
     it runs)."""
-    config = SimpleNamespace(**(_defaults() | settings))
-    problems = value_problems(config)
-    return problems + _resolve_classes(config)[1]
+    return settings_problems(**settings) + class_problems(**settings)
+
+
+def class_problems(**settings) -> list[str]:
+    """What the classes that `EngineConfig(model=..., **settings)` names (the executor, the worker
+    extension) and the executor's own rules find wrong; imports them, and so torch."""
+    return _resolve_classes(SimpleNamespace(**(_defaults() | settings)))[1]
 
 
 def _resolve_classes(config) -> tuple[type[Executor] | None, list[str]]:

@@ -18,11 +18,9 @@ import torch
 from rollout.outputs import Trajectory
 from rollout.pipelines.condition import Condition
 from rollout.pipelines.guidance import Guidance, Scale, guidance_argument
-from rollout.samplers import NoDensityError, StepOutput, get_sampler
-
-# The numerics contract: before any update, re-scoring a stored transition with the policy that
-# sampled it gives |log-ratio| below this (float32; the trainer's check and the tests use it).
-RATIO_TOLERANCE = 1e-5
+from rollout.samplers import RATIO_TOLERANCE as RATIO_TOLERANCE  # the contract, named where it is kept
+from rollout.samplers import get_sampler
+from rollout.samplers.step_output import NoDensityError, StepOutput
 
 
 def score_transitions(

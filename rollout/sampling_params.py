@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass
 
 from rollout.pipelines.guidance import GUIDANCE_FIELDS
-from rollout.samplers import LOG_PROB_FORMS, SAMPLERS, is_stochastic_step
+from rollout.samplers import LOG_PROB_FORMS, SAMPLER_NAMES, is_stochastic_step
 from rollout.settings import setting
 
 OUTPUT_TYPES = ("image", "latent", "none")
@@ -155,8 +155,8 @@ class SamplingParams:
             problems.append(f"num_inference_steps must be an integer >= 1, got {steps!r}")
         elif steps > MAX_INFERENCE_STEPS:
             problems.append(f"num_inference_steps must be at most {MAX_INFERENCE_STEPS}, got {steps}")
-        if self.sampler not in SAMPLERS:
-            problems.append(f"sampler must be one of {sorted(SAMPLERS)}, got {self.sampler!r}")
+        if self.sampler not in SAMPLER_NAMES:
+            problems.append(f"sampler must be one of {sorted(SAMPLER_NAMES)}, got {self.sampler!r}")
         problems += self._noise_level_problems()
         if self.log_prob_form not in LOG_PROB_FORMS:
             problems.append(f"log_prob_form must be one of {LOG_PROB_FORMS}, got {self.log_prob_form!r}")
@@ -207,7 +207,7 @@ class SamplingParams:
         if level > most:
             why = " for CPS, whose sin(a * pi / 2) turns back past 1" if self.sampler == "cps" else ""
             return [f"noise_level must be <= {most:g}{why}, got {level}"]
-        if level == 0 and self.sampler in SAMPLERS and self.sampler != "ode":
+        if level == 0 and self.sampler in SAMPLER_NAMES and self.sampler != "ode":
             return [
                 f"noise_level 0 gives sampler {self.sampler!r} no noise and no log-prob; "
                 "use sampler='ode' for deterministic sampling or a noise_level > 0"
@@ -263,7 +263,7 @@ class SamplingParams:
         if self.branch_factor < 2:
             problems.append(f"branch_factor must be >= 2 to branch at steps {self.branch_steps}")
         problems += self._branch_noise_problems()
-        if self.sampler in SAMPLERS:
+        if self.sampler in SAMPLER_NAMES:
             mask = self.sde_mask()
             deterministic = [i for i in self.branch_steps if not mask[i]]
             if deterministic:
@@ -291,7 +291,7 @@ class SamplingParams:
                 f"sde_window {tuple(window)} is outside the step range: need 0 <= start < stop <= "
                 f"num_inference_steps ({steps})"
             ]
-        if self.sampler in SAMPLERS and not any(
+        if self.sampler in SAMPLER_NAMES and not any(
             is_stochastic_step(self.sampler, i, steps) for i in range(start, stop)
         ):
             return [f"sde_window {tuple(window)} holds no stochastic step of sampler {self.sampler!r}"]

@@ -289,7 +289,7 @@ def _node_id(fields: dict) -> NodeId:
 def _embeds_class(dotted: str) -> type[PromptEmbeds]:
     """A family's embeddings class by its dotted name; only classes in the families' modules qualify."""
     module_name, _, name = dotted.rpartition(".")
-    family_modules = {family.adapter.__module__ for family in FAMILIES}
+    family_modules = {family.adapter_class.rpartition(".")[0] for family in FAMILIES}
     if module_name not in family_modules:
         raise WireError(f"prompt embeddings class {dotted!r} is not in a family's module {sorted(family_modules)}")
     cls = getattr(importlib.import_module(module_name), name, None)

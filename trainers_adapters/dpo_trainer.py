@@ -12,32 +12,12 @@ from dataclasses import dataclass
 
 import torch
 
-from rollout.settings import setting
 from trainers_adapters.dpo import dpo_loss, flow_matching_error, preference_pairs
+from trainers_adapters.dpo_settings import DPOSettings
 from trainers_adapters.lora_policy import LoraPolicy
 from trainers_adapters.micro_batches import micro_batches
 from trainers_adapters.optim import check_finite_loss, clip_and_step
 from trainers_adapters.rewards.rewarded_rollout import RewardedRollout
-
-
-@dataclass(kw_only=True)
-class DPOSettings:
-    """The knobs of `dpo_step` (a recipe's `dpo` section); each field's help is its `setting`."""
-
-    beta: float = setting(2000.0, "preference strength of the DPO loss (Diffusion-DPO: 2000-5000 on mean errors)")
-    micro_batch_size: int = setting(8, "preference pairs per forward/backward pass")
-    max_grad_norm: float = setting(1.0, "gradient-norm clip; 0 disables it")
-
-    def __post_init__(self) -> None:
-        problems = []
-        if self.beta <= 0:
-            problems.append(f"beta must be > 0, got {self.beta}")
-        if self.micro_batch_size < 1:
-            problems.append(f"micro_batch_size must be >= 1, got {self.micro_batch_size}")
-        if self.max_grad_norm < 0:
-            problems.append(f"max_grad_norm must be >= 0 (0 disables clipping), got {self.max_grad_norm}")
-        if problems:
-            raise ValueError("; ".join(problems))
 
 
 @dataclass

@@ -21,8 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from rollout.samplers import StepOutput
-
-KL_FORMS = ("flow_grpo", "gaussian")
+from trainers_adapters.grpo_settings import KL_FORMS  # the forms kl_to_reference computes
 
 
 @dataclass

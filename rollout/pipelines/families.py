@@ -1,28 +1,204 @@
-"""Every model family the project runs: one tuple of the descriptors each family's module declares.
+"""Every model family the project runs: one tuple of their descriptors (`rollout.pipelines.family`).
 
 The engine's registry (`_class_name` -> adapter), the tiny pipelines' lookup by short name, the
-tests' family matrix and the benchmarks' `--family` choices are all read from `FAMILIES`; adding a
-family is its module (adapter and `Family`) plus its line here.
+tests' family matrix, the benchmarks' `--family` choices and a recipe's config check are all read
+from `FAMILIES`; adding a family is its module (the adapter) plus its descriptor here. This module
+imports neither torch nor diffusers (the adapters are named by their dotted paths), so a config is
+checked against the families without them.
 """
 
 from __future__ import annotations
 
-from rollout.pipelines import flux, flux2, flux_kontext, qwen_image, qwen_image_edit, sd3, wan, z_image
-from rollout.pipelines.adapter import PipelineAdapter
+from typing import TYPE_CHECKING
+
 from rollout.pipelines.family import Family
 from rollout.pipelines.guidance import GUIDANCE_FIELDS
 
+if TYPE_CHECKING:
+    from rollout.pipelines.adapter import PipelineAdapter
+
+# As Qwen-Image: true CFG when true_cfg_scale > 1 with a negative prompt (encoded with the same
+# images); 4.0 is the edit pipelines' default, " " the empty negative prompt their docstrings suggest.
+_QWEN_EDIT_CFG_ON = {"true_cfg_scale": 4.0, "negative_prompt": " "}
+_QWEN_EDIT_CFG_OFF = {"true_cfg_scale": 1.0}
+
 FAMILIES: tuple[Family, ...] = (
-    sd3.FAMILY,
-    flux.FAMILY,
-    flux_kontext.FAMILY,
-    qwen_image.FAMILY,
-    qwen_image_edit.EDIT_FAMILY,
-    qwen_image_edit.PLUS_FAMILY,
-    flux2.FAMILY,
-    wan.WAN21_FAMILY,
-    wan.WAN22_FAMILY,
-    z_image.FAMILY,
+    Family(
+        name="sd3",
+        title="SD3 / SD3.5",
+        adapter_class="rollout.pipelines.sd3.SD3Adapter",
+        pipeline_class="StableDiffusion3Pipeline",
+        tiny_builder="rollout.pipelines.tiny.sd3.build_tiny_sd3",
+        presets={
+            "small": "rollout.pipelines.tiny.sd3.build_small_sd3",
+            "real": "rollout.pipelines.tiny.sd3.build_real_sd3",
+        },
+        real_model="SD3.5 Medium",
+        # The pipeline guides when guidance_scale > 1, with the negative prompt "" unless one is named.
+        # 4.5 is the adapter's default (Flow-GRPO's for SD3.5), so a request that names nothing guides.
+        cfg_on={"guidance_scale": 4.5},
+        cfg_off={"guidance_scale": 1.0},
+        accepted_guidance_fields=("guidance_scale",),
+    ),
+    Family(
+        name="flux",
+        title="FLUX.1",
+        adapter_class="rollout.pipelines.flux.FluxAdapter",
+        pipeline_class="FluxPipeline",
+        tiny_builder="rollout.pipelines.tiny.flux.build_tiny_flux",
+        presets={
+            "small": "rollout.pipelines.tiny.flux.build_small_flux",
+            "real": "rollout.pipelines.tiny.flux.build_real_flux",
+        },
+        real_model="FLUX.1-dev",
+        # FluxPipeline guides (a second pass) when true_cfg_scale > 1 and a negative prompt is given; its
+        # default 1.0 is off. FLUX.1-dev's guidance_scale is distilled guidance, a transformer input,
+        # not CFG: both settings leave it at the pipeline's 3.5. The pipeline has no default with CFG on:
+        # these are Qwen-Image's (its default 4, and the empty negative prompt " " its docstring suggests).
+        cfg_on={"true_cfg_scale": 4.0, "negative_prompt": " "},
+        cfg_off={"true_cfg_scale": 1.0},
+        # guidance_scale: FLUX.1 [dev]'s guidance embedding
+        accepted_guidance_fields=("true_cfg_scale", "guidance_scale"),
+    ),
+    Family(
+        name="flux_kontext",
+        title="FLUX.1 Kontext (image editing)",
+        adapter_class="rollout.pipelines.flux_kontext.FluxKontextAdapter",
+        pipeline_class="FluxKontextPipeline",
+        tiny_builder="rollout.pipelines.tiny.flux.build_tiny_flux_kontext",
+        presets={
+            "small": "rollout.pipelines.tiny.flux.build_small_flux_kontext",
+            "real": "rollout.pipelines.tiny.flux.build_real_flux_kontext",
+        },
+        real_model="FLUX.1-Kontext-dev",
+        # As FLUX.1: FluxKontextPipeline guides (a second pass, over the same input image) when
+        # true_cfg_scale > 1 and a negative prompt is given; guidance_scale is distilled guidance.
+        cfg_on={"true_cfg_scale": 4.0, "negative_prompt": " "},
+        cfg_off={"true_cfg_scale": 1.0},
+        accepted_guidance_fields=("true_cfg_scale", "guidance_scale"),  # guidance_scale: its guidance embedding
+        edits=True,
+    ),
+    Family(
+        name="qwen_image",
+        title="Qwen-Image",
+        adapter_class="rollout.pipelines.qwen_image.QwenImageAdapter",
+        pipeline_class="QwenImagePipeline",
+        tiny_builder="rollout.pipelines.tiny.qwen_image.build_tiny_qwen_image",
+        presets={
+            "small": "rollout.pipelines.tiny.qwen_image.build_small_qwen_image",
+            "real": "rollout.pipelines.tiny.qwen_image.build_real_qwen_image",
+        },
+        real_model="Qwen-Image",
+        # QwenImagePipeline guides when true_cfg_scale > 1 and a negative prompt is given: 4.0 is its
+        # default, and " " the empty negative prompt its docstring suggests. Off: 1.0, the adapter's default.
+        cfg_on={"true_cfg_scale": 4.0, "negative_prompt": " "},
+        cfg_off={"true_cfg_scale": 1.0},
+        accepted_guidance_fields=("true_cfg_scale", "guidance_scale"),  # guidance_scale: guidance-distilled variants
+    ),
+    Family(
+        name="qwen_image_edit",
+        title="Qwen-Image-Edit (image editing)",
+        adapter_class="rollout.pipelines.qwen_image_edit.QwenImageEditAdapter",
+        pipeline_class="QwenImageEditPipeline",
+        tiny_builder="rollout.pipelines.tiny.qwen_image_edit.build_tiny_qwen_image_edit",
+        presets={
+            "small": "rollout.pipelines.tiny.qwen_image_edit.build_small_qwen_image_edit",
+            "real": "rollout.pipelines.tiny.qwen_image_edit.build_real_qwen_image_edit",
+        },
+        real_model="Qwen-Image-Edit",
+        cfg_on=_QWEN_EDIT_CFG_ON,
+        cfg_off=_QWEN_EDIT_CFG_OFF,
+        accepted_guidance_fields=("true_cfg_scale", "guidance_scale"),  # guidance_scale: guidance-distilled variants
+        edits=True,
+    ),
+    Family(
+        name="qwen_image_edit_plus",
+        title="Qwen-Image-Edit-Plus (2509/2511: several reference images)",
+        adapter_class="rollout.pipelines.qwen_image_edit.QwenImageEditPlusAdapter",
+        pipeline_class="QwenImageEditPlusPipeline",
+        tiny_builder="rollout.pipelines.tiny.qwen_image_edit.build_tiny_qwen_image_edit_plus",
+        presets={
+            "small": "rollout.pipelines.tiny.qwen_image_edit.build_small_qwen_image_edit_plus",
+            "real": "rollout.pipelines.tiny.qwen_image_edit.build_real_qwen_image_edit_plus",
+        },
+        real_model="Qwen-Image-Edit-2511",
+        cfg_on=_QWEN_EDIT_CFG_ON,
+        cfg_off=_QWEN_EDIT_CFG_OFF,
+        accepted_guidance_fields=("true_cfg_scale", "guidance_scale"),  # guidance_scale: guidance-distilled variants
+        edits=True,
+    ),
+    Family(
+        name="flux2_klein",
+        title="FLUX.2 [klein]",
+        adapter_class="rollout.pipelines.flux2.Flux2KleinAdapter",
+        pipeline_class="Flux2KleinPipeline",
+        tiny_builder="rollout.pipelines.tiny.flux2.build_tiny_flux2_klein",
+        presets={
+            "small": "rollout.pipelines.tiny.flux2.build_small_flux2_klein",
+            "real": "rollout.pipelines.tiny.flux2.build_real_flux2_klein",
+        },
+        real_model="FLUX.2 [klein] 4B",
+        # A base klein model (the tiny one is) guides when guidance_scale > 1, against "" (its default
+        # negative): 4.0 is the pipeline's default. Off: 1.0. (A distilled folder takes no guidance field.)
+        cfg_on={"guidance_scale": 4.0},
+        cfg_off={"guidance_scale": 1.0},
+        accepted_guidance_fields=("guidance_scale",),  # none for the distilled FLUX.2 [klein] models
+        edits=True,
+    ),
+    # Wan 2.1 and Wan 2.2 are one pipeline class and one adapter; Wan 2.2's folders add the second expert.
+    Family(
+        name="wan",
+        title="Wan 2.1",
+        adapter_class="rollout.pipelines.wan.WanAdapter",
+        pipeline_class="WanPipeline",
+        tiny_builder="rollout.pipelines.tiny.wan.build_tiny_wan",
+        presets={
+            "small": "rollout.pipelines.tiny.wan.build_small_wan",
+            "real": "rollout.pipelines.tiny.wan.build_real_wan",
+        },
+        real_model="Wan 2.1 T2V 1.3B",
+        # WanPipeline guides when guidance_scale > 1 (negative prompt "" unless one is named); 5.0 is its
+        # default and the adapter's.
+        cfg_on={"guidance_scale": 5.0},
+        cfg_off={"guidance_scale": 1.0},
+        accepted_guidance_fields=("guidance_scale",),
+        video=True,
+    ),
+    Family(
+        name="wan22",
+        title="Wan 2.2, two experts",
+        adapter_class="rollout.pipelines.wan.WanAdapter",
+        pipeline_class="WanPipeline",
+        tiny_builder="rollout.pipelines.tiny.wan.build_tiny_wan22",
+        presets={
+            "small": "rollout.pipelines.tiny.wan.build_small_wan22",
+            "real": "rollout.pipelines.tiny.wan.build_real_wan22",
+        },
+        real_model="Wan 2.2 T2V A14B",
+        # Wan 2.2 A14B's published settings: 4 on the high-noise expert, 3 on the low-noise one
+        # (guidance_scale_2). Off: guidance_scale 1, which guidance_scale_2 then takes too.
+        cfg_on={"guidance_scale": 4.0, "guidance_scale_2": 3.0},
+        cfg_off={"guidance_scale": 1.0},
+        accepted_guidance_fields=("guidance_scale", "guidance_scale_2"),  # the second: the low-noise expert's
+        video=True,
+    ),
+    Family(
+        name="zimage",
+        title="Z-Image / Z-Image-Turbo",
+        adapter_class="rollout.pipelines.z_image.ZImageAdapter",
+        pipeline_class="ZImagePipeline",
+        tiny_builder="rollout.pipelines.tiny.z_image.build_tiny_z_image",
+        presets={
+            "small": "rollout.pipelines.tiny.z_image.build_small_z_image",
+            "real": "rollout.pipelines.tiny.z_image.build_real_z_image",
+        },
+        real_model="Z-Image-Turbo",
+        # ZImagePipeline guides when guidance_scale > 0, with the negative prompt "" unless one is named:
+        # 5.0 is its default (and the adapter's), 0 what Z-Image-Turbo is sampled with.
+        cfg_on={"guidance_scale": 5.0},
+        cfg_off={"guidance_scale": 0.0},
+        accepted_guidance_fields=("guidance_scale",),
+    ),
 )
 
 
@@ -40,8 +216,8 @@ def family_named(name: str) -> Family:
 
 
 def adapters_by_pipeline() -> dict[str, type[PipelineAdapter]]:
-    """Diffusers pipeline class (`_class_name`) -> the adapter that runs it. Families may share a
-    class (Wan 2.1 and Wan 2.2 are both `WanPipeline`), and then share its adapter."""
+    """Diffusers pipeline class (`_class_name`) -> the adapter that runs it (imported). Families may
+    share a class (Wan 2.1 and Wan 2.2 are both `WanPipeline`), and then share its adapter."""
     return {family.pipeline_class: family.adapter for family in FAMILIES}
 
 

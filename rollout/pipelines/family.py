@@ -1,12 +1,13 @@
-"""A model family as the rest of the project sees it, declared once in the family's own module.
+"""A model family as the rest of the project sees it, declared once in `rollout.pipelines.families`.
 
 The engine's registry (`_class_name` -> adapter), the tiny pipelines' lookup by short name, the
-tests' family matrix and the benchmarks' `--family` all read these descriptors (the tuple in
-`rollout.pipelines.families`), so none of them keeps a list of its own.
+tests' family matrix, the benchmarks' `--family` and a recipe's config check all read these
+descriptors (the tuple in `rollout.pipelines.families`), so none of them keeps a list of its own.
 
-The tiny builder and the presets are dotted paths, imported when called: `rollout.pipelines.tiny`
-derives its lookup from the descriptors, so a descriptor that imported the tiny package would
-import itself.
+A descriptor is plain data and imports neither torch nor diffusers: a recipe's config check reads
+the families' facts (names, pipeline classes, accepted guidance fields) without them. The adapter,
+the tiny builder and the presets are dotted paths, imported when used (`rollout.pipelines.tiny`
+also derives its lookup from the descriptors, so a descriptor that imported it would import itself).
 """
 
 from __future__ import annotations
@@ -14,12 +15,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from rollout.imports import import_by_path
-from rollout.pipelines.adapter import PipelineAdapter
+
+if TYPE_CHECKING:
+    import torch
+
+    from rollout.pipelines.adapter import PipelineAdapter
 
 
 @dataclass(frozen=True)
@@ -28,8 +31,10 @@ class Family:
 
     name: the short name of `--family`, `model.tiny_family` and the tiny builders ("wan22").
     title: what a person calls it, for help texts ("Wan 2.2 (two experts)").
-    adapter: the `PipelineAdapter` subclass that runs the family's pipelines; its `pipeline_class`
-        is the `_class_name` this family registers.
+    adapter_class: "package.module.Class" of the `PipelineAdapter` subclass that runs the family's
+        pipelines (`adapter` imports it).
+    pipeline_class: the diffusers pipeline class (`_class_name` in model_index.json) this family
+        registers; the adapter's own `pipeline_class` (a test holds them equal).
     tiny_builder: "package.module.function", `function(path, seed=0, ...) -> path`: a tiny
         pipeline of the real classes with random weights (rollout.pipelines.tiny).
     presets: benchmark preset name ("small", "real") -> "package.module.function",
@@ -47,7 +52,8 @@ class Family:
 
     name: str
     title: str
-    adapter: type[PipelineAdapter]
+    adapter_class: str
+    pipeline_class: str
     tiny_builder: str
     presets: Mapping[str, str]
     real_model: str
@@ -58,9 +64,9 @@ class Family:
     edits: bool = False
 
     @property
-    def pipeline_class(self) -> str:
-        """The diffusers pipeline class (`_class_name` in model_index.json) this family registers."""
-        return self.adapter.pipeline_class
+    def adapter(self) -> type[PipelineAdapter]:
+        """The `PipelineAdapter` subclass that runs the family's pipelines (imports diffusers)."""
+        return import_by_path(self.adapter_class, f"the {self.name} family's adapter")
 
     def guidance_fields(self, cfg: bool) -> dict[str, Any]:
         """The `SamplingParams` fields (and diffusers call arguments) that turn CFG on or off."""
@@ -71,10 +77,11 @@ class Family:
         return import_by_path(self.tiny_builder, f"the {self.name} family's tiny builder")(path, seed=seed, **kwargs)
 
     def build_preset(
-        self, preset: str, folder: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32
+        self, preset: str, folder: str | Path, device: str = "cpu", dtype: torch.dtype | None = None
     ) -> Path:
-        """Build the family's benchmark pipeline of `preset` into `folder`; returns `folder`."""
+        """Build the family's benchmark pipeline of `preset` into `folder` (in `dtype`; None: the
+        builder's float32); returns `folder`."""
         if preset not in self.presets:
             raise ValueError(f"the {self.name} family has no preset {preset!r}; choose one of {sorted(self.presets)}")
         builder = import_by_path(self.presets[preset], f"the {self.name} family's {preset} preset")
-        return builder(folder, device=device, dtype=dtype)
+        return builder(folder, device=device, **({} if dtype is None else {"dtype": dtype}))

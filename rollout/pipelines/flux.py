@@ -15,7 +15,6 @@ import torch
 
 from rollout.pipelines.adapter import PipelineAdapter, decode_scaled_latents
 from rollout.pipelines.condition import PromptEmbeds
-from rollout.pipelines.family import Family
 from rollout.pipelines.spec import ModelSpec
 
 
@@ -122,23 +121,3 @@ class FluxAdapter(PipelineAdapter):
     def decode(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
         unpacked = self.pipeline._unpack_latents(latents, height, width, self.spec.vae_scale_factor)
         return decode_scaled_latents(self.pipeline.vae, unpacked)
-
-
-FAMILY = Family(
-    name="flux",
-    title="FLUX.1",
-    adapter=FluxAdapter,
-    tiny_builder="rollout.pipelines.tiny.flux.build_tiny_flux",
-    presets={
-        "small": "rollout.pipelines.tiny.flux.build_small_flux",
-        "real": "rollout.pipelines.tiny.flux.build_real_flux",
-    },
-    real_model="FLUX.1-dev",
-    # FluxPipeline guides (a second pass) when true_cfg_scale > 1 and a negative prompt is given; its
-    # default 1.0 is off. FLUX.1-dev's guidance_scale is distilled guidance, a transformer input,
-    # not CFG: both settings leave it at the pipeline's 3.5. The pipeline has no default with CFG on:
-    # these are Qwen-Image's (its default 4, and the empty negative prompt " " its docstring suggests).
-    cfg_on={"true_cfg_scale": 4.0, "negative_prompt": " "},
-    cfg_off={"true_cfg_scale": 1.0},
-    accepted_guidance_fields=("true_cfg_scale", "guidance_scale"),  # guidance_scale: FLUX.1 [dev]'s guidance embedding
-)

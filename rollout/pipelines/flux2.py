@@ -34,7 +34,6 @@ import torch
 from rollout.input_images import InputImages
 from rollout.pipelines.adapter import PipelineAdapter, images_to_uint8
 from rollout.pipelines.condition import PromptEmbeds
-from rollout.pipelines.family import Family
 from rollout.pipelines.spec import ModelSpec
 
 
@@ -200,22 +199,3 @@ class Flux2KleinAdapter(PipelineAdapter):
         std = std.to(latents.device, latents.dtype)
         unpatchified = self.pipeline._unpatchify_latents(latents * std + mean)
         return images_to_uint8(vae.decode(unpatchified, return_dict=False)[0])
-
-
-FAMILY = Family(
-    name="flux2_klein",
-    title="FLUX.2 [klein]",
-    adapter=Flux2KleinAdapter,
-    tiny_builder="rollout.pipelines.tiny.flux2.build_tiny_flux2_klein",
-    presets={
-        "small": "rollout.pipelines.tiny.flux2.build_small_flux2_klein",
-        "real": "rollout.pipelines.tiny.flux2.build_real_flux2_klein",
-    },
-    real_model="FLUX.2 [klein] 4B",
-    # A base klein model (the tiny one is) guides when guidance_scale > 1, against "" (its default
-    # negative): 4.0 is the pipeline's default. Off: 1.0. (A distilled folder takes no guidance field.)
-    cfg_on={"guidance_scale": 4.0},
-    cfg_off={"guidance_scale": 1.0},
-    accepted_guidance_fields=("guidance_scale",),  # none for the distilled FLUX.2 [klein] models
-    edits=True,
-)

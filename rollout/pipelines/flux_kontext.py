@@ -24,7 +24,6 @@ import torch
 
 from rollout.input_images import InputImages
 from rollout.pipelines.condition import PromptEmbeds
-from rollout.pipelines.family import Family
 from rollout.pipelines.flux import FluxAdapter, FluxEmbeds
 from rollout.pipelines.spec import ModelSpec
 
@@ -73,22 +72,3 @@ class FluxKontextAdapter(FluxAdapter):
         hidden_states = torch.cat([latents, images.latents], dim=1)
         ids = torch.cat([noisy_ids, images.ids[0]])  # the rows of a batch stack images of one size
         return self._forward(hidden_states, ids, sigmas, embeds, guidance_scale)[:, : latents.shape[1]]
-
-
-FAMILY = Family(
-    name="flux_kontext",
-    title="FLUX.1 Kontext (image editing)",
-    adapter=FluxKontextAdapter,
-    tiny_builder="rollout.pipelines.tiny.flux.build_tiny_flux_kontext",
-    presets={
-        "small": "rollout.pipelines.tiny.flux.build_small_flux_kontext",
-        "real": "rollout.pipelines.tiny.flux.build_real_flux_kontext",
-    },
-    real_model="FLUX.1-Kontext-dev",
-    # As FLUX.1: FluxKontextPipeline guides (a second pass, over the same input image) when
-    # true_cfg_scale > 1 and a negative prompt is given; guidance_scale is distilled guidance.
-    cfg_on={"true_cfg_scale": 4.0, "negative_prompt": " "},
-    cfg_off={"true_cfg_scale": 1.0},
-    accepted_guidance_fields=("true_cfg_scale", "guidance_scale"),  # guidance_scale: its guidance embedding
-    edits=True,
-)

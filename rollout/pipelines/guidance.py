@@ -4,6 +4,9 @@
 `guidance_scale_2`, `true_cfg_scale`); what a family makes of each is its adapter's (spec.py says
 which it uses). From the request to the model runner, the adapter's `predict_velocity` and the
 trainer's re-scoring they travel together as a `Guidance`, so a new field is added in one place.
+
+torch is imported by the methods that make tensors: `SamplingParams` reads `GUIDANCE_FIELDS`, and a
+recipe's config check runs without torch.
 """
 
 from __future__ import annotations
@@ -11,11 +14,12 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-Scale = torch.Tensor | float | None
+Scale = "torch.Tensor | float | None"
 
 
 class GuidanceSettings(Protocol):
@@ -49,6 +53,8 @@ class Guidance:
     def per_row(cls, rows: Sequence[GuidanceSettings]) -> Guidance:
         """One [B] float32 tensor per field over `rows` (resolved requests of one model all set a
         field or all leave it None)."""
+        import torch
+
         values = {name: [getattr(row, name) for row in rows] for name in GUIDANCE_FIELDS}
         return cls(
             **{name: None if v[0] is None else torch.tensor(v, dtype=torch.float32) for name, v in values.items()}
@@ -57,6 +63,7 @@ class Guidance:
     def rows(self, index: torch.Tensor) -> Guidance:
         """The guidance of rows `index` (a [K] index tensor) of a batch: per-row fields indexed,
         floats as they are."""
+        import torch
 
         def picked(value: Scale) -> Scale:
             if isinstance(value, torch.Tensor) and value.ndim > 0:
@@ -67,6 +74,7 @@ class Guidance:
 
     def expand(self, batch: int, device: torch.device) -> Guidance:
         """Every field that is set as a [batch] float32 tensor on `device`."""
+        import torch
 
         def expanded(value: Scale) -> torch.Tensor | None:
             if value is None:

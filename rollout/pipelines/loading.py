@@ -6,13 +6,13 @@ descriptors in `rollout.pipelines.families` register it.
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 
 import torch
 
 from rollout.pipelines.families import adapters_by_pipeline
+from rollout.pipelines.model_index import read_model_index
 from rollout.pipelines.quiet import quietly
 
 logger = logging.getLogger(__name__)
@@ -20,33 +20,6 @@ logger = logging.getLogger(__name__)
 ADAPTERS = adapters_by_pipeline()
 # The registry's earlier form, pipeline class -> "module:AdapterClass", kept for its callers.
 FAMILIES = {name: f"{adapter.__module__}:{adapter.__name__}" for name, adapter in ADAPTERS.items()}
-
-
-def read_model_index(path: str | Path) -> dict:
-    """The folder's model_index.json, after checking that the folder is a supported pipeline.
-
-    Raises ValueError naming the folder and what to do about it.
-    """
-    folder = Path(path)
-    if not folder.is_dir():
-        raise ValueError(
-            f"model folder {str(folder)!r} does not exist; pass a local diffusers pipeline folder "
-            "(build a tiny one with `python -m rollout.pipelines.tiny DIR`)"
-        )
-    index_file = folder / "model_index.json"
-    if not index_file.is_file():
-        raise ValueError(
-            f"model folder {str(folder)!r} is not a diffusers pipeline: it has no model_index.json "
-            "(save one with `pipeline.save_pretrained(DIR)`)"
-        )
-    index = json.loads(index_file.read_text())
-    class_name = index.get("_class_name")
-    if class_name not in ADAPTERS:
-        raise ValueError(
-            f"model folder {str(folder)!r} holds a {class_name}, which is not supported; "
-            f"supported pipelines: {', '.join(ADAPTERS)}"
-        )
-    return index
 
 
 def adapter_class(pipeline_class: str) -> type:

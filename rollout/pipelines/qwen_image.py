@@ -18,7 +18,6 @@ import torch
 
 from rollout.pipelines.adapter import PipelineAdapter, images_to_uint8
 from rollout.pipelines.condition import PromptEmbeds
-from rollout.pipelines.family import Family
 from rollout.pipelines.spec import ModelSpec
 
 
@@ -119,21 +118,3 @@ class QwenImageAdapter(PipelineAdapter):
         inverse_std = 1.0 / torch.tensor(vae.config.latents_std).view(shape).to(unpacked.device, unpacked.dtype)
         images = vae.decode(unpacked / inverse_std + mean, return_dict=False)[0][:, :, 0]
         return images_to_uint8(images)
-
-
-FAMILY = Family(
-    name="qwen_image",
-    title="Qwen-Image",
-    adapter=QwenImageAdapter,
-    tiny_builder="rollout.pipelines.tiny.qwen_image.build_tiny_qwen_image",
-    presets={
-        "small": "rollout.pipelines.tiny.qwen_image.build_small_qwen_image",
-        "real": "rollout.pipelines.tiny.qwen_image.build_real_qwen_image",
-    },
-    real_model="Qwen-Image",
-    # QwenImagePipeline guides when true_cfg_scale > 1 and a negative prompt is given: 4.0 is its
-    # default, and " " the empty negative prompt its docstring suggests. Off: 1.0, the adapter's default.
-    cfg_on={"true_cfg_scale": 4.0, "negative_prompt": " "},
-    cfg_off={"true_cfg_scale": 1.0},
-    accepted_guidance_fields=("true_cfg_scale", "guidance_scale"),  # guidance_scale: guidance-distilled variants
-)

@@ -32,7 +32,6 @@ import torch
 
 from rollout.input_images import InputImages
 from rollout.pipelines.condition import PromptEmbeds
-from rollout.pipelines.family import Family
 from rollout.pipelines.qwen_image import QwenImageAdapter, QwenImageEmbeds
 from rollout.pipelines.spec import ModelSpec, area_size
 
@@ -163,41 +162,3 @@ def _unbatched(embeds: torch.Tensor, mask: torch.Tensor | None) -> QwenImageEmbe
     """The pipeline's one-prompt `encode_prompt` result (mask None when nothing is padded)."""
     mask = torch.ones(embeds.shape[1], dtype=torch.bool, device=embeds.device) if mask is None else mask[0].bool()
     return QwenImageEmbeds(embeds[0], mask)
-
-
-# As Qwen-Image: true CFG when true_cfg_scale > 1 with a negative prompt (encoded with the same
-# images); 4.0 is the edit pipelines' default, " " the empty negative prompt their docstrings suggest.
-CFG_ON = {"true_cfg_scale": 4.0, "negative_prompt": " "}
-CFG_OFF = {"true_cfg_scale": 1.0}
-
-EDIT_FAMILY = Family(
-    name="qwen_image_edit",
-    title="Qwen-Image-Edit (image editing)",
-    adapter=QwenImageEditAdapter,
-    tiny_builder="rollout.pipelines.tiny.qwen_image_edit.build_tiny_qwen_image_edit",
-    presets={
-        "small": "rollout.pipelines.tiny.qwen_image_edit.build_small_qwen_image_edit",
-        "real": "rollout.pipelines.tiny.qwen_image_edit.build_real_qwen_image_edit",
-    },
-    real_model="Qwen-Image-Edit",
-    cfg_on=CFG_ON,
-    cfg_off=CFG_OFF,
-    accepted_guidance_fields=("true_cfg_scale", "guidance_scale"),  # guidance_scale: guidance-distilled variants
-    edits=True,
-)
-
-PLUS_FAMILY = Family(
-    name="qwen_image_edit_plus",
-    title="Qwen-Image-Edit-Plus (2509/2511: several reference images)",
-    adapter=QwenImageEditPlusAdapter,
-    tiny_builder="rollout.pipelines.tiny.qwen_image_edit.build_tiny_qwen_image_edit_plus",
-    presets={
-        "small": "rollout.pipelines.tiny.qwen_image_edit.build_small_qwen_image_edit_plus",
-        "real": "rollout.pipelines.tiny.qwen_image_edit.build_real_qwen_image_edit_plus",
-    },
-    real_model="Qwen-Image-Edit-2511",
-    cfg_on=CFG_ON,
-    cfg_off=CFG_OFF,
-    accepted_guidance_fields=("true_cfg_scale", "guidance_scale"),  # guidance_scale: guidance-distilled variants
-    edits=True,
-)

@@ -13,7 +13,6 @@ import torch
 
 from rollout.pipelines.adapter import PipelineAdapter, decode_scaled_latents
 from rollout.pipelines.condition import PromptEmbeds
-from rollout.pipelines.family import Family
 from rollout.pipelines.spec import ModelSpec
 
 
@@ -94,21 +93,3 @@ class SD3Adapter(PipelineAdapter):
     @torch.no_grad()
     def decode(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
         return decode_scaled_latents(self.pipeline.vae, latents)
-
-
-FAMILY = Family(
-    name="sd3",
-    title="SD3 / SD3.5",
-    adapter=SD3Adapter,
-    tiny_builder="rollout.pipelines.tiny.sd3.build_tiny_sd3",
-    presets={
-        "small": "rollout.pipelines.tiny.sd3.build_small_sd3",
-        "real": "rollout.pipelines.tiny.sd3.build_real_sd3",
-    },
-    real_model="SD3.5 Medium",
-    # The pipeline guides when guidance_scale > 1, with the negative prompt "" unless one is named.
-    # 4.5 is the adapter's default (Flow-GRPO's for SD3.5), so a request that names nothing guides.
-    cfg_on={"guidance_scale": 4.5},
-    cfg_off={"guidance_scale": 1.0},
-    accepted_guidance_fields=("guidance_scale",),
-)

@@ -25,7 +25,6 @@ from diffusers import FlowMatchEulerDiscreteScheduler
 
 from rollout.pipelines.adapter import PipelineAdapter, images_to_uint8
 from rollout.pipelines.condition import PromptEmbeds
-from rollout.pipelines.family import Family
 from rollout.pipelines.guidance import Guidance
 from rollout.pipelines.spec import ModelSpec
 
@@ -148,40 +147,3 @@ class WanAdapter(PipelineAdapter):
         high_noise = timestep >= self.boundary_timestep
         groups = [(self.transformer, high_noise), (self.pipeline.transformer_2, ~high_noise)]
         return [(expert, mask.nonzero(as_tuple=True)[0]) for expert, mask in groups if mask.any()]
-
-
-# Wan 2.1 and Wan 2.2 are one pipeline class and one adapter; Wan 2.2's folders add the second expert.
-WAN21_FAMILY = Family(
-    name="wan",
-    title="Wan 2.1",
-    adapter=WanAdapter,
-    tiny_builder="rollout.pipelines.tiny.wan.build_tiny_wan",
-    presets={
-        "small": "rollout.pipelines.tiny.wan.build_small_wan",
-        "real": "rollout.pipelines.tiny.wan.build_real_wan",
-    },
-    real_model="Wan 2.1 T2V 1.3B",
-    # WanPipeline guides when guidance_scale > 1 (negative prompt "" unless one is named); 5.0 is its
-    # default and the adapter's.
-    cfg_on={"guidance_scale": 5.0},
-    cfg_off={"guidance_scale": 1.0},
-    accepted_guidance_fields=("guidance_scale",),
-    video=True,
-)
-WAN22_FAMILY = Family(
-    name="wan22",
-    title="Wan 2.2, two experts",
-    adapter=WanAdapter,
-    tiny_builder="rollout.pipelines.tiny.wan.build_tiny_wan22",
-    presets={
-        "small": "rollout.pipelines.tiny.wan.build_small_wan22",
-        "real": "rollout.pipelines.tiny.wan.build_real_wan22",
-    },
-    real_model="Wan 2.2 T2V A14B",
-    # Wan 2.2 A14B's published settings: 4 on the high-noise expert, 3 on the low-noise one
-    # (guidance_scale_2). Off: guidance_scale 1, which guidance_scale_2 then takes too.
-    cfg_on={"guidance_scale": 4.0, "guidance_scale_2": 3.0},
-    cfg_off={"guidance_scale": 1.0},
-    accepted_guidance_fields=("guidance_scale", "guidance_scale_2"),  # the second: the low-noise expert's
-    video=True,
-)

@@ -25,7 +25,6 @@ import torch
 
 from rollout.pipelines.adapter import PipelineAdapter, decode_scaled_latents
 from rollout.pipelines.condition import PromptEmbeds
-from rollout.pipelines.family import Family
 from rollout.pipelines.spec import ModelSpec
 
 # ZImageTransformer2DModel pads every caption to a multiple of this many tokens (SEQ_MULTI_OF).
@@ -132,21 +131,3 @@ class ZImageAdapter(PipelineAdapter):
     @torch.no_grad()
     def decode(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
         return decode_scaled_latents(self.pipeline.vae, latents)
-
-
-FAMILY = Family(
-    name="zimage",
-    title="Z-Image / Z-Image-Turbo",
-    adapter=ZImageAdapter,
-    tiny_builder="rollout.pipelines.tiny.z_image.build_tiny_z_image",
-    presets={
-        "small": "rollout.pipelines.tiny.z_image.build_small_z_image",
-        "real": "rollout.pipelines.tiny.z_image.build_real_z_image",
-    },
-    real_model="Z-Image-Turbo",
-    # ZImagePipeline guides when guidance_scale > 0, with the negative prompt "" unless one is named:
-    # 5.0 is its default (and the adapter's), 0 what Z-Image-Turbo is sampled with.
-    cfg_on={"guidance_scale": 5.0},
-    cfg_off={"guidance_scale": 0.0},
-    accepted_guidance_fields=("guidance_scale",),
-)

@@ -7,13 +7,9 @@ from dataclasses import dataclass
 
 import torch
 
-_LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
+from rollout.samplers import LOG_PROB_FORMS  # how a stochastic step's log-prob is written
 
-# How a stochastic step's log-prob is written. "gaussian": the log-density of N(mean, std^2), per
-# element. "flow_grpo": what Flow-GRPO's step function computes for the same rule: the Gaussian
-# density for its SDE, and for CPS only -(x' - mean)^2, every constant and the 1 / (2 std^2)
-# factor dropped (its `sde_type="cps"`), which scales CPS log-ratios by 2 std^2.
-LOG_PROB_FORMS = ("gaussian", "flow_grpo")
+_LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
 
 
 class NoDensityError(ValueError):

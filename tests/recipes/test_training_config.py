@@ -199,27 +199,35 @@ def test_main_job_is_grpo_on_the_tiny_model():
     assert config.sampling.num_samples >= 2
 
 
-def test_every_bad_input_is_reported_in_one_error(tmp_path):
+def test_every_bad_input_is_reported_in_two_errors(tmp_path):
     """The issue's list: unknown keys, wrong types, a reward that does not import, a group of 1 with
-    GRPO, an executor that does not exist, all in one file."""
+    GRPO, an executor that does not exist. The keys and values are one error, answered without
+    importing torch; once they are right, what must be imported to be checked (the reward, the
+    executor) is the next, one error again."""
     text = (CONFIG_DIR / "grpo_tiny.yaml").read_text()
     path = tmp_path / "bad.yaml"
     path.write_text(text)
-    overrides = [
+    typos = [
         "grpo.clip_rnage=0.2",  # unknown key
         "steps=many",  # wrong type
-        "reward=my_rewards.missing.score",  # does not import
         "sampling.num_samples=1",  # group of 1
+    ]
+    imports = [
+        "reward=my_rewards.missing.score",  # does not import
         "engine.executor=threads",  # no such executor
     ]
     with pytest.raises(ValueError) as error:
-        load_config(path, overrides)
+        load_config(path, typos + imports)
     problems = problems_of(error)
-    assert str(error.value).startswith(f"invalid config {path} (5 problems):")
+    assert str(error.value).startswith(f"invalid config {path} (3 problems):")
     assert "unknown key 'grpo.clip_rnage'; did you mean 'grpo.clip_range'?" in problems
     assert "steps: expected int, got 'many' (str)" in problems
-    assert any("reward 'my_rewards.missing.score'" in p and "my_rewards" in p for p in problems)
     assert any("sampling.num_samples (the group size) is 1" in p for p in problems)
+    with pytest.raises(ValueError) as error:
+        load_config(path, imports)
+    problems = problems_of(error)
+    assert str(error.value).startswith(f"invalid config {path} (2 problems):")
+    assert any("reward 'my_rewards.missing.score'" in p and "my_rewards" in p for p in problems)
     assert any(p.startswith("engine: unknown executor 'threads'") for p in problems)
 
 
