@@ -33,6 +33,11 @@ logger = logging.getLogger(__name__)
 _PUT_ONCE_BYTES = 2**20
 
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+# The actors' concurrency group for `RayWorkerHost.progress`: its own thread, so it answers while
+# a step runs in the default group (which still serves one call at a time).
+_PROGRESS_GROUP = "progress"
+# How long a progress read may take; a rank that does not answer in it counts as not progressing.
+_PROGRESS_READ_S = 5.0
 
 
 def import_ray():
@@ -58,6 +63,10 @@ class RayWorkerHost:
         """Run a worker method (by name) or a cloudpickled `fn(worker, *args, **kwargs)`."""
         args, kwargs = tensors_from_wire(arguments)  # private copies, as the executor contract says
         return call_wire_method(self.worker, method, args, kwargs)
+
+    def progress(self) -> int:
+        """The worker's progress count (`rollout.progress`); called in its own concurrency group."""
+        return self.worker.progress.count
 
 
 @dataclass
@@ -116,7 +125,7 @@ class RayExecutor(Executor):
                 f"{config.startup_timeout_s}s (strategy {config.ray_placement_strategy}); cluster resources: "
                 f"{ray.cluster_resources()}"
             ) from None
-        actor_cls = ray.remote(RayWorkerHost)
+        actor_cls = ray.remote(concurrency_groups={_PROGRESS_GROUP: 1})(RayWorkerHost)
         hold.actors += [
             actor_cls.options(
                 num_cpus=threads,
@@ -167,6 +176,21 @@ class RayExecutor(Executor):
                     f"worker rank {rank} (Ray actor) failed during {name!r}: {type(error).__name__}: {error}"
                 ) from None
         return answers
+
+    def _progress(self, ranks: list[int]) -> dict[int, int]:
+        ray = self._ray
+        actors = self._hold.actors
+        reads = {rank: actors[rank].progress.options(concurrency_group=_PROGRESS_GROUP).remote() for rank in ranks}
+        ready, _ = ray.wait(list(reads.values()), num_returns=len(reads), timeout=_PROGRESS_READ_S)
+        counts = {}
+        for rank, ref in reads.items():
+            if ref not in ready:
+                continue  # no answer in time: no sign of progress
+            try:
+                counts[rank] = ray.get(ref)
+            except ray.exceptions.RayActorError as error:
+                raise EngineDeadError(f"worker rank {rank} (Ray actor) died during 'execute': {error}") from None
+        return counts
 
     def _release_workers(self) -> None:
         self._free()
