@@ -190,6 +190,8 @@ class RayExecutor(Executor):
                 counts[rank] = ray.get(ref)
             except ray.exceptions.RayActorError as error:
                 raise EngineDeadError(f"worker rank {rank} (Ray actor) died during 'execute': {error}") from None
+            except ray.exceptions.RayError as error:  # Ray could not read it: no sign of progress either
+                logger.warning("could not read the progress of worker rank %d: %s", rank, error)
         return counts
 
     def _release_workers(self) -> None:
