@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import cloudpickle
@@ -216,11 +216,13 @@ class Executor:
         `_progress`, the base may gather a step's unanswered calls again (the same handles)."""
         raise NotImplementedError
 
-    def _progress(self, ranks: list[int]) -> dict[int, int] | None:
+    def _progress(self, ranks: list[int]) -> Mapping[int, int] | None:
         """How far each of `ranks` has computed while a step runs: rank -> its worker's
         `progress.count` (`rollout.progress`: it grows as the worker's models run), read without
         waiting for the step; a rank whose count cannot be read now may be left out (it counts as
-        not moving). None, the default: this transport reports no progress, and a step must answer
+        not moving). The base reads it as it sends a step and after each wait that expires, so it
+        must be cheap, or read lazily (a Mapping that waits for its reads when first looked at, as
+        `ray`'s does). None, the default: this transport reports no progress, and a step must answer
         within `step_timeout_s` in all. A transport that reports progress lets `_gather` wait
         again for the calls it did not answer (the base does while a step progresses)."""
         return None
