@@ -13,7 +13,8 @@ the dead state and the failure policy. A backend writes only how its calls trave
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import cloudpickle
@@ -67,11 +68,23 @@ class Executor:
     The failure policy is here, once, for every backend:
     - a worker exception is a `WorkerError`; the workers live on;
     - a worker that is gone is an `EngineDeadError` (the transport raises it);
-    - a step that times out, or is interrupted (Ctrl-C), leaves the workers' state unknown: the
-      workers are stopped and the executor is dead;
+    - a step that makes no progress for `step_timeout_s`, or is interrupted (Ctrl-C), leaves the
+      workers' state unknown: the workers are stopped and the executor is dead. A step that is
+      merely slow is waited for: while its workers' models run, their progress counts grow, and
+      the base waits `step_timeout_s` more after each wait in which every replica still working
+      progressed (`_gather_while_progressing`);
     - an RPC that times out or is interrupted raises; the worker finishes it before its next call
       and its late reply is dropped;
     - once dead, every call fails fast with `EngineDeadError` and the reason.
+
+    A transport that reports progress writes `_progress(ranks)`: rank -> its worker's
+    `progress.count` (`rollout.progress`: every block of the worker's models adds one as it
+    starts), read while the step runs, without waiting for it (`uni` reads the worker's count,
+    `mp` a shared value each worker counts in, `ray` an actor method in a concurrency group of its
+    own); and its `_gather` may be called again for the calls it did not answer, handing each
+    answer once (a step's arguments stay readable until its answer comes). A backend without
+    `_progress` (one written before it existed) keeps a whole-step deadline: a step must answer
+    within `step_timeout_s` in all.
 
     Executors written before the transport methods existed keep working: one that starts its
     workers in its own `__init__` and defines `_execute(scheduler_output, timeout)`,
@@ -199,8 +212,20 @@ class Executor:
         """Wait at most `timeout` seconds for `pending` (rank -> call in flight); rank -> its result,
         or the `WorkerError` it raised, for each rank that answered in time (the base names the
         others in its TimeoutError). Raise EngineDeadError when a worker is gone. A call left
-        unanswered must never hand its late answer to a later call."""
+        unanswered must never hand its late answer to a later call. Where the transport reports
+        `_progress`, the base may gather a step's unanswered calls again (the same handles)."""
         raise NotImplementedError
+
+    def _progress(self, ranks: list[int]) -> Mapping[int, int] | None:
+        """How far each of `ranks` has computed while a step runs: rank -> its worker's
+        `progress.count` (`rollout.progress`: it grows as the worker's models run), read without
+        waiting for the step; a rank whose count cannot be read now may be left out (it counts as
+        not moving). The base reads it as it sends a step and after each wait that expires, so it
+        must be cheap, or read lazily (a Mapping that waits for its reads when first looked at, as
+        `ray`'s does). None, the default: this transport reports no progress, and a step must answer
+        within `step_timeout_s` in all. A transport that reports progress lets `_gather` wait
+        again for the calls it did not answer (the base does while a step progresses)."""
+        return None
 
     def _release_workers(self) -> None:
         """Stop the workers and free what they hold (processes, actors, shared memory). Called once:
@@ -221,7 +246,7 @@ class Executor:
         pending = {
             rank: self._send_step(rank, w) for replica, w in work.items() for rank in self.layout.ranks_of(replica)
         }
-        results = self._answers("execute", pending, timeout)
+        results = self._answers("execute", pending, timeout, while_progressing=True)
         for replica in work:
             self._check_in_step(replica, results)
         return [results.get(self.layout.leader_of(replica), RunnerOutput()) for replica in range(self.num_replicas)]
@@ -248,11 +273,18 @@ class Executor:
         results = self._answers(name, self._send_rpc(name, method, args, kwargs, ranks), timeout)
         return [results[rank] for rank in ranks]
 
-    def _answers(self, name: str, pending: dict[int, Any], timeout: float) -> dict[int, Any]:
+    def _answers(
+        self, name: str, pending: dict[int, Any], timeout: float, while_progressing: bool = False
+    ) -> dict[int, Any]:
         """rank -> result of every pending call. Raises EngineDeadError where a rank of a replica
         group failed a step (`group_step_failed`), else TimeoutError naming the ranks that did not
-        answer, or else the `WorkerError` of the lowest rank that failed."""
-        answers = self._gather(name, pending, timeout)
+        answer, or else the `WorkerError` of the lowest rank that failed. `while_progressing`: the
+        calls may take longer than `timeout` in all while their workers progress (a step)."""
+        start = time.monotonic()
+        if while_progressing:
+            answers, waits = self._gather_while_progressing(name, pending, timeout)
+        else:
+            answers, waits = self._gather(name, pending, timeout), 1
         broken = self.group_step_failed(name, answers)
         if broken is not None:
             group = self.layout.replica_of(broken.rank)
@@ -263,11 +295,44 @@ class Executor:
             )
         late = sorted(set(pending) - set(answers))
         if late:
-            raise TimeoutError(f"worker call {name!r} timed out after {timeout}s; ranks that did not answer: {late}")
+            progressed = (
+                f" (no progress in their last {timeout}s of {time.monotonic() - start:.1f}s)" if waits > 1 else ""
+            )
+            raise TimeoutError(
+                f"worker call {name!r} timed out after {timeout}s; ranks that did not answer: {late}{progressed}"
+            )
         for rank in sorted(answers):
             if isinstance(answers[rank], WorkerError):
                 raise answers[rank]
         return answers
+
+    def _gather_while_progressing(self, name: str, pending: dict[int, Any], timeout: float) -> tuple[dict, int]:
+        """`_gather` `pending` (a step's calls), waiting `timeout` at a time for as long as every
+        replica with a rank still computing progressed in the last wait (one of its ranks did:
+        the others may wait for it in a collective); (rank -> answer, waits). A transport without
+        progress gets one wait: `timeout` bounds the step in all."""
+        before = self._progress(sorted(pending))
+        answers = self._gather(name, pending, timeout)
+        waits = 1
+        while before is not None and len(answers) < len(pending) and self.group_step_failed(name, answers) is None:
+            waiting = {rank: call for rank, call in pending.items() if rank not in answers}
+            now = self._progress(sorted(waiting))
+            if not all(
+                any(rank in now and rank in before and now[rank] != before[rank] for rank in ranks)
+                for ranks in self._by_replica(waiting).values()
+            ):
+                break  # a replica made no progress in `timeout`: hung (the base names its ranks)
+            before = now
+            answers |= self._gather(name, waiting, timeout)
+            waits += 1
+        return answers, waits
+
+    def _by_replica(self, ranks: Iterable[int]) -> dict[int, list[int]]:
+        """replica -> its ranks among `ranks`, sorted."""
+        grouped: dict[int, list[int]] = {}
+        for rank in sorted(ranks):
+            grouped.setdefault(self.layout.replica_of(rank), []).append(rank)
+        return grouped
 
     def _start(self) -> None:
         """Start the workers and wait for every one's ready answer within startup_timeout_s; one

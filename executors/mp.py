@@ -69,6 +69,7 @@ class MPExecutor(Executor):
         self._conns: list[Connection] = []
         self._procs: list[multiprocessing.process.BaseProcess] = []
         self._reply_readers: list[ReusedBlockReader] = []  # per rank: its reply block, kept mapped
+        self._progress_cells: list = []  # per rank: its worker's progress count, shared (rollout.progress)
         # Every rank's pipe and sentinel, registered once: a selector made per wait (what
         # `multiprocessing.connection.wait` does) costs several system calls on every step.
         self._selector = selectors.DefaultSelector()
@@ -87,6 +88,7 @@ class MPExecutor(Executor):
         for rank in range(self.num_workers):
             parent_end, child_end = context.Pipe(duplex=True)
             ready[rank] = _Sent(next(self._call_ids))
+            progress = context.RawValue("Q", 0)  # written by the worker alone: no lock
             process = context.Process(
                 target=worker_main,
                 args=(
@@ -95,6 +97,7 @@ class MPExecutor(Executor):
                     child_end,
                     ready[rank].call_id,
                     self._prefix,
+                    progress,
                     worker_gpu(self.config.device, rank, visible, gpus),
                 ),
                 name=f"rollout-worker-{rank}",
@@ -105,6 +108,7 @@ class MPExecutor(Executor):
             self._conns.append(parent_end)  # in place: the finalizer holds these lists
             self._procs.append(process)
             self._reply_readers.append(ReusedBlockReader())
+            self._progress_cells.append(progress)
             self._selector.register(parent_end, selectors.EVENT_READ, (_REPLY, rank))
             self._selector.register(process.sentinel, selectors.EVENT_READ, (_DEATH, rank))
         return ready
@@ -151,12 +155,17 @@ class MPExecutor(Executor):
                 if self.group_step_failed(name, answers) is not None:
                     break  # its peers may never answer: the base stops the engine
         finally:
-            for sent in pending.values():
-                if sent.own_arguments is not None:
+            # A step not answered yet keeps its arguments: the base may wait for it again while it
+            # progresses (else the executor dies, and its release removes every block).
+            for rank, sent in pending.items():
+                if sent.own_arguments is not None and rank in answers:
                     discard(sent.own_arguments)
-            if len(answers) < len(pending):  # timed out, died or interrupted: a rank may still be reading
-                self._argument_block.abandon()
+            if any(sent.own_arguments is None for rank, sent in pending.items() if rank not in answers):
+                self._argument_block.abandon()  # an RPC timed out, died or was interrupted: a rank may still read it
         return answers
+
+    def _progress(self, ranks: list[int]) -> dict[int, int]:
+        return {rank: self._progress_cells[rank].value for rank in ranks}
 
     def _stop_workers(self) -> None:
         for process in self._procs:  # no polite shutdown: the others may be busy for a long time

@@ -27,11 +27,14 @@ def worker_main(
     conn: Connection,
     ready_call_id: int,
     block_prefix: str,
+    progress,
     gpu: str | None = None,
 ) -> None:
     """Entry point of a spawned worker process. Its first reply, to call `ready_call_id`, is its
-    pid once the worker is built, or the error that building it raised (then it exits). `gpu`:
-    the one GPU this process sees (`executors.bootstrap.worker_gpu`), None to see the engine's."""
+    pid once the worker is built, or the error that building it raised (then it exits).
+    `progress`: a shared cell (a `multiprocessing` `RawValue`) the worker counts its progress in,
+    which the engine reads while a step runs. `gpu`: the one GPU this process sees
+    (`executors.bootstrap.worker_gpu`), None to see the engine's."""
     # Ctrl-C in a terminal reaches the whole process group; the engine decides how workers stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if gpu is not None:  # before anything initializes CUDA, which reads it once
@@ -42,6 +45,7 @@ def worker_main(
     except BaseException as error:  # report anything, even SystemExit, before dying
         send(conn, _error_reply(ready_call_id, error))
         return
+    worker.progress.count_in(progress)
     send(conn, Reply(ready_call_id, result=pack(os.getpid(), block_prefix)))
     # Small replies (a step's finished requests, most RPC results) reuse one block; the engine
     # copies each out before it sends the next call, the only thing that makes this worker write again.

@@ -13,7 +13,7 @@ import logging
 import os
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +33,11 @@ logger = logging.getLogger(__name__)
 _PUT_ONCE_BYTES = 2**20
 
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+# The actors' concurrency group for `RayWorkerHost.progress`: its own thread, so it answers while
+# a step runs in the default group (which still serves one call at a time).
+_PROGRESS_GROUP = "progress"
+# How long a progress read may take; a rank that does not answer in it counts as not progressing.
+_PROGRESS_READ_S = 5.0
 
 
 def import_ray():
@@ -58,6 +63,10 @@ class RayWorkerHost:
         """Run a worker method (by name) or a cloudpickled `fn(worker, *args, **kwargs)`."""
         args, kwargs = tensors_from_wire(arguments)  # private copies, as the executor contract says
         return call_wire_method(self.worker, method, args, kwargs)
+
+    def progress(self) -> int:
+        """The worker's progress count (`rollout.progress`); called in its own concurrency group."""
+        return self.worker.progress.count
 
 
 @dataclass
@@ -116,7 +125,7 @@ class RayExecutor(Executor):
                 f"{config.startup_timeout_s}s (strategy {config.ray_placement_strategy}); cluster resources: "
                 f"{ray.cluster_resources()}"
             ) from None
-        actor_cls = ray.remote(RayWorkerHost)
+        actor_cls = ray.remote(concurrency_groups={_PROGRESS_GROUP: 1})(RayWorkerHost)
         hold.actors += [
             actor_cls.options(
                 num_cpus=threads,
@@ -168,8 +177,51 @@ class RayExecutor(Executor):
                 ) from None
         return answers
 
+    def _progress(self, ranks: list[int]) -> Mapping[int, int]:
+        actors = self._hold.actors
+        reads = {rank: actors[rank].progress.options(concurrency_group=_PROGRESS_GROUP).remote() for rank in ranks}
+        return _ProgressReads(self._ray, reads)
+
     def _release_workers(self) -> None:
         self._free()
+
+
+class _ProgressReads(Mapping):
+    """rank -> progress count, from reads sent to the actors and waited for (at most
+    `_PROGRESS_READ_S`) when first looked at: the base reads the counts as it sends a step, and
+    this costs the sends alone (a round trip is ~20 times more) where the step answers in time. A
+    rank whose count did not come counts as not progressing; a dead actor is an EngineDeadError."""
+
+    def __init__(self, ray, reads: dict[int, Any]):
+        self._ray = ray
+        self._reads = reads
+        self._counts: dict[int, int] | None = None
+
+    def __getitem__(self, rank: int) -> int:
+        return self._resolved()[rank]
+
+    def __iter__(self):
+        return iter(self._resolved())
+
+    def __len__(self) -> int:
+        return len(self._resolved())
+
+    def _resolved(self) -> dict[int, int]:
+        if self._counts is not None:
+            return self._counts
+        ray = self._ray
+        ready, _ = ray.wait(list(self._reads.values()), num_returns=len(self._reads), timeout=_PROGRESS_READ_S)
+        self._counts = {}
+        for rank, ref in self._reads.items():
+            if ref not in ready:
+                continue  # no answer in time: no sign of progress
+            try:
+                self._counts[rank] = ray.get(ref)
+            except ray.exceptions.RayActorError as error:
+                raise EngineDeadError(f"worker rank {rank} (Ray actor) died during 'execute': {error}") from None
+            except ray.exceptions.RayError as error:  # Ray could not read it: no sign of progress either
+                logger.warning("could not read the progress of worker rank %d: %s", rank, error)
+        return self._counts
 
 
 def _release(ray, hold: _RayHold) -> None:

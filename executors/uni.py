@@ -64,12 +64,16 @@ class UniExecutor(Executor):
             try:
                 answers[rank] = future.result(max(deadline - time.monotonic(), 0))
             except FutureTimeout:
-                continue  # nothing reads this future again: its late result is dropped
+                continue  # waited for again while a step progresses; else nothing reads it: dropped
             except Exception as error:
                 answers[rank] = WorkerError(
                     name, rank, WorkerError.type_path(error), str(error), traceback.format_exc()
                 )
         return answers
+
+    def _progress(self, ranks: list[int]) -> dict[int, int]:
+        # The worker's count, read as it grows on the worker's thread.
+        return {0: self.worker.progress.count} if self.worker is not None else {}
 
     def _release_workers(self) -> None:
         # A call still running finishes in the background; nothing waits for it or reads its result.

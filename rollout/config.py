@@ -75,7 +75,13 @@ class EngineConfig:
         None, "torch CPU threads of each worker process ('mp', 'ray'); None divides the machine's cores among them"
     )
     rpc_timeout_s: float = setting(300.0, "default timeout of collective_rpc (a worker function), in seconds")
-    step_timeout_s: float = setting(600.0, "timeout of one engine step, in seconds")
+    step_timeout_s: float = setting(
+        600.0,
+        "the longest one engine step may go without progress, in seconds: a step whose workers' models keep "
+        "running (every transformer, text-encoder and VAE block counts) is waited for however long it takes; "
+        "one with no block started for this long is hung, and the engine stops. A custom executor that "
+        "reports no progress (no `_progress`) bounds the whole step by it",
+    )
     startup_timeout_s: float = setting(600.0, "time every worker has to load the model, in seconds")
     ray_placement_strategy: str = setting(
         "PACK", "how executor 'ray' places its workers: PACK, SPREAD, STRICT_PACK or STRICT_SPREAD"

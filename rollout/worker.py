@@ -22,6 +22,7 @@ from rollout.lora import LoraManager, read_lora_folder
 from rollout.model_runner import BatchLost, ModelRunner, RequestState, RunnerOutput, describe
 from rollout.pipelines.loading import load_adapter
 from rollout.pipelines.spec import ModelSpec
+from rollout.progress import Progress
 from rollout.regular_files import check_regular
 from rollout.scheduler import WorkerInput
 from rollout.sent_conditions import SentConditions
@@ -48,6 +49,10 @@ class Worker:
         self.rank = rank
         self.group = group
         self.adapter = load_adapter(config.model, config.device, config.torch_dtype)
+        # Advanced by every model block as it starts: what tells the engine a long step is still
+        # computing (`EngineConfig.step_timeout_s` bounds a step's time without progress).
+        self.progress = Progress()
+        self.progress.watch(self.adapter.components.values())
         self.failure_agreement = None  # a group's ranks agree on failed steps (rollout.group_failures)
         boundaries = {}  # denoiser -> its modules where sequence parallel splits or gathers the tokens
         if group is not None:
@@ -304,6 +309,7 @@ _WORKER_ATTRIBUTES = {
     "broadcast_group",
     "group",
     "failure_agreement",
+    "progress",
 }
 
 

@@ -4,10 +4,12 @@ sets, so the failure policy runs in milliseconds, with no process, model or cloc
     executor = ScriptedExecutor(config)  # or EngineConfig(executor=ScriptedExecutor) for an engine
     executor.script("execute", Hangs(), ranks=[1])  # rank 1 never answers a step
     executor.script("get_rank", Answer(7), Raises(EngineDeadError("gone")))  # the first call, then all later ones
+    executor.script("execute", Slow(3), ranks=[0])  # rank 0 answers a step in the third wait for it
 
 An unscripted call runs on the rank's `FakeWorker` (a method by name, or `fn(worker, ...)`), as a
 real worker would run it. Timeouts are not waited for: a rank that `Hangs` is simply missing from
 what `_gather` returns, which is what a real transport returns once the deadline passes.
+`ProgressingExecutor` adds a transport's progress reads, scripted the same way.
 """
 
 from __future__ import annotations
@@ -71,7 +73,15 @@ class Hangs:
     """The rank does not answer before the deadline."""
 
 
-Outcome = Answer | Fails | Raises | Hangs
+@dataclass(frozen=True)
+class Slow:
+    """The rank answers (runs the call) in the `waits`-th wait for it, and is missing from the
+    waits before (each a deadline that passed)."""
+
+    waits: int
+
+
+Outcome = Answer | Fails | Raises | Hangs | Slow
 
 
 class FakeWorker:
@@ -117,6 +127,7 @@ class TransportLog:
     gathered: list[tuple[str, float, list[int]]] = field(default_factory=list)  # (name, timeout, call ids)
     stopped: int = 0
     released: int = 0
+    progress_reads: list[list[int]] = field(default_factory=list)  # the ranks of each progress read
 
 
 class ScriptedExecutor(Executor):
@@ -129,6 +140,7 @@ class ScriptedExecutor(Executor):
         self.workers: dict[int, FakeWorker] = {}
         self._scripts: dict[tuple[str, int], list[Outcome]] = {}
         self._call_ids = itertools.count()
+        self._waits: dict[int, int] = {}  # call id -> waits for it so far (`Slow`)
         self._num_ranks = config.num_workers  # script() may run before the base sets num_workers
         if before_start is not None:
             before_start(self)
@@ -169,6 +181,11 @@ class ScriptedExecutor(Executor):
                 raise outcome.error
             if isinstance(outcome, Hangs):
                 continue
+            if isinstance(outcome, Slow):
+                self._waits[call.call_id] = self._waits.get(call.call_id, 0) + 1
+                if self._waits[call.call_id] < outcome.waits:
+                    continue
+                outcome = None
             if isinstance(outcome, Answer):
                 answers[rank] = outcome.value
                 continue
@@ -207,3 +224,21 @@ class ScriptedExecutor(Executor):
     def _build(self, rank: int) -> int:
         self.workers[rank] = FakeWorker(rank)
         return os.getpid()
+
+
+class ProgressingExecutor(ScriptedExecutor):
+    """A scripted executor whose transport reports progress (`_progress`): `counts[rank]` lists
+    what the reads of that rank's count answer, in turn, the last one for every later read; a rank
+    without counts reads 0 every time (it never progresses)."""
+
+    def __init__(self, config: EngineConfig, before_start: Callable[[ScriptedExecutor], None] | None = None):
+        self.counts: dict[int, list[int]] = {}
+        super().__init__(config, before_start)
+
+    def _progress(self, ranks: list[int]) -> dict[int, int]:
+        self.log.progress_reads.append(list(ranks))
+        counts = {}
+        for rank in ranks:
+            listed = self.counts.get(rank, [0])
+            counts[rank] = listed.pop(0) if len(listed) > 1 else listed[0]
+        return counts

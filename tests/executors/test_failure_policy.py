@@ -1,6 +1,7 @@
 """One failure policy for every backend (the Executor base class's): an interrupted step or a step
-past its timeout leaves the engine dead with a clear error and no worker behind; an RPC past its
-timeout leaves it usable; a Ray engine dropped without shutdown frees its placement group."""
+past its timeout without progress leaves the engine dead with a clear error and no worker behind,
+while a slow step that progresses finishes; an RPC past its timeout leaves it usable; a Ray engine
+dropped without shutdown frees its placement group."""
 
 from __future__ import annotations
 
@@ -13,10 +14,12 @@ import textwrap
 import time
 
 import pytest
+import torch
 
 from rollout import EngineConfig, RolloutEngine, SamplingParams
 from rollout.errors import EngineDeadError
-from tests.executors.worker_functions import slow_down_steps, wait_gone, worker_pid
+from rollout.pipelines.tiny import TinySD3Sizes, build_tiny_sd3
+from tests.executors.worker_functions import slow_down_blocks, slow_down_steps, wait_gone, worker_pid
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -134,6 +137,55 @@ def test_a_step_past_its_timeout_stops_every_backend_the_same_way(request, tiny_
         with pytest.raises(EngineDeadError, match="timed out after 0.5s"):
             engine.collective_rpc("get_rank")
         assert time.monotonic() - start < 2 * live_rpc_s + 0.05  # refused here, without reaching a worker
+
+
+@pytest.fixture(scope="module")
+def six_block_model(tmp_path_factory) -> str:
+    """A tiny SD3 whose transformer has six blocks: each advances the worker's progress."""
+    return str(build_tiny_sd3(tmp_path_factory.mktemp("six_blocks") / "pipeline", sizes=TinySD3Sizes(num_layers=6)))
+
+
+PROGRESSING = ["uni", pytest.param("mp", marks=pytest.mark.slow), pytest.param("ray", marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("backend", PROGRESSING)
+def test_a_step_slower_than_its_timeout_lives_while_it_progresses_and_computes_the_same(
+    request, six_block_model, backend
+):
+    # Every forward takes 6 x 0.25 s, past the 1 s step timeout; each block's start is progress.
+    if backend == "ray":
+        request.getfixturevalue("ray_cluster")
+    params = SamplingParams(num_inference_steps=2, num_samples=2, sampler="flow_sde", seed=0)
+    config = EngineConfig(model=six_block_model, step_timeout_s=1.0, **BACKENDS[backend])
+    with RolloutEngine(config) as engine:
+        expected = engine.generate("x", params)
+        engine.collective_rpc(slow_down_blocks, args=(0.25,))
+        start = time.monotonic()
+        outputs = engine.generate("x", params)
+        assert time.monotonic() - start > 2 * 1.5  # two steps, each a forward of 1.5 s at least
+        assert engine.dead is None
+        assert len(engine.collective_rpc("get_rank")) == config.num_workers
+    for output, reference in zip(outputs, expected, strict=True):
+        assert torch.equal(output.image, reference.image)
+        assert torch.equal(output.trajectory.log_probs, reference.trajectory.log_probs)
+
+
+@pytest.mark.parametrize("backend", PROGRESSING)
+def test_a_step_that_stops_progressing_inside_a_forward_kills_the_engine(request, six_block_model, backend):
+    # Progress for 0.75 s (three blocks), then a block that sleeps 5 s: hung after its first second.
+    if backend == "ray":
+        request.getfixturevalue("ray_cluster")
+    config = EngineConfig(model=six_block_model, step_timeout_s=1.0, **BACKENDS[backend])
+    with RolloutEngine(config) as engine:
+        engine.collective_rpc(slow_down_blocks, args=(0.25,), kwargs={"hang_at": 3, "hang_s": 5.0})
+        start = time.monotonic()
+        message = r"worker call 'execute' timed out after 1.0s; ranks that did not answer: \[.*\] \(no progress in"
+        with pytest.raises(EngineDeadError, match=message):
+            engine.generate("x", SamplingParams(num_inference_steps=2, num_samples=2, seed=0))
+        assert time.monotonic() - start < 4.5  # before the hung block woke up
+        assert not engine.has_unfinished_requests()
+        with pytest.raises(EngineDeadError, match="raise step_timeout_s if steps are that slow"):
+            engine.collective_rpc("get_rank")
 
 
 @pytest.mark.slow  # repetition for the default suite: CI runs it (make test-slow)

@@ -66,3 +66,18 @@ def test_shutdown_removes_the_actors(ray_cluster, tiny_model):
     engine.shutdown()
     assert wait_gone(pids) == []
     assert ray_cluster.available_resources().get("CPU") == ray_cluster.cluster_resources()["CPU"]
+
+
+@pytest.mark.slow  # a Ray cluster's start-up alone takes seconds
+def test_a_workers_progress_is_read_while_it_runs_a_call(ray_cluster, tiny_model):
+    # The read has a concurrency group of its own: it answers while a call runs, not after it.
+    with RolloutEngine(EngineConfig(model=tiny_model, executor="ray", num_workers=1)) as engine:
+        executor = engine.executor
+        before = dict(executor._progress([0]))
+        engine.generate("x", SamplingParams(num_inference_steps=2, seed=0))
+        pending = executor._send_rpc("sleep_in_worker", sleep_in_worker, (3.0,), {}, [0])
+        start = time.monotonic()
+        during = dict(executor._progress([0]))
+        assert time.monotonic() - start < 1.5
+        assert during[0] > before[0]  # the generate's blocks
+        assert executor._gather("sleep_in_worker", pending, 10.0) == {0: None}

@@ -15,7 +15,7 @@ from rollout import EngineConfig, RolloutEngine, SamplingParams
 from rollout.errors import EngineDeadError, WorkerError
 from rollout.model_runner import RunnerOutput
 from rollout.scheduler import SchedulerOutput, WorkerInput
-from tests.executors.fake_executor import Answer, Fails, Hangs, Raises, ScriptedExecutor
+from tests.executors.fake_executor import Answer, Fails, Hangs, ProgressingExecutor, Raises, ScriptedExecutor, Slow
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -182,6 +182,88 @@ def test_a_step_past_its_timeout_stops_the_workers_and_names_step_timeout_s(exec
     assert str(error.value) == reason
     assert executor.log.stopped == 1
     assert_dead_for_good(executor, reason)
+
+
+# A step slower than its timeout: waited for while it progresses, on a transport that reports progress.
+
+
+@pytest.fixture
+def progressing(config):
+    executor = ProgressingExecutor(config)
+    yield executor
+    executor.shutdown()
+
+
+def test_a_step_that_keeps_progressing_is_waited_for_past_its_timeout(progressing):
+    progressing.script("execute", Slow(3), ranks=[1])
+    progressing.counts[1] = [10, 11, 12]  # read when sent, then after each wait it missed
+    assert progressing.execute(a_step(0, 1, 2)) == [RunnerOutput()] * 3
+    assert progressing.dead is None
+    # Each rank answered once: the later waits are for rank 1 alone, on the same call, with the same timeout.
+    steps = [(timeout, ids) for name, timeout, ids in progressing.log.gathered if name == "execute"]
+    assert [timeout for timeout, _ in steps] == [5.0] * 3
+    assert len(steps[0][1]) == 3 and steps[1][1] == steps[2][1] == [steps[0][1][1]]
+    assert progressing.log.progress_reads == [[0, 1, 2], [1], [1]]
+    assert [len(progressing.workers[rank].steps) for rank in range(3)] == [1, 1, 1]
+    assert progressing.collective_rpc("get_rank") == [0, 1, 2]
+
+
+def test_a_step_whose_progress_stops_is_hung_as_before(progressing):
+    progressing.script("execute", Hangs(), ranks=[2])
+    progressing.counts[2] = [10, 11, 11]  # it progressed in the first wait, not in the second
+    with pytest.raises(EngineDeadError) as error:
+        progressing.execute(a_step(0, 1, 2))
+    assert re.fullmatch(
+        r"worker call 'execute' timed out after 5.0s; ranks that did not answer: \[2\] \(no progress in their "
+        r"last 5.0s of \d+\.\ds\); create a new engine \(raise step_timeout_s if steps are that slow\)",
+        str(error.value),
+    )
+    assert len([name for name, _, _ in progressing.log.gathered if name == "execute"]) == 2
+    assert progressing.log.stopped == 1
+    assert_dead_for_good(progressing, str(error.value))
+
+
+def test_a_step_that_never_progressed_is_hung_after_one_timeout(progressing):
+    progressing.script("execute", Hangs(), ranks=[0])
+    with pytest.raises(
+        EngineDeadError, match=re.escape("timed out after 5.0s; ranks that did not answer: [0]; create")
+    ):
+        progressing.execute(a_step(0, 1))
+    assert len([name for name, _, _ in progressing.log.gathered if name == "execute"]) == 1
+
+
+def test_an_rpc_is_not_waited_for_past_its_timeout_whatever_the_progress(progressing):
+    progressing.script("get_rank", Hangs(), Answer("back"), ranks=[0])
+    progressing.counts[0] = list(range(100))
+    with pytest.raises(TimeoutError, match=re.escape("worker call 'get_rank' timed out after 2.0s; ranks")):
+        progressing.collective_rpc("get_rank")
+    assert progressing.log.progress_reads == [] and progressing.dead is None
+
+
+def test_a_replica_group_progresses_while_any_of_its_ranks_does(model_folder):
+    # Two replicas of two ranks: in each, one rank computes while the other waits for it in a collective.
+    config = EngineConfig(
+        model=model_folder, executor=ProgressingExecutor, num_workers=4, sequence_parallel=2, step_timeout_s=5.0
+    )
+    executor = ProgressingExecutor(config)
+    try:
+        executor.script("execute", Slow(2), ranks=[0, 1, 2, 3])
+        executor.counts |= {0: [5, 5], 1: [7, 8], 2: [3, 3], 3: [4, 4]}  # replica 1 (ranks 2, 3) did not move
+        with pytest.raises(EngineDeadError, match=re.escape("ranks that did not answer: [0, 1, 2, 3]")):
+            executor.execute(SchedulerOutput({0: WorkerInput(step_ids=["a"]), 1: WorkerInput(step_ids=["b"])}))
+    finally:
+        executor.shutdown()
+    executor = ProgressingExecutor(config)
+    try:
+        executor.script("execute", Slow(2), ranks=[0, 1, 2, 3])
+        executor.counts |= {0: [5, 5], 1: [7, 8], 2: [3, 3], 3: [4, 9]}
+        assert (
+            len(executor.execute(SchedulerOutput({0: WorkerInput(step_ids=["a"]), 1: WorkerInput(step_ids=["b"])})))
+            == 2
+        )
+        assert executor.dead is None
+    finally:
+        executor.shutdown()
 
 
 def test_a_timeout_the_transport_raises_in_a_step_is_the_same(executor):

@@ -24,6 +24,14 @@ def slow_down_steps(worker, seconds: float) -> None:
     worker.runner.step = slow_step
 
 
+def slow_down_blocks(worker, seconds: float, hang_at: int | None = None, hang_s: float = 0.0) -> None:
+    """From now on each block of this worker's transformer sleeps `seconds` as it starts, after it
+    advanced the worker's progress; block `hang_at`, if given, sleeps `hang_s` instead."""
+    for index, block in enumerate(worker.adapter.denoisers["transformer"].transformer_blocks):
+        pause = hang_s if index == hang_at else seconds
+        block.register_forward_pre_hook(lambda module, args, pause=pause: time.sleep(pause))
+
+
 def fail_requests_of(worker, prompt: str, stage: str = "step") -> None:
     """From now on the worker fails for requests of `prompt` as a request the model cannot take
     makes it fail: at "step", the forward pass of any batch holding one; at "encode", encoding
