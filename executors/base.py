@@ -34,8 +34,6 @@ logger = logging.getLogger(__name__)
 
 # What a backend defines: its transport (see `Executor`).
 TRANSPORT_METHODS = ("_start_workers", "_send_step", "_send_rpc", "_gather", "_release_workers")
-# What an executor written before the base class owned the lifecycle defines instead.
-OWN_LIFECYCLE_METHODS = ("_execute", "_collective_rpc", "_stop_workers")
 # The ready handshake's name, as messages about it show it.
 STARTUP = "start-up"
 MAX_RPC_TIMEOUT_S = 7 * 24 * 3600
@@ -86,14 +84,12 @@ class Executor:
     `_progress` (one written before it existed) keeps a whole-step deadline: a step must answer
     within `step_timeout_s` in all.
 
-    Executors written before the transport methods existed keep working: one that starts its
-    workers in its own `__init__` and defines `_execute(scheduler_output, timeout)`,
-    `_collective_rpc(name, method, args, kwargs, timeout, ranks)` and `_stop_workers()` (which
-    then stops and frees everything) gets the same failure policy; its own `check_health` and
-    `shutdown`, if any, replace the base's. To migrate one, move the worker start into
-    `_start_workers`, split `_execute` and `_collective_rpc` into the sends and `_gather` (return
-    what answered; the base words the timeout and picks the failing rank), move what `shutdown`
-    freed into `_release_workers`, and drop `check_health` and `shutdown`.
+    The older contract (workers started in the executor's own `__init__`, `_execute` and
+    `_collective_rpc` written by the backend, its own `check_health` and `shutdown`) is gone; such
+    an executor is refused before any worker starts (`transport_problems`). To move one, start the
+    workers in `_start_workers`, split `_execute` and `_collective_rpc` into the sends and
+    `_gather` (return what answered; the base words the timeout and picks the failing rank), move
+    what `shutdown` freed into `_release_workers`, and drop `check_health` and `shutdown`.
     """
 
     # One worker, in this process (`uni`): the base clones the tensors of its arguments for it. An
@@ -112,8 +108,10 @@ class Executor:
         self._dead: str | None = None  # why the workers can no longer be used
         self._released = False
         self.rendezvous: GroupRendezvous | None = None  # made at start-up for groups of several ranks
-        if writes_transport(type(self)):
-            self._start()
+        problems = transport_problems(type(self))
+        if problems:
+            raise TypeError("; ".join(problems))
+        self._start()
 
     @classmethod
     def config_problems(cls, config: EngineConfig) -> list[str]:
@@ -429,21 +427,24 @@ class Executor:
         return sorted(set(ranks))
 
 
-def writes_transport(cls: type[Executor]) -> bool:
-    """True for a backend that writes the transport, False for one written before it existed
-    (which starts its own workers); a TypeError naming what is missing for one that does neither."""
-    defined = {
-        name for name in TRANSPORT_METHODS + OWN_LIFECYCLE_METHODS if getattr(cls, name) is not getattr(Executor, name)
-    }
-    if set(TRANSPORT_METHODS) <= defined:
-        return True
-    if "_start_workers" not in defined and set(OWN_LIFECYCLE_METHODS) <= defined:
-        return False
-    missing = [name for name in TRANSPORT_METHODS if name not in defined]
-    raise TypeError(
-        f"executor {cls.__qualname__} does not define its transport: {', '.join(missing)} missing "
-        "(see executors.base.Executor)"
-    )
+def transport_problems(cls: type[Executor]) -> list[str]:
+    """What keeps `cls` from running under the base: the transport methods it does not define, and
+    the base's own steps it writes itself (the older contract, whose steps bypass the failure
+    policy and the progress waits)."""
+    problems = []
+    missing = [name for name in TRANSPORT_METHODS if getattr(cls, name) is getattr(Executor, name)]
+    if missing:
+        problems.append(
+            f"executor {cls.__qualname__} does not define its transport: {', '.join(missing)} missing "
+            "(see executors.base.Executor)"
+        )
+    own_steps = [name for name in ("_execute", "_collective_rpc") if getattr(cls, name) is not getattr(Executor, name)]
+    if own_steps:
+        problems.append(
+            f"executor {cls.__qualname__} writes {' and '.join(own_steps)}, the older executor contract, which is "
+            "gone: write the transport instead (executors.base.Executor's docstring says how to move)"
+        )
+    return problems
 
 
 def method_to_wire(method: str | Callable) -> str | bytes:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from executors import Executor, get_executor_class
-from executors.base import writes_transport
+from executors.base import transport_problems
 from rollout.config import EngineConfig, settings_problems
 from rollout.pipelines.model_index import read_model_index
 from rollout.sequence_parallel import plan_problems
@@ -55,26 +55,8 @@ def _resolve_classes(config) -> tuple[type[Executor] | None, list[str]]:
     except (ValueError, TypeError) as error:
         problems.append(str(error))
     if executor_cls is not None:
-        problems += executor_cls.config_problems(config)
-        layout = {"cfg_parallel": config.cfg_parallel, "sequence_parallel": config.sequence_parallel}
-        spread = {name: degree for name, degree in layout.items() if isinstance(degree, int) and degree > 1}
-        if spread and not _transport_of(executor_cls):
-            named = " x ".join(f"{name}={degree}" for name, degree in spread.items())
-            problems.append(
-                f"executor {executor_cls.__qualname__} runs its own workers (it defines _execute), so it cannot "
-                f"run replica groups of {named} ranks; write its transport "
-                "(see executors.base.Executor) or use executor='mp' or 'ray'"
-            )
+        problems += transport_problems(executor_cls) + executor_cls.config_problems(config)
     return executor_cls, problems
-
-
-def _transport_of(executor_cls: type[Executor]) -> bool:
-    """Whether the executor writes the base's transport (True where it defines neither form: the
-    executor's start reports that)."""
-    try:
-        return writes_transport(executor_cls)
-    except TypeError:
-        return True
 
 
 def _defaults() -> dict:

@@ -360,54 +360,28 @@ def test_unknown_methods_are_refused_before_anything_is_sent(executor):
     assert len(executor.log.sent) == sent
 
 
-# Executors written before the base owned the lifecycle.
+# An executor written to the older contract (its own `_execute` and `_collective_rpc`) is refused.
 
 
 class OwnLifecycleExecutor(Executor):
     """An executor in the shape the README showed before issue 20: it starts its own workers and
-    writes `_execute`, `_collective_rpc`, `_stop_workers`, `check_health` and `shutdown`."""
-
-    def __init__(self, config):
-        super().__init__(config)
-        self.stopped = 0
-        self.step_outcome: BaseException | None = None
+    writes `_execute`, `_collective_rpc`, `check_health` and `shutdown`."""
 
     def _execute(self, scheduler_output, timeout):
-        if self.step_outcome is not None:
-            raise self.step_outcome
         return [RunnerOutput() for _ in range(self.num_workers)]
 
     def _collective_rpc(self, name, method, args, kwargs, timeout, ranks):
         return [f"{name} on {rank}" for rank in ranks]
 
-    def _stop_workers(self):
-        self.stopped += 1
 
-    def check_health(self):
-        pass
+def test_an_executor_of_the_older_contract_is_refused_before_any_worker_starts(config, tmp_path):
+    from rollout.config_check import class_problems
 
-    def shutdown(self):
-        self._dead = self._dead or SHUT_DOWN
-
-
-@pytest.mark.parametrize(
-    "error, reason",
-    [
-        (TimeoutError("too slow"), "too slow; create a new engine"),
-        (EngineDeadError("gone"), "gone"),
-        (KeyboardInterrupt(), INTERRUPTED),
-    ],
-)
-def test_an_executor_with_its_own_lifecycle_keeps_working_under_the_same_policy(config, error, reason):
-    executor = OwnLifecycleExecutor(config)
-    assert executor.collective_rpc("get_rank", ranks=[1]) == ["get_rank on 1"]
-    assert len(executor.execute(a_step(0))) == 3
-    executor.step_outcome = error
-    with pytest.raises((EngineDeadError, KeyboardInterrupt)):
-        executor.execute(a_step(0))
-    assert executor.stopped == 1 and executor.dead.startswith(reason)
-    with pytest.raises(EngineDeadError):
-        executor.collective_rpc("get_rank")
+    with pytest.raises(TypeError, match="writes _execute and _collective_rpc, the older executor contract"):
+        OwnLifecycleExecutor(config)
+    problems = class_problems(executor=OwnLifecycleExecutor)
+    assert any("_start_workers, _send_step, _send_rpc, _gather, _release_workers missing" in p for p in problems)
+    assert any("the older executor contract, which is gone" in p for p in problems)
 
 
 class HalfATransport(Executor):
