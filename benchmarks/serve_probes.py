@@ -43,11 +43,11 @@ import httpx
 import torch
 
 from benchmarks import harness
+from benchmarks.bad_pushes import TricklingPush, chunk, open_push
 from rollout import SamplingParams
 from rollout.pipelines.tiny import build_tiny_sd3
 from rollout.serve.launch import ServerProcess
-from rollout.serve.routes import body_json
-from rollout.wire import FRAMES_MEDIA_TYPE, LENGTH, SAFETENSORS_MEDIA_TYPE, frame, tensors_to_bytes
+from rollout.wire import LENGTH, SAFETENSORS_MEDIA_TYPE, tensors_to_bytes
 from trainers_adapters.remote_engine import RemoteRolloutEngine
 
 # Long enough to run through every probe (checked: it must still be running after the last one).
@@ -226,44 +226,6 @@ def half_sent_connections(url: str, count: int, header_timeout_s: float) -> floa
         assert sock.recv(1) == b"", "a half-sent connection got an answer"
         sock.close()
     return time.monotonic() - start
-
-
-def chunk(data: bytes) -> bytes:
-    return f"{len(data):x}\r\n".encode() + data + b"\r\n"
-
-
-def open_push(url: str, key: str) -> socket.socket:
-    """A streamed push's connection, its head and options frame sent; then a bucket frame's length."""
-    port = int(url.rpartition(":")[2])
-    sock = socket.create_connection(("127.0.0.1", port), timeout=30)
-    sock.sendall(
-        b"POST /update_weights_from_tensor HTTP/1.1\r\nHost: 127.0.0.1\r\nTransfer-Encoding: chunked\r\n"
-        + f"Content-Type: {FRAMES_MEDIA_TYPE}\r\nAuthorization: Bearer {key}\r\n\r\n".encode()
-        + chunk(frame("update_weights", {"request": body_json("update_weights")}))
-    )
-    return sock
-
-
-class TricklingPush(threading.Thread):
-    """A push whose bucket comes a byte every 0.5 s (never stalled past --body-timeout-s)."""
-
-    def __init__(self, url: str, key: str):
-        super().__init__(daemon=True)
-        self.sock = open_push(url, key)
-        self.sock.sendall(chunk(LENGTH.pack(1 << 20)))
-        self.stop = threading.Event()
-
-    def run(self) -> None:
-        try:
-            while not self.stop.wait(0.5):
-                self.sock.sendall(chunk(b"\0"))
-        except OSError:  # cut off by the server (--upload-timeout-s): then it holds nothing either
-            return
-
-    def close(self) -> None:
-        self.stop.set()
-        self.join()
-        self.sock.close()
 
 
 def announced_pushes(url: str, key: str, pids: list[int], count: int, announced_mb: int) -> tuple[float, float]:
