@@ -20,6 +20,7 @@ from rollout.serve.launch import ServerProcess
 from rollout.serve.routes import body_json
 from rollout.wire import LENGTH
 from tests.serve.conftest import API_KEY, EXTENSION
+from tests.serve.test_generate_http import assert_same_output
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -96,6 +97,39 @@ def test_a_trickling_push_holds_no_generation(server, remote):
     deadline = time.monotonic() + 10  # the dropped push is rolled back; then the next update may come
     while remote.server_info()["weight_version"] != version and time.monotonic() < deadline:
         time.sleep(0.05)
+    assert remote.weights_checksum() == checksum and remote.weight_version == version
+
+
+def test_pushes_dropped_while_a_generate_runs_leave_its_samples_bitwise(server, remote):
+    """A trickling push cut short and three pushes that announce a bucket and close, all while a
+    2-sample generate runs: each is opened and dropped (rolled back on the worker) between two of
+    its steps, and its samples are bitwise those it makes alone; weights and version unchanged.
+    The probe run once saw one of two samples differ here; the cause was the one-step generate it
+    sent beside the trickle, which shared that sample's batch (a batch of two is not bitwise a batch
+    of one: see BESIDE in benchmarks/serve_probes.py), not the pushes."""
+    checksum, version = remote.weights_checksum(), remote.weight_version
+    group = SamplingParams(num_inference_steps=60, num_samples=2, seed=7)
+    alone = remote.generate("a red square", group)
+    remote.collective_rpc("set_step_delay", args=(0.05,))  # 3 s or more: the pushes take about 1.5
+    pool = ThreadPoolExecutor(1)
+    try:
+        running = pool.submit(remote.generate, "a red square", group)
+        trickling = TricklingPush(server.url, API_KEY, every_s=0.1)
+        trickling.start()
+        time.sleep(0.5)  # being received
+        trickling.close()
+        for _ in range(3):
+            sock = open_push(server.url, API_KEY)
+            sock.sendall(chunk(LENGTH.pack(60 << 20) + bytes(1024)))
+            time.sleep(0.2)
+            sock.close()
+        assert remote.server_info()["running_requests"] == 2  # the pushes came while it ran
+        together = running.result(timeout=60)
+    finally:
+        remote.collective_rpc("set_step_delay", args=(0.0,))
+        pool.shutdown()
+    for got, expected in zip(together, alone, strict=True):
+        assert_same_output(got, expected)
     assert remote.weights_checksum() == checksum and remote.weight_version == version
 
 
