@@ -18,9 +18,9 @@ probe (what was sent, the status, seconds, the start of the message); checked, f
   - the announced pushes raised the server's RSS by what they sent (and pages faulted in a few MiB ahead),
     not by what they announced (--announced-slack-mb), and nothing once closed;
   - afterwards the server's RSS (server and workers) is within --rss-slack-mb of where it was,
-    and /dev/shm holds the server's blocks it held before (the one it rewrites for call arguments).
+    and /dev/shm holds the server's blocks it held before (and the reused ones: call arguments, replies).
 
-    python -m benchmarks.serve_probes            # about a minute on 2 CPU cores
+    python -m benchmarks.serve_probes            # about 1.5 minutes on 2 CPU cores
     python -m benchmarks.serve_probes --json out.json
 """
 
@@ -43,16 +43,22 @@ import httpx
 import torch
 
 from benchmarks import harness
+from benchmarks.bad_pushes import TricklingPush, chunk, open_push
 from rollout import SamplingParams
 from rollout.pipelines.tiny import build_tiny_sd3
 from rollout.serve.launch import ServerProcess
-from rollout.serve.routes import body_json
-from rollout.wire import FRAMES_MEDIA_TYPE, LENGTH, SAFETENSORS_MEDIA_TYPE, frame, tensors_to_bytes
+from rollout.wire import LENGTH, SAFETENSORS_MEDIA_TYPE, tensors_to_bytes
 from trainers_adapters.remote_engine import RemoteRolloutEngine
 
-# Long enough to run through every probe (checked: it must still be running after the last one).
-FOREIGN_PROBE = "weights from a file that is not this model's"
-GOOD = SamplingParams(num_inference_steps=800, num_samples=2, seed=7)
+# Long enough to run through every probe and push (checked: it must still be running after the
+# last one); 800 steps (11 s alone on 2 CPU cores) ended before the last push. The server takes
+# up to 2000 steps (--max-inference-steps) for it.
+GOOD = SamplingParams(num_inference_steps=2000, num_samples=2, seed=7)
+# The one-step generate beside the trickling push: of a size the good request's batch does not take.
+# In a batch with one of the good samples it changed that sample's numbers (the transformer's
+# forward of a row is not bitwise the same in a batch of one and of two: 6e-7 on CPU), which
+# looked like the pushes' doing.
+BESIDE = SamplingParams(num_inference_steps=1, seed=0, height=16, width=16)
 JSON = {"content-type": "application/json"}
 FOREIGN_NAME = "someone_elses_model.private_layer"  # must appear in no answer
 SAFETENSORS = {"content-type": SAFETENSORS_MEDIA_TYPE}
@@ -176,11 +182,10 @@ def probes(tensors: dict, config: dict, files: dict[str, Path]) -> list[Probe]:
         Probe("weights from a folder with a FIFO", from_disk("fifo"), 400),
         Probe("weights from a symlink to /dev/urandom", from_disk("device.safetensors"), 400),
         Probe("weights from a directory named x.safetensors", from_disk("dir"), 400),
-        # Sent once the good request has finished: with mode "wait" it would first run the good
-        # request to its end.
+        # mode "pause": refused between two steps; "wait" would first run the good request to its end.
         Probe(
-            FOREIGN_PROBE,
-            post("/update_weights_from_disk", {"model_path": str(files["foreign.safetensors"])}),
+            "weights from a file that is not this model's",
+            post("/update_weights_from_disk", {"model_path": str(files["foreign.safetensors"]), "mode": "pause"}),
             400,
         ),
         Probe("LoRA folder whose weights are a FIFO", lora_folder("fifo_lora"), 400),
@@ -226,44 +231,6 @@ def half_sent_connections(url: str, count: int, header_timeout_s: float) -> floa
         assert sock.recv(1) == b"", "a half-sent connection got an answer"
         sock.close()
     return time.monotonic() - start
-
-
-def chunk(data: bytes) -> bytes:
-    return f"{len(data):x}\r\n".encode() + data + b"\r\n"
-
-
-def open_push(url: str, key: str) -> socket.socket:
-    """A streamed push's connection, its head and options frame sent; then a bucket frame's length."""
-    port = int(url.rpartition(":")[2])
-    sock = socket.create_connection(("127.0.0.1", port), timeout=30)
-    sock.sendall(
-        b"POST /update_weights_from_tensor HTTP/1.1\r\nHost: 127.0.0.1\r\nTransfer-Encoding: chunked\r\n"
-        + f"Content-Type: {FRAMES_MEDIA_TYPE}\r\nAuthorization: Bearer {key}\r\n\r\n".encode()
-        + chunk(frame("update_weights", {"request": body_json("update_weights")}))
-    )
-    return sock
-
-
-class TricklingPush(threading.Thread):
-    """A push whose bucket comes a byte every 0.5 s (never stalled past --body-timeout-s)."""
-
-    def __init__(self, url: str, key: str):
-        super().__init__(daemon=True)
-        self.sock = open_push(url, key)
-        self.sock.sendall(chunk(LENGTH.pack(1 << 20)))
-        self.stop = threading.Event()
-
-    def run(self) -> None:
-        try:
-            while not self.stop.wait(0.5):
-                self.sock.sendall(chunk(b"\0"))
-        except OSError:  # cut off by the server (--upload-timeout-s): then it holds nothing either
-            return
-
-    def close(self) -> None:
-        self.stop.set()
-        self.join()
-        self.sock.close()
 
 
 def announced_pushes(url: str, key: str, pids: list[int], count: int, announced_mb: int) -> tuple[float, float]:
@@ -326,7 +293,7 @@ def main(argv: list[str] | None = None) -> dict:
         model = build_tiny_sd3(Path(tmp) / "pipeline", seed=0)
         tensors, config = make_adapter(Path(model))
         files = make_files(Path(tmp), tensors, config)
-        flags = ("--executor", "mp", "--num-workers", "2", "--header-timeout-s", "2")
+        flags = ("--executor", "mp", "--num-workers", "2", "--header-timeout-s", "2", "--max-inference-steps", "2000")
         with (
             ServerProcess.start(str(model), *flags, api_key=key) as server,
             RemoteRolloutEngine(server.url, key) as remote,
@@ -340,37 +307,34 @@ def main(argv: list[str] | None = None) -> dict:
             watch.start()
             (good_id, *_) = remote.add_request("a red square", GOOD, request_id="good")
             with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {key}"}, timeout=60) as client:
-                every_probe = probes(tensors, config, files)
-                rows = [
-                    send(probe, client, args.probe_bound_s) for probe in every_probe if probe.name != FOREIGN_PROBE
-                ]
-            running = remote.server_info()["running_requests"]
+                rows = [send(probe, client, args.probe_bound_s) for probe in probes(tensors, config, files)]
             half_s = half_sent_connections(server.url, 50, 2.0)
-            together = []
-            while remote.has_unfinished_requests():
-                together += remote.step()
-            # The pushes run after the good request: sent while it ran, these staged-then-aborted
-            # pushes left one of its samples not bitwise as alone (found at the last moment, open).
             trickling = TricklingPush(server.url, key)
             trickling.start()
             time.sleep(1.0)  # being received
-            with RemoteRolloutEngine(server.url, key) as beside:
+            with RemoteRolloutEngine(server.url, key) as beside:  # `remote` streams the good request
                 start = time.monotonic()
-                beside.generate("beside a trickling push", SamplingParams(num_inference_steps=1, seed=0))
+                beside.generate("beside a trickling push", BESIDE)
                 beside_trickle_s = time.monotonic() - start
             trickling.close()
             announced_held, announced_after = announced_pushes(server.url, key, pids, 10, 500)
-            with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {key}"}, timeout=60) as client:
-                rows += [
-                    send(probe, client, args.probe_bound_s) for probe in every_probe if probe.name == FOREIGN_PROBE
-                ]
+            running = remote.server_info()["running_requests"]
+            together = []
+            while remote.has_unfinished_requests():
+                together += remote.step()
             watch.stop.set()
             watch.join()
             remote.unload_lora("policy")
             time.sleep(1.0)
             rss_after = rss_mb(pids)
-            # Only the block the mp executor rewrites for every call's arguments ("-args-") may stay.
-            shm = {path for path in glob.glob(f"/dev/shm/rollout-{server.process.pid}-*") if "-args-" not in path}
+            # Only the blocks the mp executor rewrites for every call's arguments ("-args-") and each
+            # worker for its replies ("-replies-", 4 MiB at most, made at a worker's first small reply
+            # with tensors: the good request's trajectories are larger) may stay.
+            shm = {
+                path
+                for path in glob.glob(f"/dev/shm/rollout-{server.process.pid}-*")
+                if "-args-" not in path and "-replies-" not in path
+            }
             shm -= shm_before
     different = sum(
         not (torch.equal(a.image, b.image) and torch.equal(a.trajectory.latents.stack(), b.trajectory.latents.stack()))
@@ -396,7 +360,7 @@ def main(argv: list[str] | None = None) -> dict:
     named = sum(FOREIGN_NAME in row["message"] for row in rows)
     report.note(
         f"RSS of the server and its workers: {rss_before:.0f} MB before, {rss_after:.0f} MB after; "
-        f"/dev/shm blocks left beyond the one kept for call arguments: {len(shm)}"
+        f"/dev/shm blocks left beyond those kept for call arguments and replies: {len(shm)}"
     )
     for target in (
         harness.Target("probes with the wrong status", sum(r["status"] != r["expected"] for r in rows), "==", 0),

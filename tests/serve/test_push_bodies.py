@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import signal
 import socket
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -15,32 +14,18 @@ import httpx
 import pytest
 import torch
 
+from benchmarks.bad_pushes import TricklingPush, chunk, open_push
 from rollout import SamplingParams
 from rollout.serve.launch import ServerProcess
 from rollout.serve.routes import body_json
-from rollout.wire import FRAMES_MEDIA_TYPE, LENGTH, frame
+from rollout.wire import LENGTH
 from tests.serve.conftest import API_KEY, EXTENSION
+from tests.serve.test_generate_http import assert_same_output
 
 pytestmark = pytest.mark.timeout(240)
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 BESIDE = SamplingParams(num_inference_steps=2, seed=3)
-
-
-def chunk(data: bytes) -> bytes:
-    return f"{len(data):x}\r\n".encode() + data + b"\r\n"
-
-
-def open_push(url: str) -> socket.socket:
-    """A streamed push's connection with its head and options frame sent; the buckets are the caller's."""
-    port = int(url.rpartition(":")[2])
-    sock = socket.create_connection(("127.0.0.1", port), timeout=30)
-    sock.sendall(
-        b"POST /update_weights_from_tensor HTTP/1.1\r\nHost: 127.0.0.1\r\nTransfer-Encoding: chunked\r\n"
-        + f"Content-Type: {FRAMES_MEDIA_TYPE}\r\nAuthorization: Bearer {API_KEY}\r\n\r\n".encode()
-        + chunk(frame("update_weights", {"request": body_json("update_weights")}))
-    )
-    return sock
 
 
 def rss_mb(pid: int) -> float:
@@ -71,7 +56,7 @@ def test_a_frame_that_announces_more_than_it_sends_costs_what_arrived(server, re
     pid = server.process.pid
     before, held, health = rss_mb(pid), [], []
     for _ in range(10):
-        sock = open_push(server.url)
+        sock = open_push(server.url, API_KEY)
         sock.sendall(chunk(LENGTH.pack(60 << 20) + bytes(1024)))
         time.sleep(0.4)  # read, and (before) faulted in
         held.append(rss_mb(pid) - before)
@@ -93,15 +78,7 @@ def test_a_trickling_push_holds_no_generation(server, remote):
     start = time.monotonic()
     (alone,) = remote.generate("beside", BESIDE)
     alone_s = time.monotonic() - start
-    sock = open_push(server.url)
-    sock.sendall(chunk(LENGTH.pack(1 << 20)))
-    stop = threading.Event()
-
-    def trickle() -> None:
-        while not stop.wait(0.2):
-            sock.sendall(chunk(b"\0"))
-
-    trickling = threading.Thread(target=trickle, daemon=True)
+    trickling = TricklingPush(server.url, API_KEY, every_s=0.2)
     trickling.start()
     pool = ThreadPoolExecutor(1)
     try:
@@ -112,9 +89,7 @@ def test_a_trickling_push_holds_no_generation(server, remote):
         (output,) = beside.result(timeout=2 * alone_s + 10)  # before: held until the push ended
         beside_s = time.monotonic() - start
     finally:
-        stop.set()
-        trickling.join()
-        sock.close()
+        trickling.close()
         pool.shutdown()
     assert beside_s < 3 * alone_s + 1.0, (beside_s, alone_s)  # a loaded machine's noise, not the push's wait
     assert waited_s < 1.0
@@ -122,6 +97,39 @@ def test_a_trickling_push_holds_no_generation(server, remote):
     deadline = time.monotonic() + 10  # the dropped push is rolled back; then the next update may come
     while remote.server_info()["weight_version"] != version and time.monotonic() < deadline:
         time.sleep(0.05)
+    assert remote.weights_checksum() == checksum and remote.weight_version == version
+
+
+def test_pushes_dropped_while_a_generate_runs_leave_its_samples_bitwise(server, remote):
+    """A trickling push cut short and three pushes that announce a bucket and close, all while a
+    2-sample generate runs: each is opened and dropped (rolled back on the worker) between two of
+    its steps, and its samples are bitwise those it makes alone; weights and version unchanged.
+    The probe run once saw one of two samples differ here; the cause was the one-step generate it
+    sent beside the trickle, which shared that sample's batch (a batch of two is not bitwise a batch
+    of one: see BESIDE in benchmarks/serve_probes.py), not the pushes."""
+    checksum, version = remote.weights_checksum(), remote.weight_version
+    group = SamplingParams(num_inference_steps=60, num_samples=2, seed=7)
+    alone = remote.generate("a red square", group)
+    remote.collective_rpc("set_step_delay", args=(0.05,))  # 3 s or more: the pushes take about 1.5
+    pool = ThreadPoolExecutor(1)
+    try:
+        running = pool.submit(remote.generate, "a red square", group)
+        trickling = TricklingPush(server.url, API_KEY, every_s=0.1)
+        trickling.start()
+        time.sleep(0.5)  # being received
+        trickling.close()
+        for _ in range(3):
+            sock = open_push(server.url, API_KEY)
+            sock.sendall(chunk(LENGTH.pack(60 << 20) + bytes(1024)))
+            time.sleep(0.2)
+            sock.close()
+        assert remote.server_info()["running_requests"] == 2  # the pushes came while it ran
+        together = running.result(timeout=60)
+    finally:
+        remote.collective_rpc("set_step_delay", args=(0.0,))
+        pool.shutdown()
+    for got, expected in zip(together, alone, strict=True):
+        assert_same_output(got, expected)
     assert remote.weights_checksum() == checksum and remote.weight_version == version
 
 
@@ -134,25 +142,15 @@ def test_a_push_has_a_deadline_and_a_stopping_server_waits_for_no_one(tiny_model
     the engine's stop (it ran on for 40-60 s, as long as the push trickled)."""
     flags = ("--body-timeout-s", "3", "--upload-timeout-s", "4", "--shutdown-grace-s", "3")
     with ServerProcess.start(tiny_model, *flags, "--worker-extension-cls", EXTENSION, api_key=API_KEY) as server:
-        sock = open_push(server.url)
-        sock.sendall(chunk(LENGTH.pack(1 << 20)))
+        cut_off = TricklingPush(server.url, API_KEY, every_s=1.0)
         start = time.monotonic()
-        stop = threading.Event()
-
-        def trickle(sock: socket.socket, every_s: float) -> None:
-            try:
-                while not stop.wait(every_s):
-                    sock.sendall(chunk(b"\0"))
-            except OSError:  # closed by the server
-                return
-
-        threading.Thread(target=trickle, args=(sock, 1.0), daemon=True).start()
+        cut_off.start()
         assert health_s(server.url) < 1.0
-        answer = answer_of(sock)  # read until the server closes it
+        answer = answer_of(cut_off.sock)  # read until the server closes it
         cut_s = time.monotonic() - start
         assert answer.startswith(b"HTTP/1.1 408") and b"--upload-timeout-s" in answer, answer
         assert 3.5 < cut_s < 7, cut_s
-        sock.close()
+        cut_off.close()
         with httpx.Client(base_url=server.url, headers=AUTH, timeout=30) as client:
             assert client.get("/server_info").json()["weight_version"] == 0
 
@@ -173,14 +171,12 @@ def test_a_push_has_a_deadline_and_a_stopping_server_waits_for_no_one(tiny_model
             deadline = time.monotonic() + 120
             while client.get("/server_info").json()["unfinished_requests"] and time.monotonic() < deadline:
                 time.sleep(0.2)
-        pushing = open_push(server.url)
-        pushing.sendall(chunk(LENGTH.pack(1 << 20)))
-        threading.Thread(target=trickle, args=(pushing, 0.5), daemon=True).start()
+        pushing = TricklingPush(server.url, API_KEY, every_s=0.5)
+        pushing.start()
         time.sleep(0.5)
         stopping = time.monotonic()
         exit_code = server.stop(timeout_s=60)
         stopped_s = time.monotonic() - stopping
-        stop.set()
         deaf.close()
         pushing.close()
     assert exit_code == -signal.SIGTERM
