@@ -12,8 +12,8 @@ from __future__ import annotations
 import socket
 import threading
 
+from rollout.http.wire import FRAMES_MEDIA_TYPE, LENGTH, frame
 from rollout.serve.routes import body_json
-from rollout.wire import FRAMES_MEDIA_TYPE, LENGTH, frame
 
 
 def chunk(data: bytes) -> bytes:

@@ -44,8 +44,8 @@ import torch
 from benchmarks import harness
 from benchmarks.harness import Stats, Target, count, positive_int
 from rollout import EngineConfig, RolloutEngine, SamplingParams
+from rollout.engine.step_report import StepReport
 from rollout.pipelines.tiny import TinySD3Sizes, build_tiny_sd3
-from rollout.step_report import StepReport
 
 BACKENDS = ("uni", "mp", "ray")
 PARTS = ("overhead", "scaling")

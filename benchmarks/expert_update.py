@@ -31,7 +31,7 @@ from benchmarks import harness
 from benchmarks.model_presets import WAN21_T2V_1_3B, WAN22_T2V_A14B_EXPERT
 from rollout import EngineConfig, RolloutEngine
 from rollout.pipelines.tiny import build_tiny_wan22
-from rollout.weights import base_state
+from rollout.weights.state import base_state
 
 EXPERT = "transformer_2"
 CONFIGS = {"small": WAN21_T2V_1_3B | {"num_layers": 4}, "real": WAN22_T2V_A14B_EXPERT}

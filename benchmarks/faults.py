@@ -38,7 +38,7 @@ from rollout import EngineConfig, RolloutEngine, SamplingParams
 from rollout.errors import EngineDeadError
 from rollout.pipelines.loading import load_adapter
 from rollout.pipelines.tiny import build_tiny_sd3
-from rollout.weights import base_state, checksum
+from rollout.weights.state import base_state, checksum
 
 BACKENDS = ("uni", "mp", "ray")
 PROCESS_BACKENDS = ("mp", "ray")

@@ -7,7 +7,7 @@ process, where a step reaches it through the RPC dispatch real runs use), and me
 batch, steps, size and guidance:
 
   base          `engine.generate` without an adapter: the LoRA layers off and bypassed
-                (`rollout.lora_bypass`), so it runs the model as it is without adapters;
+                (`rollout.lora.bypass`), so it runs the model as it is without adapters;
   base again    the same once more: its ratio to the base is the noise floor of the ratios (the
                 two are one mode measured twice, in the same rounds);
   merged rR     with the rank-R adapter merged into the base weights (`merge_lora`), the time of
@@ -48,7 +48,7 @@ from torch import nn
 
 from benchmarks import harness, model_presets
 from rollout import EngineConfig, RolloutEngine, SamplingParams
-from rollout.lora_merge import MergedLora, pristine_bytes
+from rollout.lora.merge import MergedLora, pristine_bytes
 from rollout.pipelines.families import family_named
 from rollout.pipelines.loading import adapter_class
 
@@ -99,7 +99,7 @@ def linear_shapes(worker, targets: list[str]) -> dict[str, tuple[int, int]]:
     """(out, in) of every `nn.Linear` of the worker's transformer that `targets` names (PEFT's rule)."""
     from peft import LoraConfig
 
-    from rollout.lora import _is_target
+    from rollout.lora.manager import _is_target
 
     config = LoraConfig(target_modules=targets)
     return {
@@ -121,7 +121,7 @@ def random_adapter(shapes: dict[str, tuple[int, int]], rank: int, seed: int) -> 
 
 def worker_state(engine: RolloutEngine) -> dict:
     """The worker's read-only `hot_swap_state`: any other function gets the base weights back
-    before it runs (`rollout.worker.call_function`), so it would always find nothing merged."""
+    before it runs (`rollout.worker.worker.call_function`), so it would always find nothing merged."""
     (state,) = engine.collective_rpc("hot_swap_state")
     return state
 
@@ -207,7 +207,7 @@ def real_size_merge(name: str, dtype: torch.dtype, rank: int, device: str) -> di
     import diffusers
     from peft import LoraConfig
 
-    from rollout.lora import adapter_to_float32
+    from rollout.lora.manager import adapter_to_float32
 
     family, class_name, config = REAL_TRANSFORMERS[name]
     with torch.device("meta"):

@@ -240,8 +240,8 @@ def measure_switching(engine: RolloutEngine, adapters: list, config: dict, args:
 _TIMED_PIECES = (
     ("LoraManager.stage", "loras.stage"),
     ("rollback (of a staged one)", "loras.rollback"),
-    ("all_finite (NaN/inf check)", "rollout.lora:all_finite"),
-    ("split_by_component (normalize_keys)", "rollout.lora:split_by_component"),
+    ("all_finite (NaN/inf check)", "rollout.lora.manager:all_finite"),
+    ("split_by_component (normalize_keys)", "rollout.lora.manager:split_by_component"),
     ("_check_fits", "loras._check_fits"),
     ("_copies (same layout)", "loras._copies"),
     ("_build (new layers)", "loras._build"),

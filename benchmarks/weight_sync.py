@@ -13,7 +13,7 @@ transformer again as the trainer's copy, and pushes the same bytes (every tensor
                   what a trainer does without a hot-swap API.
 
 Every round first perturbs the trainer's copy; after every push (untimed) `engine.weights_checksum()`
-must equal `rollout.weights.checksum(state)`. The step observer (RPCs) and worker timers on
+must equal `rollout.weights.state.checksum(state)`. The step observer (RPCs) and worker timers on
 `StagedUpdates` split every engine push into the engine's checks, the stage_weights RPCs' transport,
 the worker's staging copy, and apply/commit. Targets (on the medians): uni >= 50 % of the copy
 floor's GB/s, mp >= 25 %, every backend >= 5x faster than naive.
@@ -44,7 +44,7 @@ from benchmarks import harness
 from benchmarks.worker_timers import install_timers, remove_timers, take_timings
 from rollout import EngineConfig, RolloutEngine
 from rollout.pipelines.tiny import TinySD3Sizes, build_tiny_sd3
-from rollout.weights import base_state, checksum
+from rollout.weights.state import base_state, checksum
 
 BACKENDS = ("uni", "mp", "ray")
 MIB = 2**20

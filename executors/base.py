@@ -20,15 +20,15 @@ from typing import Any
 import cloudpickle
 import torch
 
+from executors import last_resort
 from executors.bootstrap import WorkerBootstrap, worker_threads
 from executors.replica_groups import GroupRendezvous, ReplicaLayout
-from rollout import last_resort
 from rollout.config import EngineConfig
+from rollout.engine.scheduler import SchedulerOutput, WorkerInput
 from rollout.errors import EngineDeadError, WorkerError, interrupted_reason
-from rollout.handed_over import HandedOver
-from rollout.model_runner import RunnerOutput
-from rollout.scheduler import SchedulerOutput, WorkerInput
-from rollout.worker import build_worker_class, call_function, worker_methods
+from rollout.weights.handed_over import HandedOver
+from rollout.worker.model_runner import RunnerOutput
+from rollout.worker.worker import build_worker_class, call_function, worker_methods
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ class Executor:
     process sets `shares_memory`, and the base clones the tensors for it; other transports copy
     them across (or per rank, `copy_tensors`). Tensors in a `HandedOver` are the caller's no
     more: they reach the transport unwrapped, and the base does not clone them
-    (`rollout.handed_over`).
+    (`rollout.weights.handed_over`).
 
     The failure policy is here, once, for every backend:
     - a worker exception is a `WorkerError`; the workers live on;
@@ -76,7 +76,7 @@ class Executor:
     - once dead, every call fails fast with `EngineDeadError` and the reason.
 
     A transport that reports progress writes `_progress(ranks)`: rank -> its worker's
-    `progress.count` (`rollout.progress`: every block of the worker's models adds one as it
+    `progress.count` (`rollout.worker.progress`: every block of the worker's models adds one as it
     starts), read while the step runs, without waiting for it (`uni` reads the worker's count,
     `mp` a shared value each worker counts in, `ray` an actor method in a concurrency group of its
     own); and its `_gather` may be called again for the calls it did not answer, handing each
@@ -116,7 +116,7 @@ class Executor:
     @classmethod
     def config_problems(cls, config: EngineConfig) -> list[str]:
         """What this backend finds wrong with `config`, each a message naming the setting and the
-        fix; the engine reports them (`rollout.config_check`) before any worker starts. Override it
+        fix; the engine reports them (`rollout.engine.config_check`) before any worker starts. Override it
         to add a backend's rules."""
         return []
 
@@ -197,7 +197,7 @@ class Executor:
 
     def _send_step(self, rank: int, work: WorkerInput) -> Any:
         """Send `rank` its part of an engine step, `Worker.execute(work)` run as every worker function
-        is (`rollout.worker.call_function`, which leaves a merged LoRA adapter in place for a step);
+        is (`rollout.worker.worker.call_function`, which leaves a merged LoRA adapter in place for a step);
         the pending call."""
         raise NotImplementedError
 
@@ -216,7 +216,7 @@ class Executor:
 
     def _progress(self, ranks: list[int]) -> Mapping[int, int] | None:
         """How far each of `ranks` has computed while a step runs: rank -> its worker's
-        `progress.count` (`rollout.progress`: it grows as the worker's models run), read without
+        `progress.count` (`rollout.worker.progress`: it grows as the worker's models run), read without
         waiting for the step; a rank whose count cannot be read now may be left out (it counts as
         not moving). The base reads it as it sends a step and after each wait that expires, so it
         must be cheap, or read lazily (a Mapping that waits for its reads when first looked at, as
@@ -395,7 +395,7 @@ class Executor:
     def group_step_failed(self, name: str, answers: dict[int, Any]) -> WorkerError | None:
         """The error of the lowest rank of a replica group of several ranks that failed a step, if
         any. A worker raises out of a step only where its group did not fail with it (it does not
-        isolate requests then: `rollout.group_failures`), and its peers may wait in a collective
+        isolate requests then: `rollout.parallel.group_failures`), and its peers may wait in a collective
         until their timeout: a transport's `_gather` stops waiting as soon as this answers one
         (one that waits on is slower, not wrong)."""
         if name != "execute" or self.layout.ranks_per_replica == 1:

@@ -13,10 +13,10 @@ from dataclasses import dataclass
 import cloudpickle
 import torch
 
+from executors import last_resort
 from executors.replica_groups import GroupRendezvous
-from rollout import last_resort
 from rollout.config import EngineConfig
-from rollout.worker import build_worker_class
+from rollout.worker.worker import build_worker_class
 
 
 def worker_threads(config: EngineConfig) -> int:

@@ -39,8 +39,8 @@ from executors.shm import (
     unpack,
 )
 from rollout.config import EngineConfig
+from rollout.engine.scheduler import WorkerInput
 from rollout.errors import EngineDeadError, WorkerError
-from rollout.scheduler import WorkerInput
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ class MPExecutor(Executor):
         self._conns: list[Connection] = []
         self._procs: list[multiprocessing.process.BaseProcess] = []
         self._reply_readers: list[ReusedBlockReader] = []  # per rank: its reply block, kept mapped
-        self._progress_cells: list = []  # per rank: its worker's progress count, shared (rollout.progress)
+        self._progress_cells: list = []  # per rank: its worker's progress count, shared (rollout.worker.progress)
         # Every rank's pipe and sentinel, registered once: a selector made per wait (what
         # `multiprocessing.connection.wait` does) costs several system calls on every step.
         self._selector = selectors.DefaultSelector()

@@ -23,8 +23,8 @@ import torch
 from executors.base import Executor, call_wire_method, map_nested, method_to_wire
 from executors.bootstrap import WorkerBootstrap
 from rollout.config import EngineConfig
+from rollout.engine.scheduler import WorkerInput
 from rollout.errors import EngineDeadError, WorkerError
-from rollout.scheduler import WorkerInput
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ class RayWorkerHost:
         return call_wire_method(self.worker, method, args, kwargs)
 
     def progress(self) -> int:
-        """The worker's progress count (`rollout.progress`); called in its own concurrency group."""
+        """The worker's progress count (`rollout.worker.progress`); called in its own concurrency group."""
         return self.worker.progress.count
 
 

@@ -17,7 +17,7 @@ import tempfile
 from dataclasses import dataclass
 
 from rollout.config import EngineConfig
-from rollout.sequence_parallel import GroupMember
+from rollout.parallel.sequence import GroupMember
 
 
 @dataclass(frozen=True)

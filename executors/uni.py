@@ -19,9 +19,9 @@ from typing import Any
 from executors.base import Executor
 from executors.bootstrap import WorkerBootstrap
 from rollout.config import EngineConfig
+from rollout.engine.scheduler import WorkerInput
 from rollout.errors import WorkerError
-from rollout.scheduler import WorkerInput
-from rollout.worker import call_function
+from rollout.worker.worker import call_function
 
 
 class UniExecutor(Executor):

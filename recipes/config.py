@@ -49,7 +49,7 @@ from rollout.serve import API_KEY_ENV
 from rollout.settings import setting, setting_help, setting_of
 
 if TYPE_CHECKING:
-    from rollout.engine import RolloutEngine
+    from rollout.engine.rollout_engine import RolloutEngine
     from rollout.serve.client import RemoteRolloutEngine
 
 logger = logging.getLogger(__name__)
@@ -152,7 +152,7 @@ class EngineSection:
     def class_problems(self) -> list[str]:
         """What the executor and worker extension classes (imported, and torch with them) and the
         executor's own rules find wrong with these settings."""
-        from rollout.config_check import class_problems
+        from rollout.engine.config_check import class_problems
 
         return class_problems(**self._engine_settings())
 
@@ -161,7 +161,7 @@ class EngineSection:
 
     def open_engine(self, model_path: str) -> RolloutEngine | RemoteRolloutEngine:
         """The engine a recipe drives: a client of the service at `url`, or an engine in this process."""
-        from rollout.engine import RolloutEngine
+        from rollout.engine.rollout_engine import RolloutEngine
         from rollout.serve.client import RemoteRolloutEngine
 
         if self.url is None:

@@ -14,7 +14,7 @@ import importlib
 PUBLIC_NAMES = {
     "EngineConfig": "rollout.config",
     "NodeId": "rollout.node_id",
-    "RolloutEngine": "rollout.engine",
+    "RolloutEngine": "rollout.engine.rollout_engine",
     "RolloutOutput": "rollout.outputs",
     "SamplingParams": "rollout.sampling_params",
     "Trajectory": "rollout.outputs",

@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from rollout.weight_sync import DEFAULT_BUCKET_BYTES
+from rollout.weights.sync import DEFAULT_BUCKET_BYTES
 
 if TYPE_CHECKING:
     import torch

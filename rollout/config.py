@@ -1,7 +1,7 @@
 """Engine configuration: plain data, whose values are checked when it is made.
 
 What needs the file system or imports (the model folder, the executor and worker extension classes,
-the executor's own rules) is checked by `rollout.config_check` when an engine is built, before any
+the executor's own rules) is checked by `rollout.engine.config_check` when an engine is built, before any
 worker starts, so a typo still fails before any model loads. This module imports no torch (a
 recipe checks its `engine` section with it); `torch_dtype` imports it when asked.
 """

@@ -8,8 +8,8 @@ import inspect
 import pytest
 
 from rollout.api import AsyncRolloutAPI, RolloutAPI
-from rollout.async_engine import AsyncRolloutEngine
-from rollout.engine import RolloutEngine
+from rollout.engine.async_engine import AsyncRolloutEngine
+from rollout.engine.rollout_engine import RolloutEngine
 from rollout.serve.client import RemoteRolloutEngine
 from rollout.serve.routes import ROUTES
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from rollout.weights import base_state, checksum
+from rollout.weights.state import base_state, checksum
 
 
 def weights_checksum(module: nn.Module) -> str:

@@ -16,7 +16,7 @@ import torch
 from peft import LoraConfig
 from peft.utils import get_peft_model_state_dict
 
-from rollout.lora import (
+from rollout.lora.manager import (
     DIFFUSERS_LORA_FILE,
     DIFFUSERS_LORA_FILE_2,
     adapter_to_float32,
@@ -29,7 +29,7 @@ from rollout.pipelines.guidance import Guidance
 from rollout.pipelines.loading import load_adapter
 from rollout.rescoring import check_scorable, score_steps
 from rollout.samplers import StepOutput
-from rollout.weights import base_state, checksum, specs_of, update_problems
+from rollout.weights.state import base_state, checksum, specs_of, update_problems
 
 
 class LoraPolicy:

@@ -25,7 +25,7 @@ import torch
 from peft.utils import get_peft_model_state_dict
 from safetensors.torch import load_file, save_file
 
-from rollout.lora import adapter_to_float32
+from rollout.lora.manager import adapter_to_float32
 from trainers_adapters.lora_policy import LoraPolicy
 
 ADAPTER_FILE = "old_adapter.safetensors"

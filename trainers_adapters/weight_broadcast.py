@@ -16,9 +16,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from rollout.broadcast_group import BroadcastEntry, connect, plan_buckets, send_bucket
-from rollout.weight_sync import DEFAULT_BUCKET_BYTES
-from rollout.weights import TensorSpec
+from rollout.weights.broadcast_group import BroadcastEntry, connect, plan_buckets, send_bucket
+from rollout.weights.state import TensorSpec
+from rollout.weights.sync import DEFAULT_BUCKET_BYTES
 
 
 class WeightBroadcaster:

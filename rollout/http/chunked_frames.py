@@ -1,5 +1,5 @@
 """A chunked request body (HTTP/1.1 chunked transfer coding, RFC 9112 section 7.1) whose data is a
-stream of frames (`rollout.frame_views`), decoded as the socket delivers it: each chunk's data is
+stream of frames (`rollout.http.frame_views`), decoded as the socket delivers it: each chunk's data is
 read straight into its frame's buffer (`get_buffer` is where the next `recv_into` writes), and only
 the chunk framing (CRLF, the next chunk-size line) goes through a small buffer of its own. A
 streamed weight push's bytes are so copied once, kernel to frame buffer; httptools would make a
@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import mmap
 
-from rollout.frame_views import FrameAssembler, FrameTooLarge
-from rollout.wire import WireError
+from rollout.http.frame_views import FrameAssembler, FrameTooLarge
+from rollout.http.wire import WireError
 
 _HEX_DIGITS = frozenset(b"0123456789abcdefABCDEF")
 _MAX_SIZE_DIGITS = 16  # 64 bits of chunk size, as llhttp reads it

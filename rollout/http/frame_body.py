@@ -26,10 +26,10 @@ from collections.abc import AsyncIterator, Callable
 from fastapi import HTTPException
 from uvicorn.protocols.http.flow_control import FlowControl
 
-from rollout.frame_views import FrameAssembler
 from rollout.http.chunked_frames import ChunkedFrameReader, MalformedChunks
+from rollout.http.frame_views import FrameAssembler
 from rollout.http.request_body import client_went_away, stalled, too_big
-from rollout.wire import WireError
+from rollout.http.wire import WireError
 
 FRAME_BODY_EXTENSION = "rollout.frame_body"
 _SPARE_READ_BYTES = 64 << 10

@@ -1,6 +1,6 @@
 """What every HTTP request must show before any route (or the key check) sees it: a `Host` header
 that names this server, and on a POST a body type of JSON (`application/json`), safetensors
-(`application/octet-stream`) or frames of tensors (`rollout.wire.FRAMES_MEDIA_TYPE`); and the key
+(`application/octet-stream`) or frames of tensors (`rollout.http.wire.FRAMES_MEDIA_TYPE`); and the key
 check itself (`require_api_key`), which the rollout and reward services share.
 
 Both close a door a web page would otherwise have into a server on the same machine: DNS rebinding
@@ -18,7 +18,7 @@ from starlette.datastructures import Headers
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from rollout.wire import FRAMES_MEDIA_TYPE, SAFETENSORS_MEDIA_TYPE
+from rollout.http.wire import FRAMES_MEDIA_TYPE, SAFETENSORS_MEDIA_TYPE
 
 BODY_TYPES = ("application/json", SAFETENSORS_MEDIA_TYPE, FRAMES_MEDIA_TYPE)
 

@@ -40,7 +40,7 @@ from collections.abc import Iterable
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from rollout.http.frame_body import FRAME_BODY_EXTENSION, FrameBody
-from rollout.wire import FRAMES_MEDIA_TYPE
+from rollout.http.wire import FRAMES_MEDIA_TYPE
 
 logger = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ encoded texts by the images' digest too (`ModelSpec.text_key`).
 Classifier-free guidance is batched here: the unconditional rows of the samples with a negative
 prompt run in a second forward pass, or in the same pass as the conditional rows where the family's
 pipeline does so (`cfg_in_one_pass`); `guidance_passes` runs them (in this process, or on the two
-halves of a CFG-parallel replica group: `rollout.cfg_parallel`), and the family combines them.
+halves of a CFG-parallel replica group: `rollout.parallel.cfg`), and the family combines them.
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ class PipelineAdapter(ABC):
         )
         self.forwards = ForwardTally()
         # Where the passes of a batch run: here, or split over a replica group's halves (a
-        # CFG-parallel worker installs `rollout.cfg_parallel.CfgParallelPasses`).
+        # CFG-parallel worker installs `rollout.parallel.cfg.CfgParallelPasses`).
         self.guidance_passes: GuidancePasses = guidance_passes_here
 
     @classmethod

@@ -4,7 +4,7 @@ A family's `_predict_velocity` prepares one forward over any rows of a batch (`R
 hands it here; it gets back the conditional prediction of every row and the unconditional one of
 the guided rows, and combines them itself (`combine_cfg`, `cfg_scale`). By default both passes run
 in this process (`guidance_passes_here`); a CFG-parallel worker runs them on two halves of its
-replica group instead (`rollout.cfg_parallel`). Nothing here imports diffusers.
+replica group instead (`rollout.parallel.cfg`). Nothing here imports diffusers.
 """
 
 from __future__ import annotations

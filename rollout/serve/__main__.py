@@ -223,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # Imported after the checks, so a refused command line answers at once.
-    from rollout.config_check import check_engine_config
+    from rollout.engine.config_check import check_engine_config
     from rollout.serve.app import ServerSettings
 
     limits = settings_from_args(args, [f.name for f in dataclasses.fields(RequestLimits)])
@@ -296,7 +296,7 @@ def _serve(args: argparse.Namespace, config, settings, listening: socket.socket)
     import uvicorn
 
     from rollout import RolloutEngine
-    from rollout.async_engine import AsyncRolloutEngine
+    from rollout.engine.async_engine import AsyncRolloutEngine
     from rollout.http.protocol import server_protocol
     from rollout.serve.app import build_app
     from rollout.serve.routes import path

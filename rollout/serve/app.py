@@ -26,19 +26,12 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from rollout.async_engine import AsyncRolloutEngine, OutputStream
+from rollout.engine.async_engine import AsyncRolloutEngine, OutputStream
 from rollout.errors import WorkerError
 from rollout.http.guard import RequestGuard, require_api_key
 from rollout.http.hosts import LOOPBACK_NAMES
 from rollout.http.request_body import read_body
-from rollout.lora import count_non_lora_keys, infer_config, read_lora_folder, remote_config_problems
-from rollout.sampling_params import SamplingParams
-from rollout.serve import protocol
-from rollout.serve.error_table import STATUS_OF
-from rollout.serve.instance import InstanceHeaders, new_instance_id
-from rollout.serve.routes import path
-from rollout.serve.weight_stream import UPLOAD_FLAG, receive_update
-from rollout.wire import (
+from rollout.http.wire import (
     FRAMES_MEDIA_TYPE,
     SAFETENSORS_MEDIA_TYPE,
     OutputEncoder,
@@ -47,7 +40,14 @@ from rollout.wire import (
     images_from_tensors,
     tensors_from_bytes,
 )
-from rollout.worker import READ_ONLY_METHODS, Worker, worker_methods
+from rollout.lora.manager import count_non_lora_keys, infer_config, read_lora_folder, remote_config_problems
+from rollout.sampling_params import SamplingParams
+from rollout.serve import protocol
+from rollout.serve.error_table import STATUS_OF
+from rollout.serve.instance import InstanceHeaders, new_instance_id
+from rollout.serve.routes import path
+from rollout.serve.weight_stream import UPLOAD_FLAG, receive_update
+from rollout.worker.worker import READ_ONLY_METHODS, Worker, worker_methods
 
 logger = logging.getLogger(__name__)
 
@@ -138,7 +138,7 @@ def build_app(engine: AsyncRolloutEngine, settings: ServerSettings) -> FastAPI:
     @router.post(path("generate"))
     async def generate(request: Request):
         """Body: the JSON of `GenerateBody`; or, with input images, a safetensors body whose
-        metadata "request" holds that JSON (rollout.wire: images as uint8 tensors or PNG bytes)."""
+        metadata "request" holds that JSON (rollout.http.wire: images as uint8 tensors or PNG bytes)."""
         images = tensors = None
         if request.headers.get("content-type", "").startswith(SAFETENSORS_MEDIA_TYPE):
             tensors, body = await _tensor_body(request, settings, protocol.GenerateBody)
@@ -227,7 +227,7 @@ def build_app(engine: AsyncRolloutEngine, settings: ServerSettings) -> FastAPI:
         """JSON {"lora_name", "lora_path"} for a folder on the server (read here, its files checked
         to be regular ones); or a safetensors body of the adapter's PEFT tensors with metadata
         "request": {"lora_name", "lora_config", "version"}. The config may build plain LoRA layers
-        on the modules it lists, nothing else (`rollout.lora.remote_config_problems`)."""
+        on the modules it lists, nothing else (`rollout.lora.manager.remote_config_problems`)."""
         if request.headers.get("content-type", "").startswith(SAFETENSORS_MEDIA_TYPE):
             tensors, body = await _tensor_body(request, settings, protocol.LoadLoraTensorsBody)
             config = body.lora_config

@@ -2,7 +2,7 @@
 
 A trainer swaps `RolloutEngine(config)` for `RemoteRolloutEngine(url, api_key=...)` and changes
 nothing else: the methods take the same arguments and return the same types, and the same seeds
-give bitwise the same outputs, trajectories included. Tensors cross as safetensors (`rollout.wire`).
+give bitwise the same outputs, trajectories included. Tensors cross as safetensors (`rollout.http.wire`).
 
 `add_request` opens one streamed request per prompt; `step()` returns the outputs that arrived
 since the last call, waiting for at least one while any request is unfinished. Errors come back as
@@ -33,6 +33,15 @@ from tqdm.auto import tqdm
 
 from rollout.config import EngineConfig
 from rollout.errors import EngineDeadError
+from rollout.http.wire import (
+    FRAMES_MEDIA_TYPE,
+    SAFETENSORS_MEDIA_TYPE,
+    FrameReader,
+    OutputDecoder,
+    WireError,
+    images_to_tensors,
+    tensors_to_bytes,
+)
 from rollout.input_images import images_per_prompt
 from rollout.outputs import RolloutOutput
 from rollout.pipelines.spec import ModelSpec
@@ -43,16 +52,7 @@ from rollout.serve.instance import InstanceCheck
 from rollout.serve.routes import ROUTES, body_json, path
 from rollout.serve.socket_post import AnswerTimedOut, ConnectionFailed, SocketTarget, post_chunked
 from rollout.serve.weight_stream import weight_frames
-from rollout.weight_sync import DEFAULT_BUCKET_BYTES
-from rollout.wire import (
-    FRAMES_MEDIA_TYPE,
-    SAFETENSORS_MEDIA_TYPE,
-    FrameReader,
-    OutputDecoder,
-    WireError,
-    images_to_tensors,
-    tensors_to_bytes,
-)
+from rollout.weights.sync import DEFAULT_BUCKET_BYTES
 
 WEIGHT_PUSHES = ("socket", "httpx")  # RemoteRolloutEngine(weight_push=...)
 CONNECT_TIMEOUT_S = 10.0
@@ -639,7 +639,7 @@ def _error_answer(status: int, content: bytes, text: str) -> Exception:
 
 
 def _with_images(body: dict, images, num_prompts: int) -> dict | bytes:
-    """`body` as it goes out: JSON without images, a safetensors body (rollout.wire) with them."""
+    """`body` as it goes out: JSON without images, a safetensors body (rollout.http.wire) with them."""
     if images is None:
         return body
     tensors = images_to_tensors(images_per_prompt(images, num_prompts))

@@ -8,7 +8,7 @@ names (or, for a type it does not know, the class its status stands for).
 from __future__ import annotations
 
 from rollout.errors import EngineDeadError
-from rollout.wire import WireError
+from rollout.http.wire import WireError
 
 # Most specific first: an exception gets the status of the first class it is an instance of.
 STATUS_OF: list[tuple[type[BaseException], int]] = [

@@ -26,7 +26,7 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from rollout.errors import EngineDeadError
-from rollout.wire import WireError
+from rollout.http.wire import WireError
 
 INSTANCE_HEADER = "x-rollout-instance"
 WEIGHT_VERSION_HEADER = "x-rollout-weight-version"

@@ -5,7 +5,7 @@ Every body is strict: unknown fields are refused, numbers and booleans are not r
 
 Field names follow the post-training APIs people already use (sglang's `update_weights_from_disk`
 takes `model_path`, vLLM's and sglang's LoRA routes take `lora_name` and `lora_path`). Tensors never
-travel as JSON: see `rollout.wire`.
+travel as JSON: see `rollout.http.wire`.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from typing import Annotated, Any, Literal
 import pydantic
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
-from rollout.async_engine import PAUSE_MODES
+from rollout.engine.async_engine import PAUSE_MODES
 from rollout.sampling_params import SamplingParams
-from rollout.weight_sync import DEFAULT_BUCKET_BYTES
+from rollout.weights.sync import DEFAULT_BUCKET_BYTES
 
 STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 Positive = Annotated[int, Field(gt=0)]

@@ -28,7 +28,7 @@ class Route:
 ROUTES: dict[str, Route] = {
     "health": Route("/health", method="GET"),
     "server_info": Route("/server_info", method="GET"),
-    "generate": Route("/rollout/generate", protocol.GenerateBody),  # answers frames (rollout.wire)
+    "generate": Route("/rollout/generate", protocol.GenerateBody),  # answers frames (rollout.http.wire)
     "abort": Route("/abort_requests", protocol.AbortBody),  # answers frames
     "pause": Route("/pause", protocol.PauseBody),
     "resume": Route("/resume"),

@@ -17,7 +17,7 @@ import socket
 
 import uvicorn
 
-from rollout.async_engine import AsyncRolloutEngine
+from rollout.engine.async_engine import AsyncRolloutEngine
 from rollout.errors import EngineDeadError
 
 logger = logging.getLogger(__name__)

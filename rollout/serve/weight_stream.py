@@ -1,6 +1,6 @@
 """A full-weight push over HTTP as a stream of buckets, both sides: the body is never held whole.
 
-The body (Content-Type `FRAMES_MEDIA_TYPE`) is a stream of frames (`rollout.wire`):
+The body (Content-Type `FRAMES_MEDIA_TYPE`) is a stream of frames (`rollout.http.wire`):
 1. {"kind": "update_weights", "request": {...}}: the route's options (`UpdateFromTensorBody`), first;
 2. {"kind": "bucket"}: tensors of about `bucket_bytes` together, as many frames as it takes;
 3. {"kind": "end", "tensors": n}: how many tensors the buckets held. A body that stops without it
@@ -35,13 +35,13 @@ from fastapi import HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
-from rollout.async_engine import AsyncRolloutEngine
-from rollout.frame_views import FrameAssembler, FrameTooLarge, frame_pieces, tensors_from_buffer
-from rollout.handed_over import HandedOver
+from rollout.engine.async_engine import AsyncRolloutEngine
 from rollout.http.frame_body import FRAME_BODY_EXTENSION
+from rollout.http.frame_views import FrameAssembler, FrameTooLarge, frame_pieces, tensors_from_buffer
 from rollout.http.request_body import body_chunks, too_big
+from rollout.http.wire import WireError
 from rollout.serve import protocol
-from rollout.wire import WireError
+from rollout.weights.handed_over import HandedOver
 
 UPLOAD_FLAG = "--max-upload-mb"
 

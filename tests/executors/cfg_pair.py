@@ -10,9 +10,9 @@ import datetime
 import torch
 import torch.distributed as dist
 
-from rollout.cfg_parallel import CfgParallelPasses
+from rollout.parallel.cfg import CfgParallelPasses
+from rollout.parallel.sequence import group_mesh
 from rollout.pipelines.guidance_passes import guidance_passes_here
-from rollout.sequence_parallel import group_mesh
 
 LATENTS = torch.arange(3 * 4, dtype=torch.float32).view(3, 4)
 CFG = torch.tensor([True, False, True])

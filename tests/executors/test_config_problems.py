@@ -1,10 +1,10 @@
 """Each backend checks its own settings (`Executor.config_problems`); the engine reports them with
-the config's own, all at once, before any worker starts (`rollout.config_check`)."""
+the config's own, all at once, before any worker starts (`rollout.engine.config_check`)."""
 
 from __future__ import annotations
 
 from executors.uni import UniExecutor
-from rollout.config_check import problems_without_model
+from rollout.engine.config_check import problems_without_model
 
 
 class FussyExecutor(UniExecutor):

@@ -19,7 +19,7 @@ from executors.uni import UniExecutor
 from rollout import EngineConfig, RolloutEngine, SamplingParams
 from rollout.errors import RequestFailedError, WorkerError
 from rollout.rescoring import RATIO_TOLERANCE
-from rollout.weights import base_state
+from rollout.weights.state import base_state
 from tests.executors import worker_functions
 from tests.executors.worker_functions import fail_decodes_of_height, fail_requests_of, stop_failing
 from tests.families import FAMILIES, input_image
@@ -389,7 +389,7 @@ def _images(engine):
 
 
 def test_weight_round_trip(engine, original_weights):
-    from rollout.weights import checksum
+    from rollout.weights.state import checksum
 
     before = _images(engine)
     assert engine.weights_checksum() == checksum(original_weights)
@@ -461,11 +461,11 @@ def test_a_rank_that_fails_to_apply_rolls_every_rank_back(engine, original_weigh
 
 def _fail_swap_part_way(worker, rank):
     """On `rank`, the third tensor swapped in raises (the first two are already in)."""
-    import rollout.weights
+    import rollout.weights.state
 
     if worker.rank != rank:
         return
-    swap = rollout.weights._set_tensor
+    swap = rollout.weights.state._set_tensor
     calls = []
 
     def failing(module, name, tensor):
@@ -475,14 +475,14 @@ def _fail_swap_part_way(worker, rank):
         return swap(module, name, tensor)
 
     worker.saved_set_tensor = swap
-    rollout.weights._set_tensor = failing
+    rollout.weights.state._set_tensor = failing
 
 
 def _restore_swap(worker):
-    import rollout.weights
+    import rollout.weights.state
 
     if hasattr(worker, "saved_set_tensor"):
-        rollout.weights._set_tensor = worker.saved_set_tensor
+        rollout.weights.state._set_tensor = worker.saved_set_tensor
         del worker.saved_set_tensor
 
 
@@ -519,7 +519,7 @@ def test_update_during_a_rollout(engine, original_weights, mode):
 def test_update_weights_from_disk(engine, original_weights, model_path, tmp_path):
     from safetensors.torch import save_file
 
-    from rollout.weights import checksum
+    from rollout.weights.state import checksum
 
     shifted = {name: t + 0.5 for name, t in original_weights.items()}
     save_file(shifted, tmp_path / "shifted.safetensors")
@@ -545,7 +545,7 @@ def test_non_finite_weights_are_refused_from_tensors_disk_and_broadcast_unless_a
     old weights stay, and check_finite=False (for those who measured the check) lets them in."""
     from safetensors.torch import save_file
 
-    from rollout.weights import checksum
+    from rollout.weights.state import checksum
     from trainers_adapters.weight_broadcast import join_engine
 
     digest, version = engine.weights_checksum(), engine.weight_version
@@ -856,7 +856,7 @@ def _free_port() -> int:
 
 
 def test_weights_through_a_broadcast_group(engine, original_weights):
-    from rollout.weights import checksum
+    from rollout.weights.state import checksum
     from trainers_adapters.weight_broadcast import join_engine
 
     broadcaster = join_engine(engine, "127.0.0.1", _free_port())
@@ -993,8 +993,8 @@ def test_aborting_a_subtree_frees_it_and_its_siblings_run_on(engine):
 
 
 def test_an_update_handed_over_applies_on_every_backend(engine, original_weights):
-    from rollout.handed_over import HandedOver
-    from rollout.weights import checksum
+    from rollout.weights.handed_over import HandedOver
+    from rollout.weights.state import checksum
 
     pushed = {name: t + 0.25 for name, t in original_weights.items()}
     digest = checksum(pushed)
@@ -1004,7 +1004,7 @@ def test_an_update_handed_over_applies_on_every_backend(engine, original_weights
 
 
 def test_the_engine_never_aliases_the_callers_tensors(engine, original_weights):
-    from rollout.weights import checksum
+    from rollout.weights.state import checksum
 
     pushed = {name: t.clone() + 0.125 for name, t in original_weights.items()}
     digest = checksum(pushed)
@@ -1022,8 +1022,8 @@ def test_a_push_staged_in_parts_lets_requests_step_between_them(engine, original
     """`open_weight_push`: the HTTP server's streamed push stages each bucket in a call of its own;
     requests step on the old weights between the parts (bitwise as without the push), nothing
     else may update or sleep meanwhile, and the update applies whole at the end, or not at all."""
-    from rollout.handed_over import HandedOver
-    from rollout.weights import checksum
+    from rollout.weights.handed_over import HandedOver
+    from rollout.weights.state import checksum
 
     before, version = _images(engine), engine.weight_version
     pushed = {name: t + 0.25 for name, t in original_weights.items()}

@@ -12,9 +12,9 @@ import pytest
 
 from executors.base import STARTUP, Executor
 from rollout import EngineConfig, RolloutEngine, SamplingParams
+from rollout.engine.scheduler import SchedulerOutput, WorkerInput
 from rollout.errors import EngineDeadError, WorkerError
-from rollout.model_runner import RunnerOutput
-from rollout.scheduler import SchedulerOutput, WorkerInput
+from rollout.worker.model_runner import RunnerOutput
 from tests.executors.fake_executor import Answer, Fails, Hangs, ProgressingExecutor, Raises, ScriptedExecutor, Slow
 
 pytestmark = pytest.mark.timeout(30)
@@ -375,7 +375,7 @@ class OwnLifecycleExecutor(Executor):
 
 
 def test_an_executor_of_the_older_contract_is_refused_before_any_worker_starts(config, tmp_path):
-    from rollout.config_check import class_problems
+    from rollout.engine.config_check import class_problems
 
     with pytest.raises(TypeError, match="writes _execute and _collective_rpc, the older executor contract"):
         OwnLifecycleExecutor(config)

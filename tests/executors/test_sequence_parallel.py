@@ -13,7 +13,7 @@ import pytest
 from executors.replica_groups import ReplicaLayout
 from rollout import EngineConfig, RolloutEngine
 from rollout.errors import EngineDeadError
-from rollout.group_failures import FAILURE_GRACE_S
+from rollout.parallel.group_failures import FAILURE_GRACE_S
 from rollout.rescoring import RATIO_TOLERANCE, recompute_log_probs
 from tests.executors.worker_functions import (
     fail_inside_the_forward,
@@ -105,8 +105,8 @@ def test_two_replicas_of_two_ranks_equal_one_worker(tiny_models, reference, trai
 def test_a_replica_s_step_goes_to_every_rank_of_its_group_and_its_leader_answers(tmp_path):
     """Over the scripted transport (no process, no model): the base's routing of steps and RPCs,
     and the rendezvous folder's lifetime."""
-    from rollout.model_runner import RunnerOutput
-    from rollout.scheduler import SchedulerOutput, WorkerInput
+    from rollout.engine.scheduler import SchedulerOutput, WorkerInput
+    from rollout.worker.model_runner import RunnerOutput
     from tests.executors.fake_executor import Answer, ScriptedExecutor
 
     (tmp_path / "model_index.json").write_text('{"_class_name": "FluxPipeline"}')
@@ -136,9 +136,9 @@ def test_a_step_failed_on_one_rank_of_a_group_kills_the_engine_and_names_the_ran
     """Over the scripted transport: rank 1 fails its step and rank 0 never answers (it waits in a
     collective); the base reports rank 1's error, not a timeout, and stops every worker. A follower
     that dropped a request its leader kept is out of step too."""
-    from rollout.group_failures import GroupOutOfStep
-    from rollout.model_runner import RunnerOutput
-    from rollout.scheduler import SchedulerOutput, WorkerInput
+    from rollout.engine.scheduler import SchedulerOutput, WorkerInput
+    from rollout.parallel.group_failures import GroupOutOfStep
+    from rollout.worker.model_runner import RunnerOutput
     from tests.executors.fake_executor import Answer, Fails, Hangs, ScriptedExecutor
 
     (tmp_path / "model_index.json").write_text('{"_class_name": "FluxPipeline"}')

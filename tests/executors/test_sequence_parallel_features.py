@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from rollout import EngineConfig, RolloutEngine
-from rollout.weights import base_state, checksum
+from rollout.weights.state import base_state, checksum
 from tests.families import ALL_FAMILIES as FAMILIES
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]  # two worker processes in a gloo group
@@ -131,7 +131,7 @@ def test_a_lora_where_the_sequence_is_gathered_is_refused_and_one_elsewhere_samp
 
 def test_the_async_engine_streams_what_one_worker_samples(group, single):
     """Last in this module: the async engine owns the group engine from here on and shuts it down."""
-    from rollout.async_engine import AsyncRolloutEngine
+    from rollout.engine.async_engine import AsyncRolloutEngine
 
     async def stream(engine: AsyncRolloutEngine, prompt: str) -> list:
         return [output async for output in engine.generate_stream([prompt], _params())]

@@ -144,7 +144,7 @@ def test_a_step_past_its_timeout_marks_the_engine_dead(tiny_model):
 
 
 def test_tensors_handed_over_reach_the_worker_uncopied_and_the_others_as_copies(extended_engine):
-    from rollout.handed_over import HandedOver
+    from rollout.weights.handed_over import HandedOver
 
     def pointers(worker, tensor, nested):
         return tensor.data_ptr(), [t.data_ptr() for t in nested["tensors"]]
@@ -156,8 +156,8 @@ def test_tensors_handed_over_reach_the_worker_uncopied_and_the_others_as_copies(
 
 
 def test_an_update_handed_over_becomes_the_weights_as_it_is(extended_engine):
-    from rollout.handed_over import HandedOver
-    from rollout.weights import base_state, checksum
+    from rollout.weights.handed_over import HandedOver
+    from rollout.weights.state import base_state, checksum
 
     def weights(worker):
         return base_state(worker.adapter.transformer)

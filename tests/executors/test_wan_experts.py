@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from rollout import EngineConfig, RolloutEngine
-from rollout.weights import base_state, checksum
+from rollout.weights.state import base_state, checksum
 from tests.families import VIDEO_FAMILIES
 
 pytestmark = pytest.mark.timeout(240)

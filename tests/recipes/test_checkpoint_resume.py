@@ -19,7 +19,7 @@ import recipes.config
 from recipes import checkpoint
 from recipes.config import load_config, recipe_module
 from recipes.grpo import run
-from rollout.lora import read_lora_folder
+from rollout.lora.manager import read_lora_folder
 
 CONFIG = Path(recipes.config.__file__).parent / "configs" / "grpo_tiny.yaml"
 ROOT = Path(recipes.config.__file__).parent.parent

@@ -12,7 +12,7 @@ from recipes.config import load_config
 from recipes.grpo import run
 from tests.recipes.test_checkpoint_resume import SMALL
 from tests.recipes.test_training_recipes import CONFIG_DIR
-from tests.rollout.test_quiet import NOISE
+from tests.rollout.pipelines.test_quiet import NOISE
 
 STEPS = 4
 

@@ -156,7 +156,7 @@ def test_final_lora_loads_into_diffusers_and_the_engine(tmp_path, monkeypatch):
     from diffusers import StableDiffusion3Pipeline
 
     from rollout import EngineConfig, RolloutEngine, SamplingParams
-    from rollout.lora import read_lora_folder
+    from rollout.lora.manager import read_lora_folder
 
     run_cli(monkeypatch, "grpo_tiny.yaml", *small_run(tmp_path, "uni"), "lora.rank=4", "lora.alpha=16")
     lora_dir = tmp_path / "out" / "lora"

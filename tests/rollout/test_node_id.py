@@ -9,7 +9,7 @@ import random
 import pytest
 
 from rollout import NodeId, SamplingParams
-from rollout.wire import FrameReader, OutputDecoder, OutputEncoder, WireError
+from rollout.http.wire import FrameReader, OutputDecoder, OutputEncoder, WireError
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from rollout import SamplingParams
-from rollout.wire import SAFETENSORS_MEDIA_TYPE, tensors_to_bytes
+from rollout.http.wire import SAFETENSORS_MEDIA_TYPE, tensors_to_bytes
 from tests.serve.conftest import API_KEY
 from tests.serve.probing import HEALTH_BOUND_S, HealthWatch, refused_beside_a_good_request
 

@@ -15,11 +15,11 @@ import pytest
 import torch
 
 from rollout import SamplingParams
-from rollout.frame_views import frame_pieces
+from rollout.http.frame_views import frame_pieces
+from rollout.http.wire import FRAMES_MEDIA_TYPE, SAFETENSORS_MEDIA_TYPE, tensors_to_bytes
 from rollout.serve.launch import ServerProcess
 from rollout.serve.routes import body_json
-from rollout.weights import base_state
-from rollout.wire import FRAMES_MEDIA_TYPE, SAFETENSORS_MEDIA_TYPE, tensors_to_bytes
+from rollout.weights.state import base_state
 from tests.executors.worker_functions import wait_gone
 from tests.serve.conftest import API_KEY, EXTENSION
 from trainers_adapters.remote_engine import RemoteRolloutEngine

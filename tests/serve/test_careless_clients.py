@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from rollout import SamplingParams
+from rollout.http.wire import FRAMES_MEDIA_TYPE, frame
 from rollout.serve.launch import ServerProcess, free_port
 from rollout.serve.routes import body_json
-from rollout.wire import FRAMES_MEDIA_TYPE, frame
 from tests.serve.conftest import API_KEY
 
 pytestmark = pytest.mark.timeout(240)
@@ -250,7 +250,7 @@ def test_rpc_allow_lets_the_operator_open_a_method(tiny_model):
     from starlette.testclient import TestClient
 
     from rollout import EngineConfig, RolloutEngine
-    from rollout.async_engine import AsyncRolloutEngine
+    from rollout.engine.async_engine import AsyncRolloutEngine
     from rollout.serve.app import ServerSettings, build_app
 
     engine = AsyncRolloutEngine(RolloutEngine(EngineConfig(model=tiny_model)))
@@ -266,7 +266,7 @@ def test_rpc_allow_lets_the_operator_open_a_method(tiny_model):
 def test_every_worker_function_is_either_read_only_or_has_an_engine_route():
     """A new worker function must be placed: callable by name over HTTP, or refused with its route."""
     from rollout.serve.app import _ENGINE_ROUTES
-    from rollout.worker import READ_ONLY_METHODS, Worker, worker_methods
+    from rollout.worker.worker import READ_ONLY_METHODS, Worker, worker_methods
 
     assert worker_methods(Worker) == READ_ONLY_METHODS | set(_ENGINE_ROUTES)
     assert not READ_ONLY_METHODS & set(_ENGINE_ROUTES)
@@ -296,7 +296,7 @@ def adapter(tiny_model):
 def upload(server, name: str, tensors: dict, config: dict, version: int) -> httpx.Response:
     """Upload an adapter under `name`; `version`: the weight version it sets (tests share the
     server, and others compare its versions with an engine of their own)."""
-    from rollout.wire import SAFETENSORS_MEDIA_TYPE, tensors_to_bytes
+    from rollout.http.wire import SAFETENSORS_MEDIA_TYPE, tensors_to_bytes
 
     request = {"lora_name": name, "lora_config": config, "version": version}
     body = tensors_to_bytes(tensors, {"request": json.dumps(request)})

@@ -213,7 +213,7 @@ def test_a_call_past_timeout_s_is_a_timeout_error_and_its_requests_are_aborted(s
 
 
 def test_a_plain_http_client_reads_the_same_frames_without_streaming(server, remote):
-    from rollout.wire import FRAMES_MEDIA_TYPE, FrameReader, OutputDecoder
+    from rollout.http.wire import FRAMES_MEDIA_TYPE, FrameReader, OutputDecoder
 
     body = {"prompts": ["plain"], "params": {"num_inference_steps": 3, "num_samples": 2, "seed": 5}}
     response = httpx.post(

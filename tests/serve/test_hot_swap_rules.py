@@ -15,7 +15,7 @@ from peft.utils import get_peft_model_state_dict
 
 from rollout import EngineConfig, RolloutEngine, SamplingParams
 from rollout.pipelines.loading import load_adapter
-from rollout.weights import base_state, checksum
+from rollout.weights.state import base_state, checksum
 
 pytestmark = pytest.mark.timeout(240)
 

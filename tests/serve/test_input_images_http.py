@@ -16,8 +16,8 @@ import torch
 
 from benchmarks.serve_probes import png_of_zeros
 from rollout import SamplingParams
+from rollout.http.wire import SAFETENSORS_MEDIA_TYPE, tensors_to_bytes
 from rollout.serve.launch import ServerProcess
-from rollout.wire import SAFETENSORS_MEDIA_TYPE, tensors_to_bytes
 from tests.families import FAMILIES, input_image
 from tests.serve.conftest import API_KEY
 from tests.serve.probing import refused_beside_a_good_request

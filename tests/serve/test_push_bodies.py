@@ -16,9 +16,9 @@ import torch
 
 from benchmarks.bad_pushes import TricklingPush, chunk, open_push
 from rollout import SamplingParams
+from rollout.http.wire import LENGTH
 from rollout.serve.launch import ServerProcess
 from rollout.serve.routes import body_json
-from rollout.wire import LENGTH
 from tests.serve.conftest import API_KEY, EXTENSION
 from tests.serve.test_generate_http import assert_same_output
 

@@ -4,7 +4,7 @@ import inspect
 
 import pytest
 
-from rollout.engine import RolloutEngine
+from rollout.engine.rollout_engine import RolloutEngine
 from trainers_adapters.remote_engine import RemoteRolloutEngine
 
 # What the async engine's loop drives the in-process engine with (a trainer never calls these),

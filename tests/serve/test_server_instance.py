@@ -11,9 +11,9 @@ import httpx
 import pytest
 
 from rollout.errors import EngineDeadError
+from rollout.http.wire import WireError
 from rollout.serve.instance import INSTANCE_HEADER, WEIGHT_VERSION_HEADER
 from rollout.serve.routes import ROUTES
-from rollout.wire import WireError
 from tests.serve.conftest import API_KEY
 from trainers_adapters.remote_engine import RemoteRolloutEngine
 

@@ -16,12 +16,12 @@ import pytest
 import torch
 
 from rollout.errors import EngineDeadError
+from rollout.http.wire import FRAMES_MEDIA_TYPE
 from rollout.pipelines.loading import load_adapter
 from rollout.serve.routes import ROUTES, body_json
 from rollout.serve.socket_post import SocketTarget, post_chunked
 from rollout.serve.weight_stream import weight_frames
-from rollout.weights import base_state, checksum
-from rollout.wire import FRAMES_MEDIA_TYPE
+from rollout.weights.state import base_state, checksum
 from tests.serve.conftest import API_KEY
 from trainers_adapters.remote_engine import RemoteRolloutEngine
 

@@ -124,7 +124,7 @@ def test_a_flux2_klein_lora_from_the_policy_reproduces_the_engine_in_diffusers(t
     an edit with reference images (their tokens go through the adapted blocks too)."""
     from diffusers import Flux2KleinPipeline
 
-    from tests.rollout.test_parity import as_latent_output
+    from tests.rollout.pipelines.test_parity import as_latent_output
 
     family = FAMILIES["flux2_klein"]
     path = tiny_models("flux2_klein")

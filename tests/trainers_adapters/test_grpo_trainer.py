@@ -125,7 +125,7 @@ def test_an_engine_update_the_policy_did_not_take_stops_the_update(engine, tiny_
     """The engine's base weights change and the policy's do not: the first update used to train on
     with a log ratio of ~1e-3 and most ratios clipped. It now raises, and taking the same weights
     (checked by checksum) makes it pass."""
-    from rollout.weights import base_state
+    from rollout.weights.state import base_state
     from trainers_adapters.grpo_trainer import PolicyDriftError
 
     torch.manual_seed(0)

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.timeout(180)
 def _trainer(model: str, port: int, world_size: int, conn) -> None:
     """A trainer process: its own copy of the transformer, one optimizer-like change, then a push."""
     from rollout.pipelines.loading import load_adapter
-    from rollout.weights import base_state
+    from rollout.weights.state import base_state
     from trainers_adapters.weight_broadcast import WeightBroadcaster
 
     transformer = load_adapter(model).transformer

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import httpx
 
-from rollout.tensor_bytes import SAFETENSORS_MEDIA_TYPE
+from rollout.http.tensor_bytes import SAFETENSORS_MEDIA_TYPE
 from trainers_adapters.rewards.checks import RewardError
 from trainers_adapters.rewards.composite import GroupwiseReward, RewardScores, RewardWithComponents
 from trainers_adapters.rewards.wire import encode_group, scores_from_json

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import torch
 
-from rollout.tensor_bytes import WireError, png_image, tensors_from_bytes, tensors_to_bytes
+from rollout.http.tensor_bytes import WireError, png_image, tensors_from_bytes, tensors_to_bytes
 from trainers_adapters.rewards.composite import RewardScores
 
 _INPUT = "input_images"

@@ -10,9 +10,9 @@ import random
 import pytest
 import torch
 
-from rollout.frame_views import FrameAssembler, FrameTooLarge, frame_pieces, tensors_from_buffer
 from rollout.http.chunked_frames import BodyTooLarge, ChunkedFrameReader, MalformedChunks
-from rollout.wire import LENGTH
+from rollout.http.frame_views import FrameAssembler, FrameTooLarge, frame_pieces, tensors_from_buffer
+from rollout.http.wire import LENGTH
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -25,8 +25,8 @@ from starlette.routing import Route
 
 from rollout.http.frame_body import FRAME_BODY_EXTENSION
 from rollout.http.protocol import server_protocol
+from rollout.http.wire import FRAMES_MEDIA_TYPE, LENGTH, WireError
 from rollout.serve.launch import free_port
-from rollout.wire import FRAMES_MEDIA_TYPE, LENGTH, WireError
 
 pytestmark = pytest.mark.timeout(60)
 FRAME_LIMIT = 4 << 20  # bytes of a body

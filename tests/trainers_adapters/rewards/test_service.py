@@ -19,8 +19,8 @@ import uvicorn
 from PIL import Image
 
 from rollout import SamplingParams
+from rollout.http.tensor_bytes import SAFETENSORS_MEDIA_TYPE, tensors_to_bytes
 from rollout.serve.launch import free_port
-from rollout.tensor_bytes import SAFETENSORS_MEDIA_TYPE, tensors_to_bytes
 from trainers_adapters.rewards.checks import RewardError
 from trainers_adapters.rewards.composite import CompositeReward, RewardComponent
 from trainers_adapters.rewards.remote import RemoteReward

@@ -1,0 +1,64 @@
+"""The checks of an `EngineConfig` that need the file system or imports, in one place: the model
+folder, the executor and worker extension classes, and the executor's own rules
+(`Executor.config_problems`). The engine runs them before any worker starts, so a typo fails before
+any model loads, with every problem in one error."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from executors import Executor, get_executor_class
+from executors.base import transport_problems
+from rollout.config import EngineConfig, settings_problems
+from rollout.parallel.sequence import plan_problems
+from rollout.pipelines.model_index import read_model_index
+from rollout.worker.worker import build_worker_class
+
+
+def check_engine_config(config: EngineConfig) -> type[Executor]:
+    """The executor class `config` names; raises ValueError listing everything that would stop an
+    engine from starting with it."""
+    problems = []
+    try:
+        problems += plan_problems(read_model_index(config.model), config.sequence_parallel)
+    except ValueError as error:
+        problems.append(str(error))
+    executor_cls, class_problems = _resolve_classes(config)
+    problems += class_problems
+    if problems:
+        raise ValueError("invalid EngineConfig: " + "; ".join(problems))
+    return executor_cls
+
+
+def problems_without_model(**settings) -> list[str]:
+    """What `EngineConfig(model=..., **settings)` and its classes would find wrong apart from the
+    model folder, for configs checked before their model exists (a recipe builds `tiny` only when
+    it runs)."""
+    return settings_problems(**settings) + class_problems(**settings)
+
+
+def class_problems(**settings) -> list[str]:
+    """What the classes that `EngineConfig(model=..., **settings)` names (the executor, the worker
+    extension) and the executor's own rules find wrong; imports them, and so torch."""
+    return _resolve_classes(SimpleNamespace(**(_defaults() | settings)))[1]
+
+
+def _resolve_classes(config) -> tuple[type[Executor] | None, list[str]]:
+    problems = []
+    executor_cls = None
+    try:
+        executor_cls = get_executor_class(config.executor)
+    except (ValueError, TypeError) as error:
+        problems.append(str(error))
+    try:
+        build_worker_class(config.worker_extension_cls)
+    except (ValueError, TypeError) as error:
+        problems.append(str(error))
+    if executor_cls is not None:
+        problems += transport_problems(executor_cls) + executor_cls.config_problems(config)
+    return executor_cls, problems
+
+
+def _defaults() -> dict:
+    """`EngineConfig`'s defaults, from a config made with them (`model` is not read here)."""
+    return vars(EngineConfig(model=""))

@@ -1,0 +1,464 @@
+"""The hot-swap API: weights, LoRA adapters, sleep and wake.
+
+A `HotSwap` owns what the engine keeps of its workers' weights (the weight version, the loaded
+adapters, the sleep level, the text encoders' generation) and changes it only through the workers.
+It is built from the few engine callables it needs, so it is tested with a fake RPC; `RolloutEngine`
+delegates its hot-swap methods to it. Every method is a thin layer over `collective_rpc` plus that
+bookkeeping, and runs between engine steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import re
+from collections.abc import Callable, Collection, Iterable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from peft import LoraConfig
+
+from rollout.errors import EngineDeadError, WorkerError
+from rollout.weights.broadcast_group import BroadcastEntry
+from rollout.weights.safetensors_files import safetensors_files
+from rollout.weights.state import TensorSpec
+from rollout.weights.sync import DEFAULT_BUCKET_BYTES, StagedPush, WeightSync
+from rollout.weights.versions import WeightVersions
+
+if TYPE_CHECKING:
+    from rollout.config import EngineConfig
+    from rollout.engine.request import Request
+
+logger = logging.getLogger(__name__)
+
+_LORA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+class HotSwap:
+    """The engine's weights, adapters and sleep, built from what it needs of the engine:
+
+    rpc: `collective_rpc(method, args=(), kwargs=None, timeout=None, ranks=None)` on the workers;
+    check_open: raises if the engine is shut down or dead;
+    drain: steps the running requests to the end (their outputs kept for the next step);
+    die: `die(EngineDeadError)` marks the engine dead and fails its requests;
+    unfinished: the unfinished requests;
+    config: the engine's `EngineConfig`;
+    check_component: raises ValueError unless its argument names a component of the model
+        (`ModelSpec.check_component`): checked before a call that names one sends anything.
+    """
+
+    def __init__(
+        self,
+        *,
+        rpc: Callable,
+        check_open: Callable[[], None],
+        drain: Callable[[], None],
+        die: Callable[[EngineDeadError], None],
+        unfinished: Callable[[], Collection[Request]],
+        config: EngineConfig,
+        check_component: Callable[[str], None],
+    ):
+        self.collective_rpc = rpc
+        self._check_component = check_component
+        self._check_open = check_open
+        self._drain = drain
+        self._die = die
+        self._unfinished = unfinished
+        self.config = config
+        self._weight_sync = WeightSync(rpc)
+        self.versions = WeightVersions()
+        self.sleep_level = 0
+        # Counts the changes of the text encoders' weights; the engine sends it with every step, and
+        # embeddings encoded at an older count are never reused.
+        self.encoder_generation = 0
+        self._loras: dict[str, int] = {}  # name -> modules it binds
+        self._staged_push: StagedPush | None = None  # an update staged in parts, until it ends
+
+    @property
+    def weight_version(self) -> int:
+        return self.versions.current
+
+    def check_awake(self) -> None:
+        if self.sleep_level:
+            raise RuntimeError(f"the engine is asleep (level {self.sleep_level}); call wake_up() before generating")
+
+    def has_lora(self, name: str) -> bool:
+        return name in self._loras
+
+    # Weights.
+
+    def update_weights(
+        self,
+        named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+        *,
+        component: str = "transformer",
+        version: int | None = None,
+        mode: str = "wait",
+        check_finite: bool = True,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    ) -> int:
+        """Replace weights of `component` on every worker, all at once; returns the new weight version.
+
+        `named_tensors`: a name -> tensor mapping or an iterator of (name, tensor) pairs (streamed in
+        buckets of about `bucket_bytes`); names and shapes must be the component's own, dtypes its
+        own or widened exactly (`rollout.weights.state.DTYPE_RULE`: bfloat16 into a float32 model is
+        converted, float32 into a bfloat16 model refused), and with `check_finite` every value must
+        be finite (one summing pass over the bytes; `benchmarks/weight_sync` measures it; False
+        skips it). A bad update is refused whole (ValueError listing every offending tensor) and
+        nothing changes. An update may name some of the component's weights: those change, the
+        rest keep their values (compare `weights_checksum` to check a full push). `mode="wait"`: running
+        requests finish on the old weights first (their outputs come from the next `step()`);
+        `mode="pause"`: the update applies now, between two steps, and running requests continue
+        on the new weights (`RolloutOutput.weight_versions` lists both).
+        The version becomes `version`, or the current one plus 1; a `version` below the current one
+        is refused unless the engine held it before (`rollout.weights.versions`). Workers keep copies
+        of the tensors, so the caller may change them at once; tensors wrapped in `HandedOver` (a
+        caller that never touches them again) are kept as they are where the workers run in this
+        process.
+        """
+        self._check_open()
+        self._check_component(component)
+        _check_bucket_bytes(bucket_bytes)
+        push_args = (named_tensors, component, check_finite, bucket_bytes)
+        return self._update(self._weight_sync.push, push_args, component, version, mode)
+
+    def open_weight_push(
+        self, *, component: str = "transformer", check_finite: bool = True, bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    ) -> StagedPush:
+        """`update_weights` in parts, for a caller whose tensors arrive over time (the HTTP
+        server's streamed push): `push.add(pairs)` stages them, a call of its own each, and the
+        engine may step between the calls (staged tensors are invisible to sampling);
+        `finish_weight_push` applies the update, `abort_weight_push` drops it. While it is open,
+        every other weight update and sleep is refused (RuntimeError): they would stage beside it."""
+        self._check_open()
+        self.check_awake()
+        _check_bucket_bytes(bucket_bytes)
+        self._check_no_staged_push()
+        self._staged_push = self._weight_sync.open(component, check_finite, bucket_bytes)
+        return self._staged_push
+
+    def finish_weight_push(self, push: StagedPush, *, version: int | None = None, mode: str = "wait") -> int:
+        """Apply an update opened with `open_weight_push` as `update_weights` applies its own;
+        returns the new weight version. It has ended whether this returns or raises."""
+        finish, self._staged_push = push.finish, None
+        try:
+            return self._update(finish, (), push.component, version, mode)
+        except BaseException as error:
+            if not push.ended:  # refused before the push's own finish: drop what it staged
+                push.abort(error)
+            raise
+
+    def abort_weight_push(self, push: StagedPush, cause: BaseException) -> None:
+        """Drop what an update opened with `open_weight_push` staged (its body failed)."""
+        if self._staged_push is push:
+            self._staged_push = None
+        if not push.ended:
+            push.abort(cause)
+
+    def _check_no_staged_push(self) -> None:
+        if self._staged_push is not None:
+            raise RuntimeError(
+                f"a weight push of {self._staged_push.component} is being received and staged; "
+                "send this once it has ended"
+            )
+
+    def _update(self, push: Callable, push_args: tuple, component: str, version: int | None, mode: str) -> int:
+        self._check_no_staged_push()
+        self.check_awake()
+        if mode not in ("wait", "pause"):
+            raise ValueError(f"mode must be 'wait' or 'pause', got {mode!r}")
+        new_version = self.versions.next(version)  # before anything is staged
+        if mode == "wait":
+            self._drain()
+        try:
+            push(*push_args)
+        except EngineDeadError as error:  # ranks that may disagree (weight_sync decides): stop serving
+            self._die(error)
+            raise
+        self.encoder_generation += 1
+        self.versions.move_to(new_version)
+        logger.info("weights of %s updated to version %d", component, new_version)
+        return new_version
+
+    def update_weights_from_disk(
+        self,
+        path: str | Path,
+        *,
+        component: str = "transformer",
+        version: int | None = None,
+        mode: str = "wait",
+        check_finite: bool = True,
+    ) -> int:
+        """`update_weights` from a .safetensors file or a diffusers component folder: every worker
+        reads the files itself. Names, shapes and dtypes are checked from the file headers first,
+        the values (`check_finite`) by the workers as they read them."""
+        self._check_open()
+        self._check_component(component)
+        files = safetensors_files(path)
+        push_args = (files, component, check_finite)
+        return self._update(self._weight_sync.push_from_files, push_args, component, version, mode)
+
+    def init_weight_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        backend: str = "gloo",
+        timeout_s: float = 300.0,
+    ) -> list[int]:
+        """Join a trainer's broadcast group: worker r becomes group rank `rank_offset + r`; the
+        trainer is rank 0 and hosts the store at master_address:master_port. Blocks until every
+        rank has joined, so the trainer joins concurrently (see
+        `trainers_adapters.weight_broadcast.WeightBroadcaster`). Returns the workers' group ranks."""
+        self._check_open()
+        if rank_offset < 1 or rank_offset + self.config.num_workers > world_size:
+            raise ValueError(
+                f"the workers need group ranks rank_offset..rank_offset+{self.config.num_workers - 1} inside "
+                f"world_size={world_size}, with rank 0 for the trainer; got rank_offset={rank_offset}"
+            )
+        args = (master_address, master_port, rank_offset, world_size, backend, timeout_s)
+        return self.collective_rpc("init_weight_update_group", args=args, timeout=timeout_s + 30)
+
+    def update_weights_from_distributed(
+        self,
+        names: list[str],
+        dtypes: list[torch.dtype],
+        shapes: list[tuple[int, ...]],
+        *,
+        component: str = "transformer",
+        version: int | None = None,
+        mode: str = "wait",
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        check_finite: bool = True,
+    ) -> int:
+        """`update_weights` whose tensors the trainer broadcasts through the group (in this order, in
+        buckets of `bucket_bytes`) while this call waits; names, dtypes and shapes are checked first,
+        the values (`check_finite`) by the workers once received."""
+        self._check_open()
+        self._check_component(component)
+        _check_bucket_bytes(bucket_bytes)
+        entries = _broadcast_entries(names, dtypes, shapes)
+        push_args = (entries, component, bucket_bytes, check_finite)
+        return self._update(self._weight_sync.push_from_broadcast, push_args, component, version, mode)
+
+    def check_weight_update(
+        self,
+        names: list[str],
+        dtypes: list[torch.dtype],
+        shapes: list[tuple[int, ...]],
+        component: str = "transformer",
+    ) -> None:
+        """Raise ValueError if an update with these tensors would be refused (a trainer checks before
+        it broadcasts, so receivers are never left waiting for a refused update)."""
+        self._check_open()
+        self._check_component(component)
+        entries = _broadcast_entries(names, dtypes, shapes)
+        self._weight_sync.check_specs({e.name: e.spec for e in entries}, component)
+
+    def weights_checksum(self, component: str = "transformer") -> str:
+        """SHA-256 of every weight of `component`; raises if the ranks disagree."""
+        self._check_component(component)
+        self.check_awake()
+        digests = self.collective_rpc("weights_checksum", args=(component,))
+        if len(set(digests)) != 1:
+            raise RuntimeError(f"ranks hold different weights of {component}: checksums {digests}")
+        return digests[0]
+
+    # LoRA adapters.
+
+    def load_lora(
+        self,
+        name: str,
+        source: str | Path | Mapping[str, torch.Tensor],
+        config: LoraConfig | Mapping | None = None,
+        *,
+        version: int | None = None,
+        check_finite: bool = True,
+    ) -> int:
+        """Load a LoRA adapter on every worker, or hot-swap the one of that name; returns the new
+        weight version (the current one plus 1, or `version`), as `update_weights` does, so a
+        trainer pushing its adapter after each step can check what the next rollouts will carry.
+
+        `source`: a PEFT folder (adapter_config.json + adapter_model.safetensors), a diffusers LoRA
+        folder (pytorch_lora_weights.safetensors), or a mapping of PEFT LoRA tensors with `config`
+        (a `peft.LoraConfig` or its dict; without `target_modules` it targets the family's default
+        modules). Requests pick it with `SamplingParams(lora=name)`. The engine keeps LoRA layers
+        in float32: tensors of a dtype that widens to it exactly are taken, others refused.
+        Running requests finish on the adapter they started with. An adapter whose keys do not fit
+        the model, or (with `check_finite`) that holds NaN or infinity, is refused (ValueError) and
+        the one loaded before stays.
+        """
+        self._check_open()
+        if not (isinstance(name, str) and _LORA_NAME.fullmatch(name)):
+            raise ValueError(
+                f"a LoRA name is 1-64 letters, digits, '_' or '-' (PEFT keys its layers by it), got {name!r}"
+            )
+        if isinstance(source, str | Path):
+            source = str(source)
+        elif not isinstance(source, Mapping):
+            raise TypeError(f"LoRA source must be a folder path or a mapping of tensors, got {type(source).__name__}")
+        elif config is None:
+            raise ValueError(f"LoRA {name!r} from tensors needs a config (a peft.LoraConfig or its dict)")
+        new_version = self.versions.next(version)
+        # Every rank stages it beside its live adapter (running requests keep theirs, so a refusal
+        # answers at once); only once all have, and the running requests are done, does any switch.
+        kept = f"the {name!r} it had" if name in self._loras else f"no adapter named {name!r}"
+        try:
+            bound = self.collective_rpc(
+                "stage_lora", args=(name, source if isinstance(source, str) else dict(source), config, check_finite)
+            )
+        except TimeoutError as error:
+            self._roll_back_lora(name, error)
+            raise TimeoutError(f"{error}; the load was rolled back on every rank, which keeps {kept}") from error
+        except WorkerError as error:
+            self._roll_back_lora(name, error)
+            if error.raised(ValueError):  # refused by the checks
+                raise ValueError(error.message) from error
+            raise RuntimeError(
+                f"loading LoRA {name!r} failed on rank {error.rank} ({error.error}); every rank keeps {kept}"
+            ) from error
+        try:
+            self._drain()
+        except BaseException:
+            # A dead engine refuses at once (its workers are gone with what they staged).
+            with contextlib.suppress(Exception):
+                self.collective_rpc("rollback_lora", args=(name,))
+            raise
+        try:
+            self.collective_rpc("commit_lora", args=(name,))
+        except (TimeoutError, WorkerError) as error:
+            # Some ranks may have switched: they must not disagree on what `name` means.
+            self.collective_rpc("discard_lora", args=(name,))
+            self._loras.pop(name, None)
+            raise RuntimeError(f"committing LoRA {name!r} failed ({error}); it is unloaded everywhere") from error
+        self._loras[name] = bound[0]
+        self.versions.move_to(new_version)
+        logger.debug("LoRA %r loaded on %d modules; weight version %d", name, bound[0], new_version)
+        return new_version
+
+    def _roll_back_lora(self, name: str, cause: BaseException) -> None:
+        """Drop what any rank staged for `name` (a late stage still running in a worker is done
+        before this runs there). A rollback that fails leaves ranks that may disagree: dead."""
+        wait = max(self.config.rpc_timeout_s, self.config.step_timeout_s)
+        try:
+            self.collective_rpc("rollback_lora", args=(name,), timeout=wait)
+        except (TimeoutError, WorkerError) as error:
+            raise self._dead_after("load_lora", f"rolling it back failed too ({error})") from cause
+
+    def unload_lora(self, name: str) -> None:
+        """Remove adapter `name` from every worker and free its memory."""
+        self._check_open()
+        if name not in self._loras:
+            raise ValueError(f"no LoRA named {name!r} is loaded; loaded: {self.list_loras()}")
+        users = [r.request_id for r in self._unfinished() if r.params.lora == name]
+        if users:
+            raise RuntimeError(f"{len(users)} unfinished requests use LoRA {name!r}; finish or abort them first")
+        try:
+            self.collective_rpc("unload_lora", args=(name,))
+        except TimeoutError as error:
+            raise self._reread_after("unload_lora", error) from error
+        del self._loras[name]
+
+    def lora_modules(self, name: str) -> int:
+        """How many modules adapter `name` binds."""
+        if name not in self._loras:
+            raise ValueError(f"no LoRA named {name!r} is loaded; loaded: {self.list_loras()}")
+        return self._loras[name]
+
+    def list_loras(self) -> list[str]:
+        """Names of the loaded LoRA adapters."""
+        return sorted(self._loras)
+
+    # Memory.
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the workers' weight memory for a colocated trainer. Level 1 keeps a host copy
+        (wake-up restores it); level 2 keeps nothing (wake-up reloads the model folder's weights and
+        resets `weight_version` to 0: push the trainer's weights again). Generating while asleep is
+        an error; sleeping deeper is allowed, sleeping again at the same level does nothing."""
+        self._check_open()
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 (offload weights) or 2 (discard them), got {level!r}")
+        self._check_no_staged_push()
+        unfinished = len(self._unfinished())
+        if unfinished:
+            raise RuntimeError(
+                f"cannot sleep with {unfinished} unfinished requests; step() them to completion or abort() them first"
+            )
+        try:
+            self.collective_rpc("sleep", args=(level,))
+        except TimeoutError as error:
+            raise self._reread_after("sleep", error) from error
+        self.sleep_level = max(self.sleep_level, level)
+
+    def wake_up(self) -> None:
+        """Restore the weights after `sleep`; does nothing when awake."""
+        self._check_open()
+        if self.sleep_level == 0:
+            return
+        deepest = self.sleep_level
+        try:
+            self.collective_rpc("wake_up")
+        except TimeoutError as error:
+            timeout = self._reread_after("wake_up", error)
+            if self.sleep_level == 0:  # the late call woke them
+                self._woke(deepest)
+            raise timeout from error
+        self._woke(deepest)
+
+    def _woke(self, deepest: int) -> None:
+        self.encoder_generation += 1
+        if deepest == 2:
+            self.versions.move_to(0)
+        self.sleep_level = 0
+
+    # After a timeout.
+
+    def _reread_after(self, method: str, error: TimeoutError) -> TimeoutError:
+        """A state-changing call timed out, and may still finish in a worker. Instead of guessing,
+        read what the workers hold (a worker runs this read after the late call), make the engine's
+        record match, and return the timeout to raise. Ranks left holding different adapters drop
+        them; ranks at different sleep levels, or no answer, leave the engine dead."""
+        # The read waits behind the late call; give it as long as a step may take.
+        wait = max(self.config.rpc_timeout_s, self.config.step_timeout_s)
+        try:
+            states = self.collective_rpc("hot_swap_state", timeout=wait)
+        except (TimeoutError, WorkerError) as reread_error:
+            raise self._dead_after(method, f"their state could not be read back ({reread_error})") from error
+        names = [set(state["loras"]) for state in states]
+        split = sorted(set.union(*names) - set.intersection(*names))
+        if split:
+            for name in split:
+                self.collective_rpc("discard_lora", args=(name,))
+        levels = {state["sleep_level"] for state in states}
+        if len(levels) > 1:
+            raise self._dead_after(method, f"ranks are at different sleep levels {sorted(levels)}") from error
+        self._loras = {name: bound for name, bound in states[0]["loras"].items() if name not in split}
+        self.sleep_level = levels.pop()
+        return TimeoutError(
+            f"{error}; it may have finished in the workers since, so the engine read their state back: "
+            f"LoRAs {self.list_loras()}"
+            + (f" (dropped {split}: not on every rank)" if split else "")
+            + f", sleep level {self.sleep_level}"
+        )
+
+    def _dead_after(self, method: str, why: str) -> EngineDeadError:
+        dead = EngineDeadError(f"{method!r} timed out and {why}; create a new engine")
+        self._die(dead)
+        return dead
+
+
+def _check_bucket_bytes(bucket_bytes: int) -> None:
+    if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes must be an integer >= 1 (bytes per bucket), got {bucket_bytes!r}")
+
+
+def _broadcast_entries(names: list[str], dtypes: list[torch.dtype], shapes: list[tuple[int, ...]]) -> list:
+    if not len(names) == len(dtypes) == len(shapes):
+        raise ValueError(f"got {len(names)} names, {len(dtypes)} dtypes and {len(shapes)} shapes; they must pair up")
+    return [
+        BroadcastEntry(name, TensorSpec(tuple(shape), dtype))
+        for name, dtype, shape in zip(names, dtypes, shapes, strict=True)
+    ]

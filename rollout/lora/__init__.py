@@ -1,0 +1,1 @@
+"""LoRA adapters on a worker: loading, merging into the base weights, the bypassed forward."""

@@ -1,0 +1,1 @@
+"""Parallel groups: sequence parallel, CFG parallel, and how a group's failure is agreed."""

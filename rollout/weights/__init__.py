@@ -1,0 +1,1 @@
+"""Weights: their state and checksums, pushes and syncs, hot swaps, the files they come from."""

@@ -1,0 +1,222 @@
+"""The engine's side of `update_weights`: check, stream in buckets, apply on every rank or on none.
+
+1. Every tensor is checked against the component's names, shapes and dtypes (and for NaN/inf with
+   `check_finite`) as it streams past; checked tensors are staged on every rank in buckets of about
+   `bucket_bytes`. Staged tensors are invisible to sampling. Tensors the workers read themselves
+   (files, a broadcast) have their headers checked here and their values on the workers.
+2. If anything was wrong, the staged tensors are dropped and one error lists every offending name.
+3. Otherwise every rank swaps its staged tensors in. If any rank fails (or does not answer), every
+   rank rolls back; a rollback that fails too, or a commit that fails on some rank, leaves ranks
+   that may disagree, so the engine stops with `EngineDeadError` naming the original error.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from rollout.errors import EngineDeadError, WorkerError
+from rollout.weights.broadcast_group import BroadcastEntry, plan_buckets
+from rollout.weights.handed_over import HandedOver
+from rollout.weights.safetensors_files import read_specs
+from rollout.weights.state import TensorSpec, refusal_message, spec_problem, update_problems
+
+DEFAULT_BUCKET_BYTES = 512 * 2**20
+
+
+class WeightSync:
+    def __init__(self, collective_rpc: Callable):
+        self._rpc = collective_rpc
+        self._specs: dict[str, dict[str, TensorSpec]] = {}
+
+    def specs(self, component: str) -> dict[str, TensorSpec]:
+        if component not in self._specs:
+            self._specs[component] = self._rpc("weight_specs", args=(component,), ranks=[0])[0]
+        return self._specs[component]
+
+    def push(
+        self,
+        named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+        component: str,
+        check_finite: bool,
+        bucket_bytes: int,
+    ) -> int:
+        """Apply the update on every rank; returns the number of tensors. Raises ValueError (nothing
+        changed) for a bad update, WorkerError (rolled back everywhere) if a rank failed. The buckets
+        of a `HandedOver` update are handed over to the ranks in turn."""
+        staged = self.open(component, check_finite, bucket_bytes)
+        try:
+            staged.add(named_tensors)
+        except BaseException as error:
+            staged.abort(error)
+            raise
+        return staged.finish()
+
+    def open(self, component: str, check_finite: bool, bucket_bytes: int) -> StagedPush:
+        """An update to stage in parts (`StagedPush`); `push` is one whose parts come in one call."""
+        return StagedPush(self, component, check_finite, bucket_bytes)
+
+    def _stage(self, component: str, bucket: dict[str, torch.Tensor], handed_over: bool) -> None:
+        self._rpc("stage_weights", args=(component, HandedOver(bucket) if handed_over else bucket))
+
+    def push_from_files(self, files: list[Path], component: str, check_finite: bool) -> int:
+        """Like `push`, but every rank reads the safetensors `files` itself; the headers are
+        checked here first, the values (with `check_finite`) on the ranks."""
+        given = read_specs(files)
+        self.check_specs(given, component, name_foreign=False)
+        with self._all_or_nothing(component):
+            self._stage_on_ranks("stage_weights_from_files", component, [str(f) for f in files], check_finite)
+        return len(given)
+
+    def push_from_broadcast(
+        self, entries: list[BroadcastEntry], component: str, bucket_bytes: int, check_finite: bool
+    ) -> int:
+        """Like `push`, but the tensors arrive through the trainer's broadcast group; the names,
+        shapes and dtypes announced in `entries` are checked here first, the values (with
+        `check_finite`) on the ranks once received."""
+        self.check_specs({e.name: e.spec for e in entries}, component)
+        with self._all_or_nothing(component):
+            buckets = plan_buckets(entries, bucket_bytes)
+            self._stage_on_ranks("stage_weights_from_broadcast", component, buckets, check_finite)
+        return len(entries)
+
+    def _stage_on_ranks(self, method: str, *args) -> None:
+        """Run a staging worker function; a rank's refusal (ValueError) is the update's refusal."""
+        try:
+            self._rpc(method, args=args)
+        except WorkerError as error:
+            if error.raised(ValueError):
+                raise ValueError(error.message) from error
+            raise
+
+    def check_specs(self, given: Mapping[str, TensorSpec], component: str, name_foreign: bool = True) -> None:
+        """Raise ValueError listing every name that is unknown or has the wrong shape or dtype.
+        `name_foreign=False` (files the workers read: any file this process may read, named by a
+        client that may not) counts the names that are not the component's without listing them."""
+        specs = self.specs(component)
+        problems = [
+            problem
+            for name, spec in given.items()
+            if (name_foreign or name in specs) and (problem := spec_problem(name, specs.get(name), spec))
+        ]
+        foreign = 0 if name_foreign else sum(name not in specs for name in given)
+        if foreign:
+            problems.append(
+                f"{foreign} of the {len(given)} tensors are not weights of this component (their names are not "
+                "shown: the files are read where the engine runs, perhaps by someone who may not read them; "
+                "list them there with safetensors.safe_open(path, 'pt').keys())"
+            )
+        _raise_if_refused(component, problems, given)
+
+    @contextmanager
+    def _all_or_nothing(self, component: str):
+        """Stage in the block, then swap in on every rank and commit. Whatever goes wrong before the
+        commit (a refused update, a rank failing to apply) rolls every rank back."""
+        try:
+            yield
+        except BaseException as error:
+            self._roll_back(component, error)
+            raise
+        self._apply(component)
+
+    def _apply(self, component: str) -> None:
+        """Swap the staged tensors in on every rank and commit; a failure before the commit rolls
+        every rank back."""
+        try:
+            self._rpc("apply_staged_weights", args=(component,))
+        except BaseException as error:
+            self._roll_back(component, error)
+            raise
+        try:
+            self._rpc("commit_weights", args=(component,))
+        except (WorkerError, TimeoutError) as error:
+            raise EngineDeadError(
+                f"committing the update of {component} failed on some rank ({_brief(error)}); ranks that "
+                "committed and ranks that did not may now hold different weights: create a new engine"
+            ) from error
+
+    def _roll_back(self, component: str, cause: BaseException) -> None:
+        try:
+            self._rpc("rollback_weights", args=(component,))
+        except Exception as error:
+            raise EngineDeadError(
+                f"the update of {component} failed ({_brief(cause)}) and rolling it back failed too "
+                f"({_brief(error)}); ranks may hold different weights: create a new engine"
+            ) from cause
+
+
+def _brief(error: BaseException) -> str:
+    """One line for an error: a worker's own exception, or the local one (tracebacks stay chained)."""
+    if isinstance(error, WorkerError):
+        return f"rank {error.rank}: {error.error}"
+    return f"{type(error).__name__}: {error}"
+
+
+def _raise_if_refused(component: str, problems: list[str], names) -> None:
+    if not names:
+        problems = ["the update holds no tensors", *problems]
+    if problems:
+        raise ValueError(refusal_message(component, problems))
+
+
+class StagedPush:
+    """One update staged in parts: `add` checks (name, tensor) pairs and stages them on every rank
+    in buckets of about `bucket_bytes`, as many calls as it takes; `finish` applies the update on
+    every rank or on none (raising as `WeightSync.push` does); `abort` drops what was staged. The
+    engine may step between the calls: staged tensors are invisible to sampling (the HTTP server's
+    streamed push stages each bucket as it arrives, and generation goes on meanwhile)."""
+
+    def __init__(self, sync: WeightSync, component: str, check_finite: bool, bucket_bytes: int):
+        self.component = component
+        self._sync, self._check_finite, self._bucket_bytes = sync, check_finite, bucket_bytes
+        self._specs = sync.specs(component)
+        self._problems: list[str] = []
+        self._seen: set[str] = set()
+        self._bucket: dict[str, torch.Tensor] = {}
+        self._bucket_size = 0
+        self._handed_over = False
+        self.ended = False  # applied, refused or dropped: nothing of it is staged any more
+
+    def add(self, named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Check the pairs and stage every full bucket; those of a `HandedOver` are handed over."""
+        self._handed_over = isinstance(named_tensors, HandedOver)
+        named_tensors = named_tensors.value if self._handed_over else named_tensors
+        items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
+        for name, tensor in items:
+            if name in self._seen:
+                self._problems.append(f"{name}: given twice")
+                continue
+            self._seen.add(name)
+            self._problems += update_problems(self._specs, [(name, tensor)], self._check_finite)
+            if self._problems:  # once refused, only keep checking
+                continue
+            self._bucket[name] = tensor
+            self._bucket_size += tensor.numel() * tensor.element_size()
+            if self._bucket_size >= self._bucket_bytes:
+                self._stage_bucket()
+
+    def finish(self) -> int:
+        """Apply on every rank; returns the number of tensors. A refused update is dropped first."""
+        try:
+            _raise_if_refused(self.component, self._problems, self._seen)
+            if self._bucket:
+                self._stage_bucket()
+        except BaseException as error:
+            self.abort(error)
+            raise
+        self.ended = True
+        self._sync._apply(self.component)
+        return len(self._seen)
+
+    def abort(self, cause: BaseException) -> None:
+        """Drop what was staged on every rank (`cause`: why, for the error if that fails too)."""
+        self.ended = True
+        self._bucket.clear()
+        self._sync._roll_back(self.component, cause)
+
+    def _stage_bucket(self) -> None:
+        bucket, self._bucket, self._bucket_size = self._bucket, {}, 0
+        self._sync._stage(self.component, bucket, self._handed_over)

@@ -1,0 +1,1 @@
+"""The worker side: a worker, its model runner, what it keeps per path, sleep levels."""

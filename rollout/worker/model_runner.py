@@ -1,0 +1,380 @@
+"""One batched denoising step over requests that may sit at different step indices.
+
+The runner builds per-sample vectors (sigma, sigma_next, guidance, noise level), asks the pipeline
+adapter for velocities in one forward pass, and applies each sample's update rule: the SDE sampler
+at its stochastic steps, the ODE elsewhere. Noise comes from each request's own generator, so a
+sample's result does not depend on its batch-mates.
+
+Text is encoded once per distinct text: a new request reuses the embeddings of a live request with
+the same prompt (or negative prompt), so every sample of a prompt references one conditioning, and
+a finished trajectory names it by number (`rollout.worker.sent_conditions`): each crosses to the engine once.
+An edit's input images are encoded once per distinct set of images (by digest) in the same way,
+and cross the same way. Where the family's prompt encoding reads the images too (Qwen-Image-Edit),
+a text is encoded once per (text, images): `ModelSpec.text_key`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+from rollout.engine.request import Fork, NewRequestData
+from rollout.lora.manager import LoraManager
+from rollout.outputs import Trajectory
+from rollout.pipelines.condition import Condition, PromptEmbeds
+from rollout.pipelines.guidance import Guidance
+from rollout.pipelines.spec import ModelSpec
+from rollout.samplers import get_sampler
+from rollout.seeding import make_generator
+from rollout.worker.path_history import PathHistory
+from rollout.worker.sent_conditions import ConditionKeys, SentConditions
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RequestState:
+    """A worker's live state for one request (one path of a tree rollout)."""
+
+    data: NewRequestData
+    condition: Condition  # on the model's device and dtype, shared with the prompt's other samples
+    encoder_generation: int  # the text encoders' weights the condition was encoded with
+    timesteps: torch.Tensor  # [T] float32, CPU
+    sigmas: torch.Tensor  # [T+1] float32, CPU
+    sde_mask: list[bool]
+    step_generator: torch.Generator
+    latents: torch.Tensor  # [*latent_shape] float32 on the device: the current x_t
+    history: PathHistory  # the latents and records this path keeps
+    log_probs: list[torch.Tensor] = field(default_factory=list)  # [] float32 per step
+    step_index: int = 0
+
+    @property
+    def done(self) -> bool:
+        return self.step_index == len(self.sde_mask)
+
+    def fork(self, child_id: str, step_noise_seed: int, prefix: PathHistory) -> RequestState:
+        """A child that continues from this state's latents with its own step noise; `prefix` is
+        this state's history sealed into shared parts (`PathHistory.seal`)."""
+        return dataclasses.replace(
+            self,
+            data=dataclasses.replace(self.data, request_id=child_id, step_noise_seed=step_noise_seed),
+            step_generator=make_generator(step_noise_seed),
+            history=prefix.child(),
+            log_probs=list(self.log_probs),
+        )
+
+    def encoded_texts(self, spec: ModelSpec) -> dict[tuple, PromptEmbeds]:
+        """`spec.text_key` -> embeddings, for the texts this request holds."""
+        params, images = self.data.params, self.data.images
+        texts = {spec.text_key(self.data.prompt, params.max_sequence_length, images): self.condition.prompt}
+        if self.condition.negative is not None:
+            texts[spec.text_key(params.negative_prompt, params.max_sequence_length, images)] = self.condition.negative
+        return texts
+
+    def encoded_images(self) -> dict[str, PromptEmbeds]:
+        """Images digest -> their encoding, for the input images this request holds (an edit)."""
+        images = self.data.images
+        return {} if images is None else {images.digest: self.condition.images}
+
+
+@dataclass
+class FinishedRequest:
+    request_id: str
+    image: torch.Tensor | None  # [3, H, W] uint8, CPU
+    video: torch.Tensor | None  # [F, 3, H, W] uint8, CPU (video models)
+    latents: torch.Tensor | None  # final latents, CPU float32, for output_type "latent"
+    # Its `condition` is None until the engine attaches the embeddings that `condition` numbers.
+    trajectory: Trajectory | None
+    condition: ConditionKeys | None = None
+    # Per series of the trajectory, the tree node each inherited part came from, so the engine can
+    # share the parts of one node between leaves that arrive in different steps.
+    part_nodes: dict[str, list[str]] = field(default_factory=dict)
+
+
+@dataclass
+class RunnerOutput:
+    """What one worker returns for one engine step."""
+
+    finished: list[FinishedRequest] = field(default_factory=list)
+    # Requests that failed alone in this step: request id -> "ErrorType: message". The worker holds
+    # no state for them any more; their batch-mates went on.
+    failed: dict[str, str] = field(default_factory=dict)
+    # Text embeddings sent for the first time (number -> CPU float32 copy), and the numbers no
+    # request on the worker uses any more (see `rollout.worker.sent_conditions`).
+    embeds: dict[int, PromptEmbeds] = field(default_factory=dict)
+    released_embeds: tuple[int, ...] = ()
+    compute_s: float = 0.0  # time spent in this worker's step, for overhead accounting
+    transformer_rows: int = 0  # rows through the transformer in this step (CFG and experts count)
+    transformer_s: float = 0.0  # seconds in the transformer's forwards (see ForwardTally)
+
+
+class BatchLost(RuntimeError):
+    """A step failed after its batch drew its noise: the states moved on and cannot be re-run to
+    find which row failed, so every request of the batch fails with the original error."""
+
+
+def describe(error: BaseException) -> str:
+    """How a request's failure is reported: the error's type and message, never a traceback."""
+    return f"{type(error).__name__}: {error}"
+
+
+class ModelRunner:
+    def __init__(self, adapter, loras: LoraManager):
+        self.adapter = adapter
+        self.loras = loras
+
+    def prepare(
+        self, new_requests: list[NewRequestData], live: Iterable[RequestState], encoder_generation: int
+    ) -> tuple[list[RequestState], dict[str, str]]:
+        """Encode the texts no live request holds (one at a time), draw initial noise, fetch
+        schedules. Returns the new states, and the requests that failed (id -> error): a text that
+        does not encode or a state that cannot be made fails its requests only.
+
+        `encoder_generation` counts the text encoders' weight changes (the engine's count): a live
+        request's embeddings are reused only when they were encoded at the same count."""
+        if not new_requests:
+            return [], {}
+        spec = self.adapter.spec
+        encoded: dict[tuple, PromptEmbeds] = {}
+        encoded_images: dict[str, PromptEmbeds] = {}
+        for state in live:
+            if state.encoder_generation == encoder_generation:
+                encoded |= state.encoded_texts(spec)
+                encoded_images |= state.encoded_images()
+        # (key, text, length, images): the images only where the prompt's encoding reads them.
+        wanted = {}
+        for r in new_requests:
+            length, images = r.params.max_sequence_length, r.images if spec.prompt_reads_images else None
+            for text in (r.prompt, r.params.negative_prompt):
+                if text is not None:
+                    wanted.setdefault(spec.text_key(text, length, images), (text, length, images))
+        unencodable: dict[tuple | str, str] = {}
+        for key, (text, length, images) in wanted.items():  # first-seen order, no repeats
+            if key not in encoded:
+                try:
+                    encoded[key] = self.adapter.encode_prompts([text], length, images)[0]
+                except Exception as error:
+                    logger.warning("a text of %d characters did not encode", len(text), exc_info=True)
+                    unencodable[key] = describe(error)
+        for images in {r.images.digest: r.images for r in new_requests if r.images is not None}.values():
+            if images.digest not in encoded_images:
+                try:
+                    with torch.no_grad():
+                        encoded_images[images.digest] = self.adapter.encode_images(images)
+                except Exception as error:
+                    logger.warning("input images of sizes %s did not encode", images.sizes, exc_info=True)
+                    unencodable[images.digest] = describe(error)
+        states, failed = [], {}
+        for data in new_requests:
+            length = data.params.max_sequence_length
+            bad = unencodable.get(spec.text_key(data.prompt, length, data.images)) or unencodable.get(
+                spec.text_key(data.params.negative_prompt, length, data.images)
+            )
+            if bad is None and data.images is not None:
+                bad = unencodable.get(data.images.digest)
+            if bad is not None:
+                failed[data.request_id] = bad
+                continue
+            try:
+                images = encoded_images[data.images.digest] if data.images is not None else None
+                states.append(self._new_state(data, encoded, images, encoder_generation))
+            except Exception as error:
+                logger.warning("request %s could not start", data.request_id, exc_info=True)
+                failed[data.request_id] = describe(error)
+        return states, failed
+
+    def _new_state(
+        self,
+        data: NewRequestData,
+        encoded: dict[tuple, PromptEmbeds],
+        images: PromptEmbeds | None,
+        encoder_generation: int,
+    ) -> RequestState:
+        params, spec = data.params, self.adapter.spec
+        length = params.max_sequence_length
+        negative = (
+            encoded[spec.text_key(params.negative_prompt, length, data.images)]
+            if params.negative_prompt is not None
+            else None
+        )
+        timesteps, sigmas = self.adapter.schedule(
+            params.num_inference_steps, params.height, params.width, params.sigmas
+        )
+        shape = self.adapter.spec.latent_shape(params.height, params.width, params.num_frames)
+        initial = torch.randn(shape, generator=make_generator(data.init_noise_seed), dtype=torch.float32)
+        initial = initial.to(self.adapter.device)
+        history = PathHistory.for_params(params)
+        history.add("latents", 0, initial)
+        return RequestState(
+            data=data,
+            condition=Condition(encoded[spec.text_key(data.prompt, length, data.images)], negative, images),
+            encoder_generation=encoder_generation,
+            timesteps=timesteps,
+            sigmas=sigmas,
+            sde_mask=params.sde_mask(),
+            step_generator=make_generator(data.step_noise_seed),
+            latents=initial,
+            history=history,
+        )
+
+    @staticmethod
+    def fork(parent: RequestState, fork: Fork) -> list[RequestState]:
+        """The children of `fork`; the parent's recorded history becomes one part they all share."""
+        prefix = parent.history.seal(parent.data.request_id)
+        return [parent.fork(child_id, seed, prefix) for child_id, seed in fork.children]
+
+    @torch.no_grad()
+    def step(self, states: list[RequestState]) -> None:
+        """Advance every state by one denoising step, recording latents and log-probs.
+
+        A failure in the forward pass leaves every state as it was (the caller may re-run the rows
+        one by one); one after it raises `BatchLost`."""
+        device = self.adapter.device
+        latents = torch.stack([s.latents for s in states])
+        sigma = torch.stack([s.sigmas[s.step_index] for s in states]).to(device)
+        sigma_next = torch.stack([s.sigmas[s.step_index + 1] for s in states]).to(device)
+        noise_level = torch.tensor([s.data.params.noise_level for s in states], dtype=torch.float32).to(device)
+        params = states[0].data.params  # the scheduler batches one size, adapter and scale together
+        self.loras.activate(params.lora, params.lora_scale)
+        velocity = self.adapter.predict_velocity(
+            latents,
+            sigma,
+            [s.condition for s in states],
+            height=params.height,
+            width=params.width,
+            guidance=Guidance.per_row([s.data.params for s in states]),
+        )
+
+        try:
+            self._apply_update(states, latents, velocity, sigma, sigma_next, noise_level)
+        except Exception as error:
+            raise BatchLost(
+                f"a step of {len(states)} requests failed after its forward pass: {describe(error)}"
+            ) from error
+
+    def _apply_update(self, states, latents, velocity, sigma, sigma_next, noise_level) -> None:
+        """Each state's update rule on the batch's velocity: draws the step noise, moves the states."""
+        device = velocity.device
+        # Group samples by the rule they use at this step (their sampler and log-prob form if the
+        # step is stochastic, the ODE otherwise).
+        groups: dict[tuple[str, str], list[int]] = {}
+        for i, s in enumerate(states):
+            p = s.data.params
+            rule = (p.sampler, p.log_prob_form) if s.sde_mask[s.step_index] else ("ode", "gaussian")
+            groups.setdefault(rule, []).append(i)
+        zero = torch.zeros((), dtype=torch.float32, device=device)  # log-prob of an ODE step
+        for (rule, log_prob_form), indices in groups.items():
+            # One rule for the whole batch (the common case) needs no gather.
+            idx = slice(None) if len(indices) == len(states) else torch.tensor(indices, device=device)
+            noise = None
+            if rule != "ode":
+                noise = torch.stack([_step_noise(states[i]) for i in indices]).to(device)
+            out = get_sampler(rule)(
+                latents[idx],
+                velocity[idx],
+                sigma[idx],
+                sigma_next[idx],
+                noise_level[idx],
+                noise=noise,
+                log_prob_form=log_prob_form,
+            )
+            for j, i in enumerate(indices):
+                state = states[i]
+                step, history = state.step_index, state.history
+                if step in history.kept_steps:
+                    if history.wants("x0"):  # x_t = (1 - sigma) x0 + sigma * noise and v = noise - x0
+                        history.add("x0", step, latents[i].float() - sigma[i] * velocity[i])
+                    history.add("mean", step, out.mean[j])
+                    history.add("std", step, out.std[j].reshape(()))
+                state.latents = out.prev_sample[j]
+                history.add("latents", step + 1, state.latents)
+                state.log_probs.append(out.log_prob[j] if out.log_prob is not None else zero)
+                state.step_index += 1
+
+    # Without autograd whatever a family's decode does: a VAE decoding with it on keeps every
+    # activation for a backward that never comes (Wan's did: 28.8 GiB for one 33-frame 480x832 video).
+    @torch.no_grad()
+    def finish(
+        self, states: list[RequestState], conditions: SentConditions
+    ) -> tuple[list[FinishedRequest], dict[str, str]]:
+        """Decode images (batched) and package trajectories of finished requests, on CPU, their
+        conditions numbered by `conditions`. Returns them and the requests whose decode failed (id
+        -> error; their size group's only)."""
+        to_decode = [s for s in states if s.data.params.output_type == "image"]
+        decoded, failed = self._decode_by_shape(to_decode)
+        video = self.adapter.spec.is_video
+        finished = []
+        for s in states:
+            if s.data.request_id in failed:
+                continue
+            params = s.data.params
+            finished.append(
+                FinishedRequest(
+                    request_id=s.data.request_id,
+                    image=None if video else decoded.get(s.data.request_id),
+                    video=decoded.get(s.data.request_id) if video else None,
+                    latents=s.latents.to("cpu", torch.float32) if params.output_type == "latent" else None,
+                    trajectory=self._trajectory(s) if params.return_trajectory else None,
+                    condition=conditions.keys(s.condition) if params.return_trajectory else None,
+                    part_nodes=s.history.part_nodes() if params.return_trajectory else {},
+                )
+            )
+        return finished, failed
+
+    def _decode_by_shape(self, states: list[RequestState]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+        """Request id -> its decoded image or video, batched per size; and the ids whose size
+        group failed to decode (id -> error)."""
+        by_size: dict[tuple[int, int, int | None], list[RequestState]] = {}
+        for s in states:
+            params = s.data.params
+            by_size.setdefault((params.height, params.width, params.num_frames), []).append(s)
+        decoded, failed = {}, {}
+        for (height, width, _), group in by_size.items():
+            ids = [s.data.request_id for s in group]
+            try:
+                media = self.adapter.decode(torch.stack([s.latents for s in group]), height, width)
+            except Exception as error:
+                logger.warning("decoding %d requests of size %dx%d failed", len(group), height, width, exc_info=True)
+                failed |= dict.fromkeys(ids, describe(error))
+                continue
+            decoded |= dict(zip(ids, media, strict=True))
+        return decoded, failed
+
+    @staticmethod
+    def _trajectory(state: RequestState) -> Trajectory:
+        """The trajectory without its condition, which the engine attaches (see `FinishedRequest`)."""
+        params = state.data.params
+        series = state.history.series(len(state.sde_mask))
+        return Trajectory(
+            latents=series.pop("latents"),
+            records=series,
+            log_probs=torch.stack(state.log_probs).to("cpu", torch.float32),
+            timesteps=state.timesteps.clone(),
+            sigmas=state.sigmas.clone(),
+            sde_mask=torch.tensor(state.sde_mask, dtype=torch.bool),
+            condition=None,
+            height=params.height,
+            width=params.width,
+            sampler=params.sampler,
+            noise_level=params.noise_level,
+            log_prob_form=params.log_prob_form,
+            guidance_scale=params.guidance_scale,
+            guidance_scale_2=params.guidance_scale_2,
+            true_cfg_scale=params.true_cfg_scale,
+            num_frames=params.num_frames,
+            lora_scale=params.lora_scale if params.lora is not None else None,
+        )
+
+
+def _step_noise(state: RequestState) -> torch.Tensor:
+    """The standard normal noise of a state's current step, from its own generator; at a branch
+    step scaled by `branch_noise_scale` (BranchGRPO's children: drawn wider, scored with the step's std)."""
+    params = state.data.params
+    noise = torch.randn(state.latents.shape, generator=state.step_generator)
+    if params.branch_noise_scale != 1 and state.step_index in params.branch_steps:
+        noise = noise * params.branch_noise_scale
+    return noise

@@ -1,0 +1,103 @@
+"""Text embeddings (and an edit's encoded input images) cross from a worker to the engine once, not
+with every finished sample.
+
+Every finished trajectory carries the embeddings of its prompt and negative prompt, but the samples
+of a prompt (and every sample with the same negative prompt) finish over many steps, and sending
+the same tensors with each was most of what a finishing step's reply carried (the tiny SD3's two
+texts are 170 KiB; its image and latents ~100 KiB). So a worker numbers an embeddings object the
+first time a sample finishes with it and sends its CPU copy once, in that step's reply; later
+samples carry only the number (`ConditionKeys`). The worker keeps the number while a live request
+still uses the object, and the reply of the step in which none does any more releases it; the
+engine (`ReceivedConditions`) keeps the copy exactly that long, so a number never outlives what
+it names. Both sides change only in `Worker.execute` and in the engine's reading of its reply, one
+reply at a time and in order, which is what keeps them in step on every executor.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+from rollout.pipelines.condition import Condition, PromptEmbeds
+
+
+@dataclass(frozen=True)
+class ConditionKeys:
+    """A finished sample's condition as the numbers its worker gave its embeddings (an edit's
+    encoded input images too)."""
+
+    prompt: int
+    negative: int | None = None
+    images: int | None = None
+
+
+class SentConditions:
+    """The worker's side: which of its embeddings objects the engine holds, by number."""
+
+    def __init__(self):
+        # id(embeds) -> (number, embeds); holding the object keeps its id from naming another one.
+        self._numbered: dict[int, tuple[int, PromptEmbeds]] = {}
+        self._numbers = itertools.count()
+        self._unsent: dict[int, PromptEmbeds] = {}  # number -> CPU float32 copy, for this step's reply
+
+    def __len__(self) -> int:
+        """How many embeddings objects are numbered (the engine holds a copy of each)."""
+        return len(self._numbered)
+
+    def keys(self, condition: Condition) -> ConditionKeys:
+        """The numbers of `condition`'s embeddings, numbering (and queueing to send) new ones."""
+        return ConditionKeys(
+            **{name: None if part is None else self._number(part) for name, part in condition.parts().items()}
+        )
+
+    def reply(self, live: Iterable[Condition]) -> tuple[dict[int, PromptEmbeds], tuple[int, ...]]:
+        """What this step's reply carries: the embeddings numbered since the last reply (number ->
+        CPU float32 copy), and the numbers that no condition in `live` (those of the requests the
+        worker still holds) uses any more, which both sides forget now."""
+        sent, self._unsent = self._unsent, {}
+        if not self._numbered:
+            return sent, ()
+        used = {id(embeds) for condition in live for embeds in condition.parts().values()}
+        released = tuple(self._numbered.pop(held)[0] for held in list(self._numbered) if held not in used)
+        return sent, released
+
+    def _number(self, embeds: PromptEmbeds) -> int:
+        held = self._numbered.get(id(embeds))
+        if held is None:
+            held = self._numbered[id(embeds)] = (next(self._numbers), embeds)
+            self._unsent[held[0]] = embeds.to("cpu", torch.float32)
+        return held[0]
+
+
+class ReceivedConditions:
+    """The engine's side: per rank, the embeddings its worker sent, by number, until released."""
+
+    def __init__(self, num_ranks: int):
+        self._by_rank: list[dict[int, PromptEmbeds]] = [{} for _ in range(num_ranks)]
+
+    def attach(self, rank: int, runner_output) -> None:
+        """Give every trajectory in `runner_output` (a `rollout.worker.model_runner.RunnerOutput` of `rank`)
+        its condition, then forget the numbers the reply released. Unannotated: the runner's module
+        imports this one, and the import graph has no cycle, even one only a type checker follows."""
+        held = self._by_rank[rank]
+        held |= runner_output.embeds
+        for finished in runner_output.finished:
+            if finished.trajectory is not None:
+                finished.trajectory.condition = self._condition(rank, held, finished.condition)
+        for number in runner_output.released_embeds:
+            del held[number]
+
+    @staticmethod
+    def _condition(rank: int, held: dict[int, PromptEmbeds], keys: ConditionKeys) -> Condition:
+        numbers = dataclasses.asdict(keys)
+        missing = [n for n in numbers.values() if n is not None and n not in held]
+        if missing:
+            raise RuntimeError(
+                f"worker rank {rank} named text embeddings {missing} it never sent (an earlier reply of "
+                "that rank was lost to an error); create a new engine"
+            )
+        return Condition(**{name: None if n is None else held[n] for name, n in numbers.items()})

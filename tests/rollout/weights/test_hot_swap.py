@@ -1,0 +1,276 @@
+"""The hot-swap bookkeeping on its own: a `HotSwap` over two fake ranks whose worker functions keep
+their state in memory and fail where a test scripts it. What the engine believes (weight version,
+adapters, sleep level, the encoders' generation) must match what the ranks hold after every outcome."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from rollout.config import EngineConfig
+from rollout.engine.hot_swap import HotSwap
+from rollout.errors import EngineDeadError, WorkerError
+from rollout.weights.state import TensorSpec
+
+pytestmark = pytest.mark.timeout(30)
+
+SPECS = {"w": TensorSpec((2,), torch.float32)}
+
+
+@dataclass
+class FakeRank:
+    weights: torch.Tensor = field(default_factory=lambda: torch.zeros(2))
+    staged: dict = field(default_factory=dict)
+    loras: dict = field(default_factory=dict)  # name -> modules bound
+    staged_loras: dict = field(default_factory=dict)
+    sleep_level: int = 0
+
+
+class FakeWorkers:
+    """The worker functions `HotSwap` calls, on `ranks` in-memory ranks. `script[method]` is what
+    the next call of `method` does instead: an exception to raise from rank 1 (after rank 0 ran)."""
+
+    def __init__(self, ranks: int = 2):
+        self.ranks = [FakeRank() for _ in range(ranks)]
+        self.calls: list[str] = []
+        self.script: dict[str, BaseException] = {}
+
+    def rpc(self, method: str, args=(), kwargs=None, timeout=None, ranks=None):
+        self.calls.append(method)
+        results = []
+        for index in ranks if ranks is not None else range(len(self.ranks)):
+            if index == 1 and method in self.script:
+                raise self.script.pop(method)
+            results.append(getattr(self, method)(self.ranks[index], *args))
+        return results
+
+    def weight_specs(self, rank, component):
+        return SPECS
+
+    def stage_weights(self, rank, component, bucket):
+        rank.staged.update(bucket)
+
+    def apply_staged_weights(self, rank, component):
+        pass
+
+    def commit_weights(self, rank, component):
+        rank.weights = rank.staged.pop("w")
+
+    def rollback_weights(self, rank, component):
+        rank.staged.clear()
+
+    def stage_lora(self, rank, name, source, config, check_finite):
+        rank.staged_loras[name] = 3
+        return 3
+
+    def commit_lora(self, rank, name):
+        rank.loras[name] = rank.staged_loras.pop(name)
+
+    def rollback_lora(self, rank, name):
+        rank.staged_loras.pop(name, None)
+
+    def discard_lora(self, rank, name):
+        rank.staged_loras.pop(name, None)
+        rank.loras.pop(name, None)
+
+    def unload_lora(self, rank, name):
+        del rank.loras[name]
+
+    def sleep(self, rank, level):
+        rank.sleep_level = max(rank.sleep_level, level)
+
+    def wake_up(self, rank):
+        rank.sleep_level = 0
+
+    def hot_swap_state(self, rank):
+        return {"loras": dict(rank.loras), "sleep_level": rank.sleep_level}
+
+    def weights_checksum(self, rank, component):
+        return str(rank.weights.tolist())
+
+
+def worker_error(method: str, error: BaseException) -> WorkerError:
+    return WorkerError(method, 1, WorkerError.type_path(error), str(error), "(remote traceback)")
+
+
+class Engine:
+    """What the engine gives a `HotSwap`: open/dead state, drained and unfinished requests."""
+
+    def __init__(self):
+        self.dead: EngineDeadError | None = None
+        self.unfinished: list = []
+        self.drains = 0
+
+    def check_open(self):
+        if self.dead is not None:
+            raise EngineDeadError(str(self.dead))
+
+    def drain(self):
+        self.drains += 1
+
+    def die(self, error):
+        self.dead = error
+
+
+@pytest.fixture
+def swap(tmp_path):
+    (tmp_path / "model_index.json").write_text('{"_class_name": "StableDiffusion3Pipeline"}')
+    workers, engine = FakeWorkers(), Engine()
+
+    def rpc(*args, **kwargs):
+        engine.check_open()
+        return workers.rpc(*args, **kwargs)
+
+    hot_swap = HotSwap(
+        rpc=rpc,
+        check_open=engine.check_open,
+        drain=engine.drain,
+        die=engine.die,
+        unfinished=lambda: engine.unfinished,
+        config=EngineConfig(model=str(tmp_path)),
+        check_component=lambda component: None,
+    )
+    return hot_swap, workers, engine
+
+
+def test_an_update_reaches_every_rank_and_bumps_version_and_generation(swap):
+    hot_swap, workers, engine = swap
+    assert hot_swap.update_weights({"w": torch.ones(2)}) == 1
+    assert [r.weights.tolist() for r in workers.ranks] == [[1.0, 1.0]] * 2
+    assert (hot_swap.weight_version, hot_swap.encoder_generation, engine.drains) == (1, 1, 1)
+    assert hot_swap.update_weights({"w": torch.ones(2)}, version=7, mode="pause") == 7
+    assert engine.drains == 1  # "pause" applies between two steps, without draining
+
+
+def test_a_version_goes_down_only_to_one_the_engine_held(swap):
+    """17 then -5 is refused, naming the current version, before anything is staged or drained; a
+    trainer resumed from a checkpoint re-pushes its checkpoint's version to the engine that held it."""
+    hot_swap, workers, engine = swap
+    assert hot_swap.update_weights({"w": torch.ones(2)}, version=5) == 5
+    assert hot_swap.update_weights({"w": torch.ones(2)}) == 6
+    assert hot_swap.load_lora("policy", {"a": torch.ones(1)}, {"r": 1}, version=17) == 17
+    calls, drains = len(workers.calls), engine.drains
+    message = "version -5 is below this engine's weight version 17, and no weights it held had it"
+    with pytest.raises(ValueError, match=message):
+        hot_swap.update_weights({"w": torch.zeros(2)}, version=-5)
+    with pytest.raises(ValueError, match="version 3 is below this engine's weight version 17.*>= 17, or none for 18"):
+        hot_swap.load_lora("policy", {"a": torch.zeros(1)}, {"r": 1}, version=3)
+    with pytest.raises(ValueError, match="version must be an int or None, got True"):
+        hot_swap.update_weights({"w": torch.zeros(2)}, version=True)
+    assert (len(workers.calls), engine.drains, hot_swap.weight_version) == (calls, drains, 17)
+    assert [r.weights.tolist() for r in workers.ranks] == [[1.0, 1.0]] * 2
+    assert hot_swap.update_weights({"w": torch.ones(2)}, version=6) == 6  # held: a resumed trainer's
+    assert hot_swap.update_weights({"w": torch.ones(2)}, version=6) == 6  # the same again
+    assert hot_swap.update_weights({"w": torch.ones(2)}) == 7
+    assert hot_swap.update_weights({"w": torch.ones(2)}, version=0) == 0  # where every engine starts
+
+
+def test_a_refused_update_changes_nothing(swap):
+    hot_swap, workers, _ = swap
+    with pytest.raises(ValueError, match="w"):
+        hot_swap.update_weights({"w": torch.ones(3)})
+    with pytest.raises(ValueError, match="non-finite|NaN|finite"):
+        hot_swap.update_weights({"w": torch.tensor([0.0, float("nan")])})
+    assert hot_swap.weight_version == 0 and hot_swap.encoder_generation == 0
+    assert all(r.weights.tolist() == [0.0, 0.0] and not r.staged for r in workers.ranks)
+
+
+def test_a_commit_that_fails_on_one_rank_kills_the_engine(swap):
+    hot_swap, workers, engine = swap
+    workers.script["commit_weights"] = worker_error("commit_weights", RuntimeError("disk full"))
+    with pytest.raises(EngineDeadError, match="committing the update of transformer failed"):
+        hot_swap.update_weights({"w": torch.ones(2)})
+    assert engine.dead is not None and hot_swap.weight_version == 0
+
+
+def test_a_lora_refused_on_one_rank_is_rolled_back_everywhere(swap):
+    hot_swap, workers, engine = swap
+    assert hot_swap.load_lora("policy", {"a": torch.ones(1)}, {"r": 1}) == 1
+    workers.script["stage_lora"] = worker_error("stage_lora", ValueError("bad key"))
+    with pytest.raises(ValueError, match="bad key"):
+        hot_swap.load_lora("policy", {"a": torch.ones(1)}, {"r": 1})
+    assert hot_swap.list_loras() == ["policy"] and hot_swap.weight_version == 1
+    assert all(r.loras == {"policy": 3} and not r.staged_loras for r in workers.ranks)
+    assert engine.drains == 1  # the refused load never waited for running requests
+
+
+def test_a_lora_build_failure_names_the_rank_and_keeps_the_old_adapter(swap):
+    hot_swap, workers, _ = swap
+    hot_swap.load_lora("policy", {"a": torch.ones(1)}, {"r": 1})
+    workers.script["stage_lora"] = worker_error("stage_lora", RuntimeError("peft broke"))
+    with pytest.raises(RuntimeError, match="failed on rank 1.*peft broke.*keeps the 'policy' it had"):
+        hot_swap.load_lora("policy", {"a": torch.ones(1)}, {"r": 1})
+    assert all(r.loras == {"policy": 3} for r in workers.ranks)
+
+
+def test_a_lora_commit_that_fails_unloads_it_everywhere(swap):
+    hot_swap, workers, _ = swap
+    workers.script["commit_lora"] = worker_error("commit_lora", RuntimeError("gone"))
+    with pytest.raises(RuntimeError, match="unloaded everywhere"):
+        hot_swap.load_lora("policy", {"a": torch.ones(1)}, {"r": 1})
+    assert hot_swap.list_loras() == [] and all(not r.loras for r in workers.ranks)
+
+
+def test_a_lora_stage_that_times_out_is_rolled_back(swap):
+    hot_swap, workers, _ = swap
+    workers.script["stage_lora"] = TimeoutError("worker call 'stage_lora' timed out")
+    with pytest.raises(TimeoutError, match="rolled back on every rank"):
+        hot_swap.load_lora("policy", {"a": torch.ones(1)}, {"r": 1})
+    assert hot_swap.list_loras() == [] and all(not r.staged_loras for r in workers.ranks)
+
+
+def test_a_lora_in_use_is_not_unloaded_and_names_are_checked(swap):
+    hot_swap, _, engine = swap
+    hot_swap.load_lora("policy", {"a": torch.ones(1)}, {"r": 1})
+
+    class Using:
+        request_id = "req0-0"
+        params = type("P", (), {"lora": "policy"})()
+
+    engine.unfinished = [Using()]
+    with pytest.raises(RuntimeError, match="1 unfinished requests use LoRA 'policy'"):
+        hot_swap.unload_lora("policy")
+    with pytest.raises(RuntimeError, match="cannot sleep with 1 unfinished requests"):
+        hot_swap.sleep(1)
+    with pytest.raises(ValueError, match="1-64 letters"):
+        hot_swap.load_lora("a.b", {"a": torch.ones(1)}, {"r": 1})
+    engine.unfinished = []
+    hot_swap.unload_lora("policy")
+    assert hot_swap.list_loras() == []
+
+
+def test_sleep_and_wake_track_level_version_and_generation(swap):
+    hot_swap, workers, _ = swap
+    hot_swap.update_weights({"w": torch.ones(2)})
+    hot_swap.sleep(1)
+    with pytest.raises(RuntimeError, match="asleep"):
+        hot_swap.check_awake()
+    hot_swap.wake_up()
+    assert (hot_swap.sleep_level, hot_swap.weight_version, hot_swap.encoder_generation) == (0, 1, 2)
+    hot_swap.sleep(2)
+    hot_swap.wake_up()  # level 2 discarded the weights: the model folder's come back, version 0
+    assert (hot_swap.sleep_level, hot_swap.weight_version, hot_swap.encoder_generation) == (0, 0, 3)
+    assert all(r.sleep_level == 0 for r in workers.ranks)
+
+
+def test_a_timed_out_call_is_read_back_and_split_adapters_dropped(swap):
+    hot_swap, workers, _ = swap
+    hot_swap.load_lora("policy", {"a": torch.ones(1)}, {"r": 1})
+    workers.ranks[0].loras["stray"] = 1  # only one rank holds it
+    workers.script["unload_lora"] = TimeoutError("worker call 'unload_lora' timed out")
+    # Rank 0 unloaded "policy" before rank 1 timed out: it is split as well, and dropped too.
+    with pytest.raises(TimeoutError, match="read their state back: LoRAs \\[\\] \\(dropped \\['policy', 'stray'\\]"):
+        hot_swap.unload_lora("policy")
+    assert hot_swap.list_loras() == [] and all(not r.loras for r in workers.ranks)
+
+
+def test_ranks_at_different_sleep_levels_after_a_timeout_kill_the_engine(swap):
+    hot_swap, workers, engine = swap
+    workers.script["sleep"] = TimeoutError("worker call 'sleep' timed out")
+    with pytest.raises(EngineDeadError, match="different sleep levels"):
+        hot_swap.sleep(1)
+    assert engine.dead is not None
+    with pytest.raises(EngineDeadError):
+        hot_swap.update_weights({"w": torch.ones(2)})

@@ -1,0 +1,51 @@
+"""An update whose rollback or commit fails leaves ranks that may disagree: the engine stops with an
+error that names what went wrong first, instead of serving split weights."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from rollout import EngineConfig, RolloutEngine, SamplingParams
+from rollout.errors import EngineDeadError
+from rollout.weights.state import base_state
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _weights(engine) -> dict:
+    return engine.collective_rpc(
+        lambda worker: {n: t.clone() for n, t in base_state(worker.adapter.transformer).items()}
+    )[0]
+
+
+def _break(worker, method: str, behaviour: str) -> None:
+    def fail(component):
+        if behaviour == "hang":
+            time.sleep(3)
+        else:
+            raise RuntimeError(f"{method} failed")
+
+    setattr(worker.updates, method, fail)
+
+
+def test_a_failing_rollback_does_not_hide_the_first_error(tiny_model):
+    with RolloutEngine(EngineConfig(model=tiny_model)) as engine:
+        weights = _weights(engine)
+        engine.collective_rpc(_break, args=("apply", "raise"))
+        engine.collective_rpc(_break, args=("rollback", "raise"))
+        with pytest.raises(EngineDeadError, match="apply failed.*rolling it back failed too.*rollback failed"):
+            engine.update_weights({n: t + 1 for n, t in weights.items()})
+        with pytest.raises(EngineDeadError):  # stays dead: no split weights are ever sampled
+            engine.generate("x", SamplingParams(num_inference_steps=1))
+
+
+def test_a_commit_that_times_out_stops_the_engine(tiny_model):
+    with RolloutEngine(EngineConfig(model=tiny_model, rpc_timeout_s=1.0)) as engine:
+        weights = _weights(engine)
+        engine.collective_rpc(_break, args=("commit", "hang"))
+        with pytest.raises(EngineDeadError, match="committing the update of transformer failed on some rank"):
+            engine.update_weights(weights)
+        with pytest.raises(EngineDeadError):
+            engine.weights_checksum()
