@@ -63,7 +63,7 @@ import torch
 
 from benchmarks import harness
 from benchmarks.weight_sync import perturb
-from rollout import EngineConfig, RolloutEngine
+from rollout import EngineConfig, RemoteRolloutEngine, RolloutEngine
 from rollout.http.wire import SAFETENSORS_MEDIA_TYPE, tensors_to_bytes
 from rollout.pipelines.tiny import TinySD3Sizes, build_tiny_sd3
 from rollout.serve.launch import ServerProcess, free_port
@@ -71,7 +71,6 @@ from rollout.serve.routes import ROUTES, body_json
 from rollout.serve.socket_post import SocketTarget, post_chunked
 from rollout.serve.weight_stream import weight_frames
 from rollout.weights.state import base_state, checksum
-from trainers_adapters.remote_engine import RemoteRolloutEngine
 
 TARGET_MB_PER_S = 1000.0  # the streamed push over loopback (issue 22: 24 GB in bf16 in under half a minute)
 CLIENT_TIMEOUT_S = 600.0

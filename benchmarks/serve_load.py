@@ -44,12 +44,11 @@ import torch
 from benchmarks import harness
 from benchmarks.lora_swap import LORA_TARGETS, make_adapters, quiet_peft_warnings
 from benchmarks.weight_sync import perturb
-from rollout import EngineConfig, NodeId, RolloutEngine, RolloutOutput, SamplingParams
+from rollout import EngineConfig, NodeId, RemoteRolloutEngine, RolloutEngine, RolloutOutput, SamplingParams
 from rollout.engine.async_engine import AsyncRolloutEngine
 from rollout.pipelines.tiny import TinySD3Sizes, build_tiny_sd3
 from rollout.serve.launch import ServerProcess
 from rollout.weights.state import base_state, checksum
-from trainers_adapters.remote_engine import RemoteRolloutEngine
 
 TARGET_THROUGHPUT_RATIO = 0.9  # server samples/s over in-process samples/s
 CLIENT_TIMEOUT_S = 300.0  # the longest wait for the server's next bytes: a stuck server fails the run

@@ -44,11 +44,10 @@ import torch
 
 from benchmarks import harness
 from benchmarks.bad_pushes import TricklingPush, chunk, open_push
-from rollout import SamplingParams
+from rollout import RemoteRolloutEngine, SamplingParams
 from rollout.http.wire import LENGTH, SAFETENSORS_MEDIA_TYPE, tensors_to_bytes
 from rollout.pipelines.tiny import build_tiny_sd3
 from rollout.serve.launch import ServerProcess
-from trainers_adapters.remote_engine import RemoteRolloutEngine
 
 # Long enough to run through every probe and push (checked: it must still be running after the
 # last one); 800 steps (11 s alone on 2 CPU cores) ended before the last push. The server takes

@@ -24,10 +24,9 @@ from executors import last_resort
 from executors.bootstrap import WorkerBootstrap, worker_threads
 from executors.replica_groups import GroupRendezvous, ReplicaLayout
 from rollout.config import EngineConfig
-from rollout.engine.scheduler import SchedulerOutput, WorkerInput
 from rollout.errors import EngineDeadError, WorkerError, interrupted_reason
+from rollout.messages import RunnerOutput, SchedulerOutput, WorkerInput
 from rollout.weights.handed_over import HandedOver
-from rollout.worker.model_runner import RunnerOutput
 from rollout.worker.worker import build_worker_class, call_function, worker_methods
 
 logger = logging.getLogger(__name__)

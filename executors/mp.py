@@ -39,8 +39,8 @@ from executors.shm import (
     unpack,
 )
 from rollout.config import EngineConfig
-from rollout.engine.scheduler import WorkerInput
 from rollout.errors import EngineDeadError, WorkerError
+from rollout.messages import WorkerInput
 
 logger = logging.getLogger(__name__)
 

@@ -23,8 +23,8 @@ import torch
 from executors.base import Executor, call_wire_method, map_nested, method_to_wire
 from executors.bootstrap import WorkerBootstrap
 from rollout.config import EngineConfig
-from rollout.engine.scheduler import WorkerInput
 from rollout.errors import EngineDeadError, WorkerError
+from rollout.messages import WorkerInput
 
 logger = logging.getLogger(__name__)
 

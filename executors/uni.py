@@ -19,8 +19,8 @@ from typing import Any
 from executors.base import Executor
 from executors.bootstrap import WorkerBootstrap
 from rollout.config import EngineConfig
-from rollout.engine.scheduler import WorkerInput
 from rollout.errors import WorkerError
+from rollout.messages import WorkerInput
 from rollout.worker.worker import call_function
 
 

@@ -19,7 +19,7 @@ import time
 
 from executors.mp import MPExecutor
 from rollout import EngineConfig, RolloutEngine, SamplingParams
-from rollout.engine.scheduler import SchedulerOutput
+from rollout.messages import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 

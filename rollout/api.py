@@ -15,8 +15,6 @@ from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from rollout.weights.sync import DEFAULT_BUCKET_BYTES
-
 if TYPE_CHECKING:
     import torch
     from peft import LoraConfig
@@ -25,6 +23,11 @@ if TYPE_CHECKING:
     from rollout.outputs import RolloutOutput
     from rollout.pipelines.spec import ModelSpec
     from rollout.sampling_params import SamplingParams
+
+# The defaults the fronts share, named once: the component a weight update or a checksum concerns
+# (the denoiser, in every family's pipeline), and the size of a weight transfer's buckets.
+DEFAULT_COMPONENT = "transformer"
+DEFAULT_BUCKET_BYTES = 512 * 2**20
 
 
 @runtime_checkable
@@ -100,7 +103,7 @@ class RolloutAPI(Protocol):
         self,
         named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
         *,
-        component: str = "transformer",
+        component: str = DEFAULT_COMPONENT,
         version: int | None = None,
         mode: str = "wait",
         check_finite: bool = True,
@@ -112,7 +115,7 @@ class RolloutAPI(Protocol):
         self,
         path: str | Path,
         *,
-        component: str = "transformer",
+        component: str = DEFAULT_COMPONENT,
         version: int | None = None,
         mode: str = "wait",
         check_finite: bool = True,
@@ -136,7 +139,7 @@ class RolloutAPI(Protocol):
         dtypes: list[torch.dtype],
         shapes: list[tuple[int, ...]],
         *,
-        component: str = "transformer",
+        component: str = DEFAULT_COMPONENT,
         version: int | None = None,
         mode: str = "wait",
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
@@ -149,11 +152,11 @@ class RolloutAPI(Protocol):
         names: list[str],
         dtypes: list[torch.dtype],
         shapes: list[tuple[int, ...]],
-        component: str = "transformer",
+        component: str = DEFAULT_COMPONENT,
     ) -> None:
         """Raise ValueError if an update with these tensors would be refused."""
 
-    def weights_checksum(self, component: str = "transformer") -> str:
+    def weights_checksum(self, component: str = DEFAULT_COMPONENT) -> str:
         """SHA-256 of every weight of `component`; raises if the ranks disagree."""
 
     # LoRA adapters.
@@ -232,7 +235,7 @@ class AsyncRolloutAPI(Protocol):
         self,
         named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
         *,
-        component: str = "transformer",
+        component: str = DEFAULT_COMPONENT,
         version: int | None = None,
         mode: str = "wait",
         check_finite: bool = True,
@@ -243,7 +246,7 @@ class AsyncRolloutAPI(Protocol):
         self,
         path: str | Path,
         *,
-        component: str = "transformer",
+        component: str = DEFAULT_COMPONENT,
         version: int | None = None,
         mode: str = "wait",
         check_finite: bool = True,
@@ -265,7 +268,7 @@ class AsyncRolloutAPI(Protocol):
         dtypes: list[torch.dtype],
         shapes: list[tuple[int, ...]],
         *,
-        component: str = "transformer",
+        component: str = DEFAULT_COMPONENT,
         version: int | None = None,
         mode: str = "wait",
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
@@ -277,10 +280,10 @@ class AsyncRolloutAPI(Protocol):
         names: list[str],
         dtypes: list[torch.dtype],
         shapes: list[tuple[int, ...]],
-        component: str = "transformer",
+        component: str = DEFAULT_COMPONENT,
     ) -> None: ...
 
-    async def weights_checksum(self, component: str = "transformer") -> str: ...
+    async def weights_checksum(self, component: str = DEFAULT_COMPONENT) -> str: ...
 
     async def load_lora(
         self,

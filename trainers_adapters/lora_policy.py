@@ -16,6 +16,7 @@ import torch
 from peft import LoraConfig
 from peft.utils import get_peft_model_state_dict
 
+from rollout.api import DEFAULT_COMPONENT
 from rollout.lora.manager import (
     DIFFUSERS_LORA_FILE,
     DIFFUSERS_LORA_FILE_2,
@@ -78,7 +79,7 @@ class LoraPolicy:
         engine's next one, or `version`: a resumed run continues its checkpoint's numbering)."""
         return engine.load_lora(self.name, self.lora_state(), self.lora_config, version=version)
 
-    def load_base_weights(self, named_tensors: Mapping[str, torch.Tensor], component: str = "transformer") -> None:
+    def load_base_weights(self, named_tensors: Mapping[str, torch.Tensor], component: str = DEFAULT_COMPONENT) -> None:
         """Take the base weights the engine took with `engine.update_weights(named_tensors,
         component=...)`, so the policy re-scores with the model that sampled. Checked as the
         engine checks them (names, shapes, dtypes); a bad set is refused whole."""
@@ -94,7 +95,7 @@ class LoraPolicy:
             for name, tensor in named_tensors.items():
                 state[name].copy_(tensor)
 
-    def weights_checksum(self, component: str = "transformer") -> str:
+    def weights_checksum(self, component: str = DEFAULT_COMPONENT) -> str:
         """The digest `engine.weights_checksum(component)` gives for the same base weights."""
         return checksum(base_state(self.adapter.components[component]))
 

@@ -1,6 +1,9 @@
-"""`RemoteRolloutEngine` lives beside the server it calls (`rollout.serve.client`); it is named here
-too, where trainers have imported it from."""
+"""Deprecated alias, for one release: `RemoteRolloutEngine` is in the public table,
+`from rollout import RemoteRolloutEngine`."""
 
+from rollout.imports import warn_moved
 from rollout.serve.client import RemoteRolloutEngine
+
+warn_moved("trainers_adapters.remote_engine", "rollout")
 
 __all__ = ["RemoteRolloutEngine"]

@@ -16,9 +16,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from rollout.api import DEFAULT_BUCKET_BYTES, DEFAULT_COMPONENT
 from rollout.weights.broadcast_group import BroadcastEntry, connect, plan_buckets, send_bucket
 from rollout.weights.state import TensorSpec
-from rollout.weights.sync import DEFAULT_BUCKET_BYTES
 
 
 class WeightBroadcaster:
@@ -49,7 +49,7 @@ class WeightBroadcaster:
         names = list(named_tensors)
         dtypes = [named_tensors[n].dtype for n in names]
         shapes = [tuple(named_tensors[n].shape) for n in names]
-        engine.check_weight_update(names, dtypes, shapes, kwargs.get("component", "transformer"))
+        engine.check_weight_update(names, dtypes, shapes, kwargs.get("component", DEFAULT_COMPONENT))
         with ThreadPoolExecutor(max_workers=1) as pool:
             receiving = pool.submit(
                 engine.update_weights_from_distributed, names, dtypes, shapes, bucket_bytes=bucket_bytes, **kwargs

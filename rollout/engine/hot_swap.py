@@ -19,11 +19,12 @@ from typing import TYPE_CHECKING
 import torch
 from peft import LoraConfig
 
+from rollout.api import DEFAULT_BUCKET_BYTES, DEFAULT_COMPONENT
 from rollout.errors import EngineDeadError, WorkerError
 from rollout.weights.broadcast_group import BroadcastEntry
 from rollout.weights.safetensors_files import safetensors_files
 from rollout.weights.state import TensorSpec
-from rollout.weights.sync import DEFAULT_BUCKET_BYTES, StagedPush, WeightSync
+from rollout.weights.sync import StagedPush, WeightSync
 from rollout.weights.versions import WeightVersions
 
 if TYPE_CHECKING:
@@ -92,7 +93,7 @@ class HotSwap:
         self,
         named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
         *,
-        component: str = "transformer",
+        component: str = DEFAULT_COMPONENT,
         version: int | None = None,
         mode: str = "wait",
         check_finite: bool = True,
@@ -124,7 +125,11 @@ class HotSwap:
         return self._update(self._weight_sync.push, push_args, component, version, mode)
 
     def open_weight_push(
-        self, *, component: str = "transformer", check_finite: bool = True, bucket_bytes: int = DEFAULT_BUCKET_BYTES
+        self,
+        *,
+        component: str = DEFAULT_COMPONENT,
+        check_finite: bool = True,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     ) -> StagedPush:
         """`update_weights` in parts, for a caller whose tensors arrive over time (the HTTP
         server's streamed push): `push.add(pairs)` stages them, a call of its own each, and the
@@ -185,7 +190,7 @@ class HotSwap:
         self,
         path: str | Path,
         *,
-        component: str = "transformer",
+        component: str = DEFAULT_COMPONENT,
         version: int | None = None,
         mode: str = "wait",
         check_finite: bool = True,
@@ -227,7 +232,7 @@ class HotSwap:
         dtypes: list[torch.dtype],
         shapes: list[tuple[int, ...]],
         *,
-        component: str = "transformer",
+        component: str = DEFAULT_COMPONENT,
         version: int | None = None,
         mode: str = "wait",
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
@@ -248,7 +253,7 @@ class HotSwap:
         names: list[str],
         dtypes: list[torch.dtype],
         shapes: list[tuple[int, ...]],
-        component: str = "transformer",
+        component: str = DEFAULT_COMPONENT,
     ) -> None:
         """Raise ValueError if an update with these tensors would be refused (a trainer checks before
         it broadcasts, so receivers are never left waiting for a refused update)."""
@@ -257,7 +262,7 @@ class HotSwap:
         entries = _broadcast_entries(names, dtypes, shapes)
         self._weight_sync.check_specs({e.name: e.spec for e in entries}, component)
 
-    def weights_checksum(self, component: str = "transformer") -> str:
+    def weights_checksum(self, component: str = DEFAULT_COMPONENT) -> str:
         """SHA-256 of every weight of `component`; raises if the ranks disagree."""
         self._check_component(component)
         self.check_awake()

@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass, field
 
 from rollout.input_images import InputImages
+from rollout.messages import NewRequestData
 from rollout.node_id import NamedByNode, NodeId
 from rollout.sampling_params import SamplingParams
 from rollout.seeding import derive_seed
@@ -25,28 +26,6 @@ class RequestStatus(enum.Enum):
     RUNNING = "running"  # admitted to a rank; that worker holds its state once first scheduled
     FINISHED = "finished"
     ABORTED = "aborted"
-
-
-@dataclass(frozen=True)
-class NewRequestData:
-    """Wire format: everything a worker needs to start a request, sent once; later steps send only
-    the id. `params` are resolved against the model (`ModelSpec.resolve`): no default left open."""
-
-    request_id: str
-    prompt: str
-    params: SamplingParams
-    init_noise_seed: int
-    step_noise_seed: int
-    images: InputImages | None = None  # an edit's input images, encoded by the worker (once per digest)
-
-
-@dataclass(frozen=True)
-class Fork:
-    """Wire format: split request `parent_id` into children that continue from its latents, each
-    with its own step-noise seed. The parent's state becomes the children's."""
-
-    parent_id: str
-    children: tuple[tuple[str, int], ...]  # (child id, step-noise seed), in child order
 
 
 @dataclass

@@ -29,11 +29,11 @@ from rollout.engine.shared_parts import SharedTreeParts
 from rollout.engine.step_report import StepReport
 from rollout.errors import EngineDeadError, RequestFailedError, interrupted_reason
 from rollout.input_images import InputImages, images_per_prompt
+from rollout.messages import FinishedRequest
 from rollout.node_id import NodeId
 from rollout.outputs import RequestTimings, RolloutOutput
 from rollout.sampling_params import SamplingParams
 from rollout.seeding import derive_seed, fresh_base_seed
-from rollout.worker.model_runner import FinishedRequest
 from rollout.worker.sent_conditions import ReceivedConditions
 
 logger = logging.getLogger(__name__)

@@ -9,37 +9,10 @@ requests of several shapes, it serves the least recently stepped group first.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 
-from rollout.engine.request import Fork, NewRequestData, Request, RequestStatus
+from rollout.engine.request import Request, RequestStatus
+from rollout.messages import Fork, SchedulerOutput, WorkerInput
 from rollout.node_id import NodeId
-
-
-@dataclass
-class WorkerInput:
-    """Wire format of one engine step for one worker."""
-
-    new_requests: list[NewRequestData] = field(default_factory=list)  # first step: full data
-    forks: list[Fork] = field(default_factory=list)  # tree rollouts: split these (after new ones start)
-    step_ids: list[str] = field(default_factory=list)  # denoise these one step (new ones included)
-    free_ids: list[str] = field(default_factory=list)  # aborted: drop their state
-    encoder_generation: int = 0  # the text encoders' weights now (the engine counts their changes)
-
-    @property
-    def is_empty(self) -> bool:
-        return not (self.new_requests or self.forks or self.step_ids or self.free_ids)
-
-
-@dataclass
-class SchedulerOutput:
-    """What the scheduler decided for one engine step: one `WorkerInput` per rank."""
-
-    worker_inputs: dict[int, WorkerInput]
-    branched: list[tuple[Request, list[Request]]] = field(default_factory=list)  # (parent, its children)
-
-    @property
-    def is_empty(self) -> bool:
-        return all(w.is_empty for w in self.worker_inputs.values())
 
 
 class Scheduler:
@@ -130,11 +103,8 @@ class Scheduler:
             for rank, ids in self._pending_frees.items()
         }
         self._pending_frees = {rank: [] for rank in range(self.num_ranks)}
-        branched = [
-            (parent, self._branch(parent, inputs[parent.rank]))
-            for parent in list(self.running.values())
-            if parent.branches_now
-        ]
+        for parent in [request for request in self.running.values() if request.branches_now]:
+            self._branch(parent, inputs[parent.rank])
         for rank, work in inputs.items():
             for request in self._next_batch(rank):
                 self._start(request, work)
@@ -142,7 +112,7 @@ class Scheduler:
                 request.steps_done += 1
                 work.step_ids.append(request.request_id)
         self._tick += 1
-        return SchedulerOutput(worker_inputs=inputs, branched=branched)
+        return SchedulerOutput(worker_inputs=inputs)
 
     def _start(self, request: Request, work: WorkerInput) -> None:
         """Send a request's full data with its first step (or its first fork)."""

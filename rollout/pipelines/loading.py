@@ -18,8 +18,6 @@ from rollout.pipelines.quiet import quietly
 logger = logging.getLogger(__name__)
 
 ADAPTERS = adapters_by_pipeline()
-# The registry's earlier form, pipeline class -> "module:AdapterClass", kept for its callers.
-FAMILIES = {name: f"{adapter.__module__}:{adapter.__name__}" for name, adapter in ADAPTERS.items()}
 
 
 def adapter_class(pipeline_class: str) -> type:

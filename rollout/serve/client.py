@@ -31,6 +31,7 @@ import torch
 from peft import LoraConfig
 from tqdm.auto import tqdm
 
+from rollout.api import DEFAULT_BUCKET_BYTES, DEFAULT_COMPONENT
 from rollout.config import EngineConfig
 from rollout.errors import EngineDeadError
 from rollout.http.wire import (
@@ -52,7 +53,6 @@ from rollout.serve.instance import InstanceCheck
 from rollout.serve.routes import ROUTES, body_json, path
 from rollout.serve.socket_post import AnswerTimedOut, ConnectionFailed, SocketTarget, post_chunked
 from rollout.serve.weight_stream import weight_frames
-from rollout.weights.sync import DEFAULT_BUCKET_BYTES
 
 WEIGHT_PUSHES = ("socket", "httpx")  # RemoteRolloutEngine(weight_push=...)
 CONNECT_TIMEOUT_S = 10.0
@@ -262,7 +262,7 @@ class RemoteRolloutEngine:
         self,
         named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
         *,
-        component: str = "transformer",
+        component: str = DEFAULT_COMPONENT,
         version: int | None = None,
         mode: str = "wait",
         check_finite: bool = True,
@@ -292,7 +292,7 @@ class RemoteRolloutEngine:
         self,
         path: str | Path,
         *,
-        component: str = "transformer",
+        component: str = DEFAULT_COMPONENT,
         version: int | None = None,
         mode: str = "wait",
         check_finite: bool = True,
@@ -333,7 +333,7 @@ class RemoteRolloutEngine:
         dtypes: list[torch.dtype],
         shapes: list[tuple[int, ...]],
         *,
-        component: str = "transformer",
+        component: str = DEFAULT_COMPONENT,
         version: int | None = None,
         mode: str = "wait",
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
@@ -354,11 +354,11 @@ class RemoteRolloutEngine:
         names: list[str],
         dtypes: list[torch.dtype],
         shapes: list[tuple[int, ...]],
-        component: str = "transformer",
+        component: str = DEFAULT_COMPONENT,
     ) -> None:
         self._call("check_weight_update", **_tensor_layout(names, dtypes, shapes), component=component)
 
-    def weights_checksum(self, component: str = "transformer") -> str:
+    def weights_checksum(self, component: str = DEFAULT_COMPONENT) -> str:
         self.model_spec.check_component(component)
         return self._call("weights_checksum", component=component)
 

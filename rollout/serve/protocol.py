@@ -17,9 +17,9 @@ from typing import Annotated, Any, Literal
 import pydantic
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
+from rollout.api import DEFAULT_BUCKET_BYTES, DEFAULT_COMPONENT
 from rollout.engine.async_engine import PAUSE_MODES
 from rollout.sampling_params import SamplingParams
-from rollout.weights.sync import DEFAULT_BUCKET_BYTES
 
 STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 Positive = Annotated[int, Field(gt=0)]
@@ -77,7 +77,7 @@ class PauseBody(Body):
 class UpdateFromTensorBody(Body):
     """The options of /update_weights_from_tensor, in its safetensors body's metadata "request"."""
 
-    component: str = "transformer"
+    component: str = DEFAULT_COMPONENT
     version: int | None = None
     mode: Literal["wait", "pause"] = "wait"
     check_finite: bool = True  # refuse NaN and infinity (the engine's default)
@@ -95,7 +95,7 @@ class LoadLoraTensorsBody(Body):
 
 class UpdateFromDiskBody(Body):
     model_path: str  # a .safetensors file or a diffusers component folder, on the server's machine
-    component: str = "transformer"
+    component: str = DEFAULT_COMPONENT
     version: int | None = None
     mode: Literal["wait", "pause"] = "wait"
     check_finite: bool = True
@@ -113,7 +113,7 @@ class UnloadLoraBody(Body):
 
 
 class ChecksumBody(Body):
-    component: str = "transformer"
+    component: str = DEFAULT_COMPONENT
 
 
 class ReleaseMemoryBody(Body):
@@ -133,7 +133,7 @@ class UpdateFromDistributedBody(Body):
     names: list[str]
     dtypes: list[str]  # torch dtype names: "float32", "bfloat16", ...
     shapes: list[list[Annotated[int, Field(ge=0)]]]
-    component: str = "transformer"
+    component: str = DEFAULT_COMPONENT
     version: int | None = None
     mode: Literal["wait", "pause"] = "wait"
     bucket_bytes: Positive = DEFAULT_BUCKET_BYTES
@@ -144,7 +144,7 @@ class CheckWeightUpdateBody(Body):
     names: list[str]
     dtypes: list[str]
     shapes: list[list[Annotated[int, Field(ge=0)]]]
-    component: str = "transformer"
+    component: str = DEFAULT_COMPONENT
 
 
 class CollectiveRpcBody(Body):

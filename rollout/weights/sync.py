@@ -24,8 +24,6 @@ from rollout.weights.handed_over import HandedOver
 from rollout.weights.safetensors_files import read_specs
 from rollout.weights.state import TensorSpec, refusal_message, spec_problem, update_problems
 
-DEFAULT_BUCKET_BYTES = 512 * 2**20
-
 
 class WeightSync:
     def __init__(self, collective_rpc: Callable):

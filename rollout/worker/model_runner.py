@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rollout.engine.request import Fork, NewRequestData
 from rollout.lora.manager import LoraManager
+from rollout.messages import FinishedRequest, Fork, NewRequestData
 from rollout.outputs import Trajectory
 from rollout.pipelines.condition import Condition, PromptEmbeds
 from rollout.pipelines.guidance import Guidance
@@ -31,7 +31,7 @@ from rollout.pipelines.spec import ModelSpec
 from rollout.samplers import get_sampler
 from rollout.seeding import make_generator
 from rollout.worker.path_history import PathHistory
-from rollout.worker.sent_conditions import ConditionKeys, SentConditions
+from rollout.worker.sent_conditions import SentConditions
 
 logger = logging.getLogger(__name__)
 
@@ -79,37 +79,6 @@ class RequestState:
         """Images digest -> their encoding, for the input images this request holds (an edit)."""
         images = self.data.images
         return {} if images is None else {images.digest: self.condition.images}
-
-
-@dataclass
-class FinishedRequest:
-    request_id: str
-    image: torch.Tensor | None  # [3, H, W] uint8, CPU
-    video: torch.Tensor | None  # [F, 3, H, W] uint8, CPU (video models)
-    latents: torch.Tensor | None  # final latents, CPU float32, for output_type "latent"
-    # Its `condition` is None until the engine attaches the embeddings that `condition` numbers.
-    trajectory: Trajectory | None
-    condition: ConditionKeys | None = None
-    # Per series of the trajectory, the tree node each inherited part came from, so the engine can
-    # share the parts of one node between leaves that arrive in different steps.
-    part_nodes: dict[str, list[str]] = field(default_factory=dict)
-
-
-@dataclass
-class RunnerOutput:
-    """What one worker returns for one engine step."""
-
-    finished: list[FinishedRequest] = field(default_factory=list)
-    # Requests that failed alone in this step: request id -> "ErrorType: message". The worker holds
-    # no state for them any more; their batch-mates went on.
-    failed: dict[str, str] = field(default_factory=dict)
-    # Text embeddings sent for the first time (number -> CPU float32 copy), and the numbers no
-    # request on the worker uses any more (see `rollout.worker.sent_conditions`).
-    embeds: dict[int, PromptEmbeds] = field(default_factory=dict)
-    released_embeds: tuple[int, ...] = ()
-    compute_s: float = 0.0  # time spent in this worker's step, for overhead accounting
-    transformer_rows: int = 0  # rows through the transformer in this step (CFG and experts count)
-    transformer_s: float = 0.0  # seconds in the transformer's forwards (see ForwardTally)
 
 
 class BatchLost(RuntimeError):

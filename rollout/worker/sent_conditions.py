@@ -18,21 +18,11 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 import torch
 
+from rollout.messages import ConditionKeys
 from rollout.pipelines.condition import Condition, PromptEmbeds
-
-
-@dataclass(frozen=True)
-class ConditionKeys:
-    """A finished sample's condition as the numbers its worker gave its embeddings (an edit's
-    encoded input images too)."""
-
-    prompt: int
-    negative: int | None = None
-    images: int | None = None
 
 
 class SentConditions:

@@ -14,9 +14,9 @@ from typing import Any
 import torch
 
 from rollout.config import EngineConfig
-from rollout.engine.scheduler import WorkerInput
 from rollout.imports import import_by_path
 from rollout.lora.manager import LoraManager, read_lora_folder
+from rollout.messages import RunnerOutput, WorkerInput
 from rollout.parallel.cfg import CfgParallelPasses
 from rollout.parallel.group_failures import FailureAgreement, GroupOutOfStep
 from rollout.parallel.sequence import (
@@ -31,7 +31,7 @@ from rollout.pipelines.spec import ModelSpec
 from rollout.weights.broadcast_group import BroadcastEntry, connect, receive_bucket
 from rollout.weights.regular_files import check_regular
 from rollout.weights.state import StagedUpdates, TensorSpec, base_state, checksum, specs_of
-from rollout.worker.model_runner import BatchLost, ModelRunner, RequestState, RunnerOutput, describe
+from rollout.worker.model_runner import BatchLost, ModelRunner, RequestState, describe
 from rollout.worker.progress import Progress
 from rollout.worker.sent_conditions import SentConditions
 from rollout.worker.sleep import Sleeper

@@ -23,10 +23,9 @@ from typing import Any
 from executors.base import STARTUP, Executor
 from executors.bootstrap import WorkerBootstrap
 from rollout.config import EngineConfig
-from rollout.engine.scheduler import WorkerInput
 from rollout.errors import WorkerError
+from rollout.messages import RunnerOutput, WorkerInput
 from rollout.pipelines.spec import ModelSpec
-from rollout.worker.model_runner import RunnerOutput
 
 # What a tiny SD3 reports, so an engine can check requests against it.
 FAKE_SPEC = ModelSpec(

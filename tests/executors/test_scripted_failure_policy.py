@@ -12,9 +12,8 @@ import pytest
 
 from executors.base import STARTUP, Executor
 from rollout import EngineConfig, RolloutEngine, SamplingParams
-from rollout.engine.scheduler import SchedulerOutput, WorkerInput
 from rollout.errors import EngineDeadError, WorkerError
-from rollout.worker.model_runner import RunnerOutput
+from rollout.messages import RunnerOutput, SchedulerOutput, WorkerInput
 from tests.executors.fake_executor import Answer, Fails, Hangs, ProgressingExecutor, Raises, ScriptedExecutor, Slow
 
 pytestmark = pytest.mark.timeout(30)

@@ -105,8 +105,7 @@ def test_two_replicas_of_two_ranks_equal_one_worker(tiny_models, reference, trai
 def test_a_replica_s_step_goes_to_every_rank_of_its_group_and_its_leader_answers(tmp_path):
     """Over the scripted transport (no process, no model): the base's routing of steps and RPCs,
     and the rendezvous folder's lifetime."""
-    from rollout.engine.scheduler import SchedulerOutput, WorkerInput
-    from rollout.worker.model_runner import RunnerOutput
+    from rollout.messages import RunnerOutput, SchedulerOutput, WorkerInput
     from tests.executors.fake_executor import Answer, ScriptedExecutor
 
     (tmp_path / "model_index.json").write_text('{"_class_name": "FluxPipeline"}')
@@ -136,9 +135,8 @@ def test_a_step_failed_on_one_rank_of_a_group_kills_the_engine_and_names_the_ran
     """Over the scripted transport: rank 1 fails its step and rank 0 never answers (it waits in a
     collective); the base reports rank 1's error, not a timeout, and stops every worker. A follower
     that dropped a request its leader kept is out of step too."""
-    from rollout.engine.scheduler import SchedulerOutput, WorkerInput
+    from rollout.messages import RunnerOutput, SchedulerOutput, WorkerInput
     from rollout.parallel.group_failures import GroupOutOfStep
-    from rollout.worker.model_runner import RunnerOutput
     from tests.executors.fake_executor import Answer, Fails, Hangs, ScriptedExecutor
 
     (tmp_path / "model_index.json").write_text('{"_class_name": "FluxPipeline"}')
@@ -251,8 +249,8 @@ def test_a_group_of_two_ray_actors_equals_one_worker(ray_cluster, tiny_models, r
 
 @pytest.mark.slow  # a server process and its two worker processes
 def test_a_server_with_sequence_parallel_serves_what_one_worker_samples(tiny_models):
+    from rollout import RemoteRolloutEngine
     from rollout.serve.launch import ServerProcess
-    from trainers_adapters.remote_engine import RemoteRolloutEngine
 
     model = tiny_models("flux")
     params = FAMILIES["flux"].params(cfg=True, num_inference_steps=3, num_samples=2, seed=4, sde_window=(0, 2))

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from rollout import RemoteRolloutEngine
 from rollout.serve.launch import ServerProcess
-from trainers_adapters.remote_engine import RemoteRolloutEngine
 
 API_KEY = "test-key-0123456789"
 EXTENSION = "tests.serve.worker_extension.ServeTestExtension"

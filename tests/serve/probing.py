@@ -13,8 +13,8 @@ from pathlib import Path
 import httpx
 import torch
 
+from rollout import RemoteRolloutEngine
 from rollout.serve.launch import ServerProcess
-from trainers_adapters.remote_engine import RemoteRolloutEngine
 
 # The docs promise /health within a second; twice that on a loaded machine (as benchmarks.serve_probes).
 HEALTH_BOUND_S = 2.0

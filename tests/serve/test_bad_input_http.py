@@ -14,7 +14,7 @@ import httpx
 import pytest
 import torch
 
-from rollout import SamplingParams
+from rollout import RemoteRolloutEngine, SamplingParams
 from rollout.http.frame_views import frame_pieces
 from rollout.http.wire import FRAMES_MEDIA_TYPE, SAFETENSORS_MEDIA_TYPE, tensors_to_bytes
 from rollout.serve.launch import ServerProcess
@@ -22,7 +22,6 @@ from rollout.serve.routes import body_json
 from rollout.weights.state import base_state
 from tests.executors.worker_functions import wait_gone
 from tests.serve.conftest import API_KEY, EXTENSION
-from trainers_adapters.remote_engine import RemoteRolloutEngine
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -12,8 +12,8 @@ import pytest
 import recipes.config
 from recipes.config import load_config
 from recipes.grpo import run
+from rollout import RemoteRolloutEngine
 from rollout.serve import API_KEY_ENV
-from trainers_adapters.remote_engine import RemoteRolloutEngine
 
 NO_KEY = rf"requires an API key, and this client has none: export {API_KEY_ENV}=<key>, or pass .*api_key="
 

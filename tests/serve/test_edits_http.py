@@ -12,13 +12,12 @@ import pytest
 import torch
 from PIL import Image
 
-from rollout import EngineConfig, RolloutEngine
+from rollout import EngineConfig, RemoteRolloutEngine, RolloutEngine
 from rollout.http.wire import FRAMES_MEDIA_TYPE, SAFETENSORS_MEDIA_TYPE, FrameReader, OutputDecoder, tensors_to_bytes
 from rollout.serve.launch import ServerProcess
 from tests.families import FAMILIES, input_image
 from tests.serve.conftest import API_KEY
 from tests.serve.test_generate_http import assert_same_output
-from trainers_adapters.remote_engine import RemoteRolloutEngine
 
 pytestmark = pytest.mark.timeout(240)
 

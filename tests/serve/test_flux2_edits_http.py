@@ -9,14 +9,13 @@ import json
 import httpx
 import pytest
 
-from rollout import EngineConfig, RolloutEngine
+from rollout import EngineConfig, RemoteRolloutEngine, RolloutEngine
 from rollout.http.wire import SAFETENSORS_MEDIA_TYPE, FrameReader, images_to_tensors, tensors_to_bytes
 from rollout.input_images import InputImages
 from rollout.serve.launch import ServerProcess
 from tests.families import FAMILIES, input_image
 from tests.serve.conftest import API_KEY
 from tests.serve.test_generate_http import assert_same_output
-from trainers_adapters.remote_engine import RemoteRolloutEngine
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

@@ -10,9 +10,8 @@ import httpx
 import pytest
 import torch
 
-from rollout import NodeId, SamplingParams
+from rollout import NodeId, RemoteRolloutEngine, SamplingParams
 from tests.serve.conftest import API_KEY
-from trainers_adapters.remote_engine import RemoteRolloutEngine
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -51,8 +51,8 @@ def front(request, tiny_model):
 
 @pytest.fixture(scope="module")
 def remote_client(server):
+    from rollout import RemoteRolloutEngine
     from tests.serve.conftest import API_KEY
-    from trainers_adapters.remote_engine import RemoteRolloutEngine
 
     with RemoteRolloutEngine(server.url, api_key=API_KEY) as client:
         yield client

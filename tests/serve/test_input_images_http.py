@@ -15,13 +15,12 @@ import pytest
 import torch
 
 from benchmarks.serve_probes import png_of_zeros
-from rollout import SamplingParams
+from rollout import RemoteRolloutEngine, SamplingParams
 from rollout.http.wire import SAFETENSORS_MEDIA_TYPE, tensors_to_bytes
 from rollout.serve.launch import ServerProcess
 from tests.families import FAMILIES, input_image
 from tests.serve.conftest import API_KEY
 from tests.serve.probing import refused_beside_a_good_request
-from trainers_adapters.remote_engine import RemoteRolloutEngine
 
 pytestmark = pytest.mark.timeout(240)
 

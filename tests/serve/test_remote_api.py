@@ -4,8 +4,8 @@ import inspect
 
 import pytest
 
+from rollout import RemoteRolloutEngine
 from rollout.engine.rollout_engine import RolloutEngine
-from trainers_adapters.remote_engine import RemoteRolloutEngine
 
 # What the async engine's loop drives the in-process engine with (a trainer never calls these),
 # what watches this process's engine (a server's steps are the server's to observe), what a server

@@ -10,12 +10,12 @@ import threading
 import httpx
 import pytest
 
+from rollout import RemoteRolloutEngine
 from rollout.errors import EngineDeadError
 from rollout.http.wire import WireError
 from rollout.serve.instance import INSTANCE_HEADER, WEIGHT_VERSION_HEADER
 from rollout.serve.routes import ROUTES
 from tests.serve.conftest import API_KEY
-from trainers_adapters.remote_engine import RemoteRolloutEngine
 
 pytestmark = pytest.mark.timeout(120)
 

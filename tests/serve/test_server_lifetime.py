@@ -11,13 +11,12 @@ import time
 
 import pytest
 
-from rollout import SamplingParams
+from rollout import RemoteRolloutEngine, SamplingParams
 from rollout.errors import EngineDeadError
 from rollout.serve.launch import ServerProcess
 from tests.executors.worker_functions import wait_gone
 from tests.serve.conftest import API_KEY, EXTENSION
 from trainers_adapters.lora_policy import LoraPolicy
-from trainers_adapters.remote_engine import RemoteRolloutEngine
 
 STEP_DELAY_S = 0.5
 

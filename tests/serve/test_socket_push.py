@@ -15,6 +15,7 @@ import httpx
 import pytest
 import torch
 
+from rollout import RemoteRolloutEngine
 from rollout.errors import EngineDeadError
 from rollout.http.wire import FRAMES_MEDIA_TYPE
 from rollout.pipelines.loading import load_adapter
@@ -23,7 +24,6 @@ from rollout.serve.socket_post import SocketTarget, post_chunked
 from rollout.serve.weight_stream import weight_frames
 from rollout.weights.state import base_state, checksum
 from tests.serve.conftest import API_KEY
-from trainers_adapters.remote_engine import RemoteRolloutEngine
 
 pytestmark = pytest.mark.timeout(240)
 PATHS = ("socket", "httpx")

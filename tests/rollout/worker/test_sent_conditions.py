@@ -9,7 +9,7 @@ import torch
 
 from executors.uni import UniExecutor
 from rollout import EngineConfig, RolloutEngine, SamplingParams
-from rollout.worker.sent_conditions import ConditionKeys
+from rollout.messages import ConditionKeys
 
 
 class RecordingExecutor(UniExecutor):
