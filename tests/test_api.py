@@ -98,3 +98,34 @@ def test_the_server_mounts_exactly_the_route_table(tiny_model):
     # The schema lists every route but its own pages (/openapi.json and /docs).
     served = {(method.upper(), path) for path, item in app.openapi()["paths"].items() for method in item}
     assert served == {(route.method, route.path) for route in ROUTES.values()}
+
+
+def test_the_public_table_names_each_object_where_it_lives_and_import_rollout_loads_nothing():
+    import subprocess
+    import sys
+
+    import rollout
+
+    for name in rollout.__all__:
+        value = getattr(rollout, name)
+        assert value.__name__ == name and value.__module__ == rollout.PUBLIC_NAMES[name], name
+    with pytest.raises(AttributeError, match="no attribute 'Engine'"):
+        rollout.Engine  # noqa: B018
+    script = (
+        "import sys, rollout\n"
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'diffusers', 'fastapi'}))"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True)
+    assert done.stdout.strip() == "[]"
+
+
+def test_the_old_remote_engine_path_still_works_for_a_release_and_says_where_to_go():
+    import importlib
+    import sys
+
+    import rollout
+
+    sys.modules.pop("trainers_adapters.remote_engine", None)
+    with pytest.warns(DeprecationWarning, match="trainers_adapters.remote_engine moved to rollout"):
+        old = importlib.import_module("trainers_adapters.remote_engine")
+    assert old.RemoteRolloutEngine is rollout.RemoteRolloutEngine

@@ -172,3 +172,63 @@ sys.exit(1 if failed else 0)
 """
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=170)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+# The layers, top to bottom: a module imports only its own layer and those below it. The worker's
+# features (weights, LoRA, parallel groups) sit with the worker, and so does the wire format both
+# HTTP services share (rollout.http reads tensors as the weights' files do), under all that serves.
+LAYERS = {
+    "rollout.serve": 5,
+    "rollout.engine": 4,
+    "executors": 3,
+    "rollout.worker": 2,
+    "rollout.weights": 2,
+    "rollout.lora": 2,
+    "rollout.parallel": 2,
+    "rollout.http": 2,
+    "rollout.pipelines": 1,
+    "rollout.samplers": 1,
+}
+# rollout's own top-level modules are the vocabulary every layer speaks (configs, parameters,
+# outputs, errors, the step messages): they import only each other and the pipelines and samplers.
+VOCABULARY_MAY_IMPORT = ("rollout.pipelines", "rollout.samplers")
+
+
+def layer_of(name: str) -> int | None:
+    for package, layer in LAYERS.items():
+        if name == package or name.startswith(package + "."):
+            return layer
+    return None
+
+
+def is_vocabulary(name: str, modules: dict[str, Path]) -> bool:
+    """A module at rollout's top level (rollout/x.py), not the package's public table."""
+    return name.count(".") == 1 and name.startswith("rollout.") and modules[name].name != "__init__.py"
+
+
+def direction_violations(modules: dict[str, Path]) -> list[str]:
+    found = []
+    for name, path in sorted(modules.items()):
+        for target in sorted(imported_modules(name, path, modules)):
+            if is_vocabulary(name, modules):
+                if not (is_vocabulary(target, modules) or target.startswith(VOCABULARY_MAY_IMPORT)):
+                    found.append(f"{name} (rollout's vocabulary) imports {target}")
+            elif (mine := layer_of(name)) is not None and (theirs := layer_of(target)) is not None and theirs > mine:
+                found.append(f"{name} (layer {mine}) imports {target} (layer {theirs}, above it)")
+    return found
+
+
+def test_imports_go_down_the_layers():
+    """serve -> engine -> executors -> worker (and its weights, LoRA, parallel groups) -> pipelines
+    and samplers; rollout's top-level modules import only each other and the pipelines and samplers."""
+    assert direction_violations(project_modules()) == []
+
+
+def test_a_worker_module_importing_the_engine_is_named_with_both_modules(tmp_path):
+    modules = project_modules()
+    bad = tmp_path / "bad.py"
+    bad.write_text("from rollout.engine.scheduler import Scheduler\n")
+    modules["rollout.worker.bad"] = bad
+    assert "rollout.worker.bad (layer 2) imports rollout.engine.scheduler (layer 4, above it)" in (
+        direction_violations(modules)
+    )
