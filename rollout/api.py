@@ -11,6 +11,7 @@ An implementation may add keyword-only parameters with defaults (hooks its own c
 
 from __future__ import annotations
 
+import functools
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -191,6 +192,15 @@ class RolloutAPI(Protocol):
     def shutdown(self) -> None: ...
 
 
+def _coroutine(declared: Callable) -> Callable:
+    """`declared` (a `RolloutAPI` call) declared as a coroutine: same signature and docs."""
+
+    @functools.wraps(declared)
+    async def coroutine(self, *args, **kwargs): ...
+
+    return coroutine
+
+
 @runtime_checkable
 class AsyncRolloutAPI(Protocol):
     """`RolloutAPI` for asyncio callers: the same calls as coroutines, many callers at once,
@@ -213,92 +223,25 @@ class AsyncRolloutAPI(Protocol):
     ) -> AsyncIterator[RolloutOutput]:
         """`generate`, yielding each output as it finishes."""
 
-    async def abort(self, request_ids: str | Iterable[str]) -> list[RolloutOutput]: ...
-
     async def pause(self, mode: str = "abort") -> None:
         """Stop stepping: "abort" the unfinished requests, "wait" for the running ones, or "keep" them."""
 
     async def resume(self) -> None: ...
 
-    async def collective_rpc(
-        self,
-        method: str | Callable,
-        args: Sequence = (),
-        kwargs: dict | None = None,
-        timeout: float | None = None,
-        ranks: Sequence[int] | None = None,
-    ) -> list[Any]: ...
+    # The rest are `RolloutAPI`'s calls as they are, as coroutines.
 
-    async def check_health(self) -> None: ...
-
-    async def update_weights(
-        self,
-        named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
-        *,
-        component: str = DEFAULT_COMPONENT,
-        version: int | None = None,
-        mode: str = "wait",
-        check_finite: bool = True,
-        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-    ) -> int: ...
-
-    async def update_weights_from_disk(
-        self,
-        path: str | Path,
-        *,
-        component: str = DEFAULT_COMPONENT,
-        version: int | None = None,
-        mode: str = "wait",
-        check_finite: bool = True,
-    ) -> int: ...
-
-    async def init_weight_update_group(
-        self,
-        master_address: str,
-        master_port: int,
-        rank_offset: int,
-        world_size: int,
-        backend: str = "gloo",
-        timeout_s: float = 300.0,
-    ) -> list[int]: ...
-
-    async def update_weights_from_distributed(
-        self,
-        names: list[str],
-        dtypes: list[torch.dtype],
-        shapes: list[tuple[int, ...]],
-        *,
-        component: str = DEFAULT_COMPONENT,
-        version: int | None = None,
-        mode: str = "wait",
-        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-        check_finite: bool = True,
-    ) -> int: ...
-
-    async def check_weight_update(
-        self,
-        names: list[str],
-        dtypes: list[torch.dtype],
-        shapes: list[tuple[int, ...]],
-        component: str = DEFAULT_COMPONENT,
-    ) -> None: ...
-
-    async def weights_checksum(self, component: str = DEFAULT_COMPONENT) -> str: ...
-
-    async def load_lora(
-        self,
-        name: str,
-        source: str | Path | Mapping[str, torch.Tensor],
-        config: LoraConfig | Mapping | None = None,
-        *,
-        version: int | None = None,
-        check_finite: bool = True,
-    ) -> int: ...
-
-    async def unload_lora(self, name: str) -> None: ...
-
-    async def sleep(self, level: int = 1) -> None: ...
-
-    async def wake_up(self) -> None: ...
+    abort = _coroutine(RolloutAPI.abort)
+    collective_rpc = _coroutine(RolloutAPI.collective_rpc)
+    check_health = _coroutine(RolloutAPI.check_health)
+    update_weights = _coroutine(RolloutAPI.update_weights)
+    update_weights_from_disk = _coroutine(RolloutAPI.update_weights_from_disk)
+    init_weight_update_group = _coroutine(RolloutAPI.init_weight_update_group)
+    update_weights_from_distributed = _coroutine(RolloutAPI.update_weights_from_distributed)
+    check_weight_update = _coroutine(RolloutAPI.check_weight_update)
+    weights_checksum = _coroutine(RolloutAPI.weights_checksum)
+    load_lora = _coroutine(RolloutAPI.load_lora)
+    unload_lora = _coroutine(RolloutAPI.unload_lora)
+    sleep = _coroutine(RolloutAPI.sleep)
+    wake_up = _coroutine(RolloutAPI.wake_up)
 
     def shutdown(self) -> None: ...
