@@ -47,14 +47,7 @@ def test_reward_rises_on_every_seed(tmp_path, tiny_models, config_name, family, 
             [
                 f"model.path={tiny_models(family)}",
                 f"output_dir={out}",
-                f"seed={seed}",
-                "steps=15",
-                "prompts_per_step=2",
-                f"sampling.num_inference_steps={steps}",
-                "optimizer.learning_rate=0.02",
-                "eval.num_prompts=1",
-                "eval.num_samples=1",
-                "eval.num_inference_steps=2",
+                *learning_overrides(seed=seed, inference_steps=steps),
             ],
         )
         summary = run(config)
@@ -63,6 +56,21 @@ def test_reward_rises_on_every_seed(tmp_path, tiny_models, config_name, family, 
         assert margin > 5 * std_error, f"seed {seed}: margin {margin:.4f}, std error {std_error:.4f}"
         margins.append(margin)
     assert min(margins) > min_margin, margins
+
+
+def learning_overrides(*, seed: int = 0, steps: int = 15, inference_steps: int = 6) -> list[str]:
+    """The overrides under which a tiny GRPO recipe learns: `steps` steps of 2 prompts at learning
+    rate 0.02, and a one-sample evaluation."""
+    return [
+        f"seed={seed}",
+        f"steps={steps}",
+        "prompts_per_step=2",
+        f"sampling.num_inference_steps={inference_steps}",
+        "optimizer.learning_rate=0.02",
+        "eval.num_prompts=1",
+        "eval.num_samples=1",
+        "eval.num_inference_steps=2",
+    ]
 
 
 def reward_margin(metrics: Path) -> tuple[float, float]:
@@ -98,14 +106,7 @@ def test_the_edit_recipes_learn_to_make_their_edits_red(tmp_path, tiny_models, r
         [
             f"model.path={tiny_models(family)}",
             f"output_dir={out}",
-            "seed=1",
-            "steps=20",
-            "prompts_per_step=2",
-            "sampling.num_inference_steps=6",
-            "optimizer.learning_rate=0.02",
-            "eval.num_prompts=1",
-            "eval.num_samples=1",
-            "eval.num_inference_steps=2",
+            *learning_overrides(seed=1, steps=20),
         ],
     )
     summary = run(config)
