@@ -12,6 +12,7 @@ An implementation may add keyword-only parameters with defaults (hooks its own c
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -29,6 +30,34 @@ if TYPE_CHECKING:
 # (the denoiser, in every family's pipeline), and the size of a weight transfer's buckets.
 DEFAULT_COMPONENT = "transformer"
 DEFAULT_BUCKET_BYTES = 512 * 2**20
+
+
+def implements(declaration: Callable) -> Callable[[Callable], Callable]:
+    """Decorate an implementation of a declared call that lists its parameters' names only (the
+    declaration's, of the same kinds, in its order; else a TypeError at import): it takes the
+    declaration's signature (annotations and defaults, written once, here) and is called with every
+    argument, the declared defaults applied. Its own docstring stays (the declaration's if none)."""
+    signature = inspect.signature(declaration)
+    declared = [(p.name, p.kind) for p in signature.parameters.values()]
+
+    def decorate(implementation: Callable) -> Callable:
+        listed = [(p.name, p.kind) for p in inspect.signature(implementation).parameters.values()]
+        if listed != declared:
+            raise TypeError(
+                f"{implementation.__qualname__}{inspect.signature(implementation)} does not list {signature}"
+            )
+
+        @functools.wraps(implementation)
+        def call(*args, **kwargs):
+            bound = signature.bind(*args, **kwargs)
+            bound.apply_defaults()
+            return implementation(*bound.args, **bound.kwargs)
+
+        call.__signature__ = signature
+        call.__doc__ = implementation.__doc__ or declaration.__doc__
+        return call
+
+    return decorate
 
 
 @runtime_checkable

@@ -159,3 +159,18 @@ def test_a_client_call_binds_its_arguments_as_declared_before_sending():
     assert not hasattr(client, "sent")  # nothing was sent
     assert inspect.signature(Recorder.sleep) == inspect.signature(RolloutAPI.sleep)
     assert Recorder.sleep.__doc__ == RolloutAPI.sleep.__doc__
+
+
+def test_an_implementation_takes_the_declared_signature_and_must_list_its_names():
+    from rollout.api import implements
+
+    @implements(RolloutAPI.sleep)
+    def sleep(self, level):
+        return level
+
+    assert inspect.signature(sleep) == inspect.signature(RolloutAPI.sleep)
+    assert sleep(None) == 1 and sleep(None, level=2) == 2  # the declared default
+    with pytest.raises(TypeError, match="lvl"):
+        sleep(None, lvl=2)
+    with pytest.raises(TypeError, match="does not list"):
+        implements(RolloutAPI.sleep)(lambda self, lvl: None)

@@ -32,7 +32,7 @@ import torch
 from peft import LoraConfig
 from tqdm.auto import tqdm
 
-from rollout.api import DEFAULT_BUCKET_BYTES, DEFAULT_COMPONENT, RolloutAPI
+from rollout.api import RolloutAPI, implements
 from rollout.config import EngineConfig
 from rollout.errors import EngineDeadError
 from rollout.http.wire import (
@@ -173,14 +173,8 @@ class RemoteRolloutEngine:
 
     # Generation.
 
-    def generate(
-        self,
-        prompts: str | Sequence[str],
-        params: SamplingParams | Sequence[SamplingParams] | None = None,
-        *,
-        images: Sequence | None = None,
-        use_tqdm: bool = False,
-    ) -> list[RolloutOutput]:
+    @implements(RolloutAPI.generate)
+    def generate(self, prompts, params, *, images, use_tqdm) -> list[RolloutOutput]:
         """`RolloutEngine.generate`: outputs ordered by prompt, then sample. `images` travel as
         uint8 tensors in a safetensors body."""
         if self.has_unfinished_requests():
@@ -203,16 +197,8 @@ class RemoteRolloutEngine:
 
             return self._run(collect())
 
-    def add_request(
-        self,
-        prompt: str,
-        params: SamplingParams,
-        *,
-        images: Sequence | None = None,
-        prompt_index: int = 0,
-        request_id: str | None = None,
-        base_seed: int | None = None,
-    ) -> list[str]:
+    @implements(RolloutAPI.add_request)
+    def add_request(self, prompt, params, *, images, prompt_index, request_id, base_seed) -> list[str]:
         """`RolloutEngine.add_request`: queue one prompt's samples; returns their ids. Their outputs
         come from `step()`."""
         body = body_json(
@@ -299,16 +285,8 @@ class RemoteRolloutEngine:
     def sleep_level(self) -> int:
         return self.server_info()["sleep_level"]
 
-    def update_weights(
-        self,
-        named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
-        *,
-        component: str = DEFAULT_COMPONENT,
-        version: int | None = None,
-        mode: str = "wait",
-        check_finite: bool = True,
-        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-    ) -> int:
+    @implements(RolloutAPI.update_weights)
+    def update_weights(self, named_tensors, *, component, version, mode, check_finite, bucket_bytes) -> int:
         """`RolloutEngine.update_weights`: the tensors stream to the server in buckets of about
         `bucket_bytes`, read from `named_tensors` as they are sent (`rollout.serve.weight_stream`),
         and the server stages each bucket as it arrives. A component the model lacks is refused
@@ -340,15 +318,8 @@ class RemoteRolloutEngine:
     check_weight_update = _sent(RolloutAPI.check_weight_update, fields=_layout_fields)
     weights_checksum = _sent(RolloutAPI.weights_checksum, check_component=True)
 
-    def load_lora(
-        self,
-        name: str,
-        source: str | Path | Mapping[str, torch.Tensor],
-        config: LoraConfig | Mapping | None = None,
-        *,
-        version: int | None = None,
-        check_finite: bool = True,
-    ) -> int:
+    @implements(RolloutAPI.load_lora)
+    def load_lora(self, name, source, config, *, version, check_finite) -> int:
         """`RolloutEngine.load_lora`: a folder on the server's machine, or tensors with their config
         (sent as a safetensors body)."""
         if isinstance(source, str | Path):
