@@ -35,10 +35,11 @@ DEFAULT_BUCKET_BYTES = 512 * 2**20
 def implements(declaration: Callable) -> Callable[[Callable], Callable]:
     """Decorate an implementation of a declared call that lists its parameters' names only (the
     declaration's, of the same kinds, in its order; else a TypeError at import): it takes the
-    declaration's signature (annotations and defaults, written once, here) and is called with every
-    argument, the declared defaults applied. Its own docstring stays (the declaration's if none)."""
+    declaration's defaults and signature (annotations and defaults written once, here), and is
+    called as it is, without a wrapper. Its own docstring stays (the declaration's if none)."""
     signature = inspect.signature(declaration)
-    declared = [(p.name, p.kind) for p in signature.parameters.values()]
+    parameters = list(signature.parameters.values())
+    declared = [(p.name, p.kind) for p in parameters]
 
     def decorate(implementation: Callable) -> Callable:
         listed = [(p.name, p.kind) for p in inspect.signature(implementation).parameters.values()]
@@ -46,16 +47,13 @@ def implements(declaration: Callable) -> Callable[[Callable], Callable]:
             raise TypeError(
                 f"{implementation.__qualname__}{inspect.signature(implementation)} does not list {signature}"
             )
-
-        @functools.wraps(implementation)
-        def call(*args, **kwargs):
-            bound = signature.bind(*args, **kwargs)
-            bound.apply_defaults()
-            return implementation(*bound.args, **bound.kwargs)
-
-        call.__signature__ = signature
-        call.__doc__ = implementation.__doc__ or declaration.__doc__
-        return call
+        positional = (p.default for p in parameters if p.kind <= p.POSITIONAL_OR_KEYWORD and p.default is not p.empty)
+        implementation.__defaults__ = tuple(positional) or None
+        keyword = {p.name: p.default for p in parameters if p.kind is p.KEYWORD_ONLY and p.default is not p.empty}
+        implementation.__kwdefaults__ = keyword or None
+        implementation.__signature__ = signature
+        implementation.__doc__ = implementation.__doc__ or declaration.__doc__
+        return implementation
 
     return decorate
 
