@@ -24,10 +24,10 @@ import threading
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from typing import Any
 
+from rollout.api import AsyncRolloutAPI, implements
 from rollout.engine.rollout_engine import RolloutEngine
 from rollout.errors import EngineDeadError, RequestFailedError
 from rollout.outputs import RolloutOutput
-from rollout.sampling_params import SamplingParams
 from rollout.weights.sync import StagedPush
 
 logger = logging.getLogger(__name__)
@@ -121,26 +121,16 @@ class AsyncRolloutEngine:
     add_requests = _streamed(RolloutEngine.add_requests)
     add_request = _streamed(RolloutEngine.add_request)
 
-    async def generate(
-        self,
-        prompts: str | Sequence[str],
-        params: SamplingParams | Sequence[SamplingParams] | None = None,
-        *,
-        images: Sequence | None = None,
-    ) -> list[RolloutOutput]:
+    @implements(AsyncRolloutAPI.generate)
+    async def generate(self, prompts, params, *, images) -> list[RolloutOutput]:
         """`RolloutEngine.generate`, sharing batches with every other caller's requests; outputs
         ordered by prompt, then sample (aborted ones have status "aborted")."""
         async with await self.add_requests(prompts, params, images=images) as stream:
             outputs = {output.request_id: output async for output in stream}
         return [outputs[request_id] for request_id in stream.request_ids]
 
-    async def generate_stream(
-        self,
-        prompts: str | Sequence[str],
-        params: SamplingParams | Sequence[SamplingParams] | None = None,
-        *,
-        images: Sequence | None = None,
-    ) -> AsyncIterator[RolloutOutput]:
+    @implements(AsyncRolloutAPI.generate_stream)
+    async def generate_stream(self, prompts, params, *, images) -> AsyncIterator[RolloutOutput]:
         """Like `generate`, yielding each output as it finishes."""
         async with await self.add_requests(prompts, params, images=images) as stream:
             async for output in stream:
