@@ -23,6 +23,7 @@ import torch
 from executors import last_resort
 from executors.bootstrap import WorkerBootstrap, worker_threads
 from executors.replica_groups import GroupRendezvous, ReplicaLayout
+from rollout.api import RolloutAPI, implements
 from rollout.config import EngineConfig
 from rollout.errors import EngineDeadError, WorkerError, interrupted_reason
 from rollout.messages import RunnerOutput, SchedulerOutput, WorkerInput
@@ -142,14 +143,8 @@ class Executor:
             self.kill(interrupted_reason(error))
             raise
 
-    def collective_rpc(
-        self,
-        method: str | Callable,
-        args: Sequence = (),
-        kwargs: dict | None = None,
-        timeout: float | None = None,
-        ranks: Sequence[int] | None = None,
-    ) -> list[Any]:
+    @implements(RolloutAPI.collective_rpc)
+    def collective_rpc(self, method, args, kwargs, timeout, ranks) -> list[Any]:
         """Call `method` on the addressed ranks (all when None); results in rank order. `timeout`:
         seconds in (0, MAX_RPC_TIMEOUT_S], or None for the config's `rpc_timeout_s`."""
         if timeout is not None and not (isinstance(timeout, int | float) and 0 < timeout <= MAX_RPC_TIMEOUT_S):

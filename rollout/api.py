@@ -11,6 +11,8 @@ An implementation may add keyword-only parameters with defaults (hooks its own c
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -28,6 +30,32 @@ if TYPE_CHECKING:
 # (the denoiser, in every family's pipeline), and the size of a weight transfer's buckets.
 DEFAULT_COMPONENT = "transformer"
 DEFAULT_BUCKET_BYTES = 512 * 2**20
+
+
+def implements(declaration: Callable) -> Callable[[Callable], Callable]:
+    """Decorate an implementation of a declared call that lists its parameters' names only (the
+    declaration's, of the same kinds, in its order; else a TypeError at import): it takes the
+    declaration's defaults and signature (annotations and defaults written once, here), and is
+    called as it is, without a wrapper. Its own docstring stays (the declaration's if none)."""
+    signature = inspect.signature(declaration)
+    parameters = list(signature.parameters.values())
+    declared = [(p.name, p.kind) for p in parameters]
+
+    def decorate(implementation: Callable) -> Callable:
+        listed = [(p.name, p.kind) for p in inspect.signature(implementation).parameters.values()]
+        if listed != declared:
+            raise TypeError(
+                f"{implementation.__qualname__}{inspect.signature(implementation)} does not list {signature}"
+            )
+        positional = (p.default for p in parameters if p.kind <= p.POSITIONAL_OR_KEYWORD and p.default is not p.empty)
+        implementation.__defaults__ = tuple(positional) or None
+        keyword = {p.name: p.default for p in parameters if p.kind is p.KEYWORD_ONLY and p.default is not p.empty}
+        implementation.__kwdefaults__ = keyword or None
+        implementation.__signature__ = signature
+        implementation.__doc__ = implementation.__doc__ or declaration.__doc__
+        return implementation
+
+    return decorate
 
 
 @runtime_checkable
@@ -191,6 +219,15 @@ class RolloutAPI(Protocol):
     def shutdown(self) -> None: ...
 
 
+def _coroutine(declared: Callable) -> Callable:
+    """`declared` (a `RolloutAPI` call) declared as a coroutine: same signature and docs."""
+
+    @functools.wraps(declared)
+    async def coroutine(self, *args, **kwargs): ...
+
+    return coroutine
+
+
 @runtime_checkable
 class AsyncRolloutAPI(Protocol):
     """`RolloutAPI` for asyncio callers: the same calls as coroutines, many callers at once,
@@ -213,92 +250,25 @@ class AsyncRolloutAPI(Protocol):
     ) -> AsyncIterator[RolloutOutput]:
         """`generate`, yielding each output as it finishes."""
 
-    async def abort(self, request_ids: str | Iterable[str]) -> list[RolloutOutput]: ...
-
     async def pause(self, mode: str = "abort") -> None:
         """Stop stepping: "abort" the unfinished requests, "wait" for the running ones, or "keep" them."""
 
     async def resume(self) -> None: ...
 
-    async def collective_rpc(
-        self,
-        method: str | Callable,
-        args: Sequence = (),
-        kwargs: dict | None = None,
-        timeout: float | None = None,
-        ranks: Sequence[int] | None = None,
-    ) -> list[Any]: ...
+    # The rest are `RolloutAPI`'s calls as they are, as coroutines.
 
-    async def check_health(self) -> None: ...
-
-    async def update_weights(
-        self,
-        named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
-        *,
-        component: str = DEFAULT_COMPONENT,
-        version: int | None = None,
-        mode: str = "wait",
-        check_finite: bool = True,
-        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-    ) -> int: ...
-
-    async def update_weights_from_disk(
-        self,
-        path: str | Path,
-        *,
-        component: str = DEFAULT_COMPONENT,
-        version: int | None = None,
-        mode: str = "wait",
-        check_finite: bool = True,
-    ) -> int: ...
-
-    async def init_weight_update_group(
-        self,
-        master_address: str,
-        master_port: int,
-        rank_offset: int,
-        world_size: int,
-        backend: str = "gloo",
-        timeout_s: float = 300.0,
-    ) -> list[int]: ...
-
-    async def update_weights_from_distributed(
-        self,
-        names: list[str],
-        dtypes: list[torch.dtype],
-        shapes: list[tuple[int, ...]],
-        *,
-        component: str = DEFAULT_COMPONENT,
-        version: int | None = None,
-        mode: str = "wait",
-        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-        check_finite: bool = True,
-    ) -> int: ...
-
-    async def check_weight_update(
-        self,
-        names: list[str],
-        dtypes: list[torch.dtype],
-        shapes: list[tuple[int, ...]],
-        component: str = DEFAULT_COMPONENT,
-    ) -> None: ...
-
-    async def weights_checksum(self, component: str = DEFAULT_COMPONENT) -> str: ...
-
-    async def load_lora(
-        self,
-        name: str,
-        source: str | Path | Mapping[str, torch.Tensor],
-        config: LoraConfig | Mapping | None = None,
-        *,
-        version: int | None = None,
-        check_finite: bool = True,
-    ) -> int: ...
-
-    async def unload_lora(self, name: str) -> None: ...
-
-    async def sleep(self, level: int = 1) -> None: ...
-
-    async def wake_up(self) -> None: ...
+    abort = _coroutine(RolloutAPI.abort)
+    collective_rpc = _coroutine(RolloutAPI.collective_rpc)
+    check_health = _coroutine(RolloutAPI.check_health)
+    update_weights = _coroutine(RolloutAPI.update_weights)
+    update_weights_from_disk = _coroutine(RolloutAPI.update_weights_from_disk)
+    init_weight_update_group = _coroutine(RolloutAPI.init_weight_update_group)
+    update_weights_from_distributed = _coroutine(RolloutAPI.update_weights_from_distributed)
+    check_weight_update = _coroutine(RolloutAPI.check_weight_update)
+    weights_checksum = _coroutine(RolloutAPI.weights_checksum)
+    load_lora = _coroutine(RolloutAPI.load_lora)
+    unload_lora = _coroutine(RolloutAPI.unload_lora)
+    sleep = _coroutine(RolloutAPI.sleep)
+    wake_up = _coroutine(RolloutAPI.wake_up)
 
     def shutdown(self) -> None: ...

@@ -129,3 +129,48 @@ def test_the_old_remote_engine_path_still_works_for_a_release_and_says_where_to_
     with pytest.warns(DeprecationWarning, match="trainers_adapters.remote_engine moved to rollout"):
         old = importlib.import_module("trainers_adapters.remote_engine")
     assert old.RemoteRolloutEngine is rollout.RemoteRolloutEngine
+
+
+def test_a_client_call_binds_its_arguments_as_declared_before_sending():
+    from rollout.serve.client import _sent
+
+    class Recorder:
+        def _call(self, route, **fields):
+            self.sent = (route, fields)
+
+        sleep = _sent(RolloutAPI.sleep)
+        init_weight_update_group = _sent(RolloutAPI.init_weight_update_group)
+
+    client = Recorder()
+    client.sleep()
+    assert client.sent == ("sleep", {"level": 1})  # the declared default
+    client.init_weight_update_group("h", 1, 1, 2, timeout_s=5.0)
+    assert client.sent[1] == {
+        "master_address": "h",
+        "master_port": 1,
+        "rank_offset": 1,
+        "world_size": 2,
+        "backend": "gloo",
+        "timeout_s": 5.0,
+    }
+    del client.sent
+    with pytest.raises(TypeError, match="lvl"):
+        client.sleep(lvl=2)
+    assert not hasattr(client, "sent")  # nothing was sent
+    assert inspect.signature(Recorder.sleep) == inspect.signature(RolloutAPI.sleep)
+    assert Recorder.sleep.__doc__ == RolloutAPI.sleep.__doc__
+
+
+def test_an_implementation_takes_the_declared_signature_and_must_list_its_names():
+    from rollout.api import implements
+
+    @implements(RolloutAPI.sleep)
+    def sleep(self, level):
+        return level
+
+    assert inspect.signature(sleep) == inspect.signature(RolloutAPI.sleep)
+    assert sleep(None) == 1 and sleep(None, level=2) == 2  # the declared default
+    with pytest.raises(TypeError, match="lvl"):
+        sleep(None, lvl=2)
+    with pytest.raises(TypeError, match="does not list"):
+        implements(RolloutAPI.sleep)(lambda self, lvl: None)

@@ -160,7 +160,7 @@ class LoraPolicy:
             for component, part in split_by_component(tensors, list(self.denoisers)).items()
             for key, tensor in part.items()
         }
-        problems += _tensor_differences(parameters, loaded)
+        problems += tensor_differences(parameters, loaded)
         if problems:
             raise ValueError(
                 f"LoRA folder {str(folder)!r} does not fit this policy (left unchanged): "
@@ -269,7 +269,9 @@ def _config_differences(expected: LoraConfig, found: LoraConfig) -> list[str]:
     ]
 
 
-def _tensor_differences(parameters: Mapping[str, torch.Tensor], loaded: Mapping[str, torch.Tensor]) -> list[str]:
+def tensor_differences(parameters: Mapping[str, torch.Tensor], loaded: Mapping[str, torch.Tensor]) -> list[str]:
+    """How `loaded` (a checkpoint's tensors) differs from `parameters`: missing or unexpected keys,
+    other shapes or dtypes."""
     problems = [f"missing tensor {key}" for key in parameters if key not in loaded]
     problems += [f"unexpected tensor {key}" for key in loaded if key not in parameters]
     problems += [

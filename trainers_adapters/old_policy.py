@@ -26,7 +26,7 @@ from peft.utils import get_peft_model_state_dict
 from safetensors.torch import load_file, save_file
 
 from rollout.lora.manager import adapter_to_float32
-from trainers_adapters.lora_policy import LoraPolicy
+from trainers_adapters.lora_policy import LoraPolicy, tensor_differences
 
 ADAPTER_FILE = "old_adapter.safetensors"
 STATE_FILE = "old_policy.json"
@@ -142,13 +142,7 @@ class OldPolicy:
         loaded = load_file(folder / ADAPTER_FILE)
         state = json.loads((folder / STATE_FILE).read_text())
         tensors = self.tensors()
-        problems = [f"missing {key}" for key in tensors if key not in loaded]
-        problems += [f"unexpected {key}" for key in loaded if key not in tensors]
-        problems += [
-            f"{key} is {list(loaded[key].shape)} {loaded[key].dtype}, expected {list(t.shape)} {t.dtype}"
-            for key, t in tensors.items()
-            if key in loaded and (loaded[key].shape != t.shape or loaded[key].dtype != t.dtype)
-        ]
+        problems = tensor_differences(tensors, loaded)
         if problems:
             raise ValueError(
                 f"old policy in {str(folder)!r} does not fit this policy (left unchanged): {'; '.join(problems[:6])}"

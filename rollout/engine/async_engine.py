@@ -17,16 +17,17 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import functools
+import inspect
 import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from typing import Any
 
+from rollout.api import AsyncRolloutAPI, implements
 from rollout.engine.rollout_engine import RolloutEngine
 from rollout.errors import EngineDeadError, RequestFailedError
 from rollout.outputs import RolloutOutput
-from rollout.sampling_params import SamplingParams
 from rollout.weights.sync import StagedPush
 
 logger = logging.getLogger(__name__)
@@ -85,6 +86,20 @@ def _between_steps(method: Callable) -> Callable:
     return call
 
 
+def _streamed(method: Callable) -> Callable:
+    """A coroutine running `method` (a `RolloutEngine` method that queues requests and returns
+    their sample ids) on the engine in its thread, between two steps, that returns the stream of
+    those samples' outputs; same parameters."""
+
+    async def call(self: AsyncRolloutEngine, *args, **kwargs) -> OutputStream:
+        return await self._open_stream(lambda: method(self.engine, *args, **kwargs))
+
+    call.__name__ = call.__qualname__ = method.__name__
+    call.__signature__ = inspect.signature(method).replace(return_annotation="OutputStream")
+    call.__doc__ = f"`RolloutEngine.{method.__name__}`, returning the stream of the outputs of what it queues."
+    return call
+
+
 class AsyncRolloutEngine:
     """Every public method is a coroutine, safe to call from many tasks at once; hot-swap calls and
     `collective_rpc` take the arguments of `RolloutEngine`'s methods of the same name and run
@@ -103,53 +118,19 @@ class AsyncRolloutEngine:
 
     # Generation.
 
-    async def add_requests(
-        self,
-        prompts: str | Sequence[str],
-        params: SamplingParams | Sequence[SamplingParams] | None = None,
-        *,
-        images: Sequence | None = None,
-    ) -> OutputStream:
-        """Queue what `generate` runs (checked as `RolloutEngine.add_requests` checks it); returns
-        the stream of its outputs."""
-        add = self.engine.add_requests
-        return await self._open_stream(lambda: add(prompts, params, images=images))
+    add_requests = _streamed(RolloutEngine.add_requests)
+    add_request = _streamed(RolloutEngine.add_request)
 
-    async def add_request(
-        self,
-        prompt: str,
-        params: SamplingParams,
-        *,
-        images: Sequence | None = None,
-        prompt_index: int = 0,
-        request_id: str | None = None,
-        base_seed: int | None = None,
-    ) -> OutputStream:
-        """`RolloutEngine.add_request`; returns the stream of the prompt's outputs."""
-        add = self.engine.add_request
-        kwargs = {"images": images, "prompt_index": prompt_index, "request_id": request_id, "base_seed": base_seed}
-        return await self._open_stream(lambda: add(prompt, params, **kwargs))
-
-    async def generate(
-        self,
-        prompts: str | Sequence[str],
-        params: SamplingParams | Sequence[SamplingParams] | None = None,
-        *,
-        images: Sequence | None = None,
-    ) -> list[RolloutOutput]:
+    @implements(AsyncRolloutAPI.generate)
+    async def generate(self, prompts, params, *, images) -> list[RolloutOutput]:
         """`RolloutEngine.generate`, sharing batches with every other caller's requests; outputs
         ordered by prompt, then sample (aborted ones have status "aborted")."""
         async with await self.add_requests(prompts, params, images=images) as stream:
             outputs = {output.request_id: output async for output in stream}
         return [outputs[request_id] for request_id in stream.request_ids]
 
-    async def generate_stream(
-        self,
-        prompts: str | Sequence[str],
-        params: SamplingParams | Sequence[SamplingParams] | None = None,
-        *,
-        images: Sequence | None = None,
-    ) -> AsyncIterator[RolloutOutput]:
+    @implements(AsyncRolloutAPI.generate_stream)
+    async def generate_stream(self, prompts, params, *, images) -> AsyncIterator[RolloutOutput]:
         """Like `generate`, yielding each output as it finishes."""
         async with await self.add_requests(prompts, params, images=images) as stream:
             async for output in stream:

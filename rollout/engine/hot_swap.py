@@ -12,14 +12,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
-from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-from peft import LoraConfig
 
-from rollout.api import DEFAULT_BUCKET_BYTES, DEFAULT_COMPONENT
+from rollout.api import DEFAULT_BUCKET_BYTES, DEFAULT_COMPONENT, RolloutAPI, implements
 from rollout.errors import EngineDeadError, WorkerError
 from rollout.weights.broadcast_group import BroadcastEntry
 from rollout.weights.safetensors_files import safetensors_files
@@ -89,16 +88,8 @@ class HotSwap:
 
     # Weights.
 
-    def update_weights(
-        self,
-        named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
-        *,
-        component: str = DEFAULT_COMPONENT,
-        version: int | None = None,
-        mode: str = "wait",
-        check_finite: bool = True,
-        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-    ) -> int:
+    @implements(RolloutAPI.update_weights)
+    def update_weights(self, named_tensors, *, component, version, mode, check_finite, bucket_bytes) -> int:
         """Replace weights of `component` on every worker, all at once; returns the new weight version.
 
         `named_tensors`: a name -> tensor mapping or an iterator of (name, tensor) pairs (streamed in
@@ -186,15 +177,8 @@ class HotSwap:
         logger.info("weights of %s updated to version %d", component, new_version)
         return new_version
 
-    def update_weights_from_disk(
-        self,
-        path: str | Path,
-        *,
-        component: str = DEFAULT_COMPONENT,
-        version: int | None = None,
-        mode: str = "wait",
-        check_finite: bool = True,
-    ) -> int:
+    @implements(RolloutAPI.update_weights_from_disk)
+    def update_weights_from_disk(self, path, *, component, version, mode, check_finite) -> int:
         """`update_weights` from a .safetensors file or a diffusers component folder: every worker
         reads the files itself. Names, shapes and dtypes are checked from the file headers first,
         the values (`check_finite`) by the workers as they read them."""
@@ -204,14 +188,9 @@ class HotSwap:
         push_args = (files, component, check_finite)
         return self._update(self._weight_sync.push_from_files, push_args, component, version, mode)
 
+    @implements(RolloutAPI.init_weight_update_group)
     def init_weight_update_group(
-        self,
-        master_address: str,
-        master_port: int,
-        rank_offset: int,
-        world_size: int,
-        backend: str = "gloo",
-        timeout_s: float = 300.0,
+        self, master_address, master_port, rank_offset, world_size, backend, timeout_s
     ) -> list[int]:
         """Join a trainer's broadcast group: worker r becomes group rank `rank_offset + r`; the
         trainer is rank 0 and hosts the store at master_address:master_port. Blocks until every
@@ -226,17 +205,9 @@ class HotSwap:
         args = (master_address, master_port, rank_offset, world_size, backend, timeout_s)
         return self.collective_rpc("init_weight_update_group", args=args, timeout=timeout_s + 30)
 
+    @implements(RolloutAPI.update_weights_from_distributed)
     def update_weights_from_distributed(
-        self,
-        names: list[str],
-        dtypes: list[torch.dtype],
-        shapes: list[tuple[int, ...]],
-        *,
-        component: str = DEFAULT_COMPONENT,
-        version: int | None = None,
-        mode: str = "wait",
-        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-        check_finite: bool = True,
+        self, names, dtypes, shapes, *, component, version, mode, bucket_bytes, check_finite
     ) -> int:
         """`update_weights` whose tensors the trainer broadcasts through the group (in this order, in
         buckets of `bucket_bytes`) while this call waits; names, dtypes and shapes are checked first,
@@ -248,13 +219,8 @@ class HotSwap:
         push_args = (entries, component, bucket_bytes, check_finite)
         return self._update(self._weight_sync.push_from_broadcast, push_args, component, version, mode)
 
-    def check_weight_update(
-        self,
-        names: list[str],
-        dtypes: list[torch.dtype],
-        shapes: list[tuple[int, ...]],
-        component: str = DEFAULT_COMPONENT,
-    ) -> None:
+    @implements(RolloutAPI.check_weight_update)
+    def check_weight_update(self, names, dtypes, shapes, component) -> None:
         """Raise ValueError if an update with these tensors would be refused (a trainer checks before
         it broadcasts, so receivers are never left waiting for a refused update)."""
         self._check_open()
@@ -262,7 +228,8 @@ class HotSwap:
         entries = _broadcast_entries(names, dtypes, shapes)
         self._weight_sync.check_specs({e.name: e.spec for e in entries}, component)
 
-    def weights_checksum(self, component: str = DEFAULT_COMPONENT) -> str:
+    @implements(RolloutAPI.weights_checksum)
+    def weights_checksum(self, component) -> str:
         """SHA-256 of every weight of `component`; raises if the ranks disagree."""
         self._check_component(component)
         self.check_awake()
@@ -273,15 +240,8 @@ class HotSwap:
 
     # LoRA adapters.
 
-    def load_lora(
-        self,
-        name: str,
-        source: str | Path | Mapping[str, torch.Tensor],
-        config: LoraConfig | Mapping | None = None,
-        *,
-        version: int | None = None,
-        check_finite: bool = True,
-    ) -> int:
+    @implements(RolloutAPI.load_lora)
+    def load_lora(self, name, source, config, *, version, check_finite) -> int:
         """Load a LoRA adapter on every worker, or hot-swap the one of that name; returns the new
         weight version (the current one plus 1, or `version`), as `update_weights` does, so a
         trainer pushing its adapter after each step can check what the next rollouts will carry.

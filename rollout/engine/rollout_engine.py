@@ -19,6 +19,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from rollout.api import RolloutAPI, implements
 from rollout.config import EngineConfig
 from rollout.engine.config_check import check_engine_config
 from rollout.engine.hot_swap import HotSwap
@@ -91,14 +92,8 @@ class RolloutEngine:
 
     # Generation.
 
-    def generate(
-        self,
-        prompts: str | Sequence[str],
-        params: SamplingParams | Sequence[SamplingParams] | None = None,
-        *,
-        images: Sequence | None = None,
-        use_tqdm: bool = False,
-    ) -> list[RolloutOutput]:
+    @implements(RolloutAPI.generate)
+    def generate(self, prompts, params, *, images, use_tqdm) -> list[RolloutOutput]:
         """Generate `num_samples` samples per prompt; outputs ordered by prompt, then sample.
 
         `params` is one `SamplingParams` for all prompts or one per prompt (they may differ in
@@ -200,16 +195,8 @@ class RolloutEngine:
         if problems:
             raise ValueError("invalid request: " + "; ".join(problems))
 
-    def add_request(
-        self,
-        prompt: str,
-        params: SamplingParams,
-        *,
-        images: Sequence | None = None,
-        prompt_index: int = 0,
-        request_id: str | None = None,
-        base_seed: int | None = None,
-    ) -> list[str]:
+    @implements(RolloutAPI.add_request)
+    def add_request(self, prompt, params, *, images, prompt_index, request_id, base_seed) -> list[str]:
         """Queue `params.num_samples` requests for one prompt; returns the ids of their outputs:
         "{request_id}-{sample_index}", and with branching one per leaf,
         "{request_id}-{sample_index}.{child}.{child}...", in branch-path order. Seeds derive from
@@ -422,14 +409,8 @@ class RolloutEngine:
 
     # Worker functions.
 
-    def collective_rpc(
-        self,
-        method: str | Callable,
-        args: Sequence = (),
-        kwargs: dict | None = None,
-        timeout: float | None = None,
-        ranks: Sequence[int] | None = None,
-    ) -> list[Any]:
+    @implements(RolloutAPI.collective_rpc)
+    def collective_rpc(self, method, args, kwargs, timeout, ranks) -> list[Any]:
         """Run a worker method (by name, an extension method, or `fn(worker, *args, **kwargs)`)
         on every rank, or on `ranks`; one result per rank, in rank order. Runs between engine
         steps, never inside one."""

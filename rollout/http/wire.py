@@ -198,23 +198,25 @@ class OutputEncoder:
         return frames + frame("output", fields, tensors)
 
     def _part(self, part: torch.Tensor) -> tuple[str, bytes]:
-        key = self._part_keys.get(id(part))
-        if key is not None:
-            return key, b""
-        key = f"p{len(self._part_keys)}"
-        self._part_keys[id(part)] = key
-        self._kept.append(part)
-        return key, frame("part", {"key": key}, {"part": part})
+        key, new = self._key(self._part_keys, "p", part)
+        return key, frame("part", {"key": key}, {"part": part}) if new else b""
 
     def _embeds(self, embeds: PromptEmbeds) -> tuple[str, bytes]:
-        key = self._embeds_keys.get(id(embeds))
-        if key is not None:
+        key, new = self._key(self._embeds_keys, "e", embeds)
+        if not new:
             return key, b""
-        key = f"e{len(self._embeds_keys)}"
-        self._embeds_keys[id(embeds)] = key
-        self._kept.append(embeds)
         cls = type(embeds)
         return key, frame("embeds", {"key": key, "class": f"{cls.__module__}.{cls.__qualname__}"}, embeds.tensors())
+
+    def _key(self, keys: dict[int, str], prefix: str, value: PromptEmbeds | torch.Tensor) -> tuple[str, bool]:
+        """`value`'s key in this stream, and whether it is new (its frame still to send): the first
+        time, a fresh one, and `value` kept so that its id is not reused while the stream lives."""
+        key = keys.get(id(value))
+        if key is not None:
+            return key, False
+        key = keys[id(value)] = f"{prefix}{len(keys)}"
+        self._kept.append(value)
+        return key, True
 
 
 class OutputDecoder:

@@ -332,6 +332,26 @@ class PipelineAdapter(ABC):
         return velocity.index_put((cfg.nonzero(as_tuple=True)[0],), guided)
 
 
+def packed_latents_spec(adapter: PipelineAdapter, guidance: dict, max_sequence_length_limit: int) -> ModelSpec:
+    """The spec of a pipeline that packs 2x2 latent patches into one token each, as `FluxPipeline`
+    does and `QwenImagePipeline` after it: its default size, 512 prompt tokens by default, and
+    `true_cfg_scale` as its classifier-free guidance."""
+    pipeline = adapter.pipeline
+    return ModelSpec(
+        pipeline_class=adapter.pipeline_class,
+        latent_channels=adapter.transformer.config.in_channels // 4,
+        vae_scale_factor=pipeline.vae_scale_factor,
+        patch_size=1,  # the transformer sees packed 2x2 patches one token each
+        latent_packing=2,
+        default_height=pipeline.default_sample_size * pipeline.vae_scale_factor,
+        default_width=pipeline.default_sample_size * pipeline.vae_scale_factor,
+        default_max_sequence_length=512,
+        max_sequence_length_limit=max_sequence_length_limit,
+        guidance_defaults=guidance,
+        cfg_field="true_cfg_scale",
+    )
+
+
 def _images_shape(images: PromptEmbeds | None) -> tuple | None:
     """What must agree for conditions' encoded images to stack: each field's shape."""
     return None if images is None else tuple((name, tuple(t.shape)) for name, t in images.tensors().items())

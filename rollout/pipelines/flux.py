@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from rollout.pipelines.adapter import PipelineAdapter, decode_scaled_latents
+from rollout.pipelines.adapter import PipelineAdapter, decode_scaled_latents, packed_latents_spec
 from rollout.pipelines.condition import PromptEmbeds
 from rollout.pipelines.spec import ModelSpec
 
@@ -46,23 +46,10 @@ class FluxAdapter(PipelineAdapter):
     )
 
     def make_spec(self) -> ModelSpec:
-        pipeline = self.pipeline
         guidance = {"true_cfg_scale": 1.0}
         if self.transformer.config.guidance_embeds:
             guidance["guidance_scale"] = 3.5  # FluxPipeline's default
-        return ModelSpec(
-            pipeline_class=self.pipeline_class,
-            latent_channels=self.transformer.config.in_channels // 4,
-            vae_scale_factor=pipeline.vae_scale_factor,
-            patch_size=1,  # the transformer sees packed 2x2 patches one token each
-            latent_packing=2,
-            default_height=pipeline.default_sample_size * pipeline.vae_scale_factor,
-            default_width=pipeline.default_sample_size * pipeline.vae_scale_factor,
-            default_max_sequence_length=512,
-            max_sequence_length_limit=512,
-            guidance_defaults=guidance,
-            cfg_field="true_cfg_scale",
-        )
+        return packed_latents_spec(self, guidance, max_sequence_length_limit=512)
 
     def encode_prompt(self, text: str, max_sequence_length: int) -> FluxEmbeds:
         embeds, pooled, _ = self.pipeline.encode_prompt(

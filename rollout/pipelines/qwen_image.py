@@ -16,7 +16,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from rollout.pipelines.adapter import PipelineAdapter, images_to_uint8
+from rollout.pipelines.adapter import PipelineAdapter, images_to_uint8, packed_latents_spec
 from rollout.pipelines.condition import PromptEmbeds
 from rollout.pipelines.spec import ModelSpec
 
@@ -37,23 +37,10 @@ class QwenImageAdapter(PipelineAdapter):
     default_lora_targets = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
 
     def make_spec(self) -> ModelSpec:
-        pipeline = self.pipeline
         guidance: dict[str, float | None] = {"true_cfg_scale": 1.0}
         if self.transformer.config.guidance_embeds:
             guidance["guidance_scale"] = None  # a guidance-distilled variant: the pipeline requires it
-        return ModelSpec(
-            pipeline_class=self.pipeline_class,
-            latent_channels=self.transformer.config.in_channels // 4,
-            vae_scale_factor=pipeline.vae_scale_factor,
-            patch_size=1,  # the transformer sees packed 2x2 patches one token each
-            latent_packing=2,
-            default_height=pipeline.default_sample_size * pipeline.vae_scale_factor,
-            default_width=pipeline.default_sample_size * pipeline.vae_scale_factor,
-            default_max_sequence_length=512,
-            max_sequence_length_limit=1024,
-            guidance_defaults=guidance,
-            cfg_field="true_cfg_scale",
-        )
+        return packed_latents_spec(self, guidance, max_sequence_length_limit=1024)
 
     def encode_prompt(self, text: str, max_sequence_length: int) -> QwenImageEmbeds:
         embeds, mask = self.pipeline.encode_prompt(

@@ -18,27 +18,15 @@ import math
 
 import torch
 
-from rollout.samplers.step_output import StepOutput, check_log_prob_form, gaussian_step, per_sample
+from rollout.samplers.step_output import stochastic_step
 
 
-def step(
-    x: torch.Tensor,
-    v: torch.Tensor,
-    sigma: torch.Tensor | float,
-    sigma_next: torch.Tensor | float,
-    noise_level: torch.Tensor | float,
-    noise: torch.Tensor | None = None,
-    prev_sample: torch.Tensor | None = None,
-    log_prob_form: str = "gaussian",
-) -> StepOutput:
-    """Sample x' (or re-score `prev_sample`). x, v: [B, C, h, w]; sigmas, noise_level: scalars or [B]."""
-    check_log_prob_form(log_prob_form)
-    x = x.to(torch.float32)
-    v = v.to(torch.float32)
-    sigma = per_sample(sigma, x)
-    sigma_next = per_sample(sigma_next, x)
-    std_t = sigma_next * torch.sin(per_sample(noise_level, x) * math.pi / 2)
+def _cps(x, v, sigma, sigma_next, noise_level):
+    std_t = sigma_next * torch.sin(noise_level * math.pi / 2)
     x0 = x - sigma * v
     x1 = x + (1 - sigma) * v
     mean = (1 - sigma_next) * x0 + torch.sqrt(sigma_next**2 - std_t**2) * x1
-    return gaussian_step(mean, std_t, std_t, noise, prev_sample, constant_free=log_prob_form == "flow_grpo")
+    return mean, std_t, std_t
+
+
+step = stochastic_step(_cps, flow_grpo_drops_constants=True)

@@ -13,28 +13,15 @@ from __future__ import annotations
 
 import torch
 
-from rollout.samplers.step_output import StepOutput, check_log_prob_form, gaussian_step, per_sample
+from rollout.samplers.step_output import stochastic_step
 
 
-def step(
-    x: torch.Tensor,
-    v: torch.Tensor,
-    sigma: torch.Tensor | float,
-    sigma_next: torch.Tensor | float,
-    noise_level: torch.Tensor | float,
-    noise: torch.Tensor | None = None,
-    prev_sample: torch.Tensor | None = None,
-    log_prob_form: str = "gaussian",
-) -> StepOutput:
-    """Sample x' (or re-score `prev_sample`). x, v: [B, C, h, w]; sigmas, noise_level: scalars or [B]."""
-    check_log_prob_form(log_prob_form)
-    x = x.to(torch.float32)
-    v = v.to(torch.float32)
-    sigma = per_sample(sigma, x)
-    sigma_next = per_sample(sigma_next, x)
-    eta = per_sample(noise_level, x)
+def _dance_sde(x, v, sigma, sigma_next, eta):
     dt = sigma_next - sigma
     x0 = x - sigma * v
     score = -(x - (1 - sigma) * x0) / sigma**2
     mean = x + dt * v - 0.5 * eta**2 * score * dt
-    return gaussian_step(mean, eta * torch.sqrt(-dt), eta, noise, prev_sample)
+    return mean, eta * torch.sqrt(-dt), eta
+
+
+step = stochastic_step(_dance_sde)

@@ -14,27 +14,14 @@ from __future__ import annotations
 
 import torch
 
-from rollout.samplers.step_output import StepOutput, check_log_prob_form, gaussian_step, per_sample
+from rollout.samplers.step_output import stochastic_step
 
 
-def step(
-    x: torch.Tensor,
-    v: torch.Tensor,
-    sigma: torch.Tensor | float,
-    sigma_next: torch.Tensor | float,
-    noise_level: torch.Tensor | float,
-    noise: torch.Tensor | None = None,
-    prev_sample: torch.Tensor | None = None,
-    log_prob_form: str = "gaussian",
-) -> StepOutput:
-    """Sample x' (or re-score `prev_sample`). x, v: [B, C, h, w]; sigmas, noise_level: scalars or [B]."""
-    check_log_prob_form(log_prob_form)
-    x = x.to(torch.float32)
-    v = v.to(torch.float32)
-    sigma = per_sample(sigma, x)
-    sigma_next = per_sample(sigma_next, x)
-    a = per_sample(noise_level, x)
+def _flow_sde(x, v, sigma, sigma_next, a):
     dt = sigma_next - sigma
     std_t = a * torch.sqrt(sigma / (1 - torch.where(sigma == 1, sigma_next, sigma)))
     mean = x * (1 + std_t**2 / (2 * sigma) * dt) + v * (1 + std_t**2 * (1 - sigma) / (2 * sigma)) * dt
-    return gaussian_step(mean, std_t * torch.sqrt(-dt), std_t, noise, prev_sample)
+    return mean, std_t * torch.sqrt(-dt), std_t
+
+
+step = stochastic_step(_flow_sde)

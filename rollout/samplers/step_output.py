@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -89,3 +90,31 @@ def gaussian_step(
     log_prob = log_density.mean(dim=tuple(range(1, log_density.ndim)))
     log_prob = torch.where(has_density.reshape(-1), log_prob, torch.zeros_like(log_prob))
     return StepOutput(prev_sample=prev_sample, log_prob=log_prob, mean=mean, std=std, std_dev_t=std_dev_t)
+
+
+def stochastic_step(rule: Callable, *, flow_grpo_drops_constants: bool = False) -> Callable[..., StepOutput]:
+    """A sampler's `step` from its update rule: `rule(x, v, sigma, sigma_next, noise_level)` gets
+    x and v in float32 and the rest per sample ([B, 1, 1, ...] float32), and returns the Gaussian's
+    `(mean, std, std_dev_t)`, which `gaussian_step` samples from or re-scores with.
+    `flow_grpo_drops_constants`: the "flow_grpo" log-prob form is -(x' - mean)^2 (CPS)."""
+
+    def step(
+        x: torch.Tensor,
+        v: torch.Tensor,
+        sigma: torch.Tensor | float,
+        sigma_next: torch.Tensor | float,
+        noise_level: torch.Tensor | float,
+        noise: torch.Tensor | None = None,
+        prev_sample: torch.Tensor | None = None,
+        log_prob_form: str = "gaussian",
+    ) -> StepOutput:
+        """Sample x' (or re-score `prev_sample`). x, v: [B, C, h, w]; sigmas, noise_level: scalars or [B]."""
+        check_log_prob_form(log_prob_form)
+        x = x.to(torch.float32)
+        v = v.to(torch.float32)
+        mean, std, std_dev_t = rule(x, v, per_sample(sigma, x), per_sample(sigma_next, x), per_sample(noise_level, x))
+        constant_free = flow_grpo_drops_constants and log_prob_form == "flow_grpo"
+        return gaussian_step(mean, std, std_dev_t, noise, prev_sample, constant_free=constant_free)
+
+    step.__module__ = rule.__module__
+    return step

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import inspect
 import json
 import os
 import threading
@@ -31,7 +32,7 @@ import torch
 from peft import LoraConfig
 from tqdm.auto import tqdm
 
-from rollout.api import DEFAULT_BUCKET_BYTES, DEFAULT_COMPONENT
+from rollout.api import RolloutAPI, implements
 from rollout.config import EngineConfig
 from rollout.errors import EngineDeadError
 from rollout.http.wire import (
@@ -56,6 +57,61 @@ from rollout.serve.weight_stream import weight_frames
 
 WEIGHT_PUSHES = ("socket", "httpx")  # RemoteRolloutEngine(weight_push=...)
 CONNECT_TIMEOUT_S = 10.0
+
+
+def _sent(
+    declared: Callable,
+    *,
+    fields: Callable[..., dict] | None = None,
+    check_component: bool = False,
+    note: str = "",
+) -> Callable:
+    """A client method that sends its arguments to the route of the same name: it has `declared`'s
+    signature and docs (a `RolloutAPI` declaration, `note` added), binds its arguments as
+    `declared` does, defaults applied (a wrong argument is a TypeError before anything is sent),
+    checks `component` against the model first where `check_component`, and POSTs them as the
+    route's body (`fields(**arguments)` where given, else the arguments as they are); returns the
+    answer's field the route names."""
+    signature = inspect.signature(declared)
+    route = declared.__name__
+
+    def method(self: RemoteRolloutEngine, *args, **kwargs):
+        bound = signature.bind(self, *args, **kwargs)
+        bound.apply_defaults()
+        arguments = {name: value for name, value in bound.arguments.items() if name != "self"}
+        if check_component:
+            self.model_spec.check_component(arguments["component"])
+        return self._call(route, **(fields(**arguments) if fields else arguments))
+
+    method.__signature__ = signature
+    method.__name__ = method.__qualname__ = route
+    method.__doc__ = f"{declared.__doc__ or ''} {note}".strip() or None
+    return method
+
+
+# The body fields of the routes whose arguments `_sent` does not send as they are.
+
+
+def _rpc_fields(method, args, kwargs, timeout, ranks) -> dict:
+    if not isinstance(method, str):
+        raise TypeError(
+            "a callable cannot be sent over HTTP; make it a method of the server's --worker-extension-cls "
+            "and call it by name"
+        )
+    ranks = list(ranks) if ranks is not None else None
+    return {"method": method, "args": list(args), "kwargs": kwargs, "timeout": timeout, "ranks": ranks}
+
+
+def _disk_fields(path, **options) -> dict:
+    return {"model_path": str(path), **options}
+
+
+def _layout_fields(names, dtypes, shapes, **options) -> dict:
+    return {**_tensor_layout(names, dtypes, shapes), **options}
+
+
+def _lora_name_fields(name) -> dict:
+    return {"lora_name": name}
 
 
 class RemoteRolloutEngine:
@@ -117,14 +173,8 @@ class RemoteRolloutEngine:
 
     # Generation.
 
-    def generate(
-        self,
-        prompts: str | Sequence[str],
-        params: SamplingParams | Sequence[SamplingParams] | None = None,
-        *,
-        images: Sequence | None = None,
-        use_tqdm: bool = False,
-    ) -> list[RolloutOutput]:
+    @implements(RolloutAPI.generate)
+    def generate(self, prompts, params, *, images, use_tqdm) -> list[RolloutOutput]:
         """`RolloutEngine.generate`: outputs ordered by prompt, then sample. `images` travel as
         uint8 tensors in a safetensors body."""
         if self.has_unfinished_requests():
@@ -147,16 +197,8 @@ class RemoteRolloutEngine:
 
             return self._run(collect())
 
-    def add_request(
-        self,
-        prompt: str,
-        params: SamplingParams,
-        *,
-        images: Sequence | None = None,
-        prompt_index: int = 0,
-        request_id: str | None = None,
-        base_seed: int | None = None,
-    ) -> list[str]:
+    @implements(RolloutAPI.add_request)
+    def add_request(self, prompt, params, *, images, prompt_index, request_id, base_seed) -> list[str]:
         """`RolloutEngine.add_request`: queue one prompt's samples; returns their ids. Their outputs
         come from `step()`."""
         body = body_json(
@@ -222,24 +264,9 @@ class RemoteRolloutEngine:
 
     # Worker functions.
 
-    def collective_rpc(
-        self,
-        method: str | Callable,
-        args: Sequence = (),
-        kwargs: dict | None = None,
-        timeout: float | None = None,
-        ranks: Sequence[int] | None = None,
-    ) -> list[Any]:
-        """A worker method by name, with JSON arguments and results."""
-        if not isinstance(method, str):
-            raise TypeError(
-                "a callable cannot be sent over HTTP; make it a method of the server's --worker-extension-cls "
-                "and call it by name"
-            )
-        ranks = list(ranks) if ranks is not None else None
-        return self._call(
-            "collective_rpc", method=method, args=list(args), kwargs=kwargs, timeout=timeout, ranks=ranks
-        )
+    collective_rpc = _sent(
+        RolloutAPI.collective_rpc, fields=_rpc_fields, note="By name, with JSON arguments and results."
+    )
 
     def check_health(self) -> None:
         self._request("GET", path("health"))
@@ -258,16 +285,8 @@ class RemoteRolloutEngine:
     def sleep_level(self) -> int:
         return self.server_info()["sleep_level"]
 
-    def update_weights(
-        self,
-        named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
-        *,
-        component: str = DEFAULT_COMPONENT,
-        version: int | None = None,
-        mode: str = "wait",
-        check_finite: bool = True,
-        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-    ) -> int:
+    @implements(RolloutAPI.update_weights)
+    def update_weights(self, named_tensors, *, component, version, mode, check_finite, bucket_bytes) -> int:
         """`RolloutEngine.update_weights`: the tensors stream to the server in buckets of about
         `bucket_bytes`, read from `named_tensors` as they are sent (`rollout.serve.weight_stream`),
         and the server stages each bucket as it arrives. A component the model lacks is refused
@@ -288,89 +307,19 @@ class RemoteRolloutEngine:
             answer = self._post_over_socket("update_weights", body, headers)
         return answer[ROUTES["update_weights"].answer]
 
-    def update_weights_from_disk(
-        self,
-        path: str | Path,
-        *,
-        component: str = DEFAULT_COMPONENT,
-        version: int | None = None,
-        mode: str = "wait",
-        check_finite: bool = True,
-    ) -> int:
-        """`RolloutEngine.update_weights_from_disk`; `path` is on the server's machine."""
-        self.model_spec.check_component(component)
-        return self._call(
-            "update_weights_from_disk",
-            model_path=str(path),
-            component=component,
-            version=version,
-            mode=mode,
-            check_finite=check_finite,
-        )
+    update_weights_from_disk = _sent(
+        RolloutAPI.update_weights_from_disk,
+        fields=_disk_fields,
+        check_component=True,
+        note="`path` is on the server's machine.",
+    )
+    init_weight_update_group = _sent(RolloutAPI.init_weight_update_group)
+    update_weights_from_distributed = _sent(RolloutAPI.update_weights_from_distributed, fields=_layout_fields)
+    check_weight_update = _sent(RolloutAPI.check_weight_update, fields=_layout_fields)
+    weights_checksum = _sent(RolloutAPI.weights_checksum, check_component=True)
 
-    def init_weight_update_group(
-        self,
-        master_address: str,
-        master_port: int,
-        rank_offset: int,
-        world_size: int,
-        backend: str = "gloo",
-        timeout_s: float = 300.0,
-    ) -> list[int]:
-        return self._call(
-            "init_weight_update_group",
-            master_address=master_address,
-            master_port=master_port,
-            rank_offset=rank_offset,
-            world_size=world_size,
-            backend=backend,
-            timeout_s=timeout_s,
-        )
-
-    def update_weights_from_distributed(
-        self,
-        names: list[str],
-        dtypes: list[torch.dtype],
-        shapes: list[tuple[int, ...]],
-        *,
-        component: str = DEFAULT_COMPONENT,
-        version: int | None = None,
-        mode: str = "wait",
-        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-        check_finite: bool = True,
-    ) -> int:
-        return self._call(
-            "update_weights_from_distributed",
-            **_tensor_layout(names, dtypes, shapes),
-            component=component,
-            version=version,
-            mode=mode,
-            bucket_bytes=bucket_bytes,
-            check_finite=check_finite,
-        )
-
-    def check_weight_update(
-        self,
-        names: list[str],
-        dtypes: list[torch.dtype],
-        shapes: list[tuple[int, ...]],
-        component: str = DEFAULT_COMPONENT,
-    ) -> None:
-        self._call("check_weight_update", **_tensor_layout(names, dtypes, shapes), component=component)
-
-    def weights_checksum(self, component: str = DEFAULT_COMPONENT) -> str:
-        self.model_spec.check_component(component)
-        return self._call("weights_checksum", component=component)
-
-    def load_lora(
-        self,
-        name: str,
-        source: str | Path | Mapping[str, torch.Tensor],
-        config: LoraConfig | Mapping | None = None,
-        *,
-        version: int | None = None,
-        check_finite: bool = True,
-    ) -> int:
+    @implements(RolloutAPI.load_lora)
+    def load_lora(self, name, source, config, *, version, check_finite) -> int:
         """`RolloutEngine.load_lora`: a folder on the server's machine, or tensors with their config
         (sent as a safetensors body)."""
         if isinstance(source, str | Path):
@@ -390,8 +339,7 @@ class RemoteRolloutEngine:
         )
         return self._post_tensors("load_lora_tensors", dict(source), options)
 
-    def unload_lora(self, name: str) -> None:
-        self._call("unload_lora", lora_name=name)
+    unload_lora = _sent(RolloutAPI.unload_lora, fields=_lora_name_fields)
 
     def lora_modules(self, name: str) -> int:
         loras = self.server_info()["loras"]
@@ -402,11 +350,8 @@ class RemoteRolloutEngine:
     def list_loras(self) -> list[str]:
         return sorted(self.server_info()["loras"])
 
-    def sleep(self, level: int = 1) -> None:
-        self._call("sleep", level=level)
-
-    def wake_up(self) -> None:
-        self._call("wake_up")
+    sleep = _sent(RolloutAPI.sleep)
+    wake_up = _sent(RolloutAPI.wake_up)
 
     # Lifetime.
 

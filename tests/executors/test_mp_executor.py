@@ -18,7 +18,12 @@ import torch
 from executors.shm import REPLY_BLOCK_MAX_BYTES, shm_dir
 from rollout import EngineConfig, RolloutEngine, SamplingParams
 from rollout.errors import EngineDeadError
-from tests.executors.worker_functions import sleep_in_worker, slow_down_steps, wait_gone, worker_pid
+from tests.executors.worker_functions import (
+    kill_rank_1_of_a_slowed_engine,
+    sleep_in_worker,
+    wait_gone,
+    worker_pid,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -42,12 +47,7 @@ def test_one_worker_with_the_same_threads_is_bitwise_uni(tiny_model):
 
 def test_killing_a_worker_during_a_rollout_fails_fast(tiny_model):
     engine = _mp_engine(tiny_model, num_workers=2)
-    pids = engine.collective_rpc(worker_pid)
-    start = time.monotonic()
-    engine.collective_rpc(slow_down_steps, args=(0.2,))
-    live_rpc_s = time.monotonic() - start
-    killer = threading.Timer(1.0, os.kill, args=(pids[1], signal.SIGKILL))
-    killer.start()
+    pids, live_rpc_s = kill_rank_1_of_a_slowed_engine(engine)
     start = time.monotonic()
     with pytest.raises(EngineDeadError, match=r"worker rank 1 \(pid \d+\) died \(exit code -9\) during 'execute'"):
         engine.generate("x", SamplingParams(num_inference_steps=200, num_samples=4, seed=0))

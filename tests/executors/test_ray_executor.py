@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 import sys
-import threading
 import time
 
 import cloudpickle
@@ -15,7 +12,12 @@ import pytest
 from rollout import EngineConfig, RolloutEngine, SamplingParams
 from rollout.errors import EngineDeadError
 from tests.executors import worker_functions
-from tests.executors.worker_functions import sleep_in_worker, slow_down_steps, wait_gone, worker_pid
+from tests.executors.worker_functions import (
+    kill_rank_1_of_a_slowed_engine,
+    sleep_in_worker,
+    wait_gone,
+    worker_pid,
+)
 
 cloudpickle.register_pickle_by_value(worker_functions)
 
@@ -38,12 +40,7 @@ def test_selecting_ray_without_ray_installed_says_how_to_install(tiny_model, mon
 @pytest.mark.parametrize("during", ["rollout", "rpc"])
 def test_killing_an_actor_fails_fast(ray_cluster, tiny_model, during):
     engine = RolloutEngine(EngineConfig(model=tiny_model, executor="ray", num_workers=2))
-    pids = engine.collective_rpc(worker_pid)
-    start = time.monotonic()
-    engine.collective_rpc(slow_down_steps, args=(0.2,))
-    live_rpc_s = time.monotonic() - start
-    killer = threading.Timer(1.0, os.kill, args=(pids[1], signal.SIGKILL))
-    killer.start()
+    pids, live_rpc_s = kill_rank_1_of_a_slowed_engine(engine)
     start = time.monotonic()
     with pytest.raises(EngineDeadError, match="worker rank 1 \\(Ray actor\\) died"):
         if during == "rollout":

@@ -6,6 +6,8 @@ Ray workers cannot import this module: tests that use Ray register it to be pick
 from __future__ import annotations
 
 import os
+import signal
+import threading
 import time
 
 
@@ -108,3 +110,15 @@ def wait_gone(pids: list[int], timeout: float = 10.0) -> list[int]:
             return []
         time.sleep(0.1)
     return [pid for pid in pids if alive(pid)]
+
+
+def kill_rank_1_of_a_slowed_engine(engine, after_s: float = 1.0) -> tuple[list[int], float]:
+    """Slow `engine`'s denoising steps by 0.2 s each and SIGKILL its rank 1 `after_s` from now;
+    returns the workers' pids and how long a collective_rpc to the live workers took (what a call
+    the engine refuses by itself must beat)."""
+    pids = engine.collective_rpc(worker_pid)
+    start = time.monotonic()
+    engine.collective_rpc(slow_down_steps, args=(0.2,))
+    live_rpc_s = time.monotonic() - start
+    threading.Timer(after_s, os.kill, args=(pids[1], signal.SIGKILL)).start()
+    return pids, live_rpc_s

@@ -42,27 +42,35 @@ def test_reward_rises_on_every_seed(tmp_path, tiny_models, config_name, family, 
     margins = []
     for seed in (0, 1, 2):
         out = tmp_path / f"seed{seed}"
-        config = load_config(
-            CONFIG_DIR / config_name,
-            [
-                f"model.path={tiny_models(family)}",
-                f"output_dir={out}",
-                f"seed={seed}",
-                "steps=15",
-                "prompts_per_step=2",
-                f"sampling.num_inference_steps={steps}",
-                "optimizer.learning_rate=0.02",
-                "eval.num_prompts=1",
-                "eval.num_samples=1",
-                "eval.num_inference_steps=2",
-            ],
-        )
-        summary = run(config)
-        assert summary["log_ratio_before_first_update"] < RATIO_TOLERANCE
-        margin, std_error = reward_margin(out / "metrics.jsonl")
+        margin, std_error = learn(CONFIG_DIR / config_name, tiny_models(family), out, seed=seed, inference_steps=steps)
         assert margin > 5 * std_error, f"seed {seed}: margin {margin:.4f}, std error {std_error:.4f}"
         margins.append(margin)
     assert min(margins) > min_margin, margins
+
+
+def learn(recipe_config: Path, model: str, out: Path, **overrides) -> tuple[float, float]:
+    """Run the GRPO recipe of `recipe_config` on `model` into `out` under
+    `learning_overrides(**overrides)`; checks that the first update started at ratio 1, and returns
+    the reward's margin and its standard error (`reward_margin`)."""
+    config = load_config(recipe_config, [f"model.path={model}", f"output_dir={out}", *learning_overrides(**overrides)])
+    summary = run(config)
+    assert summary["log_ratio_before_first_update"] < RATIO_TOLERANCE
+    return reward_margin(out / "metrics.jsonl")
+
+
+def learning_overrides(*, seed: int = 0, steps: int = 15, inference_steps: int = 6) -> list[str]:
+    """The overrides under which a tiny GRPO recipe learns: `steps` steps of 2 prompts at learning
+    rate 0.02, and a one-sample evaluation."""
+    return [
+        f"seed={seed}",
+        f"steps={steps}",
+        "prompts_per_step=2",
+        f"sampling.num_inference_steps={inference_steps}",
+        "optimizer.learning_rate=0.02",
+        "eval.num_prompts=1",
+        "eval.num_samples=1",
+        "eval.num_inference_steps=2",
+    ]
 
 
 def reward_margin(metrics: Path) -> tuple[float, float]:
@@ -92,23 +100,5 @@ def test_the_edit_recipes_learn_to_make_their_edits_red(tmp_path, tiny_models, r
     rises (one seed: an edit step costs about twice a text-to-image step, with the input image's
     tokens; FLUX.2 [klein] edits 64x64 references, 256 reference tokens beside 64 noisy ones), and
     the first update starts at ratio 1 with the encoded images re-used."""
-    out = tmp_path / "edit"
-    config = load_config(
-        CONFIG_DIR / recipe,
-        [
-            f"model.path={tiny_models(family)}",
-            f"output_dir={out}",
-            "seed=1",
-            "steps=20",
-            "prompts_per_step=2",
-            "sampling.num_inference_steps=6",
-            "optimizer.learning_rate=0.02",
-            "eval.num_prompts=1",
-            "eval.num_samples=1",
-            "eval.num_inference_steps=2",
-        ],
-    )
-    summary = run(config)
-    assert summary["log_ratio_before_first_update"] < RATIO_TOLERANCE
-    margin, std_error = reward_margin(out / "metrics.jsonl")
+    margin, std_error = learn(CONFIG_DIR / recipe, tiny_models(family), tmp_path / "edit", seed=1, steps=20)
     assert margin > 3 * std_error and margin > 0.03, f"margin {margin:.4f}, std error {std_error:.4f}"

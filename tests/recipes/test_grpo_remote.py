@@ -12,18 +12,10 @@ import recipes.config
 from recipes.config import load_config
 from recipes.grpo import run
 from rollout.serve.launch import ServerProcess
+from tests.recipes.test_grpo_learns import learning_overrides
 
 CONFIG = Path(recipes.config.__file__).parent / "configs" / "grpo_tiny.yaml"
-SETTINGS = [
-    "seed=0",
-    "steps=15",
-    "prompts_per_step=2",
-    "sampling.num_inference_steps=6",
-    "optimizer.learning_rate=0.02",
-    "eval.num_prompts=1",
-    "eval.num_samples=1",
-    "eval.num_inference_steps=2",
-]
+SETTINGS = learning_overrides()
 
 
 def _rewards(model: str, out: Path, *extra: str) -> list[float]:

@@ -55,3 +55,29 @@ def test_a_copied_setting_keeps_the_default_and_the_help():
     assert setting_help(Section, "max_batch_size") == setting_help(EngineConfig, "max_batch_size")
     assert setting_default(limits) == RequestLimits() and Section().request_limits is not Section().request_limits
     assert setting_default(dataclasses.fields(EngineConfig)[0]) is dataclasses.MISSING  # model is required
+
+
+def test_a_settings_bounds_are_declared_with_it_and_worded_by_one_checker():
+    from rollout.settings import Rule, setting_problems
+
+    @dataclasses.dataclass
+    class Knobs:
+        steps: int = setting(1, "steps", at_least=1)
+        share: float = setting(0.5, "share", above=0, at_most=1)
+        decay: float = setting(0.5, "decay", at_least=0, below=1, why="1 freezes it")
+        limit: float | None = setting(None, "limit", above=0, or_none=True)
+        form: str = setting("a", "form", one_of=("a", "b"))
+        indices: tuple = setting((), "indices", rule=Rule(lambda v: all(i >= 0 for i in v), "indices >= 0"))
+        free: float = setting(-5.0, "no rule")
+
+    assert setting_problems(Knobs()) == []
+    wrong = Knobs(steps=0, share=0, decay=1, limit=0, form="c", indices=(-1,))
+    assert setting_problems(wrong) == [
+        "steps must be >= 1, got 0",
+        "share must be in (0, 1], got 0",
+        "decay must be in [0, 1) (1 freezes it), got 1",
+        "limit must be > 0 or None, got 0",
+        "form must be one of ('a', 'b'), got 'c'",
+        "indices must be indices >= 0, got (-1,)",
+    ]
+    assert setting_problems(Knobs(share=float("nan"))) == ["share must be in (0, 1], got nan"]

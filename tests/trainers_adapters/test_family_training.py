@@ -37,18 +37,22 @@ def family_engine(request, tiny_models):
         yield family, path, engine
 
 
-def _rollout(engine, family, policy, cfg: bool):
-    params = family.params(cfg=cfg, num_inference_steps=4, num_samples=4, seed=3, lora=policy.name)
-    with ThreadPoolExecutor(1) as pool:
-        return generate_with_rewards(engine, ["a red square", "a blue circle"], params, colour_target, pool)
-
-
-def test_grpo_update_starts_at_ratio_one(family_engine):
+def _policy_and_rollout(family_engine, cfg: bool):
+    """A fresh policy (seed 0) pushed to the family's engine, and a rewarded rollout of 2 prompts x 4
+    samples under it."""
     family, path, engine = family_engine
     torch.manual_seed(0)
     policy = LoraPolicy(path, LORA)
     policy.push(engine)
-    rollout = _rollout(engine, family, policy, cfg=True)
+    params = family.params(cfg=cfg, num_inference_steps=4, num_samples=4, seed=3, lora=policy.name)
+    with ThreadPoolExecutor(1) as pool:
+        rollout = generate_with_rewards(engine, ["a red square", "a blue circle"], params, colour_target, pool)
+    return policy, rollout
+
+
+def test_grpo_update_starts_at_ratio_one(family_engine):
+    engine = family_engine[2]
+    policy, rollout = _policy_and_rollout(family_engine, cfg=True)
     before = policy.lora_state()
     optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-2)
     stats = grpo_step(policy, optimizer, rollout, GRPOSettings(kl_beta=0.01), torch.Generator().manual_seed(0))
@@ -59,11 +63,8 @@ def test_grpo_update_starts_at_ratio_one(family_engine):
 
 
 def test_dpo_update_starts_at_log_two(family_engine):
-    family, path, engine = family_engine
-    torch.manual_seed(0)
-    policy = LoraPolicy(path, LORA)
-    policy.push(engine)
-    rollout = _rollout(engine, family, policy, cfg=False)
+    engine = family_engine[2]
+    policy, rollout = _policy_and_rollout(family_engine, cfg=False)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=3e-3)
     stats = dpo_step(policy, optimizer, rollout, DPOSettings(), torch.Generator().manual_seed(0))
     assert stats.num_pairs == 2

@@ -91,7 +91,7 @@ def _generate(engine, prompts, params, runner: RewardRunner, request_prefix: str
                 group = finished[group_of[output.request_id]]
                 group.append(output)
                 if len(group) == params.num_samples * params.leaves_per_sample:
-                    scored = runner.submit(*_group_inputs(group, inputs[output.prompt_index]))
+                    scored = runner.submit(*group_inputs(group, inputs[output.prompt_index]))
                     futures[output.prompt_index] = scored
             _raise_first_failure(futures.values())
     except BaseException:
@@ -126,7 +126,7 @@ def _raise_first_failure(futures) -> None:
             raise future.exception()
 
 
-def _group_inputs(group: list[RolloutOutput], input_images) -> tuple[torch.Tensor, list[str], list[dict]]:
+def group_inputs(group: list[RolloutOutput], input_images) -> tuple[torch.Tensor, list[str], list[dict]]:
     """(images, prompts, metadata) of one finished group, in sample (then branch) order."""
     group = sorted(group, key=_sample_order)
     images = torch.stack([output.image if output.video is None else output.video for output in group])

@@ -13,7 +13,6 @@ import hashlib
 import json
 import random
 import socket
-import threading
 import time
 
 import pytest
@@ -27,6 +26,7 @@ from rollout.http.frame_body import FRAME_BODY_EXTENSION
 from rollout.http.protocol import server_protocol
 from rollout.http.wire import FRAMES_MEDIA_TYPE, LENGTH, WireError
 from rollout.serve.launch import free_port
+from tests.threaded_server import served
 
 pytestmark = pytest.mark.timeout(60)
 FRAME_LIMIT = 4 << 20  # bytes of a body
@@ -76,16 +76,8 @@ def port(app):
     config = uvicorn.Config(
         app, "127.0.0.1", port, http=server_protocol(5.0, frame_body_paths=["/frames"]), log_level="warning"
     )
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the test server did not start"
-        time.sleep(0.05)
-    yield port
-    server.should_exit = True
-    thread.join(10)
+    with served(uvicorn.Server(config), "the test server"):
+        yield port
 
 
 def chunked(pieces: list[bytes]) -> bytes:

@@ -55,15 +55,23 @@ def policy(tiny_model):
     return LoraPolicy(tiny_model, CONFIG)
 
 
+@pytest.fixture
+def pushed(engines, policy):
+    """`engines` with the policy's adapter pushed to each as "policy", unloaded after the test."""
+    for engine in engines:
+        policy.push(engine)
+    yield engines
+    for engine in engines:
+        engine.unload_lora("policy")
+
+
 def _stepped(policy: LoraPolicy, delta: float) -> dict[str, torch.Tensor]:
     """The policy's adapter after a stand-in for an optimizer step."""
     return {key: tensor + delta for key, tensor in policy.lora_state().items()}
 
 
-def test_merged_rollouts_match_unmerged_and_rescore_to_ratio_one(engines, policy):
-    merged, unmerged = engines
-    for engine in engines:
-        policy.push(engine)
+def test_merged_rollouts_match_unmerged_and_rescore_to_ratio_one(pushed, policy):
+    merged, unmerged = pushed
     params = SamplingParams(num_inference_steps=3, num_samples=2, seed=2, lora="policy")
     outputs = merged.generate(PROMPTS, params)
     assert _merged(merged) == ("policy", 1.0) and _merged(unmerged) is None
@@ -81,40 +89,31 @@ def test_merged_rollouts_match_unmerged_and_rescore_to_ratio_one(engines, policy
     )
     # The base under the merged adapter is the trainer's, bitwise.
     assert merged.weights_checksum() == policy.weights_checksum()
-    for engine in engines:
-        engine.unload_lora("policy")
 
 
-def test_a_hot_swap_merges_the_new_values(engines, policy):
-    merged, unmerged = engines
-    for engine in engines:
-        policy.push(engine)
+def test_a_hot_swap_merges_the_new_values(pushed, policy):
+    merged, unmerged = pushed
     before = _latents(merged, lora="policy")
-    for engine in engines:
+    for engine in pushed:
         engine.load_lora("policy", _stepped(policy, 0.01), policy.lora_config)
     after = _latents(merged, lora="policy")
     assert (after[0] - before[0]).abs().max() > 1e-3  # the new adapter ran, not the merged old one
     _assert_close(after, _latents(unmerged, lora="policy"))
-    for engine in engines:
-        engine.unload_lora("policy")
 
 
-def test_an_update_while_merged_changes_the_base_and_the_next_forward_merges_into_it(engines, policy):
-    merged, unmerged = engines
-    for engine in engines:
-        policy.push(engine)
+def test_an_update_while_merged_changes_the_base_and_the_next_forward_merges_into_it(pushed, policy):
+    merged, unmerged = pushed
     _latents(merged, lora="policy")
     assert _merged(merged) == ("policy", 1.0)
     original = {name: tensor.detach().clone() for name, tensor in base_state(policy.adapter.transformer).items()}
     new = {name: tensor * 0.9 for name, tensor in original.items()}  # stands in for a full fine-tuning step
-    for engine in engines:
+    for engine in pushed:
         engine.update_weights(new)
     assert _merged(merged) is None  # restored before the update swapped the base
     assert merged.weights_checksum() == checksum(new)
     _assert_close(_latents(merged, lora="policy"), _latents(unmerged, lora="policy"))
-    for engine in engines:
+    for engine in pushed:
         engine.update_weights(original)
-        engine.unload_lora("policy")
 
 
 @pytest.mark.slow
@@ -159,12 +158,10 @@ def test_switching_adapters_restores_before_merging_the_next(tiny_model, policy)
 
 
 @pytest.mark.slow
-def test_a_function_run_on_the_workers_sees_and_changes_the_base(engines, policy):
+def test_a_function_run_on_the_workers_sees_and_changes_the_base(pushed, policy):
     """collective_rpc of a user's function undoes the merge first: it reads the base weights, and
     what it writes into them stays (the next forward merges into the written base)."""
-    merged, unmerged = engines
-    for engine in engines:
-        policy.push(engine)
+    merged, unmerged = pushed
     params = {"lora": "policy"}
     _latents(merged, **params)
     assert _merged(merged) == ("policy", 1.0)
@@ -180,11 +177,11 @@ def test_a_function_run_on_the_workers_sees_and_changes_the_base(engines, policy
     (seen,) = merged.collective_rpc(read)
     (base,) = unmerged.collective_rpc(read)
     assert torch.equal(seen, base) and _merged(merged) is None
-    for engine in engines:
+    for engine in pushed:
         engine.collective_rpc(scale)
     _assert_close(_latents(merged, **params), _latents(unmerged, **params))
     assert merged.weights_checksum() == unmerged.weights_checksum()
-    for engine in engines:  # the module's engines go on with the base they started with
+    for engine in pushed:  # the module's engines go on with the base they started with
         engine.update_weights({name: base})
 
 

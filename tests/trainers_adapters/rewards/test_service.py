@@ -9,7 +9,6 @@ import io
 import os
 import subprocess
 import sys
-import threading
 import time
 
 import httpx
@@ -21,6 +20,7 @@ from PIL import Image
 from rollout import SamplingParams
 from rollout.http.tensor_bytes import SAFETENSORS_MEDIA_TYPE, tensors_to_bytes
 from rollout.serve.launch import free_port
+from tests.threaded_server import served
 from trainers_adapters.rewards.checks import RewardError
 from trainers_adapters.rewards.composite import CompositeReward, RewardComponent
 from trainers_adapters.rewards.remote import RemoteReward
@@ -43,15 +43,8 @@ def url():
     runner = RewardsOnThreads(build_reward(REWARD))
     app = build_reward_app(runner, list(REWARD), RewardServiceSettings(api_key=KEY, max_images=8))
     server = uvicorn.Server(uvicorn.Config(app, "127.0.0.1", port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the reward service did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(10)
+    with served(server, "the reward service"):
+        yield f"http://127.0.0.1:{port}"
     runner.close()
 
 

@@ -19,7 +19,7 @@ import torch
 from rollout import SamplingParams
 from tests.trainers_adapters.rewards.groups import group_of, kill_while_scoring
 from trainers_adapters.rewards.checks import RewardError
-from trainers_adapters.rewards.rewarded_rollout import generate_with_rewards
+from trainers_adapters.rewards.rewarded_rollout import generate_with_rewards, group_inputs
 from trainers_adapters.rewards.spec import build_reward
 from trainers_adapters.rewards.worker_pool import RewardWorkerPool, RewardWorkerTimeout
 
@@ -47,19 +47,7 @@ def test_a_rollout_scored_in_a_worker_equals_the_same_groups_scored_in_process(e
     in_process = build_reward(reward_key)
     for index in range(len(PROMPTS)):
         rows = slice(2 * index, 2 * index + 2)
-        group = rollout.outputs[rows]
-        metadata = [
-            {
-                "prompt_index": o.prompt_index,
-                "sample_index": o.sample_index,
-                "branch_path": o.branch_path,
-                "seed": o.seed,
-                "weight_version": o.weight_version,
-                "input_images": None,
-            }
-            for o in group
-        ]
-        expected = in_process.score(torch.stack([o.image for o in group]), [o.prompt for o in group], metadata)
+        expected = in_process.score(*group_inputs(rollout.outputs[rows], None))  # what a worker is sent
         torch.testing.assert_close(rollout.rewards[rows], expected.total, atol=1e-6, rtol=0)
         for name in ("clip_score", "colour", "probe"):
             found = rollout.reward_components[name][rows]
