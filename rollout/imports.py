@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import warnings
+from collections.abc import Callable
 
 
 def import_by_path(dotted: str, what: str):
@@ -26,3 +27,26 @@ def warn_moved(old: str, new: str) -> None:
     as it is imported, so the warning names the line that imported `old`."""
     message = f"{old} moved to {new}: import it from there ({old} goes in the next release)"
     warnings.warn(message, DeprecationWarning, stacklevel=3)
+
+
+def names_moved_to(package: str, module: str) -> Callable[[str], object]:
+    """The `__getattr__` of a package that stands where module `module` stood until this release
+    (`rollout.weights` was one module, now `rollout.weights.state`): the old module's names still
+    resolve at the package, for one release, with a DeprecationWarning naming their new module."""
+
+    def moved_name(name: str) -> object:
+        if not name.startswith("_"):
+            value = getattr(importlib.import_module(module), name, _MISSING)
+            if value is not _MISSING:
+                message = (
+                    f"{package}.{name} moved to {module}.{name}: import it from there (or from `rollout` where it "
+                    f"is public); {package}.{name} goes in the next release"
+                )
+                warnings.warn(message, DeprecationWarning, stacklevel=2)
+                return value
+        raise AttributeError(f"module {package!r} has no attribute {name!r}")
+
+    return moved_name
+
+
+_MISSING = object()

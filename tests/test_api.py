@@ -174,3 +174,22 @@ def test_an_implementation_takes_the_declared_signature_and_must_list_its_names(
         sleep(None, lvl=2)
     with pytest.raises(TypeError, match="does not list"):
         implements(RolloutAPI.sleep)(lambda self, lvl: None)
+
+
+@pytest.mark.parametrize(
+    ("old", "name", "new"),
+    [
+        ("rollout.engine", "RolloutEngine", "rollout.engine.rollout_engine"),
+        ("rollout.weights", "checksum", "rollout.weights.state"),
+        ("rollout.lora", "adapter_to_float32", "rollout.lora.manager"),
+        ("rollout.worker", "call_function", "rollout.worker.worker"),
+    ],
+)
+def test_a_name_of_a_module_that_became_a_package_resolves_for_a_release_and_says_where_it_went(old, name, new):
+    import importlib
+
+    with pytest.warns(DeprecationWarning, match=rf"{old}\.{name} moved to {new}\.{name}"):
+        value = getattr(importlib.import_module(old), name)
+    assert value is getattr(importlib.import_module(new), name)
+    with pytest.raises(AttributeError, match="has no attribute 'no_such_name'"):
+        importlib.import_module(old).no_such_name  # noqa: B018
