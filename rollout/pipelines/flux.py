@@ -15,6 +15,7 @@ import torch
 
 from rollout.pipelines.adapter import PipelineAdapter, decode_scaled_latents, packed_latents_spec
 from rollout.pipelines.condition import PromptEmbeds
+from rollout.pipelines.flow_shift import resolution_shift
 from rollout.pipelines.spec import ModelSpec
 
 
@@ -60,7 +61,7 @@ class FluxAdapter(PipelineAdapter):
     def set_timesteps(self, scheduler, num_steps: int, height: int, width: int, sigmas) -> None:
         # Imported here, once a pipeline is loaded: the pipeline's module imports transformers' image
         # processors, slow and noisy at import (a torchvision notice), and the registry imports this file.
-        from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_timesteps
+        from diffusers.pipelines.flux.pipeline_flux import retrieve_timesteps
 
         # FluxPipeline.__call__ step 5, on this scheduler.
         config = scheduler.config
@@ -68,13 +69,7 @@ class FluxAdapter(PipelineAdapter):
             sigmas = np.linspace(1.0, 1 / num_steps, num_steps)
         if config.get("use_flow_sigmas"):
             sigmas = None
-        mu = calculate_shift(
-            self.spec.latent_shape(height, width)[0],
-            config.get("base_image_seq_len", 256),
-            config.get("max_image_seq_len", 4096),
-            config.get("base_shift", 0.5),
-            config.get("max_shift", 1.15),
-        )
+        mu = resolution_shift(config, self.spec.latent_shape(height, width)[0])
         retrieve_timesteps(scheduler, num_steps, "cpu", sigmas=sigmas, mu=mu)
 
     def run_transformer(self, latents, sigmas, embeds: FluxEmbeds, guidance_scale, height, width) -> torch.Tensor:

@@ -18,6 +18,7 @@ import torch
 
 from rollout.pipelines.adapter import PipelineAdapter, images_to_uint8, packed_latents_spec
 from rollout.pipelines.condition import PromptEmbeds
+from rollout.pipelines.flow_shift import resolution_shift
 from rollout.pipelines.spec import ModelSpec
 
 
@@ -52,17 +53,11 @@ class QwenImageAdapter(PipelineAdapter):
     def set_timesteps(self, scheduler, num_steps: int, height: int, width: int, sigmas) -> None:
         # Imported here, once a pipeline is loaded: the pipeline's module imports transformers' image
         # processors, slow and noisy at import (a torchvision notice), and the registry imports this file.
-        from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift, retrieve_timesteps
+        from diffusers.pipelines.qwenimage.pipeline_qwenimage import retrieve_timesteps
 
         # QwenImagePipeline.__call__ step 4, on this scheduler.
         config = scheduler.config
-        mu = calculate_shift(
-            self.spec.latent_shape(height, width)[0],
-            config.get("base_image_seq_len", 256),
-            config.get("max_image_seq_len", 4096),
-            config.get("base_shift", 0.5),
-            config.get("max_shift", 1.15),
-        )
+        mu = resolution_shift(config, self.spec.latent_shape(height, width)[0])
         if sigmas is None:
             sigmas = np.linspace(1.0, 1 / num_steps, num_steps)
         retrieve_timesteps(scheduler, num_steps, "cpu", sigmas=sigmas, mu=mu)

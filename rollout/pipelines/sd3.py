@@ -13,6 +13,7 @@ import torch
 
 from rollout.pipelines.adapter import PipelineAdapter, decode_scaled_latents
 from rollout.pipelines.condition import PromptEmbeds
+from rollout.pipelines.flow_shift import resolution_shift
 from rollout.pipelines.spec import ModelSpec
 
 
@@ -63,22 +64,12 @@ class SD3Adapter(PipelineAdapter):
         return SD3Embeds(embeds[0], pooled[0]).to(self.device, self.dtype)
 
     def set_timesteps(self, scheduler, num_steps: int, height: int, width: int, sigmas) -> None:
-        # Imported here, once a pipeline is loaded: the pipeline's module imports transformers' image
-        # processors, slow and noisy at import (a torchvision notice), and the registry imports this file.
-        from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import calculate_shift
-
         config = scheduler.config
         kwargs = {}
         if config.get("use_dynamic_shifting", False):
             patch = self.spec.patch_size
             latent_h, latent_w = height // self.spec.vae_scale_factor, width // self.spec.vae_scale_factor
-            kwargs["mu"] = calculate_shift(
-                (latent_h // patch) * (latent_w // patch),
-                config.get("base_image_seq_len", 256),
-                config.get("max_image_seq_len", 4096),
-                config.get("base_shift", 0.5),
-                config.get("max_shift", 1.16),
-            )
+            kwargs["mu"] = resolution_shift(config, (latent_h // patch) * (latent_w // patch), default_max_shift=1.16)
         scheduler.set_timesteps(num_steps, device="cpu", sigmas=sigmas, **kwargs)
 
     def run_transformer(self, latents, sigmas, embeds: SD3Embeds, guidance_scale, height, width) -> torch.Tensor:

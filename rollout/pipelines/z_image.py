@@ -25,6 +25,7 @@ import torch
 
 from rollout.pipelines.adapter import PipelineAdapter, decode_scaled_latents
 from rollout.pipelines.condition import PromptEmbeds
+from rollout.pipelines.flow_shift import resolution_shift
 from rollout.pipelines.spec import ModelSpec
 
 # ZImageTransformer2DModel pads every caption to a multiple of this many tokens (SEQ_MULTI_OF).
@@ -95,23 +96,13 @@ class ZImageAdapter(PipelineAdapter):
     def set_timesteps(self, scheduler, num_steps: int, height: int, width: int, sigmas) -> None:
         # Imported here, once a pipeline is loaded: the pipeline's module imports transformers' image
         # processors, slow and noisy at import (a torchvision notice), and the registry imports this file.
-        from diffusers.pipelines.z_image.pipeline_z_image import (
-            calculate_shift,
-            get_default_z_image_sigmas,
-            retrieve_timesteps,
-        )
+        from diffusers.pipelines.z_image.pipeline_z_image import get_default_z_image_sigmas, retrieve_timesteps
 
         # ZImagePipeline.__call__ step 5, on this scheduler (its mu acts only with dynamic shifting).
         config = scheduler.config
         latent_h, latent_w = self.spec.latent_shape(height, width)[1:]
         patch = self.spec.patch_size
-        mu = calculate_shift(
-            (latent_h // patch) * (latent_w // patch),
-            config.get("base_image_seq_len", 256),
-            config.get("max_image_seq_len", 4096),
-            config.get("base_shift", 0.5),
-            config.get("max_shift", 1.15),
-        )
+        mu = resolution_shift(config, (latent_h // patch) * (latent_w // patch))
         if sigmas is None:
             sigmas = get_default_z_image_sigmas(num_steps)
         retrieve_timesteps(scheduler, num_steps, "cpu", sigmas=list(sigmas), mu=mu)
