@@ -267,19 +267,6 @@ class LoraManager:
         # each `restore` (a merge costs a pass over the targeted weights: 50 ms on SD3.5 Medium).
         self.merges = 0
 
-    def load(
-        self,
-        name: str,
-        tensors: Mapping[str, torch.Tensor],
-        config: LoraConfig | Mapping | None,
-        check_finite: bool = True,
-    ) -> int:
-        """Load adapter `name` (replacing one of that name); returns how many modules it binds. A
-        load that fails leaves every adapter as it was."""
-        bound = self.stage(name, tensors, config, check_finite)
-        self.commit(name)
-        return bound
-
     def stage(
         self,
         name: str,

@@ -69,7 +69,8 @@ def test_the_base_and_a_merged_adapter_run_bypassed_and_compute_what_peft_does(t
     without_adapters = _forward(transformer)
     names = list(base_state(transformer))
     loras = LoraManager({"transformer": transformer}, merge=True)
-    loras.load("a", *adapter)
+    loras.stage("a", *adapter)
+    loras.commit("a")
     layers = _lora_layers(transformer)
     assert layers and not any(map(_bypassed, layers))
 
@@ -90,7 +91,8 @@ def test_the_base_and_a_merged_adapter_run_bypassed_and_compute_what_peft_does(t
 
 def test_a_bypassed_layer_computes_bitwise_what_peft_off_computes(transformer, adapter):
     loras = LoraManager({"transformer": transformer})
-    loras.load("a", *adapter)
+    loras.stage("a", *adapter)
+    loras.commit("a")
     transformer.disable_lora()
     peft_off = _forward(transformer)
     bypassed = BypassedLoraLayers(transformer)
@@ -104,7 +106,8 @@ def test_a_bypassed_layer_computes_bitwise_what_peft_off_computes(transformer, a
 
 def test_an_unmerged_adapter_runs_peft_forwards_and_restore_puts_them_back(transformer, adapter):
     loras = LoraManager({"transformer": transformer}, merge=False)
-    loras.load("a", *adapter)
+    loras.stage("a", *adapter)
+    loras.commit("a")
     layers = _lora_layers(transformer)
     loras.activate(None, 1.0)
     base = _forward(transformer)
@@ -122,11 +125,13 @@ def test_a_load_and_an_unload_while_bypassed_leave_peft_whole(transformer, adapt
     and run once picked; an unload frees them; the base stays bitwise throughout."""
     tensors, config = adapter
     loras = LoraManager({"transformer": transformer}, merge=True)
-    loras.load("a", tensors, config)
+    loras.stage("a", tensors, config)
+    loras.commit("a")
     digest = checksum(base_state(transformer))
     loras.activate(None, 1.0)
     base = _forward(transformer)
-    loras.load("b", {key: tensor * 2 for key, tensor in tensors.items()}, config)
+    loras.stage("b", {key: tensor * 2 for key, tensor in tensors.items()}, config)
+    loras.commit("b")
     loras.activate("b", 1.0)
     assert loras.merged == ("b", 1.0) and not torch.equal(_forward(transformer), base)
     loras.activate(None, 1.0)

@@ -143,8 +143,10 @@ def test_batches_of_different_adapters_each_run_their_own(engines, policy):
 def test_switching_adapters_restores_before_merging_the_next(tiny_model, policy):
     transformer = SD3Transformer2DModel.from_pretrained(Path(tiny_model) / "transformer")
     loras = LoraManager({"transformer": transformer}, merge=True)
-    loras.load("a", policy.lora_state(), policy.lora_config)
-    loras.load("b", _stepped(policy, 0.05), policy.lora_config)
+    loras.stage("a", policy.lora_state(), policy.lora_config)
+    loras.commit("a")
+    loras.stage("b", _stepped(policy, 0.05), policy.lora_config)
+    loras.commit("b")
     layer = transformer.transformer_blocks[0].attn.to_q
     base = layer.base_layer.weight.detach().clone()
     for name in ("a", "b", "a"):
@@ -188,7 +190,8 @@ def test_a_function_run_on_the_workers_sees_and_changes_the_base(pushed, policy)
 def test_500_merge_restore_cycles_leave_the_base_bitwise(tiny_model, policy):
     transformer = SD3Transformer2DModel.from_pretrained(Path(tiny_model) / "transformer")
     loras = LoraManager({"transformer": transformer}, merge=True)
-    loras.load("a", policy.lora_state(), policy.lora_config)
+    loras.stage("a", policy.lora_state(), policy.lora_config)
+    loras.commit("a")
     digest = checksum(base_state(transformer))
     weight = transformer.transformer_blocks[0].attn.to_q.base_layer.weight
     base, pointer = weight.detach().clone(), weight.data_ptr()
