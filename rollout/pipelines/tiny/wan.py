@@ -44,25 +44,20 @@ def build_tiny_wan(
     transformer_config: dict | None = None,
     device: str = "cpu",
     dtype: torch.dtype = torch.float32,
+    boundary_ratio: float | None = None,
 ) -> Path:
     """Build a Wan 2.1 `WanPipeline` with random weights and save it to `path`; returns `path`.
     Deterministic in `seed`; `transformer_config` replaces the tiny transformer (benchmarks pass a
-    published config); the modules are made on `device` and saved in `dtype`."""
-    return _build(Path(path), seed, sizes, transformer_config, None, device, dtype)
+    published config); the modules are made on `device` and saved in `dtype`. A `boundary_ratio`
+    makes it Wan 2.2's two experts, split there (`build_tiny_wan22`)."""
+    return _build(Path(path), seed, sizes, transformer_config, boundary_ratio, device, dtype)
 
 
-@quietly
-def build_tiny_wan22(
-    path: str | Path,
-    seed: int = 0,
-    sizes: TinyWanSizes = TinyWanSizes(),
-    transformer_config: dict | None = None,
-    device: str = "cpu",
-    dtype: torch.dtype = torch.float32,
-) -> Path:
+def build_tiny_wan22(path: str | Path, seed: int = 0, **options) -> Path:
     """Build a Wan 2.2 `WanPipeline` with two experts (`transformer` for high noise, `transformer_2`
-    for low noise, split at `boundary_ratio` 0.875) and save it to `path`; returns `path`."""
-    return _build(Path(path), seed, sizes, transformer_config, WAN22_BOUNDARY_RATIO, device, dtype)
+    for low noise, split at `boundary_ratio` 0.875) and save it to `path`; returns `path`. Takes
+    `build_tiny_wan`'s options."""
+    return build_tiny_wan(path, seed, boundary_ratio=WAN22_BOUNDARY_RATIO, **options)
 
 
 # Wan 2.2 TI2V's sizes, shrunk: its residual VAE patchifies 2x2 pixels (12 input channels) before
