@@ -164,9 +164,9 @@ WAN21_T2V_1_3B = {
 }
 WAN22_T2V_A14B_EXPERT = WAN21_T2V_1_3B | {"num_attention_heads": 40, "ffn_dim": 13824, "num_layers": 40}
 # The small preset's Wan transformer (each expert of wan22): the tiny pipeline's latents (4 channels)
-# and text width (32), 4 layers of 4 x 32 heads with a 4x MLP, as the other small presets.
-WAN_SMALL = {
-    "patch_size": (1, 2, 2),
+# and text width (32), 4 layers of 4 x 32 heads with a 4x MLP, as the other small presets; the rest
+# (cross-attention norm, qk norm) as Wan 2.1 1.3B.
+WAN_SMALL = WAN21_T2V_1_3B | {
     "num_attention_heads": 4,
     "attention_head_dim": 32,
     "in_channels": 4,
