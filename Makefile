@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 PINS ?= .ci/constraints.txt
 EXTRAS := .[test,ray,tensorboard,wandb]
 
-.PHONY: setup demo test test-slow test-latest pins lint bench clean
+.PHONY: setup demo test test-slow test-latest pins lint bench bench-gpu gpu-wheels clean
 
 setup: $(VENV)/.installed
 
@@ -88,6 +88,29 @@ bench: setup
 	$(call BENCH,parallel,,parallel)
 	$(call BENCH,parallel,--mode measure,parallel_measure)
 	$(PY) -m benchmarks.render
+
+# The GPU suite (benchmarks/gpu_suite.py): the engine eager and compiled vs. diffusers vs. the forwards
+# alone for SD3.5 Medium, FLUX.1-dev, Wan 2.1 1.3B and Qwen-Image, MFU, memory peaks, merged vs.
+# unmerged LoRA on uni and mp, and bf16 re-scoring, in at most 8 minutes on one GPU. It runs on the
+# GPU machine's own Python and torch (no venv): where that Python lacks diffusers, run
+# `make gpu-wheels` where pip reaches PyPI, bring $(WHEELS)/ along, and bench-gpu installs them
+# into $(GPU_SITE), leaving that Python's packages as they are.
+GPU_PY ?= python3
+WHEELS ?= .whl
+GPU_SITE ?= /tmp/rollout-gpu-site
+GPU_WHEEL_PINS := diffusers peft importlib_metadata zipp
+GPU_RESULTS := $(RESULTS)/gpu
+
+gpu-wheels:
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: -d $(WHEELS) \
+		$(foreach name,$(GPU_WHEEL_PINS),$(shell grep -i '^$(name)==' $(PINS)))
+
+bench-gpu:
+	if [ -d $(WHEELS) ]; then $(GPU_PY) -m pip install -q --no-index --no-deps --no-compile --upgrade \
+		--target $(GPU_SITE) $(WHEELS)/*.whl; fi
+	PYTHONPATH=$(GPU_SITE):$(CURDIR) $(GPU_PY) -m benchmarks.gpu_suite --results $(GPU_RESULTS)
+	PYTHONPATH=$(GPU_SITE):$(CURDIR) $(GPU_PY) -m benchmarks.render --results $(GPU_RESULTS) \
+		--out docs/benchmarks_gpu.md --no-readme
 
 clean:
 	rm -rf $(VENV) $(LATEST) outputs .cache .pytest_cache .ruff_cache

@@ -63,6 +63,11 @@ SHARED_ARGUMENTS: dict[str, dict] = {
     "device": {"help": "cpu or cuda[:N]: where the models run"},
     "dtype": {"choices": ("float32", "bfloat16", "float16"), "help": "the models' dtype"},
     "model": {"type": Path, "help": "a local pipeline folder (default: build the tiny one in a temporary folder)"},
+    "model_folder": {
+        "type": Path,
+        "help": "build the benchmark's pipeline in this folder once, and reuse it on later runs of the same family, "
+        "preset and dtype (default: a temporary folder, removed after the run)",
+    },
 }
 
 
@@ -79,7 +84,7 @@ def parser(name: str, doc: str, **defaults) -> argparse.ArgumentParser:
     )
     shared = result.add_argument_group("shared benchmark options")
     for option, default in defaults.items():
-        shared.add_argument(f"--{option}", default=default, **SHARED_ARGUMENTS[option])
+        shared.add_argument(f"--{option.replace('_', '-')}", default=default, **SHARED_ARGUMENTS[option])
     shared.add_argument("--json", type=Path, metavar="PATH", help="also write the report as JSON to PATH")
     return result
 

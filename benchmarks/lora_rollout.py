@@ -39,7 +39,6 @@ import argparse
 import json
 import os
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
@@ -68,7 +67,9 @@ REAL_TRANSFORMERS = {
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = harness.parser("lora_rollout", __doc__, repeats=5, warmup=1, threads=1, device="cpu", dtype="float32")
+    parser = harness.parser(
+        "lora_rollout", __doc__, repeats=5, warmup=1, threads=1, device="cpu", dtype="float32", model_folder=None
+    )
     parser.add_argument("--family", choices=FAMILIES, default="sd3", help="the pipeline family")
     parser.add_argument(
         "--executor", choices=EXECUTORS, default="uni", help="where the one worker runs: this process or its own"
@@ -259,8 +260,8 @@ def main(argv: list[str] | None = None) -> dict:
 
 def measure(args: argparse.Namespace, report: harness.Report) -> None:
     """Build the pipeline, run the rounds and the merges, and fill `report`'s tables, targets and results."""
-    with tempfile.TemporaryDirectory(prefix="rollout-bench-lora-rollout-") as folder:
-        model_presets.build(args.family, args.preset, folder, args.device, getattr(torch, args.dtype))
+    dtype = getattr(torch, args.dtype)
+    with model_presets.built(args.family, args.preset, args.device, dtype, args.model_folder) as folder:
         class_name = json.loads((Path(folder) / "model_index.json").read_text())["_class_name"]
         targets = list(adapter_class(class_name).default_lora_targets)
         config = EngineConfig(

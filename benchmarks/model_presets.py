@@ -16,6 +16,10 @@ DEFAULT_NUM_FRAMES.
 
 from __future__ import annotations
 
+import contextlib
+import json
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -46,6 +50,7 @@ __all__ = [
     "WAN_SMALL",
     "Z_IMAGE_TURBO",
     "build",
+    "built",
 ]
 
 PRESETS = ("small", "real")
@@ -74,3 +79,33 @@ def build(family: str, preset: str, folder: str | Path, device: str, dtype: torc
     if preset == "small":
         device, dtype = "cpu", torch.float32
     return family_named(family).build_preset(preset, folder, device, dtype)
+
+
+# The file that says which preset a reused folder holds (`built`); written after the build, so a
+# folder whose build was cut off is never taken for a finished one.
+BUILT_MARKER = "benchmark_preset.json"
+
+
+@contextlib.contextmanager
+def built(family: str, preset: str, device: str, dtype: torch.dtype, folder: Path | None = None) -> Iterator[Path]:
+    """The folder of `family`'s `preset` pipeline for one benchmark run. With `folder` (a
+    benchmark's --model-folder), built there once and reused by later runs asking for the same
+    family, preset and dtype (the GPU suite builds FLUX.1-dev's 24 GB once for its several
+    benchmarks); without, built in a temporary folder removed afterwards."""
+    if folder is None:
+        with tempfile.TemporaryDirectory(prefix="rollout-bench-") as scratch:
+            yield build(family, preset, scratch, device, dtype)
+        return
+    folder = Path(folder)
+    wanted = {"family": family, "preset": preset, "dtype": str(dtype).removeprefix("torch.")}
+    marker = folder / BUILT_MARKER
+    if marker.exists():
+        held = json.loads(marker.read_text())
+        if held != wanted:
+            raise ValueError(f"--model-folder {folder} holds {held}, not {wanted}: give another folder, or empty it")
+    elif folder.exists() and any(folder.iterdir()):
+        raise ValueError(f"--model-folder {folder} is not empty and holds no {BUILT_MARKER}: give an empty folder")
+    else:
+        build(family, preset, folder, device, dtype)
+        marker.write_text(json.dumps(wanted))
+    yield folder

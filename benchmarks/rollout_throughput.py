@@ -42,7 +42,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -72,7 +71,9 @@ GIB = 2**30
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = harness.parser("rollout_throughput", __doc__, repeats=5, warmup=1, device="cpu", dtype="float32")
+    parser = harness.parser(
+        "rollout_throughput", __doc__, repeats=5, warmup=1, device="cpu", dtype="float32", model_folder=None
+    )
     families = ", ".join(f"{f.name} ({f.title})" for f in FAMILY_DESCRIPTORS)
     parser.add_argument("--family", choices=FAMILIES, default="sd3", help=f"the pipeline family: {families}")
     real = ", ".join(f.real_model for f in FAMILY_DESCRIPTORS)
@@ -454,8 +455,7 @@ def main(argv: list[str] | None = None) -> dict:
         f"steps {args.steps}, {args.height}x{args.width}{frames}, CFG {args.cfg}, "
         f"rounds {args.warmup} warmup + {args.repeats} timed"
     )
-    with tempfile.TemporaryDirectory(prefix="rollout-bench-") as folder:
-        model_presets.build(args.family, args.preset, folder, args.device, dtype)
+    with model_presets.built(args.family, args.preset, args.device, dtype, args.model_folder) as folder:
         class_name = json.loads((Path(folder) / "model_index.json").read_text())["_class_name"]
         given = adapter_class(class_name).given_components(Path(folder))  # an edit family's processor
         pipeline = getattr(diffusers, class_name).from_pretrained(folder, dtype=dtype, local_files_only=True, **given)

@@ -1,0 +1,210 @@
+"""The GPU suite: every speed and numerics figure the engine is held to, on one GPU, in one command.
+
+`make bench-gpu` runs it (after installing any wheels it is given: a GPU machine's Python may lack
+diffusers). It runs the benchmarks below one after another, each in its own process with the
+published configs' transformers at random weights (`--preset real`; nothing is downloaded), in
+bfloat16, and writes each one's JSON report into `--results`, plus its own report of what ran:
+
+  throughput_F   `rollout_throughput --family F`: the engine (eager, and with `--compile blocks`
+                 where the engine has it) vs. diffusers' pipeline vs. the transformer forwards alone,
+                 images/s, MFU and the memory peak of each call; F = sd3 (SD3.5 Medium, CFG),
+                 flux (FLUX.1-dev, guidance distilled), wan (Wan 2.1 1.3B, 480x832x33, CFG),
+                 qwen_image (Qwen-Image, true CFG);
+  rescore_sd3    `rescore_batches`: the trainer's bf16 copy re-scoring a batch-16 rollout at
+                 micro-batches 1, 2, 4 and 16, and one prompt alone vs. in a batch;
+  lora_sd3_E     `lora_rollout --executor E`: a rank-64 LoRA merged vs. unmerged vs. the base, on
+                 `uni` and on `mp`.
+
+The suite holds to `--budget-s` (8 minutes): each benchmark gets at most its share of what is
+left, the most important first, and one that does not finish is reported as cut off rather than
+holding up the rest. The pipeline a family's benchmarks share is built once (`--model-folder`) in
+`--scratch` and removed after them. Render the reports with
+`python -m benchmarks.render --results benchmarks/results/gpu --out docs/benchmarks_gpu.md --no-readme`.
+
+    python -m benchmarks.gpu_suite                                   # the real models, on cuda
+    python -m benchmarks.gpu_suite --only throughput_sd3 rescore_sd3
+    python -m benchmarks.gpu_suite --preset small --device cpu --dtype float32 --steps 2 --batch-size 2
+                                                                      # the same commands, CPU-sized
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from benchmarks import harness
+
+# Dense bfloat16 peak TFLOP/s by the name torch gives the device (without sparsity), for MFU.
+PEAK_TFLOPS = {"H200": 989.0, "H100 PCIe": 756.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "B200": 2250.0}
+
+
+@dataclass
+class Part:
+    """One benchmark run of the suite: its name, its module and arguments, the family whose
+    pipeline it builds, and the most seconds it may take (`cap_s`) when the budget allows."""
+
+    name: str
+    module: str
+    arguments: list[str]
+    family: str
+    cap_s: float
+
+
+def parts(args: argparse.Namespace) -> list[Part]:
+    """The suite's benchmarks, the most important first."""
+    steps = [] if args.steps is None else ["--steps", str(args.steps)]
+    batch = [] if args.batch_size is None else ["--batch-size", str(args.batch_size)]
+    sized = steps + batch
+    rounds = ["--warmup", str(args.warmup), "--repeats", str(args.repeats)]
+    mfu = [] if args.peak_tflops is None else ["--peak-tflops", str(args.peak_tflops)]
+
+    def throughput(family: str, cfg: str, cap_s: float, batch_size: int | None = None) -> Part:
+        # The largest models sample fewer images per call, so their three modes fit the budget.
+        own = [] if batch_size is None or batch else ["--batch-size", str(batch_size)]
+        arguments = ["--family", family, "--cfg", cfg, *mfu, *rounds, *sized, *own]
+        return Part(f"throughput_{family}", "rollout_throughput", arguments, family, cap_s)
+
+    def lora(executor: str, cap_s: float) -> Part:
+        arguments = ["--family", "sd3", "--executor", executor, "--ranks", "64", *rounds, *sized]
+        return Part(f"lora_sd3_{executor}", "lora_rollout", arguments, "sd3", cap_s)
+
+    return [
+        throughput("sd3", "on", 110),
+        Part("rescore_sd3", "rescore_batches", ["--family", "sd3", *sized], "sd3", 60),
+        throughput("flux", "off", 130, batch_size=8),
+        throughput("wan", "on", 90),
+        lora("uni", 50),
+        lora("mp", 60),
+        throughput("qwen_image", "on", 130, batch_size=4),
+    ]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = harness.parser("gpu_suite", __doc__, device="cuda", dtype="bfloat16")
+    parser.add_argument("--preset", choices=("small", "real"), default="real", help="the benchmarks' --preset")
+    parser.add_argument("--budget-s", type=float, default=480.0, help="the whole suite's wall-clock seconds")
+    parser.add_argument("--only", nargs="+", metavar="PART", help="run only these parts (names as listed above)")
+    parser.add_argument("--steps", type=harness.positive_int, help="every benchmark's --steps (default: its own)")
+    parser.add_argument("--batch-size", type=harness.positive_int, help="every benchmark's --batch-size")
+    parser.add_argument("--warmup", type=harness.count, default=1, help="every benchmark's warm-up rounds")
+    parser.add_argument("--repeats", type=harness.positive_int, default=2, help="every benchmark's timed rounds")
+    parser.add_argument(
+        "--peak-tflops", type=float, help="the device's dense peak TFLOP/s in --dtype (default: from its name)"
+    )
+    parser.add_argument(
+        "--results", type=Path, default=harness.ROOT / "benchmarks" / "results" / "gpu", help="folder of the reports"
+    )
+    parser.add_argument(
+        "--scratch",
+        type=Path,
+        help="where the pipelines are built (default: /dev/shm when it has 64 GiB free, else the temp folder)",
+    )
+    args = parser.parse_args(argv)
+    names = [part.name for part in parts(args)]
+    unknown = sorted(set(args.only or ()) - set(names))
+    if unknown:
+        parser.error(f"unknown --only part(s) {unknown}; choose from {names}")
+    return args
+
+
+def peak_tflops(device: str) -> float | None:
+    """The device's dense bf16 peak from `PEAK_TFLOPS` by its name; None when not listed (or a CPU)."""
+    if not device.startswith("cuda"):
+        return None
+    import torch
+
+    name = torch.cuda.get_device_name(device)
+    return next((value for key, value in PEAK_TFLOPS.items() if key in name), None)
+
+
+def scratch_folder() -> Path:
+    """/dev/shm when it has room for Qwen-Image's 40 GB (memory is faster to write and read than
+    the disk), else the temporary folder."""
+    shm = Path("/dev/shm")
+    if shm.is_dir() and shutil.disk_usage(shm).free >= 64 * 2**30:
+        return shm
+    return Path(tempfile.gettempdir())
+
+
+def run_part(part: Part, args: argparse.Namespace, folder: Path, timeout_s: float) -> tuple[str, float]:
+    """Run one part in its own process, its output in `<results>/logs/<name>.log`; returns its
+    status ("ok", "failed (rc N)" or "cut off") and its seconds."""
+    command = [
+        sys.executable,
+        "-m",
+        f"benchmarks.{part.module}",
+        *part.arguments,
+        "--preset",
+        args.preset,
+        "--device",
+        args.device,
+        "--dtype",
+        args.dtype,
+        "--model-folder",
+        str(folder),
+        "--json",
+        str(args.results / f"{part.name}.json"),
+    ]
+    log = args.results / "logs" / f"{part.name}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    with log.open("w") as out:
+        out.write(" ".join(command) + "\n")
+        out.flush()
+        try:
+            done = subprocess.run(command, cwd=harness.ROOT, stdout=out, stderr=subprocess.STDOUT, timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return "cut off", time.perf_counter() - start
+    status = "ok" if done.returncode == 0 else f"failed (rc {done.returncode})"
+    return status, time.perf_counter() - start
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    if args.peak_tflops is None:
+        args.peak_tflops = peak_tflops(args.device)
+    args.json = args.json or args.results / "gpu_suite.json"
+    report = harness.Report("gpu_suite", args, __doc__, argv)
+    if args.peak_tflops is None:
+        report.note("MFU is not reported: the device's peak is unknown (give --peak-tflops)")
+    chosen = [part for part in parts(args) if args.only is None or part.name in args.only]
+    scratch = Path(tempfile.mkdtemp(prefix="rollout-gpu-suite-", dir=args.scratch or scratch_folder()))
+    deadline = time.perf_counter() + args.budget_s
+    rows = []
+    try:
+        for index, part in enumerate(chosen):
+            left = deadline - time.perf_counter()
+            # Each part may take its cap, but never so much that the parts after it get nothing.
+            later = sum(p.cap_s for p in chosen[index + 1 :])
+            timeout_s = min(part.cap_s * max(1.0, left / (part.cap_s + later)), left)
+            if timeout_s < 10:
+                rows.append([part.name, "skipped (budget spent)", 0.0])
+                continue
+            print(f"[{index + 1}/{len(chosen)}] {part.name} (at most {timeout_s:.0f} s)", flush=True)
+            status, seconds = run_part(part, args, scratch / part.family, timeout_s)
+            rows.append([part.name, status, seconds])
+            print(f"    {status} in {seconds:.0f} s", flush=True)
+            if all(p.family != part.family for p in chosen[index + 1 :]):
+                shutil.rmtree(scratch / part.family, ignore_errors=True)  # room for the next family's
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    report.table(
+        "what ran",
+        ["part", "status", "seconds"],
+        rows,
+        note=f"each part's report is <part>.json beside this one, its output logs/<part>.log; "
+        f"budget {args.budget_s:.0f} s",
+    )
+    report.results = {"parts": {name: {"status": status, "seconds": seconds} for name, status, seconds in rows}}
+    report.check(harness.Target("suite seconds", sum(row[2] for row in rows), "<=", args.budget_s))
+    return report.finish()
+
+
+if __name__ == "__main__":
+    main()
