@@ -15,6 +15,10 @@ bfloat16, and writes each one's JSON report into `--results`, plus its own repor
   lora_sd3_E     `lora_rollout --executor E`: a rank-64 LoRA merged vs. unmerged vs. the base, on
                  `uni` and on `mp`.
 
+`rollout_throughput` holds two copies of a model (the engine's, and the pipeline diffusers and the
+floor run): Qwen-Image's 20B parameters take 2 x 41 GB in bfloat16, more than an 80 GB card has, so
+its part fails there (and says so in its log); run the suite on a card of 141 GB for it.
+
 The suite holds to `--budget-s` (8 minutes): each benchmark gets at most its share of what is
 left, the most important first, and one that does not finish is reported as cut off rather than
 holding up the rest. The pipeline a family's benchmarks share is built once (`--model-folder`) in
@@ -89,13 +93,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = harness.parser("gpu_suite", __doc__, device="cuda", dtype="bfloat16")
     parser.add_argument("--preset", choices=("small", "real"), default="real", help="the benchmarks' --preset")
     parser.add_argument("--budget-s", type=float, default=480.0, help="the whole suite's wall-clock seconds")
-    parser.add_argument("--only", nargs="+", metavar="PART", help="run only these parts (names as listed above)")
-    parser.add_argument("--steps", type=harness.positive_int, help="every benchmark's --steps (default: its own)")
-    parser.add_argument("--batch-size", type=harness.positive_int, help="every benchmark's --batch-size")
+    parser.add_argument("--only", nargs="+", metavar="PART", help="run only these parts (None: all, in order)")
+    parser.add_argument("--steps", type=harness.positive_int, help="every part's --steps (None: its own)")
+    parser.add_argument("--batch-size", type=harness.positive_int, help="every part's --batch-size (None: its own)")
     parser.add_argument("--warmup", type=harness.count, default=1, help="every benchmark's warm-up rounds")
     parser.add_argument("--repeats", type=harness.positive_int, default=2, help="every benchmark's timed rounds")
     parser.add_argument(
-        "--peak-tflops", type=float, help="the device's dense peak TFLOP/s in --dtype (default: from its name)"
+        "--peak-tflops", type=float, help="the device's dense peak TFLOP/s in --dtype (None: looked up by its name)"
     )
     parser.add_argument(
         "--results", type=Path, default=harness.ROOT / "benchmarks" / "results" / "gpu", help="folder of the reports"
@@ -103,7 +107,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--scratch",
         type=Path,
-        help="where the pipelines are built (default: /dev/shm when it has 64 GiB free, else the temp folder)",
+        help="where the pipelines are built (None: /dev/shm when it has 64 GiB free, else the temp folder)",
     )
     args = parser.parse_args(argv)
     names = [part.name for part in parts(args)]
