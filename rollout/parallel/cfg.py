@@ -19,12 +19,14 @@ gives each row's prediction within float rounding of the single forward's.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from rollout.pipelines.condition import PromptEmbeds
+from rollout.pipelines.device_copy import row_index
 from rollout.pipelines.guidance_passes import RowsForward
 
 logger = logging.getLogger(__name__)
@@ -44,30 +46,33 @@ class CfgParallelPasses:
     def __call__(
         self,
         run: RowsForward,
-        shape: torch.Size,
-        cfg: torch.Tensor,
+        latents: torch.Tensor,
+        cfg_rows: Sequence[int],
         prompts: list[PromptEmbeds],
         negatives: list[PromptEmbeds],
         one_pass: bool,  # both passes are split, whatever the family's pipeline does on one device
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         failure = None
         try:
-            mine = self._my_pass(run, shape, cfg, prompts, negatives)
+            mine = self._my_pass(run, latents, cfg_rows, prompts, negatives)
         except Exception as error:  # the pair must still meet, or it would wait for this rank till timeout
-            failure, mine = error, torch.zeros(shape, dtype=torch.float32, device=cfg.device)
-        self._check_both_ran(failure, cfg.device)
+            failure, mine = error, latents.new_zeros(latents.shape, dtype=torch.float32)
+        self._check_both_ran(failure, latents.device)
         cond, uncond = torch.empty_like(mine), torch.empty_like(mine)
         dist.all_gather([cond, uncond], mine, group=self.group)  # in the mesh's cfg order: conditional first
-        return cond, uncond[cfg] if negatives else None
+        if not negatives:
+            return cond, None
+        return cond, uncond[row_index(cfg_rows, latents.shape[0], latents.device)]
 
-    def _my_pass(self, run, shape, cfg, prompts, negatives) -> torch.Tensor:
+    def _my_pass(self, run, latents, cfg_rows, prompts, negatives) -> torch.Tensor:
         """This half's prediction as a [B, ...] float32 tensor: every row's conditional one, or the
-        unconditional one in the rows `cfg` marks (zeros elsewhere, so both halves send one shape)."""
+        unconditional one in the rows `cfg_rows` (zeros elsewhere, so both halves send one shape)."""
+        batch = latents.shape[0]
         if self.half == CONDITIONAL_HALF:
-            return run(slice(None), prompts).to(torch.float32)
-        out = torch.zeros(shape, dtype=torch.float32, device=cfg.device)
+            return run(range(batch), prompts).to(torch.float32)
+        out = latents.new_zeros(latents.shape, dtype=torch.float32)
         if negatives:
-            out[cfg] = run(cfg, negatives).to(torch.float32)
+            out[row_index(cfg_rows, batch, latents.device)] = run(cfg_rows, negatives).to(torch.float32)
         return out
 
     def _check_both_ran(self, failure: Exception | None, device: torch.device) -> None:

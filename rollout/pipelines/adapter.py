@@ -41,6 +41,7 @@ from torch import nn
 
 from rollout.input_images import InputImages
 from rollout.pipelines.condition import Condition, PromptEmbeds
+from rollout.pipelines.device_copy import row_index
 from rollout.pipelines.guidance import Guidance, Scale, guidance_argument
 from rollout.pipelines.guidance_passes import GuidancePasses, guidance_passes_here
 from rollout.pipelines.spec import ModelSpec
@@ -274,18 +275,18 @@ class PipelineAdapter(ABC):
             return self._predict_velocity(latents, sigmas, conditions, guidance, height, width)
         velocity = None
         for rows in kinds.values():
-            index = torch.tensor(rows)
+            index = row_index(rows, latents.shape[0], latents.device)
             part = self._predict_velocity(
-                latents[index.to(latents.device)],
-                sigmas[index.to(sigmas.device)],
+                latents[index],
+                sigmas[row_index(rows, latents.shape[0], sigmas.device)],
                 [conditions[r] for r in rows],
-                guidance.rows(index),
+                guidance.rows(rows),
                 height,
                 width,
             )
             if velocity is None:
                 velocity = part.new_zeros((latents.shape[0], *part.shape[1:]))
-            velocity = velocity.index_put((index.to(part.device),), part)
+            velocity = velocity.index_put((row_index(rows, latents.shape[0], part.device),), part)
         return velocity
 
     def _predict_velocity(
@@ -300,9 +301,10 @@ class PipelineAdapter(ABC):
         """`predict_velocity` of rows whose input images (if any) have one shape."""
         batch = latents.shape[0]
         device, dtype = self.device, self.dtype
-        cfg = torch.tensor([c.negative is not None for c in conditions], device=device)
+        # The guided rows, from the conditions on the host: selecting them never asks the device.
+        cfg_rows = [row for row, c in enumerate(conditions) if c.negative is not None]
         prompts = [c.prompt for c in conditions]
-        negatives = [c.negative for c in conditions if c.negative is not None]
+        negatives = [conditions[row].negative for row in cfg_rows]
         guidance = guidance.expand(batch, device)
         distilled = guidance.guidance_scale  # a transformer input where the model takes one
         latents = latents.to(device, dtype)
@@ -311,25 +313,28 @@ class PipelineAdapter(ABC):
         images = [c.images for c in conditions]
         takes_images = self.spec.max_input_images > 0
 
-        def run(rows: torch.Tensor | slice, embeds: list[PromptEmbeds]) -> torch.Tensor:
+        def run(rows: Sequence[int], embeds: list[PromptEmbeds]) -> torch.Tensor:
+            index = row_index(rows, batch, device)
             batched = type(embeds[0]).stack(embeds).to(device, dtype)
-            rows_guidance = distilled[rows] if distilled is not None else None
+            rows_guidance = distilled[index] if distilled is not None else None
             extra = {}
             if takes_images:  # the unconditional rows of CFG see the same images as the conditional
-                index = torch.arange(batch)[rows.cpu() if isinstance(rows, torch.Tensor) else rows].tolist()
-                chosen = [images[i] for i in index]
+                chosen = [images[i] for i in rows]
                 extra["images"] = None if chosen[0] is None else type(chosen[0]).stack(chosen).to(device, dtype)
             start = time.perf_counter()
-            out = self.run_transformer(latents[rows], sigmas[rows], batched, rows_guidance, height, width, **extra)
+            out = self.run_transformer(latents[index], sigmas[index], batched, rows_guidance, height, width, **extra)
             self.forwards.add(out.shape[0], time.perf_counter() - start)
             return out
 
-        velocity, uncond = self.guidance_passes(run, latents.shape, cfg, prompts, negatives, self.cfg_in_one_pass)
+        velocity, uncond = self.guidance_passes(run, latents, cfg_rows, prompts, negatives, self.cfg_in_one_pass)
         if uncond is None:
             return velocity
-        scale = self.cfg_scale(guidance, sigmas)[cfg].view(-1, *([1] * (velocity.ndim - 1)))
-        guided = self.combine_cfg(velocity[cfg], uncond, scale)
-        return velocity.index_put((cfg.nonzero(as_tuple=True)[0],), guided)
+        index = row_index(cfg_rows, batch, device)
+        scale = self.cfg_scale(guidance, sigmas)[index].view(-1, *([1] * (velocity.ndim - 1)))
+        guided = self.combine_cfg(velocity[index], uncond, scale)
+        if isinstance(index, slice):  # every row guided
+            return guided
+        return velocity.index_put((index,), guided)
 
 
 def packed_latents_spec(adapter: PipelineAdapter, guidance: dict, max_sequence_length_limit: int) -> ModelSpec:

@@ -46,6 +46,10 @@ class FluxAdapter(PipelineAdapter):
         "ff_context.net.2",
     )
 
+    def __init__(self, pipeline):
+        super().__init__(pipeline)
+        self._image_ids: dict[tuple, torch.Tensor] = {}  # see `image_ids`
+
     def make_spec(self) -> ModelSpec:
         guidance = {"true_cfg_scale": 1.0}
         if self.transformer.config.guidance_embeds:
@@ -76,11 +80,16 @@ class FluxAdapter(PipelineAdapter):
         return self._forward(latents, self.image_ids(height, width, latents), sigmas, embeds, guidance_scale)
 
     def image_ids(self, height: int, width: int, latents: torch.Tensor) -> torch.Tensor:
-        """The position ids [N, 3] of a `height` x `width` image's packed latent tokens."""
-        grid = self.spec.vae_scale_factor * 2
-        return self.pipeline._prepare_latent_image_ids(
-            None, height // grid, width // grid, latents.device, latents.dtype
-        )
+        """The position ids [N, 3] of a `height` x `width` image's packed latent tokens, made once
+        per size, device and dtype: the pipeline's helper builds them on the CPU and copies them
+        to the device, a copy the host waits for at every forward."""
+        key = (height, width, latents.device, latents.dtype)
+        if key not in self._image_ids:
+            grid = self.spec.vae_scale_factor * 2
+            self._image_ids[key] = self.pipeline._prepare_latent_image_ids(
+                None, height // grid, width // grid, latents.device, latents.dtype
+            )
+        return self._image_ids[key]
 
     def _forward(self, hidden_states, image_ids, sigmas, embeds: FluxEmbeds, guidance_scale) -> torch.Tensor:
         """The transformer over image tokens `hidden_states` [B, N, C] at positions `image_ids` [N, 3]."""

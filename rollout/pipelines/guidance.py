@@ -50,24 +50,29 @@ class Guidance:
         return cls(**{name: getattr(settings, name) for name in GUIDANCE_FIELDS})
 
     @classmethod
-    def per_row(cls, rows: Sequence[GuidanceSettings]) -> Guidance:
+    def per_row(cls, rows: Sequence[GuidanceSettings], device: torch.device | None = None) -> Guidance:
         """One [B] float32 tensor per field over `rows` (resolved requests of one model all set a
-        field or all leave it None)."""
+        field or all leave it None), on `device` (CPU by default), copied without waiting."""
         import torch
 
+        from rollout.pipelines.device_copy import host_to_device
+
+        device = torch.device("cpu") if device is None else device
         values = {name: [getattr(row, name) for row in rows] for name in GUIDANCE_FIELDS}
         return cls(
-            **{name: None if v[0] is None else torch.tensor(v, dtype=torch.float32) for name, v in values.items()}
+            **{name: None if v[0] is None else host_to_device(v, device, torch.float32) for name, v in values.items()}
         )
 
-    def rows(self, index: torch.Tensor) -> Guidance:
-        """The guidance of rows `index` (a [K] index tensor) of a batch: per-row fields indexed,
+    def rows(self, rows: Sequence[int]) -> Guidance:
+        """The guidance of rows `rows` (host row numbers) of a batch: per-row fields indexed,
         floats as they are."""
         import torch
 
+        from rollout.pipelines.device_copy import row_index
+
         def picked(value: Scale) -> Scale:
             if isinstance(value, torch.Tensor) and value.ndim > 0:
-                return value[index.to(value.device)]
+                return value[row_index(rows, value.shape[0], value.device)]
             return value
 
         return Guidance(**{name: picked(getattr(self, name)) for name in GUIDANCE_FIELDS})

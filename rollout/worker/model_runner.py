@@ -5,6 +5,12 @@ adapter for velocities in one forward pass, and applies each sample's update rul
 at its stochastic steps, the ODE elsewhere. Noise comes from each request's own generator, so a
 sample's result does not depend on its batch-mates.
 
+Nothing in a step makes the host wait for the device: each row's sigmas, scales and step noise are
+built on the host (the noise from the requests' CPU generators, into one pinned buffer) and queued
+to the device without waiting (`rollout.pipelines.device_copy`), the rows of a pass or a rule are
+host row numbers, never a boolean mask, and the history stays on the device until `finish` queues
+its copies to pinned host memory and waits once for all of them.
+
 Text is encoded once per distinct text: a new request reuses the embeddings of a live request with
 the same prompt (or negative prompt), so every sample of a prompt references one conditioning, and
 a finished trajectory names it by number (`rollout.worker.sent_conditions`): each crosses to the engine once.
@@ -26,6 +32,7 @@ from rollout.lora.manager import LoraManager
 from rollout.messages import FinishedRequest, Fork, NewRequestData
 from rollout.outputs import Trajectory
 from rollout.pipelines.condition import Condition, PromptEmbeds
+from rollout.pipelines.device_copy import host_buffer, host_to_device, row_index, synchronize, to_device, to_host
 from rollout.pipelines.guidance import Guidance
 from rollout.pipelines.spec import ModelSpec
 from rollout.samplers import get_sampler
@@ -45,6 +52,7 @@ class RequestState:
     encoder_generation: int  # the text encoders' weights the condition was encoded with
     timesteps: torch.Tensor  # [T] float32, CPU
     sigmas: torch.Tensor  # [T+1] float32, CPU
+    sigma_values: list[float]  # `sigmas` as Python floats, read by every step without a tensor op
     sde_mask: list[bool]
     step_generator: torch.Generator
     latents: torch.Tensor  # [*latent_shape] float32 on the device: the current x_t
@@ -174,8 +182,10 @@ class ModelRunner:
             params.num_inference_steps, params.height, params.width, params.sigmas
         )
         shape = self.adapter.spec.latent_shape(params.height, params.width, params.num_frames)
-        initial = torch.randn(shape, generator=make_generator(data.init_noise_seed), dtype=torch.float32)
-        initial = initial.to(self.adapter.device)
+        device = self.adapter.device
+        initial = host_buffer(shape, device)
+        torch.randn(shape, generator=make_generator(data.init_noise_seed), dtype=torch.float32, out=initial)
+        initial = to_device(initial, device)
         history = PathHistory.for_params(params)
         history.add("latents", 0, initial)
         return RequestState(
@@ -184,6 +194,7 @@ class ModelRunner:
             encoder_generation=encoder_generation,
             timesteps=timesteps,
             sigmas=sigmas,
+            sigma_values=sigmas.tolist(),
             sde_mask=params.sde_mask(),
             step_generator=make_generator(data.step_noise_seed),
             latents=initial,
@@ -204,9 +215,16 @@ class ModelRunner:
         one by one); one after it raises `BatchLost`."""
         device = self.adapter.device
         latents = torch.stack([s.latents for s in states])
-        sigma = torch.stack([s.sigmas[s.step_index] for s in states]).to(device)
-        sigma_next = torch.stack([s.sigmas[s.step_index + 1] for s in states]).to(device)
-        noise_level = torch.tensor([s.data.params.noise_level for s in states], dtype=torch.float32).to(device)
+        # Each row's sigma, next sigma and noise level: built on the host, one copy that does not wait.
+        sigma, sigma_next, noise_level = host_to_device(
+            [
+                [s.sigma_values[s.step_index] for s in states],
+                [s.sigma_values[s.step_index + 1] for s in states],
+                [s.data.params.noise_level for s in states],
+            ],
+            device,
+            torch.float32,
+        )
         params = states[0].data.params  # the scheduler batches one size, adapter and scale together
         self.loras.activate(params.lora, params.lora_scale)
         velocity = self.adapter.predict_velocity(
@@ -215,7 +233,7 @@ class ModelRunner:
             [s.condition for s in states],
             height=params.height,
             width=params.width,
-            guidance=Guidance.per_row([s.data.params for s in states]),
+            guidance=Guidance.per_row([s.data.params for s in states], device),
         )
 
         try:
@@ -226,7 +244,8 @@ class ModelRunner:
             ) from error
 
     def _apply_update(self, states, latents, velocity, sigma, sigma_next, noise_level) -> None:
-        """Each state's update rule on the batch's velocity: draws the step noise, moves the states."""
+        """Each state's update rule on the batch's velocity: draws the step noise, moves the states.
+        One set of kernels per rule over its rows (one rule: the whole batch, no gather)."""
         device = velocity.device
         # Group samples by the rule they use at this step (their sampler and log-prob form if the
         # step is stochastic, the ODE otherwise).
@@ -236,12 +255,13 @@ class ModelRunner:
             rule = (p.sampler, p.log_prob_form) if s.sde_mask[s.step_index] else ("ode", "gaussian")
             groups.setdefault(rule, []).append(i)
         zero = torch.zeros((), dtype=torch.float32, device=device)  # log-prob of an ODE step
+        x0 = None
+        if any(s.step_index in s.history.kept_steps and s.history.wants("x0") for s in states):
+            # x_t = (1 - sigma) x0 + sigma * noise and v = noise - x0
+            x0 = latents.float() - sigma.view(-1, *([1] * (velocity.ndim - 1))) * velocity
         for (rule, log_prob_form), indices in groups.items():
-            # One rule for the whole batch (the common case) needs no gather.
-            idx = slice(None) if len(indices) == len(states) else torch.tensor(indices, device=device)
-            noise = None
-            if rule != "ode":
-                noise = torch.stack([_step_noise(states[i]) for i in indices]).to(device)
+            idx = row_index(indices, len(states), device)
+            noise = None if rule == "ode" else _step_noise([states[i] for i in indices], device)
             out = get_sampler(rule)(
                 latents[idx],
                 velocity[idx],
@@ -255,8 +275,8 @@ class ModelRunner:
                 state = states[i]
                 step, history = state.step_index, state.history
                 if step in history.kept_steps:
-                    if history.wants("x0"):  # x_t = (1 - sigma) x0 + sigma * noise and v = noise - x0
-                        history.add("x0", step, latents[i].float() - sigma[i] * velocity[i])
+                    if history.wants("x0"):
+                        history.add("x0", step, x0[i])
                     history.add("mean", step, out.mean[j])
                     history.add("std", step, out.std[j].reshape(()))
                 state.latents = out.prev_sample[j]
@@ -273,21 +293,27 @@ class ModelRunner:
         """Decode images (batched) and package trajectories of finished requests, on CPU, their
         conditions numbered by `conditions`. Returns them and the requests whose decode failed (id
         -> error; their size group's only)."""
+        # The trajectories' copies are queued first, so they run while the images decode; one
+        # wait covers them all (and the parts a fork sealed earlier: `PathHistory.seal`).
+        trajectories = {s.data.request_id: self._trajectory(s) for s in states if s.data.params.return_trajectory}
+        latents = {s.data.request_id: to_host(s.latents) for s in states if s.data.params.output_type == "latent"}
         to_decode = [s for s in states if s.data.params.output_type == "image"]
         decoded, failed = self._decode_by_shape(to_decode)
+        synchronize(self.adapter.device)
         video = self.adapter.spec.is_video
         finished = []
         for s in states:
-            if s.data.request_id in failed:
+            request_id = s.data.request_id
+            if request_id in failed:
                 continue
             params = s.data.params
             finished.append(
                 FinishedRequest(
-                    request_id=s.data.request_id,
-                    image=None if video else decoded.get(s.data.request_id),
-                    video=decoded.get(s.data.request_id) if video else None,
-                    latents=s.latents.to("cpu", torch.float32) if params.output_type == "latent" else None,
-                    trajectory=self._trajectory(s) if params.return_trajectory else None,
+                    request_id=request_id,
+                    image=None if video else decoded.get(request_id),
+                    video=decoded.get(request_id) if video else None,
+                    latents=latents.get(request_id),
+                    trajectory=trajectories.get(request_id),
                     condition=conditions.keys(s.condition) if params.return_trajectory else None,
                     part_nodes=s.history.part_nodes() if params.return_trajectory else {},
                 )
@@ -317,11 +343,11 @@ class ModelRunner:
     def _trajectory(state: RequestState) -> Trajectory:
         """The trajectory without its condition, which the engine attaches (see `FinishedRequest`)."""
         params = state.data.params
-        series = state.history.series(len(state.sde_mask))
+        series = state.history.series(len(state.sde_mask))  # copies queued: valid after `synchronize`
         return Trajectory(
             latents=series.pop("latents"),
             records=series,
-            log_probs=torch.stack(state.log_probs).to("cpu", torch.float32),
+            log_probs=to_host(torch.stack(state.log_probs)),
             timesteps=state.timesteps.clone(),
             sigmas=state.sigmas.clone(),
             sde_mask=torch.tensor(state.sde_mask, dtype=torch.bool),
@@ -339,11 +365,16 @@ class ModelRunner:
         )
 
 
-def _step_noise(state: RequestState) -> torch.Tensor:
-    """The standard normal noise of a state's current step, from its own generator; at a branch
-    step scaled by `branch_noise_scale` (BranchGRPO's children: drawn wider, scored with the step's std)."""
-    params = state.data.params
-    noise = torch.randn(state.latents.shape, generator=state.step_generator)
-    if params.branch_noise_scale != 1 and state.step_index in params.branch_steps:
-        noise = noise * params.branch_noise_scale
-    return noise
+def _step_noise(states: list[RequestState], device: torch.device) -> torch.Tensor:
+    """The standard normal noise [B, *latent_shape] of the states' current step, each row from its
+    state's own generator (so a row does not depend on its batch-mates), drawn on the host into one
+    pinned buffer and queued to `device` in one copy: the draws run while the device computes, and
+    give the numbers a separate draw per state gives. At a branch step a row is scaled by
+    `branch_noise_scale` (BranchGRPO's children: drawn wider, scored with the step's std)."""
+    noise = host_buffer((len(states), *states[0].latents.shape), device)
+    for row, state in zip(noise, states, strict=True):
+        torch.randn(row.shape, generator=state.step_generator, out=row)
+        params = state.data.params
+        if params.branch_noise_scale != 1 and state.step_index in params.branch_steps:
+            row.mul_(params.branch_noise_scale)
+    return to_device(noise, device)

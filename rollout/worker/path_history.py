@@ -3,6 +3,10 @@
 
 A path that branches seals what it recorded into CPU parts, one per series, that every child
 references: a tree's shared prefix is stored once however many leaves it has.
+
+The entries stay on the device while the path runs (a step never waits for a copy); sealing and
+`series` queue their copies to pinned host memory without waiting, and the model runner's `finish`
+waits once for all of them before any CPU part is read.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from rollout.pipelines.device_copy import to_host
 from rollout.sampling_params import SamplingParams
 from rollout.step_series import StepSeries
 
@@ -47,7 +52,7 @@ class PathHistory:
         inherited = {name: list(parts) for name, parts in self.inherited.items()}
         for name, entries in self.pending.items():
             positions = [position for position, _ in entries]
-            part = torch.stack([entry for _, entry in entries]).to("cpu", torch.float32)
+            part = to_host(torch.stack([entry for _, entry in entries]))
             inherited.setdefault(name, []).append((node_id, positions, part))
         return PathHistory(self.kept_positions, self.kept_steps, self.records, inherited)
 
@@ -60,7 +65,8 @@ class PathHistory:
         return {name: [node for node, _, _ in parts] for name, parts in self.inherited.items()}
 
     def series(self, num_steps: int) -> dict[str, StepSeries]:
-        """Every series kept, on CPU in float32: "latents" (num_steps + 1 positions) and the records."""
+        """Every series kept, on CPU in float32: "latents" (num_steps + 1 positions) and the records
+        (the copies queued: read them after `device_copy.synchronize`)."""
         series = {}
         for name in ("latents", *self.records):
             positions, parts = [], []
@@ -70,7 +76,7 @@ class PathHistory:
             entries = self.pending.get(name, [])
             if entries:
                 positions += [position for position, _ in entries]
-                parts.append(torch.stack([entry for _, entry in entries]).to("cpu", torch.float32))
+                parts.append(to_host(torch.stack([entry for _, entry in entries])))
             length = num_steps + 1 if name == "latents" else num_steps
             series[name] = StepSeries(positions, parts, length)
         return series

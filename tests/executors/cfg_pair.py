@@ -15,7 +15,7 @@ from rollout.parallel.sequence import group_mesh
 from rollout.pipelines.guidance_passes import guidance_passes_here
 
 LATENTS = torch.arange(3 * 4, dtype=torch.float32).view(3, 4)
-CFG = torch.tensor([True, False, True])
+CFG_ROWS = [0, 2]  # the rows with a negative prompt
 
 
 def forward(fail_on: str | None):
@@ -25,7 +25,7 @@ def forward(fail_on: str | None):
     def run(rows, texts: list[str]) -> torch.Tensor:
         if fail_on in texts:
             raise ValueError(f"injected failure for {fail_on!r}")
-        return LATENTS[rows] * torch.tensor([float(len(t)) for t in texts]).view(-1, 1)
+        return LATENTS[list(rows)] * torch.tensor([float(len(t)) for t in texts]).view(-1, 1)
 
     return run
 
@@ -40,12 +40,12 @@ def passes_of_one_rank(rank: int, store_path: str, results: str) -> None:
         passes = CfgParallelPasses(group_mesh(2, 1, "cpu"))
         prompts, negatives = ["a", "bb", "ccc"], ["", ""]
         outcome = {
-            "want": guidance_passes_here(forward(None), LATENTS.shape, CFG, prompts, negatives, False),
-            "got": passes(forward(None), LATENTS.shape, CFG, prompts, negatives, False),
-            "no_negatives": passes(forward(None), LATENTS.shape, torch.zeros(3, dtype=torch.bool), prompts, [], False),
+            "want": guidance_passes_here(forward(None), LATENTS, CFG_ROWS, prompts, negatives, False),
+            "got": passes(forward(None), LATENTS, CFG_ROWS, prompts, negatives, False),
+            "no_negatives": passes(forward(None), LATENTS, [], prompts, [], False),
         }
         try:
-            passes(forward(""), LATENTS.shape, CFG, prompts, negatives, False)  # "": the negative prompts' text
+            passes(forward(""), LATENTS, CFG_ROWS, prompts, negatives, False)  # "": the negative prompts' text
         except Exception as error:
             outcome["error"] = f"{type(error).__name__}: {error}"
         torch.save(outcome, f"{results}/rank{rank}.pt")
