@@ -190,18 +190,18 @@ def main(argv: list[str] | None = None) -> dict:
             difference = (alone[cfg][0].trajectory.latents[-1] - batches[cfg][0].trajectory.latents[-1]).abs().max()
             results[name]["alone"] = difference.item()
     report.table(
-        "re-scored by the trainer's copy: max |log-ratio| over every stochastic transition",
-        ["CFG", "micro-batch", "max |log-ratio|", "seconds"],
+        "re-scored by the trainer's copy: the largest abs log-ratio over every stochastic transition",
+        ["CFG", "micro-batch", "max abs log-ratio", "seconds"],
         rows,
         note=f"micro-batch m: m trajectories at one step index per forward (score_steps); {PER_TRAJECTORY}: "
         "one trajectory's steps per forward (recompute_log_probs). The engine sampled them "
-        f"{args.batch_size} per forward.",
+        f"{args.batch_size} per forward. Seconds: this machine's wall time of each re-scoring pass.",
     )
     report.table(
         f"one prompt alone vs. the same request in a batch of {args.batch_size}",
-        ["CFG", "max |final latents alone - in the batch|"],
+        ["CFG", "max abs difference of the final latents"],
         [[name, results[name]["alone"]] for name in results],
-        note="the same request (prompt, seed, noise) sampled in a batch of 1 and in the batch",
+        note="the same request (prompt, seed, noise) sampled in a batch of 1 and in the batch: its final latents",
     )
     report.results = results
     return report.finish()
