@@ -77,6 +77,8 @@ bench: setup
 	$(call BENCH,lora_swap,,lora_swap)
 	$(call BENCH,lora_rollout,--family sd3 --merge-at-real-size sd35_medium,lora_rollout_sd3)
 	$(call BENCH,lora_rollout,--family flux --cfg off,lora_rollout_flux)
+	$(call BENCH,rescore_batches,--family sd3,rescore_batches_sd3)
+	$(call BENCH,rescore_batches,--family flux,rescore_batches_flux)
 	$(call BENCH,serve_load,,serve_load)
 	$(call BENCH,http_weight_push,,http_weight_push)
 	$(call BENCH,serve_probes,,serve_probes)

@@ -141,6 +141,7 @@ class EngineSection:
     dtype: str = setting_of(EngineConfig, "dtype")
     max_batch_size: int = setting_of(EngineConfig, "max_batch_size")
     merge_lora: str = setting_of(EngineConfig, "merge_lora")
+    attention_backend: str | None = setting_of(EngineConfig, "attention_backend")
 
     def __post_init__(self) -> None:
         problems = settings_problems(**self._engine_settings())
@@ -150,11 +151,13 @@ class EngineSection:
             raise ValueError("; ".join(problems))
 
     def class_problems(self) -> list[str]:
-        """What the executor and worker extension classes (imported, and torch with them) and the
-        executor's own rules find wrong with these settings."""
-        from rollout.engine.config_check import class_problems
+        """What the executor and worker extension classes (imported, and torch with them), the
+        executor's own rules and the attention backend (what the installed diffusers and torch run
+        on `device`) find wrong with these settings."""
+        from rollout.engine.config_check import attention_problems, class_problems
 
-        return class_problems(**self._engine_settings())
+        settings = self._engine_settings()
+        return class_problems(**settings) + attention_problems(types.SimpleNamespace(**settings))
 
     def to_engine_config(self, model_path: str) -> EngineConfig:
         return EngineConfig(model=model_path, **self._engine_settings())

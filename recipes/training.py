@@ -105,6 +105,7 @@ def train(
         name=POLICY_ADAPTER,
         device=config.engine.device,
         dtype=getattr(torch, config.engine.dtype),
+        attention_backend=config.engine.attention_backend,  # re-scores with the kernel that sampled
     )
     old = old_policy(policy) if old_policy is not None else None
     optimizer = torch.optim.AdamW(

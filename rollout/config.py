@@ -71,6 +71,14 @@ class EngineConfig:
         "targeted weights in memory): 'always', 'never', or 'auto' (merged for float32; unmerged for bfloat16 and "
         "float16, whose rounding of the merged weights breaks the |log-ratio| < 1e-5 re-scoring contract)",
     )
+    attention_backend: str | None = setting(
+        None,
+        "the kernel of every attention in the denoisers: one of diffusers' attention dispatcher names "
+        "(diffusers.models.attention_dispatch.AttentionBackendName: 'native', '_native_math', 'flash', "
+        "'_flash_3', 'sage', ...) that the installed packages and the device can run, checked before any worker "
+        "starts; None: diffusers' default (torch's scaled_dot_product_attention). A trainer re-scores with the "
+        "same backend (load_adapter's and LoraPolicy's attention_backend)",
+    )
     threads_per_worker: int | None = setting(
         None, "torch CPU threads of each worker process ('mp', 'ray'); None divides the machine's cores among them"
     )
@@ -162,6 +170,13 @@ def value_problems(config: Any) -> list[str]:
     for name in ("rpc_timeout_s", "step_timeout_s", "startup_timeout_s"):
         if getattr(config, name) <= 0:
             problems.append(f"{name} must be > 0 seconds, got {getattr(config, name)}")
+    if config.attention_backend is not None and (
+        not isinstance(config.attention_backend, str) or not config.attention_backend
+    ):
+        problems.append(
+            f"attention_backend must be None or the name of one of diffusers' attention backends, "
+            f"got {config.attention_backend!r}"
+        )
     if not (config.device == "cpu" or config.device.startswith("cuda")):
         problems.append(f"device must be 'cpu' or 'cuda[:N]', got {config.device!r}")
     return problems

@@ -39,6 +39,7 @@ FAMILIES: tuple[Family, ...] = (
         cfg_on={"guidance_scale": 4.5},
         cfg_off={"guidance_scale": 1.0},
         accepted_guidance_fields=("guidance_scale",),
+        attention_dispatcher=False,  # JointAttnProcessor2_0 calls F.scaled_dot_product_attention itself
     ),
     Family(
         name="flux",

@@ -48,6 +48,9 @@ class Family:
         model's own spec may take fewer (a guidance-distilled variant takes no `guidance_scale`).
     video: whether the family makes videos (`num_frames`, outputs' `video`) rather than images.
     edits: whether its requests take input images (`images=`), as an edit pipeline's `image=`.
+    attention_dispatcher: whether its denoisers' attention goes through diffusers' attention
+        dispatcher, so that `EngineConfig.attention_backend` picks its kernel (SD3's processors call
+        torch's attention themselves; a test holds this to the loaded processors).
     """
 
     name: str
@@ -62,6 +65,7 @@ class Family:
     accepted_guidance_fields: tuple[str, ...]
     video: bool = False
     edits: bool = False
+    attention_dispatcher: bool = True
 
     @property
     def adapter(self) -> type[PipelineAdapter]:

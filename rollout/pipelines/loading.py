@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from rollout.pipelines.attention import backend_refusal, set_attention_backend
 from rollout.pipelines.families import adapters_by_pipeline
 from rollout.pipelines.model_index import read_model_index
 from rollout.pipelines.quiet import quietly
@@ -25,12 +26,27 @@ def adapter_class(pipeline_class: str) -> type:
 
 
 @quietly
-def load_adapter(path: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32):
+def load_adapter(
+    path: str | Path,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    attention_backend: str | None = None,
+):
     """Load the pipeline with diffusers' `from_pretrained` (local files only) and wrap it in its
     family's `PipelineAdapter`. Its weights load frozen (`requires_grad` False), as the engine runs
     them: a trainer turns on what it trains (`LoraPolicy` its adapter; a full fine-tune
-    `adapter.transformer.requires_grad_(True)`). Gradients still flow to `predict_velocity`'s inputs."""
+    `adapter.transformer.requires_grad_(True)`). Gradients still flow to `predict_velocity`'s inputs.
+
+    `attention_backend`: the diffusers attention dispatcher name every denoiser's attention runs
+    with (`EngineConfig.attention_backend`; a trainer re-scores with the engine's); None keeps
+    diffusers' default. One that cannot run on `device` in `dtype` is a ValueError naming those that can."""
+    if attention_backend is not None:
+        refusal = backend_refusal(attention_backend, device, dtype, probe=True)
+        if refusal is not None:
+            raise ValueError(refusal)
     index = read_model_index(path)
     adapter = adapter_class(index["_class_name"]).load(path, index, device, dtype)
+    if attention_backend is not None:
+        set_attention_backend(adapter.denoisers, attention_backend)
     logger.info("loaded %s from %s on %s (%s)", index["_class_name"], path, device, dtype)
     return adapter

@@ -48,7 +48,7 @@ class Worker:
         self.config = config
         self.rank = rank
         self.group = group
-        self.adapter = load_adapter(config.model, config.device, config.torch_dtype)
+        self.adapter = load_adapter(config.model, config.device, config.torch_dtype, config.attention_backend)
         # Advanced by every model block as it starts: what tells the engine a long step is still
         # computing (`EngineConfig.step_timeout_s` bounds a step's time without progress).
         self.progress = Progress()
