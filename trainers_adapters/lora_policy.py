@@ -36,7 +36,8 @@ from rollout.weights.state import base_state, checksum, specs_of, update_problem
 class LoraPolicy:
     """A frozen base model plus one trainable LoRA adapter named `name` on every denoiser (the
     transformer; both experts of Wan 2.2). A config that names no `target_modules` gets the model
-    family's default targets."""
+    family's default targets. `compile`: as `EngineConfig.compile` ("blocks": the denoisers'
+    transformer blocks compiled, gradients through them; see docs/engine.md for the re-score bound)."""
 
     def __init__(
         self,
@@ -45,8 +46,9 @@ class LoraPolicy:
         name: str = "policy",
         device: str = "cpu",
         dtype: torch.dtype = torch.float32,
+        compile: str = "off",
     ):
-        self.adapter = load_adapter(model, device, dtype)
+        self.adapter = load_adapter(model, device, dtype, compile=compile)
         self.model = str(model)
         self.name = name
         config = lora_config if isinstance(lora_config, LoraConfig) else LoraConfig(**lora_config)

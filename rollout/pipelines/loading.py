@@ -11,6 +11,8 @@ from pathlib import Path
 
 import torch
 
+from rollout.config import COMPILE_CHOICES
+from rollout.pipelines.compiled_blocks import compile_blocks
 from rollout.pipelines.families import adapters_by_pipeline
 from rollout.pipelines.model_index import read_model_index
 from rollout.pipelines.quiet import quietly
@@ -25,12 +27,20 @@ def adapter_class(pipeline_class: str) -> type:
 
 
 @quietly
-def load_adapter(path: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32):
+def load_adapter(path: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32, compile: str = "off"):
     """Load the pipeline with diffusers' `from_pretrained` (local files only) and wrap it in its
     family's `PipelineAdapter`. Its weights load frozen (`requires_grad` False), as the engine runs
     them: a trainer turns on what it trains (`LoraPolicy` its adapter; a full fine-tune
-    `adapter.transformer.requires_grad_(True)`). Gradients still flow to `predict_velocity`'s inputs."""
+    `adapter.transformer.requires_grad_(True)`). Gradients still flow to `predict_velocity`'s inputs.
+
+    `compile`: `EngineConfig.compile`'s choices; "blocks" compiles the repeated transformer blocks
+    of every denoiser (`rollout.pipelines.compiled_blocks`), as an engine with that setting does, so
+    a trainer re-scores a compiled rollout with the same computation."""
+    if compile not in COMPILE_CHOICES:
+        raise ValueError(f"compile must be one of {', '.join(COMPILE_CHOICES)}, got {compile!r}")
     index = read_model_index(path)
     adapter = adapter_class(index["_class_name"]).load(path, index, device, dtype)
     logger.info("loaded %s from %s on %s (%s)", index["_class_name"], path, device, dtype)
+    if compile == "blocks":
+        compile_blocks(adapter.denoisers)
     return adapter
