@@ -141,6 +141,7 @@ class EngineSection:
     dtype: str = setting_of(EngineConfig, "dtype")
     max_batch_size: int = setting_of(EngineConfig, "max_batch_size")
     merge_lora: str = setting_of(EngineConfig, "merge_lora")
+    compile: str = setting_of(EngineConfig, "compile")  # a training recipe's policy compiles the same way
 
     def __post_init__(self) -> None:
         problems = settings_problems(**self._engine_settings())

@@ -105,6 +105,7 @@ def train(
         name=POLICY_ADAPTER,
         device=config.engine.device,
         dtype=getattr(torch, config.engine.dtype),
+        compile=config.engine.compile,
     )
     old = old_policy(policy) if old_policy is not None else None
     optimizer = torch.optim.AdamW(
