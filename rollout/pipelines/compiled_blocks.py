@@ -32,7 +32,8 @@ Three choices, each for something else that must keep working:
   copy of a hot swap and sleep/wake (`rollout.worker.sleep`) reach the compiled graph without a
   recompile. What changes the module tree or the Python a block runs does recompile, once per
   kind: the first LoRA adapter (PEFT wraps the targeted layers), and with unmerged adapters
-  (`merge_lora="never"`, or bfloat16 under "auto") each adapter name and scale PEFT's forward reads.
+  (`merge_lora="never"`, or bfloat16 under "auto") each adapter name and scale PEFT's forward reads,
+  and every adapter once more after a new name is loaded (PEFT's layers hold a dict of adapters).
 """
 
 from __future__ import annotations
