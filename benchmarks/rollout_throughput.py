@@ -20,6 +20,11 @@ what was allocated when its call began (the weights, allocated throughout, are n
 `torch.cuda.max_memory_allocated` over the timed rounds (the weights are printed once); on the CPU
 the high-water mark of torch's CPU allocator in one more, untimed, batch per mode under the profiler
 (benchmarks/allocation_peak.py, the figure tests/executors/test_memory_peaks.py holds the engine to).
+With --compile blocks, all three run compiled transformer blocks (`EngineConfig.compile`): the
+engine's worker compiles its own, and the diffusers pipeline's transformer (the floor's too: it
+is the same module) is compiled the same way (`rollout.pipelines.compiled_blocks`), so the ratios
+compare like with like; the warm-up rounds pay the compiles (their times are printed). Run it once
+more with --compile off (the default) to put compiled beside eager.
 With --peak-tflops, the transformer's model-FLOPs utilisation (torch's FLOP counter on one step).
 Targets: engine speed >= 0.95 x diffusers', engine time <= 1.10 x the floor's, engine memory peak
 <= 1.2 x diffusers'.
@@ -54,7 +59,9 @@ from benchmarks.model_presets import PRESETS, VIDEO_FAMILIES
 from benchmarks.output_memory import referenced_bytes
 from benchmarks.worker_timers import install_timers, remove_timers
 from rollout import EngineConfig, RolloutEngine, SamplingParams
+from rollout.config import COMPILE_CHOICES
 from rollout.input_images import InputImages
+from rollout.pipelines.compiled_blocks import compile_blocks
 from rollout.pipelines.families import FAMILIES as FAMILY_DESCRIPTORS
 from rollout.pipelines.families import family_named, family_names
 from rollout.pipelines.loading import adapter_class
@@ -88,6 +95,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--noise-level", type=float, default=0.7, help="the engine's flow_sde noise level")
     parser.add_argument("--prompt", default="a red cube on a blue table", help="the one prompt, sampled batch times")
     parser.add_argument("--peak-tflops", type=float, help="the device's dense peak TFLOP/s in --dtype: report MFU")
+    parser.add_argument(
+        "--compile",
+        choices=COMPILE_CHOICES,
+        default="off",
+        help="'blocks': the engine, the diffusers pipeline and the floor run compiled transformer blocks",
+    )
     parser.add_argument("--no-breakdown", action="store_true", help="skip the engine run with timers")
     args = parser.parse_args(argv)
     video = args.family in VIDEO_FAMILIES
@@ -452,7 +465,7 @@ def main(argv: list[str] | None = None) -> dict:
     frames = f" x {args.num_frames} frames" if is_video(args) else ""
     report.note(
         f"family {args.family}, preset {args.preset}, dtype {args.dtype}, batch {args.batch_size}, "
-        f"steps {args.steps}, {args.height}x{args.width}{frames}, CFG {args.cfg}, "
+        f"steps {args.steps}, {args.height}x{args.width}{frames}, CFG {args.cfg}, compile {args.compile}, "
         f"rounds {args.warmup} warmup + {args.repeats} timed"
     )
     with model_presets.built(args.family, args.preset, args.device, dtype, args.model_folder) as folder:
@@ -463,6 +476,8 @@ def main(argv: list[str] | None = None) -> dict:
         pipeline.set_progress_bar_config(disable=True)
         params = sum(p.numel() for p in pipeline.transformer.parameters())
         adapter = adapter_class(class_name)(pipeline)
+        if args.compile == "blocks":  # the diffusers pipeline's transformer(s), which the floor runs too
+            compile_blocks(adapter.denoisers)
         denoisers = list(adapter.denoisers)
         experts = f" (each of {len(denoisers)} experts: {', '.join(denoisers)})" if len(denoisers) > 1 else ""
         report.note(f"{class_name}, transformer parameters: {params / 1e6:.2f}M{experts}")
@@ -475,6 +490,7 @@ def main(argv: list[str] | None = None) -> dict:
             device=args.device,
             dtype=args.dtype,
             max_batch_size=args.batch_size,
+            compile=args.compile,
             worker_extension_cls=AllocationPeakExtension,
         )
         floor = FloorRun(adapter, args)

@@ -142,6 +142,7 @@ class EngineSection:
     max_batch_size: int = setting_of(EngineConfig, "max_batch_size")
     merge_lora: str = setting_of(EngineConfig, "merge_lora")
     attention_backend: str | None = setting_of(EngineConfig, "attention_backend")
+    compile: str = setting_of(EngineConfig, "compile")  # a training recipe's policy compiles the same way
 
     def __post_init__(self) -> None:
         problems = settings_problems(**self._engine_settings())

@@ -106,6 +106,7 @@ def train(
         device=config.engine.device,
         dtype=getattr(torch, config.engine.dtype),
         attention_backend=config.engine.attention_backend,  # re-scores with the kernel that sampled
+        compile=config.engine.compile,
     )
     old = old_policy(policy) if old_policy is not None else None
     optimizer = torch.optim.AdamW(

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 
 DTYPES = ("float32", "bfloat16", "float16")  # the names of torch's dtypes a model may be loaded in
 MERGE_LORA_CHOICES = ("auto", "always", "never")
+COMPILE_CHOICES = ("off", "blocks")  # rollout.pipelines.compiled_blocks compiles "blocks"
 CFG_PARALLEL_CHOICES = (1, 2)
 # The dtypes merge_lora="auto" merges in. A merged delta rounded into bfloat16 (8 bits of mantissa)
 # or float16 (11) weights moves the velocity enough that re-scoring by the trainer's unmerged copy
@@ -78,6 +79,12 @@ class EngineConfig:
         "'_flash_3', 'sage', ...) that the installed packages and the device can run, checked before any worker "
         "starts; None: diffusers' default (torch's scaled_dot_product_attention). A trainer re-scores with the "
         "same backend (load_adapter's and LoraPolicy's attention_backend)",
+    )
+    compile: str = setting(
+        "off",
+        "'off' (eager) or 'blocks': each denoiser's repeated transformer blocks run torch.compile'd (diffusers' "
+        "regional compilation; the batch dimension dynamic), compiled at a worker's first forwards; weight "
+        "updates, merged LoRA adapters and sleep/wake run on without a recompile (see docs/engine.md)",
     )
     threads_per_worker: int | None = setting(
         None, "torch CPU threads of each worker process ('mp', 'ray'); None divides the machine's cores among them"
@@ -161,6 +168,11 @@ def value_problems(config: Any) -> list[str]:
         problems.append(_layout_problem(config.num_workers, config.cfg_parallel, config.sequence_parallel))
     if config.merge_lora not in MERGE_LORA_CHOICES:
         problems.append(f"merge_lora must be one of {', '.join(MERGE_LORA_CHOICES)}, got {config.merge_lora!r}")
+    if config.compile not in COMPILE_CHOICES:
+        problems.append(
+            f"compile must be one of {', '.join(COMPILE_CHOICES)} ('blocks': the denoisers' repeated transformer "
+            f"blocks compiled), got {config.compile!r}"
+        )
     if not isinstance(config.max_batch_size, int) or config.max_batch_size < 1:
         problems.append(f"max_batch_size must be an integer >= 1, got {config.max_batch_size!r}")
     if config.threads_per_worker is not None and (

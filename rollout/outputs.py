@@ -24,6 +24,7 @@ TRAJECTORY_SETTINGS = (
     "guidance_scale_2",
     "true_cfg_scale",
     "lora_scale",
+    "compile",
 )
 
 
@@ -53,6 +54,9 @@ class Trajectory:
         nothing else.
     lora_scale: the strength the request's LoRA adapter ran at (`SamplingParams.lora_scale`); None
         for a sample of the base model (no adapter). `LoraPolicy.score` re-scores at this scale.
+    compile: how the engine ran its denoisers (`EngineConfig.compile`): "off" (eager) or "blocks"
+        (compiled transformer blocks). Compiled and eager kernels round differently; the bound a
+        trainer's re-score keeps for each pairing is in docs/engine.md ("Compiled blocks").
     records: the per-step tensors `SamplingParams.record` asked for, each a `StepSeries` over the
         T steps (at `record_steps`): "x0" the clean-sample prediction x_i - sigma_i * v_i, "mean"
         and "std" the transition x_i -> x_{i+1} (std 0 at ODE steps).
@@ -74,6 +78,7 @@ class Trajectory:
     num_frames: int | None = None
     log_prob_form: str = "gaussian"
     lora_scale: float | None = None
+    compile: str = "off"
     records: dict[str, StepSeries] = field(default_factory=dict)
 
     @property

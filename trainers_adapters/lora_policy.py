@@ -37,7 +37,9 @@ class LoraPolicy:
     """A frozen base model plus one trainable LoRA adapter named `name` on every denoiser (the
     transformer; both experts of Wan 2.2). A config that names no `target_modules` gets the model
     family's default targets. `attention_backend`: as the engine's (`EngineConfig.attention_backend`),
-    so the policy re-scores with the attention kernel that sampled."""
+    so the policy re-scores with the attention kernel that sampled. `compile`: as `EngineConfig.compile`
+    ("blocks": the denoisers' transformer blocks compiled, gradients through them; see docs/engine.md
+    for the re-score bound)."""
 
     def __init__(
         self,
@@ -47,8 +49,9 @@ class LoraPolicy:
         device: str = "cpu",
         dtype: torch.dtype = torch.float32,
         attention_backend: str | None = None,
+        compile: str = "off",
     ):
-        self.adapter = load_adapter(model, device, dtype, attention_backend)
+        self.adapter = load_adapter(model, device, dtype, attention_backend, compile)
         self.model = str(model)
         self.name = name
         config = lora_config if isinstance(lora_config, LoraConfig) else LoraConfig(**lora_config)

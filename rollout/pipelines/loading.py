@@ -11,7 +11,9 @@ from pathlib import Path
 
 import torch
 
+from rollout.config import COMPILE_CHOICES
 from rollout.pipelines.attention import backend_refusal, set_attention_backend
+from rollout.pipelines.compiled_blocks import compile_blocks
 from rollout.pipelines.families import adapters_by_pipeline
 from rollout.pipelines.model_index import read_model_index
 from rollout.pipelines.quiet import quietly
@@ -31,6 +33,7 @@ def load_adapter(
     device: str = "cpu",
     dtype: torch.dtype = torch.float32,
     attention_backend: str | None = None,
+    compile: str = "off",
 ):
     """Load the pipeline with diffusers' `from_pretrained` (local files only) and wrap it in its
     family's `PipelineAdapter`. Its weights load frozen (`requires_grad` False), as the engine runs
@@ -39,7 +42,13 @@ def load_adapter(
 
     `attention_backend`: the diffusers attention dispatcher name every denoiser's attention runs
     with (`EngineConfig.attention_backend`; a trainer re-scores with the engine's); None keeps
-    diffusers' default. One that cannot run on `device` in `dtype` is a ValueError naming those that can."""
+    diffusers' default. One that cannot run on `device` in `dtype` is a ValueError naming those that can.
+
+    `compile`: `EngineConfig.compile`'s choices; "blocks" compiles the repeated transformer blocks
+    of every denoiser (`rollout.pipelines.compiled_blocks`), as an engine with that setting does, so
+    a trainer re-scores a compiled rollout with the same computation."""
+    if compile not in COMPILE_CHOICES:
+        raise ValueError(f"compile must be one of {', '.join(COMPILE_CHOICES)}, got {compile!r}")
     if attention_backend is not None:
         refusal = backend_refusal(attention_backend, device, dtype, probe=True)
         if refusal is not None:
@@ -49,4 +58,6 @@ def load_adapter(
     if attention_backend is not None:
         set_attention_backend(adapter.denoisers, attention_backend)
     logger.info("loaded %s from %s on %s (%s)", index["_class_name"], path, device, dtype)
+    if compile == "blocks":
+        compile_blocks(adapter.denoisers)
     return adapter

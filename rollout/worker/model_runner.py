@@ -100,9 +100,10 @@ def describe(error: BaseException) -> str:
 
 
 class ModelRunner:
-    def __init__(self, adapter, loras: LoraManager):
+    def __init__(self, adapter, loras: LoraManager, compile: str = "off"):
         self.adapter = adapter
         self.loras = loras
+        self.compile = compile  # how the adapter's denoisers run (`EngineConfig.compile`), which trajectories record
 
     def prepare(
         self, new_requests: list[NewRequestData], live: Iterable[RequestState], encoder_generation: int
@@ -339,8 +340,7 @@ class ModelRunner:
             decoded |= dict(zip(ids, media, strict=True))
         return decoded, failed
 
-    @staticmethod
-    def _trajectory(state: RequestState) -> Trajectory:
+    def _trajectory(self, state: RequestState) -> Trajectory:
         """The trajectory without its condition, which the engine attaches (see `FinishedRequest`)."""
         params = state.data.params
         series = state.history.series(len(state.sde_mask))  # copies queued: valid after `synchronize`
@@ -362,6 +362,7 @@ class ModelRunner:
             true_cfg_scale=params.true_cfg_scale,
             num_frames=params.num_frames,
             lora_scale=params.lora_scale if params.lora is not None else None,
+            compile=self.compile,
         )
 
 

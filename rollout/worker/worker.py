@@ -26,6 +26,7 @@ from rollout.parallel.sequence import (
     join_group,
     sequence_boundaries,
 )
+from rollout.pipelines.compiled_blocks import compile_blocks
 from rollout.pipelines.loading import load_adapter
 from rollout.pipelines.spec import ModelSpec
 from rollout.weights.broadcast_group import BroadcastEntry, connect, receive_bucket
@@ -63,13 +64,17 @@ class Worker:
                 boundaries = {name: sequence_boundaries(module) for name, module in self.adapter.denoisers.items()}
             if config.cfg_parallel > 1:
                 self.adapter.guidance_passes = CfgParallelPasses(mesh)
+        if config.compile == "blocks":
+            # After sequence parallel has put diffusers' hooks on the model, so the compiled forward
+            # runs what they made of it; the trainer's copy compiles the same (`load_adapter(compile=)`).
+            compile_blocks(self.adapter.denoisers)
         self.loras = LoraManager(
             self.adapter.denoisers,
             merge=config.merges_lora,
             sequence_boundaries=boundaries,
             default_targets=self.adapter.default_lora_targets,
         )
-        self.runner = ModelRunner(self.adapter, self.loras)
+        self.runner = ModelRunner(self.adapter, self.loras, config.compile)
         self.requests: dict[str, RequestState] = {}
         self.sent_conditions = SentConditions()  # the text embeddings the engine holds
         self.updates = StagedUpdates(self.adapter.components)
