@@ -137,3 +137,22 @@ def test_wan22_guidance_scale_2_acts_on_the_low_noise_steps_only(i2v):
     a, b = plain.trajectory.latents.stack(), changed.trajectory.latents.stack()
     high_steps = int((plain.trajectory.timesteps >= 900).sum())
     assert torch.equal(a[: high_steps + 1], b[: high_steps + 1]) and not torch.equal(a[-1], b[-1])
+
+
+def test_the_first_frame_crosses_the_wire_once_per_answer(i2v):
+    from rollout.http.wire import FrameReader, OutputDecoder, OutputEncoder
+
+    family, engine, _, _ = i2v
+    outputs = engine.generate(
+        "a red square", family.params(num_inference_steps=2, num_samples=2, seed=9), images=[[FRAME]]
+    )
+    encoder = OutputEncoder()  # one answer's stream
+    data = b"".join(encoder.encode(output) for output in outputs)
+    decoder = OutputDecoder()
+    decoded = [decoder.decode(f, t) for f, t in FrameReader().feed(data)]
+    first, second = (output for output in decoded if output is not None)
+    sent = outputs[0].trajectory.condition.images
+    assert first.trajectory.condition.images is second.trajectory.condition.images  # decoded once, shared
+    for name, tensor in sent.tensors().items():
+        assert torch.equal(getattr(first.trajectory.condition.images, name), tensor)
+    assert torch.equal(first.video, outputs[0].video)
