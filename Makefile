@@ -69,6 +69,7 @@ bench: setup
 	$(call BENCH,rollout_throughput,--family flux2_klein,rollout_throughput_flux2_klein)
 	$(call BENCH,rollout_throughput,--family wan,rollout_throughput_wan)
 	$(call BENCH,rollout_throughput,--family wan22,rollout_throughput_wan22)
+	$(call BENCH,rollout_throughput,--family wan_i2v,rollout_throughput_wan_i2v)
 	$(call BENCH,rollout_throughput,--family zimage,rollout_throughput_zimage)
 	$(call BENCH,output_memory,,output_memory)
 	$(call BENCH,faults,,faults)

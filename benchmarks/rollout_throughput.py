@@ -135,7 +135,8 @@ def common_fields(args: argparse.Namespace) -> dict:
 
 
 def edit_input(args: argparse.Namespace, spec) -> InputImages | None:
-    """The input image of a family whose pipeline requires one (the Qwen-Image edit pipelines): a
+    """The input image of a family whose pipeline requires one (the Qwen-Image edit pipelines; Wan
+    image-to-video's first frame): a
     deterministic gradient of `--height` x `--width` pixels; None for every other family, which
     the benchmark runs text-to-image."""
     if not spec.min_input_images:
@@ -195,7 +196,7 @@ def on_worker_thread(engine: RolloutEngine, run: Callable[[int], None]) -> Calla
 
 def make_diffusers_run(pipeline, args: argparse.Namespace) -> Callable[[int], None]:
     shape = {"num_images_per_prompt": args.batch_size}
-    if is_video(args):  # WanPipeline: videos per prompt, frames out
+    if is_video(args):  # WanPipeline and WanImageToVideoPipeline: videos per prompt, frames out
         shape = {"num_videos_per_prompt": args.batch_size, "num_frames": args.num_frames}
     if args.images is not None:  # one image: both Qwen-Image edit pipelines take it as a PIL image
         (shape["image"],) = args.images.pil()
@@ -205,9 +206,15 @@ def make_diffusers_run(pipeline, args: argparse.Namespace) -> Callable[[int], No
         # the request's size, which this area keeps.
         shape["max_area"] = args.height * args.width
 
+    prompt = args.prompt
+    if type(pipeline).__name__ == "WanImageToVideoPipeline":
+        # Its CLIP image embeddings are repeated per prompt, not per video (`image_embeds.repeat(batch_size,
+        # 1, 1)`), so num_videos_per_prompt > 1 fails in Wan 2.1's transformer: the prompt once per video.
+        prompt, shape["num_videos_per_prompt"] = [args.prompt] * args.batch_size, 1
+
     def run(seed: int) -> None:
         generator = torch.Generator("cpu").manual_seed(seed)
-        output = pipeline(prompt=args.prompt, generator=generator, output_type="np", **shape, **common_fields(args))
+        output = pipeline(prompt=prompt, generator=generator, output_type="np", **shape, **common_fields(args))
         assert len(output.frames if is_video(args) else output.images) == args.batch_size
 
     return run
@@ -231,7 +238,8 @@ class FloorRun:
         embeds_type = type(prompts[0])
         passes = [prompts + negatives] if adapter.cfg_in_one_pass else [prompts, negatives]
         self.passes = [embeds_type.stack(rows) for rows in passes if rows]
-        self.input_images = images
+        # Encoded as the engine encodes a request's images (Wan I2V's first frame: at the video's size and frames).
+        self.input_images = None if images is None else images.encoded_with(**adapter.spec.image_encoding(resolved))
         self.images = [None] * len(self.passes)
         shape = adapter.spec.latent_shape(args.height, args.width, args.num_frames)
         rows = 2 * args.batch_size if negatives else args.batch_size

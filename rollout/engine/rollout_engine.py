@@ -225,8 +225,8 @@ class RolloutEngine:
         if images is not None:
             self._check_input_images([images.sizes])
         params = self._check_request(prompt, params, () if images is None else images.sizes)
-        if images is not None and params.auto_resize is not None:  # the encoding it asks for
-            images = images.encoded_with(auto_resize=params.auto_resize)
+        if images is not None:  # the encoding it asks for
+            images = images.encoded_with(**self.model_spec.image_encoding(params))
         group_id = request_id if request_id is not None else f"req{next(self._request_counter)}"
         roots = [NodeId(group_id, k) for k in range(params.num_samples)]
         self._check_ids_free(group_id, [str(root) for root in roots])
@@ -235,7 +235,9 @@ class RolloutEngine:
         elif base_seed is None:
             base_seed = fresh_base_seed()
         spec = self.model_spec
-        encoded_sizes = () if images is None else spec.encoded_image_sizes(images.sizes, spec.auto_resizes(params))
+        # A first frame is encoded at the request's own size, which its batch key holds already.
+        unsized = images is None or spec.first_frame
+        encoded_sizes = () if unsized else spec.encoded_image_sizes(images.sizes, spec.auto_resizes(params))
         output_ids = []
         for k, root in enumerate(roots):
             init_index = 0 if params.same_noise_in_group else k

@@ -183,6 +183,44 @@ FAMILIES: tuple[Family, ...] = (
         accepted_guidance_fields=("guidance_scale", "guidance_scale_2"),  # the second: the low-noise expert's
         video=True,
     ),
+    # Wan image-to-video: one pipeline class and adapter for Wan 2.1 I2V (CLIP image embeddings) and
+    # Wan 2.2 I2V A14B (two experts, no image encoder); the first frame is the request's input image.
+    Family(
+        name="wan_i2v",
+        title="Wan 2.1 image-to-video",
+        adapter_class="rollout.pipelines.wan_i2v.WanImageToVideoAdapter",
+        pipeline_class="WanImageToVideoPipeline",
+        tiny_builder="rollout.pipelines.tiny.wan_i2v.build_tiny_wan_i2v",
+        presets={
+            "small": "rollout.pipelines.tiny.wan_i2v.build_small_wan_i2v",
+            "real": "rollout.pipelines.tiny.wan_i2v.build_real_wan_i2v",
+        },
+        real_model="Wan 2.1 I2V 14B 480P",
+        # As WanPipeline: guidance when guidance_scale > 1, against "" unless named; 5.0 its default.
+        cfg_on={"guidance_scale": 5.0},
+        cfg_off={"guidance_scale": 1.0},
+        accepted_guidance_fields=("guidance_scale", "guidance_scale_2"),  # the second: Wan 2.2's low-noise expert
+        video=True,
+        edits=True,
+    ),
+    Family(
+        name="wan22_i2v",
+        title="Wan 2.2 image-to-video, two experts",
+        adapter_class="rollout.pipelines.wan_i2v.WanImageToVideoAdapter",
+        pipeline_class="WanImageToVideoPipeline",
+        tiny_builder="rollout.pipelines.tiny.wan_i2v.build_tiny_wan22_i2v",
+        presets={
+            "small": "rollout.pipelines.tiny.wan_i2v.build_small_wan22_i2v",
+            "real": "rollout.pipelines.tiny.wan_i2v.build_real_wan22_i2v",
+        },
+        real_model="Wan 2.2 I2V A14B",
+        # Wan 2.2 I2V A14B's published settings (wan/configs/wan_i2v_A14B.py): 3.5 on both experts.
+        cfg_on={"guidance_scale": 3.5, "guidance_scale_2": 3.5},
+        cfg_off={"guidance_scale": 1.0},
+        accepted_guidance_fields=("guidance_scale", "guidance_scale_2"),
+        video=True,
+        edits=True,
+    ),
     Family(
         name="zimage",
         title="Z-Image / Z-Image-Turbo",

@@ -66,6 +66,9 @@ class ModelSpec:
     prompt_reads_images: whether the prompt's encoding reads the request's input images
         (Qwen-Image-Edit's text encoder sees their vision tokens with the prompt), so an encoded
         text is reused only by requests with the same images (`text_key`).
+    first_frame: whether the input image is a video's first frame (Wan image-to-video): resized to
+        the request's own size and encoded with its frame count (`image_encoding`), so it takes any
+        image size, and a request that sets no size gets the pipeline's default, not the image's.
     components: the names of the model's components whose weights the hot-swap API reads and
         updates (`update_weights(component=...)`, `weights_checksum(component)`), sorted.
     """
@@ -100,6 +103,7 @@ class ModelSpec:
     edit_size_image: int = 0
     encoded_image_area: int | None = None
     prompt_reads_images: bool = False
+    first_frame: bool = False
     components: tuple[str, ...] = ()
 
     def check_component(self, component: str) -> None:
@@ -149,6 +153,8 @@ class ModelSpec:
         the nearest of `preferred_input_sizes` with `auto_resize`, to `edit_area` pixels at its
         aspect ratio, or down to `max_input_image_area`), rounded down to the size multiple (as edit
         pipelines round the image they encode)."""
+        if self.first_frame:  # WanImageToVideoPipeline's defaults, whatever the image's size
+            return self.default_height, self.default_width
         image_height, image_width = sizes[self.edit_size_image]
         multiple = self.size_multiple
         if auto_resize and self.preferred_input_sizes:
@@ -161,6 +167,16 @@ class ModelSpec:
             scale = math.sqrt(area / (image_width * image_height))
             image_height, image_width = int(image_height * scale), int(image_width * scale)
         return max(multiple, image_height // multiple * multiple), max(multiple, image_width // multiple * multiple)
+
+    def image_encoding(self, params: SamplingParams) -> dict:
+        """The settings of a (resolved) request that its input images' encoding depends on
+        (`InputImages.encoded_with`): FLUX.1 Kontext's `auto_resize`; a first frame's output size and
+        frame count (the pipeline resizes it to the video's size and encodes it with the frames after
+        it). Empty where the encoding is the images' alone."""
+        settings = {"auto_resize": params.auto_resize} if self.preferred_input_sizes else {}
+        if self.first_frame:
+            settings |= {"height": params.height, "width": params.width, "num_frames": params.num_frames}
+        return settings
 
     def encoded_image_sizes(self, sizes: tuple[tuple[int, int], ...], auto_resize: bool = False) -> tuple:
         """The (height, width) each input image of these sizes is encoded at, where the family's
@@ -211,11 +227,18 @@ class ModelSpec:
             return [f"{model} takes no input images; pass images only to an edit family's model"]
         if count > self.max_input_images:
             return [f"{model} takes at most {self.max_input_images} input images per prompt, got {count}"]
+        if count < self.min_input_images and self.first_frame:
+            return [
+                f"{model} makes a video from its first frame: pass images=[[image], ...], the first frame of "
+                "each prompt's video (a uint8 [3, H, W] tensor or a PIL image, resized to the video's size)"
+            ]
         if count < self.min_input_images:
             return [
                 f"{model} edits input images: pass images=[[image], ...] with {self.min_input_images} or more "
                 "images per prompt (uint8 [3, H, W] tensors or PIL images)"
             ]
+        if self.first_frame:  # resized to the video's size, whatever its own
+            return []
         if self.edit_area is not None:  # resized to the area first: only the aspect ratio can be wrong
             return [
                 f"input image {i} is {height}x{width} pixels, too narrow for {model}, which resizes it to about "

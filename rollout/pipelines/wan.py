@@ -102,8 +102,9 @@ class WanAdapter(PipelineAdapter):
         else:
             scheduler.set_timesteps(sigmas=list(sigmas), device="cpu")
 
-    def run_transformer(self, latents, sigmas, embeds: WanEmbeds, guidance_scale, height, width) -> torch.Tensor:
-        # WanPipeline feeds the scheduler's timestep (sigma * 1000) in float32.
+    def run_transformer(self, latents, sigmas, embeds: WanEmbeds, guidance_scale, height, width, **inputs):
+        # WanPipeline feeds the scheduler's timestep (sigma * 1000) in float32. `inputs`: what a
+        # subclass's `expert_inputs` reads (the image-to-video adapter's first frame, `images=`).
         timestep = sigmas * self._scheduler.config.num_train_timesteps
         out = None
         for expert, rows in self._rows_by_expert(timestep):
@@ -114,15 +115,20 @@ class WanAdapter(PipelineAdapter):
                 tokens = (frames // patch[0]) * (h // patch[1]) * (w // patch[2])
                 step = step[:, None].expand(-1, tokens)
             prediction = expert(
-                hidden_states=latents[rows],
                 timestep=step,
                 encoder_hidden_states=embeds.prompt_embeds[rows],
                 return_dict=False,
+                **self.expert_inputs(latents, rows, **inputs),
             )[0]
             if out is None:
                 out = prediction.new_empty(latents.shape)
             out[rows] = prediction
         return out
+
+    def expert_inputs(self, latents: torch.Tensor, rows: torch.Tensor | slice) -> dict[str, torch.Tensor]:
+        """The transformer's inputs beside the timestep and the text for these rows: the latents
+        (the image-to-video adapter adds its first frame)."""
+        return {"hidden_states": latents[rows]}
 
     def cfg_scale(self, guidance: Guidance, sigmas: torch.Tensor) -> torch.Tensor:
         if self.boundary_timestep is None:

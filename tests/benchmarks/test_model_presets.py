@@ -57,7 +57,7 @@ def test_small_preset_builds_a_loadable_pipeline(tmp_path, family):
     build(family, "small", tmp_path / family, "cpu", torch.float32)
     adapter = load_adapter(tmp_path / family)
     assert adapter.spec.size_multiple <= 64 and sum(p.numel() for p in adapter.transformer.parameters()) > 1e6
-    assert len(adapter.denoisers) == (2 if family == "wan22" else 1)  # Wan 2.2: two experts
+    assert len(adapter.denoisers) == (2 if family in ("wan22", "wan22_i2v") else 1)  # Wan 2.2: two experts
 
 
 def test_the_edit_presets_are_qwen_images_transformer():

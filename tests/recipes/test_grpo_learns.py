@@ -36,6 +36,7 @@ WINDOW = 5  # steps averaged at the start and at the end
         pytest.param("grpo_fast_tiny.yaml", "sd3", 8, 0.03, id="grpo_fast", marks=pytest.mark.slow),
         # Colour agreement starts near -0.1 (the tiny VAE's frames already agree roughly): a smaller scale.
         pytest.param("grpo_wan_tiny.yaml", "wan", 8, 0.003, id="wan", marks=pytest.mark.slow),
+        pytest.param("grpo_wan_i2v_tiny.yaml", "wan_i2v", 8, 0.003, id="wan_i2v", marks=pytest.mark.slow),
     ],
 )
 def test_reward_rises_on_every_seed(tmp_path, tiny_models, config_name, family, steps, min_margin):

@@ -22,6 +22,7 @@ from rollout.pipelines.tiny.qwen_image import TinyQwenImageSizes, build_tiny_qwe
 from rollout.pipelines.tiny.qwen_image_edit import build_tiny_qwen_image_edit, build_tiny_qwen_image_edit_plus
 from rollout.pipelines.tiny.sd3 import TinySD3Sizes, build_tiny_sd3
 from rollout.pipelines.tiny.wan import TinyWanSizes, build_tiny_wan, build_tiny_wan22, build_tiny_wan22_ti2v
+from rollout.pipelines.tiny.wan_i2v import build_tiny_wan22_i2v, build_tiny_wan_i2v
 from rollout.pipelines.tiny.z_image import TinyZImageSizes, build_tiny_z_image
 
 # Family name -> builder(path, seed=0) -> path, from the family descriptors.
@@ -45,6 +46,8 @@ __all__ = [
     "build_tiny_wan",
     "build_tiny_wan22",
     "build_tiny_wan22_ti2v",
+    "build_tiny_wan_i2v",
+    "build_tiny_wan22_i2v",
     "build_tiny_z_image",
 ]
 

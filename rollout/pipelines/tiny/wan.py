@@ -81,9 +81,9 @@ def _build(path, seed, sizes, transformer_config, boundary_ratio, device, dtype,
     tokenizer = t5_tokenizer()
     torch.manual_seed(seed)
     with torch.device(device):
-        transformer = _transformer(sizes, transformer_config)
-        transformer_2 = _transformer(sizes, transformer_config) if boundary_ratio is not None else None
-        vae = _vae(sizes, residual=ti2v)
+        transformer = wan_transformer(sizes, transformer_config)
+        transformer_2 = wan_transformer(sizes, transformer_config) if boundary_ratio is not None else None
+        vae = wan_vae(sizes, residual=ti2v)
         if not ti2v:
             make_causal_decoder_colour_faithful(vae)
         text_encoder = umt5_encoder(tokenizer, sizes.text_hidden_size)
@@ -100,7 +100,7 @@ def _build(path, seed, sizes, transformer_config, boundary_ratio, device, dtype,
     return save(pipeline, path, dtype)
 
 
-def _vae(sizes: TinyWanSizes, residual: bool):
+def wan_vae(sizes: TinyWanSizes, residual: bool):
     """Wan's causal VAE; `residual`: Wan 2.2's, with residual down/up blocks and 2x2 patches."""
     from diffusers import AutoencoderKLWan
 
@@ -123,7 +123,7 @@ def _vae(sizes: TinyWanSizes, residual: bool):
     )
 
 
-def _transformer(sizes: TinyWanSizes, config: dict | None):
+def wan_transformer(sizes: TinyWanSizes, config: dict | None):
     from diffusers import WanTransformer3DModel
 
     return WanTransformer3DModel(

@@ -1,6 +1,7 @@
 """Wan 2.1 and Wan 2.2 (two experts) through the family contract: the ODE path and the frames are
 `WanPipeline`'s, re-scoring gives ratio 1 for every SDE sampler, samples do not depend on what
-shares their batch (other frame counts and prompts included), and trees and records work on video."""
+shares their batch (other frame counts and prompts included), and trees and records work on video.
+(Image-to-video, `WanImageToVideoPipeline`: test_wan_i2v.py.)"""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from diffusers import WanPipeline
 from rollout import EngineConfig, RolloutEngine, SamplingParams
 from rollout.pipelines.loading import load_adapter
 from rollout.rescoring import RATIO_TOLERANCE, recompute_log_probs
-from tests.families import VIDEO_FAMILIES
+from tests.families import TEXT_TO_VIDEO_FAMILIES as VIDEO_FAMILIES
 
 pytestmark = pytest.mark.timeout(180)
 
