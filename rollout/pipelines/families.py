@@ -163,6 +163,24 @@ FAMILIES: tuple[Family, ...] = (
         accepted_guidance_fields=("guidance_scale",),  # none for the distilled FLUX.2 [klein] models
         edits=True,
     ),
+    Family(
+        name="flux2_dev",
+        title="FLUX.2 [dev]",
+        adapter_class="rollout.pipelines.flux2_dev.Flux2DevAdapter",
+        pipeline_class="Flux2Pipeline",
+        tiny_builder="rollout.pipelines.tiny.flux2.build_tiny_flux2_dev",
+        presets={
+            "small": "rollout.pipelines.tiny.flux2.build_small_flux2_dev",
+            "real": "rollout.pipelines.tiny.flux2.build_real_flux2_dev",
+        },
+        real_model="FLUX.2 [dev]",
+        # Flux2Pipeline has no classifier-free guidance pass (no negative prompt): its guidance_scale is
+        # the guidance-distilled transformer's input. "On" is the pipeline's default 4.0, "off" 1.0.
+        cfg_on={"guidance_scale": 4.0},
+        cfg_off={"guidance_scale": 1.0},
+        accepted_guidance_fields=("guidance_scale",),
+        edits=True,
+    ),
     # Wan 2.1 and Wan 2.2 are one pipeline class and one adapter; Wan 2.2's folders add the second expert.
     Family(
         name="wan",

@@ -17,7 +17,7 @@ import logging
 
 from rollout.pipelines.families import FAMILIES, families_help
 from rollout.pipelines.tiny.flux import TinyFluxSizes, build_tiny_flux, build_tiny_flux_kontext
-from rollout.pipelines.tiny.flux2 import TinyFlux2KleinSizes, build_tiny_flux2_klein
+from rollout.pipelines.tiny.flux2 import TinyFlux2KleinSizes, build_tiny_flux2_dev, build_tiny_flux2_klein
 from rollout.pipelines.tiny.qwen_image import TinyQwenImageSizes, build_tiny_qwen_image
 from rollout.pipelines.tiny.qwen_image21 import TinyQwenImage21Sizes, build_tiny_qwen_image21
 from rollout.pipelines.tiny.qwen_image_edit import build_tiny_qwen_image_edit, build_tiny_qwen_image_edit_plus
@@ -39,6 +39,7 @@ __all__ = [
     "TinyZImageSizes",
     "build_tiny_flux",
     "build_tiny_flux_kontext",
+    "build_tiny_flux2_dev",
     "build_tiny_flux2_klein",
     "build_tiny_qwen_image",
     "build_tiny_qwen_image21",

@@ -14,18 +14,7 @@ from rollout.pipelines.quiet import quietly
 from rollout.pipelines.tiny.colour import TEXTURE_SCALE, add_identity, paint_colours
 from rollout.pipelines.tiny.qwen_image import QWEN_IMAGE_SCHEDULER
 from rollout.pipelines.tiny.saving import save
-from rollout.pipelines.tiny.tokenizers import QWEN_VISION_TOKENS, qwen25_vl_tokenizer
-
-# Qwen3-VL's chat template for the pipeline's one use of it: the system message, whose token count
-# is the number of hidden states the pipeline drops (`_drop_idx`). Text parts of a message's
-# content list are joined; the prompts themselves are formatted by the pipeline, not this template.
-QWEN3_VL_CHAT_TEMPLATE = (
-    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' }}"
-    "{% if message['content'] is string %}{{ message['content'] }}"
-    "{% else %}{% for part in message['content'] %}{{ part['text'] }}{% endfor %}{% endif %}"
-    "{{ '<|im_end|>\\n' }}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
+from rollout.pipelines.tiny.tokenizers import CONTENT_LIST_CHAT_TEMPLATE, QWEN_VISION_TOKENS, qwen25_vl_tokenizer
 
 
 @dataclass(frozen=True)
@@ -45,14 +34,15 @@ class TinyQwenImage21Sizes:
 
 def tiny_qwen3_vl_processor():
     """A `Qwen3VLProcessor` (without torchvision: its image-and-text subclass) over a byte-level
-    tokenizer with Qwen's chat and vision markers."""
+    tokenizer with Qwen's chat and vision markers. The pipeline applies its chat template once, to
+    the system message, whose token count is the number of hidden states it drops (`_drop_idx`)."""
     from transformers import Qwen2VLImageProcessorPil
 
     from rollout.pipelines.qwen_vl_processor import Qwen3VLImageTextProcessor
 
     image_processor = Qwen2VLImageProcessorPil(patch_size=16, merge_size=2, temporal_patch_size=2)
     return Qwen3VLImageTextProcessor(
-        image_processor=image_processor, tokenizer=qwen25_vl_tokenizer(), chat_template=QWEN3_VL_CHAT_TEMPLATE
+        image_processor=image_processor, tokenizer=qwen25_vl_tokenizer(), chat_template=CONTENT_LIST_CHAT_TEMPLATE
     )
 
 

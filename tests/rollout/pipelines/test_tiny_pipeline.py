@@ -13,7 +13,7 @@ from tests.families import matrix
 def _in_pipeline_form(adapter, latents: torch.Tensor) -> torch.Tensor:
     """[B, C, h, w] latents in the family's own form (packed 2x2 patches for FLUX, Qwen-Image;
     for FLUX.2, 2x2 patches in channels, normalised by the VAE's batch norm as its pipeline encodes)."""
-    if adapter.pipeline_class == "Flux2KleinPipeline":
+    if adapter.pipeline_class in ("Flux2KleinPipeline", "Flux2Pipeline"):
         bn, eps = adapter.pipeline.vae.bn, adapter.pipeline.vae.config.batch_norm_eps
         patches = adapter.pipeline._patchify_latents(latents)
         return (patches - bn.running_mean.view(1, -1, 1, 1)) / torch.sqrt(bn.running_var.view(1, -1, 1, 1) + eps)
