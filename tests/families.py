@@ -18,8 +18,9 @@ from rollout.pipelines.families import FAMILIES as DESCRIPTORS
 TINY_SIZE = {"height": 32, "width": 32}  # every tiny pipeline's images (and video frames)
 TINY_NUM_FRAMES = 9  # a tiny video: 5 latent frames (the tiny VAE halves time after the first frame)
 # An edit family's tiny input images: a square one, and one of another shape (batched apart).
-# Flux2KleinPipeline refuses images under 64 pixels on a side (Flux2ImageProcessor.check_image_input).
-EDIT_SIZES = {"flux2_klein": [(64, 64), (64, 96)]}
+# Flux2KleinPipeline and Flux2Pipeline refuse images under 64 pixels on a side
+# (Flux2ImageProcessor.check_image_input).
+EDIT_SIZES = {"flux2_klein": [(64, 64), (64, 96)], "flux2_dev": [(64, 64), (64, 96)]}
 DEFAULT_EDIT_SIZES = [(32, 32), (24, 40)]
 
 
@@ -113,7 +114,7 @@ class Family:
             return call | ({"image": pil[0], "_auto_resize": False} if pil else {})
         if pil is None:
             return {}
-        takes_a_list = self.pipeline_class in ("QwenImageEditPlusPipeline", "Flux2KleinPipeline")
+        takes_a_list = self.pipeline_class in ("QwenImageEditPlusPipeline", "Flux2KleinPipeline", "Flux2Pipeline")
         return {"image": pil if takes_a_list else pil[0]}
 
 

@@ -97,6 +97,24 @@ FAMILIES: tuple[Family, ...] = (
         accepted_guidance_fields=("true_cfg_scale", "guidance_scale"),  # guidance_scale: guidance-distilled variants
     ),
     Family(
+        name="qwen_image21",
+        title="Qwen-Image 2.1",
+        adapter_class="rollout.pipelines.qwen_image21.QwenImage21Adapter",
+        pipeline_class="QwenImage21Pipeline",
+        tiny_builder="rollout.pipelines.tiny.qwen_image21.build_tiny_qwen_image21",
+        presets={
+            "small": "rollout.pipelines.tiny.qwen_image21.build_small_qwen_image21",
+            "real": "rollout.pipelines.tiny.qwen_image21.build_real_qwen_image21",
+        },
+        real_model="Qwen-Image 2.1",
+        # QwenImage21Pipeline guides when true_cfg_scale > 1 and a negative prompt is given (plain CFG,
+        # no norm rescale); its default 1.0 is off, as 2.1 is meant to be sampled. On: Qwen-Image's 4.0
+        # and " ", as the pipeline names no guided setting.
+        cfg_on={"true_cfg_scale": 4.0, "negative_prompt": " "},
+        cfg_off={"true_cfg_scale": 1.0},
+        accepted_guidance_fields=("true_cfg_scale",),
+    ),
+    Family(
         name="qwen_image_edit",
         title="Qwen-Image-Edit (image editing)",
         adapter_class="rollout.pipelines.qwen_image_edit.QwenImageEditAdapter",
@@ -144,6 +162,24 @@ FAMILIES: tuple[Family, ...] = (
         cfg_on={"guidance_scale": 4.0},
         cfg_off={"guidance_scale": 1.0},
         accepted_guidance_fields=("guidance_scale",),  # none for the distilled FLUX.2 [klein] models
+        edits=True,
+    ),
+    Family(
+        name="flux2_dev",
+        title="FLUX.2 [dev]",
+        adapter_class="rollout.pipelines.flux2_dev.Flux2DevAdapter",
+        pipeline_class="Flux2Pipeline",
+        tiny_builder="rollout.pipelines.tiny.flux2.build_tiny_flux2_dev",
+        presets={
+            "small": "rollout.pipelines.tiny.flux2.build_small_flux2_dev",
+            "real": "rollout.pipelines.tiny.flux2.build_real_flux2_dev",
+        },
+        real_model="FLUX.2 [dev]",
+        # Flux2Pipeline has no classifier-free guidance pass (no negative prompt): its guidance_scale is
+        # the guidance-distilled transformer's input. "On" is the pipeline's default 4.0, "off" 1.0.
+        cfg_on={"guidance_scale": 4.0},
+        cfg_off={"guidance_scale": 1.0},
+        accepted_guidance_fields=("guidance_scale",),
         edits=True,
     ),
     # Wan 2.1 and Wan 2.2 are one pipeline class and one adapter; Wan 2.2's folders add the second expert.

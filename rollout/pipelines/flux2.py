@@ -91,7 +91,6 @@ class Flux2KleinAdapter(PipelineAdapter):
 
     def make_spec(self) -> ModelSpec:
         pipeline = self.pipeline
-        distilled = pipeline.config.is_distilled
         size = pipeline.default_sample_size * pipeline.vae_scale_factor
         return ModelSpec(
             pipeline_class=self.pipeline_class,
@@ -104,14 +103,28 @@ class Flux2KleinAdapter(PipelineAdapter):
             default_width=size,
             default_max_sequence_length=512,
             max_sequence_length_limit=pipeline.tokenizer_max_length,
-            guidance_defaults={} if distilled else {"guidance_scale": 4.0},  # the pipeline's default
-            cfg_field=None if distilled else "guidance_scale",
-            default_negative_prompt=None if distilled else "",
+            **self.guidance_spec(),
             max_input_images=MAX_REFERENCE_IMAGES,
             min_input_image_side=MIN_REFERENCE_SIDE,
             max_input_image_aspect_ratio=MAX_REFERENCE_ASPECT_RATIO,
             max_input_image_area=MAX_REFERENCE_AREA,
         )
+
+    def guidance_spec(self) -> dict:
+        """The spec's guidance fields: a base klein model's true CFG with `guidance_scale` (the
+        pipeline's default 4.0, against ""), none for a step-distilled one."""
+        if self.pipeline.config.is_distilled:
+            return {"guidance_defaults": {}, "cfg_field": None, "default_negative_prompt": None}
+        return {
+            "guidance_defaults": {"guidance_scale": 4.0},
+            "cfg_field": "guidance_scale",
+            "default_negative_prompt": "",
+        }
+
+    def guidance_input(self, guidance_scale: torch.Tensor | None) -> torch.Tensor | None:
+        """The transformer's `guidance` input for rows of `guidance_scale`: none for klein, whose
+        scale is CFG's (combined in predict_velocity)."""
+        return None
 
     def encode_prompt(self, text: str, max_sequence_length: int) -> Flux2KleinEmbeds:
         embeds, _ = self.pipeline.encode_prompt(
@@ -162,7 +175,6 @@ class Flux2KleinAdapter(PipelineAdapter):
         width,
         images: Flux2KleinImages | None = None,
     ):
-        # guidance_scale is CFG's (combined in predict_velocity); the transformer takes no guidance.
         batch, channels, h, w = latents.shape
         hidden_states, image_ids = self._model_inputs(latents)
         if images is not None:  # the rows of a batch hold reference images of the same sizes
@@ -174,7 +186,7 @@ class Flux2KleinAdapter(PipelineAdapter):
         prediction = self.transformer(
             hidden_states=hidden_states,
             timestep=timestep,
-            guidance=None,
+            guidance=self.guidance_input(guidance_scale),
             encoder_hidden_states=embeds.prompt_embeds,
             txt_ids=text_ids,
             img_ids=image_ids,

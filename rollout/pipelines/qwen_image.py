@@ -92,11 +92,17 @@ class QwenImageAdapter(PipelineAdapter):
 
     @torch.no_grad()
     def decode(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
-        vae = self.pipeline.vae
         unpacked = self.pipeline._unpack_latents(latents, height, width, self.spec.vae_scale_factor)
-        unpacked = unpacked.to(vae.device, vae.dtype)  # [B, C, 1, h, w]: one frame
-        shape = (1, vae.config.z_dim, 1, 1, 1)
-        mean = torch.tensor(vae.config.latents_mean).view(shape).to(unpacked.device, unpacked.dtype)
-        inverse_std = 1.0 / torch.tensor(vae.config.latents_std).view(shape).to(unpacked.device, unpacked.dtype)
-        images = vae.decode(unpacked / inverse_std + mean, return_dict=False)[0][:, :, 0]
-        return images_to_uint8(images)
+        return decode_normalised(self.pipeline.vae, unpacked)
+
+
+def decode_normalised(vae, unpacked: torch.Tensor) -> torch.Tensor:
+    """uint8 images from a Qwen-Image VAE's latents [B, C, 1, h, w] (one frame), normalised by the
+    VAE's per-channel mean and std: un-normalised and decoded as Qwen-Image's pipelines (2.1's too)
+    do. The first three output channels are the image (an RGBA VAE's fourth is alpha)."""
+    unpacked = unpacked.to(vae.device, vae.dtype)
+    shape = (1, vae.config.z_dim, 1, 1, 1)
+    mean = torch.tensor(vae.config.latents_mean).view(shape).to(unpacked.device, unpacked.dtype)
+    inverse_std = 1.0 / torch.tensor(vae.config.latents_std).view(shape).to(unpacked.device, unpacked.dtype)
+    images = vae.decode(unpacked / inverse_std + mean, return_dict=False)[0][:, :3, 0]
+    return images_to_uint8(images)

@@ -69,6 +69,8 @@ class ModelSpec:
     first_frame: whether the input image is a video's first frame (Wan image-to-video): resized to
         the request's own size and encoded with its frame count (`image_encoding`), so it takes any
         image size, and a request that sets no size gets the pipeline's default, not the image's.
+    takes_max_sequence_length: False where the pipeline has no `max_sequence_length` (Qwen-Image
+        2.1 reads whole prompts): a request that sets it is refused.
     components: the names of the model's components whose weights the hot-swap API reads and
         updates (`update_weights(component=...)`, `weights_checksum(component)`), sorted.
     """
@@ -105,6 +107,7 @@ class ModelSpec:
     prompt_reads_images: bool = False
     first_frame: bool = False
     components: tuple[str, ...] = ()
+    takes_max_sequence_length: bool = True
 
     def check_component(self, component: str) -> None:
         """Raise ValueError unless `component` names one of the model's components: what the
@@ -309,7 +312,9 @@ class ModelSpec:
                     f"use at most {self.max_num_frames}"
                 )
         max_length = params.max_sequence_length or self.default_max_sequence_length
-        if max_length > self.max_sequence_length_limit:
+        if not self.takes_max_sequence_length and params.max_sequence_length is not None:
+            problems.append(f"max_sequence_length is not used by {model}, which reads whole prompts; leave it unset")
+        elif max_length > self.max_sequence_length_limit:
             problems.append(
                 f"max_sequence_length={max_length} is above {model}'s limit of {self.max_sequence_length_limit}"
             )

@@ -37,13 +37,10 @@ CASES = [(name, "uni") for name in ALL_FAMILIES] + [("wan", "mp"), ("wan", "ray"
 def one_request(family):
     """(the engine's params, generate's inputs, the pipeline's call) for one request of `family`
     with CFG: the tiny size (a video's 9 frames), 2 steps, a trajectory recorded as RL records it."""
+    # Qwen-Image 2.1's pipeline takes no max_sequence_length (it reads whole prompts).
+    length = {} if family.name == "qwen_image21" else {"max_sequence_length": MAX_SEQUENCE_LENGTH}
     params = family.params(
-        cfg=True,
-        num_inference_steps=2,
-        sampler="flow_sde",
-        noise_level=0.7,
-        return_trajectory=True,
-        max_sequence_length=MAX_SEQUENCE_LENGTH,
+        cfg=True, num_inference_steps=2, sampler="flow_sde", noise_level=0.7, return_trajectory=True, **length
     )
     inputs = family.inputs()
     call = {
@@ -51,7 +48,7 @@ def one_request(family):
         "height": params.height,
         "width": params.width,
         "num_inference_steps": 2,
-        "max_sequence_length": MAX_SEQUENCE_LENGTH,
+        **length,
         "output_type": "np",
         **family.cfg,
         **family.pipeline_inputs(inputs or None, params.height, params.width),

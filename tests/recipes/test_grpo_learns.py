@@ -1,8 +1,9 @@
 """GRPO on the tiny models raises the reward: a statistical check over three seeds, each of which must
 clear its own noise by a wide margin (not one lucky seed), with the policy re-scoring the first
 rollout at ratio 1 (every transition of every leaf is in the first minibatch). SD3 (the main job)
-runs in the default suite; FLUX.1, Qwen-Image, FLUX.2 [klein], Z-Image and the tree recipes (BranchGRPO,
-Flow-GRPO-Fast, whose branch steps need all 8 steps) with `make test-slow`."""
+runs in the default suite; FLUX.1, Qwen-Image, Qwen-Image 2.1, FLUX.2 [klein] and [dev], Z-Image and
+the tree recipes (BranchGRPO, Flow-GRPO-Fast, whose branch steps need all 8 steps) with
+`make test-slow`."""
 
 from __future__ import annotations
 
@@ -32,6 +33,10 @@ WINDOW = 5  # steps averaged at the start and at the end
         # 0-2, each above 5 standard errors): a smaller scale.
         pytest.param("grpo_flux2_klein_tiny.yaml", "flux2_klein", 6, 0.01, id="flux2_klein", marks=pytest.mark.slow),
         pytest.param("grpo_zimage_tiny.yaml", "zimage", 6, 0.03, id="zimage", marks=pytest.mark.slow),
+        pytest.param(
+            "grpo_qwen_image21_tiny.yaml", "qwen_image21", 6, 0.03, id="qwen_image21", marks=pytest.mark.slow
+        ),
+        pytest.param("grpo_flux2_dev_tiny.yaml", "flux2_dev", 6, 0.01, id="flux2_dev", marks=pytest.mark.slow),
         pytest.param("branch_grpo_tiny.yaml", "sd3", 8, 0.03, id="branch_grpo", marks=pytest.mark.slow),
         pytest.param("grpo_fast_tiny.yaml", "sd3", 8, 0.03, id="grpo_fast", marks=pytest.mark.slow),
         # Colour agreement starts near -0.1 (the tiny VAE's frames already agree roughly): a smaller scale.

@@ -131,6 +131,10 @@ def test_nft_refuses_an_sde_sampler_naming_the_fix():
         ("grpo_flux2_klein_lora.yaml", "flux2_klein"),
         ("grpo_flux2_klein_tiny.yaml", "flux2_klein"),
         ("grpo_flux2_klein_edit_tiny.yaml", "flux2_klein"),
+        pytest.param("grpo_qwen_image21_lora.yaml", "qwen_image21", marks=pytest.mark.slow),  # a tiny build more
+        pytest.param("grpo_qwen_image21_tiny.yaml", "qwen_image21", marks=pytest.mark.slow),
+        pytest.param("grpo_flux2_dev_lora.yaml", "flux2_dev", marks=pytest.mark.slow),
+        pytest.param("grpo_flux2_dev_tiny.yaml", "flux2_dev", marks=pytest.mark.slow),
         ("grpo_zimage_lora.yaml", "zimage"),
         ("grpo_zimage_tiny.yaml", "zimage"),
         ("grpo_wan_tiny.yaml", "wan"),

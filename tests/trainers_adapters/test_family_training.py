@@ -25,10 +25,12 @@ pytestmark = pytest.mark.timeout(180)
 LORA = {"r": 4, "lora_alpha": 8}  # no target_modules: the family's default targets
 
 
-# FLUX.2 [klein]'s and Z-Image's run in the slow suite, as their matrix tests do (tests/families.py).
+# FLUX.2 [klein]'s and [dev]'s, Z-Image's and Qwen-Image 2.1's run in the slow suite, as their matrix
+# tests do (tests/families.py).
 @pytest.fixture(
     scope="module",
-    params=["flux", "qwen_image"] + [pytest.param(name, marks=pytest.mark.slow) for name in ("flux2_klein", "zimage")],
+    params=["flux", "qwen_image"]
+    + [pytest.param(name, marks=pytest.mark.slow) for name in ("flux2_klein", "zimage", "qwen_image21", "flux2_dev")],
 )
 def family_engine(request, tiny_models):
     family = FAMILIES[request.param]

@@ -17,8 +17,9 @@ import logging
 
 from rollout.pipelines.families import FAMILIES, families_help
 from rollout.pipelines.tiny.flux import TinyFluxSizes, build_tiny_flux, build_tiny_flux_kontext
-from rollout.pipelines.tiny.flux2 import TinyFlux2KleinSizes, build_tiny_flux2_klein
+from rollout.pipelines.tiny.flux2 import TinyFlux2KleinSizes, build_tiny_flux2_dev, build_tiny_flux2_klein
 from rollout.pipelines.tiny.qwen_image import TinyQwenImageSizes, build_tiny_qwen_image
+from rollout.pipelines.tiny.qwen_image21 import TinyQwenImage21Sizes, build_tiny_qwen_image21
 from rollout.pipelines.tiny.qwen_image_edit import build_tiny_qwen_image_edit, build_tiny_qwen_image_edit_plus
 from rollout.pipelines.tiny.sd3 import TinySD3Sizes, build_tiny_sd3
 from rollout.pipelines.tiny.wan import TinyWanSizes, build_tiny_wan, build_tiny_wan22, build_tiny_wan22_ti2v
@@ -32,14 +33,17 @@ __all__ = [
     "TINY_BUILDERS",
     "TinyFlux2KleinSizes",
     "TinyFluxSizes",
+    "TinyQwenImage21Sizes",
     "TinyQwenImageSizes",
     "TinySD3Sizes",
     "TinyWanSizes",
     "TinyZImageSizes",
     "build_tiny_flux",
     "build_tiny_flux_kontext",
+    "build_tiny_flux2_dev",
     "build_tiny_flux2_klein",
     "build_tiny_qwen_image",
+    "build_tiny_qwen_image21",
     "build_tiny_qwen_image_edit",
     "build_tiny_qwen_image_edit_plus",
     "build_tiny_sd3",

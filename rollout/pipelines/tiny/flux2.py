@@ -12,8 +12,8 @@ from rollout.pipelines.quiet import quietly
 from rollout.pipelines.tiny.colour import make_decoder_colour_faithful
 from rollout.pipelines.tiny.saving import save
 from rollout.pipelines.tiny.sd3 import REAL_VAE_BLOCKS
-from rollout.pipelines.tiny.text_encoders import qwen3_encoder
-from rollout.pipelines.tiny.tokenizers import qwen3_tokenizer
+from rollout.pipelines.tiny.text_encoders import mistral3_encoder, qwen3_encoder
+from rollout.pipelines.tiny.tokenizers import content_list_tokenizer, qwen3_tokenizer
 
 # The scheduler diffusers' FLUX.2 conversion script gives its pipelines (FLUX.1-dev's
 # scheduler_config.json). Flux2KleinPipeline passes its own `mu` (compute_empirical_mu), so of
@@ -28,8 +28,10 @@ FLUX2_SCHEDULER = {
     "use_dynamic_shifting": True,
 }
 # Flux2KleinPipeline reads Qwen3's hidden states after these layers (text_encoder_out_layers'
-# default), so the text encoder needs at least the last of them.
+# default), so the text encoder needs at least the last of them; Flux2Pipeline reads Mistral 3's
+# after layers 10, 20 and 30.
 TEXT_LAYERS = 27
+DEV_TEXT_LAYERS = 30
 
 
 @dataclass(frozen=True)
@@ -61,15 +63,34 @@ def build_tiny_flux2_klein(
     Deterministic in `seed`; a folder that already holds a pipeline is overwritten.
     `transformer_config` replaces the tiny transformer (benchmarks pass a published config); the
     modules are made on `device` and saved in `dtype`."""
+    return _build_tiny_flux2(path, seed, sizes, transformer_config, device, dtype, dev=False)
+
+
+@quietly
+def build_tiny_flux2_dev(
+    path: str | Path,
+    seed: int = 0,
+    sizes: TinyFlux2KleinSizes = TinyFlux2KleinSizes(),
+    transformer_config: dict | None = None,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> Path:
+    """Build a `Flux2Pipeline` (FLUX.2 [dev]: a Mistral 3 text encoder read at layers 10, 20, 30, a
+    guidance-distilled transformer; `sizes.distilled` is not used) as `build_tiny_flux2_klein`."""
+    return _build_tiny_flux2(path, seed, sizes, transformer_config, device, dtype, dev=True)
+
+
+def _build_tiny_flux2(path, seed, sizes, transformer_config, device, dtype, dev: bool) -> Path:
     from diffusers import (
         AutoencoderKLFlux2,
         FlowMatchEulerDiscreteScheduler,
         Flux2KleinPipeline,
+        Flux2Pipeline,
         Flux2Transformer2DModel,
     )
 
     path = Path(path)
-    tokenizer = qwen3_tokenizer()
+    tokenizer = content_list_tokenizer() if dev else qwen3_tokenizer()
     channels = sizes.latent_channels
     num_blocks = len(sizes.vae_block_out_channels)
     torch.manual_seed(seed)
@@ -85,7 +106,7 @@ def build_tiny_flux2_klein(
                 "num_attention_heads": sizes.num_attention_heads,
                 "joint_attention_dim": 3 * sizes.text_hidden_size,
                 "axes_dims_rope": sizes.axes_dims_rope,
-                "guidance_embeds": False,  # as every klein transformer
+                "guidance_embeds": dev,  # FLUX.2 [dev] is guidance-distilled; no klein transformer is
             }
         )
         vae = AutoencoderKLFlux2(
@@ -101,15 +122,18 @@ def build_tiny_flux2_klein(
             use_post_quant_conv=False,
         )
         make_decoder_colour_faithful(vae)
-        text_encoder = qwen3_encoder(tokenizer, sizes.text_hidden_size, TEXT_LAYERS)
-    pipeline = Flux2KleinPipeline(
+        if dev:
+            text_encoder = mistral3_encoder(tokenizer, sizes.text_hidden_size, DEV_TEXT_LAYERS)
+        else:
+            text_encoder = qwen3_encoder(tokenizer, sizes.text_hidden_size, TEXT_LAYERS)
+    components = dict(
         scheduler=FlowMatchEulerDiscreteScheduler(**FLUX2_SCHEDULER),
         vae=vae,
         text_encoder=text_encoder,
         tokenizer=tokenizer,
         transformer=transformer,
-        is_distilled=sizes.distilled,
     )
+    pipeline = Flux2Pipeline(**components) if dev else Flux2KleinPipeline(**components, is_distilled=sizes.distilled)
     return save(pipeline, path, dtype)
 
 
@@ -156,3 +180,31 @@ def build_real_flux2_klein(folder: str | Path, device: str = "cpu", dtype: torch
     parameters), and a narrow VAE with the real scale factor and latent channels (32)."""
     sizes = TinyFlux2KleinSizes(latent_channels=32, text_hidden_size=2560, vae_block_out_channels=REAL_VAE_BLOCKS)
     return build_tiny_flux2_klein(folder, sizes=sizes, transformer_config=FLUX2_KLEIN_4B, device=device, dtype=dtype)
+
+
+# FLUX.2 [dev]'s transformer: Flux2Transformer2DModel's defaults in diffusers 0.42.1, which are the
+# dev model's (8 double and 48 single blocks of 48 x 128 heads, 3 x Mistral Small 3.1's 5120-wide
+# hidden states, a guidance embedding): about 32B parameters.
+FLUX2_DEV = FLUX2_KLEIN_4B | {
+    "num_layers": 8,
+    "num_single_layers": 48,
+    "num_attention_heads": 48,
+    "joint_attention_dim": 15360,
+    "guidance_embeds": True,
+}
+
+
+def build_small_flux2_dev(folder: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> Path:
+    """As `build_small_flux2_klein`, with FLUX.2 [dev]'s text encoder and guidance embedding."""
+    sizes = TinyFlux2KleinSizes(
+        num_layers=2, num_single_layers=4, num_attention_heads=4, attention_head_dim=32, axes_dims_rope=(8, 8, 8, 8)
+    )
+    return build_tiny_flux2_dev(folder, sizes=sizes, device=device, dtype=dtype)
+
+
+def build_real_flux2_dev(folder: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> Path:
+    """FLUX.2 [dev]'s transformer (about 32B parameters: bfloat16 on an H200) with random weights, a
+    text encoder of Mistral Small 3.1's width (30 layers, the deepest the pipeline reads), and a
+    narrow VAE with the real scale factor and latent channels (32)."""
+    sizes = TinyFlux2KleinSizes(latent_channels=32, text_hidden_size=5120, vae_block_out_channels=REAL_VAE_BLOCKS)
+    return build_tiny_flux2_dev(folder, sizes=sizes, transformer_config=FLUX2_DEV, device=device, dtype=dtype)

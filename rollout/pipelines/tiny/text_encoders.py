@@ -122,3 +122,41 @@ def qwen3_encoder(tokenizer, width: int, layers: int):
         eos_token_id=tokenizer.pad_token_id,
     )
     return Qwen3ForCausalLM(config)
+
+
+def mistral3_encoder(tokenizer, width: int, layers: int):
+    """A `Mistral3ForConditionalGeneration` (FLUX.2 [dev]'s text encoder, Mistral Small 3.1) with a
+    `width`-wide language model of `layers` layers (grouped-query attention, 4 query heads per
+    key-value head where the width allows) and a one-layer Pixtral vision tower that text prompts
+    never use (its image token past the vocabulary)."""
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration
+
+    heads = max(2, width // 128)
+    config = Mistral3Config(
+        text_config={
+            "model_type": "mistral",
+            "vocab_size": len(tokenizer),
+            "hidden_size": width,
+            "intermediate_size": 2 * width,
+            "num_hidden_layers": layers,
+            "num_attention_heads": heads,
+            "num_key_value_heads": max(1, heads // 4),
+            "head_dim": width // heads,
+            "max_position_embeddings": 2048,
+            "pad_token_id": tokenizer.pad_token_id,
+        },
+        vision_config={
+            "model_type": "pixtral",
+            "hidden_size": 16,
+            "intermediate_size": 16,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "head_dim": 8,
+            "patch_size": 14,
+            "image_size": 56,
+        },
+        image_token_index=len(tokenizer),
+        spatial_merge_size=2,
+        vision_feature_layer=-1,
+    )
+    return Mistral3ForConditionalGeneration(config)

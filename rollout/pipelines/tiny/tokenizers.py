@@ -31,6 +31,17 @@ QWEN3_CHAT_TEMPLATE = (
     "{% endif %}"
 )
 
+# A chat template (Jinja) over messages whose content is a string or a list of text parts (joined),
+# as FLUX.2 [dev]'s and Qwen-Image 2.1's pipelines build their messages; each message between the
+# chat markers, then the assistant's turn when asked for.
+CONTENT_LIST_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}{{ part['text'] }}{% endfor %}{% endif %}"
+    "{{ '<|im_end|>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
 
 def _byte_to_unicode() -> dict[int, str]:
     """The byte-to-printable-character table that byte-level BPE vocabularies (GPT-2, CLIP) use."""
@@ -106,4 +117,12 @@ def qwen3_tokenizer():
     pipelines that format prompts through `apply_chat_template` (Z-Image)."""
     tokenizer = qwen2_tokenizer()
     tokenizer.chat_template = QWEN3_CHAT_TEMPLATE
+    return tokenizer
+
+
+def content_list_tokenizer():
+    """`qwen2_tokenizer()` with `CONTENT_LIST_CHAT_TEMPLATE` (FLUX.2 [dev]'s tiny text: the pipeline
+    formats its prompts through the tokenizer's `apply_chat_template`)."""
+    tokenizer = qwen2_tokenizer()
+    tokenizer.chat_template = CONTENT_LIST_CHAT_TEMPLATE
     return tokenizer

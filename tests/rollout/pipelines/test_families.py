@@ -58,6 +58,9 @@ def test_trajectory_form_is_the_pipelines_latents_argument(family_engine):
         # The tiny edit VAE compresses by 16 (a megapixel reference image is 1024 tokens): one token.
         "qwen_image_edit": (4, 1, 16),
         "qwen_image_edit_plus": (4, 1, 16),
+        # Qwen-Image 2.1 reads its 16x latents unpatched: 2x2 tokens of 4 channels.
+        "qwen_image21": (4, 4, 4),
+        "flux2_dev": (4, 16, 8, 8),  # as FLUX.2 [klein]
     }
     # Packed 2x2 patches for FLUX.1 and Qwen-Image; FLUX.2 patchifies 2x2 into channels on the grid.
     assert tuple(output.trajectory.latents.stack().shape) == expected[family.name]
@@ -88,6 +91,14 @@ REFUSED = {
         ({"num_frames": 9}, "num_frames is for video pipelines"),
         ({"num_inference_steps": 1}, "num_inference_steps=1 is too few for QwenImagePipeline"),
     ],
+    "qwen_image21": [
+        ({"guidance_scale": 4.0}, "guidance_scale is not used by QwenImage21Pipeline; leave it unset"),
+        ({"true_cfg_scale": 4.0}, "needs a negative_prompt"),
+        ({"num_frames": 9}, "num_frames is for video pipelines"),
+        # one slot of the text sequence per 2x2 group of 16x latents: multiples of 32 pixels
+        ({"max_sequence_length": 64}, "max_sequence_length is not used by QwenImage21Pipeline"),
+        ({"height": 48}, r"height=48 is not divisible by 32 \(VAE scale 8 x patch size 2 x latent packing 2\)"),
+    ],
     "qwen_image_edit": [
         ({}, "QwenImageEditPipeline edits input images: pass images="),
         ({"guidance_scale": 4.0}, "guidance_scale is not used by QwenImageEditPipeline; leave it unset"),
@@ -102,6 +113,13 @@ REFUSED = {
         ({"guidance_scale": 1.0, "negative_prompt": "ugly"}, "negative_prompt is used only with classifier-free"),
         ({"height": 30}, r"height=30 is not divisible by 4 \(VAE scale 4 x patch size 1\)"),
         ({"max_sequence_length": 600}, "max_sequence_length=600 is above Flux2KleinPipeline's limit of 512"),
+    ],
+    "flux2_dev": [
+        ({"true_cfg_scale": 4.0}, "true_cfg_scale is not used by Flux2Pipeline; leave it unset"),
+        # guidance-distilled: no classifier-free guidance pass, so no negative prompt
+        ({"negative_prompt": "ugly"}, "negative_prompt"),
+        ({"height": 30}, r"height=30 is not divisible by 4 \(VAE scale 4 x patch size 1\)"),
+        ({"max_sequence_length": 600}, "max_sequence_length=600 is above Flux2Pipeline's limit of 512"),
     ],
     "zimage": [
         ({"true_cfg_scale": 2.0}, "true_cfg_scale is not used by ZImagePipeline; leave it unset"),
@@ -131,8 +149,10 @@ def test_defaults_come_from_the_model(family_engine):
         "flux_kontext": (3.5, 1.0, None, 512),  # as FLUX.1-dev
         "qwen_image": (None, 1.0, None, 512),
         "qwen_image_edit": (None, 1.0, None, 512),
+        "qwen_image21": (None, 1.0, None, 4096),  # the pipeline reads whole prompts
         "qwen_image_edit_plus": (None, 1.0, None, 512),
         "flux2_klein": (4.0, None, "", 512),  # a base klein model: CFG against "", as the pipeline
+        "flux2_dev": (4.0, None, None, 512),  # its distilled guidance input; no CFG pass
         "zimage": (5.0, None, "", 512),  # ZImagePipeline's defaults: CFG with the negative prompt ""
     }[family.name]
     got = (resolved.guidance_scale, resolved.true_cfg_scale, resolved.negative_prompt, resolved.max_sequence_length)

@@ -110,6 +110,12 @@ def test_the_tiny_folder_maps_back_and_the_cfg_settings_mean_what_they_say(tiny_
     assert set(spec.guidance_defaults) <= set(family.accepted_guidance_fields) <= set(GUIDANCE_FIELDS)
     size = {"height": 32, "width": 32} | ({"num_frames": 9} if family.video else {})
     on, problems = spec.resolve(SamplingParams(**size, **family.cfg_on))
+    if spec.cfg_field is None:  # a guidance-distilled pipeline with no CFG pass (FLUX.2 [dev]):
+        # on and off are its guidance input's strength, and neither has a negative prompt
+        off, problems_off = spec.resolve(SamplingParams(**size, **family.cfg_off))
+        assert problems == problems_off == [] and on.negative_prompt is None is off.negative_prompt
+        assert on.guidance_scale > off.guidance_scale == 1.0
+        return
     assert problems == [] and on.negative_prompt is not None
     assert getattr(on, spec.cfg_field) > spec.cfg_threshold  # 1, or 0 for Z-Image
     off, problems = spec.resolve(SamplingParams(**size, **family.cfg_off))

@@ -14,8 +14,11 @@ pytestmark = pytest.mark.timeout(120)
 
 def as_latent_output(family, pipeline, latents: torch.Tensor) -> torch.Tensor:
     """Final latents [B, ...] in the `latents=` form, as the pipeline returns them with
-    output_type="latent": the same form, but FLUX.2's undoes its VAE batch norm and 2x2 patchify
-    first (Flux2KleinPipeline.__call__ after the loop)."""
+    output_type="latent": the same form, but FLUX.2 [klein]'s undoes its VAE batch norm and 2x2
+    patchify first (Flux2KleinPipeline.__call__ after the loop), and FLUX.2 [dev]'s returns the
+    transformer's packed tokens [B, h*w, C*4] (Flux2Pipeline.__call__ returns them before unpacking)."""
+    if family.name == "flux2_dev":
+        return pipeline._pack_latents(latents)
     if family.name != "flux2_klein":
         return latents
     bn = pipeline.vae.bn

@@ -1,0 +1,206 @@
+"""A tiny `QwenImage21Pipeline`: a Qwen3-VL text encoder, the single-stream block-causal transformer
+and Qwen-Image 2.1's VAE (16x spatial compression, latents read unpatched), all random, with a
+`Qwen3VLProcessor` written locally. Qwen-Image 2.1's published scheduler settings are not in
+diffusers, so the tiny folder takes Qwen-Image's (tiny/qwen_image.py) and no `sample_sigmas`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from rollout.pipelines.quiet import quietly
+from rollout.pipelines.tiny.colour import TEXTURE_SCALE, add_identity, paint_colours
+from rollout.pipelines.tiny.qwen_image import QWEN_IMAGE_SCHEDULER
+from rollout.pipelines.tiny.saving import save
+from rollout.pipelines.tiny.tokenizers import CONTENT_LIST_CHAT_TEMPLATE, QWEN_VISION_TOKENS, qwen25_vl_tokenizer
+
+
+@dataclass(frozen=True)
+class TinyQwenImage21Sizes:
+    """Sizes of the tiny pipeline: 32x32 images from 2x2x4 latents (4 tokens, one encoder slot)."""
+
+    latent_channels: int = 4
+    num_layers: int = 2
+    num_attention_heads: int = 2
+    attention_head_dim: int = 16
+    axes_dims_rope: tuple[int, int, int] = (4, 6, 6)  # sums to attention_head_dim
+    text_hidden_size: int = 32
+    text_layers: int = 2
+    vae_base_dim: int = 8
+    vae_dim_mult: tuple[int, ...] = (1, 1, 1, 1, 1)  # four spatial downsamples: 16x, as the pipeline assumes
+
+
+def tiny_qwen3_vl_processor():
+    """A `Qwen3VLProcessor` (without torchvision: its image-and-text subclass) over a byte-level
+    tokenizer with Qwen's chat and vision markers. The pipeline applies its chat template once, to
+    the system message, whose token count is the number of hidden states it drops (`_drop_idx`)."""
+    from transformers import Qwen2VLImageProcessorPil
+
+    from rollout.pipelines.qwen_vl_processor import Qwen3VLImageTextProcessor
+
+    image_processor = Qwen2VLImageProcessorPil(patch_size=16, merge_size=2, temporal_patch_size=2)
+    return Qwen3VLImageTextProcessor(
+        image_processor=image_processor, tokenizer=qwen25_vl_tokenizer(), chat_template=CONTENT_LIST_CHAT_TEMPLATE
+    )
+
+
+def qwen3_vl_encoder(tokenizer, width: int, layers: int):
+    """A `Qwen3VLForConditionalGeneration` with a `width`-wide language model of `layers` layers and
+    a one-block vision tower, its vision markers the tokenizer's own."""
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    heads = max(2, width // 128)
+    rotary_half = width // heads // 2  # interleaved multimodal RoPE: 3 sections of each head's half
+    sections = [rotary_half - 2 * (rotary_half // 3), rotary_half // 3, rotary_half // 3]
+    markers = tokenizer.convert_tokens_to_ids(list(QWEN_VISION_TOKENS))  # start, end, image, video
+    config = Qwen3VLConfig(
+        text_config={
+            "vocab_size": len(tokenizer),
+            "hidden_size": width,
+            "intermediate_size": 2 * width,
+            "num_hidden_layers": layers,
+            "num_attention_heads": heads,
+            "num_key_value_heads": heads,
+            "head_dim": width // heads,
+            "max_position_embeddings": 2048,
+            "rope_parameters": {"rope_type": "default", "mrope_section": sections, "mrope_interleaved": True},
+            "pad_token_id": tokenizer.pad_token_id,
+        },
+        vision_config={
+            "depth": 1,
+            "hidden_size": 16,
+            "intermediate_size": 16,
+            "num_heads": 2,
+            "out_hidden_size": width,
+            "deepstack_visual_indexes": [0],
+            "num_position_embeddings": 64,
+        },
+        vision_start_token_id=markers[0],
+        vision_end_token_id=markers[1],
+        image_token_id=markers[2],
+        video_token_id=markers[3],
+    )
+    return Qwen3VLForConditionalGeneration(config)
+
+
+@torch.no_grad()
+def make_qwen_image21_decoder_colour_faithful(vae) -> None:
+    """As `colour.make_causal_decoder_colour_faithful`, for Qwen-Image 2.1's decoder (2D convs in a
+    causal-3D shell, residual up blocks): latent channel c paints colour c."""
+    decoder = vae.decoder
+    latent_channels = decoder.conv_in.in_channels
+    add_identity(vae.post_quant_conv, latent_channels, texture=0.0)
+    add_identity(decoder.conv_in, latent_channels)
+    for resnet in [*decoder.mid_block.resnets, *(r for block in decoder.up_blocks for r in block.resnets)]:
+        add_identity(resnet.conv2, 0)
+        if isinstance(resnet.conv_shortcut, torch.nn.Conv2d):  # channels change: pass the ones both sides have
+            shortcut = resnet.conv_shortcut
+            add_identity(shortcut, min(shortcut.in_channels, shortcut.out_channels), texture=0.0)
+    for block in decoder.up_blocks:
+        if block.upsampler is not None:
+            conv = block.upsampler.resample[1]  # after the nearest-neighbour upsample
+            add_identity(conv, conv.out_channels)
+    for attention in decoder.mid_block.attentions:
+        attention.proj.weight.mul_(TEXTURE_SCALE)
+        attention.proj.bias.zero_()
+    paint_colours(decoder.conv_out, latent_channels)
+
+
+@quietly
+def build_tiny_qwen_image21(
+    path: str | Path,
+    seed: int = 0,
+    sizes: TinyQwenImage21Sizes = TinyQwenImage21Sizes(),
+    transformer_config: dict | None = None,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> Path:
+    """Build a `QwenImage21Pipeline` with random weights and save it to `path`; returns `path`.
+    Deterministic in `seed`; `transformer_config` replaces the tiny transformer (benchmarks pass
+    the published one); the modules are made on `device` and saved in `dtype`."""
+    from diffusers import (
+        AutoencoderKLQwenImage21,
+        FlowMatchEulerDiscreteScheduler,
+        QwenImage21Pipeline,
+        QwenImage21Transformer2DModel,
+    )
+
+    path = Path(path)
+    processor = tiny_qwen3_vl_processor()
+    torch.manual_seed(seed)
+    channels = sizes.latent_channels
+    with torch.device(device):
+        transformer = QwenImage21Transformer2DModel(
+            **transformer_config
+            or {
+                "in_channels": channels,
+                "out_channels": channels,
+                "num_layers": sizes.num_layers,
+                "attention_head_dim": sizes.attention_head_dim,
+                "num_attention_heads": sizes.num_attention_heads,
+                "context_in_dim": sizes.text_hidden_size,
+                "axes_dims_rope": sizes.axes_dims_rope,
+            }
+        )
+        vae = AutoencoderKLQwenImage21(
+            base_dim=sizes.vae_base_dim,
+            decoder_base_dim=sizes.vae_base_dim,
+            z_dim=channels,
+            dim_mult=list(sizes.vae_dim_mult),
+            num_res_blocks=1,
+            temperal_downsample=[False] * (len(sizes.vae_dim_mult) - 1),
+            latents_mean=[0.0] * channels,
+            latents_std=[1.0] * channels,
+            in_channels=4,  # RGBA, as the pipeline's condition images reach the VAE
+            out_channels=3,
+        )
+        make_qwen_image21_decoder_colour_faithful(vae)
+        text_encoder = qwen3_vl_encoder(processor.tokenizer, sizes.text_hidden_size, sizes.text_layers)
+    pipeline = QwenImage21Pipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(**QWEN_IMAGE_SCHEDULER),
+        vae=vae,
+        text_encoder=text_encoder,
+        processor=processor,
+        transformer=transformer,
+    )
+    # model_index.json names the class whose files the folder holds (qwen_vl_processor.py)
+    pipeline.register_to_config(processor=("transformers", "Qwen3VLProcessor"))
+    return save(pipeline, path, dtype)
+
+
+# Benchmark presets (benchmarks/model_presets.py), as in tiny/qwen_image.py.
+
+# Qwen-Image 2.1's transformer: QwenImage21Transformer2DModel's defaults in diffusers 0.42.1, which
+# its docstring gives as the published model's (32 single-stream blocks of 32 x 128 heads, Qwen3-VL's
+# 4096-wide hidden states, 64 latent channels read unpatched); the checkpoint's own config.json is
+# not available offline to compare.
+QWEN_IMAGE21 = {
+    "patch_size": 1,
+    "in_channels": 64,
+    "out_channels": 64,
+    "num_layers": 32,
+    "attention_head_dim": 128,
+    "num_attention_heads": 32,
+    "context_in_dim": 4096,
+    "mlp_ratio": 3,
+    "axes_dims_rope": (16, 56, 56),
+    "causal_condition": True,
+}
+
+
+def build_small_qwen_image21(folder: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> Path:
+    """A transformer big enough to dominate a CPU's time (4 layers of 4 x 32 heads), a tiny text
+    encoder and VAE."""
+    sizes = TinyQwenImage21Sizes(
+        num_layers=4, num_attention_heads=4, attention_head_dim=32, axes_dims_rope=(8, 12, 12)
+    )
+    return build_tiny_qwen_image21(folder, sizes=sizes, device=device, dtype=dtype)
+
+
+def build_real_qwen_image21(folder: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> Path:
+    """Qwen-Image 2.1's transformer with random weights, a one-layer text encoder of the real width,
+    and a small VAE with the real latent channels and scale factor."""
+    sizes = TinyQwenImage21Sizes(latent_channels=64, text_hidden_size=4096, text_layers=1, vae_base_dim=64)
+    return build_tiny_qwen_image21(folder, sizes=sizes, transformer_config=QWEN_IMAGE21, device=device, dtype=dtype)
