@@ -19,20 +19,24 @@ and then measures two things a trainer's numbers depend on:
               moves them; a trainer that scores with micro-batches shaped otherwise than the
               rollout's batches then sees that difference in its ratio.
 
-Re-scoring runs under `torch.no_grad()` (the same kernels as with gradients, in eager mode). The
-engine runs on executor "uni"; its batches hold --batch-size requests (`max_batch_size`).
+Re-scoring runs under `torch.no_grad()` (the same kernels as with gradients). The engine runs on
+executor "uni"; its batches hold --batch-size requests (`max_batch_size`). With --compile blocks the
+engine samples with compiled transformer blocks (`EngineConfig.compile`) and two trainer copies
+re-score: one compiled the same way (`load_adapter(compile="blocks")`) and one eager, the bound a
+trainer that does not compile gets.
 
     python -m benchmarks.rescore_batches                            # SD3, CPU-sized, float32
     python -m benchmarks.rescore_batches --family flux --attention-backend _native_math
     python -m benchmarks.rescore_batches --preset real --device cuda --dtype bfloat16   # SD3.5 Medium
+    python -m benchmarks.rescore_batches --preset real --device cuda --dtype bfloat16 --compile blocks
     python -m benchmarks.rescore_batches --family flux --preset real --device cuda --dtype bfloat16
 """
 
 from __future__ import annotations
 
 import argparse
-import tempfile
 import time
+from contextlib import ExitStack
 
 import torch
 
@@ -53,7 +57,7 @@ DEFAULT_SIZE = {"small": 32, "real": 512}  # small: 64 image tokens, so the run 
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = harness.parser("rescore_batches", __doc__, device="cpu", dtype="float32", model=None)
+    parser = harness.parser("rescore_batches", __doc__, device="cpu", dtype="float32", model=None, model_folder=None)
     titles = ", ".join(f"{f.name} ({f.title})" for f in FAMILY_DESCRIPTORS if f.name in FAMILIES)
     parser.add_argument("--family", choices=FAMILIES, default="sd3", help=f"the pipeline family: {titles}")
     real = ", ".join(f.real_model for f in FAMILY_DESCRIPTORS if f.name in FAMILIES)
@@ -71,8 +75,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="diffusers' attention dispatcher name for the engine and the trainer's copy alike "
         "(EngineConfig.attention_backend); default: diffusers' own",
     )
+    parser.add_argument(
+        "--compile",
+        choices=("off", "blocks"),
+        default="off",
+        help="'blocks': the engine samples with compiled transformer blocks, and a compiled and an eager trainer "
+        "copy re-score",
+    )
     parser.add_argument("--seed", type=int, default=0, help="the rollout's base seed")
     args = parser.parse_args(argv)
+    if args.model is not None and args.model_folder is not None:
+        parser.error("give --model (a pipeline folder to use) or --model-folder (where to build one), not both")
     if args.model is not None:  # its family is the folder's, whatever --family says
         args.family = families_of(read_model_index(args.model)["_class_name"])[0].name
         if args.family not in FAMILIES:
@@ -149,19 +162,26 @@ def main(argv: list[str] | None = None) -> dict:
     report.note(
         f"family {args.family}, preset {args.preset}, {args.dtype} on {args.device}, batch {args.batch_size}, "
         f"{args.steps} steps, {shape}, flow_sde (noise level {args.noise_level}) on every step, attention "
-        f"backend {backend}"
+        f"backend {backend}, compile {args.compile}"
     )
     guidance = {"both": (True, False), "on": (True,), "off": (False,)}[args.cfg]
-    with tempfile.TemporaryDirectory(prefix="rollout-bench-rescore-") as built:
+    dtype = getattr(torch, args.dtype)
+    with ExitStack() as stack:
         if args.model is None:
-            model_presets.build(args.family, args.preset, built, args.device, getattr(torch, args.dtype))
-        folder = str(args.model or built)
+            folder = str(
+                stack.enter_context(
+                    model_presets.built(args.family, args.preset, args.device, dtype, args.model_folder)
+                )
+            )
+        else:
+            folder = str(args.model)
         config = EngineConfig(
             model=folder,
             device=args.device,
             dtype=args.dtype,
             max_batch_size=args.batch_size,
             attention_backend=args.attention_backend,
+            compile=args.compile,
         )
         with RolloutEngine(config) as engine:
             batches, alone = {}, {}
@@ -172,26 +192,35 @@ def main(argv: list[str] | None = None) -> dict:
                 )
                 alone[cfg], _ = harness.timed_call(engine.generate, prompts(1), params, device=args.device)
                 report.note(f"CFG {'on' if cfg else 'off'}: the batch of {args.batch_size} took {batch_s:.2f} s")
-        trainer = load_adapter(folder, args.device, getattr(torch, args.dtype), args.attention_backend)
+        # The trainer compiled as the engine is ("rescore"); with --compile blocks also an eager one.
+        trainers = {"rescore": load_adapter(folder, args.device, dtype, args.attention_backend, args.compile)}
+        if args.compile == "blocks":
+            trainers["rescore_eager_trainer"] = load_adapter(folder, args.device, dtype, args.attention_backend)
         rows, results = [], {}
         for cfg in guidance:
             trajectories = [output.trajectory for output in batches[cfg]]
             name = "on" if cfg else "off"
-            results[name] = {"rescore": {}, "alone": None}
-            for micro_batch in (*[m for m in MICRO_BATCHES if m <= args.batch_size], PER_TRAJECTORY):
-                worst, seconds = max_log_ratio(trainer, trajectories, micro_batch, args.device)
-                rows.append([name, micro_batch, worst, seconds])
-                results[name]["rescore"][str(micro_batch)] = {"max_abs_log_ratio": worst, "s": seconds}
-                report.check(
-                    harness.Target(
-                        f"CFG {name}, micro-batch {micro_batch}: max |log-ratio|", worst, "<=", RATIO_TOLERANCE
+            results[name] = dict.fromkeys(trainers, None) | {"alone": None}
+            for key, trainer in trainers.items():
+                mode = "eager" if key == "rescore_eager_trainer" else args.compile
+                results[name][key] = {}
+                for micro_batch in (*[m for m in MICRO_BATCHES if m <= args.batch_size], PER_TRAJECTORY):
+                    worst, seconds = max_log_ratio(trainer, trajectories, micro_batch, args.device)
+                    rows.append([name, mode, micro_batch, worst, seconds])
+                    results[name][key][str(micro_batch)] = {"max_abs_log_ratio": worst, "s": seconds}
+                    report.check(
+                        harness.Target(
+                            f"CFG {name}, trainer {mode}, micro-batch {micro_batch}: max |log-ratio|",
+                            worst,
+                            "<=",
+                            RATIO_TOLERANCE,
+                        )
                     )
-                )
             difference = (alone[cfg][0].trajectory.latents[-1] - batches[cfg][0].trajectory.latents[-1]).abs().max()
             results[name]["alone"] = difference.item()
     report.table(
         "re-scored by the trainer's copy: the largest abs log-ratio over every stochastic transition",
-        ["CFG", "micro-batch", "max abs log-ratio", "seconds"],
+        ["CFG", "trainer compile", "micro-batch", "max abs log-ratio", "seconds"],
         rows,
         note=f"micro-batch m: m trajectories at one step index per forward (score_steps); {PER_TRAJECTORY}: "
         "one trajectory's steps per forward (recompute_log_probs). The engine sampled them "

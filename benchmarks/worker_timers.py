@@ -9,6 +9,7 @@ worker's thread or process whatever the executor.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import operator
 import time
@@ -19,7 +20,9 @@ from benchmarks.harness import synchronize
 # Worker-piece timers. A piece is (name, target): `target` is "attr.path.method" on the worker, or
 # "package.module:function" for a function a module calls by its global name. The timer is set as
 # an attribute of the owner (on an instance it shadows the method) and removed again afterwards;
-# every call appends its seconds to the piece's list.
+# every call appends its seconds to the piece's list. A method of the worker itself goes on its
+# class: executors send a step as `Worker.execute` called with the worker (`call_function`), so an
+# instance attribute would never be called.
 
 
 def _resolve(worker, target: str) -> tuple[object, str]:
@@ -27,10 +30,11 @@ def _resolve(worker, target: str) -> tuple[object, str]:
         module, attribute = target.split(":")
         return importlib.import_module(module), attribute
     path, _, attribute = target.rpartition(".")
-    return (operator.attrgetter(path)(worker) if path else worker), attribute
+    return (operator.attrgetter(path)(worker) if path else type(worker)), attribute
 
 
 def _timed(fn: Callable, seconds: list[float], device: str | None) -> Callable:
+    @functools.wraps(fn)  # its name: a step keeps a merged LoRA adapter only when named `execute`
     def wrapper(*args, **kwargs):
         synchronize(device)
         start = time.perf_counter()

@@ -1,7 +1,8 @@
 """benchmarks/rescore_batches runs end to end on the tiny pipelines: the trainer's copy re-scores
 every trajectory of one rollout at each micro-batch (and per trajectory) within the contract, CFG
 on and off, and one request alone and in the batch ends within float32 rounding of itself; with
---attention-backend the engine and the trainer's copy both take it."""
+--attention-backend the engine and the trainer's copy both take it; with --compile blocks a
+compiled and an eager trainer re-score the compiled rollout."""
 
 from __future__ import annotations
 
@@ -30,6 +31,17 @@ def test_every_micro_batch_rescores_within_the_contract(tmp_path, tiny_models, f
         assert all(0 <= scored["max_abs_log_ratio"] < RATIO_TOLERANCE for scored in cfg["rescore"].values())
         assert 0 <= cfg["alone"] < 1e-4  # the same noise: a batch changes only the rounding
     assert report["header"]["args"]["attention_backend"] == (extra[1] if extra else None)
+    assert all(target["met"] for target in report["targets"])
+
+
+@pytest.mark.slow
+def test_a_compiled_rollout_is_rescored_by_a_compiled_and_an_eager_trainer(tiny_models):
+    argv = ["--model", tiny_models("sd3"), "--batch-size", "2", "--steps", "2", "--cfg", "off", "--compile", "blocks"]
+    report = rescore_batches.main(argv)
+    off = report["results"]["off"]
+    for trainer in ("rescore", "rescore_eager_trainer"):
+        assert set(off[trainer]) == {"1", "2", rescore_batches.PER_TRAJECTORY}
+        assert all(0 <= scored["max_abs_log_ratio"] < RATIO_TOLERANCE for scored in off[trainer].values())
     assert all(target["met"] for target in report["targets"])
 
 
