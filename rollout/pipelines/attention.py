@@ -110,14 +110,19 @@ def set_attention_backend(denoisers: Mapping[str, torch.nn.Module], name: str) -
                 f"processors {', '.join(ignoring)} call torch's attention directly, not diffusers' dispatcher; "
                 "leave attention_backend None for this model"
             )
-    for module in denoisers.values():
-        quiet = logging.getLogger("diffusers.models.modeling_utils")
-        level = quiet.level
-        quiet.setLevel(logging.ERROR)  # its "experimental feature" warning, once per denoiser and process
-        try:
+    # diffusers' `set_attention_backend` also makes `name` the process's active backend, which every
+    # other model's attention then uses (a trainer's copy with the default, a second engine in the
+    # process). Each processor keeps `name` as its own, so the process's default is put back.
+    active = dispatch._AttentionBackendRegistry.get_active_backend()[0]
+    quiet = logging.getLogger("diffusers.models.modeling_utils")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)  # its "experimental feature" warning, once per denoiser and process
+    try:
+        for module in denoisers.values():
             module.set_attention_backend(name)
-        finally:
-            quiet.setLevel(level)
+    finally:
+        quiet.setLevel(level)
+        dispatch._AttentionBackendRegistry.set_active_backend(active)
     logger.info("attention of %s dispatched to %s", ", ".join(denoisers), name)
 
 

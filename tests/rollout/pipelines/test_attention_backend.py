@@ -9,6 +9,7 @@ import time
 
 import pytest
 import torch
+from diffusers.models.attention_dispatch import _AttentionBackendRegistry as dispatch_registry
 
 from rollout import EngineConfig, RolloutEngine
 from rollout.engine.config_check import problems_without_model
@@ -129,6 +130,18 @@ def test_sd3_whose_attention_skips_the_dispatcher_is_refused_not_ignored(tiny_mo
         RolloutEngine(EngineConfig(model=sd3, attention_backend="native"))
     with pytest.raises(ValueError, match=r"JointAttnProcessor2_0 call torch's attention directly"):
         load_adapter(sd3, attention_backend="native")
+
+
+def test_a_backend_leaves_other_models_in_the_process_on_theirs(flux, default_outputs):
+    """diffusers' set_attention_backend also sets the process's active backend: a uni engine with
+    another kernel must not move a default engine (or a trainer's copy) in the same process."""
+    before = dispatch_registry.get_active_backend()[0]
+    with RolloutEngine(EngineConfig(model=flux, attention_backend=OTHER_CPU_BACKEND)):
+        assert dispatch_registry.get_active_backend()[0] == before
+    with RolloutEngine(EngineConfig(model=flux)) as engine:
+        outputs = engine.generate(PROMPTS, _params(True))
+    for got, want in zip(outputs, default_outputs[True], strict=True):
+        assert torch.equal(got.trajectory.latents.stack(), want.trajectory.latents.stack())
 
 
 def test_lora_policy_takes_the_backend(flux):
