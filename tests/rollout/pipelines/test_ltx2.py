@@ -200,3 +200,27 @@ def test_video_and_audio_cross_the_wire_bitwise(ltx2):
         assert torch.equal(got.video, expected.video) and torch.equal(got.audio, expected.audio)
         assert got.audio_sample_rate == expected.audio_sample_rate == 16000
         assert torch.equal(got.trajectory.latents.stack(), expected.trajectory.latents.stack())
+
+
+def test_a_reward_reads_the_frames_and_the_sound(ltx2):
+    """A group's rewards get the videos as `images` and each sample's waveform in its metadata, in
+    process and through the reward workers' and service's wire."""
+    from trainers_adapters.rewards.builtin import audio_loudness, colour_agreement
+    from trainers_adapters.rewards.rewarded_rollout import group_inputs
+    from trainers_adapters.rewards.wire import decode_group, encode_group
+
+    engine, _, _ = ltx2
+    outputs = engine.generate("a red square", FAMILY.params(num_inference_steps=2, num_samples=2, seed=4))
+    videos, prompts, metadata = group_inputs(outputs, None)
+    assert videos.shape == (2, 9, 3, 32, 32)
+    assert all(
+        torch.equal(m["audio"], o.audio) and m["audio_sample_rate"] == 16000
+        for m, o in zip(metadata, outputs, strict=True)
+    )
+    loudness = audio_loudness(videos, prompts, metadata)
+    assert torch.equal(loudness, torch.stack([o.audio.pow(2).mean().sqrt() for o in outputs]))
+    sent_videos, _, sent = decode_group(encode_group(videos, prompts, metadata))
+    assert torch.equal(audio_loudness(sent_videos, prompts, sent), loudness)
+    assert torch.equal(colour_agreement(sent_videos, prompts, sent), colour_agreement(videos, prompts, metadata))
+    with pytest.raises(ValueError, match="audio_loudness scores sound, but samples \\[0, 1\\] carry no audio"):
+        audio_loudness(videos, prompts, [{}, {}])
