@@ -86,15 +86,9 @@ class Family:
         guidance_scale."""
         if self.pipeline_class != "LTX2Pipeline":
             return {}
-        return {
-            "stg_scale": 0.0,
-            "modality_scale": 1.0,
-            "guidance_rescale": 0.0,
-            "audio_guidance_scale": None,
-            "audio_stg_scale": None,
-            "audio_modality_scale": None,
-            "audio_guidance_rescale": None,
-        }
+        from rollout.pipelines.ltx2 import PIPELINE_GUIDANCE_OFF
+
+        return dict(PIPELINE_GUIDANCE_OFF)
 
     def params(self, cfg: bool = False, **kwargs) -> SamplingParams:
         """Sampling params for this family's tiny model: 32x32 images (or 9-frame videos), CFG on or off."""

@@ -33,6 +33,17 @@ from rollout.pipelines.condition import PromptEmbeds
 from rollout.pipelines.spec import ModelSpec
 
 FRAME_RATE = 24.0  # LTX2Pipeline's default frame_rate (motion_speed 1)
+# LTX2Pipeline's arguments that make it compute what the engine does: its other guidance terms off
+# (STG, modality isolation, rescale) and the audio guided by guidance_scale (None falls back to it).
+PIPELINE_GUIDANCE_OFF = {
+    "stg_scale": 0.0,
+    "modality_scale": 1.0,
+    "guidance_rescale": 0.0,
+    "audio_guidance_scale": None,
+    "audio_stg_scale": None,
+    "audio_modality_scale": None,
+    "audio_guidance_rescale": None,
+}
 
 
 @dataclass
