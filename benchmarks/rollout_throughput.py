@@ -214,6 +214,10 @@ def make_diffusers_run(pipeline, args: argparse.Namespace) -> Callable[[int], No
         # the request's size, which this area keeps.
         shape["max_area"] = args.height * args.width
 
+    if type(pipeline).__name__ == "LTX2Pipeline":  # its STG, modality guidance and rescale off, as the engine
+        from rollout.pipelines.ltx2 import PIPELINE_GUIDANCE_OFF
+
+        shape |= PIPELINE_GUIDANCE_OFF
     prompt = args.prompt
     if type(pipeline).__name__ == "WanImageToVideoPipeline":
         # Its CLIP image embeddings are repeated per prompt, not per video (`image_embeds.repeat(batch_size,

@@ -88,6 +88,7 @@ class FinishedRequest:
     # Per series of the trajectory, the tree node each inherited part came from, so the engine can
     # share the parts of one node between leaves that arrive in different steps.
     part_nodes: dict[str, list[str]] = field(default_factory=dict)
+    audio: torch.Tensor | None = None  # [channels, samples] float32, CPU (a video model with sound)
 
 
 @dataclass

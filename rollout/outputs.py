@@ -124,6 +124,8 @@ class RolloutOutput(NamedByNode):
     image: [3, H, W] uint8 with output_type "image", else None (and None for video models).
     video: [F, 3, H, W] uint8 frames of a video model with output_type "image", else None.
     latents: the final latents [*latent_shape] float32 with output_type "latent", else None.
+    audio: [channels, samples] float32 waveform in [-1, 1] of a video model that makes sound with
+        its frames (LTX-2) with output_type "image", else None; audio_sample_rate: its samples per second.
     branch_path: in a tree rollout, the child taken at each branch step; () without branching.
     weight_version: the engine's weight version of the sample's last step.
     weight_versions: every version its steps used, in order (more than one only when an update
@@ -138,6 +140,8 @@ class RolloutOutput(NamedByNode):
     image: torch.Tensor | None = None
     video: torch.Tensor | None = None
     latents: torch.Tensor | None = None
+    audio: torch.Tensor | None = None
+    audio_sample_rate: int | None = None
     trajectory: Trajectory | None = None
     weight_version: int = 0
     weight_versions: tuple[int, ...] = ()

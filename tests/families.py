@@ -78,6 +78,18 @@ class Family:
         pipeline.set_progress_bar_config(disable=True)
         return pipeline
 
+    @property
+    def pipeline_extra(self) -> dict:
+        """Arguments of the family's diffusers pipeline that its requests' behaviour needs beside the
+        guidance fields: LTX2Pipeline's other guidance terms off (its defaults add STG, modality
+        isolation and a rescale, which the engine does not run) and its audio scale taken from
+        guidance_scale."""
+        if self.pipeline_class != "LTX2Pipeline":
+            return {}
+        from rollout.pipelines.ltx2 import PIPELINE_GUIDANCE_OFF
+
+        return dict(PIPELINE_GUIDANCE_OFF)
+
     def params(self, cfg: bool = False, **kwargs) -> SamplingParams:
         """Sampling params for this family's tiny model: 32x32 images (or 9-frame videos), CFG on or off."""
         fields = {**TINY_SIZE, **self.extra, **(self.cfg if cfg else self.no_cfg), **kwargs}
@@ -133,8 +145,12 @@ FAMILIES = {d.name: Family(d) for d in DESCRIPTORS if not d.video}
 VIDEO_FAMILIES = {d.name: Family(d) for d in DESCRIPTORS if d.video}
 ALL_FAMILIES = FAMILIES | VIDEO_FAMILIES
 # Wan text-to-video (WanPipeline) and image-to-video (WanImageToVideoPipeline: a first frame per request).
-TEXT_TO_VIDEO_FAMILIES = {name: f for name, f in VIDEO_FAMILIES.items() if not f.edits}
-IMAGE_TO_VIDEO_FAMILIES = {name: f for name, f in VIDEO_FAMILIES.items() if f.edits}
+TEXT_TO_VIDEO_FAMILIES = {name: f for name, f in VIDEO_FAMILIES.items() if f.pipeline_class == "WanPipeline"}
+IMAGE_TO_VIDEO_FAMILIES = {
+    name: f for name, f in VIDEO_FAMILIES.items() if f.pipeline_class == "WanImageToVideoPipeline"
+}
+# Video with sound (LTX-2): tests/rollout/pipelines/test_ltx2.py.
+AUDIO_VIDEO_FAMILIES = {name: f for name, f in VIDEO_FAMILIES.items() if f.pipeline_class.startswith("LTX2")}
 
 # The families whose matrix tests (parity, re-scoring, batching, the tiny pipeline) run in the default
 # suite; every other family's run in the slow suite (CI runs both), so that a new family does not

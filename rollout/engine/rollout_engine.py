@@ -587,6 +587,10 @@ class RolloutEngine:
             status=_status(request, leaf, error),
             image=finished.image if finished is not None else None,
             video=finished.video if finished is not None else None,
+            audio=finished.audio if finished is not None else None,
+            audio_sample_rate=self.model_spec.audio_sample_rate
+            if finished is not None and finished.audio is not None
+            else None,
             latents=finished.latents if finished is not None else None,
             trajectory=finished.trajectory if finished is not None else None,
             weight_version=request.weight_versions[-1] if request.weight_versions else self.weight_version,

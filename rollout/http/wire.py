@@ -171,7 +171,8 @@ class OutputEncoder:
             "branch_path": list(output.branch_path),
         }
         tensors = {}
-        for name in ("image", "video", "latents"):
+        fields["audio_sample_rate"] = output.audio_sample_rate
+        for name in ("image", "video", "latents", "audio"):
             if getattr(output, name) is not None:
                 tensors[name] = getattr(output, name)
         trajectory = output.trajectory
@@ -265,6 +266,8 @@ class OutputDecoder:
             image=tensors.get("image"),
             video=tensors.get("video"),
             latents=tensors.get("latents"),
+            audio=tensors.get("audio"),
+            audio_sample_rate=fields["audio_sample_rate"],
             trajectory=trajectory,
             weight_version=fields["weight_version"],
             weight_versions=tuple(fields["weight_versions"]),

@@ -77,6 +77,9 @@ class PipelineAdapter(ABC):
     # FLUX.1 (attention over 768 tokens), and they spare Qwen-Image padding the prompts to the
     # negative prompt's length.
     cfg_in_one_pass: ClassVar[bool] = False
+    # Whether the schedule depends on a video's frame count (LTX-2 shifts it by the video's token
+    # count): `set_timesteps` then takes `num_frames`.
+    schedule_reads_frames: ClassVar[bool] = False
 
     def __init__(self, pipeline):
         self.pipeline = pipeline
@@ -167,6 +170,12 @@ class PipelineAdapter(ABC):
         decoded under `torch.no_grad()` as the family's pipeline decodes (with autograd on, a VAE keeps
         every activation: a video's cost tens of GiB)."""
 
+    def decode_audio(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor | None:
+        """The sound of a model that makes it with its video (`spec.has_audio`: LTX-2): waveforms
+        [B, channels, samples] float32 on CPU at `spec.audio_sample_rate`, from latents [B,
+        *latent_shape]; None for every other model."""
+        return None
+
     def encode_images(self, images: InputImages) -> PromptEmbeds:
         """One request's input images, encoded as the family's edit pipeline encodes its `image=`
         (unbatched, on the model's device and dtype). Only edit families (`spec.max_input_images`
@@ -214,13 +223,20 @@ class PipelineAdapter(ABC):
         return self.transformer.dtype
 
     def schedule(
-        self, num_steps: int, height: int, width: int, sigmas: Sequence[float] | None = None
+        self,
+        num_steps: int,
+        height: int,
+        width: int,
+        sigmas: Sequence[float] | None = None,
+        num_frames: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(timesteps [T], sigmas [T+1]) float32 on CPU, exactly as the family's pipeline computes
-        them (with `sigmas=` when given)."""
-        key = (num_steps, height, width, None if sigmas is None else tuple(sigmas))
+        them (with `sigmas=` when given; for a video, of `num_frames` frames, which only a family
+        with `schedule_reads_frames` reads)."""
+        frames = {"num_frames": num_frames} if self.schedule_reads_frames else {}
+        key = (num_steps, height, width, None if sigmas is None else tuple(sigmas), frames.get("num_frames"))
         if key not in self._schedules:
-            self.set_timesteps(self._scheduler, num_steps, height, width, sigmas)
+            self.set_timesteps(self._scheduler, num_steps, height, width, sigmas, **frames)
             timesteps, sigmas = self._scheduler.timesteps, self._scheduler.sigmas
             self._schedules[key] = (timesteps.to("cpu", torch.float32), sigmas.to("cpu", torch.float32))
         return self._schedules[key]
@@ -229,7 +245,8 @@ class PipelineAdapter(ABC):
         """2 where one step gives a non-finite schedule (a terminal-sigma stretch divides by zero)."""
         with warnings.catch_warnings():  # numpy warns about the division it is asked to make
             warnings.simplefilter("ignore", RuntimeWarning)
-            _, sigmas = self.schedule(1, self.spec.default_height, self.spec.default_width)
+            spec = self.spec
+            _, sigmas = self.schedule(1, spec.default_height, spec.default_width, num_frames=spec.default_num_frames)
         return 1 if bool(torch.isfinite(sigmas).all()) else 2
 
     @torch.no_grad()

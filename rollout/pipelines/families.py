@@ -257,6 +257,26 @@ FAMILIES: tuple[Family, ...] = (
         video=True,
         edits=True,
     ),
+    # LTX-2: video and its sound denoised together; one flat latent per sample (docs/ltx2_design.md).
+    Family(
+        name="ltx2",
+        title="LTX-2 text-to-video with audio",
+        adapter_class="rollout.pipelines.ltx2.LTX2Adapter",
+        pipeline_class="LTX2Pipeline",
+        tiny_builder="rollout.pipelines.tiny.ltx2.build_tiny_ltx2",
+        presets={
+            "small": "rollout.pipelines.tiny.ltx2.build_small_ltx2",
+            "real": "rollout.pipelines.tiny.ltx2.build_real_ltx2",
+        },
+        real_model="LTX-2 (19B)",
+        # LTX2Pipeline guides both modalities when guidance_scale > 1 (audio_guidance_scale=None takes
+        # it), against "" unless named; 3.0 is its default. Its STG, modality guidance and rescale
+        # are not run (stg_scale=0, modality_scale=1, guidance_rescale=0 in the pipeline's terms).
+        cfg_on={"guidance_scale": 3.0},
+        cfg_off={"guidance_scale": 1.0},
+        accepted_guidance_fields=("guidance_scale",),
+        video=True,
+    ),
     Family(
         name="zimage",
         title="Z-Image / Z-Image-Turbo",

@@ -71,6 +71,14 @@ class ModelSpec:
         image size, and a request that sets no size gets the pipeline's default, not the image's.
     takes_max_sequence_length: False where the pipeline has no `max_sequence_length` (Qwen-Image
         2.1 reads whole prompts): a request that sets it is refused.
+    pipeline_size_multiple: a multiple the pipeline asks of height and width beside the latent
+        grid's (LTX2Pipeline.check_inputs: 32 pixels, whatever its VAE).
+    audio_features: a model that makes sound with its video (LTX-2): the audio latents' packed
+        features per latent audio frame; 0 for the others. Its latents are one flat vector, the
+        video's packed tokens then the audio's packed frames (rollout/pipelines/ltx2.py).
+    audio_latents_per_second, frame_rate: latent audio frames per second of video and the frames
+        per second it plays at, which give a video's latent audio frames (`audio_latent_frames`).
+    audio_sample_rate: samples per second of the decoded waveform (`RolloutOutput.audio`).
     components: the names of the model's components whose weights the hot-swap API reads and
         updates (`update_weights(component=...)`, `weights_checksum(component)`), sorted.
     """
@@ -108,6 +116,11 @@ class ModelSpec:
     first_frame: bool = False
     components: tuple[str, ...] = ()
     takes_max_sequence_length: bool = True
+    pipeline_size_multiple: int = 1
+    audio_features: int = 0
+    audio_latents_per_second: float = 0.0
+    frame_rate: float = 0.0
+    audio_sample_rate: int = 0
 
     def check_component(self, component: str) -> None:
         """Raise ValueError unless `component` names one of the model's components: what the
@@ -125,7 +138,15 @@ class ModelSpec:
     @property
     def size_multiple(self) -> int:
         """Height and width must be multiples of this many pixels."""
-        return self.vae_scale_factor * self.patch_size * self.latent_packing
+        return math.lcm(self.vae_scale_factor * self.patch_size * self.latent_packing, self.pipeline_size_multiple)
+
+    @property
+    def has_audio(self) -> bool:
+        return self.audio_features > 0
+
+    def audio_latent_frames(self, num_frames: int) -> int:
+        """A video's latent audio frames, as LTX2Pipeline counts them (Python's rounding)."""
+        return round(num_frames / self.frame_rate * self.audio_latents_per_second)
 
     @property
     def max_num_frames(self) -> int | None:
@@ -136,8 +157,14 @@ class ModelSpec:
 
     def latent_shape(self, height: int, width: int, num_frames: int | None = None) -> tuple[int, ...]:
         """The shape of one sample's latents, in the form the pipeline takes as `latents=`:
-        [C, F', h, w] for video (F' = (num_frames - 1) / frame_multiple + 1 latent frames)."""
+        [C, F', h, w] for video (F' = (num_frames - 1) / frame_multiple + 1 latent frames); for a
+        video with sound, one flat vector (`audio_features`)."""
         h, w = height // self.vae_scale_factor, width // self.vae_scale_factor
+        if self.has_audio:  # the video's packed tokens, then the audio's packed frames, flat
+            frames = (num_frames - 1) // self.frame_multiple + 1
+            return (
+                self.latent_channels * frames * h * w + self.audio_latent_frames(num_frames) * self.audio_features,
+            )
         if self.is_video:
             return (self.latent_channels, (num_frames - 1) // self.frame_multiple + 1, h, w)
         p = self.latent_packing
@@ -277,6 +304,8 @@ class ModelSpec:
         multiple = self.size_multiple
         why = f"VAE scale {self.vae_scale_factor} x patch size {self.patch_size}"
         why += f" x latent packing {self.latent_packing}" if self.latent_packing > 1 else ""
+        if self.pipeline_size_multiple > 1:
+            why += f", and {model}'s own rule: multiples of {self.pipeline_size_multiple}"
         for name, value in (("height", height), ("width", width)):
             if value % multiple:
                 problems.append(

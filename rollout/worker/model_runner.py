@@ -180,7 +180,7 @@ class ModelRunner:
             else None
         )
         timesteps, sigmas = self.adapter.schedule(
-            params.num_inference_steps, params.height, params.width, params.sigmas
+            params.num_inference_steps, params.height, params.width, params.sigmas, params.num_frames
         )
         shape = self.adapter.spec.latent_shape(params.height, params.width, params.num_frames)
         device = self.adapter.device
@@ -299,7 +299,7 @@ class ModelRunner:
         trajectories = {s.data.request_id: self._trajectory(s) for s in states if s.data.params.return_trajectory}
         latents = {s.data.request_id: to_host(s.latents) for s in states if s.data.params.output_type == "latent"}
         to_decode = [s for s in states if s.data.params.output_type == "image"]
-        decoded, failed = self._decode_by_shape(to_decode)
+        decoded, sounds, failed = self._decode_by_shape(to_decode)
         synchronize(self.adapter.device)
         video = self.adapter.spec.is_video
         finished = []
@@ -313,6 +313,7 @@ class ModelRunner:
                     request_id=request_id,
                     image=None if video else decoded.get(request_id),
                     video=decoded.get(request_id) if video else None,
+                    audio=sounds.get(request_id),
                     latents=latents.get(request_id),
                     trajectory=trajectories.get(request_id),
                     condition=conditions.keys(s.condition) if params.return_trajectory else None,
@@ -321,24 +322,31 @@ class ModelRunner:
             )
         return finished, failed
 
-    def _decode_by_shape(self, states: list[RequestState]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-        """Request id -> its decoded image or video, batched per size; and the ids whose size
-        group failed to decode (id -> error)."""
+    def _decode_by_shape(
+        self, states: list[RequestState]
+    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, str]]:
+        """Request id -> its decoded image or video, batched per size; request id -> its sound (a
+        model that makes one: `PipelineAdapter.decode_audio`); and the ids whose size group failed
+        to decode (id -> error)."""
         by_size: dict[tuple[int, int, int | None], list[RequestState]] = {}
         for s in states:
             params = s.data.params
             by_size.setdefault((params.height, params.width, params.num_frames), []).append(s)
-        decoded, failed = {}, {}
+        decoded, sounds, failed = {}, {}, {}
         for (height, width, _), group in by_size.items():
             ids = [s.data.request_id for s in group]
             try:
-                media = self.adapter.decode(torch.stack([s.latents for s in group]), height, width)
+                latents = torch.stack([s.latents for s in group])
+                media = self.adapter.decode(latents, height, width)
+                audio = self.adapter.decode_audio(latents, height, width)
             except Exception as error:
                 logger.warning("decoding %d requests of size %dx%d failed", len(group), height, width, exc_info=True)
                 failed |= dict.fromkeys(ids, describe(error))
                 continue
             decoded |= dict(zip(ids, media, strict=True))
-        return decoded, failed
+            if audio is not None:
+                sounds |= dict(zip(ids, audio, strict=True))
+        return decoded, sounds, failed
 
     def _trajectory(self, state: RequestState) -> Trajectory:
         """The trajectory without its condition, which the engine attaches (see `FinishedRequest`)."""

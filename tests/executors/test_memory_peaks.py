@@ -51,6 +51,7 @@ def one_request(family):
         **length,
         "output_type": "np",
         **family.cfg,
+        **family.pipeline_extra,
         **family.pipeline_inputs(inputs or None, params.height, params.width),
     }
     if family.descriptor.video:

@@ -336,7 +336,7 @@ def test_every_bad_reward_setting_is_named_before_any_model_loads(tmp_path, tiny
         "config: reward.colour: colour is a function and takes no settings; drop device",
         "config: reward.aesthetic: AestheticScore needs head (it takes model, head, processor, device, batch_size)",
         "config: reward.aesthetic: model '/nowhere' is not a CLIPModel folder (no config.json there)",
-        "config: reward.judge: unknown reward 'nope'; built-ins: ['colour', 'colour_agreement', "
+        "config: reward.judge: unknown reward 'nope'; built-ins: ['audio_loudness', 'colour', 'colour_agreement', "
         "'colour_edit', 'jpeg_compressibility', 'jpeg_incompressibility'], reward models: ['aesthetic', 'clip_score', "
         "'pickscore'], 'remote' (a reward service), or a dotted path (pkg.module.name) to a reward function or class",
         "config: reward.jpeg_compressibility: expected a weight or a mapping of settings, got [1]",

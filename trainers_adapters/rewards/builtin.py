@@ -2,7 +2,8 @@
 
 images: uint8 [N, 3, H, W] (or a list of [3, H, W]); for a video model uint8 videos
 [N, F, 3, H, W]; prompts: N strings; metadata: N dicts (for an edit, "input_images": the prompt's
-input images, a list of uint8 [3, H, W]). The built-ins need no downloaded model. A user's reward is
+input images, a list of uint8 [3, H, W]; for a video with sound, "audio": its waveform, float32
+[channels, samples], and "audio_sample_rate"). The built-ins need no downloaded model. A user's reward is
 named by dotted path.
 """
 
@@ -81,6 +82,18 @@ def colour_agreement(videos, prompts, metadata) -> torch.Tensor:
     return -(frame_means - frame_means.mean(dim=1, keepdim=True)).norm(dim=2).mean(dim=1)
 
 
+def audio_loudness(images, prompts, metadata) -> torch.Tensor:
+    """How loud a video's sound is: the root mean square of its waveform (metadata[i]["audio"],
+    float32 [channels, samples] in [-1, 1], which a video model with sound gives: LTX-2)."""
+    missing = [i for i, m in enumerate(metadata) if m.get("audio") is None]
+    if missing:
+        raise ValueError(
+            f"audio_loudness scores sound, but samples {missing[:5]} carry no audio in their metadata; "
+            "it needs a video model that makes sound (LTX-2)"
+        )
+    return torch.stack([m["audio"].float().pow(2).mean().sqrt() for m in metadata])
+
+
 # How much keeping the input's layout counts against reaching the colour in `colour_edit`.
 LAYOUT_WEIGHT = 0.2
 
@@ -129,6 +142,7 @@ BUILTIN_REWARDS: dict[str, Reward] = {
     "colour": colour_target,
     "colour_agreement": colour_agreement,
     "colour_edit": colour_edit,
+    "audio_loudness": audio_loudness,
 }
 
 

@@ -138,6 +138,8 @@ def group_inputs(group: list[RolloutOutput], input_images) -> tuple[torch.Tensor
             "seed": o.seed,
             "weight_version": o.weight_version,
             "input_images": None if input_images is None else list(input_images.tensors),
+            # a video with sound (LTX-2): its waveform [channels, samples] float32 and sample rate
+            **({"audio": o.audio, "audio_sample_rate": o.audio_sample_rate} if o.audio is not None else {}),
         }
         for o in group
     ]

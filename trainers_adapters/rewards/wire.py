@@ -8,7 +8,9 @@ service's POST /score take the same bytes):
   each sent once however many samples name it;
 - metadata "request": JSON {"prompts": [N texts], "metadata": [N objects]} (metadata optional: N
   empty objects). A sample's "input_images" is a list of the names of its input-image tensors, or
-  null; "branch_path" comes back as a tuple, as the rollout gives it. Every other value is plain JSON.
+  null; "branch_path" comes back as a tuple, as the rollout gives it; a sample's "audio" (a video
+  with sound) is the name of its float32 [channels, samples] tensor "audio.<i>". Every other value
+  is plain JSON.
 Scores go back as a safetensors file of "total" and "components.<name>" ([N] float32, bit for bit)
 to the trainer, and as JSON {"total": [...], "components": {name: [...]}} from the service.
 """
@@ -24,6 +26,7 @@ from rollout.http.tensor_bytes import WireError, png_image, tensors_from_bytes, 
 from trainers_adapters.rewards.composite import RewardScores
 
 _INPUT = "input_images"
+_AUDIO = "audio"
 
 
 def encode_group(images, prompts: Sequence[str], metadata: Sequence[dict]) -> bytes:
@@ -33,8 +36,11 @@ def encode_group(images, prompts: Sequence[str], metadata: Sequence[dict]) -> by
     tensors = {"images": images}
     named: dict[int, str] = {}  # id of an input-image tensor -> its name: a group's samples share them
     rows = []
-    for meta in metadata:
+    for row, meta in enumerate(metadata):
         meta = dict(meta)
+        if meta.get(_AUDIO) is not None:
+            tensors[f"{_AUDIO}.{row}"] = meta[_AUDIO]
+            meta[_AUDIO] = f"{_AUDIO}.{row}"
         inputs = meta.get(_INPUT)
         if inputs is not None:
             names = []
@@ -75,9 +81,10 @@ def decode_group(data: bytes, max_images: int | None = None) -> tuple[torch.Tens
         raise WireError(f"request.metadata must be a list of {count} objects, one per prompt")
     images = _images(tensors, count)
     inputs = {name: _image(tensor, name) for name, tensor in tensors.items() if name.startswith(_INPUT + ".")}
-    unknown = [name for name in tensors if name != "images" and not name.startswith(("images.", _INPUT + "."))]
+    prefixes = ("images.", _INPUT + ".", _AUDIO + ".")
+    unknown = [name for name in tensors if name != "images" and not name.startswith(prefixes)]
     if unknown:
-        raise WireError(f"tensors {unknown} are neither images nor input_images; see the body's format")
+        raise WireError(f"tensors {unknown} are neither images, input_images nor audio; see the body's format")
     for row, meta in enumerate(metadata):
         if "branch_path" in meta and isinstance(meta["branch_path"], list):
             meta["branch_path"] = tuple(meta["branch_path"])
@@ -87,7 +94,20 @@ def decode_group(data: bytes, max_images: int | None = None) -> tuple[torch.Tens
             if missing:
                 raise WireError(f"metadata[{row}].input_images names {missing}, which are not tensors of the body")
             meta[_INPUT] = [inputs[name] for name in names]
+        if meta.get(_AUDIO) is not None:
+            meta[_AUDIO] = _audio(tensors, meta[_AUDIO], row)
     return images, prompts, metadata
+
+
+def _audio(tensors: dict[str, torch.Tensor], name, row: int) -> torch.Tensor:
+    audio = tensors.get(name) if isinstance(name, str) and name.startswith(_AUDIO + ".") else None
+    if audio is None:
+        raise WireError(f"metadata[{row}].audio names {name!r}, which is not an audio tensor of the body")
+    if audio.dtype != torch.float32 or audio.ndim != 2:
+        raise WireError(
+            f"tensor {name!r} must be a float32 [channels, samples] waveform, got {audio.dtype} {list(audio.shape)}"
+        )
+    return audio
 
 
 def _images(tensors: dict[str, torch.Tensor], count: int) -> torch.Tensor:

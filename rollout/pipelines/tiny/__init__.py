@@ -18,6 +18,7 @@ import logging
 from rollout.pipelines.families import FAMILIES, families_help
 from rollout.pipelines.tiny.flux import TinyFluxSizes, build_tiny_flux, build_tiny_flux_kontext
 from rollout.pipelines.tiny.flux2 import TinyFlux2KleinSizes, build_tiny_flux2_dev, build_tiny_flux2_klein
+from rollout.pipelines.tiny.ltx2 import TinyLTX2Sizes, build_tiny_ltx2
 from rollout.pipelines.tiny.qwen_image import TinyQwenImageSizes, build_tiny_qwen_image
 from rollout.pipelines.tiny.qwen_image21 import TinyQwenImage21Sizes, build_tiny_qwen_image21
 from rollout.pipelines.tiny.qwen_image_edit import build_tiny_qwen_image_edit, build_tiny_qwen_image_edit_plus
@@ -33,6 +34,7 @@ __all__ = [
     "TINY_BUILDERS",
     "TinyFlux2KleinSizes",
     "TinyFluxSizes",
+    "TinyLTX2Sizes",
     "TinyQwenImage21Sizes",
     "TinyQwenImageSizes",
     "TinySD3Sizes",
@@ -42,6 +44,7 @@ __all__ = [
     "build_tiny_flux_kontext",
     "build_tiny_flux2_dev",
     "build_tiny_flux2_klein",
+    "build_tiny_ltx2",
     "build_tiny_qwen_image",
     "build_tiny_qwen_image21",
     "build_tiny_qwen_image_edit",

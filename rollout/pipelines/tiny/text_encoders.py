@@ -160,3 +160,33 @@ def mistral3_encoder(tokenizer, width: int, layers: int):
         vision_feature_layer=-1,
     )
     return Mistral3ForConditionalGeneration(config)
+
+
+def gemma3_encoder(tokenizer, width: int, layers: int):
+    """A `Gemma3ForConditionalGeneration` (LTX-2's text encoder) of `layers` text layers of `width`,
+    with a one-layer vision tower the text-only prompts never use."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    config = Gemma3Config(
+        text_config={
+            "vocab_size": len(tokenizer),
+            "hidden_size": width,
+            "intermediate_size": 2 * width,
+            "num_hidden_layers": layers,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "head_dim": width // 2,
+            "max_position_embeddings": 1024,
+            "sliding_window": 64,
+        },
+        vision_config={
+            "hidden_size": 16,
+            "intermediate_size": 32,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "image_size": 32,
+            "patch_size": 8,
+        },
+        mm_tokens_per_image=4,
+    )
+    return Gemma3ForConditionalGeneration(config)

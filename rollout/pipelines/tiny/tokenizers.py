@@ -126,3 +126,15 @@ def content_list_tokenizer():
     tokenizer = qwen2_tokenizer()
     tokenizer.chat_template = CONTENT_LIST_CHAT_TEMPLATE
     return tokenizer
+
+
+def gemma_tokenizer():
+    """A `GemmaTokenizer` whose tokens are single printable characters and the word-start marker
+    (LTX-2's text encoder is Gemma 3)."""
+    from transformers import GemmaTokenizer
+
+    vocab = {token: index for index, token in enumerate(("<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "\u2581"))}
+    for character in string.printable:
+        if not character.isspace():
+            vocab.setdefault(character, len(vocab))
+    return GemmaTokenizer(vocab=vocab, merges=[])
