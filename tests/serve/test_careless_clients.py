@@ -190,8 +190,8 @@ def test_without_a_key_the_server_makes_one_only_its_user_can_read(tiny_model, t
 
 def test_a_request_that_fails_in_the_worker_fails_alone(server, remote):
     """The worker raises for one request (as for a shape its model cannot take): that request gets
-    a 400 with the engine's message and no traceback, within a second; a request running at the
-    same time finishes with the same bytes as alone; /health answers throughout."""
+    a 400 with the engine's message and no traceback while a request that started before it still
+    runs; that one finishes with the same bytes as alone; /health answers throughout."""
     params = SamplingParams(num_inference_steps=4, num_samples=1, seed=21)
     doomed = {"prompts": ["doomed"], "params": {"num_inference_steps": 4, "num_samples": 1, "seed": 0}}
     remote.collective_rpc("set_step_delay", args=(0.1,))  # the two share steps
@@ -206,6 +206,9 @@ def test_a_request_that_fails_in_the_worker_fails_alone(server, remote):
             start = time.monotonic()
             refused = post(server, "/rollout/generate", json_body=doomed)
             elapsed = time.monotonic() - start
+            # Promptly: while the request that started first, and needs four steps, still runs (a
+            # baseline that slows with the machine, as the two share its steps).
+            fine_still_running = not fine.done()
             health_start = time.monotonic()
             assert httpx.get(f"{server.url}/health", timeout=5).status_code == 200
             assert time.monotonic() - health_start < 2.0
@@ -213,7 +216,7 @@ def test_a_request_that_fails_in_the_worker_fails_alone(server, remote):
     finally:
         remote.collective_rpc("set_step_delay", args=(0.0,))
         remote.collective_rpc("fail_prompt", args=(None,))
-    assert refused.status_code == 400 and elapsed < alone_s, (refused.status_code, elapsed, alone_s)
+    assert refused.status_code == 400 and fine_still_running, (refused.status_code, elapsed, alone_s)
     message = refused.json()["error"]["message"]
     assert "failed in a worker, alone" in message and "injected failure" in message
     assert "Traceback" not in refused.text and 'File "' not in refused.text
