@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from rollout.pipelines.quiet import quietly
+from rollout.pipelines.tiny.colour import make_dcae_video_decoder_colour_faithful
 from rollout.pipelines.tiny.saving import save
 from rollout.pipelines.tiny.text_encoders import t5_encoder
 from rollout.pipelines.tiny.tokenizers import content_list_tokenizer
@@ -106,6 +107,7 @@ def build_tiny_hunyuan_video15(
             spatial_compression_ratio=sizes.vae_spatial,
             temporal_compression_ratio=sizes.vae_temporal,
         )
+        make_dcae_video_decoder_colour_faithful(vae)
         components = {
             "transformer": HunyuanVideo15Transformer3DModel(**config),
             "vae": vae,

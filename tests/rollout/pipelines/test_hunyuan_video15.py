@@ -210,3 +210,21 @@ def test_the_size_a_first_frame_picks_is_the_pipelines_for_every_aspect_ratio(hu
         for height, width in [(1, 1), (24, 40), (40, 24), (480, 832), (832, 480), (100, 1000), (1000, 100), (7, 9)]:
             expected = processor.calculate_default_height_width(height, width, target)
             assert spec.first_frame_size(height, width) == tuple(expected), (target, height, width)
+
+
+def test_latent_channels_set_the_video_colour(hunyuan):
+    """The tiny VAE's decoder paints latent channels 0, 1, 2 red, green, blue (through its DC-AE
+    shortcuts), so a colour reward is learnable (a random decoder gives every latent one colour)."""
+    _, _, _, adapter = hunyuan
+    noise = torch.randn(4, 4, 5, 8, 8, generator=torch.Generator().manual_seed(0))
+
+    def mean_colour(latents):
+        return adapter.decode(latents, 32, 32).float().mean(dim=(0, 1, 3, 4)) / 255
+
+    base = mean_colour(noise)
+    for channel in range(3):
+        shifted = noise.clone()
+        shifted[:, channel] += 1.5
+        change = mean_colour(shifted) - base
+        others = [c for c in range(3) if c != channel]
+        assert change[channel] > 0.1 and (change[others] < change[channel] / 2).all(), (channel, change)
