@@ -228,3 +228,26 @@ def test_latent_channels_set_the_video_colour(hunyuan):
         change = mean_colour(shifted) - base
         others = [c for c in range(3) if c != channel]
         assert change[channel] > 0.1 and (change[others] < change[channel] / 2).all(), (channel, change)
+
+
+def test_a_policys_lora_saves_without_a_pipeline_lora_loader_and_loads_into_the_engine(hunyuan, tiny_models, tmp_path):
+    """HunyuanVideo 1.5's pipelines have no LoRA loader mixin (`save_lora_weights`): the policy
+    writes diffusers' LoRA file through HunyuanVideo's, and the engine loads it."""
+    from trainers_adapters.lora_policy import LoraPolicy
+
+    family, engine, _, _ = hunyuan
+    torch.manual_seed(0)
+    policy = LoraPolicy(tiny_models(family.name), {"r": 4, "lora_alpha": 8})
+    with torch.no_grad():
+        for parameter in policy.parameters():
+            parameter.add_(0.05)
+    assert policy.save(tmp_path).name == "pytorch_lora_weights.safetensors"
+    engine.load_lora("saved", str(tmp_path))
+    try:
+        params = family.params(num_inference_steps=2, seed=1)
+        images = frames_of(family, SQUARE)
+        (with_lora,) = engine.generate("x", dataclasses.replace(params, lora="saved"), **images)
+        (without,) = engine.generate("x", params, **images)
+    finally:
+        engine.unload_lora("saved")
+    assert not torch.equal(with_lora.trajectory.latents[-1], without.trajectory.latents[-1])
