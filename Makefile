@@ -71,6 +71,8 @@ bench: setup
 	$(call BENCH,rollout_throughput,--family wan,rollout_throughput_wan)
 	$(call BENCH,rollout_throughput,--family wan22,rollout_throughput_wan22)
 	$(call BENCH,rollout_throughput,--family wan_i2v,rollout_throughput_wan_i2v)
+	$(call BENCH,rollout_throughput,--family hunyuan_video15 --batch-size 4 --repeats 2,rollout_throughput_hunyuan_video15)
+	$(call BENCH,rollout_throughput,--family hunyuan_video15_i2v --batch-size 4 --repeats 2,rollout_throughput_hunyuan_video15_i2v)
 	$(call BENCH,rollout_throughput,--family zimage,rollout_throughput_zimage)
 	$(call BENCH,output_memory,,output_memory)
 	$(call BENCH,faults,,faults)

@@ -146,9 +146,12 @@ def edit_input(args: argparse.Namespace, spec) -> InputImages | None:
     """The input image of a family whose pipeline requires one (the Qwen-Image edit pipelines; Wan
     image-to-video's first frame): a
     deterministic gradient of `--height` x `--width` pixels; None for every other family, which
-    the benchmark runs text-to-image."""
+    the benchmark runs text-to-image. A first frame that picks the video's size (HunyuanVideo 1.5)
+    sets `--height` and `--width` to that size first."""
     if not spec.min_input_images:
         return None
+    if spec.first_frame_sizes:  # HunyuanVideo 1.5 I2V: the video takes the size its frame picks
+        args.height, args.width = spec.first_frame_size(args.height, args.width)
     rows = torch.linspace(0, 255, args.height).view(1, -1, 1).expand(3, args.height, args.width)
     cols = torch.linspace(255, 0, args.width).view(1, 1, -1).expand(3, args.height, args.width)
     return InputImages.of([((rows + cols) / 2).round().to(torch.uint8)])
@@ -199,7 +202,9 @@ def conditioning_bytes(outputs: list) -> dict:
 
 def on_worker_thread(engine: RolloutEngine, run: Callable[[int], None]) -> Callable[[int], None]:
     """`run`, called on the "uni" engine's worker thread, where the engine itself computes."""
-    return lambda seed: engine.collective_rpc(lambda worker: run(seed))
+    # No worker-call limit of the engine's: a diffusers batch of the padded HunyuanVideo 1.5 text
+    # took past its 300 s on 2 shared CPU cores.
+    return lambda seed: engine.collective_rpc(lambda worker: run(seed), timeout=3600.0)
 
 
 def make_diffusers_run(pipeline, args: argparse.Namespace) -> Callable[[int], None]:
@@ -219,14 +224,22 @@ def make_diffusers_run(pipeline, args: argparse.Namespace) -> Callable[[int], No
 
         shape |= PIPELINE_GUIDANCE_OFF
     prompt = args.prompt
-    if type(pipeline).__name__ == "WanImageToVideoPipeline":
-        # Its CLIP image embeddings are repeated per prompt, not per video (`image_embeds.repeat(batch_size,
-        # 1, 1)`), so num_videos_per_prompt > 1 fails in Wan 2.1's transformer: the prompt once per video.
+    if type(pipeline).__name__ in ("WanImageToVideoPipeline", "HunyuanVideo15Pipeline"):
+        # Their image embeddings are made per prompt, not per video (Wan 2.1 I2V's CLIP embeddings
+        # `repeat(batch_size, 1, 1)`, HunyuanVideo 1.5's zero SigLIP tokens `torch.zeros(batch_size, ...)`),
+        # so num_videos_per_prompt > 1 fails in the transformer: the prompt once per video.
         prompt, shape["num_videos_per_prompt"] = [args.prompt] * args.batch_size, 1
+
+    if type(pipeline).__name__.startswith("HunyuanVideo15"):
+        # Its VAE's attention broadcasts its causal mask only over one video; the pipeline's own
+        # slicing decodes a batch one video at a time, as the engine does.
+        pipeline.vae.enable_slicing()
+    # The family's pipeline arguments (HunyuanVideo 1.5's guidance is its guider's scale, set here).
+    fields = family_named(args.family).adapter.pipeline_arguments(pipeline, common_fields(args))
 
     def run(seed: int) -> None:
         generator = torch.Generator("cpu").manual_seed(seed)
-        output = pipeline(prompt=prompt, generator=generator, output_type="np", **shape, **common_fields(args))
+        output = pipeline(prompt=prompt, generator=generator, output_type="np", **shape, **fields)
         assert len(output.frames if is_video(args) else output.images) == args.batch_size
 
     return run

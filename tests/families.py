@@ -144,11 +144,10 @@ FAMILIES = {d.name: Family(d) for d in DESCRIPTORS if not d.video}
 # Video families: their outputs are `video`, not `image`, so the image tests do not run on them.
 VIDEO_FAMILIES = {d.name: Family(d) for d in DESCRIPTORS if d.video}
 ALL_FAMILIES = FAMILIES | VIDEO_FAMILIES
-# Wan text-to-video (WanPipeline) and image-to-video (WanImageToVideoPipeline: a first frame per request).
-TEXT_TO_VIDEO_FAMILIES = {name: f for name, f in VIDEO_FAMILIES.items() if f.pipeline_class == "WanPipeline"}
-IMAGE_TO_VIDEO_FAMILIES = {
-    name: f for name, f in VIDEO_FAMILIES.items() if f.pipeline_class == "WanImageToVideoPipeline"
-}
+# Text-to-video (WanPipeline, HunyuanVideo15Pipeline, LTX2Pipeline) and image-to-video
+# (WanImageToVideoPipeline, HunyuanVideo15ImageToVideoPipeline: a first frame per request).
+TEXT_TO_VIDEO_FAMILIES = {name: f for name, f in VIDEO_FAMILIES.items() if not f.edits}
+IMAGE_TO_VIDEO_FAMILIES = {name: f for name, f in VIDEO_FAMILIES.items() if f.edits}
 # Video with sound (LTX-2): tests/rollout/pipelines/test_ltx2.py.
 AUDIO_VIDEO_FAMILIES = {name: f for name, f in VIDEO_FAMILIES.items() if f.pipeline_class.startswith("LTX2")}
 

@@ -13,6 +13,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 import torch
+from diffusers.loaders.lora_base import LoraBaseMixin
 from peft import LoraConfig
 from peft.utils import get_peft_model_state_dict
 
@@ -132,6 +133,10 @@ class LoraPolicy:
         Wan 2.2's low-noise expert gets a file of its own, as diffusers loads it
         (`load_lora_weights(folder, weight_name=DIFFUSERS_LORA_FILE_2, load_into_transformer_2=True)`)."""
         pipeline_class = type(self.adapter.pipeline)
+        if not issubclass(pipeline_class, LoraBaseMixin):
+            # HunyuanVideo 1.5's pipelines have no LoRA loader; HunyuanVideo's writes a transformer's
+            # LoRA in the same format (diffusers' file, `transformer.` keys), which the engine loads.
+            from diffusers.loaders import HunyuanVideoLoraLoaderMixin as pipeline_class
         config = json.loads(json.dumps(self.lora_config.to_dict(), default=sorted))  # sets -> lists
         files = {"transformer": DIFFUSERS_LORA_FILE, "transformer_2": DIFFUSERS_LORA_FILE_2}
         for component, denoiser in self.denoisers.items():

@@ -540,6 +540,8 @@ class RolloutEngine:
             )
         resolved, problems = self._resolve(params)
         problems = image_problems + list(problems)  # the cached list stays as it was
+        if not image_problems:
+            problems += spec.first_frame_size_problems(sizes, params)
         if not problems:  # the limits read the sizes the model's rules checked
             encoded = spec.encoded_image_pixels(sizes, spec.auto_resizes(resolved)) if sizes else ()
             problems += self.config.request_limits.problems(prompt, resolved, spec, encoded)

@@ -127,6 +127,14 @@ class PipelineAdapter(ABC):
         most families: none."""
         return {}
 
+    @classmethod
+    def pipeline_arguments(cls, pipeline, fields: dict[str, Any]) -> dict[str, Any]:
+        """The family's diffusers pipeline's call arguments for these `SamplingParams`-named fields
+        (guidance, size), for a caller that runs the pipeline itself (the tests and benchmarks):
+        most pipelines take them by the same names. One that holds a setting in a component (the
+        guider of HunyuanVideo 1.5) has it set there, on `pipeline`."""
+        return dict(fields)
+
     # Hooks a family implements.
 
     @abstractmethod

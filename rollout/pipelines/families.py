@@ -277,6 +277,43 @@ FAMILIES: tuple[Family, ...] = (
         accepted_guidance_fields=("guidance_scale",),
         video=True,
     ),
+    # HunyuanVideo 1.5: text-to-video and image-to-video, two pipeline classes over one adapter module.
+    # Neither pipeline takes a guidance argument: its `guider` component (ClassifierFreeGuidance) guides
+    # with its own guidance_scale (6.0 in the published 480p and 720p folders) whenever it is not 1;
+    # a request's guidance_scale is that scale (the tests set the pipeline's guider to the same).
+    Family(
+        name="hunyuan_video15",
+        title="HunyuanVideo 1.5 text-to-video",
+        adapter_class="rollout.pipelines.hunyuan_video15.HunyuanVideo15Adapter",
+        pipeline_class="HunyuanVideo15Pipeline",
+        tiny_builder="rollout.pipelines.tiny.hunyuan_video15.build_tiny_hunyuan_video15",
+        presets={
+            "small": "rollout.pipelines.tiny.hunyuan_video15.build_small_hunyuan_video15",
+            "real": "rollout.pipelines.tiny.hunyuan_video15.build_real_hunyuan_video15",
+        },
+        real_model="HunyuanVideo 1.5 480p T2V",
+        cfg_on={"guidance_scale": 6.0},
+        cfg_off={"guidance_scale": 1.0},
+        accepted_guidance_fields=("guidance_scale",),
+        video=True,
+    ),
+    Family(
+        name="hunyuan_video15_i2v",
+        title="HunyuanVideo 1.5 image-to-video",
+        adapter_class="rollout.pipelines.hunyuan_video15.HunyuanVideo15ImageToVideoAdapter",
+        pipeline_class="HunyuanVideo15ImageToVideoPipeline",
+        tiny_builder="rollout.pipelines.tiny.hunyuan_video15.build_tiny_hunyuan_video15_i2v",
+        presets={
+            "small": "rollout.pipelines.tiny.hunyuan_video15.build_small_hunyuan_video15_i2v",
+            "real": "rollout.pipelines.tiny.hunyuan_video15.build_real_hunyuan_video15_i2v",
+        },
+        real_model="HunyuanVideo 1.5 480p I2V",
+        cfg_on={"guidance_scale": 6.0},
+        cfg_off={"guidance_scale": 1.0},
+        accepted_guidance_fields=("guidance_scale",),
+        video=True,
+        edits=True,
+    ),
     Family(
         name="zimage",
         title="Z-Image / Z-Image-Turbo",

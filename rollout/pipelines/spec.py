@@ -69,6 +69,10 @@ class ModelSpec:
     first_frame: whether the input image is a video's first frame (Wan image-to-video): resized to
         the request's own size and encoded with its frame count (`image_encoding`), so it takes any
         image size, and a request that sets no size gets the pipeline's default, not the image's.
+    first_frame_sizes: (height, width) of the sizes a first frame picks the video's size from, the
+        nearest by aspect ratio (HunyuanVideo 1.5 image-to-video: its pipeline takes no size and
+        makes the video at the bucket its `calculate_default_height_width` picks); a request must
+        leave its size unset or name that one. Empty: the request's own size (Wan).
     takes_max_sequence_length: False where the pipeline has no `max_sequence_length` (Qwen-Image
         2.1 reads whole prompts): a request that sets it is refused.
     pipeline_size_multiple: a multiple the pipeline asks of height and width beside the latent
@@ -79,6 +83,9 @@ class ModelSpec:
     audio_latents_per_second, frame_rate: latent audio frames per second of video and the frames
         per second it plays at, which give a video's latent audio frames (`audio_latent_frames`).
     audio_sample_rate: samples per second of the decoded waveform (`RolloutOutput.audio`).
+    min_guidance_scale: the smallest `cfg_field` value a request may set (None: any). HunyuanVideo
+        1.5's guider guides at any scale but 1, so a scale below 1 (which would guide there, but
+        not here, where guidance turns on above `cfg_threshold`) is refused.
     components: the names of the model's components whose weights the hot-swap API reads and
         updates (`update_weights(component=...)`, `weights_checksum(component)`), sorted.
     """
@@ -121,6 +128,8 @@ class ModelSpec:
     audio_latents_per_second: float = 0.0
     frame_rate: float = 0.0
     audio_sample_rate: int = 0
+    first_frame_sizes: tuple[tuple[int, int], ...] = ()
+    min_guidance_scale: float | None = None
 
     def check_component(self, component: str) -> None:
         """Raise ValueError unless `component` names one of the model's components: what the
@@ -183,6 +192,8 @@ class ModelSpec:
         the nearest of `preferred_input_sizes` with `auto_resize`, to `edit_area` pixels at its
         aspect ratio, or down to `max_input_image_area`), rounded down to the size multiple (as edit
         pipelines round the image they encode)."""
+        if self.first_frame and self.first_frame_sizes:
+            return self.first_frame_size(*sizes[0])
         if self.first_frame:  # WanImageToVideoPipeline's defaults, whatever the image's size
             return self.default_height, self.default_width
         image_height, image_width = sizes[self.edit_size_image]
@@ -197,6 +208,33 @@ class ModelSpec:
             scale = math.sqrt(area / (image_width * image_height))
             image_height, image_width = int(image_height * scale), int(image_width * scale)
         return max(multiple, image_height // multiple * multiple), max(multiple, image_width // multiple * multiple)
+
+    def first_frame_size(self, height: int, width: int) -> tuple[int, int]:
+        """The video's (height, width) for a first frame of `height` x `width` pixels: the size of
+        `first_frame_sizes` nearest its aspect ratio, never wider in aspect than the frame (on the
+        frame's side of square), the first of equals."""
+        # Copied from diffusers.pipelines.hunyuan_video1_5.image_processor.get_closest_ratio (its
+        # ratios rounded to 5 places, as calculate_default_height_width rounds them); kept here so
+        # admission needs no diffusers.
+        aspect = float(height) / float(width)
+        ratios = [round(float(h) / float(w), 5) for h, w in self.first_frame_sizes]
+        differences = [(i, r - aspect) for i, r in enumerate(ratios)]
+        candidates = [(i, d) for i, d in differences if (d <= 0 if aspect >= 1 else d >= 0)]
+        index = min(candidates, key=lambda pair: abs(pair[1]))[0]
+        return tuple(self.first_frame_sizes[index])
+
+    def first_frame_size_problems(self, sizes: tuple[tuple[int, int], ...], params: SamplingParams) -> list[str]:
+        """A request whose size is not the one its first frame picks (`first_frame_sizes`)."""
+        if not self.first_frame_sizes or not sizes or params.height is None or params.width is None:
+            return []
+        height, width = self.first_frame_size(*sizes[0])
+        if (params.height, params.width) == (height, width):
+            return []
+        return [
+            f"height={params.height}, width={params.width} is not the size {self.pipeline_class} makes from this "
+            f"{sizes[0][0]}x{sizes[0][1]} first frame: it takes no size and makes the video at the one of its sizes "
+            f"nearest the frame's aspect ratio, {height}x{width}; leave height and width unset (or set them to that)"
+        ]
 
     def image_encoding(self, params: SamplingParams) -> dict:
         """The settings of a (resolved) request that its input images' encoding depends on
@@ -350,6 +388,13 @@ class ModelSpec:
         if params.auto_resize is not None and not self.preferred_input_sizes:
             problems.append(
                 f"auto_resize is FLUX.1 Kontext's resize of its input image; {model} has none, so leave it unset"
+            )
+        minimum = self.min_guidance_scale
+        scale = getattr(params, self.cfg_field) if self.cfg_field is not None else None
+        if minimum is not None and scale is not None and scale < minimum:
+            problems.append(
+                f"{self.cfg_field}={scale} is below {minimum:g}: {model}'s guider would guide with it (it guides at "
+                f"any scale but 1), which this engine does not run; use {minimum:g} (no guidance) or more"
             )
         guidance = {}
         for name in GUIDANCE_FIELDS:

@@ -37,8 +37,9 @@ CASES = [(name, "uni") for name in ALL_FAMILIES] + [("wan", "mp"), ("wan", "ray"
 def one_request(family):
     """(the engine's params, generate's inputs, the pipeline's call) for one request of `family`
     with CFG: the tiny size (a video's 9 frames), 2 steps, a trajectory recorded as RL records it."""
-    # Qwen-Image 2.1's pipeline takes no max_sequence_length (it reads whole prompts).
-    length = {} if family.name == "qwen_image21" else {"max_sequence_length": MAX_SEQUENCE_LENGTH}
+    # Qwen-Image 2.1's and HunyuanVideo 1.5's pipelines take no max_sequence_length (whole prompts; a fixed length).
+    whole = ("qwen_image21", "hunyuan_video15", "hunyuan_video15_i2v")
+    length = {} if family.name in whole else {"max_sequence_length": MAX_SEQUENCE_LENGTH}
     params = family.params(
         cfg=True, num_inference_steps=2, sampler="flow_sde", noise_level=0.7, return_trajectory=True, **length
     )
@@ -61,6 +62,7 @@ def one_request(family):
 
 def pipeline_peak(family, path: str, call: dict) -> int:
     pipeline = family.diffusers_pipeline(path)
+    call = family.descriptor.adapter.pipeline_arguments(pipeline, call)  # HunyuanVideo 1.5: its guider's scale
     pipeline(**call)  # the first call makes what every later call reuses
     with AllocationPeak() as peak:
         pipeline(**call)

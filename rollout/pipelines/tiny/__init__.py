@@ -18,6 +18,11 @@ import logging
 from rollout.pipelines.families import FAMILIES, families_help
 from rollout.pipelines.tiny.flux import TinyFluxSizes, build_tiny_flux, build_tiny_flux_kontext
 from rollout.pipelines.tiny.flux2 import TinyFlux2KleinSizes, build_tiny_flux2_dev, build_tiny_flux2_klein
+from rollout.pipelines.tiny.hunyuan_video15 import (
+    TinyHunyuanVideo15Sizes,
+    build_tiny_hunyuan_video15,
+    build_tiny_hunyuan_video15_i2v,
+)
 from rollout.pipelines.tiny.ltx2 import TinyLTX2Sizes, build_tiny_ltx2
 from rollout.pipelines.tiny.qwen_image import TinyQwenImageSizes, build_tiny_qwen_image
 from rollout.pipelines.tiny.qwen_image21 import TinyQwenImage21Sizes, build_tiny_qwen_image21
@@ -34,6 +39,7 @@ __all__ = [
     "TINY_BUILDERS",
     "TinyFlux2KleinSizes",
     "TinyFluxSizes",
+    "TinyHunyuanVideo15Sizes",
     "TinyLTX2Sizes",
     "TinyQwenImage21Sizes",
     "TinyQwenImageSizes",
@@ -44,6 +50,8 @@ __all__ = [
     "build_tiny_flux_kontext",
     "build_tiny_flux2_dev",
     "build_tiny_flux2_klein",
+    "build_tiny_hunyuan_video15",
+    "build_tiny_hunyuan_video15_i2v",
     "build_tiny_ltx2",
     "build_tiny_qwen_image",
     "build_tiny_qwen_image21",

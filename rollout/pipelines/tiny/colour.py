@@ -81,3 +81,75 @@ def _current_tap(conv: torch.nn.Module) -> tuple[int, ...]:
     kernel = conv.kernel_size
     spatial = tuple(k // 2 for k in kernel[-2:])
     return (kernel[0] - 1, *spatial) if len(kernel) == 3 else spatial
+
+
+@torch.no_grad()
+def make_dcae_video_decoder_colour_faithful(vae) -> None:
+    """For `AutoencoderKLHunyuanVideo15`'s decoder (DC-AE's shortcuts): its input conv adds the
+    latents repeated over its feature channels, and each upsampler adds a copy of its input whose
+    channels it shuffles into sub-pixel positions (a latent channel would come out as a pixel
+    phase, not a colour). Here each residual branch keeps a tenth of its random weights, and each
+    upsampler's conv cancels that shuffle and adds a nearest-neighbour upsample that keeps channel
+    k on channel k (of a wider input: its channel k * in / out), exactly on every frame after the
+    first (a time upsample's first frame reads the same conv: there one channel pair of its
+    shuffle is left as texture); then the output conv paints each last feature channel with the
+    colour of the latent channel that raises it most (probed with one-channel latents)."""
+    decoder = vae.decoder
+    latent_channels = decoder.in_channels
+    decoder.conv_in.conv.weight.mul_(TEXTURE_SCALE)
+    decoder.conv_in.conv.bias.zero_()
+    for resnet in [*decoder.mid_block.resnets, *(r for block in decoder.up_blocks for r in block.resnets)]:
+        resnet.conv2.conv.weight.mul_(TEXTURE_SCALE)
+        resnet.conv2.conv.bias.zero_()
+        if resnet.conv_shortcut is not None:  # channels change: pass the ones both sides have
+            shortcut = resnet.conv_shortcut
+            add_identity(shortcut, min(shortcut.in_channels, shortcut.out_channels), texture=0.0)
+    for attention in decoder.mid_block.attentions:
+        attention.proj_out.weight.mul_(TEXTURE_SCALE)
+        attention.proj_out.bias.zero_()
+    for block in decoder.up_blocks:
+        for upsampler in block.upsamplers or []:
+            _unshuffle_upsampler(upsampler)
+    features = []
+    hook = decoder.conv_out.register_forward_hook(
+        lambda module, args, out: features.append(args[0].mean((0, 2, 3, 4)))
+    )
+    try:
+        painted = min(latent_channels, len(CHANNEL_COLOURS))
+        for channel in range(painted + 1):  # each painted channel alone, then none
+            latents = torch.zeros(1, latent_channels, 2, 2, 2)
+            if channel < painted:
+                latents[:, channel] = 2.0
+            decoder(latents)
+    finally:
+        hook.remove()
+    response = torch.stack(features[:painted]) - features[painted]  # [painted, feature channels]
+    conv_out = decoder.conv_out.conv
+    add_identity(conv_out, 0)
+    colours = torch.tensor(CHANNEL_COLOURS[:painted])
+    for feature, (gain, channel) in enumerate(zip(*response.max(dim=0), strict=True)):
+        if gain > 0:
+            conv_out.weight[(slice(None), feature, *_current_tap(conv_out))] += colours[channel] / gain
+
+
+def _unshuffle_upsampler(upsampler) -> None:
+    """`HunyuanVideo15Upsample`'s output = its conv's channels rearranged into 2x2 (x2 in time)
+    sub-positions + its shortcut, the input's channels repeated and rearranged alike. The conv's
+    current tap is set so that at every sub-position output channel k is input channel k * in / out."""
+    conv = upsampler.conv.conv
+    tap = _current_tap(conv)
+    inputs, packed = conv.in_channels, conv.out_channels
+    temporal = upsampler.add_temporal_upsample
+    factor = 8 if temporal else 4
+    outputs = packed // factor
+    repeats = factor * outputs // inputs
+    conv.weight.mul_(TEXTURE_SCALE)
+    conv.bias.zero_()
+    for position in range(factor):
+        for k in range(outputs):
+            row = position * outputs + k
+            # The shortcut's source of (position, k): rearranged then repeated in time upsamples
+            # (frames after the first), repeated then rearranged otherwise.
+            shortcut = position * (inputs // factor) + k // repeats if temporal else row // repeats
+            conv.weight[(row, k * inputs // outputs, *tap)] += 1.0
+            conv.weight[(row, shortcut, *tap)] -= 1.0
