@@ -454,27 +454,24 @@ def report_modes(
             "began (one more, untimed, batch per mode under the profiler; the weights are not in it)"
         )
     report.table("throughput (medians of the timed rounds)", columns, rows, note)
-    engine, diffusers, floor = (stats[mode] for mode in MODES)
-    engine_s, diffusers_s, floor_s = (samples[mode]["s"] for mode in MODES)
-    ratios = {
-        "engine_speed_vs_diffusers": diffusers.median / engine.median,
-        "engine_time_vs_floor": engine.median / floor.median,
-        "diffusers_time_vs_floor": diffusers.median / floor.median,
-        "engine_speed_vs_diffusers_min": diffusers.min / engine.min,
-        "engine_time_vs_floor_min": engine.min / floor.min,
-        "engine_speed_vs_diffusers_per_round": harness.per_round_ratio(diffusers_s, engine_s),
-        "engine_time_vs_floor_per_round": harness.per_round_ratio(engine_s, floor_s),
-    }
-    if COMPILED in stats:
-        compiled, compiled_s = stats[COMPILED], samples[COMPILED]["s"]
-        ratios |= {
-            "compiled_speed_vs_diffusers": diffusers.median / compiled.median,
-            "compiled_speed_vs_diffusers_min": diffusers.min / compiled.min,
-            "compiled_speed_vs_diffusers_per_round": harness.per_round_ratio(diffusers_s, compiled_s),
-            "compiled_speed_vs_engine": engine.median / compiled.median,
-            "compiled_speed_vs_engine_min": engine.min / compiled.min,
-            "compiled_speed_vs_engine_per_round": harness.per_round_ratio(engine_s, compiled_s),
+
+    def time_ratios(name: str, numerator: str, denominator: str) -> dict:
+        """numerator's seconds over denominator's: of the medians, of the minima, and per round."""
+        top, bottom = stats[numerator], stats[denominator]
+        return {
+            name: top.median / bottom.median,
+            f"{name}_min": top.min / bottom.min,
+            f"{name}_per_round": harness.per_round_ratio(samples[numerator]["s"], samples[denominator]["s"]),
         }
+
+    ratios = (
+        time_ratios("engine_speed_vs_diffusers", "diffusers", "engine")
+        | time_ratios("engine_time_vs_floor", "engine", "floor")
+        | {"diffusers_time_vs_floor": stats["diffusers"].median / stats["floor"].median}
+    )
+    if COMPILED in stats:
+        ratios |= time_ratios("compiled_speed_vs_diffusers", "diffusers", COMPILED)
+        ratios |= time_ratios("compiled_speed_vs_engine", "engine", COMPILED)
     speed, floor_time = "engine_speed_vs_diffusers", "engine_time_vs_floor"
     rows = [
         ["engine / diffusers speed", *(ratios[speed + kind] for kind in ("", "_min", "_per_round"))],
