@@ -192,17 +192,22 @@ def main(argv: list[str] | None = None) -> dict:
                 )
                 alone[cfg], _ = harness.timed_call(engine.generate, prompts(1), params, device=args.device)
                 report.note(f"CFG {'on' if cfg else 'off'}: the batch of {args.batch_size} took {batch_s:.2f} s")
-        # The trainer compiled as the engine is ("rescore"); with --compile blocks also an eager one.
-        trainers = {"rescore": load_adapter(folder, args.device, dtype, args.attention_backend, args.compile)}
+        # Result key -> (the trainer's compile, its copy): compiled as the engine is, and with
+        # --compile blocks an eager one too.
+        trainers = {
+            "rescore": (args.compile, load_adapter(folder, args.device, dtype, args.attention_backend, args.compile))
+        }
         if args.compile == "blocks":
-            trainers["rescore_eager_trainer"] = load_adapter(folder, args.device, dtype, args.attention_backend)
+            trainers["rescore_eager_trainer"] = (
+                "off",
+                load_adapter(folder, args.device, dtype, args.attention_backend),
+            )
         rows, results = [], {}
         for cfg in guidance:
             trajectories = [output.trajectory for output in batches[cfg]]
             name = "on" if cfg else "off"
-            results[name] = dict.fromkeys(trainers, None) | {"alone": None}
-            for key, trainer in trainers.items():
-                mode = "eager" if key == "rescore_eager_trainer" else args.compile
+            results[name] = {"alone": None}
+            for key, (mode, trainer) in trainers.items():
                 results[name][key] = {}
                 for micro_batch in (*[m for m in MICRO_BATCHES if m <= args.batch_size], PER_TRAJECTORY):
                     worst, seconds = max_log_ratio(trainer, trajectories, micro_batch, args.device)
