@@ -12,22 +12,16 @@ import torch
 
 from rollout.pipelines.quiet import quietly
 from rollout.pipelines.tiny.colour import TEXTURE_SCALE, add_identity, paint_colours
-from rollout.pipelines.tiny.qwen_image import QWEN_IMAGE_SCHEDULER
+from rollout.pipelines.tiny.qwen_image import QWEN_IMAGE_SCHEDULER, TinyQwenImageSizes
 from rollout.pipelines.tiny.saving import save
 from rollout.pipelines.tiny.tokenizers import CONTENT_LIST_CHAT_TEMPLATE, QWEN_VISION_TOKENS, qwen25_vl_tokenizer
 
 
 @dataclass(frozen=True)
-class TinyQwenImage21Sizes:
-    """Sizes of the tiny pipeline: 32x32 images from 2x2x4 latents (4 tokens, one encoder slot)."""
+class TinyQwenImage21Sizes(TinyQwenImageSizes):
+    """Sizes of the tiny pipeline: 32x32 images from 2x2x4 latents (4 tokens, one encoder slot).
+    Qwen-Image's tiny transformer and text encoder, with a VAE that downsamples 16x."""
 
-    latent_channels: int = 4
-    num_layers: int = 2
-    num_attention_heads: int = 2
-    attention_head_dim: int = 16
-    axes_dims_rope: tuple[int, int, int] = (4, 6, 6)  # sums to attention_head_dim
-    text_hidden_size: int = 32
-    text_layers: int = 2
     vae_base_dim: int = 8
     vae_dim_mult: tuple[int, ...] = (1, 1, 1, 1, 1)  # four spatial downsamples: 16x, as the pipeline assumes
 
