@@ -130,6 +130,9 @@ class RolloutOutput(NamedByNode):
     weight_version: the engine's weight version of the sample's last step.
     weight_versions: every version its steps used, in order (more than one only when an update
         with mode="pause" landed while it ran).
+    step_weight_versions: the version each denoising step ran with, one per step (the step whose
+        log-prob `trajectory.log_probs[i]` holds ran with `step_weight_versions[i]`): what an
+        off-policy trainer reads to know which behaviour policy made each step.
     """
 
     node_id: NodeId
@@ -145,9 +148,12 @@ class RolloutOutput(NamedByNode):
     trajectory: Trajectory | None = None
     weight_version: int = 0
     weight_versions: tuple[int, ...] = ()
+    step_weight_versions: tuple[int, ...] = ()
     lora: str | None = None
     timings: RequestTimings = field(default_factory=RequestTimings)
     error: str | None = None
 
     def __repr__(self) -> str:  # one line: which sample, its status, shapes and versions
-        return dataclass_repr(self, {"request_id": self.request_id}, hidden=("node_id", "timings"))
+        return dataclass_repr(
+            self, {"request_id": self.request_id}, hidden=("node_id", "timings", "step_weight_versions")
+        )

@@ -50,7 +50,7 @@ class Request(NamedByNode):
     rank: int | None = None
     sent_to_worker: bool = False
     steps_done: int = 0
-    weight_versions: list[int] = field(default_factory=list)  # distinct versions its steps used
+    step_versions: list[int] = field(default_factory=list)  # the weight version of each step it ran
     encoder_generation: int = 0  # the engine's weights generation when its text was encoded
     last_scheduled_tick: int = -1
     arrival_time: float = field(default_factory=time.monotonic)
@@ -61,9 +61,14 @@ class Request(NamedByNode):
         """Ids of the paths it branched from, root first (the scheduler indexes requests by them)."""
         return tuple(str(ancestor) for ancestor in self.node_id.ancestors) if self.node_id.branch_path else ()
 
-    def note_weight_version(self, version: int) -> None:
-        if not self.weight_versions or self.weight_versions[-1] != version:
-            self.weight_versions.append(version)
+    def note_step_version(self, version: int) -> None:
+        """Called once per denoising step it is scheduled for, with the weights that step runs on."""
+        self.step_versions.append(version)
+
+    @property
+    def weight_versions(self) -> tuple[int, ...]:
+        """The distinct versions its steps used, in order."""
+        return tuple(v for i, v in enumerate(self.step_versions) if i == 0 or self.step_versions[i - 1] != v)
 
     @property
     def branches_now(self) -> bool:
@@ -121,7 +126,7 @@ class Request(NamedByNode):
                     node_id=child,
                     seed=self.leaf_seed(child.branch_path),
                     pruned={p for p in self.pruned if child.is_ancestor_of(p)},
-                    weight_versions=list(self.weight_versions),
+                    step_versions=list(self.step_versions),
                 )
             )
         return made

@@ -294,9 +294,10 @@ class RolloutEngine:
         outputs: list[RolloutOutput] = []
         if scheduled.is_empty:
             return outputs
-        for work in scheduled.worker_inputs.values():
-            for request_id in work.step_ids:
-                self.scheduler.requests[request_id].note_weight_version(self.weight_version)
+        # A request split over ranks (sequence parallel) is in several ranks' inputs: one step each.
+        stepped = {request_id for work in scheduled.worker_inputs.values() for request_id in work.step_ids}
+        for request_id in stepped:
+            self.scheduler.requests[request_id].note_step_version(self.weight_version)
         execute_start = time.perf_counter()
         runner_outputs = self._on_executor(self.executor.execute, scheduled)
         execute_s = time.perf_counter() - execute_start
@@ -596,7 +597,8 @@ class RolloutEngine:
             latents=finished.latents if finished is not None else None,
             trajectory=finished.trajectory if finished is not None else None,
             weight_version=request.weight_versions[-1] if request.weight_versions else self.weight_version,
-            weight_versions=tuple(request.weight_versions),
+            weight_versions=request.weight_versions,
+            step_weight_versions=tuple(request.step_versions),
             lora=request.params.lora,
             timings=RequestTimings(
                 queued_s=(first or now) - request.arrival_time,

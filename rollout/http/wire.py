@@ -166,6 +166,7 @@ class OutputEncoder:
         fields |= {
             "weight_version": output.weight_version,
             "weight_versions": list(output.weight_versions),
+            "step_weight_versions": list(output.step_weight_versions),
             "lora": output.lora,
             "timings": dataclasses.asdict(output.timings),
             "branch_path": list(output.branch_path),
@@ -271,6 +272,7 @@ class OutputDecoder:
             trajectory=trajectory,
             weight_version=fields["weight_version"],
             weight_versions=tuple(fields["weight_versions"]),
+            step_weight_versions=tuple(fields["step_weight_versions"]),
             lora=fields["lora"],
             timings=RequestTimings(**fields["timings"]),
             error=fields["error"],

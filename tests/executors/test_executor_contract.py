@@ -511,6 +511,9 @@ def test_update_during_a_rollout(engine, original_weights, mode):
     assert sorted(o.request_id for o in outputs) == sorted(ids)
     expected = (v0,) if mode == "wait" else (v0, v1)
     assert all(o.weight_versions == expected and o.status == "finished" for o in outputs)
+    # Two steps ran before the update; with "pause" the other two ran on the new weights.
+    per_step = (v0,) * 4 if mode == "wait" else (v0, v0, v1, v1)
+    assert all(o.step_weight_versions == per_step for o in outputs)
     later = engine.generate("y", _params(engine, num_inference_steps=2, seed=0))
     assert later[0].weight_versions == (v1,)
     engine.update_weights(original_weights)

@@ -44,6 +44,8 @@ def test_weight_update_during_running_requests(remote, transformer_state):
         remote.collective_rpc("set_step_delay", args=(0.0,))
     assert version == start + 1 == remote.weight_version
     assert outputs["w0-0"].weight_versions == (start, version)  # started on the old weights
+    steps = outputs["w0-0"].step_weight_versions  # one per step, over the wire too
+    assert len(steps) == 8 and steps == tuple(sorted(steps)) and set(steps) == {start, version}
     assert outputs["w1-0"].weight_versions == (version,)
     assert remote.weights_checksum() == checksum(new_state)
     # Back to the model's own weights (other tests of this module compare with in-process outputs).
