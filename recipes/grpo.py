@@ -40,4 +40,8 @@ def run(config: Config) -> dict:
     def update(policy, optimizer, rollout, generator):
         return grpo_step(policy, optimizer, rollout, config.grpo, generator)
 
-    return train(config, update, lambda stats: {"log_ratio0": f"{stats.log_ratio_before_update:.1e}"})
+    def postfix(stats) -> dict:
+        ratio = stats.log_ratio_before_update  # None: every sample of the step was stale
+        return {"log_ratio0": "stale" if ratio is None else f"{ratio:.1e}"}
+
+    return train(config, update, postfix)

@@ -266,7 +266,7 @@ def _step_record(step: int, rollout: RewardedRollout, stats, version: int, updat
 
 
 def _log_first_ratio(record: dict) -> None:
-    if "log_ratio_before_update" not in record:
+    if record.get("log_ratio_before_update") is None:  # DPO's; or no step of the policy's own version
         return
     log_ratio = record["log_ratio_before_update"]
     message = "policy ratio before the first update: max |log ratio| = %.2e (ratio within %.2e of 1; must be < %g)"
@@ -292,7 +292,7 @@ def _summary(
     lora_file: Path,
 ) -> dict:
     rewards = [record["reward_mean"] for record in history]
-    log_ratios = [record["log_ratio_before_update"] for record in history if "log_ratio_before_update" in record]
+    log_ratios = [r["log_ratio_before_update"] for r in history if r.get("log_ratio_before_update") is not None]
     window = min(5, len(rewards))
     first, last = sum(rewards[:window]) / window, sum(rewards[-window:]) / window
     return {

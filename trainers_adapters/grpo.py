@@ -32,15 +32,21 @@ class GRPOStats:
 
 
 def grpo_policy_loss(
-    log_prob_new: torch.Tensor, log_prob_old: torch.Tensor, advantages: torch.Tensor, clip_range: float
+    log_prob_new: torch.Tensor,
+    log_prob_old: torch.Tensor,
+    advantages: torch.Tensor,
+    clip_range: float,
+    weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, GRPOStats]:
-    """Clipped policy loss (scalar) over a batch of transitions [B], and statistics."""
+    """Clipped policy loss (scalar) over a batch of transitions [B], and statistics. `weights` [B]
+    (no gradient): each transition's importance weight (`trainers_adapters.off_policy`), None: 1."""
     log_ratio = log_prob_new - log_prob_old.detach()
     ratio = torch.exp(log_ratio)
     advantages = advantages.detach()
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range)
-    loss = torch.maximum(unclipped, clipped).mean()
+    surrogate = torch.maximum(unclipped, clipped)
+    loss = (surrogate if weights is None else weights.detach() * surrogate).mean()
     with torch.no_grad():
         stats = GRPOStats(
             ratio_mean=float(ratio.mean()),

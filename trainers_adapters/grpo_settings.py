@@ -10,6 +10,9 @@ from dataclasses import dataclass
 from rollout.samplers import RATIO_TOLERANCE
 from rollout.settings import Rule, setting, setting_problems
 
+# How an update weighs samples an older policy made (`trainers_adapters.off_policy`, which imports torch).
+OFF_POLICY_CORRECTIONS = ("none", "tis", "rejection")
+
 # The KL to the reference policy that `kl_beta` weighs (`trainers_adapters.grpo.kl_to_reference`).
 KL_FORMS = ("flow_grpo", "gaussian")
 
@@ -58,6 +61,18 @@ class GRPOSettings:
     )
     micro_batch_size: int = setting(
         16, "transitions per forward/backward pass (a memory knob; the result is the same)", at_least=1
+    )
+    off_policy_correction: str = setting(
+        "none",
+        "how samples of an older policy (asynchronous training) are weighed, per denoising step, with w = "
+        "exp(proximal - behaviour log-prob): none (PPO's ratio against the behaviour log-probs, as on-policy), "
+        "tis (decoupled PPO ratio against the policy at the update's start, times min(w, importance_cap)), "
+        "rejection (the same ratio; steps with w outside [1/importance_cap, importance_cap] left out); "
+        "formulas in docs/training.md",
+        one_of=OFF_POLICY_CORRECTIONS,
+    )
+    importance_cap: float = setting(
+        2.0, "C of off_policy_correction tis and rejection (verl's rollout_is_threshold default: 2)", above=1
     )
     max_grad_norm: float = setting(
         1.0, "gradient-norm clip per optimizer step; 0 disables it", at_least=0, why="0 disables clipping"

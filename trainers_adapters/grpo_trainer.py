@@ -15,6 +15,7 @@ holds: all of the trained ones with `optimizer_steps=1`, a random share of the t
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +24,7 @@ from trainers_adapters.grpo import grpo_policy_loss, kl_to_reference
 from trainers_adapters.grpo_settings import GRPOSettings
 from trainers_adapters.lora_policy import LoraPolicy
 from trainers_adapters.micro_batches import micro_batches
+from trainers_adapters.off_policy import ImportanceWeights, importance_weights
 from trainers_adapters.optim import check_finite_loss, clip_and_step
 from trainers_adapters.rewards.rewarded_rollout import RewardedRollout
 from trainers_adapters.tree import RolloutTree, build_tree, tree_advantages
@@ -33,9 +35,13 @@ class GRPOStepStats:
     loss: float  # mean over transitions of policy loss + kl_beta * kl
     policy_loss: float
     kl: float  # mean KL to the reference (0 when kl_beta is 0)
-    log_ratio_before_update: float  # max |log ratio| before this rollout's first optimizer step
-    # Denoising step index -> max / mean |log ratio| over that step's transitions in the first
-    # minibatch (before any optimizer step); the steps that minibatch holds, in increasing order.
+    # Max |log ratio| before this rollout's first optimizer step, over the first minibatch's
+    # transitions whose step ran with the policy's own version (the re-scoring contract); None when
+    # every one is stale (asynchronous training).
+    log_ratio_before_update: float | None
+    # Denoising step index -> max / mean |log ratio| (policy before the update against the logged
+    # behaviour log-prob) over that step's transitions in the first minibatch, stale ones included:
+    # the rollout/trainer mismatch, plus the policy's lag for samples of older versions.
     log_ratio_by_step_max: dict[int, float]
     log_ratio_by_step_mean: dict[int, float]
     ratio_mean: float
@@ -43,6 +49,16 @@ class GRPOStepStats:
     grad_norm: float  # of the last optimizer step, before clipping
     advantage_abs_mean: float
     num_transitions: int
+    # Versions between the policy and the step that made each transition (0 without policy_version).
+    staleness_mean: float
+    staleness_max: int
+    # The importance weight w = exp(proximal - behaviour) before truncation (trainers_adapters.off_policy),
+    # over every transition with a correction, over the first minibatch's with "none".
+    importance_weight_mean: float
+    importance_weight_std: float
+    importance_weight_min: float
+    importance_weight_max: float
+    corrected_fraction: float  # of those, the share truncated (tis) or rejected (rejection)
 
 
 def grpo_step(
@@ -51,10 +67,16 @@ def grpo_step(
     rollout: RewardedRollout,
     settings: GRPOSettings,
     generator: torch.Generator,
+    policy_version: int | None = None,
 ) -> GRPOStepStats:
     """Run `settings.optimizer_steps` optimizer steps on `rollout`. The caller pushes the policy to
     the engine afterwards (the engine samples only with pushed weights). A rollout the policy's
-    adapter did not sample (`SamplingParams(lora=policy.name)`) is refused before anything changes."""
+    adapter did not sample (`SamplingParams(lora=policy.name)`) is refused before anything changes.
+
+    `policy_version`: the engine weight version of the policy as it is now (pushed, or to be pushed
+    under that number); a step that ran with another version is stale by the difference, left out
+    of the drift check and weighed by `settings.off_policy_correction`. None: every step is the
+    policy's own (a synchronous loop)."""
     _check_sampled_by_policy(policy, rollout)
     tree = build_tree(rollout.outputs, rollout.rewards, rollout.branch_steps, rollout.trajectories[0].num_steps)
     advantages = tree_advantages(tree, global_std=settings.global_std, clip_max=settings.adv_clip_max)
@@ -66,31 +88,46 @@ def grpo_step(
         raise ValueError(
             "the rollout has no SDE steps to train on; check sampling.sde_window, the sampler and grpo.prune_steps"
         )
+    staleness = _staleness(rollout, transitions, policy_version)
     order = torch.randperm(len(transitions), generator=generator).tolist()
     minibatches = [mb.tolist() for mb in torch.tensor_split(torch.tensor(order), settings.optimizer_steps)]
+    minibatches = [minibatch for minibatch in minibatches if minibatch]
+    later = [position for minibatch in minibatches[1:] for position in minibatch]
+    decoupled = settings.off_policy_correction != "none"
+    proximal = _proximal_log_probs(policy, rollout, transitions, later, settings) if decoupled and later else {}
     totals = dict.fromkeys(("loss", "policy_loss", "kl", "ratio_mean", "clip_fraction"), 0.0)
-    log_ratio_before_update = 0.0
+    log_ratio_before_update = None
     first_steps, first_abs_log_ratios = [], []  # of the first minibatch: step index, |log ratio| per transition
+    raw_weights, corrected = [], []
     grad_norm = 0.0
-    for number, minibatch in enumerate(m for m in minibatches if m):
+    for number, minibatch in enumerate(minibatches):
         optimizer.zero_grad(set_to_none=True)
-        chosen = [transitions[i] for i in minibatch]
-        for chunk in micro_batches(chosen, lambda t: rollout.outputs[t[0]].trajectory, settings.micro_batch_size):
-            loss, parts, abs_log_ratio = _chunk_loss(policy, rollout, chunk, settings)
-            check_finite_loss(parts["loss"], optimizer, _describe(chunk, parts))
+        trajectory_of = lambda position: rollout.outputs[transitions[position][0]].trajectory  # noqa: E731
+        for chunk in micro_batches(minibatch, trajectory_of, settings.micro_batch_size):
+            chosen = [transitions[position] for position in chunk]
+            given = torch.stack([proximal[position] for position in chunk]) if number > 0 and decoupled else None
+            loss, parts, scored = _chunk_loss(policy, rollout, chosen, settings, given)
+            check_finite_loss(parts["loss"], optimizer, _describe(chosen, parts))
             (loss * len(chunk) / len(minibatch)).backward()
             for key in totals:
                 totals[key] += parts[key] * len(chunk)
+            if number == 0 or decoupled:
+                raw_weights.append(scored.weights.raw)
+                corrected.append(scored.weights.corrected)
             if number == 0:
-                log_ratio_before_update = max(log_ratio_before_update, float(abs_log_ratio.max()))
-                first_steps += [step for _, step, _ in chunk]
-                first_abs_log_ratios.append(abs_log_ratio.cpu())
-        if number == 0:
+                fresh = torch.tensor([staleness[position] == 0 for position in chunk])
+                if fresh.any():
+                    worst = float(scored.abs_log_ratio[fresh].max())
+                    log_ratio_before_update = max(log_ratio_before_update or 0.0, worst)
+                first_steps += [step for _, step, _ in chosen]
+                first_abs_log_ratios.append(scored.abs_log_ratio)
+        if number == 0 and log_ratio_before_update is not None:
             _check_ratio(log_ratio_before_update, settings.max_log_ratio_before_update, optimizer, rollout)
         grad_norm = clip_and_step(policy.parameters(), optimizer, settings.max_grad_norm)
     optimizer.zero_grad(set_to_none=True)
     count = len(transitions)
     by_step_max, by_step_mean = _by_step(torch.tensor(first_steps), torch.cat(first_abs_log_ratios))
+    raw = torch.cat(raw_weights)
     return GRPOStepStats(
         **{key: value / count for key, value in totals.items()},
         log_ratio_before_update=log_ratio_before_update,
@@ -99,7 +136,49 @@ def grpo_step(
         grad_norm=grad_norm,
         advantage_abs_mean=float(torch.tensor([advantage for _, _, advantage in transitions]).abs().mean()),
         num_transitions=count,
+        staleness_mean=sum(staleness) / count,
+        staleness_max=max(staleness),
+        importance_weight_mean=float(raw.mean()),
+        importance_weight_std=float(raw.std(unbiased=False)),
+        importance_weight_min=float(raw.min()),
+        importance_weight_max=float(raw.max()),
+        corrected_fraction=float(torch.cat(corrected).float().mean()),
     )
+
+
+def _staleness(rollout: RewardedRollout, transitions: list[tuple[int, int, float]], version: int | None) -> list[int]:
+    """Per transition: `version` minus the version its step ran with (0 without `version`)."""
+    if version is None:
+        return [0] * len(transitions)
+    stale = []
+    for index, step, _ in transitions:
+        ran_with = rollout.outputs[index].step_weight_versions[step]
+        if ran_with > version:
+            raise ValueError(
+                f"sample {rollout.outputs[index].request_id} step {step} ran with weight version {ran_with}, newer "
+                f"than the policy's {version}: the engine holds weights this policy has not seen"
+            )
+        stale.append(version - ran_with)
+    return stale
+
+
+def _proximal_log_probs(
+    policy: LoraPolicy,
+    rollout: RewardedRollout,
+    transitions: list[tuple[int, int, float]],
+    positions: list[int],
+    settings: GRPOSettings,
+) -> dict[int, torch.Tensor]:
+    """The policy's log-prob of each transition at `positions`, before any optimizer step, without
+    gradient: the proximal policy of the minibatches after the first (`trainers_adapters.off_policy`)."""
+    trajectory_of = lambda position: rollout.outputs[transitions[position][0]].trajectory  # noqa: E731
+    found = {}
+    with torch.no_grad():
+        for chunk in micro_batches(positions, trajectory_of, settings.micro_batch_size):
+            trajectories = [trajectory_of(position) for position in chunk]
+            scored = policy.score(trajectories, [transitions[position][1] for position in chunk])
+            found |= dict(zip(chunk, scored.log_prob.float(), strict=True))
+    return found
 
 
 def _by_step(steps: torch.Tensor, abs_log_ratio: torch.Tensor) -> tuple[dict[int, float], dict[int, float]]:
@@ -189,21 +268,38 @@ def _pick_transitions(
     return transitions
 
 
+@dataclass
+class _Scored:
+    """What a trained chunk reports besides its loss, per transition [B] (float32, no gradient)."""
+
+    abs_log_ratio: torch.Tensor  # |log-prob now - behaviour log-prob|
+    weights: ImportanceWeights
+
+
 def _chunk_loss(
     policy: LoraPolicy,
     rollout: RewardedRollout,
     chunk: list[tuple[int, int, float]],
     settings: GRPOSettings,
-) -> tuple[torch.Tensor, dict[str, float], torch.Tensor]:
-    """The chunk's loss (to backpropagate), its statistics, and the |log ratio| of each transition [B]
-    (float32, no gradient)."""
+    proximal: torch.Tensor | None,
+) -> tuple[torch.Tensor, dict[str, float], _Scored]:
+    """The chunk's loss (to backpropagate), its statistics, and its per-transition report.
+    `proximal` [B]: the policy's log-probs before the update's first optimizer step (the later
+    minibatches of a decoupled correction); None: the log-probs this forward computes are those."""
     trajectories = [rollout.outputs[index].trajectory for index, _, _ in chunk]
     steps = [step for _, step, _ in chunk]
     scored = policy.score(trajectories, steps)
     device = scored.log_prob.device
-    old = torch.stack([t.log_probs[step] for t, step in zip(trajectories, steps, strict=True)]).to(device)
+    behaviour = torch.stack([t.log_probs[step] for t, step in zip(trajectories, steps, strict=True)]).to(device)
+    proximal = scored.log_prob.detach() if proximal is None else proximal.to(device)
+    weights = importance_weights(proximal, behaviour, settings.off_policy_correction, settings.importance_cap)
     chunk_advantages = torch.tensor([advantage for _, _, advantage in chunk], device=device)
-    policy_loss, stats = grpo_policy_loss(scored.log_prob, old, chunk_advantages, settings.clip_range)
+    if settings.off_policy_correction == "none":
+        policy_loss, stats = grpo_policy_loss(scored.log_prob, behaviour, chunk_advantages, settings.clip_range)
+    else:
+        policy_loss, stats = grpo_policy_loss(
+            scored.log_prob, proximal, chunk_advantages, settings.clip_range, weights.weights
+        )
     kl = torch.zeros((), device=policy_loss.device)
     if settings.kl_beta > 0:
         with policy.reference():
@@ -217,7 +313,9 @@ def _chunk_loss(
         "ratio_mean": stats.ratio_mean,
         "clip_fraction": stats.clip_fraction,
     }
-    return loss, parts, (scored.log_prob.detach() - old).abs()
+    abs_log_ratio = (scored.log_prob.detach() - behaviour).abs().float().cpu()
+    cpu_weights = ImportanceWeights(*(tensor.cpu() for tensor in dataclasses.astuple(weights)))
+    return loss, parts, _Scored(abs_log_ratio, cpu_weights)
 
 
 def _describe(chunk: list[tuple[int, int, float]], parts: dict[str, float]) -> str:
