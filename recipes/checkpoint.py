@@ -6,7 +6,9 @@ state_dict; the recipes have no LR schedule, so that is all the optimizer state 
 `rng.pt` (the states of every generator the loop draws from) and `state.json` (the step, the
 weight version of the last push, the metrics so far, the eval reward at the start, the training
 time so far and the config the run had); a DiffusionNFT run adds `old_policy/` (its old adapter
-and the optimizer steps its EMA schedule has counted, as `OldPolicy.save` writes them).
+and the optimizer steps its EMA schedule has counted, as `OldPolicy.save` writes them); an
+asynchronous run adds `behaviour/` (the earlier adapters the rollouts of the next steps sample with,
+`<updates>.safetensors` each, `recipes.async_rollouts`).
 
 Why one folder per checkpoint, published by a rename: a checkpoint is written whole into a hidden
 sibling (`.step-000010.partial`), every file and the folder are fsynced, and only then is it
@@ -28,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from trainers_adapters.lora_policy import LoraPolicy
 from trainers_adapters.old_policy import OldPolicy
@@ -37,6 +40,7 @@ logger = logging.getLogger(__name__)
 CHECKPOINTS = "checkpoints"  # the folder under output_dir
 STATE_FILE = "state.json"  # written last; a folder without it is not a checkpoint
 OLD_POLICY = "old_policy"  # a decoupled algorithm's old adapter (DiffusionNFT)
+BEHAVIOUR = "behaviour"  # an asynchronous run's earlier adapters, by the updates they had
 _STEP_FOLDER = re.compile(r"step-(\d{6,})")
 FORMAT = 1
 
@@ -88,10 +92,11 @@ def write_checkpoint(
     optimizer: torch.optim.Optimizer,
     keep: int = 1,
     old_policy: OldPolicy | None = None,
+    behaviour: dict[int, dict[str, torch.Tensor]] | None = None,
 ) -> Path:
-    """Write `state`, the policy's adapter, the optimizer's state (and the old policy, if any) as
-    the checkpoint of `state.step`, atomically (see the module docstring), then delete all but the
-    latest `keep`."""
+    """Write `state`, the policy's adapter, the optimizer's state (and the old policy, and the
+    behaviour adapters by the updates they had, if any) as the checkpoint of `state.step`,
+    atomically (see the module docstring), then delete all but the latest `keep`."""
     parent = Path(output_dir) / CHECKPOINTS
     parent.mkdir(parents=True, exist_ok=True)
     for leftover in parent.glob(".step-*"):  # a write or replace that a crash interrupted
@@ -103,6 +108,11 @@ def write_checkpoint(
     torch.save(optimizer.state_dict(), partial / "optimizer.pt")
     if old_policy is not None:
         old_policy.save(partial / OLD_POLICY)
+    if behaviour:
+        (partial / BEHAVIOUR).mkdir()
+        for index, tensors in behaviour.items():
+            contiguous = {key: tensor.contiguous() for key, tensor in tensors.items()}
+            save_file(contiguous, partial / BEHAVIOUR / f"{index}.safetensors")
     torch.save(state.rng, partial / "rng.pt")
     saved = {key: value for key, value in asdict(state).items() if key != "rng"}
     (partial / STATE_FILE).write_text(json.dumps({"format": FORMAT, **saved}, indent=1) + "\n")
@@ -132,6 +142,14 @@ def read_checkpoint(folder: str | Path) -> tuple[TrainingState, dict]:
     rng = torch.load(folder / "rng.pt", weights_only=True)
     optimizer_state = torch.load(folder / "optimizer.pt", weights_only=True)
     return TrainingState(**saved, rng=rng), optimizer_state
+
+
+def read_behaviour(folder: str | Path) -> dict[int, dict[str, torch.Tensor]]:
+    """The behaviour adapters an asynchronous run's checkpoint in `folder` keeps (none: {})."""
+    found = Path(folder) / BEHAVIOUR
+    if not found.is_dir():
+        return {}
+    return {int(path.stem): load_file(path) for path in sorted(found.glob("*.safetensors"))}
 
 
 def read_resumable(folder: Path, config: dict) -> tuple[TrainingState, dict]:

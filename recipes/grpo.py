@@ -16,8 +16,26 @@ from trainers_adapters.grpo_settings import GRPOSettings
 
 
 @dataclass(kw_only=True)
+class AsynchronousSection:
+    """Asynchronous training with bounded staleness (`recipes.async_rollouts`, docs/training.md)."""
+
+    max_staleness: int | None = option(
+        None,
+        "sample the rollouts of the next steps while the trainer updates, each with the policy of at most this "
+        "many updates before (the rollout of step j with the policy after max(0, j - N) updates; samples weighed "
+        "by grpo.off_policy_correction); 0: the same run as the synchronous loop; null: the synchronous loop",
+    )
+
+    def __post_init__(self) -> None:
+        if self.max_staleness is not None and self.max_staleness < 0:
+            raise ValueError(f"max_staleness must be >= 0 (or null: synchronous), got {self.max_staleness}")
+
+
+@dataclass(kw_only=True)
 class Config(TrainingConfig):
     grpo: GRPOSettings = option(factory=GRPOSettings)
+    # `async` is a Python keyword; the section is a dataclass field.
+    asynchronous: AsynchronousSection = option(factory=AsynchronousSection)
     output_dir: str = option("outputs/grpo", "folder for metrics, plots, sample grids and the final LoRA")
 
     @classmethod
@@ -37,11 +55,11 @@ def run(config: Config) -> dict:
     from recipes.training import train
     from trainers_adapters.grpo_trainer import grpo_step
 
-    def update(policy, optimizer, rollout, generator):
-        return grpo_step(policy, optimizer, rollout, config.grpo, generator)
+    def update(policy, optimizer, rollout, generator, policy_version):
+        return grpo_step(policy, optimizer, rollout, config.grpo, generator, policy_version)
 
     def postfix(stats) -> dict:
         ratio = stats.log_ratio_before_update  # None: every sample of the step was stale
         return {"log_ratio0": "stale" if ratio is None else f"{ratio:.1e}"}
 
-    return train(config, update, postfix)
+    return train(config, update, postfix, max_staleness=config.asynchronous.max_staleness)

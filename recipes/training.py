@@ -23,10 +23,12 @@ and checkpoints carry it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
 import random
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -35,10 +37,12 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from recipes.async_rollouts import RolloutsAhead
 from recipes.checkpoint import (
     OLD_POLICY,
     TrainingState,
     drop_later_checkpoints,
+    read_behaviour,
     read_resumable,
     resume_folder,
     write_checkpoint,
@@ -75,8 +79,19 @@ def slide_window(params: SamplingParams, window_range: tuple[int, int], rng: ran
     )
 
 
-# update(policy, optimizer, rollout, generator) -> a dataclass of statistics for metrics.jsonl
-UpdateFn = Callable[[LoraPolicy, torch.optim.Optimizer, RewardedRollout, torch.Generator], Any]
+def _step_params(config: TrainingConfig, params: SamplingParams, step: int) -> SamplingParams:
+    """The sampling params of `step`'s rollout: its seed, and its SDE window where it slides;
+    derived from the run's seed and the step alone."""
+    step_params = dataclasses.replace(params, seed=derive_seed(config.seed, step, 0, "rollout"))
+    if config.sde_window_range is not None:
+        window_rng = random.Random(derive_seed(config.seed, step, 0, "sde_window"))
+        step_params = slide_window(step_params, config.sde_window_range, window_rng)
+    return step_params
+
+
+# update(policy, optimizer, rollout, generator, policy_version) -> a dataclass of statistics for
+# metrics.jsonl; policy_version: the engine weight version of the policy before the update.
+UpdateFn = Callable[[LoraPolicy, torch.optim.Optimizer, RewardedRollout, torch.Generator, int], Any]
 
 
 def train(
@@ -84,11 +99,16 @@ def train(
     update: UpdateFn,
     postfix: Callable[[Any], dict],
     old_policy: Callable[[LoraPolicy], OldPolicy] | None = None,
+    max_staleness: int | None = None,
 ) -> dict:
     """Run the training loop; returns the summary written to summary.json. `postfix` picks the
     update statistics shown in the progress bar. `old_policy(policy)`, if given, makes the adapter
-    the rollouts sample with instead of the policy's own (the evals still show the policy)."""
+    the rollouts sample with instead of the policy's own (the evals still show the policy).
+    `max_staleness` N: sample the rollouts of the next steps while the trainer updates, with the
+    policy of N updates before (`recipes.async_rollouts`); None: one after the other."""
     check_model(config)  # before anything is written or loaded
+    if max_staleness is not None and old_policy is not None:
+        raise ValueError("asynchronous training (max_staleness) is GRPO's; a decoupled old policy samples already")
     prompts = config.all_prompts()
     output_dir = Path(config.output_dir)
     resumed_from = resume_folder(config.resume, output_dir)
@@ -141,7 +161,14 @@ def train(
         policy.check_same_base(engine)  # a server on another model folder answers here, not as a drift later
         # A resumed run re-pushes its adapter with the checkpoint's version, so the numbering (and
         # the check that samples carry the version last pushed) goes on, on a fresh server as on the same.
-        version = _push(engine, policy, old, version=None if resumed is None else resumed[0].weight_version)
+        if max_staleness is None or resumed is None:
+            version = _push(engine, policy, old, version=None if resumed is None else resumed[0].weight_version)
+        else:  # the adapter the first rollout samples with, before the generators are restored (see below)
+            version = resumed[0].weight_version
+            behaviour = read_behaviour(resumed_from)
+            first_index = max(0, first_step - max_staleness)
+            state = behaviour[first_index] if first_index < first_step else policy.lora_state()
+            engine.load_lora(policy.name, state, policy.lora_config, version=version - first_step + first_index)
         if resumed is None:
             eval_start = _eval_samples(engine, config, prompts, rewards, edit_images)
             samples_start = save_samples(eval_start.outputs, config.grid_scale, output_dir / "samples_start")
@@ -151,44 +178,93 @@ def train(
             restore_rng(resumed[0].rng, prompt_order, generator)
             eval_reward_start = resumed[0].eval_reward_start
         steps = range(first_step, config.steps)
-        bar = tqdm(steps, desc=config.recipe, unit="step", initial=first_step, total=config.steps)
-        for step in bar:
-            step_params = dataclasses.replace(params, seed=derive_seed(config.seed, step, 0, "rollout"))
-            if config.sde_window_range is not None:
-                window_rng = random.Random(derive_seed(config.seed, step, 0, "sde_window"))
-                step_params = slide_window(step_params, config.sde_window_range, window_rng)
+        # Where the prompt order stands before each step takes its prompts: the sampler may have
+        # taken those of later steps by the time a checkpoint is written.
+        prompt_states = {first_step: prompt_order.state()}
+
+        def sample_step(step: int, stop: threading.Event | None) -> RewardedRollout:
             taken = prompt_order.take(config.prompts_per_step)
+            prompt_states[step + 1] = prompt_order.state()
             images = None if edit_images is None else [edit_images[prompt] for prompt in taken]
-            rollout = generate_with_rewards(engine, taken, step_params, rewards, None, f"step{step}-", images)
-            stale = {o.weight_version for o in rollout.outputs} - {version}
-            if stale:
-                raise RuntimeError(f"step {step}: samples carry weight versions {stale}, expected {version}")
-            update_started = time.perf_counter()
-            stats = update(policy, optimizer, rollout, generator)
-            update_s = time.perf_counter() - update_started
-            push_started = time.perf_counter()
-            new_version = _push(engine, policy, old)
-            if new_version <= version:
-                raise RuntimeError(f"step {step}: the push returned weight version {new_version}, not above {version}")
-            version = new_version
-            record = _step_record(step, rollout, stats, version, update_s, time.perf_counter() - push_started)
-            record["sde_window"] = list(step_params.sde_window) if step_params.sde_window is not None else None
-            if step == 0:
-                _log_first_ratio(record)
-            history.append(record)
-            loggers.log_scalars(step, record)
-            bar.set_postfix(reward=f"{record['reward_mean']:.4f}", **postfix(stats))
-            if config.checkpoint_every and ((step + 1) % config.checkpoint_every == 0 or step + 1 == config.steps):
-                state = TrainingState(
-                    step=step + 1,
-                    weight_version=version,
-                    history=history,
-                    eval_reward_start=eval_reward_start,
-                    train_s=train_s_before + time.perf_counter() - started,
-                    config=to_dict(config),
-                    rng=rng_state(prompt_order, generator),
-                )
-                write_checkpoint(output_dir, state, policy, optimizer, config.keep_checkpoints, old_policy=old)
+            step_params = _step_params(config, params, step)
+            return generate_with_rewards(engine, taken, step_params, rewards, None, f"step{step}-", images, stop)
+
+        ahead = None
+        if max_staleness is not None:
+            base_version = version - first_step  # the adapter after k updates is version base + k
+            snapshots = {0: policy.lora_state()} if resumed is None else behaviour
+            snapshots[first_step] = policy.lora_state()
+
+            def push_snapshot(state: dict, push_version: int) -> int:
+                return engine.load_lora(policy.name, state, policy.lora_config, version=push_version)
+
+            pushed = max(0, first_step - max_staleness)
+            ahead = RolloutsAhead(sample_step, push_snapshot, steps, max_staleness, base_version, snapshots, pushed)
+        bar = tqdm(steps, desc=config.recipe, unit="step", initial=first_step, total=config.steps)
+        with ahead if ahead is not None else contextlib.nullcontext():
+            for step in bar:
+                wait_started = time.perf_counter()
+                if ahead is None:
+                    rollout = sample_step(step, None)
+                    stale = {o.weight_version for o in rollout.outputs} - {version}
+                    if stale:
+                        raise RuntimeError(f"step {step}: samples carry weight versions {stale}, expected {version}")
+                else:
+                    rollout = ahead.rollout(step)
+                    version = ahead.version_of(step)  # the policy's, pushed or not
+                wait_s = time.perf_counter() - wait_started
+                update_started = time.perf_counter()
+                stats = update(policy, optimizer, rollout, generator, version)
+                update_s = time.perf_counter() - update_started
+                push_started = time.perf_counter()
+                if ahead is None:
+                    new_version = _push(engine, policy, old)
+                    if new_version <= version:
+                        raise RuntimeError(
+                            f"step {step}: the push returned weight version {new_version}, not above {version}"
+                        )
+                else:  # the sampler pushes it when a rollout needs it
+                    ahead.publish(step + 1, policy.lora_state())
+                    new_version = ahead.version_of(step + 1)
+                push_s = time.perf_counter() - push_started
+                record = _step_record(step, rollout, stats, new_version, update_s, push_s)
+                window = _step_params(config, params, step).sde_window
+                record["sde_window"] = list(window) if window is not None else None
+                record["sample_staleness"] = _staleness_counts(rollout, version)
+                record["trainer_wait_s"] = wait_s  # the trainer idle, waiting for this step's rollout
+                record["wall_s"] = train_s_before + time.perf_counter() - started
+                version = new_version
+                if step == 0:
+                    _log_first_ratio(record)
+                history.append(record)
+                loggers.log_scalars(step, record)
+                bar.set_postfix(reward=f"{record['reward_mean']:.4f}", **postfix(stats))
+                if config.checkpoint_every and ((step + 1) % config.checkpoint_every == 0 or step + 1 == config.steps):
+                    rng = rng_state(prompt_order, generator) | {"prompt_order": prompt_states[step + 1]}
+                    state = TrainingState(
+                        step=step + 1,
+                        weight_version=version,
+                        history=history,
+                        eval_reward_start=eval_reward_start,
+                        train_s=train_s_before + time.perf_counter() - started,
+                        config=to_dict(config),
+                        rng=rng,
+                    )
+                    behaviour = ahead.pending_snapshots(step + 1) if ahead is not None else None
+                    write_checkpoint(
+                        output_dir,
+                        state,
+                        policy,
+                        optimizer,
+                        config.keep_checkpoints,
+                        old_policy=old,
+                        behaviour=behaviour,
+                    )
+                prompt_states.pop(step, None)
+                if ahead is not None:
+                    ahead.forget_before(step + 1)
+        if ahead is not None and ahead.pushed != config.steps:  # the final policy, for the eval
+            policy.push(engine, version=version)
         eval_end = _eval_samples(engine, config, prompts, rewards, edit_images)
         # After `steps` updates: the x position that follows the last step's scalars.
         samples_end = save_samples(eval_end.outputs, config.grid_scale, output_dir / "samples_end")
@@ -263,6 +339,16 @@ def _step_record(step: int, rollout: RewardedRollout, stats, version: int, updat
         "update_s": update_s,
         "push_s": push_s,
     }
+
+
+def _staleness_counts(rollout: RewardedRollout, policy_version: int) -> dict[str, int]:
+    """How many samples are how many versions older than the policy that trains on them (by their
+    oldest step), as JSON keeps it: {"0": 12, "1": 4}."""
+    counts: dict[str, int] = {}
+    for output in rollout.outputs:
+        age = str(policy_version - min(output.step_weight_versions, default=output.weight_version))
+        counts[age] = counts.get(age, 0) + 1
+    return dict(sorted(counts.items(), key=lambda item: int(item[0])))
 
 
 def _log_first_ratio(record: dict) -> None:

@@ -31,7 +31,7 @@ SMALL = [
     "eval.num_samples=1",
     "eval.num_inference_steps=1",
 ]
-TIMINGS = {"rollout_s", "reward_wait_s", "update_s", "push_s"}  # the only fields a resume may change
+TIMINGS = {"rollout_s", "reward_wait_s", "update_s", "push_s", "trainer_wait_s", "wall_s"}  # what a resume may change
 
 
 def settings(model: str, out: Path, *extra: str) -> list[str]:

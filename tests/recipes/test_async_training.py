@@ -1,0 +1,115 @@
+"""Asynchronous GRPO (`recipes.async_rollouts`): with max_staleness 0 it is the synchronous run
+bitwise; with N >= 1 each step's samples are exactly min(step, N) versions old, the run is the same
+whatever the timing, a resume from a checkpoint repeats it bitwise, and a killed reward worker or
+rollout worker fails the run promptly, as in the synchronous loop."""
+
+from __future__ import annotations
+
+import multiprocessing
+import threading
+import time
+
+import pytest
+
+from recipes import checkpoint
+from recipes.config import load_config
+from recipes.grpo import run
+from tests.recipes.test_checkpoint_resume import CONFIG, assert_same_lora, metrics, settings
+
+pytestmark = pytest.mark.timeout(240)
+
+CORRECTED = "grpo.off_policy_correction=tis"
+
+
+def train(model, out, *extra):
+    return run(load_config(CONFIG, settings(model, out, CORRECTED, *extra)))
+
+
+def test_max_staleness_zero_is_the_synchronous_run_bitwise(tiny_model, tmp_path):
+    sync = train(tiny_model, tmp_path / "sync", "steps=3")
+    ahead = train(tiny_model, tmp_path / "ahead", "steps=3", "asynchronous.max_staleness=0")
+    assert metrics(tmp_path / "ahead") == metrics(tmp_path / "sync")
+    assert_same_lora(tmp_path / "ahead" / "lora", tmp_path / "sync" / "lora")
+    assert (ahead["eval_reward_end"], ahead["final_weight_version"]) == (sync["eval_reward_end"], 4)
+    assert all(record["sample_staleness"] == {"0": 2} for record in metrics(tmp_path / "ahead"))
+
+
+@pytest.mark.parametrize("staleness", [1, 2])
+def test_samples_are_min_step_n_versions_old_and_a_resume_repeats_the_run_bitwise(tiny_model, tmp_path, staleness):
+    option = f"asynchronous.max_staleness={staleness}"
+    whole = train(tiny_model, tmp_path / "whole", "steps=4", option)
+    records = metrics(tmp_path / "whole")
+    assert [r["sample_staleness"] for r in records] == [{str(min(step, staleness)): 2} for step in range(4)]
+    assert [r["weight_version"] for r in records] == [2, 3, 4, 5]  # the synchronous loop's numbering
+    assert all(r["log_ratio_before_update"] is None for r in records[1:])  # every sample stale: nothing fresh
+    assert records[0]["log_ratio_before_update"] < 1e-5  # step 0 samples with the policy itself
+    assert all(r["importance_weight_std"] > 0 for r in records[1:])
+    # Cut after 2 steps, its checkpoint keeping the adapters the next rollouts sample with, and resumed.
+    train(tiny_model, tmp_path / "cut", "steps=2", "checkpoint_every=2", option)
+    saved = checkpoint.read_behaviour(checkpoint.checkpoints(tmp_path / "cut")[-1])
+    assert sorted(saved) == list(range(max(0, 2 - staleness), 2))
+    resumed = train(tiny_model, tmp_path / "cut", "steps=4", "resume=auto", option)
+    assert metrics(tmp_path / "cut") == records
+    assert_same_lora(tmp_path / "cut" / "lora", tmp_path / "whole" / "lora")
+    assert resumed["eval_reward_end"] == whole["eval_reward_end"]
+    # And again: the timing of the two threads does not change the run.
+    train(tiny_model, tmp_path / "again", "steps=4", option)
+    assert metrics(tmp_path / "again") == records
+
+
+def _train_in_thread(*args) -> tuple[threading.Thread, dict]:
+    outcome: dict = {}
+
+    def target():
+        try:
+            outcome["summary"] = train(*args)
+        except BaseException as error:  # noqa: BLE001 - the test reads it
+            outcome["error"] = error
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    return thread, outcome
+
+
+def _wait_for_steps(out, count: int, thread: threading.Thread, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not ((out / "metrics.jsonl").is_file() and len((out / "metrics.jsonl").read_text().splitlines()) >= count):
+        assert thread.is_alive(), "the run ended before the kill"
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize("worker", ["reward", "rollout"])
+def test_a_killed_worker_ends_or_heals_the_asynchronous_run_within_seconds(tiny_model, tmp_path, worker, caplog):
+    """As in the synchronous loop: a dead rollout worker kills the engine, and the run fails with
+    it; a reward worker killed between groups is replaced (and the run goes on), one killed while
+    it scores a group fails that step. Never a hang."""
+    extra = ["reward_workers=1"] if worker == "reward" else ["engine.executor=mp"]
+    others = set(multiprocessing.active_children())  # other tests' workers, left alone
+    # Long enough that the kill lands mid-run: a step of 4 samples of 8 denoising steps.
+    thread, outcome = _train_in_thread(
+        tiny_model,
+        tmp_path / "run",
+        "steps=40",
+        "asynchronous.max_staleness=1",
+        "sampling.num_samples=4",
+        "sampling.num_inference_steps=8",
+        *extra,
+    )
+    _wait_for_steps(tmp_path / "run", 2, thread)
+    workers = set(multiprocessing.active_children()) - others
+    assert workers, f"no {worker} worker process to kill"
+    for child in workers:
+        child.kill()
+    killed = time.monotonic()
+    thread.join(timeout=60)
+    assert not thread.is_alive(), "the run hangs after its worker died"
+    assert time.monotonic() - killed < 30
+    if worker == "rollout" or "error" in outcome:
+        assert "error" in outcome, "the run finished without its engine's worker"
+        # the engine's EngineDeadError ("worker rank 0 (pid ...) died (exit code -9) ..."), or the reward's
+        assert "died" in str(outcome["error"]) or "reward" in str(outcome["error"]).lower()
+        assert len(metrics(tmp_path / "run")) < 40
+    else:
+        assert "reward worker 0 was gone; starting a new one" in caplog.text
+        assert len(metrics(tmp_path / "run")) == 40
