@@ -91,6 +91,7 @@ bench: setup
 	$(call BENCH,request_table,,request_table)
 	$(call BENCH,reward_models,,reward_models)
 	$(call BENCH,reward_overlap,,reward_overlap)
+	$(call BENCH,async_training,--plot $(RESULTS)/async_training.png,async_training)
 	$(call BENCH,parallel,,parallel)
 	$(call BENCH,parallel,--mode measure,parallel_measure)
 	$(PY) -m benchmarks.render

@@ -74,3 +74,30 @@ def plot_log_ratio(history: list[dict], path: Path, title: str, tolerance: float
     figure.tight_layout()
     figure.savefig(path)
     plt.close(figure)
+
+
+def plot_runs(runs: dict[str, list[list[dict]]], path: Path, title: str) -> None:
+    """Mean reward against update (left) and against wall-clock time (right) of several runs of
+    each kind (`runs`: kind -> one metrics history per run, one line each); written as a PNG."""
+    plt = _pyplot()
+
+    figure, (by_update, by_wall) = plt.subplots(1, 2, figsize=(11, 4), dpi=100)
+    colours = plt.get_cmap("tab10")
+    for number, (kind, histories) in enumerate(runs.items()):
+        for index, history in enumerate(histories):
+            label = kind if index == 0 else None
+            rewards = [record["reward_mean"] for record in history]
+            style = {"color": colours(number), "alpha": 0.7, "label": label}
+            by_update.plot([record["step"] for record in history], rewards, **style)
+            by_wall.plot([record["wall_s"] for record in history], rewards, **style)
+    by_update.set_xlabel("update")
+    by_wall.set_xlabel("wall-clock time (s)")
+    for axes in (by_update, by_wall):
+        axes.set_ylabel("mean reward")
+        axes.grid(alpha=0.3)
+        axes.legend()
+    figure.suptitle(title)
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path)
+    plt.close(figure)

@@ -113,3 +113,38 @@ def test_a_killed_worker_ends_or_heals_the_asynchronous_run_within_seconds(tiny_
     else:
         assert "reward worker 0 was gone; starting a new one" in caplog.text
         assert len(metrics(tmp_path / "run")) == 40
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_paused_rollout_service_holds_the_asynchronous_run_which_then_goes_on_as_unpaused(
+    tiny_model, tmp_path, monkeypatch
+):
+    """An operator pauses the rollout service (mode keep) in the middle of an asynchronous run and
+    resumes it: the run waits, then finishes with the samples, rewards and LoRA of a run without
+    the pause, as a synchronous run would."""
+    from rollout.serve.client import RemoteRolloutEngine
+    from rollout.serve.launch import ServerProcess
+
+    monkeypatch.setenv("ROLLOUT_API_KEY", "pause-key")
+    option = "asynchronous.max_staleness=1"
+    with ServerProcess.start(tiny_model, api_key="pause-key") as server:
+        remote = f"engine.url={server.url}"
+        train(tiny_model, tmp_path / "whole", "steps=6", option, remote)
+        thread, outcome = _train_in_thread(tiny_model, tmp_path / "paused", "steps=6", option, remote)
+        _wait_for_steps(tmp_path / "paused", 2, thread)
+        operator = RemoteRolloutEngine(server.url)
+        operator.pause("keep")
+        time.sleep(1.0)
+        held = len(metrics(tmp_path / "paused"))
+        time.sleep(1.0)
+        assert len(metrics(tmp_path / "paused")) == held <= 4  # at most the step in training finished
+        operator.resume()
+        operator.shutdown()
+        thread.join(timeout=120)
+    assert "error" not in outcome, outcome.get("error")
+    paused, whole = metrics(tmp_path / "paused"), metrics(tmp_path / "whole")
+    for record in paused + whole:
+        record.pop("weight_version")  # the server's numbering goes on from one run to the next
+    assert paused == whole
+    assert_same_lora(tmp_path / "paused" / "lora", tmp_path / "whole" / "lora")

@@ -11,6 +11,7 @@ images; it never blocks the engine.
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -22,6 +23,10 @@ from rollout import NodeId, RolloutOutput, SamplingParams
 from rollout.input_images import images_per_prompt
 from trainers_adapters.rewards.builtin import Reward
 from trainers_adapters.rewards.runner import RewardRunner, RewardsOnThreads
+
+
+class RolloutStopped(Exception):
+    """The caller's `stop` event ended a rollout before its last sample; its requests were aborted."""
 
 
 @dataclass
@@ -52,6 +57,7 @@ def generate_with_rewards(
     pool: ThreadPoolExecutor | None = None,
     request_prefix: str = "rollout",
     images: Sequence | None = None,
+    stop: threading.Event | None = None,
 ) -> RewardedRollout:
     """Generate `params.num_samples` samples of every prompt (each a tree of leaves when `params`
     branch) and reward each group as it finishes: `reward` on `pool` (a thread of this process; a
@@ -63,18 +69,19 @@ def generate_with_rewards(
     (an edit's: `images`, one list of uint8 [3, H, W] per prompt, as `generate` takes them), or None.
     Every reward's output is checked (`trainers_adapters.rewards.checks`): a NaN, an inf or a wrong
     count raises a RewardError naming the reward and the samples, here, before the caller can update
-    anything."""
+    anything. Once `stop` is set (from another thread) the rollout ends at the engine's next step
+    with RolloutStopped, its requests aborted."""
     if params.output_type != "image":
         raise ValueError("a rewarded rollout needs images (or videos); set output_type='image' in the sampling params")
     if isinstance(reward, RewardRunner):
         if pool is not None:
             raise ValueError("pass a thread pool with a reward, not with a RewardRunner, which scores groups itself")
-        return _generate(engine, prompts, params, reward, request_prefix, images)
+        return _generate(engine, prompts, params, reward, request_prefix, images, stop)
     with RewardsOnThreads(reward, pool) as runner:
-        return _generate(engine, prompts, params, runner, request_prefix, images)
+        return _generate(engine, prompts, params, runner, request_prefix, images, stop)
 
 
-def _generate(engine, prompts, params, runner: RewardRunner, request_prefix: str, images) -> RewardedRollout:
+def _generate(engine, prompts, params, runner: RewardRunner, request_prefix: str, images, stop) -> RewardedRollout:
     started = time.perf_counter()
     group_of: dict[str, int] = {}
     finished: list[list[RolloutOutput]] = [[] for _ in prompts]
@@ -87,6 +94,8 @@ def _generate(engine, prompts, params, runner: RewardRunner, request_prefix: str
             )
             group_of.update(dict.fromkeys(ids, index))
         while engine.has_unfinished_requests():
+            if stop is not None and stop.is_set():
+                raise RolloutStopped(f"rollout {request_prefix!r} stopped by its caller")
             for output in engine.step():
                 group = finished[group_of[output.request_id]]
                 group.append(output)
