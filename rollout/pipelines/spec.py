@@ -66,7 +66,7 @@ class ModelSpec:
     prompt_reads_images: whether the prompt's encoding reads the request's input images
         (Qwen-Image-Edit's text encoder sees their vision tokens with the prompt), so an encoded
         text is reused only by requests with the same images (`text_key`).
-    first_frame: whether the input image is a video's first frame (Wan image-to-video): resized to
+    first_frame: whether the input image is a video's first frame (Wan and LTX-2 image-to-video): resized to
         the request's own size and encoded with its frame count (`image_encoding`), so it takes any
         image size, and a request that sets no size gets the pipeline's default, not the image's.
     first_frame_sizes: (height, width) of the sizes a first frame picks the video's size from, the
@@ -201,7 +201,7 @@ class ModelSpec:
         pipelines round the image they encode)."""
         if self.first_frame and self.first_frame_sizes:
             return self.first_frame_size(*sizes[0])
-        if self.first_frame:  # WanImageToVideoPipeline's defaults, whatever the image's size
+        if self.first_frame:  # the pipeline's default size (Wan's, LTX-2's I2V), whatever the image's
             return self.default_height, self.default_width
         image_height, image_width = sizes[self.edit_size_image]
         multiple = self.size_multiple
