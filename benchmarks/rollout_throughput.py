@@ -223,6 +223,10 @@ def make_diffusers_run(pipeline, args: argparse.Namespace) -> Callable[[int], No
         from rollout.pipelines.ltx2 import PIPELINE_GUIDANCE_OFF
 
         shape |= PIPELINE_GUIDANCE_OFF
+    if type(pipeline).__name__ == "LTX2ImageToVideoPipeline":  # and its first frame encoded as given (image_crf=0)
+        from rollout.pipelines.ltx2_i2v import PIPELINE_SETTINGS
+
+        shape |= PIPELINE_SETTINGS
     prompt = args.prompt
     if type(pipeline).__name__ in ("WanImageToVideoPipeline", "HunyuanVideo15Pipeline"):
         # Their image embeddings are made per prompt, not per video (Wan 2.1 I2V's CLIP embeddings

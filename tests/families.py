@@ -83,7 +83,12 @@ class Family:
         """Arguments of the family's diffusers pipeline that its requests' behaviour needs beside the
         guidance fields: LTX2Pipeline's other guidance terms off (its defaults add STG, modality
         isolation and a rescale, which the engine does not run) and its audio scale taken from
-        guidance_scale."""
+        guidance_scale; LTX2ImageToVideoPipeline's as well, and its first frame encoded as given
+        (`image_crf=0`: no H.264 re-compression)."""
+        if self.pipeline_class == "LTX2ImageToVideoPipeline":
+            from rollout.pipelines.ltx2_i2v import PIPELINE_SETTINGS
+
+            return dict(PIPELINE_SETTINGS)
         if self.pipeline_class != "LTX2Pipeline":
             return {}
         from rollout.pipelines.ltx2 import PIPELINE_GUIDANCE_OFF

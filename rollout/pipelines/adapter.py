@@ -80,6 +80,9 @@ class PipelineAdapter(ABC):
     # Whether the schedule depends on a video's frame count (LTX-2 shifts it by the video's token
     # count): `set_timesteps` then takes `num_frames`.
     schedule_reads_frames: ClassVar[bool] = False
+    # Whether `decode` needs each sample's encoded input images (`images=`, stacked): LTX-2
+    # image-to-video's latents leave out the first frame, which the condition holds.
+    decode_reads_images: ClassVar[bool] = False
 
     def __init__(self, pipeline):
         self.pipeline = pipeline
@@ -176,7 +179,8 @@ class PipelineAdapter(ABC):
     def decode(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
         """Images [B, 3, H, W] (videos [B, F, 3, H, W]) uint8 on CPU from latents [B, *latent_shape],
         decoded under `torch.no_grad()` as the family's pipeline decodes (with autograd on, a VAE keeps
-        every activation: a video's cost tens of GiB)."""
+        every activation: a video's cost tens of GiB). A family with `decode_reads_images` also
+        takes the samples' encoded input images, batched, as `images=`."""
 
     def decode_audio(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor | None:
         """The sound of a model that makes it with its video (`spec.has_audio`: LTX-2): waveforms

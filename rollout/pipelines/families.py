@@ -277,6 +277,27 @@ FAMILIES: tuple[Family, ...] = (
         accepted_guidance_fields=("guidance_scale",),
         video=True,
     ),
+    # LTX-2 image-to-video: the first frame (the request's input image) is conditioning at timestep 0;
+    # the latent vector holds the video's later latent frames and the audio (docs/ltx2_design.md).
+    Family(
+        name="ltx2_i2v",
+        title="LTX-2 image-to-video with audio",
+        adapter_class="rollout.pipelines.ltx2_i2v.LTX2ImageToVideoAdapter",
+        pipeline_class="LTX2ImageToVideoPipeline",
+        tiny_builder="rollout.pipelines.tiny.ltx2.build_tiny_ltx2_i2v",
+        presets={
+            "small": "rollout.pipelines.tiny.ltx2.build_small_ltx2_i2v",
+            "real": "rollout.pipelines.tiny.ltx2.build_real_ltx2_i2v",
+        },
+        real_model="LTX-2 (19B)",
+        # As LTX2Pipeline (3.0 its default; STG, modality guidance and rescale not run); the
+        # unconditional rows see the same first frame, as in the pipeline.
+        cfg_on={"guidance_scale": 3.0},
+        cfg_off={"guidance_scale": 1.0},
+        accepted_guidance_fields=("guidance_scale",),
+        video=True,
+        edits=True,
+    ),
     # HunyuanVideo 1.5: text-to-video and image-to-video, two pipeline classes over one adapter module.
     # Neither pipeline takes a guidance argument: its `guider` component (ClassifierFreeGuidance) guides
     # with its own guidance_scale (6.0 in the published 480p and 720p folders) whenever it is not 1;

@@ -17,7 +17,8 @@ guidance_rescale=0`). The frame rate is the pipeline's default, 24.
 
 The schedule's shift depends on the video's token count, so on the frame count as well as the
 size (`schedule_reads_frames`). Outputs carry the frames (`video`) and the vocoder's waveform
-(`audio`, [channels, samples] at `ModelSpec.audio_sample_rate`).
+(`audio`, [channels, samples] at `ModelSpec.audio_sample_rate`). Image-to-video, whose vector
+leaves out the given first frame: ltx2_i2v.py.
 """
 
 from __future__ import annotations
@@ -59,7 +60,9 @@ class LTX2Embeds(PromptEmbeds):
 
 @dataclass(frozen=True)
 class JointLayout:
-    """Where the video and the audio sit in one sample's latent vector."""
+    """Where the video and the audio sit in one sample's latent vector. `video_tokens` counts the
+    whole video's tokens, as the transformer sees them; the vector leaves out the first
+    `given_tokens` of them (image-to-video's first frame, which the condition holds)."""
 
     latent_frames: int
     latent_height: int
@@ -68,15 +71,21 @@ class JointLayout:
     video_features: int
     audio_frames: int
     audio_features: int
+    given_tokens: int = 0
+
+    @property
+    def state_tokens(self) -> int:
+        """The video tokens in the vector."""
+        return self.video_tokens - self.given_tokens
 
     @property
     def video_size(self) -> int:
-        return self.video_tokens * self.video_features
+        return self.state_tokens * self.video_features
 
     def split(self, latents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """[B, N] -> video tokens [B, S_v, D_v] and audio frames [B, L_a, D_a] (views)."""
+        """[B, N] -> video tokens [B, S_v - given, D_v] and audio frames [B, L_a, D_a] (views)."""
         batch = latents.shape[0]
-        video = latents[:, : self.video_size].reshape(batch, self.video_tokens, self.video_features)
+        video = latents[:, : self.video_size].reshape(batch, self.state_tokens, self.video_features)
         audio = latents[:, self.video_size :].reshape(batch, self.audio_frames, self.audio_features)
         return video, audio
 
@@ -182,19 +191,35 @@ class LTX2Adapter(PipelineAdapter):
     def run_transformer(self, latents, sigmas, embeds: LTX2Embeds, guidance_scale, height, width) -> torch.Tensor:
         layout = self.layout(latents, height, width)
         video, audio = layout.split(latents)
-        batch, device = latents.shape[0], latents.device
-        transformer = self.transformer
         timestep = sigmas * self._scheduler.config.num_train_timesteps
+        video_velocity, audio_velocity = self.velocities(video, audio, layout, embeds, timestep, timestep)
+        return torch.cat([video_velocity.reshape(len(latents), -1), audio_velocity.reshape(len(latents), -1)], dim=1)
+
+    def velocities(
+        self,
+        video: torch.Tensor,
+        audio: torch.Tensor,
+        layout: JointLayout,
+        embeds: LTX2Embeds,
+        timestep: torch.Tensor,
+        video_timestep: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The transformer's velocities of the whole video's tokens [B, S_v, D_v] and the audio's
+        frames [B, L_a, D_a]: the audio (and both cross-modal attentions) at `timestep` [B], the
+        video at `video_timestep` ([B], or per token [B, S_v]), both on the 0..1000 scale."""
+        batch, device = video.shape[0], video.device
+        transformer = self.transformer
         video_coords = transformer.rope.prepare_video_coords(
             batch, layout.latent_frames, layout.latent_height, layout.latent_width, device, fps=FRAME_RATE
         )
         audio_coords = transformer.audio_rope.prepare_audio_coords(batch, layout.audio_frames, device)
-        video_velocity, audio_velocity = transformer(
+        return transformer(
             hidden_states=video,
             audio_hidden_states=audio,
             encoder_hidden_states=embeds.prompt_embeds,
             audio_encoder_hidden_states=embeds.audio_prompt_embeds,
-            timestep=timestep,
+            timestep=video_timestep,
+            audio_timestep=timestep,
             sigma=timestep,  # as the pipeline passes it (read by LTX-2.3's transformer)
             encoder_attention_mask=embeds.attention_mask,
             audio_encoder_attention_mask=embeds.attention_mask,
@@ -211,14 +236,17 @@ class LTX2Adapter(PipelineAdapter):
             use_cross_timestep=True,  # the pipeline's default
             return_dict=False,
         )
-        return torch.cat([video_velocity.reshape(batch, -1), audio_velocity.reshape(batch, -1)], dim=1)
 
     @torch.no_grad()
     def decode(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
-        # LTX2Pipeline.__call__ after the loop: unpack, (decode timestep 0: no noise), denormalise, decode.
-        pipeline, vae = self.pipeline, self.pipeline.vae
         layout = self.layout(latents, height, width)
         video, _ = layout.split(latents)
+        return self.decode_video(video, layout)
+
+    def decode_video(self, video: torch.Tensor, layout: JointLayout) -> torch.Tensor:
+        """uint8 frames [B, F, 3, H, W] of the whole video's packed tokens [B, S_v, D_v]."""
+        # LTX2Pipeline.__call__ after the loop: unpack, (decode timestep 0: no noise), denormalise, decode.
+        pipeline, vae = self.pipeline, self.pipeline.vae
         video = pipeline._unpack_latents(
             video,
             layout.latent_frames,
@@ -248,14 +276,16 @@ class LTX2Adapter(PipelineAdapter):
 def _layout(spec: ModelSpec, patch: int, patch_t: int, height: int, width: int, num_frames: int) -> JointLayout:
     latent_frames = (num_frames - 1) // spec.frame_multiple + 1
     latent_height, latent_width = height // spec.vae_scale_factor, width // spec.vae_scale_factor
+    frame_tokens = (latent_height // patch) * (latent_width // patch)
     return JointLayout(
         latent_frames=latent_frames,
         latent_height=latent_height,
         latent_width=latent_width,
-        video_tokens=(latent_frames // patch_t) * (latent_height // patch) * (latent_width // patch),
+        video_tokens=(latent_frames // patch_t) * frame_tokens,
         video_features=spec.latent_channels * patch * patch * patch_t,
         audio_frames=spec.audio_latent_frames(num_frames),
         audio_features=spec.audio_features,
+        given_tokens=spec.given_latent_frames * frame_tokens,  # one latent frame per token in time (patch_t 1)
     )
 
 

@@ -66,7 +66,7 @@ class ModelSpec:
     prompt_reads_images: whether the prompt's encoding reads the request's input images
         (Qwen-Image-Edit's text encoder sees their vision tokens with the prompt), so an encoded
         text is reused only by requests with the same images (`text_key`).
-    first_frame: whether the input image is a video's first frame (Wan image-to-video): resized to
+    first_frame: whether the input image is a video's first frame (Wan and LTX-2 image-to-video): resized to
         the request's own size and encoded with its frame count (`image_encoding`), so it takes any
         image size, and a request that sets no size gets the pipeline's default, not the image's.
     first_frame_sizes: (height, width) of the sizes a first frame picks the video's size from, the
@@ -83,6 +83,10 @@ class ModelSpec:
     audio_latents_per_second, frame_rate: latent audio frames per second of video and the frames
         per second it plays at, which give a video's latent audio frames (`audio_latent_frames`).
     audio_sample_rate: samples per second of the decoded waveform (`RolloutOutput.audio`).
+    given_latent_frames: the latent frames a video's first frame supplies and its latents leave out
+        (LTX-2 image-to-video: the frame's latents are conditioning, at timestep 0, so the state
+        holds latent frames 1.. and the audio); 0 where the latents hold every frame (Wan
+        image-to-video's first frame is extra channels).
     min_guidance_scale: the smallest `cfg_field` value a request may set (None: any). HunyuanVideo
         1.5's guider guides at any scale but 1, so a scale below 1 (which would guide there, but
         not here, where guidance turns on above `cfg_threshold`) is refused.
@@ -130,6 +134,7 @@ class ModelSpec:
     audio_sample_rate: int = 0
     first_frame_sizes: tuple[tuple[int, int], ...] = ()
     min_guidance_scale: float | None = None
+    given_latent_frames: int = 0
 
     def check_component(self, component: str) -> None:
         """Raise ValueError unless `component` names one of the model's components: what the
@@ -167,15 +172,17 @@ class ModelSpec:
     def latent_shape(self, height: int, width: int, num_frames: int | None = None) -> tuple[int, ...]:
         """The shape of one sample's latents, in the form the pipeline takes as `latents=`:
         [C, F', h, w] for video (F' = (num_frames - 1) / frame_multiple + 1 latent frames); for a
-        video with sound, one flat vector (`audio_features`)."""
+        video with sound, one flat vector (`audio_features`). Latent frames a first frame supplies
+        (`given_latent_frames`) are not in them."""
         h, w = height // self.vae_scale_factor, width // self.vae_scale_factor
         if self.has_audio:  # the video's packed tokens, then the audio's packed frames, flat
-            frames = (num_frames - 1) // self.frame_multiple + 1
+            frames = (num_frames - 1) // self.frame_multiple + 1 - self.given_latent_frames
             return (
                 self.latent_channels * frames * h * w + self.audio_latent_frames(num_frames) * self.audio_features,
             )
         if self.is_video:
-            return (self.latent_channels, (num_frames - 1) // self.frame_multiple + 1, h, w)
+            frames = (num_frames - 1) // self.frame_multiple + 1 - self.given_latent_frames
+            return (self.latent_channels, frames, h, w)
         p = self.latent_packing
         if p == 1:
             return (self.latent_channels, h, w)
@@ -194,7 +201,7 @@ class ModelSpec:
         pipelines round the image they encode)."""
         if self.first_frame and self.first_frame_sizes:
             return self.first_frame_size(*sizes[0])
-        if self.first_frame:  # WanImageToVideoPipeline's defaults, whatever the image's size
+        if self.first_frame:  # the pipeline's default size (Wan's, LTX-2's I2V), whatever the image's
             return self.default_height, self.default_width
         image_height, image_width = sizes[self.edit_size_image]
         multiple = self.size_multiple

@@ -337,7 +337,11 @@ class ModelRunner:
             ids = [s.data.request_id for s in group]
             try:
                 latents = torch.stack([s.latents for s in group])
-                media = self.adapter.decode(latents, height, width)
+                extra = {}
+                if self.adapter.decode_reads_images:  # a video whose first frame is the condition's
+                    images = [s.condition.images for s in group]
+                    extra["images"] = type(images[0]).stack(images)
+                media = self.adapter.decode(latents, height, width, **extra)
                 audio = self.adapter.decode_audio(latents, height, width)
             except Exception as error:
                 logger.warning("decoding %d requests of size %dx%d failed", len(group), height, width, exc_info=True)

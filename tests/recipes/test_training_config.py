@@ -141,6 +141,7 @@ def test_nft_refuses_an_sde_sampler_naming_the_fix():
         ("grpo_wan22_a14b_lora.yaml", "wan22"),
         ("grpo_wan_i2v_tiny.yaml", "wan_i2v"),
         ("grpo_wan21_i2v_lora.yaml", "wan_i2v"),
+        ("grpo_ltx2_i2v_tiny.yaml", "ltx2_i2v"),
         ("grpo_hunyuan_video15_tiny.yaml", "hunyuan_video15"),
         ("grpo_hunyuan_video15_lora.yaml", "hunyuan_video15"),
         *(

@@ -23,7 +23,7 @@ from rollout.pipelines.tiny.hunyuan_video15 import (
     build_tiny_hunyuan_video15,
     build_tiny_hunyuan_video15_i2v,
 )
-from rollout.pipelines.tiny.ltx2 import TinyLTX2Sizes, build_tiny_ltx2
+from rollout.pipelines.tiny.ltx2 import TinyLTX2Sizes, build_tiny_ltx2, build_tiny_ltx2_i2v
 from rollout.pipelines.tiny.qwen_image import TinyQwenImageSizes, build_tiny_qwen_image
 from rollout.pipelines.tiny.qwen_image21 import TinyQwenImage21Sizes, build_tiny_qwen_image21
 from rollout.pipelines.tiny.qwen_image_edit import build_tiny_qwen_image_edit, build_tiny_qwen_image_edit_plus
@@ -53,6 +53,7 @@ __all__ = [
     "build_tiny_hunyuan_video15",
     "build_tiny_hunyuan_video15_i2v",
     "build_tiny_ltx2",
+    "build_tiny_ltx2_i2v",
     "build_tiny_qwen_image",
     "build_tiny_qwen_image21",
     "build_tiny_qwen_image_edit",

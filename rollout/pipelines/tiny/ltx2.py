@@ -1,5 +1,6 @@
-"""Tiny `LTX2Pipeline`s: LTX-2's audio-video transformer, its video and audio VAEs, vocoder and text
-connectors, with a Gemma 3 text encoder, all random and small; plus the benchmark presets.
+"""Tiny `LTX2Pipeline`s and `LTX2ImageToVideoPipeline`s (the same components): LTX-2's audio-video
+transformer, its video and audio VAEs, vocoder and text connectors, with a Gemma 3 text encoder, all
+random and small; plus the benchmark presets.
 
 The tiny sizes are those of diffusers' own LTX-2 tests (tests/pipelines/ltx2/testing_utils.py): a
 video VAE that halves space and time (32x32 frames, 9 frames are 4-channel latents of 5 x 16 x 16),
@@ -76,11 +77,13 @@ def build_tiny_ltx2(
     transformer_config: dict | None = None,
     device: str = "cpu",
     dtype: torch.dtype = torch.float32,
+    image_to_video: bool = False,
 ) -> Path:
-    """Build an `LTX2Pipeline` with random weights and save it to `path`; returns `path`.
-    Deterministic in `seed`; `transformer_config` replaces the tiny transformer (the presets pass
-    larger ones, whose `caption_channels` the text encoder's width follows)."""
-    from diffusers import FlowMatchEulerDiscreteScheduler, LTX2Pipeline
+    """Build an `LTX2Pipeline` (`image_to_video`: an `LTX2ImageToVideoPipeline`, whose components
+    are the same) with random weights and save it to `path`; returns `path`. Deterministic in
+    `seed`; `transformer_config` replaces the tiny transformer (the presets pass larger ones, whose
+    `caption_channels` the text encoder's width follows)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, LTX2ImageToVideoPipeline, LTX2Pipeline
 
     config = transformer_config or ltx2_transformer_config(sizes)
     text_width = config["caption_channels"]
@@ -92,7 +95,8 @@ def build_tiny_ltx2(
         transformer = ltx2_transformer(config)
         vae = ltx2_video_vae(sizes.latent_channels)
         audio_vae, vocoder = ltx2_audio(sizes)
-    pipeline = LTX2Pipeline(
+    pipeline_class = LTX2ImageToVideoPipeline if image_to_video else LTX2Pipeline
+    pipeline = pipeline_class(
         scheduler=FlowMatchEulerDiscreteScheduler(**LTX2_SCHEDULER),
         vae=vae,
         audio_vae=audio_vae,
@@ -103,6 +107,12 @@ def build_tiny_ltx2(
         vocoder=vocoder,
     )
     return save(pipeline, Path(path), dtype)
+
+
+def build_tiny_ltx2_i2v(path: str | Path, seed: int = 0, **options) -> Path:
+    """Build a tiny `LTX2ImageToVideoPipeline`: the tiny LTX-2's components (so its first frame
+    encodes to 4 channels of 16x16 at 32x32); takes `build_tiny_ltx2`'s options."""
+    return build_tiny_ltx2(path, seed, image_to_video=True, **options)
 
 
 def ltx2_transformer(config: dict):
@@ -245,9 +255,22 @@ def build_small_ltx2(folder: str | Path, device: str = "cpu", dtype: torch.dtype
     return build_tiny_ltx2(folder, transformer_config=LTX2_SMALL, device=device, dtype=dtype)
 
 
+def build_small_ltx2_i2v(folder: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> Path:
+    """`build_small_ltx2`'s model as an `LTX2ImageToVideoPipeline`."""
+    return build_tiny_ltx2_i2v(folder, transformer_config=LTX2_SMALL, device=device, dtype=dtype)
+
+
+# The real preset's narrow VAEs of LTX-2's latent widths (128 video channels; 8 audio channels of 16 bins).
+REAL_LTX2_SIZES = TinyLTX2Sizes(latent_channels=128, audio_latent_channels=8, mel_bins=64)
+
+
 def build_real_ltx2(folder: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> Path:
     """LTX-2's 19B transformer with random weights, a one-layer Gemma 3 of the real text width, and
-    narrow VAEs of the real latent widths (128 video channels; 8 audio channels of 16 bins), which
-    compress as the tiny ones do (space and time by 2), not as LTX-2's (space 32, time 8)."""
-    sizes = TinyLTX2Sizes(latent_channels=128, audio_latent_channels=8, mel_bins=64)
-    return build_tiny_ltx2(folder, sizes=sizes, transformer_config=LTX2_19B, device=device, dtype=dtype)
+    narrow VAEs of the real latent widths (`REAL_LTX2_SIZES`), which compress as the tiny ones do
+    (space and time by 2), not as LTX-2's (space 32, time 8)."""
+    return build_tiny_ltx2(folder, sizes=REAL_LTX2_SIZES, transformer_config=LTX2_19B, device=device, dtype=dtype)
+
+
+def build_real_ltx2_i2v(folder: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> Path:
+    """`build_real_ltx2`'s model as an `LTX2ImageToVideoPipeline` (LTX-2 19B takes both)."""
+    return build_tiny_ltx2_i2v(folder, sizes=REAL_LTX2_SIZES, transformer_config=LTX2_19B, device=device, dtype=dtype)
