@@ -34,7 +34,7 @@ def test_max_staleness_zero_is_the_synchronous_run_bitwise(tiny_model, tmp_path)
     assert all(record["sample_staleness"] == {"0": 2} for record in metrics(tmp_path / "ahead"))
 
 
-@pytest.mark.parametrize("staleness", [1, 2])
+@pytest.mark.parametrize("staleness", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_samples_are_min_step_n_versions_old_and_a_resume_repeats_the_run_bitwise(tiny_model, tmp_path, staleness):
     option = f"asynchronous.max_staleness={staleness}"
     whole = train(tiny_model, tmp_path / "whole", "steps=4", option)
@@ -79,6 +79,7 @@ def _wait_for_steps(out, count: int, thread: threading.Thread, timeout_s: float 
         time.sleep(0.02)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("worker", ["reward", "rollout"])
 def test_a_killed_worker_ends_or_heals_the_asynchronous_run_within_seconds(tiny_model, tmp_path, worker, caplog):
     """As in the synchronous loop: a dead rollout worker kills the engine, and the run fails with
