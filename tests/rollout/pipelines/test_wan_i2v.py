@@ -17,6 +17,7 @@ from rollout.pipelines.loading import load_adapter
 from rollout.rescoring import RATIO_TOLERANCE, recompute_log_probs
 from tests.families import IMAGE_TO_VIDEO_FAMILIES as I2V_FAMILIES
 from tests.families import input_image
+from tests.rollout.pipelines.first_frames import counted_encodings
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -86,24 +87,10 @@ def test_samples_do_not_depend_on_their_batch_mates(i2v):
 
 def test_the_first_frame_is_encoded_once_and_held_once_by_a_group(i2v):
     family, engine, _, _ = i2v
-    calls = []
-
-    def count(worker):
-        adapter = worker.adapter
-
-        def counted(images, _encode=adapter.encode_images):
-            calls.append(images.setting("num_frames", None))
-            return _encode(images)
-
-        adapter.encode_images = counted  # an instance attribute: shadows the class's method
-
-    engine.collective_rpc(count)
-    try:
+    with counted_encodings(engine) as calls:
         params = family.params(num_inference_steps=2, num_samples=3, seed=5)
         group = engine.generate(["a", "b"], params, images=[[FRAME], [FRAME]])
         longer = engine.generate("a", family.params(num_inference_steps=2, seed=5, num_frames=13), images=[[FRAME]])
-    finally:
-        engine.collective_rpc(lambda worker: vars(worker.adapter).pop("encode_images"))
     assert calls == [9, 13]  # one encoding per (image, size, frames): the frames after it change it
     first = group[0].trajectory.condition.images
     assert all(output.trajectory.condition.images is first for output in group)
