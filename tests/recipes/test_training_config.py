@@ -87,6 +87,27 @@ def test_zimage_config_carries_the_published_flow_factory_settings():
     assert (config.optimizer.learning_rate, config.optimizer.weight_decay) == (3e-4, 1e-4)
 
 
+def test_ltx2_configs_carry_flow_factory_s_settings():
+    """Flow-Factory's LTX-2 GRPO examples (examples/grpo/lora/ltx2/t2av.yaml and i2av.yaml)."""
+    for name, steps, sampler, noise, window, window_range, lr in [
+        ("grpo_ltx2_lora.yaml", 24, "cps", 0.8, (0, 3), (0, 10), 3e-4),
+        ("grpo_ltx2_i2v_lora.yaml", 30, "flow_sde", 0.7, (1, 2), (1, 4), 1e-4),
+    ]:
+        config = load_config(CONFIG_DIR / name)
+        s = config.sampling
+        assert (s.height, s.width, s.num_frames, s.num_inference_steps) == (512, 768, 121, steps), name
+        assert (s.sampler, s.noise_level, s.sde_window, s.num_samples, s.guidance_scale) == (
+            sampler,
+            noise,
+            window,
+            16,
+            1.0,
+        ), name
+        assert config.sde_window_range == window_range and config.optimizer.learning_rate == lr, name
+        assert (config.lora.rank, config.lora.alpha, config.grpo.optimizer_steps) == (64, 128, 2), name
+        assert (config.grpo.clip_range, config.grpo.global_std, config.grpo.kl_beta) == (1e-4, True, 0.0), name
+
+
 def test_nft_config_carries_the_published_diffusion_nft_settings():
     config = load_config(CONFIG_DIR / "nft_sd35_medium_lora.yaml")
     assert config.recipe == "nft"
@@ -142,6 +163,8 @@ def test_nft_refuses_an_sde_sampler_naming_the_fix():
         ("grpo_wan_i2v_tiny.yaml", "wan_i2v"),
         ("grpo_wan21_i2v_lora.yaml", "wan_i2v"),
         ("grpo_ltx2_i2v_tiny.yaml", "ltx2_i2v"),
+        ("grpo_ltx2_lora.yaml", "ltx2"),
+        ("grpo_ltx2_i2v_lora.yaml", "ltx2_i2v"),
         ("grpo_hunyuan_video15_tiny.yaml", "hunyuan_video15"),
         ("grpo_hunyuan_video15_lora.yaml", "hunyuan_video15"),
         *(
