@@ -110,7 +110,7 @@ QUICK_FAMILIES = ("sd3", "qwen_image", "zimage", "wan22")
 # remove it without computing something other than the pipeline does.
 WAITS_IN_DIFFUSERS = {
     "qwen_image21": "QwenImage21Transformer2DModel reads its masks on the host (nonzero, int(mask.sum()), "
-    "boolean-mask index_put_ of the rotary positions)",
+    "boolean-mask index_put_ of the rotary positions, repeat_interleave without output_size)",
     "hunyuan_video15": "HunyuanVideo15Transformer3DModel branches on torch.all(image_embeds == 0)",
     "hunyuan_video15_i2v": "HunyuanVideo15Transformer3DModel branches on torch.all(image_embeds == 0)",
 }
