@@ -108,11 +108,15 @@ QUICK_FAMILIES = ("sd3", "qwen_image", "zimage", "wan22")
 
 # Families whose step still waits, inside diffusers' own transformer, where the engine cannot
 # remove it without computing something other than the pipeline does.
+HUNYUAN_WAITS = (
+    "HunyuanVideo15Transformer3DModel branches on torch.all(image_embeds == 0) and selects tokens by boolean "
+    "masks (the adapter's text unpadding, which reads its fixed-length masks, waits too)"
+)
 WAITS_IN_DIFFUSERS = {
     "qwen_image21": "QwenImage21Transformer2DModel reads its masks on the host (nonzero, int(mask.sum()), "
     "boolean-mask index_put_ of the rotary positions, repeat_interleave without output_size)",
-    "hunyuan_video15": "HunyuanVideo15Transformer3DModel branches on torch.all(image_embeds == 0)",
-    "hunyuan_video15_i2v": "HunyuanVideo15Transformer3DModel branches on torch.all(image_embeds == 0)",
+    "hunyuan_video15": HUNYUAN_WAITS,
+    "hunyuan_video15_i2v": HUNYUAN_WAITS,
 }
 
 
