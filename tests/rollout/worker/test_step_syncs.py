@@ -1,7 +1,9 @@
 """An engine step never makes the host wait for the device (issue 39 item 3): every aten op that a
 CUDA device answers only after draining its queue (a scalar read, a count of rows, a copy between
 the host and the device that is not queued) is recorded while `ModelRunner.step` runs, from the
-runner through the adapter's guidance passes and the transformer to the sampler and the history.
+runner through the adapter's guidance passes and the transformer to the sampler and the history,
+for every model family (a mixed batch each: CFG on and off, two stochastic samplers beside ODE, a
+fork, recorded steps, prompts of different lengths). A failure names the line that waits.
 
 On a CPU device those ops are the same aten calls, so the check runs here: a scalar read of any
 tensor, `nonzero`, a boolean mask index. A copy across devices only exists on a GPU, where the
