@@ -41,7 +41,7 @@ from torch import nn
 
 from rollout.input_images import InputImages
 from rollout.pipelines.condition import Condition, PromptEmbeds
-from rollout.pipelines.device_copy import row_index
+from rollout.pipelines.device_copy import host_to_device, row_index
 from rollout.pipelines.guidance import Guidance, Scale, guidance_argument
 from rollout.pipelines.guidance_passes import GuidancePasses, guidance_passes_here
 from rollout.pipelines.spec import ModelSpec
@@ -83,6 +83,10 @@ class PipelineAdapter(ABC):
     # Whether `decode` needs each sample's encoded input images (`images=`, stacked): LTX-2
     # image-to-video's latents leave out the first frame, which the condition holds.
     decode_reads_images: ClassVar[bool] = False
+    # Whether `run_transformer` takes its rows' sigmas as Python floats too (`sigma_values=`, None when
+    # the caller gave only a tensor): Wan 2.2 picks an expert per row by noise level, and deciding
+    # on the host's values spares the host waiting for the device to read the tensor.
+    reads_sigma_values: ClassVar[bool] = False
 
     def __init__(self, pipeline):
         self.pipeline = pipeline
@@ -274,7 +278,7 @@ class PipelineAdapter(ABC):
     def predict_velocity(
         self,
         latents: torch.Tensor,
-        sigmas: torch.Tensor,
+        sigmas: torch.Tensor | Sequence[float],
         conditions: Sequence[Condition],
         *,
         height: int,
@@ -287,27 +291,33 @@ class PipelineAdapter(ABC):
         """Velocity [B, *latent_shape] float32.
 
         latents: [B, *latent_shape] of images of `height` x `width` pixels; sigmas: [B] noise
-        levels; conditions: one per sample (those with a negative prompt use classifier-free
-        guidance); guidance: its fields scalars or [B], as the trajectory recorded them (None
-        where the model does not use them), or the same as separate `guidance_scale`,
-        `guidance_scale_2`, `true_cfg_scale`. Runs with autograd enabled when the caller has it
+        levels, a tensor or Python floats (the engine's: a family that picks a model by noise level
+        then decides without reading the device); conditions: one per sample (those with a
+        negative prompt use classifier-free guidance); guidance: its fields scalars or [B], as the
+        trajectory recorded them (None where the model does not use them), or the same as separate
+        `guidance_scale`, `guidance_scale_2`, `true_cfg_scale`. Runs with autograd enabled when the caller has it
         enabled (the trainer does). Conditions whose input images differ in shape (or that mix
         edits and text-only requests) run in separate forwards, one per kind.
         """
         guidance = guidance_argument(
             guidance, guidance_scale=guidance_scale, guidance_scale_2=guidance_scale_2, true_cfg_scale=true_cfg_scale
         )
+        sigma_values = None
+        if not isinstance(sigmas, torch.Tensor):
+            sigma_values = [float(sigma) for sigma in sigmas]
+            sigmas = host_to_device(sigma_values, self.device, torch.float32)
         kinds: dict[tuple | None, list[int]] = {}
         for row, condition in enumerate(conditions):
             kinds.setdefault(_images_shape(condition.images), []).append(row)
         if len(kinds) == 1:
-            return self._predict_velocity(latents, sigmas, conditions, guidance, height, width)
+            return self._predict_velocity(latents, sigmas, sigma_values, conditions, guidance, height, width)
         velocity = None
         for rows in kinds.values():
             index = row_index(rows, latents.shape[0], latents.device)
             part = self._predict_velocity(
                 latents[index],
                 sigmas[row_index(rows, latents.shape[0], sigmas.device)],
+                None if sigma_values is None else [sigma_values[r] for r in rows],
                 [conditions[r] for r in rows],
                 guidance.rows(rows),
                 height,
@@ -322,6 +332,7 @@ class PipelineAdapter(ABC):
         self,
         latents: torch.Tensor,
         sigmas: torch.Tensor,
+        sigma_values: list[float] | None,
         conditions: Sequence[Condition],
         guidance: Guidance,
         height: int,
@@ -350,6 +361,8 @@ class PipelineAdapter(ABC):
             if takes_images:  # the unconditional rows of CFG see the same images as the conditional
                 chosen = [images[i] for i in rows]
                 extra["images"] = None if chosen[0] is None else type(chosen[0]).stack(chosen).to(device, dtype)
+            if self.reads_sigma_values:
+                extra["sigma_values"] = None if sigma_values is None else [sigma_values[i] for i in rows]
             start = time.perf_counter()
             out = self.run_transformer(latents[index], sigmas[index], batched, rows_guidance, height, width, **extra)
             self.forwards.add(out.shape[0], time.perf_counter() - start)

@@ -23,37 +23,49 @@ class PromptEmbeds:
     Prompts of different token lengths differ in the fields named in `padded_fields` (dim 0 when
     unbatched); `stack` pads those with zeros to the longest, so the family keeps a mask among them
     (zero, i.e. False, marks padding). Any other field must have the same shape for every prompt.
+    `stack` also keeps each row's own length (`lengths`), host data: a family that drops the
+    padding reads it there rather than from the mask, which the host would have to wait for.
     """
 
     padded_fields: ClassVar[tuple[str, ...]] = ()
+    # Each row's length along `padded_fields` before padding (a batch from `stack`), None otherwise.
+    # Not a dataclass field: it is not a tensor, and travels with the batch only (`to` keeps it).
+    lengths: ClassVar[tuple[int, ...] | None] = None
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
     def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> PromptEmbeds:
         """On `device`, with floating-point fields cast to `dtype` (when given); masks keep theirs."""
-        return dataclasses.replace(
+        moved = dataclasses.replace(
             self,
             **{
                 name: t.to(device, dtype if dtype is not None and t.is_floating_point() else t.dtype)
                 for name, t in self.tensors().items()
             },
         )
+        moved.lengths = self.lengths
+        return moved
 
     @classmethod
     def stack(cls, items: Sequence[PromptEmbeds]) -> PromptEmbeds:
         """Batch unbatched embeddings along a new leading dim, padding `padded_fields` to the longest."""
         batched = {}
+        lengths = None
         for f in dataclasses.fields(cls):
             tensors = [getattr(item, f.name) for item in items]
             shapes = {t.shape for t in tensors}
+            if f.name in cls.padded_fields:
+                lengths = tuple(t.shape[0] for t in tensors)
             if len(shapes) > 1:
                 if f.name not in cls.padded_fields:
                     raise ValueError(f"{cls.__name__}.{f.name} differs in shape between prompts: {sorted(shapes)}")
                 length = max(t.shape[0] for t in tensors)
                 tensors = [_pad(t, length) for t in tensors]
             batched[f.name] = torch.stack(tensors)
-        return cls(**batched)
+        stacked = cls(**batched)
+        stacked.lengths = lengths
+        return stacked
 
 
 def _pad(tensor: torch.Tensor, length: int) -> torch.Tensor:

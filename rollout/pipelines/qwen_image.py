@@ -24,7 +24,8 @@ from rollout.pipelines.spec import ModelSpec
 
 @dataclass
 class QwenImageEmbeds(PromptEmbeds):
-    """prompt_embeds: [L, D], L the prompt's own token count; prompt_mask: [L] bool, False on padding."""
+    """prompt_embeds: [L, D], L the prompt's own token count; prompt_mask: [L] bool, all True for one
+    prompt, False on the padding `stack` adds to a batch."""
 
     padded_fields: ClassVar[tuple[str, ...]] = ("prompt_embeds", "prompt_mask")
 
@@ -74,13 +75,15 @@ class QwenImageAdapter(PipelineAdapter):
     def _forward(self, hidden_states, sigmas, embeds: QwenImageEmbeds, guidance_scale, img_shapes) -> torch.Tensor:
         """One transformer pass over `hidden_states` [B, N, C*4], whose tokens are the grids of
         `img_shapes` (the output's, then any reference images': the edit pipelines'), each row alike."""
-        mask = embeds.prompt_mask
-        # The pipeline passes no mask when nothing is padded; the result is the same either way.
+        # The pipeline passes no mask when nothing is padded; the result is the same either way. One
+        # prompt's mask is all True, so a batch is padded exactly when its rows' lengths differ: the
+        # host knows them (`stack`), where `mask.all()` would make it wait for the device.
+        padded = len(set(embeds.lengths)) > 1
         return self.transformer(
             hidden_states=hidden_states,
             timestep=(sigmas * self._scheduler.config.num_train_timesteps).to(hidden_states.dtype) / 1000,
             guidance=guidance_scale if self.transformer.config.guidance_embeds else None,
-            encoder_hidden_states_mask=None if mask.all() else mask,
+            encoder_hidden_states_mask=embeds.prompt_mask if padded else None,
             encoder_hidden_states=embeds.prompt_embeds,
             img_shapes=[list(img_shapes)] * hidden_states.shape[0],
             return_dict=False,

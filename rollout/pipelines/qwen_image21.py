@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from rollout.pipelines.adapter import PipelineAdapter
+from rollout.pipelines.device_copy import row_index
 from rollout.pipelines.flow_shift import resolution_shift
 from rollout.pipelines.qwen_image import QwenImageEmbeds, decode_normalised
 from rollout.pipelines.spec import ModelSpec
@@ -92,12 +93,17 @@ class QwenImage21Adapter(PipelineAdapter):
         retrieve_timesteps(scheduler, num_steps, "cpu", sigmas=sigmas, mu=mu)
 
     def run_transformer(self, latents, sigmas, embeds: QwenImageEmbeds, guidance_scale, height, width) -> torch.Tensor:
-        lengths = embeds.prompt_mask.sum(dim=1)
-        if bool((lengths == lengths[0]).all()):
-            return self._forward(latents, sigmas, embeds.prompt_embeds[:, : int(lengths[0])], height, width)
+        # Rows grouped by their prompt's length, known on the host (`stack`; one prompt's mask is
+        # all True): summing the mask and reading the sums would make the host wait for the device.
+        groups: dict[int, list[int]] = {}
+        for row, length in enumerate(embeds.lengths):
+            groups.setdefault(length, []).append(row)
+        if len(groups) == 1:
+            (length,) = groups
+            return self._forward(latents, sigmas, embeds.prompt_embeds[:, :length], height, width)
         velocity = torch.empty_like(latents)
-        for length in lengths.unique().tolist():
-            rows = (lengths == length).nonzero(as_tuple=True)[0]
+        for length in sorted(groups):
+            rows = row_index(groups[length], latents.shape[0], latents.device)
             part = self._forward(latents[rows], sigmas[rows], embeds.prompt_embeds[rows, :length], height, width)
             velocity = velocity.index_put((rows,), part)
         return velocity

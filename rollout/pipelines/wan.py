@@ -20,11 +20,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 
 from rollout.pipelines.adapter import PipelineAdapter, images_to_uint8
 from rollout.pipelines.condition import PromptEmbeds
+from rollout.pipelines.device_copy import row_index
 from rollout.pipelines.guidance import Guidance
 from rollout.pipelines.spec import ModelSpec
 
@@ -41,6 +43,7 @@ class WanAdapter(PipelineAdapter):
     # The attention projections of the self- and cross-attention of every block (of each expert).
     default_lora_targets = ("to_q", "to_k", "to_v", "to_out.0")
     cfg_in_one_pass = False  # WanPipeline runs the unconditional pass on its own
+    reads_sigma_values = True  # Wan 2.2 picks each row's expert by its sigma
 
     def __init__(self, pipeline):
         super().__init__(pipeline)
@@ -102,12 +105,14 @@ class WanAdapter(PipelineAdapter):
         else:
             scheduler.set_timesteps(sigmas=list(sigmas), device="cpu")
 
-    def run_transformer(self, latents, sigmas, embeds: WanEmbeds, guidance_scale, height, width, **inputs):
+    def run_transformer(
+        self, latents, sigmas, embeds: WanEmbeds, guidance_scale, height, width, sigma_values=None, **inputs
+    ):
         # WanPipeline feeds the scheduler's timestep (sigma * 1000) in float32. `inputs`: what a
         # subclass's `expert_inputs` reads (the image-to-video adapter's first frame, `images=`).
         timestep = sigmas * self._scheduler.config.num_train_timesteps
         out = None
-        for expert, rows in self._rows_by_expert(timestep):
+        for expert, rows in self._rows_by_expert(timestep, sigma_values):
             step = timestep[rows]
             if self.pipeline.config.expand_timesteps:  # Wan 2.2 TI2V: one timestep per latent token
                 _, _, frames, h, w = latents.shape
@@ -146,10 +151,26 @@ class WanAdapter(PipelineAdapter):
         video = vae.decode(latents / inverse_std + mean, return_dict=False)[0]  # [B, 3, F, H, W]
         return images_to_uint8(video.transpose(1, 2))  # [B, F, 3, H, W]
 
-    def _rows_by_expert(self, timestep: torch.Tensor) -> list[tuple[torch.nn.Module, torch.Tensor | slice]]:
-        """(expert, its rows): every row to `transformer` without a boundary, else split by it."""
+    def _rows_by_expert(
+        self, timestep: torch.Tensor, sigma_values: list[float] | None
+    ) -> list[tuple[torch.nn.Module, torch.Tensor | slice]]:
+        """(expert, its rows): every row to `transformer` without a boundary, else split by it:
+        on the host where the rows' sigmas are given as floats (the engine's step), else on the device."""
         if self.boundary_timestep is None:
             return [(self.transformer, slice(None))]
+        if sigma_values is not None:
+            # The device's test in float32 arithmetic (sigma * 1000 rounded to float32, compared with
+            # the boundary as float32), on the host: reading the device's answer would make it wait.
+            scale = np.float32(self._scheduler.config.num_train_timesteps)
+            boundary = np.float32(self.boundary_timestep)
+            high = [bool(np.float32(sigma) * scale >= boundary) for sigma in sigma_values]
+            groups = [(self.transformer, high), (self.pipeline.transformer_2, [not h for h in high])]
+            device = timestep.device
+            return [
+                (expert, row_index([r for r, on in enumerate(mask) if on], len(mask), device))
+                for expert, mask in groups
+                if any(mask)
+            ]
         high_noise = timestep >= self.boundary_timestep
         groups = [(self.transformer, high_noise), (self.pipeline.transformer_2, ~high_noise)]
         return [(expert, mask.nonzero(as_tuple=True)[0]) for expert, mask in groups if mask.any()]

@@ -106,11 +106,21 @@ class WanImageToVideoAdapter(WanAdapter):
         return WanFirstFrame(condition[0], image_embeds).to(self.device, self.dtype)
 
     def run_transformer(
-        self, latents, sigmas, embeds, guidance_scale, height, width, images: WanFirstFrame | None = None
+        self,
+        latents,
+        sigmas,
+        embeds,
+        guidance_scale,
+        height,
+        width,
+        sigma_values=None,
+        images: WanFirstFrame | None = None,
     ) -> torch.Tensor:
         if images is None:  # refused at admission (min_input_images); a trainer's condition has one
             raise ValueError("WanImageToVideoPipeline needs each sample's first frame (condition.images)")
-        return super().run_transformer(latents, sigmas, embeds, guidance_scale, height, width, images=images)
+        return super().run_transformer(
+            latents, sigmas, embeds, guidance_scale, height, width, sigma_values=sigma_values, images=images
+        )
 
     def expert_inputs(self, latents, rows, images: WanFirstFrame) -> dict[str, torch.Tensor]:
         # The pipeline's `torch.cat([latents, condition], dim=1)`, and Wan 2.1's image embeddings.

@@ -35,7 +35,7 @@ CAPTION_MULTIPLE = 32
 @dataclass
 class ZImageEmbeds(PromptEmbeds):
     """prompt_embeds: [L, D], L the prompt's own token count in the chat template; prompt_mask: [L]
-    bool, False on padding."""
+    bool, all True for one prompt, False on the padding `stack` adds to a batch."""
 
     padded_fields: ClassVar[tuple[str, ...]] = ("prompt_embeds", "prompt_mask")
 
@@ -110,7 +110,9 @@ class ZImageAdapter(PipelineAdapter):
     def run_transformer(self, latents, sigmas, embeds: ZImageEmbeds, guidance_scale, height, width) -> torch.Tensor:
         # The pipeline feeds (1000 - t) / 1000 for the scheduler's timestep t = sigma * 1000, in float32.
         timestep = (1000 - sigmas * self._scheduler.config.num_train_timesteps) / 1000
-        captions = [tokens[mask] for tokens, mask in zip(embeds.prompt_embeds, embeds.prompt_mask, strict=True)]
+        # Each caption without its padding, cut at its length known on the host (`stack`): the same
+        # tokens as `tokens[mask]` (one prompt's mask is all True), whose row count the host would wait for.
+        captions = [tokens[:length] for tokens, length in zip(embeds.prompt_embeds, embeds.lengths, strict=True)]
         frames = list(latents.unsqueeze(2).unbind(0))  # [C, 1, h, w] each: one frame
         out = self.transformer(frames, timestep, captions, return_dict=False)[0]
         return -torch.stack(out).squeeze(2)

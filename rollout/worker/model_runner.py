@@ -217,9 +217,10 @@ class ModelRunner:
         device = self.adapter.device
         latents = torch.stack([s.latents for s in states])
         # Each row's sigma, next sigma and noise level: built on the host, one copy that does not wait.
+        sigma_values = [s.sigma_values[s.step_index] for s in states]
         sigma, sigma_next, noise_level = host_to_device(
             [
-                [s.sigma_values[s.step_index] for s in states],
+                sigma_values,
                 [s.sigma_values[s.step_index + 1] for s in states],
                 [s.data.params.noise_level for s in states],
             ],
@@ -230,7 +231,7 @@ class ModelRunner:
         self.loras.activate(params.lora, params.lora_scale)
         velocity = self.adapter.predict_velocity(
             latents,
-            sigma,
+            sigma_values,  # the host's floats: a family that picks an expert by them need not read the device
             [s.condition for s in states],
             height=params.height,
             width=params.width,

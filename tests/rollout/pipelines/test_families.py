@@ -165,5 +165,8 @@ def test_stacking_pads_and_masks_prompts_of_different_lengths():
     batch = QwenImageEmbeds.stack([short, long])
     assert batch.prompt_embeds.shape == (2, 5, 4) and batch.prompt_mask.tolist()[0] == [True] * 3 + [False] * 2
     assert torch.equal(batch.prompt_embeds[0, 3:], torch.zeros(2, 4))
+    # Each row's own length stays on the host, through a move as well: a family reads it, not the mask.
+    assert batch.lengths == (3, 5) and batch.to("cpu", torch.float64).lengths == (3, 5)
+    assert short.lengths is None
     with pytest.raises(ValueError, match="SD3Embeds.prompt_embeds differs in shape between prompts"):
         SD3Embeds.stack([SD3Embeds(torch.ones(3, 4), torch.ones(2)), SD3Embeds(torch.ones(5, 4), torch.ones(2))])

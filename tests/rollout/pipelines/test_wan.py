@@ -170,6 +170,27 @@ def test_a_batch_never_mixes_experts(wan):
         assert all((t >= 875) == (name == "transformer") for t in timesteps), (name, timesteps)
 
 
+def test_the_expert_chosen_on_the_host_is_the_one_the_device_chooses(wan):
+    """The engine's step picks each row's expert from its sigma as a Python float (no device read);
+    a trainer's tensor of sigmas picks on the device. Both give the same rows, at the boundary, a
+    float32 step to either side of it, and far from it."""
+    family, _, _, adapter = wan
+    if family.name != "wan22":
+        pytest.skip("Wan 2.2 only")
+    boundary = torch.tensor(adapter.boundary_timestep / 1000, dtype=torch.float32)
+    near = [torch.nextafter(boundary, torch.tensor(v)) for v in (0.0, 2.0)]
+    sigmas = torch.stack([boundary, *near, torch.tensor(1.0), torch.tensor(0.1), boundary])
+    timestep = sigmas * adapter._scheduler.config.num_train_timesteps
+
+    def chosen(groups) -> list[tuple[int, list[int]]]:
+        rows = torch.arange(len(sigmas))
+        return [(id(expert), rows[index].tolist()) for expert, index in groups]
+
+    on_host = chosen(adapter._rows_by_expert(timestep, sigmas.tolist()))
+    assert on_host == chosen(adapter._rows_by_expert(timestep, None))
+    assert len(on_host) == 2
+
+
 def test_videos_cross_the_wire_bitwise(wan):
     from rollout.http.wire import FrameReader, OutputDecoder, OutputEncoder
 
