@@ -102,8 +102,7 @@ def grpo_step(
     grad_norm = 0.0
     for number, minibatch in enumerate(minibatches):
         optimizer.zero_grad(set_to_none=True)
-        trajectory_of = lambda position: rollout.outputs[transitions[position][0]].trajectory  # noqa: E731
-        for chunk in micro_batches(minibatch, trajectory_of, settings.micro_batch_size):
+        for chunk in micro_batches(minibatch, _trajectory_of(rollout, transitions), settings.micro_batch_size):
             chosen = [transitions[position] for position in chunk]
             given = torch.stack([proximal[position] for position in chunk]) if number > 0 and decoupled else None
             loss, parts, scored = _chunk_loss(policy, rollout, chosen, settings, given)
@@ -162,6 +161,11 @@ def _staleness(rollout: RewardedRollout, transitions: list[tuple[int, int, float
     return stale
 
 
+def _trajectory_of(rollout: RewardedRollout, transitions: list[tuple[int, int, float]]):
+    """position in `transitions` -> the trajectory of its sample (what micro-batches group by)."""
+    return lambda position: rollout.outputs[transitions[position][0]].trajectory
+
+
 def _proximal_log_probs(
     policy: LoraPolicy,
     rollout: RewardedRollout,
@@ -171,7 +175,7 @@ def _proximal_log_probs(
 ) -> dict[int, torch.Tensor]:
     """The policy's log-prob of each transition at `positions`, before any optimizer step, without
     gradient: the proximal policy of the minibatches after the first (`trainers_adapters.off_policy`)."""
-    trajectory_of = lambda position: rollout.outputs[transitions[position][0]].trajectory  # noqa: E731
+    trajectory_of = _trajectory_of(rollout, transitions)
     found = {}
     with torch.no_grad():
         for chunk in micro_batches(positions, trajectory_of, settings.micro_batch_size):
