@@ -20,15 +20,12 @@ asynchronous trainers as the diffusion frameworks that use it.
 
 from __future__ import annotations
 
-import logging
 import threading
 from collections.abc import Callable
 
 import torch
 
 from trainers_adapters.rewards.rewarded_rollout import RewardedRollout, RolloutStopped
-
-logger = logging.getLogger(__name__)
 
 # sample(step, stop) -> the rewarded rollout of that step; it raises RolloutStopped once `stop` is set.
 SampleFn = Callable[[int, threading.Event], RewardedRollout]

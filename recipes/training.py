@@ -159,16 +159,21 @@ def train(
         config.engine.open_engine(model_path) as engine,
     ):
         policy.check_same_base(engine)  # a server on another model folder answers here, not as a drift later
+
+        def push_snapshot(state: dict, push_version: int) -> int:  # an adapter the rollouts sample with
+            return engine.load_lora(policy.name, state, policy.lora_config, version=push_version)
+
+        if max_staleness is not None:  # the adapters the first rollouts sample with, by the updates they had
+            snapshots = {0: policy.lora_state()} if resumed is None else read_behaviour(resumed_from)
+            snapshots[first_step] = policy.lora_state()
+            first_index = max(0, first_step - max_staleness)
         # A resumed run re-pushes its adapter with the checkpoint's version, so the numbering (and
         # the check that samples carry the version last pushed) goes on, on a fresh server as on the same.
         if max_staleness is None or resumed is None:
             version = _push(engine, policy, old, version=None if resumed is None else resumed[0].weight_version)
-        else:  # the adapter the first rollout samples with, before the generators are restored (see below)
+        else:  # the first rollout's adapter, before the generators are restored (see below)
             version = resumed[0].weight_version
-            behaviour = read_behaviour(resumed_from)
-            first_index = max(0, first_step - max_staleness)
-            state = behaviour[first_index] if first_index < first_step else policy.lora_state()
-            engine.load_lora(policy.name, state, policy.lora_config, version=version - first_step + first_index)
+            push_snapshot(snapshots[first_index], version - first_step + first_index)
         if resumed is None:
             eval_start = _eval_samples(engine, config, prompts, rewards, edit_images)
             samples_start = save_samples(eval_start.outputs, config.grid_scale, output_dir / "samples_start")
@@ -192,14 +197,9 @@ def train(
         ahead = None
         if max_staleness is not None:
             base_version = version - first_step  # the adapter after k updates is version base + k
-            snapshots = {0: policy.lora_state()} if resumed is None else behaviour
-            snapshots[first_step] = policy.lora_state()
-
-            def push_snapshot(state: dict, push_version: int) -> int:
-                return engine.load_lora(policy.name, state, policy.lora_config, version=push_version)
-
-            pushed = max(0, first_step - max_staleness)
-            ahead = RolloutsAhead(sample_step, push_snapshot, steps, max_staleness, base_version, snapshots, pushed)
+            ahead = RolloutsAhead(
+                sample_step, push_snapshot, steps, max_staleness, base_version, snapshots, first_index
+            )
         bar = tqdm(steps, desc=config.recipe, unit="step", initial=first_step, total=config.steps)
         with ahead if ahead is not None else contextlib.nullcontext():
             for step in bar:
