@@ -14,7 +14,10 @@ bfloat16, and writes each one's JSON report into `--results`, plus its own repor
                  trainer's bf16 copy, compiled and eager, at micro-batches 1, 2, 4 and 16, and one
                  prompt alone vs. in a batch;
   lora_sd3_E     `lora_rollout --executor E`: a rank-64 LoRA merged vs. unmerged vs. the base, on
-                 `uni` and on `mp`.
+                 `uni` and on `mp`;
+  throughput_sd3_mp  `rollout_throughput --family sd3 --compile both --also-on mp`: the eager and the
+                 compiled engine on `mp` beside the same on `uni` (Ray is left out: the GPU
+                 machine's Python has none, and each Ray engine would hold the whole GPU).
 
 `rollout_throughput` holds a copy of the model per engine and one for the pipeline diffusers and the
 floor run: three with `--compile both` (FLUX.1-dev: 3 x 24 GB). Qwen-Image's 20B parameters take
@@ -70,11 +73,15 @@ def parts(args: argparse.Namespace) -> list[Part]:
     rounds = ["--warmup", str(args.warmup), "--repeats", str(args.repeats)]
     mfu = [] if args.peak_tflops is None else ["--peak-tflops", str(args.peak_tflops)]
 
-    def throughput(family: str, cfg: str, cap_s: float, batch_size: int | None = None, compile="both") -> Part:
+    def throughput(
+        family: str, cfg: str, cap_s: float, batch_size: int | None = None, compile="both", also_on: str = ""
+    ) -> Part:
         # The largest models sample fewer images per call, so their modes fit the budget.
         own = [] if batch_size is None or batch else ["--batch-size", str(batch_size)]
         arguments = ["--family", family, "--cfg", cfg, "--compile", compile, *mfu, *rounds, *sized, *own]
-        return Part(f"throughput_{family}", "rollout_throughput", arguments, family, cap_s)
+        if also_on:  # the engine modes on another executor too; the uni breakdown is the first part's
+            arguments += ["--also-on", also_on, "--no-breakdown"]
+        return Part(f"throughput_{family}{also_on and '_' + also_on}", "rollout_throughput", arguments, family, cap_s)
 
     def lora(executor: str, cap_s: float) -> Part:
         arguments = ["--family", "sd3", "--executor", executor, "--ranks", "64", *rounds, *sized]
@@ -88,6 +95,7 @@ def parts(args: argparse.Namespace) -> list[Part]:
         throughput("wan", "on", 120),
         lora("uni", 50),
         lora("mp", 60),
+        throughput("sd3", "on", 120, also_on="mp"),
         throughput("qwen_image", "on", 130, batch_size=4, compile="off"),
     ]
 

@@ -27,6 +27,9 @@ compare like with like; the warm-up rounds pay the compiles (their times are pri
 --compile both, a second engine with compiled blocks runs beside the eager one (mode
 "engine compiled"; a third copy of the weights), while diffusers and the floor stay eager: the
 speed a user gains by turning compile on, against the pipeline they would otherwise run.
+With --also-on mp (or ray), the engine modes run again on that executor, one worker in a process of
+its own (a copy of the weights each), beside the same modes on uni: what the executor a user runs
+costs or saves, compiled blocks included; their memory peaks are read in their workers' processes.
 With --peak-tflops, the transformer's model-FLOPs utilisation (torch's FLOP counter on one step).
 Targets: engine speed >= 0.95 x diffusers', engine time <= 1.10 x the floor's, engine memory peak
 <= 1.2 x diffusers'.
@@ -39,6 +42,8 @@ run with timers on the worker's pieces shows where the engine spends its time be
     python -m benchmarks.rollout_throughput                       # SD3, CPU-sized model, batch 16, 10 steps
     python -m benchmarks.rollout_throughput --preset real --device cuda --dtype bfloat16 \\
         --peak-tflops 989                                          # SD3.5 Medium's transformer on an H200
+    python -m benchmarks.rollout_throughput --compile both --also-on mp
+                                                                   # eager and compiled, on uni and on mp
     python -m benchmarks.rollout_throughput --family wan          # CPU-sized Wan 2.1: batch 16, 9 frames of 32x32
     python -m benchmarks.rollout_throughput --family wan --preset real --device cuda --dtype bfloat16
                                                                    # Wan 2.1 1.3B: batch 1, 33 frames of 480x832
@@ -50,6 +55,7 @@ import argparse
 import dataclasses
 import gc
 import json
+import os
 import time
 from collections.abc import Callable
 from contextlib import ExitStack
@@ -72,6 +78,7 @@ from rollout.pipelines.loading import adapter_class
 FAMILIES = family_names()
 MODES = ("engine", "diffusers", "floor")
 COMPILED = "engine compiled"  # --compile both: the second engine's mode
+OTHER_EXECUTORS = ("mp", "ray")  # --also-on: the engine modes again on these executors
 TARGET_SPEED_VS_DIFFUSERS = 0.95
 TARGET_TIME_VS_FLOOR = 1.10
 TARGET_PEAK_VS_DIFFUSERS = 1.2
@@ -109,8 +116,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="'blocks': the engine, the diffusers pipeline and the floor run compiled transformer blocks; 'both': "
         "the eager three plus a second engine with compiled blocks",
     )
+    parser.add_argument(
+        "--also-on",
+        nargs="+",
+        choices=OTHER_EXECUTORS,
+        default=[],
+        help="also run the engine (with --compile both, the compiled one too) on these executors, one worker "
+        "each, beside uni's: their speed and memory measured in their workers' processes",
+    )
     parser.add_argument("--no-breakdown", action="store_true", help="skip the engine run with timers")
     args = parser.parse_args(argv)
+    if "ray" in args.also_on and args.compile == "both" and args.device.startswith("cuda"):
+        # Each Ray engine's worker holds a whole GPU, so the second one could never be placed.
+        parser.error("--also-on ray with --compile both needs two GPUs; use --compile off or blocks, or mp")
     video = args.family in VIDEO_FAMILIES
     if not video and args.num_frames is not None:
         parser.error(f"--num-frames is for the video families ({', '.join(VIDEO_FAMILIES)})")
@@ -321,21 +339,28 @@ def forward_flops(floor: FloorRun) -> float:
     return float(counter.get_total_flops())
 
 
-def measured(run: Callable[[int], None], device: str) -> Callable[[harness.Round], harness.Measurement]:
+def measured(
+    run: Callable[[int], None], device: str, engine: RolloutEngine
+) -> Callable[[harness.Round], harness.Measurement]:
     """A mode for `harness.run_rounds`: one batch seeded by the round, its seconds and on CUDA its
-    memory (GiB allocated when it began, its peak, and the peak above the start)."""
+    memory (GiB allocated when it began, its peak, and the peak above the start), read in the
+    process of `engine`'s worker, where the mode computes (an 'mp' or 'ray' worker's own)."""
     cuda = device.startswith("cuda")
+
+    def begin(worker) -> int:
+        gc.collect()
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        return torch.cuda.memory_allocated(device)
 
     def mode(round_: harness.Round) -> harness.Measurement:
         if cuda:
-            gc.collect()
-            torch.cuda.synchronize(device)
-            torch.cuda.reset_peak_memory_stats(device)
-            start = torch.cuda.memory_allocated(device)
+            (start,) = engine.collective_rpc(begin)
         _, elapsed = harness.timed_call(run, round_.index, device=device)
         if not cuda:
             return elapsed
-        start, peak = start / GIB, torch.cuda.max_memory_allocated(device) / GIB
+        (peak,) = engine.collective_rpc(lambda worker: torch.cuda.max_memory_allocated(device))
+        start, peak = start / GIB, peak / GIB
         return {"s": elapsed, "peak_above_start_gib": peak - start, "start_gib": start, "peak_gib": peak}
 
     return mode
@@ -416,6 +441,8 @@ def report_modes(
     labels = {
         "engine": "engine (uni, flow_sde, trajectory)",
         COMPILED: "engine, compiled blocks",
+        **{f"engine on {name}": f"engine on {name}" for name in OTHER_EXECUTORS},
+        **{f"{COMPILED} on {name}": f"engine on {name}, compiled blocks" for name in OTHER_EXECUTORS},
         "diffusers": f"diffusers {label} (ODE)",
         "floor": "transformer forwards only",
     }
@@ -476,6 +503,14 @@ def report_modes(
     if COMPILED in stats:
         ratios |= time_ratios("compiled_speed_vs_diffusers", "diffusers", COMPILED)
         ratios |= time_ratios("compiled_speed_vs_engine", "engine", COMPILED)
+    # --also-on: each engine mode on another executor against the same mode on uni.
+    executor_rows = []
+    for name in args.also_on:
+        for uni_mode in ("engine", COMPILED):
+            if f"{uni_mode} on {name}" in stats:
+                key = f"{uni_mode.replace(' ', '_')}_{name}_speed_vs_uni"
+                ratios |= time_ratios(key, uni_mode, f"{uni_mode} on {name}")
+                executor_rows.append((f"{uni_mode} on {name} / on uni speed", key))
     speed, floor_time = "engine_speed_vs_diffusers", "engine_time_vs_floor"
     rows = [
         ["engine / diffusers speed", *(ratios[speed + kind] for kind in ("", "_min", "_per_round"))],
@@ -488,7 +523,7 @@ def report_modes(
     )
     rows += [
         [name, *(ratios[key + kind] for kind in ("", "_min", "_per_round"))]
-        for name, key in compiled_rows
+        for name, key in (*compiled_rows, *executor_rows)
         if key in ratios
     ]
     memory = "peak_above_start_gib" in modes["engine"]
@@ -567,7 +602,21 @@ def main(argv: list[str] | None = None) -> dict:
                 compiled = engines.enter_context(RolloutEngine(dataclasses.replace(config, compile="blocks")))
                 runs[COMPILED] = EngineRun(compiled, args)
                 threads[COMPILED] = compiled
-            modes = {mode: measured(run, args.device) for mode, run in runs.items()}
+            if "ray" in args.also_on and not args.device.startswith("cuda"):
+                # A local cluster with every core for each Ray engine: one computes at a time.
+                import ray
+
+                ray.init(num_cpus=2 * (os.cpu_count() or 1), include_dashboard=False, log_to_driver=False)
+                engines.callback(ray.shutdown)
+            for executor in args.also_on:  # the engine modes again, each worker in a process of its own
+                for mode in [mode for mode in ("engine", COMPILED) if mode in runs]:
+                    mode_config = dataclasses.replace(
+                        config, executor=executor, compile="blocks" if mode == COMPILED else config.compile
+                    )
+                    other = engines.enter_context(RolloutEngine(mode_config))
+                    runs[f"{mode} on {executor}"] = EngineRun(other, args)
+                    threads[f"{mode} on {executor}"] = other
+            modes = {mode: measured(run, args.device, threads[mode]) for mode, run in runs.items()}
             samples = harness.run_rounds(modes, args.warmup, args.repeats)
             cpu_peaks = None
             if not args.device.startswith("cuda"):  # on CUDA the rounds measured the peaks

@@ -173,6 +173,16 @@ def value_problems(config: Any) -> list[str]:
             f"compile must be one of {', '.join(COMPILE_CHOICES)} ('blocks': the denoisers' repeated transformer "
             f"blocks compiled), got {config.compile!r}"
         )
+    elif config.compile == "blocks" and sequence_ok and config.sequence_parallel > 1:
+        # diffusers' "Ulysses anything" attention (rollout.parallel.sequence) gathers every rank's
+        # sequence length with a collective at each attention, which torch.compile cannot trace:
+        # every request would fail at its first forward.
+        problems.append(
+            f"compile='blocks' cannot run with sequence_parallel={config.sequence_parallel}: the sequence-parallel "
+            "attention exchanges each rank's sequence length at every attention, which torch.compile cannot "
+            "trace; use compile='off' with sequence_parallel, or sequence_parallel=1 with compile='blocks' "
+            "(cfg_parallel=2 and data-parallel workers compile)"
+        )
     if not isinstance(config.max_batch_size, int) or config.max_batch_size < 1:
         problems.append(f"max_batch_size must be an integer >= 1, got {config.max_batch_size!r}")
     if config.threads_per_worker is not None and (

@@ -7,10 +7,10 @@ whole sequence again at its exit, so every rank ends the forward with the same f
 takes the same sampler step with the same generators.
 
 The group is its own `torch.distributed` world (the default process group of the worker process,
-gloo on CPU, NCCL on CUDA) over a `FileStore` the executor names, laid out as a device mesh of
-dims ("cfg", "ring", "ulysses") (`group_mesh`): with CFG parallel (`rollout.parallel.cfg`) each
-half of the group is a Ulysses sub-group of its own, and diffusers is given the mesh, so its
-all-to-alls stay inside the half. A trainer's weight broadcast group
+gloo on CPU; NCCL on CUDA, with gloo for CPU tensors) over a `FileStore` the executor names, laid
+out as a device mesh of dims ("cfg", "ring", "ulysses") (`group_mesh`): with CFG parallel
+(`rollout.parallel.cfg`) each half of the group is a Ulysses sub-group of its own, and diffusers
+is given the mesh, so its all-to-alls stay inside the half. A trainer's weight broadcast group
 (`rollout.weights.broadcast_group`) is a standalone group and does not touch it.
 
 diffusers' "Ulysses anything" mode is used: it splits sequences of any length (a batch's text
@@ -53,15 +53,18 @@ class GroupMember:
 
 
 def join_group(member: GroupMember, device: str) -> dist.Store:
-    """Make the group this process's default process group (gloo on CPU, NCCL on CUDA); blocks
-    until every rank of the group has joined. Returns the group's store (where its ranks report
-    failed steps, `rollout.parallel.group_failures`)."""
+    """Make the group this process's default process group (gloo on CPU; on CUDA, NCCL for CUDA
+    tensors and gloo for CPU ones); blocks until every rank of the group has joined. Returns the
+    group's store (where its ranks report failed steps, `rollout.parallel.group_failures`)."""
     if dist.is_initialized():
         raise RuntimeError(
             "sequence parallel needs the worker's default torch.distributed process group for its replica "
             "group, but one is already initialized in this worker process"
         )
-    backend = "nccl" if device.startswith("cuda") else "gloo"
+    # diffusers' Ulysses attention for any length gathers each rank's sequence length at every
+    # attention, on the CPU where the group has a CPU backend, else on the GPU followed by `.item()`:
+    # a wait for the device's queue inside every forward. The gloo half keeps that on the host.
+    backend = "cpu:gloo,cuda:nccl" if device.startswith("cuda") else "gloo"
     os.makedirs(os.path.dirname(member.store_path), exist_ok=True)  # on another node than the engine's (Ray)
     store = dist.FileStore(member.store_path, member.size)
     dist.init_process_group(

@@ -41,16 +41,19 @@ def test_a_built_folder_is_reused_for_its_preset_and_refused_for_another(tmp_pat
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)  # two parts compile their blocks
+@pytest.mark.timeout(600)  # three parts compile their blocks
 def test_the_suite_runs_its_parts_and_renders_their_page(tmp_path):
     results = tmp_path / "gpu"
     argv = [*SMALL, "--warmup", "0", "--repeats", "1", "--results", str(results), "--scratch", str(tmp_path)]
-    report = gpu_suite.main([*argv, "--only", "throughput_sd3", "rescore_sd3"])
-    assert report["results"]["parts"].keys() == {"throughput_sd3", "rescore_sd3"}
+    report = gpu_suite.main([*argv, "--only", "throughput_sd3", "rescore_sd3", "throughput_sd3_mp"])
+    assert report["results"]["parts"].keys() == {"throughput_sd3", "rescore_sd3", "throughput_sd3_mp"}
     assert {part["status"] for part in report["results"]["parts"].values()} == {"ok"}
     throughput = json.loads((results / "throughput_sd3.json").read_text())
     assert set(throughput["results"]["modes"]) == {"engine", "diffusers", "floor", "engine compiled"}
     assert throughput["results"]["ratios"]["compiled_speed_vs_diffusers"] > 0
+    on_mp = json.loads((results / "throughput_sd3_mp.json").read_text())["results"]
+    assert {"engine on mp", "engine compiled on mp"} <= set(on_mp["modes"])
+    assert on_mp["ratios"]["engine_compiled_mp_speed_vs_uni"] > 0 and "breakdown" not in on_mp
     rescore = json.loads((results / "rescore_sd3.json").read_text())["results"]
     assert {"rescore", "rescore_eager_trainer"} <= set(rescore["on"])  # a compiled rollout, both trainers
     logs = (results / "logs" / "rescore_sd3.log").read_text()
