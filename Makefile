@@ -62,6 +62,7 @@ bench: setup
 	rm -rf $(RESULTS) && mkdir -p $(RESULTS)
 	$(call BENCH,rollout_throughput,--family sd3,rollout_throughput_sd3)
 	$(call BENCH,rollout_throughput,--family sd3 --compile both,rollout_throughput_sd3_compiled)
+	$(call BENCH,rollout_throughput,--family sd3 --compile both --also-on mp ray --no-breakdown,rollout_throughput_sd3_executors)
 	$(call BENCH,rollout_throughput,--family flux,rollout_throughput_flux)
 	$(call BENCH,rollout_throughput,--family qwen_image,rollout_throughput_qwen_image)
 	$(call BENCH,rollout_throughput,--family flux_kontext,rollout_throughput_flux_kontext)
