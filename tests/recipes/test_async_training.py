@@ -10,10 +10,12 @@ import threading
 import time
 
 import pytest
+import torch
 
 from recipes import checkpoint
 from recipes.config import load_config
 from recipes.grpo import run
+from rollout.lora.manager import read_lora_folder
 from tests.recipes.test_checkpoint_resume import CONFIG, assert_same_lora, metrics, settings
 
 pytestmark = pytest.mark.timeout(240)
@@ -149,3 +151,24 @@ def test_a_paused_rollout_service_holds_the_asynchronous_run_which_then_goes_on_
         record.pop("weight_version")  # the server's numbering goes on from one run to the next
     assert paused == whole
     assert_same_lora(tmp_path / "paused" / "lora", tmp_path / "whole" / "lora")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("executor", ["mp", "ray"])
+def test_the_asynchronous_run_on_mp_and_ray_is_the_in_process_run(tiny_model, tmp_path, executor):
+    """The rollout thread drives a worker in another process (mp) or a Ray actor the same way: the
+    same staleness, weight versions, rewards and LoRA as with 'uni', to float32 rounding (the
+    worker's GEMMs may run on other threads; bitwise equality is the uni runs' above)."""
+    option = "asynchronous.max_staleness=1"
+    in_process = train(tiny_model, tmp_path / "uni", "steps=3", option)
+    elsewhere = train(tiny_model, tmp_path / executor, "steps=3", option, f"engine.executor={executor}")
+    records, expected = metrics(tmp_path / executor), metrics(tmp_path / "uni")
+    for key in ("sample_staleness", "weight_version"):
+        assert [r[key] for r in records] == [r[key] for r in expected]
+    for key in ("reward_mean", "loss"):
+        assert [r[key] for r in records] == pytest.approx([r[key] for r in expected], rel=1e-4, abs=1e-6)
+    assert elsewhere["eval_reward_end"] == pytest.approx(in_process["eval_reward_end"], rel=1e-4, abs=1e-6)
+    uni_lora, _ = read_lora_folder(tmp_path / "uni" / "lora")
+    other_lora, _ = read_lora_folder(tmp_path / executor / "lora")
+    for key, tensor in uni_lora.items():
+        torch.testing.assert_close(other_lora[key], tensor, rtol=1e-4, atol=1e-6)
