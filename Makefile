@@ -99,7 +99,7 @@ bench: setup
 
 # The GPU suite (benchmarks/gpu_suite.py): the engine eager and compiled vs. diffusers vs. the forwards
 # alone for SD3.5 Medium (on uni and on mp), FLUX.1-dev, Wan 2.1 1.3B and Qwen-Image, MFU, memory
-# peaks, merged vs. unmerged LoRA on uni and mp, and bf16 re-scoring, in at most 8 minutes on one GPU. It runs on the
+# peaks, merged vs. unmerged LoRA on uni and mp (and compiled), and bf16 re-scoring, in at most 8 minutes on one GPU. It runs on the
 # GPU machine's own Python and torch (no venv): where that Python lacks diffusers, run
 # `make gpu-wheels` where pip reaches PyPI, bring $(WHEELS)/ along, and bench-gpu installs them
 # into $(GPU_SITE), leaving that Python's packages as they are.

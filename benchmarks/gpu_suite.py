@@ -15,6 +15,8 @@ bfloat16, and writes each one's JSON report into `--results`, plus its own repor
                  prompt alone vs. in a batch;
   lora_sd3_E     `lora_rollout --executor E`: a rank-64 LoRA merged vs. unmerged vs. the base, on
                  `uni` and on `mp`;
+  lora_sd3_uni_compiled  the same on `uni` with compiled blocks: what an unmerged adapter (the
+                 bfloat16 default, which re-scores exactly) costs once compiled;
   throughput_sd3_mp  `rollout_throughput --family sd3 --compile both --also-on mp`: the eager and the
                  compiled engine on `mp` beside the same on `uni` (Ray is left out: the GPU
                  machine's Python has none, and each Ray engine would hold the whole GPU).
@@ -83,9 +85,10 @@ def parts(args: argparse.Namespace) -> list[Part]:
             arguments += ["--also-on", also_on, "--no-breakdown"]
         return Part(f"throughput_{family}{also_on and '_' + also_on}", "rollout_throughput", arguments, family, cap_s)
 
-    def lora(executor: str, cap_s: float) -> Part:
-        arguments = ["--family", "sd3", "--executor", executor, "--ranks", "64", *rounds, *sized]
-        return Part(f"lora_sd3_{executor}", "lora_rollout", arguments, "sd3", cap_s)
+    def lora(executor: str, cap_s: float, compile: str = "off") -> Part:
+        arguments = ["--family", "sd3", "--executor", executor, "--ranks", "64", "--compile", compile, *rounds, *sized]
+        name = f"lora_sd3_{executor}" + ("_compiled" if compile == "blocks" else "")
+        return Part(name, "lora_rollout", arguments, "sd3", cap_s)
 
     # Caps: a real model's build and load, the compiles in the warm-up round, then the rounds.
     return [
@@ -95,6 +98,7 @@ def parts(args: argparse.Namespace) -> list[Part]:
         throughput("wan", "on", 120),
         lora("uni", 50),
         lora("mp", 60),
+        lora("uni", 80, compile="blocks"),
         throughput("sd3", "on", 120, also_on="mp"),
         throughput("qwen_image", "on", 130, batch_size=4, compile="off"),
     ]

@@ -15,6 +15,10 @@ batch, steps, size and guidance:
                 the worker's merge count checks that it merges once, not once per step);
   unmerged rR   with the rank-R adapter as PEFT runs it: two low-rank matmuls added per targeted layer.
 
+With --compile blocks every mode runs compiled transformer blocks (`EngineConfig.compile`): what an
+unmerged adapter costs once compiling has fused its low-rank matmuls into the blocks' graphs (the
+price of re-scoring exactly in bfloat16, where "auto" leaves adapters unmerged).
+
 Every mode runs once per round, in the harness's interleaved order, after the same warm-up
 rounds; `--threads` is 1 by default: more torch threads than idle cores make each op wait for
 descheduled threads, and the ratios then wander by more than the 2% they are held to.
@@ -26,6 +30,7 @@ a CPU without the memory or the speed to run the real model. Target: merged with
 
     python -m benchmarks.lora_rollout                              # SD3, CPU-sized, ranks 8 and 64
     python -m benchmarks.lora_rollout --executor mp                # the same, the worker in a process
+    python -m benchmarks.lora_rollout --compile blocks             # every mode with compiled blocks
     python -m benchmarks.lora_rollout --family flux --cfg off                 # FLUX.1-dev's distilled guidance
     python -m benchmarks.lora_rollout --family sd3 --merge-at-real-size sd35_medium   # + a real-size merge
     python -m benchmarks.lora_rollout --family sd3 --preset real --device cuda --dtype bfloat16 --ranks 32 64
@@ -47,6 +52,7 @@ from torch import nn
 
 from benchmarks import harness, model_presets
 from rollout import EngineConfig, RolloutEngine, SamplingParams
+from rollout.config import COMPILE_CHOICES
 from rollout.lora.merge import MergedLora, pristine_bytes
 from rollout.pipelines.families import family_named
 from rollout.pipelines.loading import adapter_class
@@ -80,6 +86,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=harness.positive_int, help="denoising steps (6 small, 10 real)")
     parser.add_argument("--size", type=int, help="height and width (default 64 small, 512 real)")
     parser.add_argument("--cfg", choices=("on", "off"), default="on", help="guidance as the family's cfg_on / cfg_off")
+    parser.add_argument(
+        "--compile",
+        choices=COMPILE_CHOICES,
+        default="off",
+        help="the engine's compile setting: 'blocks' runs every mode with compiled transformer blocks (the "
+        "warm-up rounds pay the compiles; each unmerged adapter compiles its own graphs)",
+    )
     parser.add_argument(
         "--merge-at-real-size",
         choices=("none", *REAL_TRANSFORMERS),
@@ -247,7 +260,8 @@ def main(argv: list[str] | None = None) -> dict:
     load = os.getloadavg()[0]
     report.note(
         f"family {args.family}, executor {args.executor}, preset {args.preset}, dtype {args.dtype}, batch "
-        f"{args.batch_size}, steps {args.steps}, {args.size}x{args.size}, CFG {args.cfg}, flow_sde; "
+        f"{args.batch_size}, steps {args.steps}, {args.size}x{args.size}, CFG {args.cfg}, flow_sde, compile "
+        f"{args.compile}; "
         f"{args.threads} threads; rounds {args.warmup} warmup + {args.repeats} timed"
     )
     try:
@@ -272,6 +286,7 @@ def measure(args: argparse.Namespace, report: harness.Report) -> None:
             dtype=args.dtype,
             max_batch_size=args.batch_size,
             merge_lora="always",
+            compile=args.compile,
         )
         with RolloutEngine(config) as engine:
             (shapes,) = engine.collective_rpc(lambda worker: linear_shapes(worker, targets))

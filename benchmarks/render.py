@@ -29,8 +29,8 @@ default) everywhere. Ratios measured side by side in one run are what to compare
 absolute times are this machine's.
 
 **On a GPU**, `make bench-gpu` runs the GPU suite (`benchmarks/gpu_suite.py`: the real models'
-throughput eager and compiled, MFU, memory peaks, LoRA merged vs. unmerged, bf16 re-scoring) in at
-most 8 minutes and renders its page, `docs/benchmarks_gpu.md`, the same way.
+throughput eager and compiled, on uni and on mp, MFU, memory peaks, LoRA merged vs. unmerged,
+eager and compiled, bf16 re-scoring) in at most 8 minutes and renders its page, `docs/benchmarks_gpu.md`, the same way.
 
 **Adding a benchmark.** A benchmark is a module in `benchmarks/` that keeps only its modes, its
 checks and its summary; `benchmarks/harness.py` does the rest: `harness.parser(name, __doc__,
