@@ -31,9 +31,10 @@ BACKENDS = {
 }
 
 
-def test_sequence_parallel_with_compiled_blocks_is_refused_naming_both_ways_out(tiny_models):
+def test_sequence_parallel_with_compiled_blocks_is_refused_naming_both_ways_out(tiny_model):
+    # Refused by the config's values alone, before any model is read or worker started.
     with pytest.raises(ValueError, match="compile='blocks' cannot run with sequence_parallel=2") as refused:
-        EngineConfig(model=tiny_models("flux"), executor="mp", num_workers=2, sequence_parallel=2, compile="blocks")
+        EngineConfig(model=tiny_model, executor="mp", num_workers=2, sequence_parallel=2, compile="blocks")
     assert "compile='off' with sequence_parallel" in str(refused.value)
     assert "sequence_parallel=1 with compile='blocks'" in str(refused.value)
 

@@ -18,7 +18,7 @@ from rollout.pipelines.compiled_blocks import compile_blocks, repeated_block_cla
 from rollout.pipelines.loading import load_adapter
 from rollout.rescoring import recompute_log_probs
 from rollout.weights.state import base_state
-from tests.families import FAMILIES
+from tests.families import ALL_FAMILIES, FAMILIES
 from trainers_adapters.lora_policy import LoraPolicy
 
 pytestmark = pytest.mark.timeout(900)
@@ -206,4 +206,37 @@ def test_compiled_flux_equals_eager_across_batch_sizes_and_adapters_without_reco
     logger.info("FLUX.1 compiled vs eager: %d first graphs, %d recompiles, worst %.2e", first, recompiles, worst)
     assert first == 4  # 2 block classes (double- and single-stream) x (batch 1, any batch)
     assert recompiles == 0
+    assert worst < TOLERANCE
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family_name", [name for name in ALL_FAMILIES if name not in ("sd3", "flux")])
+def test_every_family_compiles_its_blocks_whole_and_samples_what_eager_does(tiny_models, family_name):
+    """Every other family's blocks compile without a graph break (the whole block is one graph), a
+    call of a shape seen before compiles nothing, and its compiled rollouts equal eager ones,
+    guidance and input images included (SD3 and FLUX.1 are checked across batch sizes and adapters
+    above)."""
+    family = ALL_FAMILIES[family_name]
+    path = tiny_models(family_name)
+    images = family.inputs(num_prompts=1).get("images", [None])[0]
+    inputs = {} if images is None else {"images": images}
+    breaks, before = sum(counters["graph_break"].values()), graphs()
+    worst = 0.0
+    with (
+        RolloutEngine(EngineConfig(model=path, compile="blocks")) as compiled,
+        RolloutEngine(EngineConfig(model=path)) as eager,
+    ):
+        for count, cfg in ((2, True), (3, False)):
+            params = family.params(cfg=cfg, num_inference_steps=2, seed=count, num_samples=count)
+            got = compiled.generate(["a red square"], params, **inputs)
+            worst = max(worst, _close(got, eager.generate(["a red square"], params, **inputs)))
+            assert {output.trajectory.compile for output in got} == {"blocks"}
+        compiled_so_far = graphs()
+        for count, cfg in ((2, True), (3, False)):  # the same shapes again
+            params = family.params(cfg=cfg, num_inference_steps=2, seed=count + 10, num_samples=count)
+            compiled.generate(["a red square"], params, **inputs)
+        recompiles = graphs() - compiled_so_far
+    assert recompiles == 0, f"{recompiles} graphs compiled again for shapes seen before"
+    logger.info("%s compiled vs eager: %d graphs, worst %.2e", family_name, graphs() - before, worst)
+    assert sum(counters["graph_break"].values()) == breaks
     assert worst < TOLERANCE
