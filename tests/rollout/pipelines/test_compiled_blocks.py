@@ -213,22 +213,25 @@ def test_compiled_flux_equals_eager_across_batch_sizes_and_adapters_without_reco
 @pytest.mark.parametrize("family_name", [name for name in ALL_FAMILIES if name not in ("sd3", "flux")])
 def test_every_family_compiles_its_blocks_whole_and_samples_what_eager_does(tiny_models, family_name):
     """Every other family's blocks compile without a graph break (the whole block is one graph), a
-    call of a shape seen before compiles nothing, and its compiled rollouts equal eager ones,
-    guidance and input images included (SD3 and FLUX.1 are checked across batch sizes and adapters
-    above)."""
+    call of a shape seen before compiles nothing, its compiled rollouts equal eager ones, guidance
+    and input images included, and a compiled trainer re-scores them within the contract (SD3 and
+    FLUX.1 are checked across batch sizes and adapters above, SD3's gradients too)."""
     family = ALL_FAMILIES[family_name]
     path = tiny_models(family_name)
     images = family.inputs(num_prompts=1).get("images", [None])[0]
     inputs = {} if images is None else {"images": images}
     breaks, before = sum(counters["graph_break"].values()), graphs()
-    worst = 0.0
+    worst, trajectories = 0.0, []
     with (
         RolloutEngine(EngineConfig(model=path, compile="blocks")) as compiled,
         RolloutEngine(EngineConfig(model=path)) as eager,
     ):
         for count, cfg in ((2, True), (3, False)):
-            params = family.params(cfg=cfg, num_inference_steps=2, seed=count, num_samples=count)
+            params = family.params(
+                cfg=cfg, num_inference_steps=2, seed=count, num_samples=count, return_trajectory=True
+            )
             got = compiled.generate(["a red square"], params, **inputs)
+            trajectories += [output.trajectory for output in got]
             worst = max(worst, _close(got, eager.generate(["a red square"], params, **inputs)))
             assert {output.trajectory.compile for output in got} == {"blocks"}
         compiled_so_far = graphs()
@@ -240,3 +243,8 @@ def test_every_family_compiles_its_blocks_whole_and_samples_what_eager_does(tiny
     logger.info("%s compiled vs eager: %d graphs, worst %.2e", family_name, graphs() - before, worst)
     assert sum(counters["graph_break"].values()) == breaks
     assert worst < TOLERANCE
+    trainer = LoraPolicy(path, {"r": 4, "lora_alpha": 8}, compile="blocks")  # its default targets, B = 0
+    with torch.no_grad():
+        ratio = max((recompute_log_probs(trainer.adapter, t) - t.log_probs).abs().max().item() for t in trajectories)
+    logger.info("%s: a compiled trainer re-scores the compiled rollouts to |log-ratio| %.2e", family_name, ratio)
+    assert ratio < TOLERANCE
