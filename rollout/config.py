@@ -173,6 +173,8 @@ def value_problems(config: Any) -> list[str]:
             f"compile must be one of {', '.join(COMPILE_CHOICES)} ('blocks': the denoisers' repeated transformer "
             f"blocks compiled), got {config.compile!r}"
         )
+    elif compiled_attention_refusal(config.compile, config.attention_backend):
+        problems.append(compiled_attention_refusal(config.compile, config.attention_backend))
     elif config.compile == "blocks" and sequence_ok and config.sequence_parallel > 1:
         # diffusers' "Ulysses anything" attention (rollout.parallel.sequence) gathers every rank's
         # sequence length with a collective at each attention, which torch.compile cannot trace:
@@ -202,6 +204,24 @@ def value_problems(config: Any) -> list[str]:
     if not (config.device == "cpu" or config.device.startswith("cuda")):
         problems.append(f"device must be 'cpu' or 'cuda[:N]', got {config.device!r}")
     return problems
+
+
+# Attention backends torch cannot compile inside the blocks. Flex attention, measured on the CPU
+# (torch 2.13, diffusers 0.42): inductor fails to lower it in Wan's, Z-Image's and LTX-2's blocks,
+# and FLUX.2 [klein]'s compiled flex attention differs from its eager one by 6.7e-2.
+UNCOMPILED_ATTENTION_BACKENDS = ("flex",)
+
+
+def compiled_attention_refusal(compile: str, attention_backend: str | None) -> str | None:
+    """Why `compile` cannot run with `attention_backend` (the engine's and a trainer's copy alike), or None."""
+    if compile != "blocks" or attention_backend not in UNCOMPILED_ATTENTION_BACKENDS:
+        return None
+    return (
+        f"compile='blocks' cannot run with attention_backend={attention_backend!r}: torch does not compile "
+        "diffusers' flex attention inside the blocks (it fails to lower in Wan, Z-Image and LTX-2, and differs "
+        "from eager by 6.7e-2 in FLUX.2 [klein]); use compile='blocks' with another backend ('native', or a "
+        "flash backend on a GPU), or compile='off' with flex"
+    )
 
 
 def settings_problems(**settings) -> list[str]:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from rollout.config import COMPILE_CHOICES
+from rollout.config import COMPILE_CHOICES, compiled_attention_refusal
 from rollout.pipelines.attention import backend_refusal, set_attention_backend
 from rollout.pipelines.compiled_blocks import compile_blocks
 from rollout.pipelines.families import adapters_by_pipeline
@@ -49,6 +49,9 @@ def load_adapter(
     a trainer re-scores a compiled rollout with the same computation."""
     if compile not in COMPILE_CHOICES:
         raise ValueError(f"compile must be one of {', '.join(COMPILE_CHOICES)}, got {compile!r}")
+    refusal = compiled_attention_refusal(compile, attention_backend)
+    if refusal is not None:
+        raise ValueError(refusal)
     if attention_backend is not None:
         refusal = backend_refusal(attention_backend, device, dtype, probe=True)
         if refusal is not None:

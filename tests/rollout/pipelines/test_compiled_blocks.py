@@ -48,6 +48,12 @@ def test_the_setting_is_checked_and_sd3_falls_back_on_its_no_split_modules(train
         EngineConfig(model=tiny_model, compile="all")
     with pytest.raises(ValueError, match="compile must be one of off, blocks"):
         load_adapter(tiny_model, compile="yes")
+    # Flex attention does not compile inside the blocks: refused for the engine and the trainer alike.
+    with pytest.raises(ValueError, match="compile='blocks' cannot run with attention_backend='flex'"):
+        EngineConfig(model=tiny_model, compile="blocks", attention_backend="flex")
+    with pytest.raises(ValueError, match="compile='blocks' cannot run with attention_backend='flex'"):
+        load_adapter(tiny_model, compile="blocks", attention_backend="flex")
+    assert EngineConfig(model=tiny_model, compile="blocks", attention_backend="native").compile == "blocks"
     # diffusers' SD3Transformer2DModel declares no _repeated_blocks; its _no_split_modules names its block.
     assert not getattr(type(trainer_adapter.transformer), "_repeated_blocks", None)
     assert repeated_block_classes(trainer_adapter.transformer) == ("JointTransformerBlock",)
