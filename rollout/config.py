@@ -173,8 +173,8 @@ def value_problems(config: Any) -> list[str]:
             f"compile must be one of {', '.join(COMPILE_CHOICES)} ('blocks': the denoisers' repeated transformer "
             f"blocks compiled), got {config.compile!r}"
         )
-    elif compiled_attention_refusal(config.compile, config.attention_backend):
-        problems.append(compiled_attention_refusal(config.compile, config.attention_backend))
+    elif refusal := compiled_attention_refusal(config.compile, config.attention_backend):
+        problems.append(refusal)
     elif config.compile == "blocks" and sequence_ok and config.sequence_parallel > 1:
         # diffusers' "Ulysses anything" attention (rollout.parallel.sequence) gathers every rank's
         # sequence length with a collective at each attention, which torch.compile cannot trace:
