@@ -14,6 +14,7 @@ import pytest
 from rollout import EngineConfig, RolloutEngine
 from rollout.weights.state import base_state
 from tests.families import FAMILIES
+from tests.rollout.pipelines.test_compiled_blocks import CONFIG, TOLERANCE, _close
 from trainers_adapters.lora_policy import LoraPolicy
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # Ray workers cannot import the tests
@@ -21,8 +22,6 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])  # Ray workers canno
 pytestmark = pytest.mark.timeout(300)
 logger = logging.getLogger(__name__)
 
-CONFIG = {"r": 4, "lora_alpha": 8, "target_modules": ["to_q", "to_k", "to_v", "to_out.0"], "init_lora_weights": False}
-TOLERANCE = 1e-5  # compiled vs eager, float32 on a CPU: latents and log-probs
 SD3 = FAMILIES["sd3"]
 BACKENDS = {
     "mp": {"executor": "mp", "num_workers": 2},
@@ -75,9 +74,7 @@ def test_a_compiled_backend_samples_what_eager_uni_does_without_recompiles(reque
             got = compiled.generate(["a red square"] * count, params)
             want = eager.generate(["a red square"] * count, params)
             outputs.extend(got)
-            for a, b in zip(got, want, strict=True):
-                worst = max(worst, (a.trajectory.latents.stack() - b.trajectory.latents.stack()).abs().max().item())
-                worst = max(worst, (a.trajectory.log_probs - b.trajectory.log_probs).abs().max().item())
+            worst = max(worst, _close(got, want))
 
         for count in range(1, 7):  # every rank sees batches of one row and of several, CFG on and off
             both(count, lora=(None, "a", "b")[count % 3], cfg=bool(count % 2))

@@ -10,12 +10,10 @@ import threading
 import time
 
 import pytest
-import torch
 
 from recipes import checkpoint
 from recipes.config import load_config
 from recipes.grpo import run
-from rollout.lora.manager import read_lora_folder
 from tests.recipes.test_checkpoint_resume import CONFIG, assert_same_lora, metrics, settings
 
 pytestmark = pytest.mark.timeout(240)
@@ -168,7 +166,4 @@ def test_the_asynchronous_run_on_mp_and_ray_is_the_in_process_run(tiny_model, tm
     for key in ("reward_mean", "loss"):
         assert [r[key] for r in records] == pytest.approx([r[key] for r in expected], rel=1e-4, abs=1e-6)
     assert elsewhere["eval_reward_end"] == pytest.approx(in_process["eval_reward_end"], rel=1e-4, abs=1e-6)
-    uni_lora, _ = read_lora_folder(tmp_path / "uni" / "lora")
-    other_lora, _ = read_lora_folder(tmp_path / executor / "lora")
-    for key, tensor in uni_lora.items():
-        torch.testing.assert_close(other_lora[key], tensor, rtol=1e-4, atol=1e-6)
+    assert_same_lora(tmp_path / executor / "lora", tmp_path / "uni" / "lora", rtol=1e-4, atol=1e-6)

@@ -6,13 +6,11 @@ rounding."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from recipes.config import load_config
 from recipes.grpo import run
-from rollout.lora.manager import read_lora_folder
 from rollout.rescoring import RATIO_TOLERANCE
-from tests.recipes.test_checkpoint_resume import CONFIG, metrics, settings
+from tests.recipes.test_checkpoint_resume import CONFIG, assert_same_lora, metrics, settings
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -32,7 +30,4 @@ def test_a_compiled_grpo_run_rescores_within_the_contract_and_trains_as_the_eage
     for key in ("reward_mean", "loss"):
         assert [r[key] for r in records] == pytest.approx([r[key] for r in expected], rel=1e-3, abs=1e-5)
     assert compiled["eval_reward_end"] == pytest.approx(eager["eval_reward_end"], rel=1e-3, abs=1e-5)
-    eager_lora, _ = read_lora_folder(tmp_path / "eager" / "lora")
-    compiled_lora, _ = read_lora_folder(tmp_path / "compiled" / "lora")
-    for key, tensor in eager_lora.items():
-        torch.testing.assert_close(compiled_lora[key], tensor, rtol=1e-3, atol=1e-5)
+    assert_same_lora(tmp_path / "compiled" / "lora", tmp_path / "eager" / "lora", rtol=1e-3, atol=1e-5)
