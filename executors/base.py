@@ -23,12 +23,13 @@ import torch
 from executors import last_resort
 from executors.bootstrap import WorkerBootstrap, worker_threads
 from executors.replica_groups import GroupRendezvous, ReplicaLayout
-from rollout.api import RolloutAPI, implements
+from rollout.api import RolloutAPI, implements, ranks_list
 from rollout.config import EngineConfig
 from rollout.errors import EngineDeadError, WorkerError, interrupted_reason
 from rollout.messages import RunnerOutput, SchedulerOutput, WorkerInput
 from rollout.weights.handed_over import HandedOver
-from rollout.worker.worker import build_worker_class, call_function, worker_methods
+from rollout.worker.marks import STAGES_WEIGHTS, mark_of, worker_functions
+from rollout.worker.worker import build_worker_class, call_function
 
 logger = logging.getLogger(__name__)
 
@@ -398,27 +399,38 @@ class Executor:
         return answers[min(failed)] if failed else None
 
     def resolve_method(self, method: str | Callable) -> tuple[str, Callable]:
-        """(name for messages, function taking the worker first) for a method name or a callable."""
+        """(name for messages, function taking the worker first) for a method name or a callable.
+        A `@stages_weights` function is refused: called alone it would apply nothing."""
         if isinstance(method, str):
-            available = worker_methods(self.worker_cls)
+            available = worker_functions(self.worker_cls)
             if method not in available:
                 raise ValueError(
                     f"unknown worker method {method!r}; available: {sorted(available)} "
                     "(add your own with EngineConfig(worker_extension_cls=...) or pass a callable)"
                 )
-            return method, getattr(self.worker_cls, method)
-        if callable(method):
-            return getattr(method, "__qualname__", repr(method)), method
-        raise TypeError(f"collective_rpc method must be a worker method name or a callable, got {method!r}")
+            name, function = method, getattr(self.worker_cls, method)
+        elif callable(method):
+            name, function = getattr(method, "__qualname__", repr(method)), method
+        else:
+            raise TypeError(f"collective_rpc method must be a worker method name or a callable, got {method!r}")
+        if mark_of(function) == STAGES_WEIGHTS:
+            raise ValueError(
+                f"worker function {name!r} stages weights, and collective_rpc would apply none of them: call "
+                f"update_weights_from_worker({name!r}, ...), which applies them on every rank or on none, with a "
+                "new weight version"
+            )
+        return name, function
 
     def resolve_ranks(self, ranks: Sequence[int] | None) -> list[int]:
+        """The ranks a call addresses, sorted: all for None, else `ranks` (distinct ranks of this
+        executor; `rollout.api.ranks_list` says what else is refused)."""
+        ranks = ranks_list(ranks)
         if ranks is None:
             return list(range(self.num_workers))
-        ranks = list(ranks)
-        bad = [r for r in ranks if not isinstance(r, int) or not 0 <= r < self.num_workers]
+        bad = [r for r in ranks if not 0 <= r < self.num_workers]
         if bad or not ranks:
             raise ValueError(f"ranks must be a non-empty subset of 0..{self.num_workers - 1}, got {ranks}")
-        return sorted(set(ranks))
+        return sorted(ranks)
 
 
 def transport_problems(cls: type[Executor]) -> list[str]:

@@ -6,7 +6,8 @@ An executor is any `executors.Executor` subclass, named in `EngineConfig(executo
 by dotted path. Here `StepTimingExecutor` reuses the `mp` backend and records the wall time of
 every engine step. Worker functions come from `worker_extension_cls`: every public method of
 `LatentStatsExtension` becomes callable on every worker through `engine.collective_rpc(name)`;
-inside it, `self` is the worker (`self.rank`, `self.adapter`, `self.requests`).
+inside it, `self` is the worker (`self.rank`, `self.adapter`, `self.requests`). Both only read,
+and say so (`@read_only`): a rollout server calls such functions for any client by name.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import time
 from executors.mp import MPExecutor
 from rollout import EngineConfig, RolloutEngine, SamplingParams
 from rollout.messages import SchedulerOutput
+from rollout.worker.marks import read_only
 
 logger = logging.getLogger(__name__)
 
@@ -27,10 +29,12 @@ logger = logging.getLogger(__name__)
 class LatentStatsExtension:
     """Worker functions mixed into every worker (they must not reuse a worker method's name)."""
 
+    @read_only
     def live_latent_norms(self) -> dict[str, float]:
         """Norm of the current latents of each request this worker holds, by request id."""
         return {request_id: float(state.latents.norm()) for request_id, state in self.requests.items()}
 
+    @read_only
     def transformer_parameter_count(self) -> int:
         return sum(p.numel() for p in self.adapter.transformer.parameters())
 

@@ -58,6 +58,23 @@ def implements(declaration: Callable) -> Callable[[Callable], Callable]:
     return decorate
 
 
+def ranks_list(ranks: Sequence[int] | None) -> list[int] | None:
+    """`collective_rpc`'s `ranks` as a list (None stays None: every rank), checked on every front:
+    TypeError unless it is a sequence of ints, ValueError for a rank named twice. Which ranks
+    exist is the engine's to check."""
+    if ranks is None:
+        return None
+    if isinstance(ranks, str | bytes) or not isinstance(ranks, Iterable):
+        raise TypeError(f"ranks must be a list of rank numbers (e.g. [{ranks!r}]), or None for all, got {ranks!r}")
+    ranks = list(ranks)
+    if any(isinstance(r, bool) or not isinstance(r, int) for r in ranks):
+        raise TypeError(f"ranks must be a list of rank numbers (ints), got {ranks!r}")
+    twice = sorted({r for r in ranks if ranks.count(r) > 1})
+    if twice:
+        raise ValueError(f"ranks names {twice} more than once (got {ranks}); name each rank once")
+    return ranks
+
+
 @runtime_checkable
 class RolloutAPI(Protocol):
     """Generation, incremental driving, worker functions and the hot-swap API of one engine."""
@@ -149,6 +166,20 @@ class RolloutAPI(Protocol):
         check_finite: bool = True,
     ) -> int:
         """`update_weights` from a .safetensors file or a component folder the workers read."""
+
+    def update_weights_from_worker(
+        self,
+        method: str,
+        args: Sequence = (),
+        kwargs: dict | None = None,
+        *,
+        component: str = DEFAULT_COMPONENT,
+        version: int | None = None,
+        mode: str = "wait",
+        check_finite: bool = True,
+    ) -> int:
+        """`update_weights` with tensors every worker reads itself: the `@stages_weights` worker
+        function `method` returns or yields them (`rollout.worker.marks`)."""
 
     def init_weight_update_group(
         self,
@@ -262,6 +293,7 @@ class AsyncRolloutAPI(Protocol):
     check_health = _coroutine(RolloutAPI.check_health)
     update_weights = _coroutine(RolloutAPI.update_weights)
     update_weights_from_disk = _coroutine(RolloutAPI.update_weights_from_disk)
+    update_weights_from_worker = _coroutine(RolloutAPI.update_weights_from_worker)
     init_weight_update_group = _coroutine(RolloutAPI.init_weight_update_group)
     update_weights_from_distributed = _coroutine(RolloutAPI.update_weights_from_distributed)
     check_weight_update = _coroutine(RolloutAPI.check_weight_update)

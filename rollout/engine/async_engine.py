@@ -195,6 +195,7 @@ class AsyncRolloutEngine:
 
     update_weights = _between_steps(RolloutEngine.update_weights)
     update_weights_from_disk = _between_steps(RolloutEngine.update_weights_from_disk)
+    update_weights_from_worker = _between_steps(RolloutEngine.update_weights_from_worker)
     open_weight_push = _between_steps(RolloutEngine.open_weight_push)
     finish_weight_push = _between_steps(RolloutEngine.finish_weight_push)
     abort_weight_push = _between_steps(RolloutEngine.abort_weight_push)

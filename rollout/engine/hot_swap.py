@@ -25,6 +25,7 @@ from rollout.weights.safetensors_files import safetensors_files
 from rollout.weights.state import TensorSpec
 from rollout.weights.sync import StagedPush, WeightSync
 from rollout.weights.versions import WeightVersions
+from rollout.worker.marks import staging_function
 
 if TYPE_CHECKING:
     from rollout.config import EngineConfig
@@ -45,7 +46,9 @@ class HotSwap:
     unfinished: the unfinished requests;
     config: the engine's `EngineConfig`;
     check_component: raises ValueError unless its argument names a component of the model
-        (`ModelSpec.check_component`): checked before a call that names one sends anything.
+        (`ModelSpec.check_component`): checked before a call that names one sends anything;
+    worker_cls: the workers' class (`Worker` with the config's extension), whose functions are
+        checked before a call that names one sends anything.
     """
 
     def __init__(
@@ -58,9 +61,11 @@ class HotSwap:
         unfinished: Callable[[], Collection[Request]],
         config: EngineConfig,
         check_component: Callable[[str], None],
+        worker_cls: type,
     ):
         self.collective_rpc = rpc
         self._check_component = check_component
+        self._worker_cls = worker_cls
         self._check_open = check_open
         self._drain = drain
         self._die = die
@@ -187,6 +192,23 @@ class HotSwap:
         files = safetensors_files(path)
         push_args = (files, component, check_finite)
         return self._update(self._weight_sync.push_from_files, push_args, component, version, mode)
+
+    @implements(RolloutAPI.update_weights_from_worker)
+    def update_weights_from_worker(self, method, args, kwargs, *, component, version, mode, check_finite) -> int:
+        """`update_weights` whose tensors every worker reads from a source of the user's own
+        (shared memory, a file, a collective of its own): the `@stages_weights` function `method`
+        of `worker_extension_cls` (`rollout.worker.marks`), called on every rank with `args` and
+        `kwargs`, returns or yields (name, tensor) pairs of `component`. Each rank checks and stages
+        them as `update_weights` checks its tensors; then every rank applies the update or none
+        does: a function that raises or is refused on any rank, or ranks that stage different
+        numbers of tensors, roll every rank back (ValueError for a refusal, the rank's
+        `WorkerError` for a failure) and the weights and their version stay. `version` and `mode`
+        as in `update_weights`."""
+        self._check_open()
+        self._check_component(component)
+        staging_function(self._worker_cls, method)
+        push_args = (method, tuple(args), dict(kwargs or {}), component, check_finite)
+        return self._update(self._weight_sync.push_from_function, push_args, component, version, mode)
 
     @implements(RolloutAPI.init_weight_update_group)
     def init_weight_update_group(

@@ -88,6 +88,7 @@ class RolloutEngine:
             unfinished=lambda: self.scheduler.requests.values(),
             config=config,
             check_component=self.model_spec.check_component,
+            worker_cls=self.executor.worker_cls,
         )
 
     # Generation.
@@ -386,6 +387,7 @@ class RolloutEngine:
 
     update_weights = _hot_swap_method(HotSwap.update_weights)
     update_weights_from_disk = _hot_swap_method(HotSwap.update_weights_from_disk)
+    update_weights_from_worker = _hot_swap_method(HotSwap.update_weights_from_worker)
     open_weight_push = _hot_swap_method(HotSwap.open_weight_push)
     finish_weight_push = _hot_swap_method(HotSwap.finish_weight_push)
     abort_weight_push = _hot_swap_method(HotSwap.abort_weight_push)

@@ -483,7 +483,16 @@ class LoraManager:
         self._active = None
 
     def bound_modules(self, name: str) -> int:
+        """How many modules adapter `name` binds."""
         return sum(_bound_modules(self.components[c], self._layers[name]) for c in self.placed[name])
+
+    def peft_name(self, name: str) -> str:
+        """The name the live layers of adapter `name` carry inside the model (`policy-0`): PEFT
+        names their tensors by it (`...to_q.lora_A.policy-0.weight`). A load that builds new
+        layers (a new layout) gives them a new one; a hot swap of the same layout keeps it."""
+        if name not in self._layers:
+            raise ValueError(f"no LoRA named {name!r} is loaded; loaded: {sorted(self.configs)}")
+        return self._layers[name]
 
     def _check_fits(
         self, name: str, model: nn.Module, tensors: Mapping[str, torch.Tensor], config: LoraConfig

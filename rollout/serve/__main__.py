@@ -78,9 +78,10 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="METHOD",
-        help="a worker method of the engine's own that changes its state (sleep, load_lora, ...) which "
-        "/collective_rpc may call by name anyway; by default it calls only read-only ones and the extension's "
-        "(the engine's routes keep its record of weights, adapters and sleep). Repeatable",
+        help="a worker function that may change state (the engine's own, such as sleep or load_lora, or one of "
+        "--worker-extension-cls not marked @read_only) which /collective_rpc may call by name anyway; by default "
+        "it calls only the functions marked read-only (the engine's routes keep its record of weights, adapters "
+        "and sleep). Repeatable",
     )
     server.add_argument("--max-body-mb", type=float, default=1.0, help="largest JSON request body (413 past it)")
     server.add_argument(
@@ -230,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = EngineConfig(**settings_from_args(args, engine_flag_names()), request_limits=RequestLimits(**limits))
         check_engine_config(config)  # the model folder and classes too, before any key or worker
+        _check_rpc_allow(args.rpc_allow, config)
     except ValueError as error:
         sys.exit(f"error: {error}")
     generated_key_file = None
@@ -262,6 +264,19 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if generated_key_file is not None:
             generated_key_file.unlink(missing_ok=True)
+
+
+def _check_rpc_allow(names: list[str], config: EngineConfig) -> None:
+    """ValueError unless every --rpc-allow name is a worker function (a typo would open nothing)."""
+    from rollout.worker.marks import worker_functions
+    from rollout.worker.worker import build_worker_class
+
+    unknown = sorted(set(names) - worker_functions(build_worker_class(config.worker_extension_cls)))
+    if unknown:
+        raise ValueError(
+            f"--rpc-allow {' '.join(unknown)}: not a worker function of this engine (its own, or of "
+            "--worker-extension-cls)"
+        )
 
 
 def listen(host: str, port: int) -> socket.socket:

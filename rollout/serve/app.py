@@ -43,11 +43,12 @@ from rollout.http.wire import (
 from rollout.lora.manager import count_non_lora_keys, infer_config, read_lora_folder, remote_config_problems
 from rollout.sampling_params import SamplingParams
 from rollout.serve import protocol
-from rollout.serve.error_table import STATUS_OF
+from rollout.serve.error_table import STATUS_OF, worker_error_fields
 from rollout.serve.instance import InstanceHeaders, new_instance_id
 from rollout.serve.routes import path
 from rollout.serve.weight_stream import UPLOAD_FLAG, receive_update
-from rollout.worker.worker import READ_ONLY_METHODS, Worker, worker_methods
+from rollout.worker.marks import READ_ONLY, STAGES_WEIGHTS, functions_marked, mark_of, worker_functions
+from rollout.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
 
@@ -58,8 +59,8 @@ class ServerSettings:
     the command line makes that an explicit --no-auth). allowed_hosts: the names a request's Host
     header may carry (None: any; see `rollout.http.hosts.allowed_hosts`). max_body_bytes: of a JSON body;
     max_upload_bytes: of a safetensors body (weights, adapters); max_samples_per_request: outputs
-    of one generate call (prompts x num_samples x a tree's leaves per sample). rpc_allow: the
-    worker's own state-changing functions /collective_rpc may call too (see `_rpc_refusal`)."""
+    of one generate call (prompts x num_samples x a tree's leaves per sample). rpc_allow: worker
+    functions not marked read-only that /collective_rpc may call too (see `_rpc_refusal`)."""
 
     api_key: str | None = None
     allowed_hosts: frozenset[str] | None = LOOPBACK_NAMES
@@ -218,6 +219,15 @@ def build_app(engine: AsyncRolloutEngine, settings: ServerSettings) -> FastAPI:
         async with push_lock:
             return {"weight_version": await engine.update_weights_from_disk(body.model_path, **options)}
 
+    @router.post(path("update_weights_from_worker"))
+    async def update_weights_from_worker(
+        body: Annotated[protocol.UpdateFromWorkerBody, json_body(protocol.UpdateFromWorkerBody)],
+    ) -> dict:
+        options = body.model_dump(exclude={"method", "args", "kwargs"})
+        async with push_lock:
+            version = await engine.update_weights_from_worker(body.method, body.args, body.kwargs, **options)
+        return {"weight_version": version}
+
     @router.post(path("weights_checksum"))
     async def get_weights_checksum(body: Annotated[protocol.ChecksumBody, json_body(protocol.ChecksumBody)]) -> dict:
         return {"checksum": await engine.weights_checksum(body.component)}
@@ -293,14 +303,15 @@ def build_app(engine: AsyncRolloutEngine, settings: ServerSettings) -> FastAPI:
         await engine.check_weight_update(body.names, dtypes, body.shapes, body.component)
         return {"ok": True}
 
-    callable_by_name = READ_ONLY_METHODS | _extension_methods(engine) | settings.rpc_allow
+    worker_cls = engine.engine.executor.worker_cls
+    callable_by_name = functions_marked(worker_cls, READ_ONLY) | settings.rpc_allow
 
     @router.post(path("collective_rpc"))
     async def collective_rpc(
         body: Annotated[protocol.CollectiveRpcBody, json_body(protocol.CollectiveRpcBody)],
     ) -> dict:
-        if body.method not in callable_by_name and body.method in worker_methods(Worker):
-            raise HTTPException(403, _rpc_refusal(body.method))
+        if body.method not in callable_by_name and body.method in worker_functions(worker_cls):
+            raise HTTPException(403, _rpc_refusal(worker_cls, body.method))
         results = await engine.collective_rpc(
             body.method, args=body.args, kwargs=body.kwargs, timeout=body.timeout, ranks=body.ranks
         )
@@ -328,6 +339,7 @@ _ENGINE_ROUTES = {
     "commit_weights": path("update_weights"),
     "rollback_weights": path("update_weights"),
     "stage_weights_from_files": path("update_weights_from_disk"),
+    "stage_weights_from_function": path("update_weights_from_worker"),
     "init_weight_update_group": path("init_weight_update_group"),
     "stage_weights_from_broadcast": path("update_weights_from_distributed"),
     "load_lora": path("load_lora"),
@@ -341,14 +353,21 @@ _ENGINE_ROUTES = {
 }
 
 
-def _extension_methods(engine: AsyncRolloutEngine) -> frozenset[str]:
-    """The methods the server's --worker-extension-cls adds: its operator chose them."""
-    return frozenset(worker_methods(engine.engine.executor.worker_cls) - worker_methods(Worker))
-
-
-def _rpc_refusal(method: str) -> str:
-    """Over HTTP a client reaches the worker's own state-changing functions only through the
-    engine, which keeps their effects in its books (sleep level, weight version, adapters)."""
+def _rpc_refusal(worker_cls: type, method: str) -> str:
+    """Over HTTP a client reaches a function that may change state only through the engine, which
+    keeps its effects in its books (sleep level, weight version, adapters), or where the operator
+    allowed it. A function of the extension says what it does with its mark (`rollout.worker.marks`)."""
+    if mark_of(getattr(worker_cls, method)) == STAGES_WEIGHTS:
+        return (
+            f"worker function {method!r} stages weights: call {path('update_weights_from_worker')}, which applies "
+            "them on every rank or on none, with a new weight version"
+        )
+    if method not in worker_functions(Worker):
+        return (
+            f"worker function {method!r} of --worker-extension-cls is not marked @read_only, so it may change what "
+            "the engine keeps and /collective_rpc does not call it: mark it with rollout.worker.marks.read_only if "
+            f"it only reads, or start the server with --rpc-allow {method}"
+        )
     route = _ENGINE_ROUTES.get(method)
     instead = f"use {route}, which keeps the engine's record of it" if route else "the engine does this itself"
     return (
@@ -480,11 +499,14 @@ def _error_handler(status: int):
 
 async def _worker_error(request: Request, error: WorkerError) -> JSONResponse:
     """A worker function raised: 400 for the caller's bad input (a ValueError or TypeError in the
-    worker), else 500. The body has the worker's error; its traceback goes to the log only."""
+    worker), else 500. The body has the worker's error, and under "worker" what the client needs
+    to raise the `WorkerError` an engine in its process would (`worker_error_fields`)."""
     status = 400 if error.raised(ValueError) or error.raised(TypeError) else 500
     log = logger.warning if status < 500 else logger.error
     log("%s %s failed in a worker: %s", request.method, request.url.path, error)
-    return _error_body(status, error.error_type.rpartition(".")[2], f"worker rank {error.rank}: {error.message}")
+    message = f"worker rank {error.rank}: {error.message}"
+    body = {"type": error.error_type.rpartition(".")[2], "message": message, "worker": worker_error_fields(error)}
+    return JSONResponse({"error": body}, status_code=status)
 
 
 async def _http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:

@@ -32,7 +32,7 @@ import torch
 from peft import LoraConfig
 from tqdm.auto import tqdm
 
-from rollout.api import RolloutAPI, implements
+from rollout.api import RolloutAPI, implements, ranks_list
 from rollout.config import EngineConfig
 from rollout.errors import EngineDeadError
 from rollout.http.wire import (
@@ -49,7 +49,7 @@ from rollout.outputs import RolloutOutput
 from rollout.pipelines.spec import ModelSpec
 from rollout.sampling_params import SamplingParams
 from rollout.serve import API_KEY_ENV
-from rollout.serve.error_table import exception_for
+from rollout.serve.error_table import exception_for, worker_error
 from rollout.serve.instance import InstanceCheck
 from rollout.serve.routes import ROUTES, body_json, path
 from rollout.serve.socket_post import AnswerTimedOut, ConnectionFailed, SocketTarget, post_chunked
@@ -98,8 +98,7 @@ def _rpc_fields(method, args, kwargs, timeout, ranks) -> dict:
             "a callable cannot be sent over HTTP; make it a method of the server's --worker-extension-cls "
             "and call it by name"
         )
-    ranks = list(ranks) if ranks is not None else None
-    return {"method": method, "args": list(args), "kwargs": kwargs, "timeout": timeout, "ranks": ranks}
+    return {"method": method, "args": list(args), "kwargs": kwargs, "timeout": timeout, "ranks": ranks_list(ranks)}
 
 
 def _disk_fields(path, **options) -> dict:
@@ -312,6 +311,11 @@ class RemoteRolloutEngine:
         fields=_disk_fields,
         check_component=True,
         note="`path` is on the server's machine.",
+    )
+    update_weights_from_worker = _sent(
+        RolloutAPI.update_weights_from_worker,
+        check_component=True,
+        note="`method` is a function of the server's --worker-extension-cls; its arguments are JSON.",
     )
     init_weight_update_group = _sent(RolloutAPI.init_weight_update_group)
     update_weights_from_distributed = _sent(RolloutAPI.update_weights_from_distributed, fields=_layout_fields)
@@ -579,7 +583,9 @@ def _error_answer(status: int, content: bytes, text: str) -> Exception:
         error = json.loads(content)["error"]
         error_type, message = error["type"], error["message"]
     except (ValueError, KeyError, TypeError):
-        error_type, message = "", text
+        error_type, message, error = "", text, {}
+    if "worker" in error:  # a worker function raised: the engine's own error, rank and traceback
+        return worker_error(error["worker"])
     return exception_for(error_type, message, status)
 
 

@@ -2,12 +2,13 @@
 
 The server answers an engine exception with the status of the first class it is an instance of and
 the body {"error": {"type": <class name>, "message": ...}}; the client raises the class that type
-names (or, for a type it does not know, the class its status stands for).
+names (or, for a type it does not know, the class its status stands for). A worker function's
+error carries its worker's fields too, and the client raises the `WorkerError` the engine raised.
 """
 
 from __future__ import annotations
 
-from rollout.errors import EngineDeadError
+from rollout.errors import EngineDeadError, WorkerError
 from rollout.http.wire import WireError
 
 # Most specific first: an exception gets the status of the first class it is an instance of.
@@ -30,3 +31,19 @@ def exception_for(error_type: str, message: str, status: int) -> Exception:
     """The exception a client raises for an error answer."""
     cls = _BY_NAME.get(error_type) or _BY_STATUS.get(status) or (ValueError if status < 500 else RuntimeError)
     return cls(message)
+
+
+def worker_error_fields(error: WorkerError) -> dict:
+    """What of a `WorkerError` goes in its error body, under "worker"."""
+    return {
+        "method": error.method,
+        "rank": error.rank,
+        "error_type": error.error_type,
+        "message": error.message,
+        "traceback": error.remote_traceback,
+    }
+
+
+def worker_error(fields: dict) -> WorkerError:
+    """The `WorkerError` of an error body's "worker" fields."""
+    return WorkerError(fields["method"], fields["rank"], fields["error_type"], fields["message"], fields["traceback"])

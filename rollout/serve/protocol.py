@@ -101,6 +101,19 @@ class UpdateFromDiskBody(Body):
     check_finite: bool = True
 
 
+class UpdateFromWorkerBody(Body):
+    """`update_weights_from_worker`: a `@stages_weights` function of the server's
+    `--worker-extension-cls` by name, with JSON arguments."""
+
+    method: str
+    args: list[Any] = []
+    kwargs: dict[str, Any] | None = None
+    component: str = DEFAULT_COMPONENT
+    version: int | None = None
+    mode: Literal["wait", "pause"] = "wait"
+    check_finite: bool = True
+
+
 class LoadLoraBody(Body):
     lora_name: str
     lora_path: str  # a PEFT or diffusers LoRA folder on the server's machine

@@ -34,6 +34,9 @@ ROUTES: dict[str, Route] = {
     "resume": Route("/resume"),
     "update_weights": Route("/update_weights_from_tensor", protocol.UpdateFromTensorBody, "weight_version"),
     "update_weights_from_disk": Route("/update_weights_from_disk", protocol.UpdateFromDiskBody, "weight_version"),
+    "update_weights_from_worker": Route(
+        "/update_weights_from_worker", protocol.UpdateFromWorkerBody, "weight_version"
+    ),
     "weights_checksum": Route("/get_weights_checksum", protocol.ChecksumBody, "checksum"),
     "load_lora": Route("/v1/load_lora_adapter", protocol.LoadLoraBody, "weight_version"),
     "load_lora_tensors": Route("/v1/load_lora_adapter", protocol.LoadLoraTensorsBody, "weight_version"),

@@ -216,6 +216,25 @@ class StagedUpdates:
             raise ValueError(refusal_message(component, problems))
         return len(self._staged.get(component, {}))
 
+    def stage_pairs(self, component: str, pairs: Iterable[tuple[str, torch.Tensor]], check_finite: bool) -> int:
+        """Stage (name, tensor) pairs that a worker function produced, each checked as the engine
+        checks a tensor of `update_weights` (name, shape, dtype, and with `check_finite` its
+        values); returns how many are staged. ValueError listing every offender, nothing staged."""
+        specs = specs_of(self.module(component))
+        accepted: dict[str, torch.Tensor] = {}
+        problems: list[str] = []
+        for name, tensor in pairs:
+            if name in accepted:
+                problems.append(f"{name}: given twice")
+                continue
+            problems += update_problems(specs, [(name, tensor)], check_finite)
+            accepted[name] = tensor
+        if not accepted:
+            problems.insert(0, "the update holds no tensors")
+        if problems:
+            raise ValueError(refusal_message(component, problems))
+        return self.stage(component, accepted)
+
     def apply(self, component: str) -> int:
         """Swap every staged tensor in at once; returns how many."""
         staged = self._staged.pop(component, {})

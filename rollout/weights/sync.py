@@ -3,7 +3,8 @@
 1. Every tensor is checked against the component's names, shapes and dtypes (and for NaN/inf with
    `check_finite`) as it streams past; checked tensors are staged on every rank in buckets of about
    `bucket_bytes`. Staged tensors are invisible to sampling. Tensors the workers read themselves
-   (files, a broadcast) have their headers checked here and their values on the workers.
+   (files, a broadcast) have their headers checked here and their values on the workers; those a
+   user's worker function reads from its own source (`push_from_function`) are checked there whole.
 2. If anything was wrong, the staged tensors are dropped and one error lists every offending name.
 3. Otherwise every rank swaps its staged tensors in. If any rank fails (or does not answer), every
    rank rolls back; a rollback that fails too, or a commit that fails on some rank, leaves ranks
@@ -81,10 +82,24 @@ class WeightSync:
             self._stage_on_ranks("stage_weights_from_broadcast", component, buckets, check_finite)
         return len(entries)
 
-    def _stage_on_ranks(self, method: str, *args) -> None:
-        """Run a staging worker function; a rank's refusal (ValueError) is the update's refusal."""
+    def push_from_function(self, method: str, args: tuple, kwargs: dict, component: str, check_finite: bool) -> int:
+        """Like `push`, but every rank stages what its `@stages_weights` function `method` returns
+        (`Worker.stage_weights_from_function`), checked there. A function that fails or is refused
+        on any rank, or ranks that stage different numbers of tensors, roll every rank back."""
+        with self._all_or_nothing(component):
+            counts = self._stage_on_ranks("stage_weights_from_function", component, method, args, kwargs, check_finite)
+            if len(set(counts)) > 1:
+                raise ValueError(
+                    f"update refused, weights unchanged: the ranks' {method!r} staged different numbers of tensors "
+                    f"of {component} ({counts}, in rank order); every rank must stage the same update"
+                )
+        return counts[0]
+
+    def _stage_on_ranks(self, method: str, *args) -> list:
+        """Run a staging worker function (its result on every rank); a rank's refusal
+        (ValueError) is the update's refusal."""
         try:
-            self._rpc(method, args=args)
+            return self._rpc(method, args=args)
         except WorkerError as error:
             if error.raised(ValueError):
                 raise ValueError(error.message) from error

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -32,6 +32,7 @@ from rollout.pipelines.spec import ModelSpec
 from rollout.weights.broadcast_group import BroadcastEntry, connect, receive_bucket
 from rollout.weights.regular_files import check_regular
 from rollout.weights.state import StagedUpdates, TensorSpec, base_state, checksum, specs_of
+from rollout.worker.marks import READ_ONLY, functions_marked, read_only, worker_functions
 from rollout.worker.model_runner import BatchLost, ModelRunner, RequestState, describe
 from rollout.worker.progress import Progress
 from rollout.worker.sent_conditions import SentConditions
@@ -158,18 +159,22 @@ class Worker:
             f"that its group's other ranks did not fail within {self.failure_agreement.grace_s}s: {describe(error)}"
         ) from error
 
+    @read_only
     def model_spec(self) -> ModelSpec:
         return self.adapter.spec
 
+    @read_only
     def check_health(self) -> bool:
         """True while the worker can run; raises otherwise (e.g. the device is gone)."""
         if self.config.device.startswith("cuda"):
             torch.cuda.synchronize(self.adapter.device)
         return True
 
+    @read_only
     def get_rank(self) -> int:
         return self.rank
 
+    @read_only
     def request_ids(self) -> list[str]:
         """Ids of the requests whose state this worker holds."""
         return sorted(self.requests)
@@ -179,11 +184,23 @@ class Worker:
     # (these, the checksum, sleep) first restores them where a LoRA adapter is merged into them, so
     # it sees and changes the base; the next forward merges again, with the new base.
 
+    @read_only
     def weight_specs(self, component: str) -> dict[str, TensorSpec]:
         return specs_of(self.updates.module(component))
 
     def stage_weights(self, component: str, named_tensors: dict[str, torch.Tensor]) -> int:
         return self.updates.stage(component, named_tensors)
+
+    def stage_weights_from_function(
+        self, component: str, method: str, args: Sequence, kwargs: dict, check_finite: bool
+    ) -> int:
+        """Stage what the `@stages_weights` worker function `method` (the engine checked its mark:
+        `rollout.worker.marks.staging_function`) returns or yields: a name -> tensor mapping or
+        (name, tensor) pairs of `component`, each checked as `update_weights` checks a tensor;
+        returns how many are staged. A refusal (ValueError) stages nothing."""
+        produced = getattr(type(self), method)(self, *args, **kwargs)
+        pairs = produced.items() if isinstance(produced, Mapping) else produced
+        return self.updates.stage_pairs(component, pairs, check_finite)
 
     def stage_weights_from_files(self, component: str, files: list[str], check_finite: bool) -> int:
         from safetensors.torch import load_file
@@ -220,6 +237,7 @@ class Worker:
         self.loras.restore()
         self.updates.rollback(component)
 
+    @read_only
     def weights_checksum(self, component: str) -> str:
         self.loras.restore()
         return checksum(base_state(self.updates.module(component)))
@@ -260,6 +278,7 @@ class Worker:
         self.loras.restore()
         self.sleeper.sleep(level)
 
+    @read_only
     def hot_swap_state(self) -> dict:
         """What the engine tracks of this worker: adapters (name -> modules bound) and sleep level;
         and the (adapter, scale) merged into the base weights for the forward, or None, and how
@@ -274,17 +293,6 @@ class Worker:
 
     def wake_up(self) -> None:
         self.sleeper.wake_up()
-
-
-# The worker's own functions that only read. The others change what the engine keeps (the requests,
-# the weights and their version, the adapters, the sleep level) and have engine calls of their own;
-# the service lets a client call only these (and an extension's) by name.
-READ_ONLY_METHODS = frozenset(
-    {"model_spec", "check_health", "get_rank", "request_ids", "weight_specs", "weights_checksum", "hot_swap_state"}
-)
-# What runs with a merged LoRA adapter left in place: an engine step, whose forward merges only when
-# its adapter or scale changes (`LoraManager.activate`), and the read-only functions.
-_KEEP_THE_MERGE = READ_ONLY_METHODS | {"execute"}
 
 
 def call_function(worker: Worker, fn: Callable, args: Sequence, kwargs: dict) -> Any:
@@ -318,9 +326,12 @@ _WORKER_ATTRIBUTES = {
 }
 
 
-def worker_methods(worker_cls: type) -> set[str]:
-    """Names `collective_rpc` may call on a worker of this class: its public callables."""
-    return {name for name in dir(worker_cls) if not name.startswith("_") and callable(getattr(worker_cls, name))}
+# The worker's own read-only functions. The others change what the engine keeps (the requests, the
+# weights and their version, the adapters, the sleep level) and have engine calls of their own.
+READ_ONLY_METHODS = functions_marked(Worker, READ_ONLY)
+# What runs with a merged LoRA adapter left in place: an engine step, whose forward merges only when
+# its adapter or scale changes (`LoraManager.activate`), and the read-only functions.
+_KEEP_THE_MERGE = READ_ONLY_METHODS | {"execute"}
 
 
 def build_worker_class(extension: str | type | None) -> type[Worker]:
@@ -334,7 +345,7 @@ def build_worker_class(extension: str | type | None) -> type[Worker]:
         extension = import_by_path(extension, "worker_extension_cls")
     if not isinstance(extension, type):
         raise TypeError(f"worker_extension_cls must be a class or a dotted path to one, got {extension!r}")
-    clashes = sorted(worker_methods(extension) & (worker_methods(Worker) | _WORKER_ATTRIBUTES))
+    clashes = sorted(worker_functions(extension) & (worker_functions(Worker) | _WORKER_ATTRIBUTES))
     if clashes:
         raise ValueError(
             f"worker_extension_cls {extension.__qualname__} redefines worker methods {clashes}; "

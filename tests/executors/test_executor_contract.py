@@ -236,6 +236,10 @@ def test_collective_rpc_by_name_extension_callable_and_rank_subset(engine):
         r * 10 + 3 for r in ranks
     ]
     assert engine.collective_rpc("get_rank", ranks=[ranks[-1]]) == [ranks[-1]]
+    with pytest.raises(TypeError, match=r"ranks must be a list of rank numbers \(e.g. \[0\]\)"):
+        engine.collective_rpc("get_rank", ranks=0)
+    with pytest.raises(ValueError, match=r"ranks names \[0\] more than once"):
+        engine.collective_rpc("get_rank", ranks=[0, 0])
     tensor = torch.arange(6.0).reshape(2, 3)
     echoed = engine.collective_rpc(lambda worker, t: t * 2, args=(tensor,))
     assert all(torch.equal(e, tensor * 2) for e in echoed)

@@ -10,11 +10,16 @@ from rollout.serve.launch import ServerProcess
 
 API_KEY = "test-key-0123456789"
 EXTENSION = "tests.serve.worker_extension.ServeTestExtension"
+# The extension, and its test hooks opened by name: they change how steps run, so they are not
+# marked read-only and /collective_rpc calls them only where the operator allows it.
+EXTENSION_FLAGS = ("--worker-extension-cls", EXTENSION) + tuple(
+    flag for hook in ("fail_prompt", "set_step_delay", "raise_key_error") for flag in ("--rpc-allow", hook)
+)
 
 
 @pytest.fixture(scope="session")
 def server(tiny_model):
-    flags = ("--worker-extension-cls", EXTENSION, "--max-samples-per-request", "64", "--max-body-mb", "0.05")
+    flags = (*EXTENSION_FLAGS, "--max-samples-per-request", "64", "--max-body-mb", "0.05")
     with ServerProcess.start(tiny_model, *flags, "--max-upload-mb", "64", api_key=API_KEY) as running:
         yield running
 

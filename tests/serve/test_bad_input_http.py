@@ -21,7 +21,7 @@ from rollout.serve.launch import ServerProcess
 from rollout.serve.routes import body_json
 from rollout.weights.state import base_state
 from tests.executors.worker_functions import wait_gone
-from tests.serve.conftest import API_KEY, EXTENSION
+from tests.serve.conftest import API_KEY, EXTENSION_FLAGS
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -191,7 +191,7 @@ def test_unknown_adapters_and_bad_values_elsewhere(server, remote):
 @pytest.mark.timeout(180)
 @pytest.mark.slow  # a server of its own, killed: test_server_lifetime kills one in the default suite
 def test_a_dead_worker_fails_health_and_every_call_with_503(tiny_model):
-    flags = ("--executor", "mp", "--worker-extension-cls", EXTENSION, "--rpc-timeout-s", "20")
+    flags = ("--executor", "mp", *EXTENSION_FLAGS, "--rpc-timeout-s", "20")
     with ServerProcess.start(tiny_model, *flags, api_key=API_KEY) as server:
         with RemoteRolloutEngine(server.url, api_key=API_KEY) as remote:
             (pid,) = remote.collective_rpc("pid")

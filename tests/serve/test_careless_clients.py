@@ -269,9 +269,10 @@ def test_rpc_allow_lets_the_operator_open_a_method(tiny_model):
 def test_every_worker_function_is_either_read_only_or_has_an_engine_route():
     """A new worker function must be placed: callable by name over HTTP, or refused with its route."""
     from rollout.serve.app import _ENGINE_ROUTES
-    from rollout.worker.worker import READ_ONLY_METHODS, Worker, worker_methods
+    from rollout.worker.marks import worker_functions
+    from rollout.worker.worker import READ_ONLY_METHODS, Worker
 
-    assert worker_methods(Worker) == READ_ONLY_METHODS | set(_ENGINE_ROUTES)
+    assert worker_functions(Worker) == READ_ONLY_METHODS | set(_ENGINE_ROUTES)
     assert not READ_ONLY_METHODS & set(_ENGINE_ROUTES)
 
 

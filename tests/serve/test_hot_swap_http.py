@@ -156,6 +156,12 @@ def test_worker_functions_by_name_and_callables_refused(remote):
         remote.collective_rpc("no_such_method")
     with pytest.raises(TypeError, match="cannot be sent over HTTP"):
         remote.collective_rpc(lambda worker: 1)
+    with pytest.raises(TypeError, match=r"ranks must be a list of rank numbers \(e.g. \[1\]\)"):
+        remote.collective_rpc("get_rank", ranks=1)
+    with pytest.raises(ValueError, match=r"ranks names \[0\] more than once"):
+        remote.collective_rpc("get_rank", ranks=[0, 0])
+    with pytest.raises(ValueError, match=r"ranks must be a non-empty subset of 0..0, got \[1\]"):
+        remote.collective_rpc("get_rank", ranks=[1])
 
 
 def test_broadcast_group_through_the_server(remote, transformer_state):

@@ -19,7 +19,7 @@ from rollout import SamplingParams
 from rollout.http.wire import LENGTH
 from rollout.serve.launch import ServerProcess
 from rollout.serve.routes import body_json
-from tests.serve.conftest import API_KEY, EXTENSION
+from tests.serve.conftest import API_KEY, EXTENSION_FLAGS
 from tests.serve.test_generate_http import assert_same_output
 
 pytestmark = pytest.mark.timeout(240)
@@ -141,7 +141,7 @@ def test_a_push_has_a_deadline_and_a_stopping_server_waits_for_no_one(tiny_model
     read its streamed answer and another push trickles: the process is gone within the grace and
     the engine's stop (it ran on for 40-60 s, as long as the push trickled)."""
     flags = ("--body-timeout-s", "3", "--upload-timeout-s", "4", "--shutdown-grace-s", "3")
-    with ServerProcess.start(tiny_model, *flags, "--worker-extension-cls", EXTENSION, api_key=API_KEY) as server:
+    with ServerProcess.start(tiny_model, *flags, *EXTENSION_FLAGS, api_key=API_KEY) as server:
         cut_off = TricklingPush(server.url, API_KEY, every_s=1.0)
         start = time.monotonic()
         cut_off.start()

@@ -15,7 +15,7 @@ from rollout import RemoteRolloutEngine, SamplingParams
 from rollout.errors import EngineDeadError
 from rollout.serve.launch import ServerProcess
 from tests.executors.worker_functions import wait_gone
-from tests.serve.conftest import API_KEY, EXTENSION
+from tests.serve.conftest import API_KEY, EXTENSION_FLAGS
 from trainers_adapters.lora_policy import LoraPolicy
 
 STEP_DELAY_S = 0.5
@@ -24,7 +24,7 @@ STEP_DELAY_S = 0.5
 @pytest.mark.timeout(180)
 @pytest.mark.slow  # repetition for the default suite: CI runs it (make test-slow)
 def test_sigterm_finishes_what_fits_in_the_grace_and_ends_the_rest(tiny_model):
-    flags = ("--executor", "mp", "--num-workers", "2", "--worker-extension-cls", EXTENSION, "--shutdown-grace-s", "6")
+    flags = ("--executor", "mp", "--num-workers", "2", *EXTENSION_FLAGS, "--shutdown-grace-s", "6")
     with ServerProcess.start(tiny_model, *flags, api_key=API_KEY) as server:
         with RemoteRolloutEngine(server.url, api_key=API_KEY) as remote:
             pids = remote.collective_rpc("pid")
@@ -58,7 +58,7 @@ def test_sigterm_finishes_what_fits_in_the_grace_and_ends_the_rest(tiny_model):
 @pytest.mark.timeout(120)
 @pytest.mark.slow  # a server of its own (about 11 s); the default suite keeps mp's killed-worker test
 def test_a_killed_server_fails_every_call_at_once_with_engine_dead(tiny_model):
-    with ServerProcess.start(tiny_model, "--worker-extension-cls", EXTENSION, api_key=API_KEY) as server:
+    with ServerProcess.start(tiny_model, *EXTENSION_FLAGS, api_key=API_KEY) as server:
         with RemoteRolloutEngine(server.url, api_key=API_KEY) as remote:
             remote.collective_rpc("set_step_delay", args=(STEP_DELAY_S,))
             remote.add_request("long", SamplingParams(num_inference_steps=50, seed=0))

@@ -5,6 +5,10 @@ from __future__ import annotations
 import os
 import time
 
+from safetensors import safe_open
+
+from rollout.worker.marks import read_only, stages_weights
+
 
 class ServeTestExtension:
     step_delay_s = 0.0
@@ -24,6 +28,7 @@ class ServeTestExtension:
             self.runner.step = failing_step
         self.failing_prompts = frozenset() if prompt is None else frozenset({prompt})
 
+    @read_only
     def pid(self) -> int:
         return os.getpid()
 
@@ -39,3 +44,21 @@ class ServeTestExtension:
                 step(states)
 
             self.runner.step = slow_step
+
+    @stages_weights
+    def weights_from_file(self, path: str, fail_after: int | None = None):
+        """The tensors of a safetensors file on the server's machine, one at a time; with
+        `fail_after`, raise once that many are yielded (a transport that breaks mid-update)."""
+        with safe_open(path, "pt") as weights:
+            for index, name in enumerate(weights.keys()):
+                if index == fail_after:
+                    raise ConnectionError(f"the transport broke after {index} tensors")
+                yield name, weights.get_tensor(name)
+
+    def set_marker(self, value: str) -> None:
+        """Changes the worker (not marked read-only, and not opened with --rpc-allow)."""
+        self.marker = value
+
+    def raise_key_error(self, key: str) -> None:
+        """A worker function that fails as a user's may (not a ValueError)."""
+        raise KeyError(key)

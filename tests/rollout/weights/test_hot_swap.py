@@ -13,6 +13,7 @@ from rollout.config import EngineConfig
 from rollout.engine.hot_swap import HotSwap
 from rollout.errors import EngineDeadError, WorkerError
 from rollout.weights.state import TensorSpec
+from rollout.worker.worker import Worker
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -131,6 +132,7 @@ def swap(tmp_path):
         unfinished=lambda: engine.unfinished,
         config=EngineConfig(model=str(tmp_path)),
         check_component=lambda component: None,
+        worker_cls=Worker,
     )
     return hot_swap, workers, engine
 
