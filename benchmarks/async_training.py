@@ -13,6 +13,12 @@ mean reward of the last 5 updates, per seed; the asynchronous runs' mean must li
 synchronous seeds' [min, max] (their seed-to-seed spread). The staleness histogram counts the
 asynchronous runs' samples by how many versions older than the trainer's policy they were.
 
+The contract check: every asynchronous step re-scores its stale samples with the adapters that
+sampled them (`behaviour_rescore_s`, part of the update) and holds them to
+`max_log_ratio_before_update`; reported per seed as the median over steps (after the first two) of
+its seconds, and that over the run's median step time and median update time, with the largest
+`log_ratio_before_update` the run logged (target: below the contract's 1e-5).
+
     python -m benchmarks.async_training                       # 3 seeds, 30 steps, N = 1
     python -m benchmarks.async_training --seeds 2 --steps 12 --plot async.png --json out.json
 """
@@ -30,6 +36,7 @@ import torch
 
 from benchmarks import harness
 from recipes.plots import plot_runs
+from rollout.rescoring import RATIO_TOLERANCE
 
 CONFIG = harness.ROOT / "recipes" / "configs" / "grpo_async_tiny.yaml"
 TARGET_STEP_RATIO = 0.65
@@ -149,6 +156,7 @@ def _report(report: harness.Report, args, histories: dict[str, list[list[dict]]]
     report.note(
         f"importance weights' spread (std within a step), median over async steps: {statistics.median(weights):.2e}"
     )
+    check = _contract_check(report, histories["async"], step_s["async"])
     report.results = {
         "step_s": step_s,
         "step_ratio": ratio,
@@ -156,14 +164,43 @@ def _report(report: harness.Report, args, histories: dict[str, list[list[dict]]]
         "staleness": histogram,
         "curves": {mode: [[r["reward_mean"] for r in h] for h in histories[mode]] for mode in MODES},
         "wall_s": {mode: [[r["wall_s"] for r in h] for h in histories[mode]] for mode in MODES},
+        "contract_check": check,
     }
     report.check(harness.Target("async / sync step time", ratio, "<=", TARGET_STEP_RATIO))
     report.check(harness.Target("async mean final reward - sync min", async_mean - sync_low, ">=", 0.0))
     report.check(harness.Target("async mean final reward - sync max", async_mean - sync_high, "<=", 0.0))
+    worst = max(check["log_ratio_max"])
+    report.check(harness.Target("async max log_ratio_before_update", worst, "<", RATIO_TOLERANCE))
     if args.plot is not None:
         plot_runs(histories, args.plot, "asynchronous vs synchronous GRPO on the tiny SD3 (one line per seed)")
         report.note(f"plot: {args.plot}")
     return report.finish()
+
+
+def _contract_check(report: harness.Report, histories: list[list[dict]], step_s: list[float]) -> dict:
+    """The per-step re-scoring check of the asynchronous runs: its seconds per step, its share of the
+    step and of the update, and the largest |log ratio| it found, per seed."""
+    check_s = [statistics.median(r["behaviour_rescore_s"] for r in h[2:]) for h in histories]
+    update_s = [statistics.median(r["update_s"] for r in h[2:]) for h in histories]
+    log_ratio_max = [max(r["log_ratio_before_update"] for r in h) for h in histories]
+    rows = [
+        [seed, check_s[seed], f"{check_s[seed] / step_s[seed]:.1%}", f"{check_s[seed] / update_s[seed]:.1%}", worst]
+        for seed, worst in enumerate(log_ratio_max)
+    ]
+    report.table(
+        "the per-step contract check of the asynchronous runs (stale samples re-scored by the adapters that sampled "
+        "them)",
+        ["seed", "check s per step", "of the step", "of the update", "max log_ratio_before_update"],
+        rows,
+        note=f"median over seeds: {statistics.median(check_s):.4f} s per step, "
+        f"{statistics.median(c / s for c, s in zip(check_s, step_s, strict=True)):.1%} of the step time",
+    )
+    return {
+        "check_s": check_s,
+        "fraction_of_step": [c / s for c, s in zip(check_s, step_s, strict=True)],
+        "fraction_of_update": [c / u for c, u in zip(check_s, update_s, strict=True)],
+        "log_ratio_max": log_ratio_max,
+    }
 
 
 if __name__ == "__main__":

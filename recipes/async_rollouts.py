@@ -7,6 +7,10 @@ j with its samples exactly min(j, N) versions old. The rule makes the run determ
 the timing (it depends on the seed and N only): a resumed run repeats it bitwise, and with N = 0
 (each rollout waits for the update before it) it is the synchronous loop's run.
 
+The adapters stay until no rollout or checkpoint needs them, so the trainer re-scores each step's
+samples with the adapter that sampled them (`behaviour_of`): the re-scoring contract, checked every
+step, as the synchronous loop checks the policy's own samples.
+
 The thread makes every engine call of the loop (pushes included), one at a time, so the engine is
 never driven from two threads. The trainer publishes a copy of its adapter after each update; a
 rollout that needs a copy not published yet waits for it. An error on either side stops both: the
@@ -104,6 +108,22 @@ class RolloutsAhead:
             if step in self._rollouts:
                 return self._rollouts.pop(step)
             raise self._error
+
+    def behaviour_of(self, rollout: RewardedRollout) -> dict[int, dict[str, torch.Tensor]]:
+        """The adapters that sampled `rollout`, by the weight version its steps ran with (what
+        `grpo_step(behaviour=...)` re-scores them with); a version that none of this run's adapters
+        was pushed as raises RuntimeError (the engine's adapter was changed from elsewhere)."""
+        versions = {version for output in rollout.outputs for version in output.step_weight_versions}
+        with self._changed:
+            found = {version: self._snapshots.get(version - self.base_version) for version in versions}
+            held = sorted(self.version_of(index) for index in self._snapshots)
+        unknown = sorted(version for version, state in found.items() if state is None)
+        if unknown:
+            raise RuntimeError(
+                f"samples carry weight version(s) {unknown}, which none of this run's adapters had (it holds "
+                f"versions {held}): was the engine's adapter replaced from elsewhere?"
+            )
+        return found
 
     def pending_snapshots(self, done: int) -> dict[int, dict[str, torch.Tensor]]:
         """With `done` updates done: the adapters the rollouts of the steps from `done` on sample

@@ -55,11 +55,10 @@ def run(config: Config) -> dict:
     from recipes.training import train
     from trainers_adapters.grpo_trainer import grpo_step
 
-    def update(policy, optimizer, rollout, generator, policy_version):
-        return grpo_step(policy, optimizer, rollout, config.grpo, generator, policy_version)
+    def update(policy, optimizer, rollout, generator, policy_version, behaviour):
+        return grpo_step(policy, optimizer, rollout, config.grpo, generator, policy_version, behaviour)
 
     def postfix(stats) -> dict:
-        ratio = stats.log_ratio_before_update  # None: every sample of the step was stale
-        return {"log_ratio0": "stale" if ratio is None else f"{ratio:.1e}"}
+        return {"log_ratio0": f"{stats.log_ratio_before_update:.1e}"}
 
     return train(config, update, postfix, max_staleness=config.asynchronous.max_staleness)

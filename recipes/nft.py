@@ -61,7 +61,7 @@ def run(config: Config) -> dict:
         old = OldPolicy(policy, OLD_ADAPTER)
         return old
 
-    def update(policy, optimizer, rollout, generator, policy_version):
+    def update(policy, optimizer, rollout, generator, policy_version, behaviour):
         return nft_step(policy, old, optimizer, rollout, config.nft, generator)
 
     return train(config, update, lambda stats: {"old_decay": f"{stats.old_decay:.3f}"}, old_policy=attach)

@@ -89,9 +89,12 @@ def _step_params(config: TrainingConfig, params: SamplingParams, step: int) -> S
     return step_params
 
 
-# update(policy, optimizer, rollout, generator, policy_version) -> a dataclass of statistics for
-# metrics.jsonl; policy_version: the engine weight version of the policy before the update.
-UpdateFn = Callable[[LoraPolicy, torch.optim.Optimizer, RewardedRollout, torch.Generator, int], Any]
+# update(policy, optimizer, rollout, generator, policy_version, behaviour) -> a dataclass of statistics
+# for metrics.jsonl; policy_version: the engine weight version of the policy before the update;
+# behaviour: the asynchronous loop's adapters that sampled the rollout, by weight version (None: synchronous).
+UpdateFn = Callable[
+    [LoraPolicy, torch.optim.Optimizer, RewardedRollout, torch.Generator, int, dict[int, dict] | None], Any
+]
 
 
 def train(
@@ -209,12 +212,14 @@ def train(
                     stale = {o.weight_version for o in rollout.outputs} - {version}
                     if stale:
                         raise RuntimeError(f"step {step}: samples carry weight versions {stale}, expected {version}")
+                    behaviour = None
                 else:
                     rollout = ahead.rollout(step)
                     version = ahead.version_of(step)  # the policy's, pushed or not
+                    behaviour = ahead.behaviour_of(rollout)
                 wait_s = time.perf_counter() - wait_started
                 update_started = time.perf_counter()
-                stats = update(policy, optimizer, rollout, generator, version)
+                stats = update(policy, optimizer, rollout, generator, version, behaviour)
                 update_s = time.perf_counter() - update_started
                 push_started = time.perf_counter()
                 if ahead is None:
@@ -352,7 +357,7 @@ def _staleness_counts(rollout: RewardedRollout, policy_version: int) -> dict[str
 
 
 def _log_first_ratio(record: dict) -> None:
-    if record.get("log_ratio_before_update") is None:  # DPO's; or no step of the policy's own version
+    if record.get("log_ratio_before_update") is None:  # DPO has no policy ratio
         return
     log_ratio = record["log_ratio_before_update"]
     message = "policy ratio before the first update: max |log ratio| = %.2e (ratio within %.2e of 1; must be < %g)"

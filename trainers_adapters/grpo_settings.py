@@ -82,8 +82,9 @@ class GRPOSettings:
     # bfloat16 configs take 1e-4).
     max_log_ratio_before_update: float | None = setting(
         RATIO_TOLERANCE,
-        "above this max |log ratio| before the first optimizer step the update raises PolicyDriftError instead "
-        "of training on transitions the policy did not sample; None only reports it",
+        "above this max |log ratio| before the first optimizer step (each transition re-scored by the adapter that "
+        "sampled it: the policy, or an asynchronous run's older adapter) the update raises PolicyDriftError instead "
+        "of training on transitions that adapter did not sample; None only reports it",
         above=0,
         or_none=True,
     )

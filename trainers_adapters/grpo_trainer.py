@@ -11,11 +11,15 @@ first minibatch must be 1: `log_ratio_before_update` reports it, and `log_ratio_
 `log_ratio_by_step_mean` break it down by denoising step, so a drift that only some steps show
 (late ones, after a base update, in bfloat16) is visible. They cover the steps the first minibatch
 holds: all of the trained ones with `optimizer_steps=1`, a random share of the transitions otherwise.
+Samples an older policy made (asynchronous training) are held to the same contract when the update
+is given the adapters that sampled them (`behaviour`): the first minibatch's stale transitions are
+re-scored with the adapter of their step's version, and `log_ratio_before_update` covers them too.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass
 
 import torch
@@ -23,8 +27,14 @@ import torch
 from trainers_adapters.grpo import grpo_policy_loss, kl_to_reference
 from trainers_adapters.grpo_settings import GRPOSettings
 from trainers_adapters.lora_policy import LoraPolicy
-from trainers_adapters.micro_batches import micro_batches
-from trainers_adapters.off_policy import ImportanceWeights, importance_weights
+from trainers_adapters.micro_batches import log_probs_without_grad, micro_batches
+from trainers_adapters.off_policy import (
+    Behaviour,
+    ImportanceWeights,
+    behaviour_log_ratio,
+    check_behaviour_given,
+    importance_weights,
+)
 from trainers_adapters.optim import check_finite_loss, clip_and_step
 from trainers_adapters.rewards.rewarded_rollout import RewardedRollout
 from trainers_adapters.tree import RolloutTree, build_tree, tree_advantages
@@ -35,9 +45,10 @@ class GRPOStepStats:
     loss: float  # mean over transitions of policy loss + kl_beta * kl
     policy_loss: float
     kl: float  # mean KL to the reference (0 when kl_beta is 0)
-    # Max |log ratio| before this rollout's first optimizer step, over the first minibatch's
-    # transitions whose step ran with the policy's own version (the re-scoring contract); None when
-    # every one is stale (asynchronous training).
+    # Max |log ratio| before this rollout's first optimizer step over the first minibatch's
+    # transitions, each re-scored by the adapter that ran its step (the re-scoring contract): the
+    # policy for its own version's, the `behaviour` adapter of their version for stale ones. None
+    # when every one is stale and no behaviour adapters were given.
     log_ratio_before_update: float | None
     # Denoising step index -> max / mean |log ratio| (policy before the update against the logged
     # behaviour log-prob) over that step's transitions in the first minibatch, stale ones included:
@@ -59,6 +70,9 @@ class GRPOStepStats:
     importance_weight_min: float
     importance_weight_max: float
     corrected_fraction: float  # of those, the share truncated (tis) or rejected (rejection)
+    # Seconds spent re-scoring stale transitions with their behaviour adapters (0 without any): the
+    # check's only cost, as the forward that trains re-scores the policy's own steps.
+    behaviour_rescore_s: float
 
 
 def grpo_step(
@@ -68,15 +82,21 @@ def grpo_step(
     settings: GRPOSettings,
     generator: torch.Generator,
     policy_version: int | None = None,
+    behaviour: Behaviour | None = None,
 ) -> GRPOStepStats:
     """Run `settings.optimizer_steps` optimizer steps on `rollout`. The caller pushes the policy to
     the engine afterwards (the engine samples only with pushed weights). A rollout the policy's
     adapter did not sample (`SamplingParams(lora=policy.name)`) is refused before anything changes.
 
     `policy_version`: the engine weight version of the policy as it is now (pushed, or to be pushed
-    under that number); a step that ran with another version is stale by the difference, left out
-    of the drift check and weighed by `settings.off_policy_correction`. None: every step is the
-    policy's own (a synchronous loop)."""
+    under that number); a step that ran with another version is stale by the difference and weighed
+    by `settings.off_policy_correction`. None: every step is the policy's own (a synchronous loop).
+
+    `behaviour`: weight version -> the adapter (a `policy.lora_state()`, on the same base weights)
+    that ran the steps of that version older than `policy_version` (the asynchronous loop keeps
+    them: `recipes.async_rollouts`). Given, stale steps are held to the re-scoring contract with the
+    adapter that sampled them, as the policy's own are with the policy, and a stale version it lacks
+    is refused (ValueError) before anything changes; None leaves stale steps out of the check."""
     _check_sampled_by_policy(policy, rollout)
     tree = build_tree(rollout.outputs, rollout.rewards, rollout.branch_steps, rollout.trajectories[0].num_steps)
     advantages = tree_advantages(tree, global_std=settings.global_std, clip_max=settings.adv_clip_max)
@@ -89,14 +109,24 @@ def grpo_step(
             "the rollout has no SDE steps to train on; check sampling.sde_window, the sampler and grpo.prune_steps"
         )
     staleness = _staleness(rollout, transitions, policy_version)
+    stale = {position for position, age in enumerate(staleness) if age > 0} if behaviour is not None else set()
+    if stale:
+        check_behaviour_given({_ran_with(rollout, transitions[position]) for position in stale}, behaviour)
     order = torch.randperm(len(transitions), generator=generator).tolist()
     minibatches = [mb.tolist() for mb in torch.tensor_split(torch.tensor(order), settings.optimizer_steps)]
     minibatches = [minibatch for minibatch in minibatches if minibatch]
     later = [position for minibatch in minibatches[1:] for position in minibatch]
     decoupled = settings.off_policy_correction != "none"
+    log_ratio_before_update, behaviour_rescore_s = None, 0.0
+    stale_first = [position for position in minibatches[0] if position in stale]
+    if stale_first:  # before the forwards that train: `holding` must not swap between one and its backward
+        started = time.perf_counter()
+        transition_of = _transition_of(rollout, transitions)
+        checked = [(*transition_of(p), _ran_with(rollout, transitions[p])) for p in stale_first]
+        log_ratio_before_update = behaviour_log_ratio(policy, checked, behaviour, settings.micro_batch_size)
+        behaviour_rescore_s = time.perf_counter() - started
     proximal = _proximal_log_probs(policy, rollout, transitions, later, settings) if decoupled and later else {}
     totals = dict.fromkeys(("loss", "policy_loss", "kl", "ratio_mean", "clip_fraction"), 0.0)
-    log_ratio_before_update = None
     first_steps, first_abs_log_ratios = [], []  # of the first minibatch: step index, |log ratio| per transition
     raw_weights, corrected = [], []
     grad_norm = 0.0
@@ -121,7 +151,8 @@ def grpo_step(
                 first_steps += [step for _, step, _ in chosen]
                 first_abs_log_ratios.append(scored.abs_log_ratio)
         if number == 0 and log_ratio_before_update is not None:
-            _check_ratio(log_ratio_before_update, settings.max_log_ratio_before_update, optimizer, rollout)
+            limit = settings.max_log_ratio_before_update
+            _check_ratio(log_ratio_before_update, limit, optimizer, rollout, stale=bool(stale_first))
         grad_norm = clip_and_step(policy.parameters(), optimizer, settings.max_grad_norm)
     optimizer.zero_grad(set_to_none=True)
     count = len(transitions)
@@ -142,7 +173,14 @@ def grpo_step(
         importance_weight_min=float(raw.min()),
         importance_weight_max=float(raw.max()),
         corrected_fraction=float(torch.cat(corrected).float().mean()),
+        behaviour_rescore_s=behaviour_rescore_s,
     )
+
+
+def _ran_with(rollout: RewardedRollout, transition: tuple[int, int, float]) -> int:
+    """The weight version that ran the step of `transition`."""
+    index, step, _ = transition
+    return rollout.outputs[index].step_weight_versions[step]
 
 
 def _staleness(rollout: RewardedRollout, transitions: list[tuple[int, int, float]], version: int | None) -> list[int]:
@@ -150,8 +188,9 @@ def _staleness(rollout: RewardedRollout, transitions: list[tuple[int, int, float
     if version is None:
         return [0] * len(transitions)
     stale = []
-    for index, step, _ in transitions:
-        ran_with = rollout.outputs[index].step_weight_versions[step]
+    for transition in transitions:
+        index, step, _ = transition
+        ran_with = _ran_with(rollout, transition)
         if ran_with > version:
             raise ValueError(
                 f"sample {rollout.outputs[index].request_id} step {step} ran with weight version {ran_with}, newer "
@@ -166,6 +205,11 @@ def _trajectory_of(rollout: RewardedRollout, transitions: list[tuple[int, int, f
     return lambda position: rollout.outputs[transitions[position][0]].trajectory
 
 
+def _transition_of(rollout: RewardedRollout, transitions: list[tuple[int, int, float]]):
+    """position in `transitions` -> (its sample's trajectory, its step index): what a re-score takes."""
+    return lambda position: (rollout.outputs[transitions[position][0]].trajectory, transitions[position][1])
+
+
 def _proximal_log_probs(
     policy: LoraPolicy,
     rollout: RewardedRollout,
@@ -175,14 +219,7 @@ def _proximal_log_probs(
 ) -> dict[int, torch.Tensor]:
     """The policy's log-prob of each transition at `positions`, before any optimizer step, without
     gradient: the proximal policy of the minibatches after the first (`trainers_adapters.off_policy`)."""
-    trajectory_of = _trajectory_of(rollout, transitions)
-    found = {}
-    with torch.no_grad():
-        for chunk in micro_batches(positions, trajectory_of, settings.micro_batch_size):
-            trajectories = [trajectory_of(position) for position in chunk]
-            scored = policy.score(trajectories, [transitions[position][1] for position in chunk])
-            found |= dict(zip(chunk, scored.log_prob.float(), strict=True))
-    return found
+    return log_probs_without_grad(policy, positions, _transition_of(rollout, transitions), settings.micro_batch_size)
 
 
 def _by_step(steps: torch.Tensor, abs_log_ratio: torch.Tensor) -> tuple[dict[int, float], dict[int, float]]:
@@ -212,18 +249,21 @@ def _check_sampled_by_policy(policy: LoraPolicy, rollout: RewardedRollout) -> No
         )
 
 
-def _check_ratio(
-    log_ratio: float, tolerance: float | None, optimizer: torch.optim.Optimizer, rollout: RewardedRollout
-) -> None:
+def _check_ratio(log_ratio: float, tolerance: float | None, optimizer, rollout: RewardedRollout, stale: bool) -> None:
+    """The re-scoring contract's guard; `stale`: some steps were re-scored by their behaviour adapters."""
     if tolerance is None or log_ratio <= tolerance:
         return
     optimizer.zero_grad(set_to_none=True)
     scales = sorted({t.lora_scale for t in rollout.trajectories}, key=str)
     versions = sorted({output.weight_version for output in rollout.outputs})
+    scorer, cause = "the policy", ""
+    if stale:
+        scorer = "the policy (its own steps) and the behaviour adapters (older steps, each by its version's)"
+        cause = "a behaviour adapter is not the one the engine sampled its version with; "
     raise PolicyDriftError(
-        f"before any update the policy re-scores the rollout with max |log ratio| {log_ratio:.2e} > "
-        f"{tolerance:g}: it is not the policy that sampled. The rollout was sampled at weight version(s) "
-        f"{versions} with lora_scale {scales} (re-scored at the same scale). Likely causes: the adapter was not "
+        f"before any update the rollout re-scores under {scorer} with max |log ratio| {log_ratio:.2e} > "
+        f"{tolerance:g}: that is not what sampled. The rollout was sampled at weight version(s) {versions} "
+        f"with lora_scale {scales} (re-scored at the same scale). Likely causes: {cause}the adapter was not "
         "pushed after the last update (policy.push(engine); compare the version it returns with the outputs' "
         "weight_version); the engine's base weights were updated (update_weights) and the policy's were not "
         "(policy.load_base_weights with the same tensors), or the engine loaded another model folder "

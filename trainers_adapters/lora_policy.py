@@ -193,6 +193,30 @@ class LoraPolicy:
         return parameters
 
     @contextlib.contextmanager
+    def holding(self, state: Mapping[str, torch.Tensor]) -> Iterator[None]:
+        """Inside this block the adapter holds `state` (an earlier `lora_state()` of this policy:
+        the adapter that sampled a stale rollout) and the model runs without gradients; on exit
+        the trained tensors are back, bitwise. The values are swapped in place, so the optimizer's
+        parameters, a compiled model's graphs and the other adapters are untouched. A state of
+        other keys or shapes raises ValueError before anything changes."""
+        parameters = self._lora_parameters()
+        problems = tensor_differences(parameters, state)
+        if problems:
+            raise ValueError(
+                f"the adapter state does not fit policy {self.name!r}: {'; '.join(problems[:6])}; "
+                "pass a lora_state() of this policy"
+            )
+        with torch.no_grad():
+            own = {key: parameter.detach().clone() for key, parameter in parameters.items()}
+            try:
+                for key, parameter in parameters.items():
+                    parameter.copy_(state[key])
+                yield
+            finally:
+                for key, parameter in parameters.items():
+                    parameter.copy_(own[key])
+
+    @contextlib.contextmanager
     def reference(self) -> Iterator[None]:
         """Inside this block the model is the frozen reference (the base, LoRA disabled) and runs
         without gradients."""

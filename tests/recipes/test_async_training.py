@@ -1,10 +1,12 @@
 """Asynchronous GRPO (`recipes.async_rollouts`): with max_staleness 0 it is the synchronous run
-bitwise; with N >= 1 each step's samples are exactly min(step, N) versions old, the run is the same
-whatever the timing, a resume from a checkpoint repeats it bitwise, and a killed reward worker or
-rollout worker fails the run promptly, as in the synchronous loop."""
+bitwise; with N >= 1 each step's samples are exactly min(step, N) versions old, every step holds
+them to the re-scoring contract with the adapter that sampled them, the run is the same whatever
+the timing, a resume from a checkpoint repeats it bitwise, and a killed reward worker or rollout
+worker fails the run promptly, as in the synchronous loop."""
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import threading
 import time
@@ -14,7 +16,10 @@ import pytest
 from recipes import checkpoint
 from recipes.config import load_config
 from recipes.grpo import run
+from rollout.engine.rollout_engine import RolloutEngine
+from rollout.rescoring import RATIO_TOLERANCE
 from tests.recipes.test_checkpoint_resume import CONFIG, assert_same_lora, metrics, settings
+from trainers_adapters.grpo_trainer import PolicyDriftError
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -41,8 +46,8 @@ def test_samples_are_min_step_n_versions_old_and_a_resume_repeats_the_run_bitwis
     records = metrics(tmp_path / "whole")
     assert [r["sample_staleness"] for r in records] == [{str(min(step, staleness)): 2} for step in range(4)]
     assert [r["weight_version"] for r in records] == [2, 3, 4, 5]  # the synchronous loop's numbering
-    assert all(r["log_ratio_before_update"] is None for r in records[1:])  # every sample stale: nothing fresh
-    assert records[0]["log_ratio_before_update"] < 1e-5  # step 0 samples with the policy itself
+    # Every step: step 0's samples re-scored by the policy itself, the stale ones by the adapter that sampled them.
+    assert all(r["log_ratio_before_update"] < RATIO_TOLERANCE for r in records)
     assert all(r["importance_weight_std"] > 0 for r in records[1:])
     # Cut after 2 steps, its checkpoint keeping the adapters the next rollouts sample with, and resumed.
     train(tiny_model, tmp_path / "cut", "steps=2", "checkpoint_every=2", option)
@@ -55,6 +60,29 @@ def test_samples_are_min_step_n_versions_old_and_a_resume_repeats_the_run_bitwis
     # And again: the timing of the two threads does not change the run.
     train(tiny_model, tmp_path / "again", "steps=4", option)
     assert metrics(tmp_path / "again") == records
+
+
+def test_a_step_whose_samples_another_adapter_drew_stops_the_asynchronous_run(tiny_model, tmp_path, monkeypatch):
+    """Each step's stale samples are re-scored by the adapter that sampled them and held to
+    max_log_ratio_before_update, as the synchronous loop holds the policy's own: a step whose
+    samples the engine drew with another adapter than the trainer's of that version stops the
+    run with PolicyDriftError before it trains."""
+    sampler_load = RolloutEngine.load_lora
+
+    def load_changed(engine, name, source, config=None, *, version=None, check_finite=True):
+        # The sampler's pushes (each with its version; the first push has none) reach the engine changed.
+        if version is not None:
+            source = {key: t + 1e-2 if ".lora_B." in key else t for key, t in source.items()}
+        return sampler_load(engine, name, source, config, version=version, check_finite=check_finite)
+
+    monkeypatch.setattr(RolloutEngine, "load_lora", load_changed)
+    with pytest.raises(PolicyDriftError, match="a behaviour adapter is not the one the engine sampled its version"):
+        train(tiny_model, tmp_path / "changed", "steps=3", "asynchronous.max_staleness=1")
+    # Steps 0 and 1 sample with the first adapter, pushed unchanged; step 2's is the sampler's first push.
+    records = [json.loads(line) for line in (tmp_path / "changed" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [0, 1]
+    assert all(r["log_ratio_before_update"] < RATIO_TOLERANCE for r in records)
+    assert records[0]["behaviour_rescore_s"] == 0 < records[1]["behaviour_rescore_s"]  # step 1's samples are stale
 
 
 def _train_in_thread(*args) -> tuple[threading.Thread, dict]:

@@ -31,7 +31,8 @@ SMALL = [
     "eval.num_samples=1",
     "eval.num_inference_steps=1",
 ]
-TIMINGS = {"rollout_s", "reward_wait_s", "update_s", "push_s", "trainer_wait_s", "wall_s"}  # what a resume may change
+# what a resume may change
+TIMINGS = {"rollout_s", "reward_wait_s", "update_s", "push_s", "trainer_wait_s", "wall_s", "behaviour_rescore_s"}
 
 
 def settings(model: str, out: Path, *extra: str) -> list[str]:

@@ -72,26 +72,28 @@ def rollout_for(engine, policy, steps=4, seed=3):
 
 @pytest.fixture
 def policy_and_stale_rollout(engine, tiny_model):
-    """A rollout of version v, and the policy one large update later (version v + 1, pushed)."""
+    """A rollout of version v, the policy one large update later (version v + 1, pushed), and the
+    adapter that sampled the rollout."""
     torch.manual_seed(0)
     policy = LoraPolicy(tiny_model, LORA)
     version = policy.push(engine)
+    sampled_with = policy.lora_state()
     rollout = rollout_for(engine, policy)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=3e-2)
     grpo_step(policy, optimizer, rollout, GRPOSettings(clip_range=10.0), torch.Generator().manual_seed(0))
     assert policy.push(engine) == version + 1
-    yield policy, rollout, version + 1
+    yield policy, rollout, version + 1, sampled_with
     engine.unload_lora(policy.name)
 
 
 @pytest.mark.parametrize("correction", ["none", "tis", "rejection"])
 def test_a_stale_rollout_trains_without_the_drift_check_and_reports_its_weights(policy_and_stale_rollout, correction):
-    policy, rollout, version = policy_and_stale_rollout
+    policy, rollout, version, _ = policy_and_stale_rollout
     optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-3)
     settings = GRPOSettings(off_policy_correction=correction, importance_cap=1.001, optimizer_steps=2)
     stats = grpo_step(policy, optimizer, rollout, settings, torch.Generator().manual_seed(1), policy_version=version)
     assert stats.staleness_mean == stats.staleness_max == 1
-    assert stats.log_ratio_before_update is None  # no step of the policy's own version to check
+    assert stats.log_ratio_before_update is None  # no step of the policy's own version, no behaviour given
     assert max(stats.log_ratio_by_step_max.values()) > RATIO_TOLERANCE  # the lag of one update shows
     assert stats.importance_weight_min < 1 < stats.importance_weight_max
     if correction == "none":
@@ -104,14 +106,42 @@ def test_a_stale_rollout_trains_without_the_drift_check_and_reports_its_weights(
 def test_without_a_policy_version_the_same_stale_rollout_fails_the_drift_check(policy_and_stale_rollout):
     from trainers_adapters.grpo_trainer import PolicyDriftError
 
-    policy, rollout, _ = policy_and_stale_rollout
+    policy, rollout, _, _ = policy_and_stale_rollout
     optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-3)
     with pytest.raises(PolicyDriftError):
         grpo_step(policy, optimizer, rollout, GRPOSettings(), torch.Generator().manual_seed(1))
 
 
+def test_a_stale_rollout_is_held_to_the_contract_with_the_adapter_that_sampled_it(policy_and_stale_rollout):
+    from trainers_adapters.grpo_trainer import PolicyDriftError
+
+    policy, rollout, version, sampled_with = policy_and_stale_rollout
+    trained = policy.lora_state()
+    optimizer = torch.optim.SGD(policy.parameters(), lr=0.0)  # the policy stays as it is
+    settings = GRPOSettings(off_policy_correction="tis", optimizer_steps=2, micro_batch_size=3)
+    stats = grpo_step(
+        policy, optimizer, rollout, settings, torch.Generator().manual_seed(1), version, {version - 1: sampled_with}
+    )
+    assert stats.log_ratio_before_update < RATIO_TOLERANCE  # the adapter that sampled gives the logged log-probs
+    assert max(stats.log_ratio_by_step_max.values()) > RATIO_TOLERANCE  # the policy's lag of one update
+    assert stats.behaviour_rescore_s > 0
+    assert all(torch.equal(tensor, trained[key]) for key, tensor in policy.lora_state().items())  # swapped back
+    # Another adapter than the one that sampled (here the policy's own) trips the guard, the policy unchanged.
+    with pytest.raises(PolicyDriftError, match="a behaviour adapter is not the one the engine sampled its version"):
+        grpo_step(
+            policy, optimizer, rollout, settings, torch.Generator().manual_seed(1), version, {version - 1: trained}
+        )
+    assert all(torch.equal(tensor, trained[key]) for key, tensor in policy.lora_state().items())
+    with pytest.raises(ValueError, match=rf"version\(s\) \[{version - 1}\] are stale, but behaviour holds"):
+        grpo_step(policy, optimizer, rollout, settings, torch.Generator(), version, {version + 5: sampled_with})
+    with pytest.raises(ValueError, match="does not fit policy"):
+        grpo_step(
+            policy, optimizer, rollout, settings, torch.Generator(), version, {version - 1: {"x": torch.zeros(1)}}
+        )
+
+
 def test_a_step_newer_than_the_policy_is_refused(policy_and_stale_rollout):
-    policy, rollout, version = policy_and_stale_rollout
+    policy, rollout, version, _ = policy_and_stale_rollout
     optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-3)
     with pytest.raises(ValueError, match="newer than the policy's"):
         grpo_step(policy, optimizer, rollout, GRPOSettings(), torch.Generator(), policy_version=version - 2)
