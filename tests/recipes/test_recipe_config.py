@@ -269,6 +269,26 @@ def test_a_float_key_takes_a_number_written_as_text(tmp_path):
     assert problems_of(error) == ["grid_scale: expected int, got '4' (str)"]
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("name", ["rollout_tiny.yaml", "grpo_tiny.yaml"])
+def test_an_engine_url_where_nothing_answers_is_one_config_error_and_writes_nothing(capsys, tmp_path, name):
+    """The CLI answers with the config check's one line (no chained traceback), and the recipe run
+    directly refuses the same way; neither creates output_dir."""
+    from rollout.serve.launch import free_port
+
+    url, out = f"http://127.0.0.1:{free_port()}", tmp_path / "out"
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(CONFIG_DIR / name), "--set", f"engine.url={url}", "--set", f"output_dir={out}"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"(1 problem):\n  - engine.url: no rollout service answers at {url} (ConnectError: " in err
+    assert "Traceback" not in err and not out.exists()
+    config = load_config(CONFIG_DIR / name, [f"engine.url={url}", f"output_dir={out}"])
+    with pytest.raises(ValueError, match=f"invalid config: engine.url: no rollout service answers at {url}"):
+        recipe_module(config.recipe).run(config)
+    assert not out.exists()
+
+
 @pytest.mark.timeout(30)
 def test_cli_takes_a_float_without_a_dot_and_refuses_text(capsys):
     grpo_tiny = str(CONFIG_DIR / "grpo_tiny.yaml")
