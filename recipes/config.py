@@ -134,6 +134,7 @@ class EngineSection:
     )
     # YAML can name an executor or extension class only by its dotted path, hence `str` here.
     executor: str = setting_of(EngineConfig, "executor")
+    worker_extension_cls: str | None = setting_of(EngineConfig, "worker_extension_cls")
     num_workers: int = setting_of(EngineConfig, "num_workers")
     threads_per_worker: int | None = setting_of(EngineConfig, "threads_per_worker")
     sequence_parallel: int = setting_of(EngineConfig, "sequence_parallel")

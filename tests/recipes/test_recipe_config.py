@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.metadata
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -62,6 +63,22 @@ def test_rollout_tiny_values():
         same_noise_in_group=True,
     )
     assert config.output_dir == "outputs/rollout_tiny"
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_extension_is_a_config_key_checked_with_the_executor(tiny_model):
+    """`engine.worker_extension_cls` (a dotted path) reaches the engine, whose workers then answer its
+    functions by name; one that does not import is a problem of the config's one error."""
+    extension = "tests.serve.worker_extension.ServeTestExtension"
+    config = load_config(CONFIG_DIR / "rollout_tiny.yaml", [f"engine.worker_extension_cls={extension}"])
+    assert config.engine.worker_extension_cls == extension
+    with config.engine.open_engine(tiny_model) as engine:
+        assert engine.config.worker_extension_cls == extension
+        assert engine.collective_rpc("pid") == [os.getpid()]  # a method of the extension, by name
+    with pytest.raises(ValueError) as error:
+        load_config(CONFIG_DIR / "rollout_tiny.yaml", ["engine.worker_extension_cls=my_pkg.missing.Functions"])
+    (problem,) = problems_of(error)
+    assert problem.startswith("engine: ") and "my_pkg.missing.Functions" in problem
 
 
 @pytest.mark.timeout(30)
