@@ -46,6 +46,12 @@ def test_shipped_config_validates(path):
     assert f"python -m recipes.run recipes/configs/{path.name}" in path.read_text()
 
 
+def test_every_shipped_config_is_in_the_training_docs_recipe_list():
+    listed = (CONFIG_DIR.parents[1] / "docs" / "training.md").read_text()
+    missing = [path.name for path in SHIPPED if f"python -m recipes.run recipes/configs/{path.name}" not in listed]
+    assert missing == [], f"docs/training.md's recipe list lacks {missing}"
+
+
 @pytest.mark.timeout(30)
 def test_rollout_tiny_values():
     config = load_config(CONFIG_DIR / "rollout_tiny.yaml")
