@@ -134,6 +134,7 @@ class EngineSection:
     )
     # YAML can name an executor or extension class only by its dotted path, hence `str` here.
     executor: str = setting_of(EngineConfig, "executor")
+    worker_extension_cls: str | None = setting_of(EngineConfig, "worker_extension_cls")
     num_workers: int = setting_of(EngineConfig, "num_workers")
     threads_per_worker: int | None = setting_of(EngineConfig, "threads_per_worker")
     sequence_parallel: int = setting_of(EngineConfig, "sequence_parallel")
@@ -174,13 +175,25 @@ class EngineSection:
         logger.info("using the rollout service at %s (its own engine settings apply)", self.url)
         return RemoteRolloutEngine(self.url)  # its key: $ROLLOUT_API_KEY
 
-    def check_service(self) -> None:
-        """With `url`: connect once, so that a service that is down, or refuses this client (no key,
-        a wrong one), says so before the recipe loads anything of its own."""
+    def service_problems(self) -> list[str]:
+        """With `url`: connect once, so that a service that is not there, or that refuses this client
+        (no key, a wrong one), says so as a config problem before the recipe writes or loads anything."""
+        from rollout.errors import EngineDeadError
         from rollout.serve.client import RemoteRolloutEngine
 
-        if self.url is not None:
+        if self.url is None:
+            return []
+        try:
             RemoteRolloutEngine(self.url).shutdown()
+        except (EngineDeadError, TimeoutError) as error:
+            why = error.__cause__ or error  # the transport's own error, not "lost" a server never reached
+            return [
+                f"engine.url: no rollout service answers at {self.url} ({type(why).__name__}: {why}); start one "
+                "(python -m rollout.serve), or set engine.url to null to run the engine in this process"
+            ]
+        except PermissionError as error:
+            return [f"engine.url: {error}"]
+        return []
 
     def _engine_settings(self) -> dict:
         settings = dataclasses.asdict(self)
@@ -228,11 +241,11 @@ def recipe_module(name: str) -> types.ModuleType:
 # Loading.
 
 
-def load_config(path: str | Path, overrides: Sequence[str] = (), *, model_folder: bool = False) -> RecipeConfig:
+def load_config(path: str | Path, overrides: Sequence[str] = (), *, on_this_machine: bool = False) -> RecipeConfig:
     """Read the YAML at `path`, apply `overrides` ("dotted.key=yaml value"), and check everything:
     with the keys and values, what the model would refuse once loaded (`model_problems`), and with
-    `model_folder` (as `python -m recipes.run` checks a config it is about to run) that `model.path`
-    is a supported pipeline folder on this machine.
+    `on_this_machine` (as `python -m recipes.run` checks a config it is about to run) that `model.path`
+    is a supported pipeline folder here and that the service at `engine.url`, if any, answers.
 
     Raises ValueError listing every problem found.
     """
@@ -246,11 +259,13 @@ def load_config(path: str | Path, overrides: Sequence[str] = (), *, model_folder
     if not isinstance(name, str) or name not in RECIPES:
         problems.insert(0, f"recipe: must be one of {sorted(RECIPES)}, got {name!r}")
         raise ValueError(_format_problems(path, problems))
-    checks = functools.partial(model_problems_of, folder_must_exist=model_folder)
+    checks = functools.partial(model_problems_of, folder_must_exist=on_this_machine)
     config = build_section(recipe_module(name).Config, data, "", problems, checks)
     if problems:
         raise ValueError(_format_problems(path, problems))
     problems = config.import_problems()
+    if not problems and on_this_machine:  # a connection, once everything else is right
+        problems = config.engine.service_problems()
     if problems:
         raise ValueError(_format_problems(path, problems))
     return config
@@ -279,10 +294,12 @@ def model_problems_of(values: dict[str, Any], folder_must_exist: bool) -> list[s
     return model_problems(values["model"], values.get("sampling"), folder_must_exist)
 
 
-def check_model(config: RecipeConfig) -> None:
-    """Raise ValueError with `model_problems` (the folder must exist): a recipe's first act, before it
-    writes or loads anything."""
+def check_setup(config: RecipeConfig) -> None:
+    """Raise ValueError with `model_problems` (the folder must exist) and the service's at
+    `engine.url` (`EngineSection.service_problems`): a recipe's first act, before it writes or loads
+    anything."""
     problems = model_problems(config.model, config.sampling, folder_must_exist=True)
+    problems = problems or config.engine.service_problems()
     if problems:
         raise ValueError("invalid config: " + "; ".join(problems))
 

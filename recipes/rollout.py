@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from PIL import Image
 
-from recipes.config import EngineSection, ModelSection, RecipeConfig, check_model, option, to_dict
+from recipes.config import EngineSection, ModelSection, RecipeConfig, check_setup, option, to_dict
 from rollout import SamplingParams
 
 if TYPE_CHECKING:
@@ -55,8 +55,7 @@ class Config(RecipeConfig):
 
 def run(config: Config) -> dict:
     """Run the rollout and write its files; returns the summary written to summary.json."""
-    check_model(config)  # before anything is built or loaded
-    config.engine.check_service()  # and a rollout service's answer (its key)
+    check_setup(config)  # the model folder and a rollout service's answer, before anything is built or loaded
     model_path = config.model.resolve_path()
     started = time.perf_counter()
     with config.engine.open_engine(model_path) as engine:

@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         # JSON text is YAML, so the path stays a string whatever it looks like.
         resume = [] if args.resume is None else [f"resume={json.dumps(args.resume)}"]
-        config = load_config(args.config, [*args.overrides, *resume], model_folder=True)
+        config = load_config(args.config, [*args.overrides, *resume], on_this_machine=True)
     except (ValueError, OSError, yaml.YAMLError) as error:
         parser.error(str(error))
     recipe_module(config.recipe).run(config)

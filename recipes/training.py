@@ -47,7 +47,7 @@ from recipes.checkpoint import (
     resume_folder,
     write_checkpoint,
 )
-from recipes.config import check_model, to_dict
+from recipes.config import check_setup, to_dict
 from recipes.loggers import open_loggers
 from recipes.plots import plot_log_ratio, plot_reward
 from recipes.randomness import PromptOrder, restore_rng, rng_state
@@ -109,7 +109,7 @@ def train(
     the rollouts sample with instead of the policy's own (the evals still show the policy).
     `max_staleness` N: sample the rollouts of the next steps while the trainer updates, with the
     policy of N updates before (`recipes.async_rollouts`); None: one after the other."""
-    check_model(config)  # before anything is written or loaded
+    check_setup(config)  # the model folder and a rollout service's answer, before anything is written or loaded
     if max_staleness is not None and old_policy is not None:
         raise ValueError("asynchronous training (max_staleness) is GRPO's; a decoupled old policy samples already")
     prompts = config.all_prompts()
@@ -119,7 +119,6 @@ def train(
     output_dir.mkdir(parents=True, exist_ok=True)
     model_path = config.model.resolve_path()
     config.engine.to_engine_config(model_path)  # checks the model folder (and engine settings) before any load
-    config.engine.check_service()  # and a rollout service's answer (its key), before the policy loads
     torch.manual_seed(config.seed)
     generator = torch.Generator().manual_seed(config.seed)
     policy = LoraPolicy(

@@ -49,6 +49,10 @@ class LoraLoadFailed(RuntimeError):
     """Building an adapter failed after its checks passed; the worker keeps what it had."""
 
 
+class LoraShapeRefused(ValueError):
+    """A tensor of an adapter has another shape than its config gives the layer it fills."""
+
+
 # Prefixes that LoRA files put before module names: PEFT's wrapper and diffusers' component name.
 _KEY_PREFIXES = ("base_model.model.", "transformer.")
 DIFFUSERS_LORA_FILE = "pytorch_lora_weights.safetensors"
@@ -310,10 +314,12 @@ class LoraManager:
         self.restore()  # PEFT builds around the base weights, never around merged ones
         self._active = None  # PEFT activates what it builds
         try:
-            self._build(layers, parts, config)
+            self._build(name, layers, parts, config)
         except Exception as error:
             for component in parts:
                 _forget_peft_adapter(self.components[component], layers)
+            if isinstance(error, LoraShapeRefused):  # refused as a hot swap of the same layout is
+                raise
             kept = f"its {name!r} from before" if name in self.configs else f"no adapter named {name!r}"
             raise LoraLoadFailed(
                 f"LoRA {name!r} failed to build after its checks passed ({type(error).__name__}: {error}); "
@@ -371,14 +377,19 @@ class LoraManager:
                 _forget_peft_adapter(self.components[component], staged.layers)
             self._active = None
 
-    def _build(self, layers: str, parts: Mapping[str, Mapping[str, torch.Tensor]], config: LoraConfig) -> None:
-        """PEFT layers named `layers` of `config` holding each component's tensors."""
+    def _build(
+        self, name: str, layers: str, parts: Mapping[str, Mapping[str, torch.Tensor]], config: LoraConfig
+    ) -> None:
+        """PEFT layers named `layers` of `config` holding each component's tensors (adapter `name`'s).
+        A tensor whose shape is not its layer's (a rank other than the config's `r`) is refused by
+        name (`LoraShapeRefused`), where PEFT's own load would fail with a dump of size mismatches."""
         for component, tensors in parts.items():
             model = self.components[component]
             with warnings.catch_warnings():  # PEFT warns on every second adapter; several is the point here
                 warnings.filterwarnings("ignore", message="Already found a `peft_config` attribute")
                 model.add_adapter(config, adapter_name=layers)
             adapter_to_float32(model, layers)
+            self._targets(name, model, tensors, layers)
             result = set_peft_model_state_dict(model, tensors, adapter_name=layers)
             if result.unexpected_keys:  # checked before; a PEFT that maps keys differently lands here
                 raise RuntimeError(f"PEFT did not place tensors {result.unexpected_keys[:3]}")
@@ -387,15 +398,21 @@ class LoraManager:
         """A hot swap with the same layout copies into the live adapter's tensors (40x faster than
         PEFT rebuilding its layers): (target, value) for each, every shape checked, values on the
         targets' device and dtype."""
+        pairs = self._targets(name, model, tensors, self._layers[name])
+        return [(target, tensor.to(target.device, target.dtype)) for target, tensor in pairs]
+
+    def _targets(self, name: str, model: nn.Module, tensors: Mapping[str, torch.Tensor], layers: str) -> list[tuple]:
+        """(parameter of the LoRA layers named `layers`, tensor) for each of adapter `name`'s
+        tensors; `LoraShapeRefused` naming the first whose shape is not its parameter's."""
         pairs = []
         for key, tensor in tensors.items():
             module_name, kind, leaf = _lora_key(key)
-            target = getattr(model.get_submodule(f"{module_name}.lora_{kind}.{self._layers[name]}"), leaf)
+            target = getattr(model.get_submodule(f"{module_name}.lora_{kind}.{layers}"), leaf)
             if target.shape != tensor.shape:
-                raise ValueError(
+                raise LoraShapeRefused(
                     f"LoRA {name!r} refused: {key} expected {list(target.shape)}, got {list(tensor.shape)}"
                 )
-            pairs.append((target, tensor.to(target.device, target.dtype)))
+            pairs.append((target, tensor))
         return pairs
 
     def unload(self, name: str) -> None:

@@ -44,6 +44,7 @@ from rollout.pipelines.condition import Condition, PromptEmbeds
 from rollout.pipelines.device_copy import host_to_device, row_index
 from rollout.pipelines.guidance import Guidance, Scale, guidance_argument
 from rollout.pipelines.guidance_passes import GuidancePasses, guidance_passes_here
+from rollout.pipelines.sampling_defaults import SamplingDefaults
 from rollout.pipelines.spec import ModelSpec
 
 
@@ -105,7 +106,8 @@ class PipelineAdapter(ABC):
 
     @classmethod
     def load(cls, path: str | Path, index: dict, device: str = "cpu", dtype: torch.dtype = torch.float32):
-        """Load the folder with the family's diffusers class (`from_pretrained`, local files only)."""
+        """Load the folder with the family's diffusers class (`from_pretrained`, local files only);
+        the spec's defaults are the folder's own where it names them (`SamplingDefaults`)."""
         import diffusers
 
         # Components saved as [null, null] (SD3 without T5) must be passed explicitly as None.
@@ -125,7 +127,9 @@ class PipelineAdapter(ABC):
             # so a model loaded with grads computed another base after its first adapter than before.
             if isinstance(module, nn.Module):
                 module.requires_grad_(False)
-        return cls(pipeline)
+        adapter = cls(pipeline)
+        adapter.spec = SamplingDefaults.read(path).apply(adapter.spec, path)
+        return adapter
 
     @classmethod
     def given_components(cls, path: Path) -> dict[str, Any]:

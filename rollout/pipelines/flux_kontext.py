@@ -49,11 +49,12 @@ class FluxKontextAdapter(FluxAdapter):
 
     def encode_images(self, images: InputImages) -> KontextImages:
         # FluxKontextPipeline.__call__ step 3 and prepare_latents; the resize of _auto_resize (its
-        # default) unless the request turned it off.
+        # default, unless the folder's sampling defaults turn it off) unless the request said otherwise.
         # The size is the spec's arithmetic (`encoded_image_sizes`), which the scheduler batches by.
         pipeline = self.pipeline
         (image,) = images.pil()
-        ((height, width),) = self.spec.encoded_image_sizes(images.sizes, images.setting("auto_resize", True))
+        auto_resize = images.setting("auto_resize", self.spec.default_auto_resize)
+        ((height, width),) = self.spec.encoded_image_sizes(images.sizes, auto_resize)
         image = pipeline.image_processor.resize(image, height, width)
         pixels = pipeline.image_processor.preprocess(image, height, width).to(self.device, self.dtype)
         latents = pipeline._encode_vae_image(image=pixels, generator=None)  # the VAE's mode: no noise drawn

@@ -8,12 +8,13 @@ import json
 from pathlib import Path
 
 from rollout.pipelines.families import FAMILIES
+from rollout.pipelines.sampling_defaults import SamplingDefaults
 
 
 def read_model_index(path: str | Path) -> dict:
     """The folder's model_index.json, after checking that the folder is a supported pipeline.
 
-    Raises ValueError naming the folder and what to do about it.
+    Raises ValueError naming the folder (or its sampling_defaults.json) and what to do about it.
     """
     folder = Path(path)
     if not folder.is_dir():
@@ -35,4 +36,5 @@ def read_model_index(path: str | Path) -> dict:
             f"model folder {str(folder)!r} holds a {class_name}, which is not supported; "
             f"supported pipelines: {', '.join(supported)}"
         )
+    SamplingDefaults.read(folder)  # its keys and values; what the model takes is checked as it loads
     return index

@@ -32,7 +32,10 @@ class ModelSpec:
         uncond)`); 0 for Z-Image, whose pipeline guides as `cond + s * (cond - uncond)` when s > 0.
     default_negative_prompt: the negative prompt of a request with CFG that names none (SD3's
         pipeline uses ""); None: such a request must name one.
-    default_num_frames: None for image models (a request with `num_frames` is refused).
+    default_height, default_width: the size of a request that sets none: its pipeline's, or what
+        the model's folder names (`rollout.pipelines.sampling_defaults`: the tiny folders' 32 x 32).
+    default_num_frames: None for image models (a request with `num_frames` is refused); likewise
+        the pipeline's or the folder's.
     frame_multiple: video models take `num_frames` = k * frame_multiple + 1 (the VAE's temporal
         compression keeps the first frame on its own).
     min_inference_steps: the fewest steps whose schedule is finite (Qwen-Image's scheduler
@@ -53,11 +56,13 @@ class ModelSpec:
     preferred_input_sizes: (height, width) of the sizes the pipeline resizes an input image to, the
         nearest by aspect ratio, when a request leaves `auto_resize` on (FLUX.1 Kontext's
         PREFERRED_KONTEXT_RESOLUTIONS); empty: the family takes no `auto_resize`.
+    default_auto_resize: whether a request that leaves `auto_resize` unset resizes (the pipeline's
+        True, unless the folder says otherwise: `rollout.pipelines.sampling_defaults`).
     max_input_image_area: an input image above this many pixels is resized down to it (keeping its
         aspect) before it is encoded, as FLUX.2's pipeline does (None: no such resize).
     edit_area: the pixel count an edit that sets no size is made at, with its input image's aspect
-        ratio (Qwen-Image-Edit: a megapixel, its pipeline's `calculate_dimensions`); None: the
-        input image's own size.
+        ratio (Qwen-Image-Edit: a megapixel, its pipeline's `calculate_dimensions`; a folder that
+        names a default size makes it that size's area); None: the input image's own size.
     edit_size_image: which input image sets that size (0: the first; -1: the last, as
         Qwen-Image-Edit-Plus's pipeline reads it).
     encoded_image_area: the pixel count each input image is resized to, at its aspect ratio,
@@ -120,6 +125,7 @@ class ModelSpec:
     max_input_image_aspect_ratio: float | None = None
     max_input_image_area: int | None = None
     preferred_input_sizes: tuple[tuple[int, int], ...] = ()
+    default_auto_resize: bool = True
     edit_area: int | None = None
     edit_size_image: int = 0
     encoded_image_area: int | None = None
@@ -190,8 +196,10 @@ class ModelSpec:
 
     def auto_resizes(self, params: SamplingParams) -> bool:
         """Whether the input images of a request with `params` are resized to `preferred_input_sizes`
-        (`auto_resize`, on unless the request turns it off, where the family has such sizes)."""
-        return bool(self.preferred_input_sizes) and params.auto_resize is not False
+        (`auto_resize`; `default_auto_resize` where the request leaves it unset), where the family has
+        such sizes."""
+        auto_resize = self.default_auto_resize if params.auto_resize is None else params.auto_resize
+        return bool(self.preferred_input_sizes) and auto_resize
 
     def edit_size(self, sizes: tuple[tuple[int, int], ...], auto_resize: bool = False) -> tuple[int, int]:
         """The output size of an edit whose request sets none, from its input images' (height,

@@ -718,6 +718,39 @@ def test_an_adapter_that_does_not_fit_is_refused_and_the_old_one_stays(engine, l
         engine.unload_lora("policy")
 
 
+def rank_refusal(name: str, tensors: dict, expected_rank: int) -> str:
+    """The refusal (a regex) of adapter `name` whose first tensor has another rank than `expected_rank`."""
+    key = next(iter(tensors))
+    got = list(tensors[key].shape)
+    expected = [expected_rank, got[1]] if ".lora_A." in key else [got[0], expected_rank]
+    return re.escape(f"LoRA {name!r} refused: {key} expected {expected}, got {got}")
+
+
+def test_a_lora_whose_rank_is_not_its_configs_is_refused_naming_the_tensor(engine, lora_tensors):
+    """Rank-4 tensors under a config of r=8 are refused (ValueError) with the tensor's name and
+    shapes, under a new name and under a new layout alike, as a hot swap of the same layout is
+    refused (its rank-8 tensors against the live rank-4 layers); the adapter loaded before stays."""
+    (policy, _), config = lora_tensors
+    wider = {**config, "r": 8}
+    with pytest.raises(ValueError, match=rank_refusal("fresh", policy, 8)):
+        engine.load_lora("fresh", policy, wider)
+    assert engine.list_loras() == []
+    engine.load_lora("policy", policy, config)
+    try:
+        before, version = _lora_images(engine, "policy"), engine.weight_version
+        with pytest.raises(ValueError, match=rank_refusal("policy", policy, 8)):
+            engine.load_lora("policy", policy, wider)
+        doubled = {key: torch.cat([t, t], dim=0 if ".lora_A." in key else 1) for key, t in policy.items()}
+        with pytest.raises(ValueError, match=rank_refusal("policy", doubled, 4)):
+            engine.load_lora("policy", doubled, config)
+        assert engine.weight_version == version and engine.list_loras() == ["policy"]
+        assert _same(before, _lora_images(engine, "policy"))
+        engine.load_lora("fresh", doubled, wider)  # rank 8 under r=8 loads
+        engine.unload_lora("fresh")
+    finally:
+        engine.unload_lora("policy")
+
+
 def test_lora_from_peft_and_diffusers_folders(engine, lora_tensors, tmp_path):
     from peft import LoraConfig
     from safetensors.torch import save_file

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.metadata
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -45,6 +46,12 @@ def test_shipped_config_validates(path):
     assert f"python -m recipes.run recipes/configs/{path.name}" in path.read_text()
 
 
+def test_every_shipped_config_is_in_the_training_docs_recipe_list():
+    listed = (CONFIG_DIR.parents[1] / "docs" / "training.md").read_text()
+    missing = [path.name for path in SHIPPED if f"python -m recipes.run recipes/configs/{path.name}" not in listed]
+    assert missing == [], f"docs/training.md's recipe list lacks {missing}"
+
+
 @pytest.mark.timeout(30)
 def test_rollout_tiny_values():
     config = load_config(CONFIG_DIR / "rollout_tiny.yaml")
@@ -62,6 +69,22 @@ def test_rollout_tiny_values():
         same_noise_in_group=True,
     )
     assert config.output_dir == "outputs/rollout_tiny"
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_extension_is_a_config_key_checked_with_the_executor(tiny_model):
+    """`engine.worker_extension_cls` (a dotted path) reaches the engine, whose workers then answer its
+    functions by name; one that does not import is a problem of the config's one error."""
+    extension = "tests.serve.worker_extension.ServeTestExtension"
+    config = load_config(CONFIG_DIR / "rollout_tiny.yaml", [f"engine.worker_extension_cls={extension}"])
+    assert config.engine.worker_extension_cls == extension
+    with config.engine.open_engine(tiny_model) as engine:
+        assert engine.config.worker_extension_cls == extension
+        assert engine.collective_rpc("pid") == [os.getpid()]  # a method of the extension, by name
+    with pytest.raises(ValueError) as error:
+        load_config(CONFIG_DIR / "rollout_tiny.yaml", ["engine.worker_extension_cls=my_pkg.missing.Functions"])
+    (problem,) = problems_of(error)
+    assert problem.startswith("engine: ") and "my_pkg.missing.Functions" in problem
 
 
 @pytest.mark.timeout(30)
@@ -267,6 +290,26 @@ def test_a_float_key_takes_a_number_written_as_text(tmp_path):
     with pytest.raises(ValueError) as error:  # an int key stays an int: "4" is text, 4.0 is a float
         load_config(write(tmp_path, MINIMAL + "grid_scale: '4'\n"))
     assert problems_of(error) == ["grid_scale: expected int, got '4' (str)"]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("name", ["rollout_tiny.yaml", "grpo_tiny.yaml"])
+def test_an_engine_url_where_nothing_answers_is_one_config_error_and_writes_nothing(capsys, tmp_path, name):
+    """The CLI answers with the config check's one line (no chained traceback), and the recipe run
+    directly refuses the same way; neither creates output_dir."""
+    from rollout.serve.launch import free_port
+
+    url, out = f"http://127.0.0.1:{free_port()}", tmp_path / "out"
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(CONFIG_DIR / name), "--set", f"engine.url={url}", "--set", f"output_dir={out}"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"(1 problem):\n  - engine.url: no rollout service answers at {url} (ConnectError: " in err
+    assert "Traceback" not in err and not out.exists()
+    config = load_config(CONFIG_DIR / name, [f"engine.url={url}", f"output_dir={out}"])
+    with pytest.raises(ValueError, match=f"invalid config: engine.url: no rollout service answers at {url}"):
+        recipe_module(config.recipe).run(config)
+    assert not out.exists()
 
 
 @pytest.mark.timeout(30)

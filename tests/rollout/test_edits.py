@@ -173,16 +173,18 @@ def assert_two_edits_share_every_forward(engine, params, images) -> None:
     assert not torch.equal(together[0].trajectory.latents[-1], together[1].trajectory.latents[-1])
 
 
-def test_kontext_resizes_its_input_as_its_pipeline_does_by_default(kontext_engine, tiny_models):
-    """auto_resize left unset is FluxKontextPipeline's default `_auto_resize=True`: the input is
-    resized to the nearest preferred Kontext resolution, bitwise the pixels the pipeline encodes
-    (compared at the VAE's input: the tiny VAE's mid-block attention over a megapixel's latents,
-    and a transformer over ~66k image tokens, are past a test's means; from there on both run the
-    path the own-size parity tests check), and an edit that sets no size is made at that
+def test_kontext_resizes_its_input_as_its_pipeline_does(kontext_engine, tiny_models):
+    """auto_resize=True is FluxKontextPipeline's default `_auto_resize=True` (a published folder's
+    default too; the tiny folder's is off: tests/rollout/pipelines/test_sampling_defaults.py): the
+    input is resized to the nearest preferred Kontext resolution, bitwise the pixels the pipeline
+    encodes (compared at the VAE's input: the tiny VAE's mid-block attention over a megapixel's
+    latents, and a transformer over ~66k image tokens, are past a test's means; from there on both
+    run the path the own-size parity tests check), and an edit that sets no size is made at that
     resolution. auto_resize=False is another encoding (digest), cached and batched apart."""
     spec = kontext_engine.model_spec
     resolved, problems = spec.resolve(SamplingParams(height=32, width=32))
-    assert problems == [] and resolved.auto_resize is True
+    assert problems == [] and resolved.auto_resize is False  # the tiny folder's default
+    assert spec.resolve(SamplingParams(height=32, width=32, auto_resize=True))[0].auto_resize is True
     assert spec.edit_size(((24, 40),), auto_resize=True) == (800, 1328)  # (1328, 800): the nearest aspect ratio
     images = InputImages.of([input_image(5, 24, 40)])
     adapter = load_adapter(tiny_models("flux_kontext"))
@@ -191,11 +193,12 @@ def test_kontext_resizes_its_input_as_its_pipeline_does_by_default(kontext_engin
         pipeline, lambda: pipeline(image=images.pil()[0], prompt="x", height=32, width=32, max_area=32 * 32)
     )
     assert tuple(expected.shape) == (1, 3, 800, 1328)
-    for default in (images, images.encoded_with(auto_resize=True)):
-        assert torch.equal(pixels_to_encode(adapter.pipeline, lambda d=default: adapter.encode_images(d)), expected)
+    resized = images.encoded_with(auto_resize=True)
+    assert torch.equal(pixels_to_encode(adapter.pipeline, lambda: adapter.encode_images(resized)), expected)
     own_size = images.encoded_with(auto_resize=False)
-    assert own_size.digest != images.encoded_with(auto_resize=True).digest != images.digest
-    assert adapter.encode_images(own_size).latents.shape == (60, 16)  # 24x40 as it is: 6 x 10 tokens
+    assert own_size.digest != resized.digest != images.digest
+    for unresized in (own_size, images):  # images with no setting: the folder's default
+        assert adapter.encode_images(unresized).latents.shape == (60, 16)  # 24x40 as it is: 6 x 10 tokens
 
 
 def test_auto_resize_is_refused_by_a_family_without_it(engine):

@@ -3,6 +3,7 @@ outputs carry, and worker functions by name."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import time
 
@@ -116,6 +117,16 @@ def test_lora_hot_swap_while_requests_run_and_unload(remote, engine, adapters):
     assert remote.list_loras() == []
     with pytest.raises(ValueError, match="lora 'policy' is not loaded"):
         remote.generate("lora", params)
+
+
+def test_a_lora_whose_rank_is_not_its_configs_is_a_bad_request(remote, adapters):
+    """Rank-2 tensors under a config of r=4, a new name: 400 with the engine's refusal naming the
+    tensor (it was a 409 with PEFT's size-mismatch dump), and nothing loaded."""
+    (first, _), config = adapters
+    wider = dataclasses.replace(config, r=4, lora_alpha=8)
+    with pytest.raises(ValueError, match=r"LoRA 'fresh' refused: \S+\.lora_[AB]\.weight expected \[\d+, \d+\], got"):
+        remote.load_lora("fresh", first, wider)
+    assert "fresh" not in remote.list_loras()
 
 
 def test_lora_from_a_folder_on_the_server(remote, adapters, tmp_path):

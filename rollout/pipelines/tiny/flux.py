@@ -3,13 +3,15 @@ packed latents), all random."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from rollout.pipelines.quiet import quietly
-from rollout.pipelines.tiny.saving import save
+from rollout.pipelines.sampling_defaults import SamplingDefaults
+from rollout.pipelines.tiny.saving import TINY_IMAGE, save
 from rollout.pipelines.tiny.sd3 import REAL_VAE_BLOCKS, tiny_autoencoder_kl
 from rollout.pipelines.tiny.text_encoders import clip_text_encoder, t5_encoder
 from rollout.pipelines.tiny.tokenizers import clip_tokenizer, t5_tokenizer
@@ -41,6 +43,7 @@ class TinyFluxSizes:
     text_layers: int = 2
     vae_block_out_channels: tuple[int, ...] = (8, 16)  # two blocks: the VAE downsamples by 2
     guidance_embeds: bool = True  # FLUX.1-dev (False: FLUX.1-schnell)
+    sampling_defaults: SamplingDefaults | None = TINY_IMAGE  # an unsized request's (None: the pipeline's)
 
 
 @quietly
@@ -94,7 +97,12 @@ def build_tiny_flux(
         tokenizer_2=tokenizer_2,
         transformer=transformer,
     )
-    return save(pipeline, path, dtype)
+    defaults = sizes.sampling_defaults
+    if pipeline_class == "FluxKontextPipeline" and defaults is not None:
+        # Kontext's auto_resize (its pipeline's default) resizes a tiny input image to about a
+        # megapixel (PREFERRED_KONTEXT_RESOLUTIONS): 65536 tokens through the tiny VAE's scale of 2.
+        defaults = dataclasses.replace(defaults, auto_resize=False)
+    return save(pipeline, path, dtype, defaults)
 
 
 # Benchmark presets (benchmarks/model_presets.py), as in tiny/sd3.py.
@@ -132,6 +140,7 @@ def build_real_flux(folder: str | Path, device: str = "cpu", dtype: torch.dtype 
         t5_hidden_size=4096,
         text_layers=1,
         vae_block_out_channels=REAL_VAE_BLOCKS,
+        sampling_defaults=None,  # the published pipeline's default size
     )
     return build_tiny_flux(folder, sizes=sizes, transformer_config=FLUX1_DEV, device=device, dtype=dtype)
 
@@ -162,6 +171,7 @@ def build_real_flux_kontext(folder: str | Path, device: str = "cpu", dtype: torc
         t5_hidden_size=4096,
         text_layers=1,
         vae_block_out_channels=REAL_VAE_BLOCKS,
+        sampling_defaults=None,  # the published pipeline's default size
     )
     return build_tiny_flux_kontext(
         folder, sizes=sizes, transformer_config=FLUX1_KONTEXT_DEV, device=device, dtype=dtype

@@ -9,8 +9,9 @@ from pathlib import Path
 import torch
 
 from rollout.pipelines.quiet import quietly
+from rollout.pipelines.sampling_defaults import SamplingDefaults
 from rollout.pipelines.tiny.colour import make_decoder_colour_faithful
-from rollout.pipelines.tiny.saving import save
+from rollout.pipelines.tiny.saving import TINY_IMAGE, save
 from rollout.pipelines.tiny.sd3 import REAL_VAE_BLOCKS
 from rollout.pipelines.tiny.text_encoders import mistral3_encoder, qwen3_encoder
 from rollout.pipelines.tiny.tokenizers import content_list_tokenizer, qwen3_tokenizer
@@ -48,6 +49,7 @@ class TinyFlux2KleinSizes:
     text_hidden_size: int = 32  # Qwen3's width; the transformer's text width is 3x (three layers)
     vae_block_out_channels: tuple[int, ...] = (8, 16)  # two blocks: the VAE downsamples by 2
     distilled: bool = False  # a base model: true CFG with guidance_scale > 1 (True: step-distilled)
+    sampling_defaults: SamplingDefaults | None = TINY_IMAGE  # an unsized request's (None: the pipeline's)
 
 
 @quietly
@@ -134,7 +136,7 @@ def _build_tiny_flux2(path, seed, sizes, transformer_config, device, dtype, dev:
         transformer=transformer,
     )
     pipeline = Flux2Pipeline(**components) if dev else Flux2KleinPipeline(**components, is_distilled=sizes.distilled)
-    return save(pipeline, path, dtype)
+    return save(pipeline, path, dtype, sizes.sampling_defaults)
 
 
 # Benchmark presets (benchmarks/model_presets.py), as in tiny/sd3.py.
@@ -178,7 +180,9 @@ def build_real_flux2_klein(folder: str | Path, device: str = "cpu", dtype: torch
     """FLUX.2 [klein] 4B's transformer (3.88B parameters) with random weights, a text encoder of
     Qwen3-4B's width (27 layers, the deepest the pipeline reads; 2x-wide MLPs: about 1.5B
     parameters), and a narrow VAE with the real scale factor and latent channels (32)."""
-    sizes = TinyFlux2KleinSizes(latent_channels=32, text_hidden_size=2560, vae_block_out_channels=REAL_VAE_BLOCKS)
+    sizes = TinyFlux2KleinSizes(
+        latent_channels=32, text_hidden_size=2560, vae_block_out_channels=REAL_VAE_BLOCKS, sampling_defaults=None
+    )
     return build_tiny_flux2_klein(folder, sizes=sizes, transformer_config=FLUX2_KLEIN_4B, device=device, dtype=dtype)
 
 
@@ -206,5 +210,7 @@ def build_real_flux2_dev(folder: str | Path, device: str = "cpu", dtype: torch.d
     """FLUX.2 [dev]'s transformer (about 32B parameters: bfloat16 on an H200) with random weights, a
     text encoder of Mistral Small 3.1's width (30 layers, the deepest the pipeline reads), and a
     narrow VAE with the real scale factor and latent channels (32)."""
-    sizes = TinyFlux2KleinSizes(latent_channels=32, text_hidden_size=5120, vae_block_out_channels=REAL_VAE_BLOCKS)
+    sizes = TinyFlux2KleinSizes(
+        latent_channels=32, text_hidden_size=5120, vae_block_out_channels=REAL_VAE_BLOCKS, sampling_defaults=None
+    )
     return build_tiny_flux2_dev(folder, sizes=sizes, transformer_config=FLUX2_DEV, device=device, dtype=dtype)

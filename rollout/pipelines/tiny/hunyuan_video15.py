@@ -13,8 +13,9 @@ from pathlib import Path
 import torch
 
 from rollout.pipelines.quiet import quietly
+from rollout.pipelines.sampling_defaults import SamplingDefaults
 from rollout.pipelines.tiny.colour import make_dcae_video_decoder_colour_faithful
-from rollout.pipelines.tiny.saving import save
+from rollout.pipelines.tiny.saving import TINY_FRAMES, save
 from rollout.pipelines.tiny.text_encoders import t5_encoder
 from rollout.pipelines.tiny.tokenizers import content_list_tokenizer
 
@@ -45,6 +46,7 @@ class TinyHunyuanVideo15Sizes:
     vae_block_out_channels: tuple[int, ...] = (8, 16, 16)
     vae_spatial: int = 4
     vae_temporal: int = 2
+    sampling_defaults: SamplingDefaults | None = TINY_FRAMES  # frames only: its size is target_size's
 
 
 TINY_SIZES = TinyHunyuanVideo15Sizes()
@@ -127,7 +129,7 @@ def build_tiny_hunyuan_video15(
         pipeline = HunyuanVideo15ImageToVideoPipeline(**components)
     else:
         pipeline = HunyuanVideo15Pipeline(**components)
-    return save(pipeline, Path(path), dtype)
+    return save(pipeline, Path(path), dtype, sizes.sampling_defaults)
 
 
 def build_tiny_hunyuan_video15_i2v(path: str | Path, seed: int = 0, **options) -> Path:
@@ -223,6 +225,7 @@ REAL_SIZES = TinyHunyuanVideo15Sizes(
     vae_block_out_channels=(32, 32, 64, 64, 64),
     vae_spatial=16,
     vae_temporal=4,
+    sampling_defaults=None,  # the published pipeline's frames
 )
 
 

@@ -17,7 +17,8 @@ from pathlib import Path
 import torch
 
 from rollout.pipelines.quiet import quietly
-from rollout.pipelines.tiny.saving import save
+from rollout.pipelines.sampling_defaults import SamplingDefaults
+from rollout.pipelines.tiny.saving import TINY_VIDEO, save
 from rollout.pipelines.tiny.text_encoders import gemma3_encoder
 from rollout.pipelines.tiny.tokenizers import gemma_tokenizer
 
@@ -44,6 +45,7 @@ class TinyLTX2Sizes:
     text_width: int = 32  # the connectors' 4 heads x 8
     text_layers: int = 1
     num_layers: int = 2
+    sampling_defaults: SamplingDefaults | None = TINY_VIDEO  # an unsized request's (None: the pipeline's)
 
 
 def ltx2_transformer_config(sizes: TinyLTX2Sizes) -> dict:
@@ -106,7 +108,7 @@ def build_tiny_ltx2(
         transformer=transformer,
         vocoder=vocoder,
     )
-    return save(pipeline, Path(path), dtype)
+    return save(pipeline, Path(path), dtype, sizes.sampling_defaults)
 
 
 def build_tiny_ltx2_i2v(path: str | Path, seed: int = 0, **options) -> Path:
@@ -260,8 +262,9 @@ def build_small_ltx2_i2v(folder: str | Path, device: str = "cpu", dtype: torch.d
     return build_tiny_ltx2_i2v(folder, transformer_config=LTX2_SMALL, device=device, dtype=dtype)
 
 
-# The real preset's narrow VAEs of LTX-2's latent widths (128 video channels; 8 audio channels of 16 bins).
-REAL_LTX2_SIZES = TinyLTX2Sizes(latent_channels=128, audio_latent_channels=8, mel_bins=64)
+# The real preset's narrow VAEs of LTX-2's latent widths (128 video channels; 8 audio channels of 16 bins),
+# and the published pipeline's default size and frames.
+REAL_LTX2_SIZES = TinyLTX2Sizes(latent_channels=128, audio_latent_channels=8, mel_bins=64, sampling_defaults=None)
 
 
 def build_real_ltx2(folder: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> Path:

@@ -10,8 +10,9 @@ from pathlib import Path
 import torch
 
 from rollout.pipelines.quiet import quietly
+from rollout.pipelines.sampling_defaults import SamplingDefaults
 from rollout.pipelines.tiny.colour import make_causal_decoder_colour_faithful
-from rollout.pipelines.tiny.saving import save
+from rollout.pipelines.tiny.saving import TINY_IMAGE, save
 from rollout.pipelines.tiny.text_encoders import qwen25_vl_encoder
 from rollout.pipelines.tiny.tokenizers import qwen2_tokenizer
 
@@ -42,6 +43,7 @@ class TinyQwenImageSizes:
     text_layers: int = 2
     vae_base_dim: int = 24
     vae_dim_mult: tuple[int, ...] = (1, 2)  # one spatial upsample per step after the first: scales by 2
+    sampling_defaults: SamplingDefaults | None = TINY_IMAGE  # an unsized request's (None: the pipeline's)
 
 
 @quietly
@@ -105,7 +107,7 @@ def build_tiny_qwen_image(
     if processor is not None:  # model_index.json names the class whose files the folder holds, as
         # a downloaded folder does, whatever subclass made them (qwen_vl_processor.py)
         pipeline.register_to_config(processor=("transformers", "Qwen2VLProcessor"))
-    return save(pipeline, path, dtype)
+    return save(pipeline, path, dtype, sizes.sampling_defaults)
 
 
 # Benchmark presets (benchmarks/model_presets.py), as in tiny/sd3.py.
@@ -134,5 +136,7 @@ def build_small_qwen_image(folder: str | Path, device: str = "cpu", dtype: torch
 def build_real_qwen_image(folder: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> Path:
     """Qwen-Image's transformer (20B parameters) with random weights, a one-layer text encoder of the
     real width, and a small VAE with the real scale factor and latent channels."""
-    sizes = TinyQwenImageSizes(latent_channels=16, text_hidden_size=3584, text_layers=1, vae_dim_mult=(1, 2, 4, 4))
+    sizes = TinyQwenImageSizes(
+        latent_channels=16, text_hidden_size=3584, text_layers=1, vae_dim_mult=(1, 2, 4, 4), sampling_defaults=None
+    )
     return build_tiny_qwen_image(folder, sizes=sizes, transformer_config=QWEN_IMAGE, device=device, dtype=dtype)

@@ -161,7 +161,7 @@ def build_tiny_qwen_image21(
     )
     # model_index.json names the class whose files the folder holds (qwen_vl_processor.py)
     pipeline.register_to_config(processor=("transformers", "Qwen3VLProcessor"))
-    return save(pipeline, path, dtype)
+    return save(pipeline, path, dtype, sizes.sampling_defaults)
 
 
 # Benchmark presets (benchmarks/model_presets.py), as in tiny/qwen_image.py.
@@ -196,5 +196,7 @@ def build_small_qwen_image21(folder: str | Path, device: str = "cpu", dtype: tor
 def build_real_qwen_image21(folder: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> Path:
     """Qwen-Image 2.1's transformer with random weights, a one-layer text encoder of the real width,
     and a small VAE with the real latent channels and scale factor."""
-    sizes = TinyQwenImage21Sizes(latent_channels=64, text_hidden_size=4096, text_layers=1, vae_base_dim=64)
+    sizes = TinyQwenImage21Sizes(
+        latent_channels=64, text_hidden_size=4096, text_layers=1, vae_base_dim=64, sampling_defaults=None
+    )
     return build_tiny_qwen_image21(folder, sizes=sizes, transformer_config=QWEN_IMAGE21, device=device, dtype=dtype)

@@ -80,9 +80,15 @@ QWEN_IMAGE_EDIT_2511 = {**QWEN_IMAGE, "zero_cond_t": True}
 SMALL_SIZES = dataclasses.replace(
     TINY_EDIT_SIZES, num_layers=4, num_attention_heads=4, attention_head_dim=32, axes_dims_rope=(8, 12, 12)
 )
-# The real transformer's latents (16 channels) from a small VAE with the real scale factor (8).
+# The real transformer's latents (16 channels) from a small VAE with the real scale factor (8), and
+# the published pipelines' default sizes.
 REAL_SIZES = TinyQwenImageSizes(
-    latent_channels=16, text_hidden_size=3584, text_layers=1, vae_base_dim=8, vae_dim_mult=(1, 1, 1, 1)
+    latent_channels=16,
+    text_hidden_size=3584,
+    text_layers=1,
+    vae_base_dim=8,
+    vae_dim_mult=(1, 1, 1, 1),
+    sampling_defaults=None,
 )
 
 

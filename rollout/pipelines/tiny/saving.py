@@ -1,6 +1,8 @@
 """Saving a freshly built tiny pipeline, the same way for every family, with a stamp of the builder
 that made it, so that a folder kept for reuse (a recipe's `model.tiny_cache_dir`) is rebuilt once
-the builders change instead of being loaded with another version's sizes."""
+the builders change instead of being loaded with another version's sizes; and with the size a
+request that sets none is made at (`sampling_defaults.json`), the tiny modules' own instead of the
+published pipeline's (Wan's 480 x 832 at 81 frames took minutes on a CPU)."""
 
 from __future__ import annotations
 
@@ -12,19 +14,30 @@ from pathlib import Path
 
 import torch
 
+from rollout.pipelines.sampling_defaults import FILE_NAME, SamplingDefaults
+
 logger = logging.getLogger(__name__)
 
 BUILD_STAMP = "tiny_build.json"  # beside model_index.json; diffusers' from_pretrained ignores it
 # The libraries whose classes, saved configs and random initialisation a tiny build depends on.
 BUILDING_LIBRARIES = ("diffusers", "transformers", "torch")
+# What the tiny folders default to: the sizes their modules are made for (as tests/families.py's
+# requests). A builder's sizes name one of these; the real presets' name none.
+TINY_IMAGE = SamplingDefaults(height=32, width=32)
+TINY_VIDEO = SamplingDefaults(height=32, width=32, num_frames=9)
+TINY_FRAMES = SamplingDefaults(num_frames=9)  # HunyuanVideo 1.5: its size comes from its config's target_size
 
 
-def save(pipeline, path: Path, dtype: torch.dtype) -> Path:
-    """Save `pipeline` (built in float32) to `path` in `dtype`, stamped with `builder_digest()`;
-    returns `path`."""
+def save(pipeline, path: Path, dtype: torch.dtype, sampling_defaults: SamplingDefaults | None) -> Path:
+    """Save `pipeline` (built in float32) to `path` in `dtype` with its `sampling_defaults` (None:
+    its pipeline's own), stamped with `builder_digest()`; returns `path`."""
     if dtype != torch.float32:  # diffusers warns when a float32 pipeline is cast to float32
         pipeline.to(dtype=dtype)
     pipeline.save_pretrained(path)
+    if sampling_defaults is None:
+        (Path(path) / FILE_NAME).unlink(missing_ok=True)  # a rebuilt folder keeps no earlier build's
+    else:
+        sampling_defaults.write(path)
     (Path(path) / BUILD_STAMP).write_text(json.dumps({"builder": builder_digest()}) + "\n")
     logger.info("saved a tiny %s to %s", type(pipeline).__name__, path)
     return path

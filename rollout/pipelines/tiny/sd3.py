@@ -118,7 +118,7 @@ def build_tiny_sd3(
         text_encoder_3=text_encoder_3,
         tokenizer_3=tokenizer_3,
     )
-    return save(pipeline, path, dtype)
+    return save(pipeline, path, dtype, None)  # its default: the transformer's sample_size
 
 
 # Benchmark presets (benchmarks/model_presets.py): random weights at the sizes the throughput

@@ -10,8 +10,9 @@ from pathlib import Path
 import torch
 
 from rollout.pipelines.quiet import quietly
+from rollout.pipelines.sampling_defaults import SamplingDefaults
 from rollout.pipelines.tiny.colour import make_causal_decoder_colour_faithful
-from rollout.pipelines.tiny.saving import save
+from rollout.pipelines.tiny.saving import TINY_VIDEO, save
 from rollout.pipelines.tiny.text_encoders import umt5_encoder
 from rollout.pipelines.tiny.tokenizers import t5_tokenizer
 
@@ -34,6 +35,7 @@ class TinyWanSizes:
     vae_base_dim: int = 8
     vae_dim_mult: tuple[int, ...] = (1, 2)  # one down/up sample: space / 2
     vae_temporal_downsample: tuple[bool, ...] = (True,)  # and time / 2 (after the first frame)
+    sampling_defaults: SamplingDefaults | None = TINY_VIDEO  # an unsized request's (None: the pipeline's)
 
 
 @quietly
@@ -97,7 +99,7 @@ def _build(path, seed, sizes, transformer_config, boundary_ratio, device, dtype,
         boundary_ratio=boundary_ratio,
         expand_timesteps=ti2v,
     )
-    return save(pipeline, path, dtype)
+    return save(pipeline, path, dtype, sizes.sampling_defaults)
 
 
 def wan_vae(sizes: TinyWanSizes, residual: bool):
@@ -185,6 +187,7 @@ REAL_WAN_SIZES = TinyWanSizes(
     vae_base_dim=24,
     vae_dim_mult=(1, 2, 4, 4),
     vae_temporal_downsample=(False, True, True),
+    sampling_defaults=None,  # the published pipeline's default size and frames
 )
 
 

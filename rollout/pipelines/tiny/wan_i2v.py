@@ -86,7 +86,7 @@ def build_tiny_wan_i2v(
         transformer_2=transformer_2,
         boundary_ratio=boundary_ratio,
     )
-    return save(pipeline, Path(path), dtype)
+    return save(pipeline, Path(path), dtype, sizes.sampling_defaults)
 
 
 def build_tiny_wan22_i2v(path: str | Path, seed: int = 0, **options) -> Path:

@@ -9,7 +9,8 @@ from pathlib import Path
 import torch
 
 from rollout.pipelines.quiet import quietly
-from rollout.pipelines.tiny.saving import save
+from rollout.pipelines.sampling_defaults import SamplingDefaults
+from rollout.pipelines.tiny.saving import TINY_IMAGE, save
 from rollout.pipelines.tiny.sd3 import REAL_VAE_BLOCKS, tiny_autoencoder_kl
 from rollout.pipelines.tiny.text_encoders import qwen3_encoder
 from rollout.pipelines.tiny.tokenizers import qwen3_tokenizer
@@ -35,6 +36,7 @@ class TinyZImageSizes:
     text_hidden_size: int = 32
     text_layers: int = 2
     vae_block_out_channels: tuple[int, ...] = (8, 16)  # two blocks: the VAE downsamples by 2
+    sampling_defaults: SamplingDefaults | None = TINY_IMAGE  # an unsized request's (None: the pipeline's)
 
 
 @quietly
@@ -82,7 +84,7 @@ def build_tiny_z_image(
         tokenizer=tokenizer,
         transformer=transformer,
     )
-    return save(pipeline, path, dtype)
+    return save(pipeline, path, dtype, sizes.sampling_defaults)
 
 
 # Benchmark presets (benchmarks/model_presets.py), as in tiny/sd3.py.
@@ -119,6 +121,10 @@ def build_real_z_image(folder: str | Path, device: str = "cpu", dtype: torch.dty
     encoder of the real width (Qwen3-4B's 2560), and a narrow VAE with the real scale factor and
     latent channels."""
     sizes = TinyZImageSizes(
-        latent_channels=16, text_hidden_size=2560, text_layers=1, vae_block_out_channels=REAL_VAE_BLOCKS
+        latent_channels=16,
+        text_hidden_size=2560,
+        text_layers=1,
+        vae_block_out_channels=REAL_VAE_BLOCKS,
+        sampling_defaults=None,  # the published pipeline's default size
     )
     return build_tiny_z_image(folder, sizes=sizes, transformer_config=Z_IMAGE_TURBO, device=device, dtype=dtype)

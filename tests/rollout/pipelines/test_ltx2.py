@@ -180,10 +180,11 @@ def test_sizes_frames_and_fields_the_pipeline_refuses_are_refused_at_admission(l
             engine.generate("x", SamplingParams(**{"height": 32, "width": 32, "num_frames": 9, **fields}))
     assert not engine.has_unfinished_requests()
     resolved, problems = engine.model_spec.resolve(SamplingParams(height=32, width=32))
+    # The tiny folder's own 9 frames (sampling_defaults.json) in place of the pipeline's 121.
     assert problems == [] and (resolved.guidance_scale, resolved.negative_prompt, resolved.num_frames) == (
         3.0,
         "",
-        121,
+        9,
     )
 
 

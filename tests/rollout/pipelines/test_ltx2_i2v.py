@@ -161,7 +161,7 @@ def test_requests_the_model_cannot_take_are_refused_at_admission(ltx2_i2v):
         engine.generate("x", FAMILY.params(true_cfg_scale=2.0), images=[[FRAME]])
     assert not engine.has_unfinished_requests()
     spec = engine.model_spec
-    assert spec.edit_size(((24, 40),)) == (512, 768)  # no size set: the pipeline's default, not the image's
+    assert spec.edit_size(((24, 40),)) == (32, 32)  # no size set: the (tiny) folder's default, not the image's
     assert spec.latent_shape(32, 32, 9) == (MADE_SIZE + AUDIO_FRAMES * AUDIO_FEATURES,)
 
 

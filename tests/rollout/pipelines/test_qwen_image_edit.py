@@ -95,16 +95,18 @@ def test_a_prompts_embeddings_are_shared_per_prompt_and_images(plus_setup, name)
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) for n in EDIT_FAMILIES])
-def test_an_edit_without_a_size_is_made_at_the_pipelines_default(tiny_models, name):
-    """No height or width: about a megapixel at the (Plus: last) input image's aspect ratio."""
+def test_an_edit_without_a_size_is_made_at_the_folders_default_area(tiny_models, name):
+    """No height or width: the pipeline's rule, at the area the folder names (the tiny folders'
+    32 x 32; a published folder's, a megapixel) at the (Plus: last) input image's aspect ratio."""
     family = FAMILIES[name]
     with RolloutEngine(EngineConfig(model=tiny_models(name))) as engine:
         params = family.params(num_inference_steps=2, seed=0, height=None, width=None, output_type="latent")
         spec = engine.model_spec
-        sizes = ((24, 40),) if name == "qwen_image_edit" else ((32, 32), (24, 40))
+        sizes = ((24, 72),) if name == "qwen_image_edit" else ((32, 32), (24, 72))
         images = [input_image(i, *size) for i, size in enumerate(sizes)]
         (output,) = engine.generate("x", params, images=[images])
-        assert (output.trajectory.height, output.trajectory.width) == spec.edit_size(sizes) == (800, 1312)
+        assert spec.edit_area == 32 * 32
+        assert (output.trajectory.height, output.trajectory.width) == spec.edit_size(sizes) == (32, 64)
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) for n in EDIT_FAMILIES])

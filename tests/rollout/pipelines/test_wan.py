@@ -102,10 +102,11 @@ def test_frame_counts_the_vae_cannot_take_are_refused_with_the_nearest(wan):
 
 def test_sizes_and_frames_past_the_rotary_table_are_refused_at_admission(wan):
     """The tiny transformer's rope_max_seq_len is 64 tokens per axis: WanPipeline's default 480x832
-    is past it. Refused before anything is queued (it failed in the worker with a shape error)."""
+    (which the tiny folder's own 32x32 replaces) is past it. Refused before anything is queued (it
+    failed in the worker with a shape error)."""
     family, engine, _, _ = wan
     with pytest.raises(ValueError, match=r"height=480 is above the 256 pixels .*rope_max_seq_len 64 tokens"):
-        engine.generate("x", SamplingParams(num_frames=9))
+        engine.generate("x", SamplingParams(height=480, width=832, num_frames=9))
     with pytest.raises(ValueError, match=r"num_frames=129 is above the 127 frames"):
         engine.generate("x", family.params(num_frames=129))
     assert not engine.has_unfinished_requests()

@@ -110,9 +110,10 @@ def test_requests_the_model_cannot_take_are_refused_at_admission(i2v):
         engine.generate("x", family.params(num_frames=8), images=[[FRAME]])
     with pytest.raises(ValueError, match=r"height=34 is not divisible by 4"):
         engine.generate("x", family.params(height=34), images=[[FRAME]])
-    # No size set: the pipeline's 480x832, not the image's, and past the tiny transformer's rotary table.
+    # The pipeline's default 480x832 is past the tiny transformer's rotary table (the tiny folder's
+    # default is its own 32x32: a request without a size is made at that, not at the image's size).
     with pytest.raises(ValueError, match=r"height=480 is above the 256 pixels .*rope_max_seq_len 64 tokens"):
-        engine.generate("x", SamplingParams(num_frames=9), images=[[FRAME]])
+        engine.generate("x", SamplingParams(height=480, width=832, num_frames=9), images=[[FRAME]])
     with pytest.raises(ValueError, match=r"num_frames=129 is above the 127 frames"):
         engine.generate("x", family.params(num_frames=129), images=[[FRAME]])
     assert not engine.has_unfinished_requests()
