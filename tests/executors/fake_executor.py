@@ -8,7 +8,8 @@ sets, so the failure policy runs in milliseconds, with no process, model or cloc
 
 An unscripted call runs on the rank's `FakeWorker` (a method by name, or `fn(worker, ...)`), as a
 real worker would run it. Timeouts are not waited for: a rank that `Hangs` is simply missing from
-what `_gather` returns, which is what a real transport returns once the deadline passes.
+what `_gather` returns, which is what a real transport returns once the deadline passes, and the
+executor's clock (`now`, fake seconds) moves on by the wait's timeout.
 `ProgressingExecutor` adds a transport's progress reads, scripted the same way.
 """
 
@@ -141,9 +142,13 @@ class ScriptedExecutor(Executor):
         self._call_ids = itertools.count()
         self._waits: dict[int, int] = {}  # call id -> waits for it so far (`Slow`)
         self._num_ranks = config.num_workers  # script() may run before the base sets num_workers
+        self.now = 0.0  # the fake clock the base times its waits with
         if before_start is not None:
             before_start(self)
         super().__init__(config)
+
+    def clock(self) -> float:
+        return self.now
 
     def script(self, name: str, *outcomes: Outcome, ranks: list[int] | None = None) -> None:
         """The next calls `name` on `ranks` (all when None) have these outcomes, one per call; the
@@ -196,6 +201,8 @@ class ScriptedExecutor(Executor):
                 answers[rank] = WorkerError(
                     call.name, rank, WorkerError.type_path(error), str(error), "(fake traceback)"
                 )
+        if len(answers) < len(pending):  # a real transport returns once the deadline passed
+            self.now += timeout
         return answers
 
     def _stop_workers(self) -> None:

@@ -188,6 +188,31 @@ def test_a_step_that_stops_progressing_inside_a_forward_kills_the_engine(request
             engine.collective_rpc("get_rank")
 
 
+def test_a_step_is_hung_a_timeout_after_its_last_progress_not_a_timeout_after_the_wait_that_saw_it(six_block_model):
+    # Issue 50: a wait of step_timeout_s that saw the step's last units start counted as progress,
+    # and the base waited a whole timeout more: a step that progressed at its start and then hung
+    # was declared after 2 x step_timeout_s. The baseline, measured here: a step that never
+    # progressed (declared after one timeout, before and after the fix).
+    config = EngineConfig(model=six_block_model, step_timeout_s=1.0)
+    params = SamplingParams(num_inference_steps=3, seed=0)
+    with RolloutEngine(config) as engine:
+        engine.add_request("x", params)
+        engine.step()  # the text is encoded: the next step starts with its first block
+        engine.collective_rpc(slow_down_steps, args=(5.0,))  # sleeps before its forward: no unit starts
+        start = time.monotonic()
+        with pytest.raises(EngineDeadError, match="timed out after 1.0s"):
+            engine.step()
+        never_progressed_s = time.monotonic() - start
+    with RolloutEngine(config) as engine:
+        # The step encodes the text and starts the first block (progress), whose start hangs for 5 s.
+        engine.collective_rpc(slow_down_blocks, args=(0.0,), kwargs={"hang_at": 0, "hang_s": 5.0})
+        start = time.monotonic()
+        with pytest.raises(EngineDeadError, match=r"timed out after 1.0s; .* \(no progress in their last 1.0s"):
+            engine.generate("x", params)
+        progressed_then_hung_s = time.monotonic() - start
+    assert progressed_then_hung_s < never_progressed_s + 0.5, (progressed_then_hung_s, never_progressed_s)  # not 2 s
+
+
 @pytest.mark.slow  # repetition for the default suite: CI runs it (make test-slow)
 def test_a_ray_engine_dropped_without_shutdown_frees_its_placement_group(ray_cluster, tiny_model):
     engine = RolloutEngine(EngineConfig(model=tiny_model, executor="ray", num_workers=2))
