@@ -7,7 +7,7 @@ its feed-forward apart), and a VAE's resnets, attentions and up- and downsampler
 down and up blocks hold several of them each, at full resolution, and its mid block's attention
 attends over every latent pixel of an image). So the count moves many times per denoiser
 forward, text encoding and VAE encode or decode, and the longest stretch without a move is one
-such unit. The count is one
+such unit: what the engine's admission bounds (`rollout.engine.work_budget`). The count is one
 integer in a cell with a `value`: a plain object in the worker's process, or a shared one (a
 `multiprocessing` `RawValue`) that another process reads without asking the worker. One writer,
 no lock: a reader sees the count as it was a moment ago, which is all a timeout needs.
@@ -19,7 +19,7 @@ in-process worker's thread cannot be killed) ends there and frees what it held.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from torch import nn
 
@@ -39,11 +39,15 @@ class Cell:
 
 
 class Progress:
-    """A worker's count of units of work started; `count` only grows while the worker computes."""
+    """A worker's count of units of work started; `count` only grows while the worker computes.
+
+    `recorder`: None, or a function called with each unit as it starts, after the count
+    (`rollout.worker.work_profile` measures each unit's work with it)."""
 
     def __init__(self) -> None:
         self.cell = Cell()
         self.stopped: str | None = None
+        self.recorder: Callable[[nn.Module], None] | None = None
 
     @property
     def count(self) -> int:
@@ -70,6 +74,8 @@ class Progress:
         if self.stopped is not None:
             raise WorkerStopped(self.stopped)
         self.cell.value += 1
+        if self.recorder is not None:
+            self.recorder(module)
 
 
 def progress_units(module: nn.Module) -> list[nn.Module]:

@@ -27,6 +27,7 @@ from rollout.config import EngineConfig
 from rollout.errors import WorkerError
 from rollout.messages import RunnerOutput, WorkerInput
 from rollout.pipelines.spec import ModelSpec
+from rollout.worker.work_profile import WorkProfile, measure_work
 
 # What a tiny SD3 reports, so an engine can check requests against it.
 FAKE_SPEC = ModelSpec(
@@ -42,6 +43,12 @@ FAKE_SPEC = ModelSpec(
     guidance_defaults={"guidance_scale": 4.5},
     cfg_field="guidance_scale",
     default_negative_prompt="",
+)
+
+
+# A model with no work to speak of: admission by work refuses nothing.
+FAKE_WORK = WorkProfile(
+    units=(), attention_flops_per_s=1e9, other_flops_per_s=1e9, latent_frames=1, cfg_in_one_pass=False, device="cpu"
 )
 
 
@@ -143,6 +150,8 @@ class ScriptedExecutor(Executor):
         self._waits: dict[int, int] = {}  # call id -> waits for it so far (`Slow`)
         self._num_ranks = config.num_workers  # script() may run before the base sets num_workers
         self.now = 0.0  # the fake clock the base times its waits with
+        # What an engine asks every worker as it starts (`rollout.worker.work_profile.measure_work`).
+        self.script(measure_work.__qualname__, Answer(FAKE_WORK))
         if before_start is not None:
             before_start(self)
         super().__init__(config)
