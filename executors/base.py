@@ -38,6 +38,9 @@ TRANSPORT_METHODS = ("_start_workers", "_send_step", "_send_rpc", "_gather", "_r
 # The ready handshake's name, as messages about it show it.
 STARTUP = "start-up"
 MAX_RPC_TIMEOUT_S = 7 * 24 * 3600
+# Reads of the workers' progress per `step_timeout_s` while a step runs past its first read: a
+# hung step is declared within a tenth of the timeout after it, not a whole timeout later.
+PROGRESS_READS = 10
 
 
 class Executor:
@@ -70,15 +73,17 @@ class Executor:
     - a step that makes no progress for `step_timeout_s`, or is interrupted (Ctrl-C), leaves the
       workers' state unknown: the workers are stopped and the executor is dead. A step that is
       merely slow is waited for: while its workers' models run, their progress counts grow, and
-      the base waits `step_timeout_s` more after each wait in which every replica still working
-      progressed (`_gather_while_progressing`);
+      the base reads them ten times per `step_timeout_s` and waits for as long as every replica
+      still working moved less than `step_timeout_s` ago (`_gather_while_progressing`). Stopping
+      the workers of a dead executor stops what they compute (`_stop_workers`: processes are
+      killed; an in-process worker raises at its next unit of work);
     - an RPC that times out or is interrupted raises; the worker finishes it before its next call
       and its late reply is dropped;
     - once dead, every call fails fast with `EngineDeadError` and the reason.
 
     A transport that reports progress writes `_progress(ranks)`: rank -> its worker's
-    `progress.count` (`rollout.worker.progress`: every block of the worker's models adds one as it
-    starts), read while the step runs, without waiting for it (`uni` reads the worker's count,
+    `progress.count` (`rollout.worker.progress`: every unit of work of the worker's models adds one as
+    it starts), read while the step runs, without waiting for it (`uni` reads the worker's count,
     `mp` a shared value each worker counts in, `ray` an actor method in a concurrency group of its
     own); and its `_gather` may be called again for the calls it did not answer, handing each
     answer once (a step's arguments stay readable until its answer comes). A backend without
@@ -97,6 +102,8 @@ class Executor:
     # in-process transport of several workers leaves this False and gives each its own copies
     # (`copy_tensors`), as one clone shared by every rank would not be any rank's own.
     shares_memory = False
+    # What the waits of steps and calls are timed with (a test of the failure policy sets a fake one).
+    clock: Callable[[], float] = staticmethod(time.monotonic)
 
     def __init__(self, config: EngineConfig):
         last_resort.install()  # the engine's warnings carry a format in a script without logging set up
@@ -273,11 +280,11 @@ class Executor:
         group failed a step (`group_step_failed`), else TimeoutError naming the ranks that did not
         answer, or else the `WorkerError` of the lowest rank that failed. `while_progressing`: the
         calls may take longer than `timeout` in all while their workers progress (a step)."""
-        start = time.monotonic()
+        start = self.clock()
         if while_progressing:
-            answers, waits = self._gather_while_progressing(name, pending, timeout)
+            answers, progressed = self._gather_while_progressing(name, pending, timeout)
         else:
-            answers, waits = self._gather(name, pending, timeout), 1
+            answers, progressed = self._gather(name, pending, timeout), False
         broken = self.group_step_failed(name, answers)
         if broken is not None:
             group = self.layout.replica_of(broken.rank)
@@ -288,37 +295,47 @@ class Executor:
             )
         late = sorted(set(pending) - set(answers))
         if late:
-            progressed = (
-                f" (no progress in their last {timeout}s of {time.monotonic() - start:.1f}s)" if waits > 1 else ""
-            )
+            since = f" (no progress in their last {timeout}s of {self.clock() - start:.1f}s)" if progressed else ""
             raise TimeoutError(
-                f"worker call {name!r} timed out after {timeout}s; ranks that did not answer: {late}{progressed}"
+                f"worker call {name!r} timed out after {timeout}s; ranks that did not answer: {late}{since}"
             )
         for rank in sorted(answers):
             if isinstance(answers[rank], WorkerError):
                 raise answers[rank]
         return answers
 
-    def _gather_while_progressing(self, name: str, pending: dict[int, Any], timeout: float) -> tuple[dict, int]:
-        """`_gather` `pending` (a step's calls), waiting `timeout` at a time for as long as every
-        replica with a rank still computing progressed in the last wait (one of its ranks did:
-        the others may wait for it in a collective); (rank -> answer, waits). A transport without
-        progress gets one wait: `timeout` bounds the step in all."""
-        before = self._progress(sorted(pending))
-        answers = self._gather(name, pending, timeout)
-        waits = 1
-        while before is not None and len(answers) < len(pending) and self.group_step_failed(name, answers) is None:
+    def _gather_while_progressing(self, name: str, pending: dict[int, Any], timeout: float) -> tuple[dict, bool]:
+        """`_gather` `pending` (a step's calls) for as long as every replica with a rank still
+        computing progresses: one of its ranks' counts moved (the others may wait for it in a
+        collective) less than `timeout` ago. The counts are read every `timeout / PROGRESS_READS`,
+        and a move counts from the read that saw it, so a replica is hung between `timeout` and
+        `timeout * (1 + 1 / PROGRESS_READS)` after its last unit of work started: a wait that saw
+        the last units of a step start is no reason to wait a whole `timeout` more. Returns (rank
+        -> answer, whether any replica progressed). A transport without progress gets one wait:
+        `timeout` bounds the step in all."""
+        sent = self.clock()
+        counts = self._progress(sorted(pending))
+        if counts is None:
+            return self._gather(name, pending, timeout), False
+        last_move = dict.fromkeys(self._by_replica(pending), sent)
+        answers: dict[int, Any] = {}
+        while True:
+            waiting = {rank: call for rank, call in pending.items() if rank not in answers}
+            deadline = min(last_move[replica] for replica in self._by_replica(waiting)) + timeout
+            wait = min(max(deadline - self.clock(), 0.0), timeout / PROGRESS_READS)
+            answers |= self._gather(name, waiting, wait)
+            if len(answers) == len(pending) or self.group_step_failed(name, answers) is not None:
+                break
             waiting = {rank: call for rank, call in pending.items() if rank not in answers}
             now = self._progress(sorted(waiting))
-            if not all(
-                any(rank in now and rank in before and now[rank] != before[rank] for rank in ranks)
-                for ranks in self._by_replica(waiting).values()
-            ):
+            read_at = self.clock()
+            for replica, ranks in self._by_replica(waiting).items():
+                if any(rank in now and rank in counts and now[rank] != counts[rank] for rank in ranks):
+                    last_move[replica] = read_at
+            counts = {**counts, **now}  # a rank left out of a read keeps its last count (no sign of progress)
+            if any(read_at - last_move[replica] >= timeout for replica in self._by_replica(waiting)):
                 break  # a replica made no progress in `timeout`: hung (the base names its ranks)
-            before = now
-            answers |= self._gather(name, waiting, timeout)
-            waits += 1
-        return answers, waits
+        return answers, any(moved > sent for moved in last_move.values())
 
     def _by_replica(self, ranks: Iterable[int]) -> dict[int, list[int]]:
         """replica -> its ranks among `ranks`, sorted."""

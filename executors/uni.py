@@ -2,7 +2,9 @@
 
 The thread lets `collective_rpc` enforce its timeout in-process and keeps worker calls strictly
 serialised: a call that timed out finishes in the background before the next one starts, and its
-late result is dropped, never handed to the next caller. Everything but this transport (start-up,
+late result is dropped, never handed to the next caller. A step still running when the executor
+dies (hung, or interrupted) cannot be killed with its thread: it stops where its next unit of work
+starts (`Progress.stop`). Everything but this transport (start-up,
 timeouts, the failure policy, shutdown) is the `Executor` base class's.
 """
 
@@ -11,7 +13,7 @@ from __future__ import annotations
 import os
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
@@ -21,6 +23,7 @@ from executors.bootstrap import WorkerBootstrap
 from rollout.config import EngineConfig
 from rollout.errors import WorkerError
 from rollout.messages import WorkerInput
+from rollout.worker.progress import WorkerStopped
 from rollout.worker.worker import call_function
 
 
@@ -51,11 +54,11 @@ class UniExecutor(Executor):
 
     def _send_step(self, rank: int, work: WorkerInput) -> Future:
         # Through the dispatch a worker process runs for its steps too: one rule for every executor.
-        return self._thread.submit(call_function, self.worker, self.worker_cls.execute, (work,), {})
+        return self._thread.submit(_until_stopped, self.worker, self.worker_cls.execute, (work,), {})
 
     def _send_rpc(self, name: str, method: str | Callable, args: tuple, kwargs: dict, ranks: list[int]) -> dict:
         _, fn = self.resolve_method(method)
-        return {0: self._thread.submit(call_function, self.worker, fn, args, kwargs)}
+        return {0: self._thread.submit(_until_stopped, self.worker, fn, args, kwargs)}
 
     def _gather(self, name: str, pending: dict[int, Future], timeout: float) -> dict[int, Any]:
         deadline = time.monotonic() + timeout
@@ -75,6 +78,13 @@ class UniExecutor(Executor):
         # The worker's count, read as it grows on the worker's thread.
         return {0: self.worker.progress.count} if self.worker is not None else {}
 
+    def _stop_workers(self) -> None:
+        # A thread cannot be killed: a step still running (one declared hung, or interrupted) stops
+        # where its next unit of work starts, and frees what it holds, instead of running on for
+        # as long as it takes with nobody waiting for it.
+        if self.worker is not None:
+            self.worker.progress.stop(self.dead)
+
     def _release_workers(self) -> None:
         # A call still running finishes in the background; nothing waits for it or reads its result.
         self._thread.shutdown(wait=False, cancel_futures=True)
@@ -83,3 +93,14 @@ class UniExecutor(Executor):
     def _build_worker(self) -> int:
         self.worker = self.worker_cls(self.config, 0)
         return os.getpid()
+
+
+def _until_stopped(worker, fn: Callable, args: Sequence, kwargs: dict) -> Any:
+    """`call_function(worker, fn, args, kwargs)` on the worker's thread; None where the dead executor
+    stopped it (`Progress.stop`). Nobody reads that answer, and dropping the `WorkerStopped` here
+    drops its traceback, whose frames would keep the worker (its model, its requests) alive for as
+    long as the future that holds it."""
+    try:
+        return call_function(worker, fn, args, kwargs)
+    except WorkerStopped:
+        return None

@@ -45,6 +45,9 @@ class Request(NamedByNode):
     # The (height, width) its images are encoded at (`ModelSpec.encoded_image_sizes`; empty for a
     # text-only request): what it batches by, since encodings of equal sizes stack.
     encoded_image_sizes: tuple[tuple[int, int], ...] = ()
+    # The most samples of its size a batch may hold for each unit of work to fit within the step
+    # timeout (`rollout.engine.work_budget`); the scheduler keeps every batch to it.
+    max_batch: int = 1 << 30
     pruned: set[NodeId] = field(default_factory=set)  # its descendants aborted before they existed
     status: RequestStatus = RequestStatus.WAITING
     rank: int | None = None

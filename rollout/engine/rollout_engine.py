@@ -28,6 +28,7 @@ from rollout.engine.scheduler import Scheduler
 from rollout.engine.shared_conditions import SharedConditions
 from rollout.engine.shared_parts import SharedTreeParts
 from rollout.engine.step_report import StepReport
+from rollout.engine.work_budget import WorkBudget
 from rollout.errors import EngineDeadError, RequestFailedError, interrupted_reason
 from rollout.input_images import InputImages, images_per_prompt
 from rollout.messages import FinishedRequest
@@ -36,6 +37,7 @@ from rollout.outputs import RequestTimings, RolloutOutput
 from rollout.sampling_params import SamplingParams
 from rollout.seeding import derive_seed, fresh_base_seed
 from rollout.worker.sent_conditions import ReceivedConditions
+from rollout.worker.work_profile import WorkProfile, measure_work
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +67,16 @@ class RolloutEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.executor = check_engine_config(config)(config)  # before any worker starts
-        self.model_spec = self.executor.collective_rpc("model_spec")[0]
+        try:
+            self.model_spec = self.executor.collective_rpc("model_spec")[0]
+            # What a request's units of work would take here, measured once on every rank (admission by work).
+            profiles = self.executor.collective_rpc(measure_work, timeout=config.startup_timeout_s)
+        except BaseException:
+            self.executor.shutdown()  # a start that fails leaves no worker behind
+            raise
+        self.work_budget = WorkBudget(
+            WorkProfile.slowest(profiles), self.model_spec, config.step_timeout_s, config.max_batch_size
+        )
         # A trainer passes the same params for every prompt and group: resolving them once each
         # halves what add_request costs (SamplingParams is frozen and hashable).
         self._resolve = functools.lru_cache(maxsize=256)(self.model_spec.resolve)
@@ -239,6 +250,8 @@ class RolloutEngine:
         # A first frame is encoded at the request's own size, which its batch key holds already.
         unsized = images is None or spec.first_frame
         encoded_sizes = () if unsized else spec.encoded_image_sizes(images.sizes, spec.auto_resizes(params))
+        encoded = () if images is None else spec.encoded_image_pixels(images.sizes, spec.auto_resizes(params))
+        max_batch = self.work_budget.samples_per_batch(params, encoded)
         output_ids = []
         for k, root in enumerate(roots):
             init_index = 0 if params.same_noise_in_group else k
@@ -253,6 +266,7 @@ class RolloutEngine:
                 tree_id=next(self._tree_ids),
                 images=images,
                 encoded_image_sizes=encoded_sizes,
+                max_batch=max_batch,
             )
             self.scheduler.add(request)
             output_ids += [str(leaf) for leaf in request.leaves()]
@@ -548,6 +562,8 @@ class RolloutEngine:
         if not problems:  # the limits read the sizes the model's rules checked
             encoded = spec.encoded_image_pixels(sizes, spec.auto_resizes(resolved)) if sizes else ()
             problems += self.config.request_limits.problems(prompt, resolved, spec, encoded)
+            if not problems:  # and what the work of a request of these sizes would take
+                problems += self.work_budget.problems(resolved, encoded)
         return resolved, problems
 
     def _image_problems(self, sizes: tuple[tuple[int, int], ...]) -> list[str]:

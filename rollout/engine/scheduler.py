@@ -17,7 +17,8 @@ from rollout.node_id import NodeId
 
 class Scheduler:
     """Owns the unfinished requests (the request table) and decides each step's work; each rank
-    steps at most `max_batch_size` at a time. A rank here is a replica: with sequence parallel, one
+    steps at most `max_batch_size` at a time (fewer for a size whose requests say so:
+    `Request.max_batch`). A rank here is a replica: with sequence parallel, one
     replica spans several worker ranks, which the executor gives the same work (`num_ranks` is
     `EngineConfig.num_replicas`).
 
@@ -195,8 +196,11 @@ class Scheduler:
             return []
         key = min(candidates, key=lambda r: r.last_scheduled_tick).batch_key
         batch = [r for r in candidates if r.batch_key == key]
-        if len(batch) > self.max_batch_size:  # a tree wider than a batch: the least recently stepped go first
-            chosen = {id(r) for r in sorted(batch, key=lambda r: r.last_scheduled_tick)[: self.max_batch_size]}
+        # A size whose units of work fit the step timeout only a few samples at a time gets smaller batches.
+        most = min(self.max_batch_size, *(r.max_batch for r in batch))
+        if len(batch) > most:  # a tree wider than a batch: the least recently (and least) stepped go first
+            turns = sorted(batch, key=lambda r: (r.last_scheduled_tick, r.steps_done))
+            chosen = {id(r) for r in turns[:most]}
             batch = [r for r in batch if id(r) in chosen]
         return batch
 

