@@ -342,7 +342,7 @@ def test_shutdown_is_idempotent_and_refuses_later_calls(executor):
 # What the base checks before anything is sent.
 
 
-@pytest.mark.parametrize("ranks", [[3], [], [-1], ["0"], [0, 5]])
+@pytest.mark.parametrize("ranks", [[3], [], [-1], [0, 5]])
 def test_ranks_outside_the_workers_are_refused_before_anything_is_sent(executor, ranks):
     sent = len(executor.log.sent)
     with pytest.raises(ValueError, match=re.escape(f"ranks must be a non-empty subset of 0..2, got {ranks}")):
@@ -350,8 +350,24 @@ def test_ranks_outside_the_workers_are_refused_before_anything_is_sent(executor,
     assert len(executor.log.sent) == sent and executor.dead is None
 
 
-def test_ranks_are_deduplicated_and_sorted(executor):
-    assert executor.collective_rpc("get_rank", ranks=(2, 0, 2)) == [0, 2]
+@pytest.mark.parametrize(
+    "ranks, error, message",
+    [
+        (1, TypeError, "ranks must be a list of rank numbers (e.g. [1]), or None for all, got 1"),
+        (["0"], TypeError, "ranks must be a list of rank numbers (ints), got ['0']"),
+        ((2, 0, 2), ValueError, "ranks names [2] more than once (got [2, 0, 2]); name each rank once"),
+    ],
+)
+def test_ranks_that_are_not_a_list_of_distinct_ranks_are_refused(executor, ranks, error, message):
+    """A bare rank and a rank named twice (which answered once) are refused before anything is sent."""
+    sent = len(executor.log.sent)
+    with pytest.raises(error, match=re.escape(message)):
+        executor.collective_rpc("get_rank", ranks=ranks)
+    assert len(executor.log.sent) == sent and executor.dead is None
+
+
+def test_ranks_are_sorted(executor):
+    assert executor.collective_rpc("get_rank", ranks=(2, 0)) == [0, 2]
 
 
 def test_unknown_methods_are_refused_before_anything_is_sent(executor):
