@@ -1,6 +1,6 @@
 """A client without an API key meets a server that requires one: it says so as it is made, naming
-where the key goes, before it sends any call; a recipe with `engine.url` says so before it loads
-its model."""
+where the key goes, before it sends any call; a recipe with `engine.url` says so as a config error
+before it loads its model or writes anything."""
 
 from __future__ import annotations
 
@@ -35,5 +35,6 @@ def test_a_recipe_without_a_key_stops_before_it_loads_its_model(server, tiny_mod
     monkeypatch.delenv(API_KEY_ENV, raising=False)
     config_path = Path(recipes.config.__file__).parent / "configs" / "grpo_tiny.yaml"
     settings = [f"model.path={unloadable}", f"output_dir={tmp_path / 'out'}", f"engine.url={server.url}"]
-    with pytest.raises(PermissionError, match=NO_KEY):
+    with pytest.raises(ValueError, match=f"invalid config: engine.url: .*{NO_KEY}"):  # a config error, as a bad URL's
         run(load_config(config_path, settings))
+    assert not (tmp_path / "out").exists()  # nothing written
