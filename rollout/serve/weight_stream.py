@@ -101,7 +101,10 @@ async def _receive_update(
     try:
         options = _options(await _next(frames, arrive_by, deadline_s))
         push = await engine.open_weight_push(
-            component=options.component, check_finite=options.check_finite, bucket_bytes=options.bucket_bytes
+            component=options.component,
+            check_finite=options.check_finite,
+            bucket_bytes=options.bucket_bytes,
+            version=options.version,
         )
         try:
             await _stage_buckets(frames, engine, push, arrive_by, deadline_s)
