@@ -28,7 +28,7 @@ from rollout.engine.scheduler import Scheduler
 from rollout.engine.shared_conditions import SharedConditions
 from rollout.engine.shared_parts import SharedTreeParts
 from rollout.engine.step_report import StepReport
-from rollout.errors import EngineDeadError, RequestFailedError, interrupted_reason
+from rollout.errors import EngineDeadError, RequestFailedError, RequestIdTaken, interrupted_reason
 from rollout.input_images import InputImages, images_per_prompt
 from rollout.messages import FinishedRequest
 from rollout.node_id import NodeId
@@ -262,9 +262,11 @@ class RolloutEngine:
         clashes = [group_id] if table.is_live_group(group_id) or table.is_live_id(group_id) else []
         clashes = sorted(clashes + [sample_id for sample_id in sample_ids if table.is_live_group(sample_id)])
         if clashes:
-            raise ValueError(
-                f"request_id {group_id!r} is refused: {clashes} already name unfinished requests or groups, and "
-                "abort() takes both sample and group ids; pass another request_id"
+            raise RequestIdTaken(
+                f"request_id {group_id!r} is refused: {clashes} already name unfinished requests or groups of this "
+                "engine (abort() takes both sample and group ids). Every caller of an engine, every client of a "
+                "server, shares its ids: pass another request_id, one with a prefix of your own (your run's "
+                "name), or none to get one the engine makes"
             )
 
     def step(self, *, admit: bool = True) -> list[RolloutOutput]:

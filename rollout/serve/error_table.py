@@ -7,7 +7,7 @@ names (or, for a type it does not know, the class its status stands for).
 
 from __future__ import annotations
 
-from rollout.errors import EngineDeadError
+from rollout.errors import EngineDeadError, RequestIdTaken
 from rollout.http.wire import WireError
 
 # Most specific first: an exception gets the status of the first class it is an instance of.
@@ -15,6 +15,7 @@ STATUS_OF: list[tuple[type[BaseException], int]] = [
     (EngineDeadError, 503),
     (TimeoutError, 504),
     (WireError, 400),
+    (RequestIdTaken, 400),
     (ValueError, 400),
     (TypeError, 400),
     (RuntimeError, 409),  # the engine's state forbids it now (asleep, adapter in use, ...)
