@@ -204,13 +204,14 @@ def probes(tensors: dict, config: dict, files: dict[str, Path]) -> list[Probe]:
     ]
 
 
-def png_of_zeros(height: int, width: int, colour: bool = False) -> bytes:
+def png_of_zeros(height: int, width: int, colour: bool = False, rows: int | None = None) -> bytes:
     """A PNG file of a black image, written without holding its pixels (PIL would): 1-bit grey, or
-    8-bit RGB with `colour`. Zeros deflate about 1000 to 1: 12000 x 12000 at 1 bit is 17 KB."""
+    8-bit RGB with `colour`. Zeros deflate about 1000 to 1: 12000 x 12000 at 1 bit is 17 KB.
+    `rows`: how many rows its (whole) zlib stream holds, if not all."""
     bits, color_type, channels = (8, 2, 3) if colour else (1, 0, 1)
     row = bytes(1 + (width * bits * channels + 7) // 8)  # a filter byte, then the row's samples
     compressor = zlib.compressobj(9)
-    data = b"".join(compressor.compress(row) for _ in range(height)) + compressor.flush()
+    data = b"".join(compressor.compress(row) for _ in range(height if rows is None else rows)) + compressor.flush()
 
     def chunk(kind: bytes, body: bytes) -> bytes:
         return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))

@@ -171,3 +171,34 @@ def test_a_png_is_sized_from_its_header_and_not_decoded_when_the_check_refuses()
 
     with pytest.raises(ValueError, match=re.escape("refused [[(9000, 12000)]]")):
         images_from_tensors(tensors, 1, refuse)
+
+
+def test_a_png_whose_image_data_ends_before_its_rows_is_refused():
+    """A PNG whose IHDR says 64 x 64, with a whole zlib stream of 8 rows, was taken: PIL read its 56
+    missing rows as zeros (a cut-off file is refused). Every form PIL writes still decodes as PIL
+    decodes it: colour types, bit depths, palettes, interlaced."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    from benchmarks.serve_probes import png_of_zeros
+    from rollout.http.tensor_bytes import png_image
+
+    def tensor(data: bytes) -> torch.Tensor:
+        return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+    for colour in (False, True):
+        with pytest.raises(WireError, match=r"'x' is not a whole PNG file: .* needs \d+: rows are missing"):
+            png_image(tensor(png_of_zeros(64, 64, colour=colour, rows=8)), "x")
+        with pytest.raises(WireError, match="rows are missing"):
+            png_image(tensor(png_of_zeros(64, 64, colour=colour, rows=63)), "x")
+        assert torch.equal(png_image(tensor(png_of_zeros(64, 64, colour=colour)), "x"), torch.zeros(3, 64, 64).byte())
+    pixels = np.random.default_rng(0).integers(0, 256, (37, 53, 3), dtype=np.uint8)
+    for mode in ("RGB", "RGBA", "L", "LA", "P", "1", "I;16"):
+        for interlace in (0, 1):
+            written = io.BytesIO()
+            Image.fromarray(pixels).convert(mode).save(written, format="PNG", interlace=interlace)
+            expected = np.asarray(Image.open(io.BytesIO(written.getvalue())).convert("RGB"))
+            got = png_image(tensor(written.getvalue()), "x")
+            assert torch.equal(got, torch.from_numpy(expected.copy()).permute(2, 0, 1)), (mode, interlace)
