@@ -71,6 +71,35 @@ def test_a_frame_that_announces_more_than_it_sends_costs_what_arrived(server, re
     assert remote.weights_checksum() == checksum and remote.weight_version == version
 
 
+def test_a_frame_whose_sender_stops_costs_what_it_sent_and_an_eighth(server, remote):
+    """A push announcing a 63 MB bucket that sends 16 MiB of it and stops: once a quarter of it
+    had come (past an eighth), the server faulted the whole announced frame in and held it until the
+    push's deadline (1 GiB in the probe; up to --max-upload-mb). Now its pages stay at most an
+    eighth of the frame (32 MiB at most) ahead of its bytes: the memory follows what arrived."""
+    checksum, version = remote.weights_checksum(), remote.weight_version
+    pid = server.process.pid
+    sock = open_push(server.url, API_KEY)
+    try:
+        before = rss_mb(pid)
+        sock.sendall(chunk(LENGTH.pack(63 << 20)))
+        piece = chunk(bytes(1 << 20))
+        for _ in range(16):
+            sock.sendall(piece)
+        deadline, held = time.monotonic() + 2.0, []
+        while time.monotonic() < deadline:  # read, and faulted in ahead of its bytes
+            held.append(rss_mb(pid) - before)
+            time.sleep(0.1)
+        waited_s = health_s(server.url)
+    finally:
+        sock.close()
+    assert 12 < max(held) < 16 + 63 / 8 + 16, held  # before: 63 and more
+    assert waited_s < 1.0
+    deadline = time.monotonic() + 10  # the dropped push is rolled back
+    while rss_mb(pid) - before > 8 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert remote.weights_checksum() == checksum and remote.weight_version == version
+
+
 def test_a_trickling_push_holds_no_generation(server, remote):
     """A push whose bucket trickles in, a byte every 0.2 s (never stalled long enough for
     --body-timeout-s): generation goes on beside it at its own speed, not once the push ends."""
