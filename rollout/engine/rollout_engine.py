@@ -171,14 +171,15 @@ class RolloutEngine:
     ) -> None:
         """Raise ValueError for what `add_requests(prompts, params, images=)` would refuse, from the
         input images' sizes alone (`image_sizes`: per prompt, the (height, width) of each image as
-        sent; adapters are checked when the requests are added). A server asks before it decodes
-        any image file a client sent: a few KB of PNG can hold gigabytes of pixels."""
+        sent). A server asks before it decodes any image file a client sent: a few KB of PNG can
+        hold gigabytes of pixels. Any thread may ask; the adapters named are checked as loaded
+        now (and again when the requests are added: one may be unloaded meanwhile)."""
         params_list = self._params_per_prompt(prompts, params)
         self._check_input_images(image_sizes)
         problems = [
             problem
             for prompt, one, sizes in zip(prompts, params_list, image_sizes, strict=True)
-            for problem in self._request_problems(prompt, one, tuple(sizes))[1]
+            for problem in self._request_problems(prompt, one, tuple(sizes))[1] + self._lora_problems(one)
         ]
         if problems:
             raise ValueError("invalid request: " + "; ".join(dict.fromkeys(problems)))
@@ -515,11 +516,15 @@ class RolloutEngine:
         """Check what depends on the model (`_request_problems`) and the adapter `params` names;
         returns `params` with the model's defaults filled in."""
         resolved, problems = self._request_problems(prompt, params, sizes)
-        if params.lora is not None and not self.hot_swap.has_lora(params.lora):
-            problems.append(f"lora {params.lora!r} is not loaded; loaded: {self.list_loras()} (see load_lora)")
+        problems += self._lora_problems(params)
         if problems:
             raise ValueError("invalid request: " + "; ".join(problems))
         return resolved
+
+    def _lora_problems(self, params: SamplingParams) -> list[str]:
+        if params.lora is None or self.hot_swap.has_lora(params.lora):
+            return []
+        return [f"lora {params.lora!r} is not loaded; loaded: {self.list_loras()} (see load_lora)"]
 
     def _request_problems(
         self, prompt: str, params: SamplingParams, sizes: tuple[tuple[int, int], ...]

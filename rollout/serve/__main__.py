@@ -86,6 +86,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-upload-mb", type=float, default=8192.0, help="largest safetensors body: weights, adapters (413 past it)"
     )
     server.add_argument(
+        "--input-image-budget-mb",
+        type=float,
+        default=1024.0,
+        help="decoded input images (an edit family's) that all requests together may hold, from their decode until "
+        "their answer ends: a request whose images do not fit waits for its turn, one over the whole budget is a 413",
+    )
+    server.add_argument(
         "--max-samples-per-request",
         type=int,
         default=1024,
@@ -142,6 +149,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("header_timeout_s", "body_timeout_s", "upload_timeout_s", "shutdown_grace_s"):
         if getattr(args, name) <= 0:
             parser.error(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
+    if args.input_image_budget_mb <= 0:
+        parser.error(f"--input-image-budget-mb must be > 0, got {args.input_image_budget_mb}")
     if args.max_connections < 1:
         parser.error(f"--max-connections must be >= 1, got {args.max_connections}")
     if args.no_auth and not is_loopback(args.host):
@@ -207,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         max_body_bytes=int(args.max_body_mb * _MB),
         max_upload_bytes=int(args.max_upload_mb * _MB),
         max_samples_per_request=args.max_samples_per_request,
+        input_image_budget_bytes=int(args.input_image_budget_mb * _MB),
         body_timeout_s=args.body_timeout_s,
         upload_timeout_s=args.upload_timeout_s,
     )

@@ -11,7 +11,6 @@ the server's instance id (`instance.InstanceHeaders`), made when the app is buil
 # name dependencies made inside `build_app`, which only eager evaluation can see.
 import asyncio
 import dataclasses
-import functools
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -30,19 +29,23 @@ from rollout.engine.async_engine import AsyncRolloutEngine, OutputStream
 from rollout.errors import WorkerError
 from rollout.http.guard import RequestGuard, require_api_key
 from rollout.http.hosts import LOOPBACK_NAMES
-from rollout.http.request_body import read_body
+from rollout.http.request_body import body_chunks, read_body
 from rollout.http.wire import (
     FRAMES_MEDIA_TYPE,
+    LENGTH,
     SAFETENSORS_MEDIA_TYPE,
     OutputEncoder,
     error_frame,
     frame,
-    images_from_tensors,
+    image_sizes,
+    named_images,
     tensors_from_bytes,
 )
 from rollout.lora.manager import count_non_lora_keys, infer_config, read_lora_folder, remote_config_problems
+from rollout.request_limits import RequestLimits
 from rollout.sampling_params import SamplingParams
 from rollout.serve import protocol
+from rollout.serve.admission import Admission, Share
 from rollout.serve.error_table import STATUS_OF
 from rollout.serve.instance import InstanceHeaders, new_instance_id
 from rollout.serve.routes import path
@@ -59,7 +62,8 @@ class ServerSettings:
     header may carry (None: any; see `rollout.http.hosts.allowed_hosts`). max_body_bytes: of a JSON body;
     max_upload_bytes: of a safetensors body (weights, adapters); max_samples_per_request: outputs
     of one generate call (prompts x num_samples x a tree's leaves per sample). rpc_allow: the
-    worker's own state-changing functions /collective_rpc may call too (see `_rpc_refusal`)."""
+    worker's own state-changing functions /collective_rpc may call too (see `_rpc_refusal`).
+    input_image_budget_bytes: see `rollout.serve.admission.ImageBudget`."""
 
     api_key: str | None = None
     allowed_hosts: frozenset[str] | None = LOOPBACK_NAMES
@@ -69,6 +73,7 @@ class ServerSettings:
     max_body_bytes: int = 1 << 20
     max_upload_bytes: int = 8 << 30
     max_samples_per_request: int = 1024
+    input_image_budget_bytes: int = 1 << 30  # decoded input images of all requests together (`admission`)
 
 
 def build_app(engine: AsyncRolloutEngine, settings: ServerSettings) -> FastAPI:
@@ -111,9 +116,10 @@ def build_app(engine: AsyncRolloutEngine, settings: ServerSettings) -> FastAPI:
 
     router = APIRouter(dependencies=[Depends(require_api_key(settings.api_key))])
     # Weight updates one at a time: the engine refuses one while a streamed push stages, so the
-    # next waits here, its body unread, rather than being refused.
+    # next waits here rather than being refused.
     push_lock = asyncio.Lock()
-    json_body = _json_body_parser(settings)
+    admission = Admission(settings.input_image_budget_bytes)
+    json_body = _json_body_parser(settings, admission)
 
     @router.get("/openapi.json", include_in_schema=False)
     async def openapi() -> dict:
@@ -139,14 +145,17 @@ def build_app(engine: AsyncRolloutEngine, settings: ServerSettings) -> FastAPI:
     async def generate(request: Request):
         """Body: the JSON of `GenerateBody`; or, with input images, a safetensors body whose
         metadata "request" holds that JSON (rollout.http.wire: images as uint8 tensors or PNG bytes)."""
-        images = tensors = None
+        named = None
         if request.headers.get("content-type", "").startswith(SAFETENSORS_MEDIA_TYPE):
-            tensors, body = await _tensor_body(request, settings, protocol.GenerateBody)
+            limits = _generate_body_limits(settings, engine.engine.config.request_limits)
+            tensors, body = await _tensor_body(request, settings, admission, protocol.GenerateBody, *limits)
+            named = named_images(tensors, 1 if isinstance(body.prompts, str) else len(body.prompts))
+            del tensors
         else:
-            body = await _parse_json(request, settings, protocol.GenerateBody)
+            body = await _parse_json(request, settings, admission, protocol.GenerateBody)
         prompts = [body.prompts] if isinstance(body.prompts, str) else body.prompts
         # Checking many params (each holds a step mask) is work: off the event loop, so /health answers.
-        params = await asyncio.to_thread(_sampling_params, body.params)
+        params = await admission.check(_sampling_params, body.params)
         per_prompt = params if isinstance(params, list) else [params] * len(prompts)
         counts = [p.num_samples * p.leaves_per_sample for p in per_prompt]  # outputs: a tree's leaves count
         if sum(counts) > settings.max_samples_per_request:
@@ -155,30 +164,46 @@ def build_app(engine: AsyncRolloutEngine, settings: ServerSettings) -> FastAPI:
                 f"the request asks for {sum(counts)} samples; this server takes at most "
                 f"{settings.max_samples_per_request} per request (--max-samples-per-request); split it",
             )
-        if tensors is not None:
-            # The requests are checked with the images' sizes first (a PNG's from its header): a few KB
-            # of PNG can decode to gigabytes, and a model that takes no images needs none decoded.
-            check = functools.partial(engine.engine.check_requests, prompts, params)
-            images = await asyncio.to_thread(images_from_tensors, tensors, len(prompts), check)
         if body.request_id is not None or body.prompt_index != 0 or body.base_seed is not None:
             if len(prompts) != 1 or isinstance(params, list):
                 raise ValueError(
                     "request_id, prompt_index and base_seed make this add_request, for one prompt's group: "
                     "send exactly one prompt and one params"
                 )
-            stream = await engine.add_request(
-                prompts[0],
-                params,
-                images=None if images is None else images[0],
-                prompt_index=body.prompt_index,
-                request_id=body.request_id,
-                base_seed=body.base_seed,
-            )
-        else:
-            stream = await engine.add_requests(prompts, params, images=images)
+        share = images = None
+        try:
+            if named is not None:
+                # The requests are checked with the images' sizes first (a PNG's from its header: a few
+                # KB of PNG can decode to gigabytes, and a model that takes no images needs none
+                # decoded), then the images take their share of the server's budget, then decode.
+                sizes = await admission.check(image_sizes, named)
+                await admission.check(engine.engine.check_requests, prompts, params, sizes)
+                share = await admission.images.take(sum(3 * h * w for one in sizes for h, w in one))
+                images = await admission.decode(named)
+                del named
+            if body.request_id is not None or body.prompt_index != 0 or body.base_seed is not None:
+                stream = await engine.add_request(
+                    prompts[0],
+                    params,
+                    images=None if images is None else images[0],
+                    prompt_index=body.prompt_index,
+                    request_id=body.request_id,
+                    base_seed=body.base_seed,
+                )
+            else:
+                stream = await engine.add_requests(prompts, params, images=images)
+            del images  # the engine's requests hold them now, under the share, until they end
+        except BaseException:
+            if share is not None:
+                share.give_back()
+            raise
         if body.stream:
-            return StreamingResponse(_stream_frames(stream), media_type=FRAMES_MEDIA_TYPE)
-        outputs = await _collect(stream, request)
+            return StreamingResponse(_stream_frames(stream, share), media_type=FRAMES_MEDIA_TYPE)
+        try:
+            outputs = await _collect(stream, request)
+        finally:
+            if share is not None:
+                share.give_back()
         return Response(_frames(stream.request_ids, outputs), media_type=FRAMES_MEDIA_TYPE)
 
     @router.post(path("abort"))
@@ -205,8 +230,9 @@ def build_app(engine: AsyncRolloutEngine, settings: ServerSettings) -> FastAPI:
         if request.headers.get("content-type", "").startswith(FRAMES_MEDIA_TYPE):
             limits = settings.max_upload_bytes, settings.body_timeout_s, settings.upload_timeout_s
             return {"weight_version": await receive_update(request, engine, *limits, push_lock)}
+        # Read whole before the lock: a body that trickles in holds no other push.
+        tensors, options = await _tensor_body(request, settings, admission, protocol.UpdateFromTensorBody)
         async with push_lock:  # not beside a streamed push: the engine refuses updates while one stages
-            tensors, options = await _tensor_body(request, settings, protocol.UpdateFromTensorBody)
             version = await engine.update_weights(tensors, **options.model_dump())
         return {"weight_version": version}
 
@@ -229,11 +255,11 @@ def build_app(engine: AsyncRolloutEngine, settings: ServerSettings) -> FastAPI:
         "request": {"lora_name", "lora_config", "version"}. The config may build plain LoRA layers
         on the modules it lists, nothing else (`rollout.lora.manager.remote_config_problems`)."""
         if request.headers.get("content-type", "").startswith(SAFETENSORS_MEDIA_TYPE):
-            tensors, body = await _tensor_body(request, settings, protocol.LoadLoraTensorsBody)
+            tensors, body = await _tensor_body(request, settings, admission, protocol.LoadLoraTensorsBody)
             config = body.lora_config
         else:
-            body = await _parse_json(request, settings, protocol.LoadLoraBody)
-            tensors, config = await asyncio.to_thread(read_lora_folder, body.lora_path, settings.max_upload_bytes)
+            body = await _parse_json(request, settings, admission, protocol.LoadLoraBody)
+            tensors, config = await admission.read(read_lora_folder, body.lora_path, settings.max_upload_bytes)
             foreign = count_non_lora_keys(tensors)
             if foreign:  # the engine's refusal would name them: names from a file the client may not read
                 raise ValueError(
@@ -360,46 +386,94 @@ def _rpc_refusal(method: str) -> str:
 # Bodies.
 
 _PARSE_IN_THREAD_BYTES = 64 << 10
+_MOST_BYTES_PER_PIXEL = 8  # a 16-bit RGBA PNG's, which random pixels do not shrink
+_PNG_OVERHEAD_BYTES = 1 << 20  # a PNG's chunks, filter bytes and zlib framing, over its pixels
 # The live check waits for the step in progress (up to a second or more on a loaded machine): the
 # answer promised within a second came after this wait plus the loop's and the client's share of
 # a busy machine (up to 1.75 s under 32 clients, when this was the whole second).
 _HEALTH_WAIT_S = 0.25
 
 
-def _json_body_parser(settings: ServerSettings):
+def _json_body_parser(settings: ServerSettings, admission: Admission):
     def json_body(model: type[BaseModel]):
         async def parse(request: Request) -> BaseModel:
-            return await _parse_json(request, settings, model)
+            return await _parse_json(request, settings, admission, model)
 
         return Depends(parse)
 
     return json_body
 
 
-async def _parse_json(request: Request, settings: ServerSettings, model: type[BaseModel]) -> BaseModel:
+async def _parse_json(
+    request: Request, settings: ServerSettings, admission: Admission, model: type[BaseModel]
+) -> BaseModel:
     raw = await read_body(request, settings.max_body_bytes, "--max-body-mb", settings.body_timeout_s)
     try:
         if len(raw) > _PARSE_IN_THREAD_BYTES:  # off the event loop, so every route keeps answering
-            return await asyncio.to_thread(model.model_validate_json, raw)
+            return await admission.check(model.model_validate_json, raw)
         return model.model_validate_json(raw or b"{}")
     except ValidationError as error:
         raise HTTPException(422, _describe(error)) from None
 
 
-async def _tensor_body(request: Request, settings: ServerSettings, model: type[BaseModel]):
-    """The tensors of a safetensors body and its options (metadata "request", checked by `model`)."""
+async def _tensor_body(
+    request: Request,
+    settings: ServerSettings,
+    admission: Admission,
+    model: type[BaseModel],
+    limit: tuple[int, str] | None = None,
+    header_limit: tuple[int, str] | None = None,
+):
+    """The tensors of a safetensors body and its options (metadata "request", checked by `model`).
+    `limit`: (bytes, the flags that set it) of the whole body, --max-upload-mb's by default;
+    `header_limit`: of its header (the options and the tensors' entries), none by default."""
+    limit = limit or (settings.max_upload_bytes, UPLOAD_FLAG)
     try:
         async with asyncio.timeout(settings.upload_timeout_s):
-            raw = await read_body(request, settings.max_upload_bytes, UPLOAD_FLAG, settings.body_timeout_s)
+            raw = await _read_tensor_body(request, limit, header_limit, settings.body_timeout_s)
     except TimeoutError:
         message = f"the body did not arrive whole within {settings.upload_timeout_s} s (--upload-timeout-s)"
         raise HTTPException(408, message, headers={"Connection": "close"}) from None
-    tensors, metadata = await asyncio.to_thread(tensors_from_bytes, raw, "the request body")
+    tensors, metadata = await admission.read(tensors_from_bytes, raw, "the request body")
     try:
         options = model.model_validate_json(metadata.get("request", "{}"))
     except ValidationError as error:
         raise HTTPException(422, "the body's metadata 'request': " + _describe(error)) from None
     return tensors, options
+
+
+async def _read_tensor_body(
+    request: Request, limit: tuple[int, str], header_limit: tuple[int, str] | None, idle_timeout_s: float
+) -> bytes:
+    """A safetensors body, read whole; its header's length is checked as soon as it has come (a
+    generate's 10 MB of metadata JSON took 4.2 s and 324 MB before it was refused)."""
+    chunks, size = [], 0
+    async for chunk in body_chunks(request, *limit, idle_timeout_s):
+        chunks.append(chunk)
+        size += len(chunk)
+        if header_limit is not None and size >= LENGTH.size:
+            (header_bytes,) = LENGTH.unpack_from(b"".join(chunks)[: LENGTH.size])
+            if header_bytes > header_limit[0]:
+                raise HTTPException(
+                    413,
+                    f"the body's safetensors header (its metadata 'request' and the tensors' entries) is "
+                    f"{header_bytes} bytes, over this server's limit of {header_limit[0]} ({header_limit[1]})",
+                    headers={"Connection": "close"},  # what is left of the body is not read
+                )
+            header_limit = None
+    return b"".join(chunks)
+
+
+def _generate_body_limits(settings: ServerSettings, limits: RequestLimits) -> tuple[tuple[int, str], tuple[int, str]]:
+    """What a generate's safetensors body may hold: its JSON and images' entries within a JSON
+    body's limit, and images of at most 8 bytes a pixel (a 16-bit RGBA PNG that does not compress),
+    as many and as large as the request limits take. It was bounded by --max-upload-mb alone."""
+    images = limits.max_input_images * (_MOST_BYTES_PER_PIXEL * limits.max_input_pixels + _PNG_OVERHEAD_BYTES)
+    body = settings.max_body_bytes + images
+    flags = "--max-body-mb, --max-input-images, --max-input-pixels"
+    if settings.max_upload_bytes < body:
+        body, flags = settings.max_upload_bytes, UPLOAD_FLAG
+    return (body, flags), (settings.max_body_bytes, "--max-body-mb, as a JSON body's")
 
 
 def _sampling_params(params) -> SamplingParams | list[SamplingParams]:
@@ -431,18 +505,22 @@ def _frames(request_ids: list[str], outputs) -> bytes:
     return frame("requests", {"request_ids": request_ids}) + b"".join(encoder.encode(o) for o in outputs)
 
 
-async def _stream_frames(stream: OutputStream) -> AsyncIterator[bytes]:
+async def _stream_frames(stream: OutputStream, share: Share | None) -> AsyncIterator[bytes]:
     """Frames of `stream` as its outputs finish. A closed connection cancels this generator, and
-    leaving the `async with` aborts what is left."""
+    leaving the `async with` aborts what is left; then the images' `share` is given back."""
     encoder = OutputEncoder()
-    async with stream:
-        yield frame("requests", {"request_ids": stream.request_ids})
-        try:
-            async for output in stream:
-                yield encoder.encode(output)
-        except Exception as error:  # the status line has gone out: the client reads the error frame
-            logger.warning("a generate stream failed: %s", error)
-            yield error_frame(error)
+    try:
+        async with stream:
+            yield frame("requests", {"request_ids": stream.request_ids})
+            try:
+                async for output in stream:
+                    yield encoder.encode(output)
+            except Exception as error:  # the status line has gone out: the client reads the error frame
+                logger.warning("a generate stream failed: %s", error)
+                yield error_frame(error)
+    finally:
+        if share is not None:
+            share.give_back()
 
 
 async def _collect(stream: OutputStream, request: Request) -> list:
