@@ -48,6 +48,7 @@ from rollout.serve import protocol
 from rollout.serve.admission import Admission, Share
 from rollout.serve.error_table import STATUS_OF
 from rollout.serve.instance import InstanceHeaders, new_instance_id
+from rollout.serve.push_turns import PushTurns
 from rollout.serve.routes import path
 from rollout.serve.weight_stream import UPLOAD_FLAG, receive_update
 from rollout.worker.worker import READ_ONLY_METHODS, Worker, worker_methods
@@ -116,8 +117,8 @@ def build_app(engine: AsyncRolloutEngine, settings: ServerSettings) -> FastAPI:
 
     router = APIRouter(dependencies=[Depends(require_api_key(settings.api_key))])
     # Weight updates one at a time: the engine refuses one while a streamed push stages, so the
-    # next waits here rather than being refused.
-    push_lock = asyncio.Lock()
+    # next waits for its turn rather than being refused.
+    push_turns = PushTurns(settings.body_timeout_s)
     admission = Admission(settings.input_image_budget_bytes)
     json_body = _json_body_parser(settings, admission)
 
@@ -229,10 +230,10 @@ def build_app(engine: AsyncRolloutEngine, settings: ServerSettings) -> FastAPI:
         (JSON: small pushes, curl)."""
         if request.headers.get("content-type", "").startswith(FRAMES_MEDIA_TYPE):
             limits = settings.max_upload_bytes, settings.body_timeout_s, settings.upload_timeout_s
-            return {"weight_version": await receive_update(request, engine, *limits, push_lock)}
+            return {"weight_version": await receive_update(request, engine, *limits, push_turns)}
         # Read whole before the lock: a body that trickles in holds no other push.
         tensors, options = await _tensor_body(request, settings, admission, protocol.UpdateFromTensorBody)
-        async with push_lock:  # not beside a streamed push: the engine refuses updates while one stages
+        async with push_turns.turn():  # not beside a streamed push: the engine refuses updates while one stages
             version = await engine.update_weights(tensors, **options.model_dump())
         return {"weight_version": version}
 
@@ -241,7 +242,7 @@ def build_app(engine: AsyncRolloutEngine, settings: ServerSettings) -> FastAPI:
         body: Annotated[protocol.UpdateFromDiskBody, json_body(protocol.UpdateFromDiskBody)],
     ):
         options = body.model_dump(exclude={"model_path"})
-        async with push_lock:
+        async with push_turns.turn():
             return {"weight_version": await engine.update_weights_from_disk(body.model_path, **options)}
 
     @router.post(path("weights_checksum"))
@@ -307,7 +308,7 @@ def build_app(engine: AsyncRolloutEngine, settings: ServerSettings) -> FastAPI:
     ) -> dict:
         options = body.model_dump(exclude={"names", "dtypes", "shapes"})
         dtypes = [_dtype(name) for name in body.dtypes]
-        async with push_lock:
+        async with push_turns.turn():
             version = await engine.update_weights_from_distributed(body.names, dtypes, body.shapes, **options)
         return {"weight_version": version}
 

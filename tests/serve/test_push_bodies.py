@@ -15,10 +15,12 @@ import pytest
 import torch
 
 from benchmarks.bad_pushes import TricklingPush, chunk, open_push
-from rollout import SamplingParams
-from rollout.http.wire import LENGTH
+from rollout import RemoteRolloutEngine, SamplingParams
+from rollout.http.wire import LENGTH, SAFETENSORS_MEDIA_TYPE, tensors_to_bytes
+from rollout.pipelines.loading import load_adapter
 from rollout.serve.launch import ServerProcess
 from rollout.serve.routes import body_json
+from rollout.weights.state import base_state, checksum
 from tests.serve.conftest import API_KEY, EXTENSION
 from tests.serve.test_generate_http import assert_same_output
 
@@ -210,3 +212,41 @@ def test_a_push_has_a_deadline_and_a_stopping_server_waits_for_no_one(tiny_model
         pushing.close()
     assert exit_code == -signal.SIGTERM
     assert stopped_s < 3 + 8, stopped_s  # the grace, a second for the answers, the engine's stop
+
+
+@pytest.mark.slow  # a server of its own with short timeouts: about 20 s
+@pytest.mark.timeout(240)
+def test_a_trickling_push_holds_another_update_only_for_a_body_timeout(tiny_model):
+    """A push trickling a byte every 0.2 s (never stalled) held the push lock until its upload
+    deadline, so another trainer's push waited that long (600 s by default), streamed or whole.
+    Now, once another update waits, each frame of the holder's body must come within
+    --body-timeout-s: the trickle is cut off (408, rolled back) and the waiting pushes go."""
+    flags = ("--body-timeout-s", "2", "--upload-timeout-s", "40", "--worker-extension-cls", EXTENSION)
+    with (
+        ServerProcess.start(tiny_model, *flags, api_key=API_KEY) as server,
+        RemoteRolloutEngine(server.url, api_key=API_KEY) as remote,
+    ):
+        state = {name: tensor + 1 for name, tensor in base_state(load_adapter(tiny_model).transformer).items()}
+        name = sorted(state)[0]
+        for push in ("streamed", "whole"):
+            trickling = TricklingPush(server.url, API_KEY, every_s=0.2)
+            trickling.start()
+            time.sleep(0.5)  # the trickle holds the turn
+            start = time.monotonic()
+            if push == "streamed":
+                version = remote.update_weights(state)
+            else:
+                body = tensors_to_bytes({name: state[name]}, {"request": "{}"})
+                answer = httpx.post(
+                    f"{server.url}/update_weights_from_tensor",
+                    content=body,
+                    headers={**AUTH, "content-type": SAFETENSORS_MEDIA_TYPE},
+                    timeout=60,
+                )
+                version = answer.json()["weight_version"]
+            waited_s = time.monotonic() - start
+            cut_off = answer_of(trickling.sock)
+            trickling.close()
+            assert waited_s < 2 + 4, (push, waited_s)  # before: until the trickle's deadline, 40 s
+            assert cut_off.startswith(b"HTTP/1.1 408") and b"another weight update waited for its turn" in cut_off
+            assert version == remote.weight_version and remote.weights_checksum() == checksum(state)
