@@ -14,6 +14,7 @@ import dataclasses
 import json
 import logging
 from collections.abc import AsyncIterator
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Annotated
 
@@ -99,17 +100,23 @@ def build_app(engine: AsyncRolloutEngine, settings: ServerSettings) -> FastAPI:
 
     key_required = settings.api_key is not None  # told to anyone: a client without a key refuses to start
 
+    live_check: asyncio.Future | None = None  # the engine's check in flight; polls share it
+
     @app.get(path("health"))
     async def health() -> dict:
         """200 while every worker answers; 503 with the reason once one is gone. The check runs
         between engine steps; while the engine is in a long call (a hot swap waiting for running
         requests) the answer comes from what is known at once, within _HEALTH_WAIT_S: "busy".
-        `api_key_required`: whether every other route needs `Authorization: Bearer <key>`."""
-        check = asyncio.ensure_future(engine.check_health())
+        One check at a time: polls during a long step share it, rather than queue one each for
+        the engine to run between its next steps. `api_key_required`: whether every other route
+        needs `Authorization: Bearer <key>`."""
+        nonlocal live_check
+        if live_check is None or live_check.done():
+            live_check = asyncio.ensure_future(engine.check_health())
+            live_check.add_done_callback(lambda done: done.cancelled() or done.exception())  # retrieved, not logged
         try:
-            await asyncio.wait_for(asyncio.shield(check), _HEALTH_WAIT_S)
+            await asyncio.wait_for(asyncio.shield(live_check), _HEALTH_WAIT_S)
         except TimeoutError:
-            check.add_done_callback(lambda done: done.cancelled() or done.exception())  # retrieved, not logged
             if engine.dead is not None:
                 raise engine.dead from None
             return {"status": "busy", "instance_id": instance_id, "api_key_required": key_required}
@@ -120,6 +127,13 @@ def build_app(engine: AsyncRolloutEngine, settings: ServerSettings) -> FastAPI:
     # next waits for its turn rather than being refused.
     push_turns = PushTurns(settings.body_timeout_s)
     admission = Admission(settings.input_image_budget_bytes)
+    # Answers are encoded off the event loop: a burst of outputs (64 clients' groups finishing in
+    # one step) took the loop a millisecond each, and /health waited behind them.
+    answers = ThreadPoolExecutor(_ANSWER_THREADS, thread_name_prefix="rollout-answer")
+
+    async def frames_of(request_ids: list[str], outputs) -> bytes:
+        return await asyncio.get_running_loop().run_in_executor(answers, _frames, request_ids, outputs)
+
     json_body = _json_body_parser(settings, admission)
 
     @router.get("/openapi.json", include_in_schema=False)
@@ -199,19 +213,19 @@ def build_app(engine: AsyncRolloutEngine, settings: ServerSettings) -> FastAPI:
                 share.give_back()
             raise
         if body.stream:
-            return StreamingResponse(_stream_frames(stream, share), media_type=FRAMES_MEDIA_TYPE)
+            return StreamingResponse(_stream_frames(stream, share, answers), media_type=FRAMES_MEDIA_TYPE)
         try:
             outputs = await _collect(stream, request)
         finally:
             if share is not None:
                 share.give_back()
-        return Response(_frames(stream.request_ids, outputs), media_type=FRAMES_MEDIA_TYPE)
+        return Response(await frames_of(stream.request_ids, outputs), media_type=FRAMES_MEDIA_TYPE)
 
     @router.post(path("abort"))
     async def abort_requests(body: Annotated[protocol.AbortBody, json_body(protocol.AbortBody)]):
         """Returns once the workers have freed the requests' state; the body holds their outputs."""
         aborted = await engine.abort(body.request_ids)
-        return Response(_frames([o.request_id for o in aborted], aborted), media_type=FRAMES_MEDIA_TYPE)
+        return Response(await frames_of([o.request_id for o in aborted], aborted), media_type=FRAMES_MEDIA_TYPE)
 
     @router.post(path("pause"))
     async def pause(body: Annotated[protocol.PauseBody, json_body(protocol.PauseBody)]) -> dict:
@@ -387,11 +401,14 @@ def _rpc_refusal(method: str) -> str:
 # Bodies.
 
 _PARSE_IN_THREAD_BYTES = 64 << 10
+_ANSWER_THREADS = 2
 _MOST_BYTES_PER_PIXEL = 8  # a 16-bit RGBA PNG's, which random pixels do not shrink
 _PNG_OVERHEAD_BYTES = 1 << 20  # a PNG's chunks, filter bytes and zlib framing, over its pixels
 # The live check waits for the step in progress (up to a second or more on a loaded machine): the
 # answer promised within a second came after this wait plus the loop's and the client's share of
-# a busy machine (up to 1.75 s under 32 clients, when this was the whole second).
+# a busy machine (up to 1.75 s under 32 clients, when this was the whole second). Since the answers'
+# encoding left the loop: 0.27-0.93 s at worst with 64 clients on mp and six CPU-bound processes
+# beside the server on 2 cores (docs/service.md).
 _HEALTH_WAIT_S = 0.25
 
 
@@ -506,16 +523,18 @@ def _frames(request_ids: list[str], outputs) -> bytes:
     return frame("requests", {"request_ids": request_ids}) + b"".join(encoder.encode(o) for o in outputs)
 
 
-async def _stream_frames(stream: OutputStream, share: Share | None) -> AsyncIterator[bytes]:
-    """Frames of `stream` as its outputs finish. A closed connection cancels this generator, and
-    leaving the `async with` aborts what is left; then the images' `share` is given back."""
-    encoder = OutputEncoder()
+async def _stream_frames(stream: OutputStream, share: Share | None, answers: Executor) -> AsyncIterator[bytes]:
+    """Frames of `stream` as its outputs finish, each encoded on `answers`. A closed connection
+    cancels this generator, and leaving the `async with` aborts what is left; then the images'
+    `share` is given back."""
+    encoder = OutputEncoder()  # used by one thread at a time: each output's encode is awaited
+    loop = asyncio.get_running_loop()
     try:
         async with stream:
             yield frame("requests", {"request_ids": stream.request_ids})
             try:
                 async for output in stream:
-                    yield encoder.encode(output)
+                    yield await loop.run_in_executor(answers, encoder.encode, output)
             except Exception as error:  # the status line has gone out: the client reads the error frame
                 logger.warning("a generate stream failed: %s", error)
                 yield error_frame(error)

@@ -113,6 +113,29 @@ def test_a_generate_body_of_tensors_has_a_json_body_s_limits(server, remote):
     assert refused_s < max(1.0, 2 * good_s) and memory.growth_mb < 40, (refused_s, good_s, memory.growth_mb)
 
 
+def test_health_polls_during_a_long_step_share_one_check(server, remote):
+    """Every /health poll queued a check of its own for the engine to run between steps: 15 polls
+    during a 2 s step left 15 worker round trips to run before anything else (on mp, each reaches
+    every worker). Polls share the check in flight."""
+    params = SamplingParams(num_inference_steps=3, seed=5)
+    remote.collective_rpc("health_checks")
+    remote.collective_rpc("set_step_delay", args=(2.0,))
+    try:
+        with ThreadPoolExecutor(16) as pool:
+            slow = pool.submit(remote.generate, "slow", params)
+            deadline = time.monotonic() + 30
+            while not remote.server_info()["running_requests"] and time.monotonic() < deadline:
+                time.sleep(0.05)
+            (before,) = remote.collective_rpc("health_checks")  # between two steps: the polls come in the next
+            polls = [pool.submit(httpx.get, f"{server.url}/health", timeout=10) for _ in range(15)]
+            assert {poll.result().json()["status"] for poll in polls} == {"busy"}
+            slow.result(timeout=60)
+    finally:
+        remote.collective_rpc("set_step_delay", args=(0.0,))
+    (after,) = remote.collective_rpc("health_checks")
+    assert after - before <= 2, after - before  # before: 15
+
+
 def test_errors_do_not_show_the_names_of_a_file_on_the_server(server, remote, tmp_path):
     """update_weights_from_disk and load_lora name files on the server, which a client may not be
     allowed to read: a file that is not an update of this model is refused with counts, not with

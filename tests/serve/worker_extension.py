@@ -39,3 +39,17 @@ class ServeTestExtension:
                 step(states)
 
             self.runner.step = slow_step
+
+    def health_checks(self) -> int:
+        """How many times the engine has checked this worker's health since the first call of this
+        (the executor calls the class's method by name, so the class's is wrapped)."""
+        if "health_checks_run" not in vars(self):
+            self.health_checks_run = 0
+            worker_class, check = type(self), type(self).check_health
+
+            def counted_check(worker):
+                worker.health_checks_run += 1
+                return check(worker)
+
+            worker_class.check_health = counted_check
+        return self.health_checks_run
