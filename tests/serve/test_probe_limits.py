@@ -5,10 +5,12 @@ error must not show to a client that names them."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -65,11 +67,9 @@ def test_a_worker_function_timeout_is_finite_positive_and_bounded(server, timeou
     ).json() == {"results": [0]}
 
 
-def test_health_answers_within_a_second_while_a_step_runs_long(server, remote):
-    """The live check waits for the step in progress; it waited a whole second, so with the
-    request's own time the answer came past the second the docs promise (1.75 s under load)."""
-    params = SamplingParams(num_inference_steps=2, seed=5)
-    (alone,) = remote.generate("slow", params)
+@contextlib.contextmanager
+def a_slow_generate(remote, params: SamplingParams) -> Iterator[Future]:
+    """A generate of `params` whose every step takes 2 s more, under way: the future of its outputs."""
     remote.collective_rpc("set_step_delay", args=(2.0,))
     try:
         with ThreadPoolExecutor(1) as pool:
@@ -77,15 +77,24 @@ def test_health_answers_within_a_second_while_a_step_runs_long(server, remote):
             deadline = time.monotonic() + 30
             while not remote.server_info()["running_requests"] and time.monotonic() < deadline:
                 time.sleep(0.05)
-            time.sleep(0.2)  # inside a step
-            answers = []
-            for _ in range(3):
-                start = time.monotonic()
-                answer = httpx.get(f"{server.url}/health", timeout=10)
-                answers.append((answer.json()["status"], time.monotonic() - start))
-            (together,) = slow.result(timeout=60)
+            yield slow
     finally:
         remote.collective_rpc("set_step_delay", args=(0.0,))
+
+
+def test_health_answers_within_a_second_while_a_step_runs_long(server, remote):
+    """The live check waits for the step in progress; it waited a whole second, so with the
+    request's own time the answer came past the second the docs promise (1.75 s under load)."""
+    params = SamplingParams(num_inference_steps=2, seed=5)
+    (alone,) = remote.generate("slow", params)
+    with a_slow_generate(remote, params) as slow:
+        time.sleep(0.2)  # inside a step
+        answers = []
+        for _ in range(3):
+            start = time.monotonic()
+            answer = httpx.get(f"{server.url}/health", timeout=10)
+            answers.append((answer.json()["status"], time.monotonic() - start))
+        (together,) = slow.result(timeout=60)
     assert all(seconds < 1.0 for _, seconds in answers), answers
     assert "busy" in {status for status, _ in answers}
     assert torch.equal(together.image, alone.image)
@@ -117,21 +126,13 @@ def test_health_polls_during_a_long_step_share_one_check(server, remote):
     """Every /health poll queued a check of its own for the engine to run between steps: 15 polls
     during a 2 s step left 15 worker round trips to run before anything else (on mp, each reaches
     every worker). Polls share the check in flight."""
-    params = SamplingParams(num_inference_steps=3, seed=5)
     remote.collective_rpc("health_checks")
-    remote.collective_rpc("set_step_delay", args=(2.0,))
-    try:
-        with ThreadPoolExecutor(16) as pool:
-            slow = pool.submit(remote.generate, "slow", params)
-            deadline = time.monotonic() + 30
-            while not remote.server_info()["running_requests"] and time.monotonic() < deadline:
-                time.sleep(0.05)
-            (before,) = remote.collective_rpc("health_checks")  # between two steps: the polls come in the next
-            polls = [pool.submit(httpx.get, f"{server.url}/health", timeout=10) for _ in range(15)]
-            assert {poll.result().json()["status"] for poll in polls} == {"busy"}
-            slow.result(timeout=60)
-    finally:
-        remote.collective_rpc("set_step_delay", args=(0.0,))
+    params = SamplingParams(num_inference_steps=3, seed=5)
+    with a_slow_generate(remote, params) as slow, ThreadPoolExecutor(15) as pool:
+        (before,) = remote.collective_rpc("health_checks")  # between two steps: the polls come in the next
+        polls = [pool.submit(httpx.get, f"{server.url}/health", timeout=10) for _ in range(15)]
+        assert {poll.result().json()["status"] for poll in polls} == {"busy"}
+        slow.result(timeout=60)
     (after,) = remote.collective_rpc("health_checks")
     assert after - before <= 2, after - before  # before: 15
 
