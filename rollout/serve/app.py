@@ -23,35 +23,31 @@ from fastapi import APIRouter, Depends, FastAPI, HTTPException, Request, Respons
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from rollout.engine.async_engine import AsyncRolloutEngine, OutputStream
 from rollout.errors import WorkerError
 from rollout.http.guard import RequestGuard, require_api_key
 from rollout.http.hosts import LOOPBACK_NAMES
-from rollout.http.request_body import body_chunks, read_body
 from rollout.http.wire import (
     FRAMES_MEDIA_TYPE,
-    LENGTH,
     SAFETENSORS_MEDIA_TYPE,
     OutputEncoder,
     error_frame,
     frame,
     image_sizes,
     named_images,
-    tensors_from_bytes,
 )
 from rollout.lora.manager import count_non_lora_keys, infer_config, read_lora_folder, remote_config_problems
-from rollout.request_limits import RequestLimits
 from rollout.sampling_params import SamplingParams
 from rollout.serve import protocol
 from rollout.serve.admission import Admission, Share
 from rollout.serve.error_table import STATUS_OF
 from rollout.serve.instance import InstanceHeaders, new_instance_id
 from rollout.serve.push_turns import PushTurns
+from rollout.serve.request_bodies import RequestBodies, describe
 from rollout.serve.routes import path
-from rollout.serve.weight_stream import UPLOAD_FLAG, receive_update
+from rollout.serve.weight_stream import receive_update
 from rollout.worker.worker import READ_ONLY_METHODS, Worker, worker_methods
 
 logger = logging.getLogger(__name__)
@@ -134,7 +130,8 @@ def build_app(engine: AsyncRolloutEngine, settings: ServerSettings) -> FastAPI:
     async def frames_of(request_ids: list[str], outputs) -> bytes:
         return await asyncio.get_running_loop().run_in_executor(answers, _frames, request_ids, outputs)
 
-    json_body = _json_body_parser(settings, admission)
+    bodies = RequestBodies(settings, admission)
+    json_body = bodies.json_dependency
 
     @router.get("/openapi.json", include_in_schema=False)
     async def openapi() -> dict:
@@ -162,12 +159,12 @@ def build_app(engine: AsyncRolloutEngine, settings: ServerSettings) -> FastAPI:
         metadata "request" holds that JSON (rollout.http.wire: images as uint8 tensors or PNG bytes)."""
         named = None
         if request.headers.get("content-type", "").startswith(SAFETENSORS_MEDIA_TYPE):
-            limits = _generate_body_limits(settings, engine.engine.config.request_limits)
-            tensors, body = await _tensor_body(request, settings, admission, protocol.GenerateBody, *limits)
+            limits = bodies.generate_limits(engine.engine.config.request_limits)
+            tensors, body = await bodies.tensors(request, protocol.GenerateBody, *limits)
             named = named_images(tensors, 1 if isinstance(body.prompts, str) else len(body.prompts))
             del tensors
         else:
-            body = await _parse_json(request, settings, admission, protocol.GenerateBody)
+            body = await bodies.json(request, protocol.GenerateBody)
         prompts = [body.prompts] if isinstance(body.prompts, str) else body.prompts
         # Checking many params (each holds a step mask) is work: off the event loop, so /health answers.
         params = await admission.check(_sampling_params, body.params)
@@ -246,7 +243,7 @@ def build_app(engine: AsyncRolloutEngine, settings: ServerSettings) -> FastAPI:
             limits = settings.max_upload_bytes, settings.body_timeout_s, settings.upload_timeout_s
             return {"weight_version": await receive_update(request, engine, *limits, push_turns)}
         # Read whole before the lock: a body that trickles in holds no other push.
-        tensors, options = await _tensor_body(request, settings, admission, protocol.UpdateFromTensorBody)
+        tensors, options = await bodies.tensors(request, protocol.UpdateFromTensorBody)
         async with push_turns.turn():  # not beside a streamed push: the engine refuses updates while one stages
             version = await engine.update_weights(tensors, **options.model_dump())
         return {"weight_version": version}
@@ -270,10 +267,10 @@ def build_app(engine: AsyncRolloutEngine, settings: ServerSettings) -> FastAPI:
         "request": {"lora_name", "lora_config", "version"}. The config may build plain LoRA layers
         on the modules it lists, nothing else (`rollout.lora.manager.remote_config_problems`)."""
         if request.headers.get("content-type", "").startswith(SAFETENSORS_MEDIA_TYPE):
-            tensors, body = await _tensor_body(request, settings, admission, protocol.LoadLoraTensorsBody)
+            tensors, body = await bodies.tensors(request, protocol.LoadLoraTensorsBody)
             config = body.lora_config
         else:
-            body = await _parse_json(request, settings, admission, protocol.LoadLoraBody)
+            body = await bodies.json(request, protocol.LoadLoraBody)
             tensors, config = await admission.read(read_lora_folder, body.lora_path, settings.max_upload_bytes)
             foreign = count_non_lora_keys(tensors)
             if foreign:  # the engine's refusal would name them: names from a file the client may not read
@@ -400,98 +397,13 @@ def _rpc_refusal(method: str) -> str:
 
 # Bodies.
 
-_PARSE_IN_THREAD_BYTES = 64 << 10
 _ANSWER_THREADS = 2
-_MOST_BYTES_PER_PIXEL = 8  # a 16-bit RGBA PNG's, which random pixels do not shrink
-_PNG_OVERHEAD_BYTES = 1 << 20  # a PNG's chunks, filter bytes and zlib framing, over its pixels
 # The live check waits for the step in progress (up to a second or more on a loaded machine): the
 # answer promised within a second came after this wait plus the loop's and the client's share of
 # a busy machine (up to 1.75 s under 32 clients, when this was the whole second). Since the answers'
 # encoding left the loop: 0.27-0.93 s at worst with 64 clients on mp and six CPU-bound processes
 # beside the server on 2 cores (docs/service.md).
 _HEALTH_WAIT_S = 0.25
-
-
-def _json_body_parser(settings: ServerSettings, admission: Admission):
-    def json_body(model: type[BaseModel]):
-        async def parse(request: Request) -> BaseModel:
-            return await _parse_json(request, settings, admission, model)
-
-        return Depends(parse)
-
-    return json_body
-
-
-async def _parse_json(
-    request: Request, settings: ServerSettings, admission: Admission, model: type[BaseModel]
-) -> BaseModel:
-    raw = await read_body(request, settings.max_body_bytes, "--max-body-mb", settings.body_timeout_s)
-    try:
-        if len(raw) > _PARSE_IN_THREAD_BYTES:  # off the event loop, so every route keeps answering
-            return await admission.check(model.model_validate_json, raw)
-        return model.model_validate_json(raw or b"{}")
-    except ValidationError as error:
-        raise HTTPException(422, _describe(error)) from None
-
-
-async def _tensor_body(
-    request: Request,
-    settings: ServerSettings,
-    admission: Admission,
-    model: type[BaseModel],
-    limit: tuple[int, str] | None = None,
-    header_limit: tuple[int, str] | None = None,
-):
-    """The tensors of a safetensors body and its options (metadata "request", checked by `model`).
-    `limit`: (bytes, the flags that set it) of the whole body, --max-upload-mb's by default;
-    `header_limit`: of its header (the options and the tensors' entries), none by default."""
-    limit = limit or (settings.max_upload_bytes, UPLOAD_FLAG)
-    try:
-        async with asyncio.timeout(settings.upload_timeout_s):
-            raw = await _read_tensor_body(request, limit, header_limit, settings.body_timeout_s)
-    except TimeoutError:
-        message = f"the body did not arrive whole within {settings.upload_timeout_s} s (--upload-timeout-s)"
-        raise HTTPException(408, message, headers={"Connection": "close"}) from None
-    tensors, metadata = await admission.read(tensors_from_bytes, raw, "the request body")
-    try:
-        options = model.model_validate_json(metadata.get("request", "{}"))
-    except ValidationError as error:
-        raise HTTPException(422, "the body's metadata 'request': " + _describe(error)) from None
-    return tensors, options
-
-
-async def _read_tensor_body(
-    request: Request, limit: tuple[int, str], header_limit: tuple[int, str] | None, idle_timeout_s: float
-) -> bytes:
-    """A safetensors body, read whole; its header's length is checked as soon as it has come (a
-    generate's 10 MB of metadata JSON took 4.2 s and 324 MB before it was refused)."""
-    chunks, size = [], 0
-    async for chunk in body_chunks(request, *limit, idle_timeout_s):
-        chunks.append(chunk)
-        size += len(chunk)
-        if header_limit is not None and size >= LENGTH.size:
-            (header_bytes,) = LENGTH.unpack_from(b"".join(chunks)[: LENGTH.size])
-            if header_bytes > header_limit[0]:
-                raise HTTPException(
-                    413,
-                    f"the body's safetensors header (its metadata 'request' and the tensors' entries) is "
-                    f"{header_bytes} bytes, over this server's limit of {header_limit[0]} ({header_limit[1]})",
-                    headers={"Connection": "close"},  # what is left of the body is not read
-                )
-            header_limit = None
-    return b"".join(chunks)
-
-
-def _generate_body_limits(settings: ServerSettings, limits: RequestLimits) -> tuple[tuple[int, str], tuple[int, str]]:
-    """What a generate's safetensors body may hold: its JSON and images' entries within a JSON
-    body's limit, and images of at most 8 bytes a pixel (a 16-bit RGBA PNG that does not compress),
-    as many and as large as the request limits take. It was bounded by --max-upload-mb alone."""
-    images = limits.max_input_images * (_MOST_BYTES_PER_PIXEL * limits.max_input_pixels + _PNG_OVERHEAD_BYTES)
-    body = settings.max_body_bytes + images
-    flags = "--max-body-mb, --max-input-images, --max-input-pixels"
-    if settings.max_upload_bytes < body:
-        body, flags = settings.max_upload_bytes, UPLOAD_FLAG
-    return (body, flags), (settings.max_body_bytes, "--max-body-mb, as a JSON body's")
 
 
 def _sampling_params(params) -> SamplingParams | list[SamplingParams]:
@@ -590,16 +502,4 @@ async def _http_error(request: Request, error: StarletteHTTPException) -> JSONRe
 
 
 async def _validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
-    return _error_body(422, "ValidationError", _describe(error))
-
-
-def _describe(error: ValidationError | RequestValidationError) -> str:
-    """'field.path: problem' for each problem, e.g. "params.num_samples: Input should be a valid integer"."""
-    problems = []
-    for item in error.errors():
-        where = ".".join(str(part) for part in item["loc"] if part not in ("body", *protocol.UNION_TAGS)) or "body"
-        message = item["msg"]
-        if item["type"] == "extra_forbidden":
-            message = "unknown field; remove it (see the README for this route's fields)"
-        problems.append(f"{where}: {message}")
-    return "invalid request body: " + "; ".join(problems)
+    return _error_body(422, "ValidationError", describe(error))
