@@ -2,12 +2,13 @@
 
 Starts `python -m rollout.serve` (executor mp, 2 workers, an API key) on a tiny SD3 pipeline built in a
 temporary folder and sends each probe while a well-formed streamed request runs: wrong types, NaN and absurd
-magnitudes, bodies that cost more than they weigh (a PNG bomb to a model that takes no images), a schedule
-whose log-prob is NaN, a request_id of the engine's own, a push taking the weight version back, LoRA uploads
-that could break PEFT or hang it, paths that are FIFOs or devices or files whose tensor names are not the
-client's to read, worker functions that would bypass the engine or wait for 1e308 s, a foreign Host, a
-text/plain body, a 65 KiB head, half-sent connections; then a one-step generate while a weight push trickles
-in (a byte every 0.5 s), and ten pushes that each announce a 500 MB bucket and send 1 KiB of it. One row per
+magnitudes, bodies that cost more than they weigh (a PNG bomb to a model that takes no images, 10 MB of JSON
+in a safetensors generate's metadata), a schedule whose log-prob is NaN, a request_id of the engine's own, a
+push taking the weight version back (or past 64 bits), LoRA uploads that could break PEFT or hang it or bind
+nothing, paths that are FIFOs or devices or files whose tensor names are not the client's to read, worker
+functions that would bypass the engine or wait for 1e308 s, a foreign Host, a text/plain body, a 65 KiB
+head, half-sent connections; then a one-step generate while a weight push trickles in (a byte every 0.5 s),
+and ten pushes that each announce a 500 MB bucket and send 1 KiB of it. One row per
 probe (what was sent, the status, seconds, the start of the message); checked, for the whole run:
 
   - every probe got the status it should, within a second (--probe-bound-s);
@@ -141,6 +142,12 @@ def probes(tensors: dict, config: dict, files: dict[str, Path]) -> list[Probe]:
         body = tensors_to_bytes({"images.0.0.png": image}, {"request": request})
         return lambda client: client.post("/rollout/generate", content=body, headers=SAFETENSORS)
 
+    def metadata_of(size: int):
+        """A generate body of safetensors (the form with input images) whose metadata JSON is `size` bytes."""
+        request = json.dumps({"prompts": ["x"] * (size // 5), "params": {"num_inference_steps": 1}})
+        body = tensors_to_bytes({}, {"request": request})
+        return lambda client: client.post("/rollout/generate", content=body, headers=SAFETENSORS)
+
     key = sorted(tensors)[0]
     bogus = {**tensors, key.replace(".lora_A.", ".lora_C."): tensors[key].clone()}
     rendezvous = rpc("init_weight_update_group", "0.0.0.0", 29500, 0, 1, "gloo", 1.0)
@@ -170,6 +177,7 @@ def probes(tensors: dict, config: dict, files: dict[str, Path]) -> list[Probe]:
             400,
         ),
         Probe("a 17 KB PNG of 12000 x 12000 pixels (2 GB decoded)", with_png(png_of_zeros(12000, 12000)), 400),
+        Probe("a generate as safetensors with 10 MB of JSON in its metadata", metadata_of(10 << 20), 413),
         Probe('same_noise_in_group "yes"', params(same_noise_in_group='"yes"'), 422),
         Probe("LoRA target_modules as a backtracking regex", lora({"target_modules": "(?:[^.]|[^.]|[^.])*Q"}), 400),
         Probe("LoRA r -1", lora({"r": -1}), 400),
@@ -178,6 +186,8 @@ def probes(tensors: dict, config: dict, files: dict[str, Path]) -> list[Probe]:
         Probe("LoRA rank 3 with rank-2 tensors (fails in PEFT)", lora({"r": 3}), 409),
         Probe("LoRA hot swap with one bogus key", lora({}, tensors=bogus), 400),
         Probe("LoRA hot swap taking the weight version to -5", lora({}, version=-5), 400),
+        Probe("LoRA hot swap to a weight version of 4300 digits", lora({}, version=10**4299), 422),
+        Probe("LoRA with no tensors (it would bind no module)", lora({}, tensors={}), 400),
         Probe("weights from a folder with a FIFO", from_disk("fifo"), 400),
         Probe("weights from a symlink to /dev/urandom", from_disk("device.safetensors"), 400),
         Probe("weights from a directory named x.safetensors", from_disk("dir"), 400),
@@ -204,13 +214,14 @@ def probes(tensors: dict, config: dict, files: dict[str, Path]) -> list[Probe]:
     ]
 
 
-def png_of_zeros(height: int, width: int, colour: bool = False) -> bytes:
+def png_of_zeros(height: int, width: int, colour: bool = False, rows: int | None = None) -> bytes:
     """A PNG file of a black image, written without holding its pixels (PIL would): 1-bit grey, or
-    8-bit RGB with `colour`. Zeros deflate about 1000 to 1: 12000 x 12000 at 1 bit is 17 KB."""
+    8-bit RGB with `colour`. Zeros deflate about 1000 to 1: 12000 x 12000 at 1 bit is 17 KB.
+    `rows`: how many rows its (whole) zlib stream holds, if not all."""
     bits, color_type, channels = (8, 2, 3) if colour else (1, 0, 1)
     row = bytes(1 + (width * bits * channels + 7) // 8)  # a filter byte, then the row's samples
     compressor = zlib.compressobj(9)
-    data = b"".join(compressor.compress(row) for _ in range(height)) + compressor.flush()
+    data = b"".join(compressor.compress(row) for _ in range(height if rows is None else rows)) + compressor.flush()
 
     def chunk(kind: bytes, body: bytes) -> bytes:
         return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))

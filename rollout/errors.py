@@ -55,6 +55,12 @@ class RequestFailedError(ValueError):
         super().__init__(f"request {request_id} failed in a worker, alone (its batch-mates went on): {error}")
 
 
+class RequestIdTaken(ValueError):
+    """A `request_id` that an unfinished request's group or sample id already has. Every caller of
+    an engine, every client of a server included, shares its ids; a client tells whether the
+    request that holds it is its own (`RemoteRolloutEngine.add_request`)."""
+
+
 class EngineDeadError(RuntimeError):
     """A worker is gone; the engine cannot serve requests any more and must be rebuilt."""
 

@@ -126,15 +126,20 @@ class HotSwap:
         component: str = DEFAULT_COMPONENT,
         check_finite: bool = True,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        version: int | None = None,
     ) -> StagedPush:
         """`update_weights` in parts, for a caller whose tensors arrive over time (the HTTP
         server's streamed push): `push.add(pairs)` stages them, a call of its own each, and the
         engine may step between the calls (staged tensors are invisible to sampling);
         `finish_weight_push` applies the update, `abort_weight_push` drops it. While it is open,
-        every other weight update and sleep is refused (RuntimeError): they would stage beside it."""
+        every other weight update and sleep is refused (RuntimeError): they would stage beside it.
+        `version`: the one `finish_weight_push` will be given, refused now if it may not be taken
+        (and checked again then), so that a push refused for it is refused before its tensors come."""
         self._check_open()
         self.check_awake()
         _check_bucket_bytes(bucket_bytes)
+        if not self.versions.names_current(version):  # the current one only repeats: checked at the end
+            self.versions.next(version)
         self._check_no_staged_push()
         self._staged_push = self._weight_sync.open(component, check_finite, bucket_bytes)
         return self._staged_push
@@ -169,10 +174,18 @@ class HotSwap:
         self.check_awake()
         if mode not in ("wait", "pause"):
             raise ValueError(f"mode must be 'wait' or 'pause', got {mode!r}")
-        new_version = self.versions.next(version)  # before anything is staged
+        # The current version only for a push of the weights the engine holds (a resumed trainer
+        # re-pushing its checkpoint), which changes nothing; any other version checked before staging.
+        repeat = self.versions.names_current(version)
+        new_version = self.versions.current if repeat else self.versions.next(version)
         if mode == "wait":
             self._drain()
         try:
+            if repeat:
+                with self._weight_sync.only_if_unchanged(lambda: self.versions.current_taken(version)):
+                    push(*push_args)
+                logger.debug("weights of %s repeated at the current version %d: unchanged", component, version)
+                return new_version
             push(*push_args)
         except EngineDeadError as error:  # ranks that may disagree (weight_sync decides): stop serving
             self._die(error)
@@ -288,7 +301,8 @@ class HotSwap:
             raise TypeError(f"LoRA source must be a folder path or a mapping of tensors, got {type(source).__name__}")
         elif config is None:
             raise ValueError(f"LoRA {name!r} from tensors needs a config (a peft.LoraConfig or its dict)")
-        new_version = self.versions.next(version)
+        repeat = self.versions.names_current(version)  # allowed only to repeat the live adapter exactly
+        new_version = self.versions.current if repeat else self.versions.next(version)
         # Every rank stages it beside its live adapter (running requests keep theirs, so a refusal
         # answers at once); only once all have, and the running requests are done, does any switch.
         kept = f"the {name!r} it had" if name in self._loras else f"no adapter named {name!r}"
@@ -296,6 +310,9 @@ class HotSwap:
             bound = self.collective_rpc(
                 "stage_lora", args=(name, source if isinstance(source, str) else dict(source), config, check_finite)
             )
+            if repeat:
+                self._drop_repeated_lora(name, version)
+                return new_version
         except TimeoutError as error:
             self._roll_back_lora(name, error)
             raise TimeoutError(f"{error}; the load was rolled back on every rank, which keeps {kept}") from error
@@ -324,6 +341,17 @@ class HotSwap:
         self.versions.move_to(new_version)
         logger.debug("LoRA %r loaded on %d modules; weight version %d", name, bound[0], new_version)
         return new_version
+
+    def _drop_repeated_lora(self, name: str, version: int) -> None:
+        """A load that names the current version, staged: it changes nothing if every rank staged
+        exactly its live adapter `name` (a trainer resumed from a checkpoint re-pushing it to the
+        server that held it), and is dropped; otherwise it is refused (ValueError), as any push that
+        would give the current version other weights."""
+        repeats = name in self._loras and all(self.collective_rpc(_stages_the_live_lora, args=(name,)))
+        self.collective_rpc("rollback_lora", args=(name,))
+        if not repeats:
+            raise self.versions.current_taken(version)
+        logger.debug("LoRA %r repeated under the current version %d: nothing changed", name, version)
 
     def _roll_back_lora(self, name: str, cause: BaseException) -> None:
         """Drop what any rank staged for `name` (a late stage still running in a worker is done
@@ -435,6 +463,11 @@ class HotSwap:
         dead = EngineDeadError(f"{method!r} timed out and {why}; create a new engine")
         self._die(dead)
         return dead
+
+
+def _stages_the_live_lora(worker, name: str) -> bool:
+    """On a worker: whether the adapter staged under `name` is its live one exactly."""
+    return worker.loras.staged_is_live(name)
 
 
 def _check_bucket_bytes(bucket_bytes: int) -> None:

@@ -29,7 +29,7 @@ from rollout.engine.shared_conditions import SharedConditions
 from rollout.engine.shared_parts import SharedTreeParts
 from rollout.engine.step_report import StepReport
 from rollout.engine.work_budget import WorkBudget
-from rollout.errors import EngineDeadError, RequestFailedError, interrupted_reason
+from rollout.errors import EngineDeadError, RequestFailedError, RequestIdTaken, interrupted_reason
 from rollout.input_images import InputImages, images_per_prompt
 from rollout.messages import FinishedRequest
 from rollout.node_id import NodeId
@@ -183,14 +183,15 @@ class RolloutEngine:
     ) -> None:
         """Raise ValueError for what `add_requests(prompts, params, images=)` would refuse, from the
         input images' sizes alone (`image_sizes`: per prompt, the (height, width) of each image as
-        sent; adapters are checked when the requests are added). A server asks before it decodes
-        any image file a client sent: a few KB of PNG can hold gigabytes of pixels."""
+        sent). A server asks before it decodes any image file a client sent: a few KB of PNG can
+        hold gigabytes of pixels. Any thread may ask; the adapters named are checked as loaded
+        now (and again when the requests are added: one may be unloaded meanwhile)."""
         params_list = self._params_per_prompt(prompts, params)
         self._check_input_images(image_sizes)
         problems = [
             problem
             for prompt, one, sizes in zip(prompts, params_list, image_sizes, strict=True)
-            for problem in self._request_problems(prompt, one, tuple(sizes))[1]
+            for problem in self._request_problems(prompt, one, tuple(sizes))[1] + self._lora_problems(one)
         ]
         if problems:
             raise ValueError("invalid request: " + "; ".join(dict.fromkeys(problems)))
@@ -277,9 +278,11 @@ class RolloutEngine:
         clashes = [group_id] if table.is_live_group(group_id) or table.is_live_id(group_id) else []
         clashes = sorted(clashes + [sample_id for sample_id in sample_ids if table.is_live_group(sample_id)])
         if clashes:
-            raise ValueError(
-                f"request_id {group_id!r} is refused: {clashes} already name unfinished requests or groups, and "
-                "abort() takes both sample and group ids; pass another request_id"
+            raise RequestIdTaken(
+                f"request_id {group_id!r} is refused: {clashes} already name unfinished requests or groups of this "
+                "engine (abort() takes both sample and group ids). Every caller of an engine, every client of a "
+                "server, shares its ids: pass another request_id, one with a prefix of your own (your run's "
+                "name), or none to get one the engine makes"
             )
 
     def step(self, *, admit: bool = True) -> list[RolloutOutput]:
@@ -529,11 +532,15 @@ class RolloutEngine:
         """Check what depends on the model (`_request_problems`) and the adapter `params` names;
         returns `params` with the model's defaults filled in."""
         resolved, problems = self._request_problems(prompt, params, sizes)
-        if params.lora is not None and not self.hot_swap.has_lora(params.lora):
-            problems.append(f"lora {params.lora!r} is not loaded; loaded: {self.list_loras()} (see load_lora)")
+        problems += self._lora_problems(params)
         if problems:
             raise ValueError("invalid request: " + "; ".join(problems))
         return resolved
+
+    def _lora_problems(self, params: SamplingParams) -> list[str]:
+        if params.lora is None or self.hot_swap.has_lora(params.lora):
+            return []
+        return [f"lora {params.lora!r} is not loaded; loaded: {self.list_loras()} (see load_lora)"]
 
     def _request_problems(
         self, prompt: str, params: SamplingParams, sizes: tuple[tuple[int, int], ...]

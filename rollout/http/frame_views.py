@@ -93,7 +93,7 @@ class FrameAssembler:
             raise FrameTooLarge(f"a frame of {length} bytes is over the limit of {self.max_frame_bytes}")
         self._frame, self._filled = frame_buffer(length), 0
         if isinstance(self._frame, mmap.mmap):
-            self._prefault = PagePrefault(self._frame, start_after=min(length // 8, _PREFAULT_AFTER_BYTES))
+            self._prefault = PagePrefault(self._frame, ahead=min(length // 8, _PREFAULT_AHEAD_BYTES))
         self._view = memoryview(self._frame)
         return self._next_frame() if length == 0 else None
 
@@ -154,11 +154,11 @@ _MAPPED_BYTES = 2 << 20
 # <bits/mman-linux.h>; Python's mmap module names it from 3.13. Without it, a frame announced
 # bigger than the machine's free memory would be refused by the kernel's overcommit heuristic.
 _MAP_NORESERVE = 0x4000 if sys.platform.startswith("linux") else 0
-# A frame's first eighth (at most 32 MiB) is faulted in at once, the rest once that has come
-# (`rollout.http.page_prefault`): a sender that stops costs at most an eighth of what it announced
-# before it sent that, one frame after (the server reads one push at a time, and frees a failed
-# frame at once). The event loop takes no faults, as when the whole frame was faulted in at once.
-_PREFAULT_AFTER_BYTES = 32 << 20
+# A frame's pages are faulted in at most an eighth of it (32 MiB at most) ahead of its bytes
+# (`rollout.http.page_prefault`): a sender that stops costs what it sent and that much more, one
+# frame at a time (the server reads one push at a time, and frees a failed frame at once). The
+# event loop takes no faults, as when the whole frame was faulted in at once.
+_PREFAULT_AHEAD_BYTES = 32 << 20
 
 
 class FrameTooLarge(WireError):

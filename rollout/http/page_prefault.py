@@ -1,5 +1,5 @@
-"""Fault a fresh memory mapping's pages in on a thread of its own, ahead of the thread that fills it,
-once some of it has been filled.
+"""Fault a fresh memory mapping's pages in on a thread of its own, a bounded distance ahead of the
+thread that fills it.
 
 The first write to each page of a new mapping faults, and the kernel zeroes the page. In this VM
 that was most of the cost of receiving a streamed push: the event loop copying 1 GB into fresh
@@ -10,12 +10,11 @@ changing what a page holds, so it may run while the buffer is being filled; ctyp
 GIL for the call. Elsewhere (another OS, an older kernel) nothing is done and the filling thread
 takes the faults as before.
 
-Faulting a whole buffer in at once made memory of what a peer only announced (a push frame's header
-claiming 8 GiB took 8 GiB before a byte of it came). So its first `start_after` bytes are faulted
-in at once, and the rest only once they have been written (`advance`), in one call from the page
-being written: one call, so that the filling thread never takes the GIL back from it between
-steps. `release` gives the pages back at once (a call still running frees what it faulted in as it
-ends).
+The pages faulted in are memory a peer's bytes have not paid for yet, so they stay within `ahead`
+bytes of what has been written: the first `ahead` at once, then the window moves with `advance`,
+a quarter of it per call. Faulting the rest of a frame in once its first eighth had come held a
+whole announced frame (1 GiB in a probe, up to --max-upload-mb) for a sender that stopped there,
+until the push's deadline. `release` gives the pages back at once.
 """
 
 from __future__ import annotations
@@ -31,64 +30,88 @@ import threading
 logger = logging.getLogger(__name__)
 
 _MADV_POPULATE_WRITE = 23  # <asm-generic/mman-common.h>; Python's mmap module does not name it before 3.13
+_STEPS_PER_WINDOW = 4
+# A faulting thread that is not asked for more for this long ends (a frame whose sender went quiet,
+# or one dropped unreleased); the filling thread then takes the faults of what comes, as without it.
+_IDLE_END_S = 120.0
 
 
 class PagePrefault:
-    """Faults the pages of `buffer` (an anonymous mapping) in on daemon threads: its first
-    `start_after` bytes at once, the rest once `advance(written)` reaches `start_after`;
-    `release()` frees them."""
+    """Keeps the pages of `buffer` (an anonymous mapping) faulted in up to `ahead` bytes past what
+    has been written, on a daemon thread: `advance(written)` reports the bytes filled, `release()`
+    frees the pages."""
 
-    def __init__(self, buffer: mmap.mmap, start_after: int):
-        self._buffer, self._start_after = buffer, start_after
-        self._lock = threading.Lock()
-        self._started, self._released = False, False
-        self._populating = 0  # calls running
-        self._populate(0, start_after)
+    def __init__(self, buffer: mmap.mmap, ahead: int):
+        self._buffer = buffer
+        self._ahead = max(ahead, mmap.PAGESIZE)
+        self._step = max(self._ahead // _STEPS_PER_WINDOW, mmap.PAGESIZE)
+        self._window = _Window(_pages(self._ahead, len(buffer)))
+        if sys.platform.startswith("linux"):
+            address = ctypes.addressof(ctypes.c_char.from_buffer(buffer))  # the export ends here
+            # The thread holds the address, never the buffer: a buffer dropped unreleased is still freed.
+            args = (self._window, address, len(buffer))
+            threading.Thread(target=_fault_in, args=args, name="rollout-prefault", daemon=True).start()
 
     def advance(self, written: int) -> None:
         """`written` bytes of the buffer are filled."""
-        if self._started or written < self._start_after:
-            return
-        self._started = True
-        self._populate(written - written % mmap.PAGESIZE, len(self._buffer))  # madvise takes whole pages
+        window = self._window
+        if written + self._ahead < window.wanted + self._step or window.wanted >= len(self._buffer):
+            return  # the window has not moved by a step yet
+        with window.changed:
+            window.wanted = _pages(written + self._ahead, len(self._buffer))
+            window.changed.notify()
 
     def release(self) -> None:
         """Free the buffer's pages now (its contents are lost), rather than when the last reference
-        to it goes (a traceback that holds it may keep it for a while)."""
-        with self._lock:
-            self._released = True
-            populating = self._populating
-        _free(self._buffer)  # what is there now; a call that runs frees what it faulted in as it ends
-        if not populating:
-            with contextlib.suppress(BufferError):  # a view of it is still alive somewhere: the pages are gone anyway
-                self._buffer.close()
+        to it goes (a traceback that holds it may keep it for a while). Waits for a madvise call
+        in progress (a quarter of the window at most), so that none runs on a closed mapping."""
+        window = self._window
+        with window.changed:
+            window.released = True
+            window.changed.notify_all()
+            window.changed.wait_for(lambda: not window.calling)
+        with contextlib.suppress(ValueError):  # already closed
+            self._buffer.madvise(mmap.MADV_DONTNEED)
+        with contextlib.suppress(BufferError):  # a view of it is still alive somewhere: the pages are gone anyway
+            self._buffer.close()
 
-    def _populate(self, start: int, end: int) -> None:
-        end = min(end, len(self._buffer))
-        if start >= end or not sys.platform.startswith("linux"):
-            return
-        with self._lock:
-            self._populating += 1
-        address = ctypes.addressof(ctypes.c_char.from_buffer(self._buffer))  # the export ends here
-        args = (address + start, end - start)
-        threading.Thread(target=self._run, args=args, name="rollout-prefault", daemon=True).start()
 
-    def _run(self, address: int, length: int) -> None:
-        if _libc().madvise(address, length, _MADV_POPULATE_WRITE) != 0:
+class _Window:
+    """What the faulting thread shares with its `PagePrefault`, under `changed`."""
+
+    def __init__(self, wanted: int):
+        self.changed = threading.Condition()
+        self.wanted = wanted  # faulted in, or to be, up to this byte
+        self.released = False
+        self.calling = False  # a madvise call runs: the mapping must stay open until it returns
+
+
+def _fault_in(window: _Window, address: int, length: int) -> None:
+    done = 0
+    while done < length:
+        with window.changed:
+            while not window.released and done >= window.wanted:
+                if not window.changed.wait(_IDLE_END_S):
+                    return
+            if window.released:
+                return
+            end, window.calling = window.wanted, True
+        try:
+            refused = _libc().madvise(address + done, end - done, _MADV_POPULATE_WRITE) != 0
+        finally:
+            with window.changed:
+                window.calling = False
+                window.changed.notify_all()
+        if refused:
             errno = ctypes.get_errno()
             logger.debug("MADV_POPULATE_WRITE refused (errno %s): pages fault in as they are written", errno)
-        with self._lock:
-            self._populating -= 1
-            last = self._released and not self._populating
-        if last:  # released while this ran: the buffer is closed here, once no call uses it
-            _free(self._buffer)
-            with contextlib.suppress(BufferError):
-                self._buffer.close()
+            return
+        done = end
 
 
-def _free(buffer: mmap.mmap) -> None:
-    with contextlib.suppress(ValueError):  # already closed
-        buffer.madvise(mmap.MADV_DONTNEED)
+def _pages(end: int, length: int) -> int:
+    """`end` rounded up to a whole page (madvise takes whole pages), at most `length`."""
+    return min(-(-end // mmap.PAGESIZE) * mmap.PAGESIZE, length)
 
 
 @functools.cache

@@ -30,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import json
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -70,15 +70,9 @@ def images_to_tensors(images: list[InputImages | None]) -> dict[str, torch.Tenso
     }
 
 
-def images_from_tensors(
-    tensors: Mapping[str, torch.Tensor],
-    num_prompts: int,
-    check_sizes: Callable[[list[list[tuple[int, int]]]], None],
-) -> list[list[torch.Tensor] | None]:
-    """The images of a generate body, one list per prompt (None for a prompt without images).
-    `check_sizes` gets every image's (height, width), per prompt, before any PNG file is decoded
-    (a PNG's from its header; `RolloutEngine.check_input_images` raises for what the engine would
-    refuse). WireError names a tensor that is not an image of the protocol."""
+def named_images(tensors: Mapping[str, torch.Tensor], num_prompts: int) -> list[list[tuple[str, torch.Tensor]]]:
+    """The image tensors of a generate body, as (name, tensor) per prompt (empty for a prompt
+    without images), in order; WireError names a tensor that is not an image of the protocol."""
     found: dict[int, dict[int, tuple[str, torch.Tensor]]] = {}
     for name, tensor in tensors.items():
         parts = name.split(".")
@@ -94,7 +88,19 @@ def images_from_tensors(
         if sorted(by_index) != list(range(len(by_index))):
             raise WireError(f"the images of prompt {prompt} are numbered {sorted(by_index)}; number them from 0")
         named[prompt] = [by_index[k] for k in range(len(by_index))]
-    check_sizes([[_image_size(name, tensor) for name, tensor in one] for one in named])
+    return named
+
+
+def image_sizes(named: list[list[tuple[str, torch.Tensor]]]) -> list[list[tuple[int, int]]]:
+    """Every image's (height, width), per prompt, without decoding any: a PNG's from its header
+    (a few KB of PNG can hold gigabytes of pixels), so that `RolloutEngine.check_requests` refuses
+    what the engine would refuse before anything is decoded."""
+    return [[_image_size(name, tensor) for name, tensor in one] for one in named]
+
+
+def decode_images(named: list[list[tuple[str, torch.Tensor]]]) -> list[list[torch.Tensor] | None]:
+    """The images of `named_images`, one list per prompt (None for a prompt without images): PNG
+    files decoded, uint8 tensors as they are."""
     return [[png_image(t, n) if n.endswith(".png") else t for n, t in one] if one else None for one in named]
 
 

@@ -302,6 +302,8 @@ class LoraManager:
         config = config_from_dict(config) if isinstance(config, Mapping) else config
         if config.target_modules is None:
             config = self._with_default_targets(name, config)
+        if not parts:
+            raise ValueError(self._binds_nothing(name, config))
         for component, part in parts.items():
             self._check_fits(name, self.components[component], part, config)
             self._check_clear_of_boundaries(name, component, config)
@@ -327,6 +329,24 @@ class LoraManager:
             ) from error
         self._staged[name] = _Staged(config, tuple(parts), layers)
         return sum(_bound_modules(self.components[c], layers) for c in parts)
+
+    def _binds_nothing(self, name: str, config: LoraConfig) -> str:
+        """Why an adapter without tensors is refused: it would bind no module, and every request
+        that picks it would sample the base policy while its trainer believes it trains one."""
+        targets = config.target_modules
+        shown = targets if isinstance(targets, str) else sorted(targets)
+        modules = (m for model in self.components.values() for m in _base_module_names(model))
+        matched = sorted(m for m in modules if _is_target(config, m))
+        has = (
+            f"the model has {len(matched)} modules it targets (e.g. {matched[:3]}), and they need its "
+            "'<module>.lora_A.weight' and '<module>.lora_B.weight' tensors"
+            if matched
+            else f"the model has no module it targets; LoRA targets of this family: {list(self.default_targets)}"
+        )
+        return (
+            f"LoRA {name!r} refused: it holds no tensors, so it would bind no module (target_modules {shown}); {has}. "
+            "An adapter that binds nothing samples the base policy: send the trainer's adapter tensors"
+        )
 
     def _with_default_targets(self, name: str, config: LoraConfig) -> LoraConfig:
         """`config` targeting the family's default modules, as `LoraPolicy` makes a config that
@@ -498,6 +518,15 @@ class LoraManager:
             merged.restore()
         self._merged.clear()
         self._active = None
+
+    def staged_is_live(self, name: str) -> bool:
+        """Whether the adapter staged under `name` is its live one exactly: the same config and
+        layout, and every tensor equal (a re-push of what is loaded, which changes nothing)."""
+        staged = self._staged.get(name)
+        if staged is None or staged.layers is not None or staged.config != self.configs[name]:
+            return False
+        with torch.no_grad():
+            return all(torch.equal(target, value) for target, value in staged.copies)
 
     def bound_modules(self, name: str) -> int:
         """How many modules adapter `name` binds."""

@@ -6,10 +6,8 @@ import argparse
 import dataclasses
 import logging
 import os
-import secrets
 import signal
 import socket
-import stat
 import sys
 from pathlib import Path
 
@@ -17,6 +15,7 @@ from rollout.config import EngineConfig
 from rollout.http.hosts import allowed_hosts, is_loopback
 from rollout.request_limits import RequestLimits
 from rollout.serve import API_KEY_ENV
+from rollout.serve.key_file import KeyFile, write_generated_key
 from rollout.serve.setting_flags import add_setting_flags, settings_from_args
 
 logger = logging.getLogger("rollout.serve")
@@ -88,6 +87,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-upload-mb", type=float, default=8192.0, help="largest safetensors body: weights, adapters (413 past it)"
     )
     server.add_argument(
+        "--input-image-budget-mb",
+        type=float,
+        default=1024.0,
+        help="decoded input images (an edit family's) that all requests together may hold, from their decode until "
+        "their answer ends: a request whose images do not fit waits for its turn, one over the whole budget is a 413",
+    )
+    server.add_argument(
         "--max-samples-per-request",
         type=int,
         default=1024,
@@ -144,6 +150,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("header_timeout_s", "body_timeout_s", "upload_timeout_s", "shutdown_grace_s"):
         if getattr(args, name) <= 0:
             parser.error(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
+    if args.input_image_budget_mb <= 0:
+        parser.error(f"--input-image-budget-mb must be > 0, got {args.input_image_budget_mb}")
     if args.max_connections < 1:
         parser.error(f"--max-connections must be >= 1, got {args.max_connections}")
     if args.no_auth and not is_loopback(args.host):
@@ -160,52 +168,6 @@ def key_file_path(args: argparse.Namespace) -> Path:
     runtime = os.environ.get("XDG_RUNTIME_DIR")
     folder = Path(runtime) if runtime else Path.home() / ".cache"
     return folder / "diffusion-rollout" / f"serve-{args.port}.key"
-
-
-def write_generated_key(path: Path) -> str:
-    """A fresh key, written to `path` readable and writable by this user only (as Jupyter writes
-    its tokens), the folder made private too if this makes it. The file is always a new one, made
-    without following links: in a folder others can write to, a link planted at `path` would have
-    the key written wherever it points, and a file another user made (left readable to them) would
-    hand them the key. A file of this user's at `path` (a key left by a server that was killed) is
-    replaced; anything else there, or a folder others may change, is refused (ValueError)."""
-    key = secrets.token_urlsafe(32)
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    _check_key_folder(path.parent)
-    try:
-        existing = path.lstat()
-    except FileNotFoundError:
-        existing = None
-    if existing is not None:
-        if not stat.S_ISREG(existing.st_mode) or existing.st_uid != os.geteuid():
-            what = "a symbolic link" if stat.S_ISLNK(existing.st_mode) else "not a regular file of this user's"
-            raise ValueError(
-                f"--api-key-file {path} exists and is {what} (owner uid {existing.st_uid}): the key is written only "
-                "to a new file; remove it, or name another file"
-            )
-        path.unlink()  # a new file, not this one: whoever opened it before reads nothing of the key
-    try:
-        descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    except FileExistsError:
-        raise ValueError(f"--api-key-file {path} was made by someone else while this server wrote it") from None
-    try:
-        os.fchmod(descriptor, 0o600)  # whatever the umask
-        os.write(descriptor, key.encode())
-    finally:
-        os.close(descriptor)
-    return key
-
-
-def _check_key_folder(folder: Path) -> None:
-    """The key file's folder must be this user's (or root's), and if others may write to it, sticky
-    (/tmp): otherwise another user could swap the key file for one of theirs after it is written."""
-    info = folder.stat()
-    writable_by_others = info.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
-    if info.st_uid not in (os.geteuid(), 0) or writable_by_others and not info.st_mode & stat.S_ISVTX:
-        raise ValueError(
-            f"--api-key-file: its folder {folder} belongs to uid {info.st_uid} with mode "
-            f"{stat.filemode(info.st_mode)}: others could replace the key file; use a folder of your own"
-        )
 
 
 def engine_flag_names() -> list[str]:
@@ -236,18 +198,18 @@ def main(argv: list[str] | None = None) -> int:
         sys.exit(f"error: {error}")
     generated_key_file = None
     if args.api_key is None and not args.no_auth:
-        generated_key_file = key_file_path(args)
         try:
-            args.api_key = write_generated_key(generated_key_file)
+            generated_key_file = write_generated_key(key_file_path(args))
         except ValueError as error:
             sys.exit(f"error: {error}")
+        args.api_key = generated_key_file.key
         _remove_on_sigterm(generated_key_file)
         logger.warning(
             "no API key was given: generated one into %s (readable by you only); clients read it with "
             "export %s=$(cat %s)",
-            generated_key_file,
+            generated_key_file.path,
             API_KEY_ENV,
-            generated_key_file,
+            generated_key_file.path,
         )
     settings = ServerSettings(
         api_key=args.api_key,
@@ -256,6 +218,7 @@ def main(argv: list[str] | None = None) -> int:
         max_body_bytes=int(args.max_body_mb * _MB),
         max_upload_bytes=int(args.max_upload_mb * _MB),
         max_samples_per_request=args.max_samples_per_request,
+        input_image_budget_bytes=int(args.input_image_budget_mb * _MB),
         body_timeout_s=args.body_timeout_s,
         upload_timeout_s=args.upload_timeout_s,
     )
@@ -263,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
         return _serve(args, config, settings, listening)
     finally:
         if generated_key_file is not None:
-            generated_key_file.unlink(missing_ok=True)
+            generated_key_file.remove()
 
 
 def _check_rpc_allow(names: list[str], config: EngineConfig) -> None:
@@ -294,13 +257,13 @@ def listen(host: str, port: int) -> socket.socket:
     return listening
 
 
-def _remove_on_sigterm(path: Path) -> None:
+def _remove_on_sigterm(key_file: KeyFile) -> None:
     """uvicorn re-raises SIGTERM once it has shut down, which ends the process past every `finally`:
     remove the file then, and let the signal end the process as before (its status names SIGTERM)."""
     previous = signal.getsignal(signal.SIGTERM)
 
     def remove_then_exit(sig: int, frame) -> None:
-        path.unlink(missing_ok=True)
+        key_file.remove()
         signal.signal(sig, previous)
         signal.raise_signal(sig)
 

@@ -11,10 +11,10 @@ the server's instance id (`instance.InstanceHeaders`), made when the app is buil
 # name dependencies made inside `build_app`, which only eager evaluation can see.
 import asyncio
 import dataclasses
-import functools
 import json
 import logging
 from collections.abc import AsyncIterator
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Annotated
 
@@ -23,30 +23,31 @@ from fastapi import APIRouter, Depends, FastAPI, HTTPException, Request, Respons
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from rollout.engine.async_engine import AsyncRolloutEngine, OutputStream
 from rollout.errors import WorkerError
 from rollout.http.guard import RequestGuard, require_api_key
 from rollout.http.hosts import LOOPBACK_NAMES
-from rollout.http.request_body import read_body
 from rollout.http.wire import (
     FRAMES_MEDIA_TYPE,
     SAFETENSORS_MEDIA_TYPE,
     OutputEncoder,
     error_frame,
     frame,
-    images_from_tensors,
-    tensors_from_bytes,
+    image_sizes,
+    named_images,
 )
 from rollout.lora.manager import count_non_lora_keys, infer_config, read_lora_folder, remote_config_problems
 from rollout.sampling_params import SamplingParams
 from rollout.serve import protocol
+from rollout.serve.admission import Admission, Share
 from rollout.serve.error_table import STATUS_OF, worker_error_fields
 from rollout.serve.instance import InstanceHeaders, new_instance_id
+from rollout.serve.push_turns import PushTurns
+from rollout.serve.request_bodies import RequestBodies, describe
 from rollout.serve.routes import path
-from rollout.serve.weight_stream import UPLOAD_FLAG, receive_update
+from rollout.serve.weight_stream import receive_update
 from rollout.worker.marks import READ_ONLY, STAGES_WEIGHTS, functions_marked, mark_of, worker_functions
 from rollout.worker.worker import Worker
 
@@ -60,7 +61,8 @@ class ServerSettings:
     header may carry (None: any; see `rollout.http.hosts.allowed_hosts`). max_body_bytes: of a JSON body;
     max_upload_bytes: of a safetensors body (weights, adapters); max_samples_per_request: outputs
     of one generate call (prompts x num_samples x a tree's leaves per sample). rpc_allow: worker
-    functions not marked read-only that /collective_rpc may call too (see `_rpc_refusal`)."""
+    functions not marked read-only that /collective_rpc may call too (see `_rpc_refusal`).
+    input_image_budget_bytes: see `rollout.serve.admission.ImageBudget`."""
 
     api_key: str | None = None
     allowed_hosts: frozenset[str] | None = LOOPBACK_NAMES
@@ -70,6 +72,7 @@ class ServerSettings:
     max_body_bytes: int = 1 << 20
     max_upload_bytes: int = 8 << 30
     max_samples_per_request: int = 1024
+    input_image_budget_bytes: int = 1 << 30  # decoded input images of all requests together (`admission`)
 
 
 def build_app(engine: AsyncRolloutEngine, settings: ServerSettings) -> FastAPI:
@@ -94,17 +97,23 @@ def build_app(engine: AsyncRolloutEngine, settings: ServerSettings) -> FastAPI:
 
     key_required = settings.api_key is not None  # told to anyone: a client without a key refuses to start
 
+    live_check: asyncio.Future | None = None  # the engine's check in flight; polls share it
+
     @app.get(path("health"))
     async def health() -> dict:
         """200 while every worker answers; 503 with the reason once one is gone. The check runs
         between engine steps; while the engine is in a long call (a hot swap waiting for running
         requests) the answer comes from what is known at once, within _HEALTH_WAIT_S: "busy".
-        `api_key_required`: whether every other route needs `Authorization: Bearer <key>`."""
-        check = asyncio.ensure_future(engine.check_health())
+        One check at a time: polls during a long step share it, rather than queue one each for
+        the engine to run between its next steps. `api_key_required`: whether every other route
+        needs `Authorization: Bearer <key>`."""
+        nonlocal live_check
+        if live_check is None or live_check.done():
+            live_check = asyncio.ensure_future(engine.check_health())
+            live_check.add_done_callback(lambda done: done.cancelled() or done.exception())  # retrieved, not logged
         try:
-            await asyncio.wait_for(asyncio.shield(check), _HEALTH_WAIT_S)
+            await asyncio.wait_for(asyncio.shield(live_check), _HEALTH_WAIT_S)
         except TimeoutError:
-            check.add_done_callback(lambda done: done.cancelled() or done.exception())  # retrieved, not logged
             if engine.dead is not None:
                 raise engine.dead from None
             return {"status": "busy", "instance_id": instance_id, "api_key_required": key_required}
@@ -112,9 +121,18 @@ def build_app(engine: AsyncRolloutEngine, settings: ServerSettings) -> FastAPI:
 
     router = APIRouter(dependencies=[Depends(require_api_key(settings.api_key))])
     # Weight updates one at a time: the engine refuses one while a streamed push stages, so the
-    # next waits here, its body unread, rather than being refused.
-    push_lock = asyncio.Lock()
-    json_body = _json_body_parser(settings)
+    # next waits for its turn rather than being refused.
+    push_turns = PushTurns(settings.body_timeout_s)
+    admission = Admission(settings.input_image_budget_bytes)
+    # Answers are encoded off the event loop: a burst of outputs (64 clients' groups finishing in
+    # one step) took the loop a millisecond each, and /health waited behind them.
+    answers = ThreadPoolExecutor(_ANSWER_THREADS, thread_name_prefix="rollout-answer")
+
+    async def frames_of(request_ids: list[str], outputs) -> bytes:
+        return await asyncio.get_running_loop().run_in_executor(answers, _frames, request_ids, outputs)
+
+    bodies = RequestBodies(settings, admission)
+    json_body = bodies.json_dependency
 
     @router.get("/openapi.json", include_in_schema=False)
     async def openapi() -> dict:
@@ -140,14 +158,17 @@ def build_app(engine: AsyncRolloutEngine, settings: ServerSettings) -> FastAPI:
     async def generate(request: Request):
         """Body: the JSON of `GenerateBody`; or, with input images, a safetensors body whose
         metadata "request" holds that JSON (rollout.http.wire: images as uint8 tensors or PNG bytes)."""
-        images = tensors = None
+        named = None
         if request.headers.get("content-type", "").startswith(SAFETENSORS_MEDIA_TYPE):
-            tensors, body = await _tensor_body(request, settings, protocol.GenerateBody)
+            limits = bodies.generate_limits(engine.engine.config.request_limits)
+            tensors, body = await bodies.tensors(request, protocol.GenerateBody, *limits)
+            named = named_images(tensors, 1 if isinstance(body.prompts, str) else len(body.prompts))
+            del tensors
         else:
-            body = await _parse_json(request, settings, protocol.GenerateBody)
+            body = await bodies.json(request, protocol.GenerateBody)
         prompts = [body.prompts] if isinstance(body.prompts, str) else body.prompts
         # Checking many params (each holds a step mask) is work: off the event loop, so /health answers.
-        params = await asyncio.to_thread(_sampling_params, body.params)
+        params = await admission.check(_sampling_params, body.params)
         per_prompt = params if isinstance(params, list) else [params] * len(prompts)
         counts = [p.num_samples * p.leaves_per_sample for p in per_prompt]  # outputs: a tree's leaves count
         if sum(counts) > settings.max_samples_per_request:
@@ -156,37 +177,53 @@ def build_app(engine: AsyncRolloutEngine, settings: ServerSettings) -> FastAPI:
                 f"the request asks for {sum(counts)} samples; this server takes at most "
                 f"{settings.max_samples_per_request} per request (--max-samples-per-request); split it",
             )
-        if tensors is not None:
-            # The requests are checked with the images' sizes first (a PNG's from its header): a few KB
-            # of PNG can decode to gigabytes, and a model that takes no images needs none decoded.
-            check = functools.partial(engine.engine.check_requests, prompts, params)
-            images = await asyncio.to_thread(images_from_tensors, tensors, len(prompts), check)
         if body.request_id is not None or body.prompt_index != 0 or body.base_seed is not None:
             if len(prompts) != 1 or isinstance(params, list):
                 raise ValueError(
                     "request_id, prompt_index and base_seed make this add_request, for one prompt's group: "
                     "send exactly one prompt and one params"
                 )
-            stream = await engine.add_request(
-                prompts[0],
-                params,
-                images=None if images is None else images[0],
-                prompt_index=body.prompt_index,
-                request_id=body.request_id,
-                base_seed=body.base_seed,
-            )
-        else:
-            stream = await engine.add_requests(prompts, params, images=images)
+        share = images = None
+        try:
+            if named is not None:
+                # The requests are checked with the images' sizes first (a PNG's from its header: a few
+                # KB of PNG can decode to gigabytes, and a model that takes no images needs none
+                # decoded), then the images take their share of the server's budget, then decode.
+                sizes = await admission.check(image_sizes, named)
+                await admission.check(engine.engine.check_requests, prompts, params, sizes)
+                share = await admission.images.take(sum(3 * h * w for one in sizes for h, w in one))
+                images = await admission.decode(named)
+                del named
+            if body.request_id is not None or body.prompt_index != 0 or body.base_seed is not None:
+                stream = await engine.add_request(
+                    prompts[0],
+                    params,
+                    images=None if images is None else images[0],
+                    prompt_index=body.prompt_index,
+                    request_id=body.request_id,
+                    base_seed=body.base_seed,
+                )
+            else:
+                stream = await engine.add_requests(prompts, params, images=images)
+            del images  # the engine's requests hold them now, under the share, until they end
+        except BaseException:
+            if share is not None:
+                share.give_back()
+            raise
         if body.stream:
-            return StreamingResponse(_stream_frames(stream), media_type=FRAMES_MEDIA_TYPE)
-        outputs = await _collect(stream, request)
-        return Response(_frames(stream.request_ids, outputs), media_type=FRAMES_MEDIA_TYPE)
+            return StreamingResponse(_stream_frames(stream, share, answers), media_type=FRAMES_MEDIA_TYPE)
+        try:
+            outputs = await _collect(stream, request)
+        finally:
+            if share is not None:
+                share.give_back()
+        return Response(await frames_of(stream.request_ids, outputs), media_type=FRAMES_MEDIA_TYPE)
 
     @router.post(path("abort"))
     async def abort_requests(body: Annotated[protocol.AbortBody, json_body(protocol.AbortBody)]):
         """Returns once the workers have freed the requests' state; the body holds their outputs."""
         aborted = await engine.abort(body.request_ids)
-        return Response(_frames([o.request_id for o in aborted], aborted), media_type=FRAMES_MEDIA_TYPE)
+        return Response(await frames_of([o.request_id for o in aborted], aborted), media_type=FRAMES_MEDIA_TYPE)
 
     @router.post(path("pause"))
     async def pause(body: Annotated[protocol.PauseBody, json_body(protocol.PauseBody)]) -> dict:
@@ -205,9 +242,10 @@ def build_app(engine: AsyncRolloutEngine, settings: ServerSettings) -> FastAPI:
         (JSON: small pushes, curl)."""
         if request.headers.get("content-type", "").startswith(FRAMES_MEDIA_TYPE):
             limits = settings.max_upload_bytes, settings.body_timeout_s, settings.upload_timeout_s
-            return {"weight_version": await receive_update(request, engine, *limits, push_lock)}
-        async with push_lock:  # not beside a streamed push: the engine refuses updates while one stages
-            tensors, options = await _tensor_body(request, settings, protocol.UpdateFromTensorBody)
+            return {"weight_version": await receive_update(request, engine, *limits, push_turns)}
+        # Read whole before the lock: a body that trickles in holds no other push.
+        tensors, options = await bodies.tensors(request, protocol.UpdateFromTensorBody)
+        async with push_turns.turn():  # not beside a streamed push: the engine refuses updates while one stages
             version = await engine.update_weights(tensors, **options.model_dump())
         return {"weight_version": version}
 
@@ -216,7 +254,7 @@ def build_app(engine: AsyncRolloutEngine, settings: ServerSettings) -> FastAPI:
         body: Annotated[protocol.UpdateFromDiskBody, json_body(protocol.UpdateFromDiskBody)],
     ):
         options = body.model_dump(exclude={"model_path"})
-        async with push_lock:
+        async with push_turns.turn():
             return {"weight_version": await engine.update_weights_from_disk(body.model_path, **options)}
 
     @router.post(path("update_weights_from_worker"))
@@ -224,7 +262,7 @@ def build_app(engine: AsyncRolloutEngine, settings: ServerSettings) -> FastAPI:
         body: Annotated[protocol.UpdateFromWorkerBody, json_body(protocol.UpdateFromWorkerBody)],
     ) -> dict:
         options = body.model_dump(exclude={"method", "args", "kwargs"})
-        async with push_lock:
+        async with push_turns.turn():
             version = await engine.update_weights_from_worker(body.method, body.args, body.kwargs, **options)
         return {"weight_version": version}
 
@@ -239,11 +277,11 @@ def build_app(engine: AsyncRolloutEngine, settings: ServerSettings) -> FastAPI:
         "request": {"lora_name", "lora_config", "version"}. The config may build plain LoRA layers
         on the modules it lists, nothing else (`rollout.lora.manager.remote_config_problems`)."""
         if request.headers.get("content-type", "").startswith(SAFETENSORS_MEDIA_TYPE):
-            tensors, body = await _tensor_body(request, settings, protocol.LoadLoraTensorsBody)
+            tensors, body = await bodies.tensors(request, protocol.LoadLoraTensorsBody)
             config = body.lora_config
         else:
-            body = await _parse_json(request, settings, protocol.LoadLoraBody)
-            tensors, config = await asyncio.to_thread(read_lora_folder, body.lora_path, settings.max_upload_bytes)
+            body = await bodies.json(request, protocol.LoadLoraBody)
+            tensors, config = await admission.read(read_lora_folder, body.lora_path, settings.max_upload_bytes)
             foreign = count_non_lora_keys(tensors)
             if foreign:  # the engine's refusal would name them: names from a file the client may not read
                 raise ValueError(
@@ -291,7 +329,7 @@ def build_app(engine: AsyncRolloutEngine, settings: ServerSettings) -> FastAPI:
     ) -> dict:
         options = body.model_dump(exclude={"names", "dtypes", "shapes"})
         dtypes = [_dtype(name) for name in body.dtypes]
-        async with push_lock:
+        async with push_turns.turn():
             version = await engine.update_weights_from_distributed(body.names, dtypes, body.shapes, **options)
         return {"weight_version": version}
 
@@ -378,47 +416,13 @@ def _rpc_refusal(worker_cls: type, method: str) -> str:
 
 # Bodies.
 
-_PARSE_IN_THREAD_BYTES = 64 << 10
+_ANSWER_THREADS = 2
 # The live check waits for the step in progress (up to a second or more on a loaded machine): the
 # answer promised within a second came after this wait plus the loop's and the client's share of
-# a busy machine (up to 1.75 s under 32 clients, when this was the whole second).
+# a busy machine (up to 1.75 s under 32 clients, when this was the whole second). Since the answers'
+# encoding left the loop: 0.27-0.93 s at worst with 64 clients on mp and six CPU-bound processes
+# beside the server on 2 cores (docs/service.md).
 _HEALTH_WAIT_S = 0.25
-
-
-def _json_body_parser(settings: ServerSettings):
-    def json_body(model: type[BaseModel]):
-        async def parse(request: Request) -> BaseModel:
-            return await _parse_json(request, settings, model)
-
-        return Depends(parse)
-
-    return json_body
-
-
-async def _parse_json(request: Request, settings: ServerSettings, model: type[BaseModel]) -> BaseModel:
-    raw = await read_body(request, settings.max_body_bytes, "--max-body-mb", settings.body_timeout_s)
-    try:
-        if len(raw) > _PARSE_IN_THREAD_BYTES:  # off the event loop, so every route keeps answering
-            return await asyncio.to_thread(model.model_validate_json, raw)
-        return model.model_validate_json(raw or b"{}")
-    except ValidationError as error:
-        raise HTTPException(422, _describe(error)) from None
-
-
-async def _tensor_body(request: Request, settings: ServerSettings, model: type[BaseModel]):
-    """The tensors of a safetensors body and its options (metadata "request", checked by `model`)."""
-    try:
-        async with asyncio.timeout(settings.upload_timeout_s):
-            raw = await read_body(request, settings.max_upload_bytes, UPLOAD_FLAG, settings.body_timeout_s)
-    except TimeoutError:
-        message = f"the body did not arrive whole within {settings.upload_timeout_s} s (--upload-timeout-s)"
-        raise HTTPException(408, message, headers={"Connection": "close"}) from None
-    tensors, metadata = await asyncio.to_thread(tensors_from_bytes, raw, "the request body")
-    try:
-        options = model.model_validate_json(metadata.get("request", "{}"))
-    except ValidationError as error:
-        raise HTTPException(422, "the body's metadata 'request': " + _describe(error)) from None
-    return tensors, options
 
 
 def _sampling_params(params) -> SamplingParams | list[SamplingParams]:
@@ -450,18 +454,24 @@ def _frames(request_ids: list[str], outputs) -> bytes:
     return frame("requests", {"request_ids": request_ids}) + b"".join(encoder.encode(o) for o in outputs)
 
 
-async def _stream_frames(stream: OutputStream) -> AsyncIterator[bytes]:
-    """Frames of `stream` as its outputs finish. A closed connection cancels this generator, and
-    leaving the `async with` aborts what is left."""
-    encoder = OutputEncoder()
-    async with stream:
-        yield frame("requests", {"request_ids": stream.request_ids})
-        try:
-            async for output in stream:
-                yield encoder.encode(output)
-        except Exception as error:  # the status line has gone out: the client reads the error frame
-            logger.warning("a generate stream failed: %s", error)
-            yield error_frame(error)
+async def _stream_frames(stream: OutputStream, share: Share | None, answers: Executor) -> AsyncIterator[bytes]:
+    """Frames of `stream` as its outputs finish, each encoded on `answers`. A closed connection
+    cancels this generator, and leaving the `async with` aborts what is left; then the images'
+    `share` is given back."""
+    encoder = OutputEncoder()  # used by one thread at a time: each output's encode is awaited
+    loop = asyncio.get_running_loop()
+    try:
+        async with stream:
+            yield frame("requests", {"request_ids": stream.request_ids})
+            try:
+                async for output in stream:
+                    yield await loop.run_in_executor(answers, encoder.encode, output)
+            except Exception as error:  # the status line has gone out: the client reads the error frame
+                logger.warning("a generate stream failed: %s", error)
+                yield error_frame(error)
+    finally:
+        if share is not None:
+            share.give_back()
 
 
 async def _collect(stream: OutputStream, request: Request) -> list:
@@ -514,16 +524,4 @@ async def _http_error(request: Request, error: StarletteHTTPException) -> JSONRe
 
 
 async def _validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
-    return _error_body(422, "ValidationError", _describe(error))
-
-
-def _describe(error: ValidationError | RequestValidationError) -> str:
-    """'field.path: problem' for each problem, e.g. "params.num_samples: Input should be a valid integer"."""
-    problems = []
-    for item in error.errors():
-        where = ".".join(str(part) for part in item["loc"] if part not in ("body", *protocol.UNION_TAGS)) or "body"
-        message = item["msg"]
-        if item["type"] == "extra_forbidden":
-            message = "unknown field; remove it (see the README for this route's fields)"
-        problems.append(f"{where}: {message}")
-    return "invalid request body: " + "; ".join(problems)
+    return _error_body(422, "ValidationError", describe(error))

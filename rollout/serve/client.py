@@ -34,7 +34,7 @@ from tqdm.auto import tqdm
 
 from rollout.api import RolloutAPI, implements, ranks_list
 from rollout.config import EngineConfig
-from rollout.errors import EngineDeadError
+from rollout.errors import EngineDeadError, RequestIdTaken
 from rollout.http.wire import (
     FRAMES_MEDIA_TYPE,
     SAFETENSORS_MEDIA_TYPE,
@@ -212,13 +212,28 @@ class RemoteRolloutEngine:
         body = _with_images(body, None if images is None else [images], 1)
 
         async def start() -> list[str]:
-            ids, outputs = await self._open_stream(body)
+            try:
+                ids, outputs = await self._open_stream(body)
+            except RequestIdTaken as error:
+                raise self._whose_id(request_id, error) from None
             with self._changed:
                 self._unfinished.update(ids)
             self._loop.create_task(self._collect_into_ready(ids, outputs))
             return ids
 
         return self._run(start())
+
+    def _whose_id(self, request_id: str, error: RequestIdTaken) -> RequestIdTaken:
+        """The server's refusal of `request_id`, saying whose request holds it: the server cannot
+        tell its clients apart, but this client knows its own unfinished requests."""
+        with self._changed:
+            own = [i for i in self._unfinished if i == request_id or i.startswith(f"{request_id}-")]
+        whose = (
+            f"this client's own unfinished requests {sorted(own)[:3]} hold it"
+            if own
+            else f"no unfinished request of this client holds it: another client of the server at {self.url} does"
+        )
+        return RequestIdTaken(f"{error} ({whose})")
 
     def step(self) -> list[RolloutOutput]:
         """The outputs of `add_request` calls that arrived since the last call; waits for at least

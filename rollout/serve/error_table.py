@@ -8,7 +8,7 @@ error carries its worker's fields too, and the client raises the `WorkerError` t
 
 from __future__ import annotations
 
-from rollout.errors import EngineDeadError, WorkerError
+from rollout.errors import EngineDeadError, RequestIdTaken, WorkerError
 from rollout.http.wire import WireError
 
 # Most specific first: an exception gets the status of the first class it is an instance of.
@@ -16,6 +16,7 @@ STATUS_OF: list[tuple[type[BaseException], int]] = [
     (EngineDeadError, 503),
     (TimeoutError, 504),
     (WireError, 400),
+    (RequestIdTaken, 400),
     (ValueError, 400),
     (TypeError, 400),
     (RuntimeError, 409),  # the engine's state forbids it now (asleep, adapter in use, ...)

@@ -20,10 +20,13 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 from rollout.api import DEFAULT_BUCKET_BYTES, DEFAULT_COMPONENT
 from rollout.engine.async_engine import PAUSE_MODES
 from rollout.sampling_params import SamplingParams
+from rollout.weights.versions import MAX_VERSION, MIN_VERSION
 
 STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 Positive = Annotated[int, Field(gt=0)]
 PositiveSeconds = Annotated[float, Field(gt=0)]
+# A weight version: a 64-bit signed integer, as every peer reads it (`rollout.weights.versions`).
+Version = Annotated[int, Field(ge=MIN_VERSION, le=MAX_VERSION)]
 
 
 class Body(BaseModel):
@@ -78,7 +81,7 @@ class UpdateFromTensorBody(Body):
     """The options of /update_weights_from_tensor, in its safetensors body's metadata "request"."""
 
     component: str = DEFAULT_COMPONENT
-    version: int | None = None
+    version: Version | None = None
     mode: Literal["wait", "pause"] = "wait"
     check_finite: bool = True  # refuse NaN and infinity (the engine's default)
     bucket_bytes: Positive = DEFAULT_BUCKET_BYTES
@@ -89,14 +92,14 @@ class LoadLoraTensorsBody(Body):
 
     lora_name: str
     lora_config: dict[str, Any]  # peft.LoraConfig as a dict (LoraConfig.to_dict(), sets as lists)
-    version: int | None = None
+    version: Version | None = None
     check_finite: bool = True
 
 
 class UpdateFromDiskBody(Body):
     model_path: str  # a .safetensors file or a diffusers component folder, on the server's machine
     component: str = DEFAULT_COMPONENT
-    version: int | None = None
+    version: Version | None = None
     mode: Literal["wait", "pause"] = "wait"
     check_finite: bool = True
 
@@ -109,7 +112,7 @@ class UpdateFromWorkerBody(Body):
     args: list[Any] = []
     kwargs: dict[str, Any] | None = None
     component: str = DEFAULT_COMPONENT
-    version: int | None = None
+    version: Version | None = None
     mode: Literal["wait", "pause"] = "wait"
     check_finite: bool = True
 
@@ -117,7 +120,7 @@ class UpdateFromWorkerBody(Body):
 class LoadLoraBody(Body):
     lora_name: str
     lora_path: str  # a PEFT or diffusers LoRA folder on the server's machine
-    version: int | None = None
+    version: Version | None = None
     check_finite: bool = True
 
 
@@ -147,7 +150,7 @@ class UpdateFromDistributedBody(Body):
     dtypes: list[str]  # torch dtype names: "float32", "bfloat16", ...
     shapes: list[list[Annotated[int, Field(ge=0)]]]
     component: str = DEFAULT_COMPONENT
-    version: int | None = None
+    version: Version | None = None
     mode: Literal["wait", "pause"] = "wait"
     bucket_bytes: Positive = DEFAULT_BUCKET_BYTES
     check_finite: bool = True

@@ -15,7 +15,8 @@ without a copy), which checks and stages them while the next frame arrives (`rec
 the server holds the staged update plus about a bucket, not the body, its parse and the update;
 and the engine generates on while the body arrives: a body that trickled in held every generation
 for as long as it trickled, when the whole push was one engine call that waited for its buckets.
-The body must arrive whole within --upload-timeout-s.
+The body must arrive whole within --upload-timeout-s, and while another update waits its turn
+(`rollout.serve.push_turns`), each frame within --body-timeout-s.
 
 All-or-nothing, as in process: whatever goes wrong before the end frame (a body cut off, stalled
 past --body-timeout-s, past --upload-timeout-s, over --max-upload-mb, a malformed frame, a tensor
@@ -41,6 +42,7 @@ from rollout.http.frame_views import FrameAssembler, FrameTooLarge, frame_pieces
 from rollout.http.request_body import body_chunks, too_big
 from rollout.http.wire import WireError
 from rollout.serve import protocol
+from rollout.serve.push_turns import PushTurns
 from rollout.weights.handed_over import HandedOver
 
 UPLOAD_FLAG = "--max-upload-mb"
@@ -81,35 +83,38 @@ async def receive_update(
     limit: int,
     idle_timeout_s: float,
     deadline_s: float,
-    one_at_a_time: asyncio.Lock,
+    turns: PushTurns,
 ) -> int:
     """Apply the streamed push in `request`'s body; returns the new weight version. Raises the
     body's own error (HTTPException 408/413, WireError, a 422 for bad options) or the engine's,
     after the engine has dropped whatever it staged. The body must arrive whole within
-    `deadline_s` of its first read (408 past it, and the connection is closed). The engine stages
-    one push at a time (`RolloutEngine.open_weight_push`): the next one waits for `one_at_a_time`,
-    its body unread, rather than being refused."""
-    async with one_at_a_time:
-        return await _receive_update(request, engine, limit, idle_timeout_s, deadline_s)
+    `deadline_s` of its first read (408 past it, and the connection is closed), and while another
+    update waits its turn, each frame within `turns.hurried_frame_s`. The engine stages one push at
+    a time (`RolloutEngine.open_weight_push`): the next one waits for its turn, its body unread,
+    rather than being refused."""
+    async with turns.turn():
+        return await _receive_update(request, engine, limit, idle_timeout_s, _BodyDue(turns, deadline_s))
 
 
 async def _receive_update(
-    request: Request, engine: AsyncRolloutEngine, limit: int, idle_timeout_s: float, deadline_s: float
+    request: Request, engine: AsyncRolloutEngine, limit: int, idle_timeout_s: float, due: _BodyDue
 ) -> int:
-    arrive_by = asyncio.get_running_loop().time() + deadline_s
     frames = _frames(_frame_buffers(request, limit, idle_timeout_s))
     try:
-        options = _options(await _next(frames, arrive_by, deadline_s))
+        options = _options(await due.next(frames))
         push = await engine.open_weight_push(
-            component=options.component, check_finite=options.check_finite, bucket_bytes=options.bucket_bytes
+            component=options.component,
+            check_finite=options.check_finite,
+            bucket_bytes=options.bucket_bytes,
+            version=options.version,
         )
         try:
-            await _stage_buckets(frames, engine, push, arrive_by, deadline_s)
+            await _stage_buckets(frames, engine, push, due)
         except BaseException as error:  # the body failed, or the engine's staging did: drop what it staged
             await engine.abort_weight_push(push, error)
             if not isinstance(error, _StagingFailed):
                 raise
-            await _discard(frames, arrive_by, deadline_s)  # read the rest, so that the client gets to read the answer
+            await _discard(frames, due)  # read the rest, so that the client gets to read the answer
             raise error.cause from None
         return await engine.finish_weight_push(push, version=options.version, mode=options.mode)
     finally:
@@ -162,34 +167,48 @@ async def _frames(buffers: AsyncIterator[bytearray | mmap.mmap]) -> AsyncIterato
         await buffers.aclose()
 
 
-async def _next(frames: AsyncIterator[tuple[dict, dict]], arrive_by: float, deadline_s: float):
-    """The body's next frame, or None at its end; a 408 once `arrive_by` (event loop time) passes."""
-    try:
-        async with asyncio.timeout_at(arrive_by):
-            return await anext(frames, None)
-    except TimeoutError:
-        raise HTTPException(
-            408,
-            f"the push's body did not arrive whole within {deadline_s} s (--upload-timeout-s)",
-            headers={"Connection": "close"},  # what is left of it is not waited for
-        ) from None
+class _BodyDue:
+    """When a streamed push's frames must come: all within `deadline_s` of the first read, and
+    each within the hurried time while another update waits its turn (`PushTurns`)."""
+
+    def __init__(self, turns: PushTurns, deadline_s: float):
+        self.turns, self.deadline_s = turns, deadline_s
+        self.arrive_by = asyncio.get_running_loop().time() + deadline_s
+
+    async def next(self, frames: AsyncIterator[tuple[dict, dict]]) -> tuple[dict, dict] | None:
+        """The body's next frame, or None at its end; a 408 once it is due and has not come."""
+        due = self.turns.frame_due(self.arrive_by)
+        try:
+            async with asyncio.timeout_at(due) as timeout:
+                with self.turns.waiting_for_frame(timeout):
+                    return await anext(frames, None)
+        except TimeoutError:
+            if timeout.when() < self.arrive_by:
+                message = (
+                    "another weight update waited for its turn, and this push's next frame did not come within "
+                    f"{self.turns.hurried_frame_s} s (--body-timeout-s); send a push's buckets at the link's speed"
+                )
+            else:
+                message = f"the push's body did not arrive whole within {self.deadline_s} s (--upload-timeout-s)"
+            # What is left of it is not waited for.
+            raise HTTPException(408, message, headers={"Connection": "close"}) from None
 
 
 async def _stage_buckets(
-    frames: AsyncIterator[tuple[dict, dict]], engine: AsyncRolloutEngine, push, arrive_by: float, deadline_s: float
+    frames: AsyncIterator[tuple[dict, dict]], engine: AsyncRolloutEngine, push, due: _BodyDue
 ) -> None:
     """Stage each bucket as it arrives, a call between two engine steps each, until the end frame
     and the end of the body. One bucket is staged while the next arrives: that is the overlap of
     network and staging, and the bound on what the body holds in memory."""
     sent, staging = 0, None
     try:
-        while (frame := await _next(frames, arrive_by, deadline_s)) is not None:
+        while (frame := await due.next(frames)) is not None:
             fields, tensors = frame
             del frame
             kind = fields.get("kind")
             if kind == "end":
                 expected = fields.get("tensors")
-                if await _next(frames, arrive_by, deadline_s) is not None:
+                if await due.next(frames) is not None:
                     raise WireError("the body goes on after its 'end' frame")
                 if expected != sent:
                     raise WireError(f"the body's 'end' frame counts {expected!r} tensors, but its buckets held {sent}")
@@ -225,10 +244,10 @@ class _StagingFailed(Exception):
         self.cause = cause
 
 
-async def _discard(frames: AsyncIterator, arrive_by: float, deadline_s: float) -> None:
+async def _discard(frames: AsyncIterator, due: _BodyDue) -> None:
     """Read the rest of a body that will not be used, so the client gets to read the answer."""
     try:
-        while await _next(frames, arrive_by, deadline_s) is not None:
+        while await due.next(frames) is not None:
             pass
     except Exception:  # the answer is the engine's error; what else is wrong with the body is moot
         return

@@ -235,6 +235,12 @@ class StagedUpdates:
             raise ValueError(refusal_message(component, problems))
         return self.stage(component, accepted)
 
+    def staged_is_live(self, component: str) -> bool:
+        """Whether every tensor staged for `component` equals the weight it would replace (a re-push
+        of the weights held, which changes nothing)."""
+        live = base_state(self.module(component))
+        return all(torch.equal(live[name], tensor) for name, tensor in self._staged.get(component, {}).items())
+
     def apply(self, component: str) -> int:
         """Swap every staged tensor in at once; returns how many."""
         staged = self._staged.pop(component, {})

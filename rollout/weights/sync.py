@@ -30,6 +30,18 @@ class WeightSync:
     def __init__(self, collective_rpc: Callable):
         self._rpc = collective_rpc
         self._specs: dict[str, dict[str, TensorSpec]] = {}
+        self._repeat_refusal: Callable[[], Exception] | None = None  # set by `only_if_unchanged`
+
+    @contextmanager
+    def only_if_unchanged(self, refusal: Callable[[], Exception]):
+        """Pushes in the block are staged and checked as usual, then dropped, not applied: where
+        every rank staged exactly the weights it holds (a re-push of them) that changes nothing;
+        otherwise the push is refused with `refusal()` (a push that names the current version)."""
+        self._repeat_refusal = refusal
+        try:
+            yield
+        finally:
+            self._repeat_refusal = None
 
     def specs(self, component: str) -> dict[str, TensorSpec]:
         if component not in self._specs:
@@ -137,7 +149,14 @@ class WeightSync:
 
     def _apply(self, component: str) -> None:
         """Swap the staged tensors in on every rank and commit; a failure before the commit rolls
-        every rank back."""
+        every rank back. Inside `only_if_unchanged`, drop them instead (refused unless unchanged)."""
+        if self._repeat_refusal is not None:
+            unchanged = all(self._rpc("staged_weights_are_live", args=(component,)))
+            refusal = None if unchanged else self._repeat_refusal()
+            self._roll_back(component, refusal or ValueError("a repeated push, dropped"))
+            if refusal is not None:
+                raise refusal
+            return
         try:
             self._rpc("apply_staged_weights", args=(component,))
         except BaseException as error:

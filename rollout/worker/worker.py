@@ -225,6 +225,12 @@ class Worker:
         received = (receive_bucket(self.broadcast_group, bucket, device) for bucket in buckets)
         return self.updates.stage_checked(component, received, check_finite)
 
+    @read_only
+    def staged_weights_are_live(self, component: str) -> bool:
+        """Whether the tensors staged for `component` are the weights it holds (a repeated push)."""
+        self.loras.restore()  # compare with the base, not a merged adapter
+        return self.updates.staged_is_live(component)
+
     def apply_staged_weights(self, component: str) -> int:
         self.loras.restore()
         return self.updates.apply(component)

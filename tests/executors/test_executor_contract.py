@@ -660,7 +660,7 @@ def test_a_lora_load_staged_while_requests_run_does_not_touch_them(engine, lora_
             (base,) = engine.generate("base", dataclasses.replace(params, lora="policy"))
         (request_id,) = engine.add_request("base", dataclasses.replace(params, lora=lora), request_id=f"run_{lora}")
         outputs = engine.step() + engine.step()  # under way
-        engine.load_lora("policy", other, config, version=engine.weight_version)  # a new adapter, or a hot swap
+        engine.load_lora("policy", other, config)  # a new adapter, or a hot swap
         outputs += engine.take_finished() + list(_drain(engine).values())  # the load finished them
         (output,) = [o for o in outputs if o.request_id == request_id]
         assert torch.equal(output.image, base.image), lora

@@ -12,9 +12,8 @@ API_KEY = "test-key-0123456789"
 EXTENSION = "tests.serve.worker_extension.ServeTestExtension"
 # The extension, and its test hooks opened by name: they change how steps run, so they are not
 # marked read-only and /collective_rpc calls them only where the operator allows it.
-EXTENSION_FLAGS = ("--worker-extension-cls", EXTENSION) + tuple(
-    flag for hook in ("fail_prompt", "set_step_delay", "raise_key_error") for flag in ("--rpc-allow", hook)
-)
+HOOKS = ("fail_prompt", "set_step_delay", "raise_key_error", "health_checks")
+EXTENSION_FLAGS = ("--worker-extension-cls", EXTENSION, *(flag for hook in HOOKS for flag in ("--rpc-allow", hook)))
 
 
 @pytest.fixture(scope="session")

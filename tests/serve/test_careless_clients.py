@@ -297,7 +297,7 @@ def adapter(tiny_model):
     return tensors, {"r": 2, "lora_alpha": 4, "target_modules": ["to_q", "to_v"]}
 
 
-def upload(server, name: str, tensors: dict, config: dict, version: int) -> httpx.Response:
+def upload(server, name: str, tensors: dict, config: dict, version: int | None) -> httpx.Response:
     """Upload an adapter under `name`; `version`: the weight version it sets (tests share the
     server, and others compare its versions with an engine of their own)."""
     from rollout.http.wire import SAFETENSORS_MEDIA_TYPE, tensors_to_bytes
@@ -321,7 +321,7 @@ def test_lora_uploads_that_cannot_hurt(server, remote, adapter):
     params = SamplingParams(num_inference_steps=2, seed=4, lora="policy")
     version = remote.weight_version
     start = time.monotonic()
-    assert upload(server, "policy", tensors, config, version).status_code == 200
+    assert upload(server, "policy", tensors, config, None).status_code == 200  # version + 1
     good_s = time.monotonic() - start
     (before,) = remote.generate("kept", params)
     bad_uploads = [
@@ -345,10 +345,11 @@ def test_lora_uploads_that_cannot_hurt(server, remote, adapter):
     bogus = {**tensors, key.replace(".lora_A.", ".lora_C."): tensors[key].clone()}
     refused = upload(server, "policy", bogus, config, version)
     assert refused.status_code == 400 and "are not LoRA tensor names" in refused.json()["error"]["message"]
-    assert remote.list_loras() == ["policy"] and remote.weight_version == version
+    assert remote.list_loras() == ["policy"] and remote.weight_version == version + 1
     (after,) = remote.generate("kept", params)
     assert torch.equal(after.image, before.image)
-    assert upload(server, "fresh", tensors, config, version).status_code == 200  # the next load works
+    # The next load works; under the version the other tests compare with (held before: allowed).
+    assert upload(server, "fresh", tensors, config, version).status_code == 200
     remote.unload_lora("fresh")
     remote.unload_lora("policy")
 

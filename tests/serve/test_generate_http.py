@@ -184,6 +184,33 @@ def test_abort_over_http_leaves_nothing_behind(remote):
     assert remote.collective_rpc("request_ids") == [[]]
 
 
+def test_a_request_id_another_client_holds_is_refused_saying_so(server, remote):
+    """Two trainers on one server, each naming its eval "eval0": the second failed with
+    "request_id 'eval0' is refused" and no word of another client. The server cannot tell its
+    clients apart, so its message says the ids are shared; the client knows its own requests."""
+    from rollout.errors import RequestIdTaken
+
+    params = SamplingParams(num_inference_steps=200, num_samples=2)
+    remote.add_request("mine", params, request_id="eval0")
+    try:
+        with RemoteRolloutEngine(server.url, api_key=API_KEY) as other:
+            with pytest.raises(
+                RequestIdTaken,
+                match=r"request_id 'eval0' is refused: .*every client of a server, "
+                r"shares its ids.*\(no unfinished request of this client holds it: another client of "
+                rf"the server at {server.url} does\)",
+            ):
+                other.add_request("theirs", params, request_id="eval0")
+            assert not other.has_unfinished_requests()
+        with pytest.raises(
+            ValueError, match=r"this client's own unfinished requests \['eval0-0', 'eval0-1'\] hold it"
+        ):
+            remote.add_request("mine again", params, request_id="eval0")
+    finally:
+        remote.abort("eval0")
+    assert remote.collective_rpc("request_ids") == [[]]
+
+
 def test_a_client_that_goes_away_aborts_its_requests(server, remote):
     headers = {"Authorization": f"Bearer {API_KEY}"}
     body = {"prompts": ["abandoned"], "params": {"num_inference_steps": 400, "num_samples": 2}, "stream": True}

@@ -196,8 +196,7 @@ def test_non_finite_pushes_are_refused_over_http_and_the_opt_out_travels(remote,
     adapter and weights stay. `check_finite=False` reaches the server (the NaN weights go in)."""
     (first, _), config = adapters
     params = SamplingParams(num_inference_steps=2, seed=4, lora="policy")
-    version = remote.weight_version
-    remote.load_lora("policy", first, config, version=version)
+    version = remote.load_lora("policy", first, config)
     try:
         before = remote.generate("kept", params)[0]
         key = sorted(first)[0]

@@ -209,3 +209,52 @@ def test_the_training_recipe_checks_the_servers_model_first(server, other_model,
     with pytest.raises(ValueError, match="the engine's base weights are not this policy's"):
         run(load_config(config, settings))
     assert not (tmp_path / "metrics.jsonl").exists() or not (tmp_path / "metrics.jsonl").read_text()
+
+
+def test_a_lora_that_binds_no_module_is_refused(front):
+    """A LoRA with no tensors and target_modules ["to_q"] was taken: it bound 0 modules, bumped the
+    version, and every request that picked it sampled the base policy (a base push of no tensors
+    was refused already). Refused now, naming its targets and what the model has for them."""
+    version, loras = front.weight_version, front.list_loras()
+    message = (
+        r"LoRA 'empty' refused: it holds no tensors, so it would bind no module \(target_modules \['to_q'\]\); "
+        r"the model has \d+ modules it targets \(e\.g\. \['transformer_blocks\.0\.attn\.to_q'"
+    )
+    with pytest.raises(ValueError, match=message):
+        front.load_lora("empty", {}, {"r": 4, "lora_alpha": 8, "target_modules": ["to_q"]})
+    with pytest.raises(ValueError, match=r"it holds no tensors.*the model has no module it targets; LoRA targets"):
+        front.load_lora("empty", {}, {"r": 4, "lora_alpha": 8, "target_modules": ["no_such_module"]})
+    assert front.weight_version == version and front.list_loras() == loras
+
+
+def test_a_push_may_name_the_current_version_only_to_repeat_its_weights(front, model):
+    """A push could take the current version for other weights (two trainers of one server counting
+    alike): samples before and after carried one version for two policies. Now only a push that
+    repeats what the engine holds exactly (a LoRA load of the live adapter, a weight update of the
+    weights) may name it (a resumed trainer re-pushing its checkpoint to the server that held it),
+    and that changes nothing. A version past 64 bits is refused: a
+    4300-digit one was taken, and the server then answered every route, /health too, with a 500."""
+    weights, lora, targets = model
+    config = {"r": 4, "lora_alpha": 8, "target_modules": targets}
+    version = front.load_lora("policy", lora, config)
+    try:
+        image = _image(front, "policy")
+        repeated = {key: tensor.clone() for key, tensor in lora.items()}
+        assert front.load_lora("policy", repeated, config, version=version) == version
+        other = {key: tensor * 2 for key, tensor in lora.items()}
+        current = rf"version {version} is this engine's current weight version: .*pass {version + 1} or none"
+        with pytest.raises(ValueError, match=current):
+            front.load_lora("policy", other, config, version=version)
+        with pytest.raises(ValueError, match=current):
+            front.load_lora("policy", lora, {**config, "lora_alpha": 4}, version=version)
+        with pytest.raises(ValueError, match=current):
+            front.update_weights({name: tensor * 2 for name, tensor in weights.items()}, version=version)
+        assert front.update_weights(weights, version=version) == version  # the weights it holds: unchanged
+        too_big = "version.*(64-bit signed integer|less than or equal to 9223372036854775807)"  # the engine's, or 422
+        for huge in (1 << 63, 10**4299):
+            with pytest.raises(ValueError, match=too_big):
+                front.load_lora("policy", other, config, version=huge)
+        assert front.weight_version == version
+        assert torch.equal(_image(front, "policy"), image)
+    finally:
+        front.unload_lora("policy")

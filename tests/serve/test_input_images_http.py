@@ -1,14 +1,17 @@
 """Input images from a careless or hostile client: a PNG that decodes to gigabytes, images sent to a
-model that takes none, more images than a request may carry, and an edit whose input image makes
-every forward pass of the model as long as the biggest output. Each is refused from the image's
-header, before anything is decoded, within a good request's time and naming the limit; the server's
-peak memory stays where it was, a good request beside it gives the same bytes as alone, and /health
-answers throughout."""
+model that takes none, more images than a request may carry, an edit whose input image makes
+every forward pass of the model as long as the biggest output, and one that names an adapter the
+server has not loaded. Each is refused from the image's header, before anything is decoded, within
+a good request's time and naming the limit; the server's peak memory stays where it was, a good
+request beside it gives the same bytes as alone, and /health answers throughout. Decodes run on
+threads of their own: another request's admission never waits behind them. A PNG whose data ends
+before its rows do is refused."""
 
 from __future__ import annotations
 
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -145,3 +148,65 @@ def test_an_edit_s_image_bomb_and_too_many_images_are_refused_before_decoding(ko
     assert response.status_code == 400, response.text
     message = response.json()["error"]["message"]
     assert "17 input images is above this engine's limit of 16 (RequestLimits.max_input_images; a server's " in message
+
+
+@pytest.mark.slow  # the Kontext server of the tests above
+def test_an_adapter_that_is_not_loaded_is_refused_before_any_image_is_decoded(kontext_server, kontext_remote):
+    """Eight bodies of 16 PNGs of 4096 x 4096 naming an adapter the server does not have took its RSS up
+    5.9 GB: every image was decoded before the adapter was looked up. It is checked with the sizes."""
+    bomb = png_of_zeros(4096, 4096)  # 2 KB, 48 MiB decoded
+    request = {"prompts": ["make it red"] * 16, "params": {"num_inference_steps": 1, "lora": "absent"}}
+    refused_beside_a_good_request(
+        kontext_server,
+        kontext_remote,
+        good_edit(kontext_remote),
+        lambda: post_images(kontext_server, request, {f"images.{p}.0.png": bomb for p in range(16)}),
+        400,
+        "lora 'absent' is not loaded; loaded: []",
+        peak_mb=100,  # 16 decoded: 805 MB and more
+    )
+
+
+@pytest.mark.slow  # the Kontext server of the tests above; 64 decodes
+def test_admission_never_waits_behind_other_requests_decodes(kontext_server, kontext_remote):
+    """Decodes and every request's checks shared asyncio's default pool: with it full of decodes, a
+    text-only generate's params check waited for them (57 s in the issue's probe). Here 64 bodies of
+    one 2048 x 2048 PNG each are decoded (then refused: their request_id is taken), and a request the
+    admission's checks refuse is answered meanwhile as at once (0.13 s, where it waited 1.3-3.1 s)."""
+    holder = RemoteRolloutEngine(kontext_server.url, api_key=API_KEY)
+    holder.add_request("holder", KONTEXT.params(num_inference_steps=1000, seed=0), request_id="held")
+    png = png_of_zeros(2048, 2048)
+    request = {"prompts": "make it red", "request_id": "held", "params": {"num_inference_steps": 1}}
+    bad = {"prompts": ["x"], "params": {"output_type": "nonsense"}}
+    try:
+        with ThreadPoolExecutor(64) as pool:
+            decoding = [pool.submit(post_images, kontext_server, request, {"images.0.0.png": png}) for _ in range(64)]
+            time.sleep(1.0)  # the bodies are in, their decodes queued
+            start = time.monotonic()
+            refused = httpx.post(f"{kontext_server.url}/rollout/generate", json=bad, headers=AUTH, timeout=60)
+            refused_s = time.monotonic() - start
+            still_decoding = sum(not future.done() for future in decoding)
+            answers = [future.result()[0] for future in decoding]
+    finally:
+        holder.abort("held")
+        holder.shutdown()
+    assert refused.status_code == 400 and "output_type must be one of" in refused.text, refused.text
+    assert still_decoding > 0  # it was answered while the decodes went on
+    assert refused_s < 0.75, refused_s  # before: 1.3-3.1 s
+    assert {answer.status_code for answer in answers} == {400}
+    assert all("request_id 'held' is refused" in answer.text for answer in answers)
+
+
+@pytest.mark.slow  # the Kontext server of the tests above
+def test_a_png_whose_data_ends_before_its_rows_is_refused(kontext_server, kontext_remote):
+    """A PNG whose IHDR says 64 x 64 with a whole zlib stream of 8 rows was taken, its 56 missing
+    rows read as black; a cut-off file is refused, and so is this one now."""
+    request = {"prompts": "make it red", "params": {"num_inference_steps": 1, "seed": 0, "auto_resize": False}}
+    short = png_of_zeros(64, 64, colour=True, rows=8)
+    response, _ = post_images(kontext_server, request, {"images.0.0.png": short})
+    assert response.status_code == 400, response.text
+    assert "'images.0.0.png' is not a whole PNG file: its image data inflates to 1544 bytes" in response.text
+    assert "needs 12352: rows are missing" in response.text
+    whole, _ = post_images(kontext_server, request, {"images.0.0.png": png_of_zeros(64, 64, colour=True)})
+    assert whole.status_code == 200, whole.text
+    assert kontext_remote.server_info()["unfinished_requests"] == 0

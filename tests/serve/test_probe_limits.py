@@ -5,10 +5,12 @@ error must not show to a client that names them."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -16,12 +18,15 @@ import torch
 from safetensors.torch import save_file
 
 from rollout import SamplingParams
+from rollout.http.wire import SAFETENSORS_MEDIA_TYPE, tensors_to_bytes
 from tests.serve.conftest import API_KEY
+from tests.serve.probing import PeakMemory
 from tests.serve.test_careless_clients import refused_in_a_second
 
 pytestmark = pytest.mark.timeout(240)
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
+JSON_TYPE = {"content-type": "application/json"}
 SECRET = "payroll_model.secret_layer"  # a name of a file that is not the client's to read
 
 
@@ -62,11 +67,9 @@ def test_a_worker_function_timeout_is_finite_positive_and_bounded(server, timeou
     ).json() == {"results": [0]}
 
 
-def test_health_answers_within_a_second_while_a_step_runs_long(server, remote):
-    """The live check waits for the step in progress; it waited a whole second, so with the
-    request's own time the answer came past the second the docs promise (1.75 s under load)."""
-    params = SamplingParams(num_inference_steps=2, seed=5)
-    (alone,) = remote.generate("slow", params)
+@contextlib.contextmanager
+def a_slow_generate(remote, params: SamplingParams) -> Iterator[Future]:
+    """A generate of `params` whose every step takes 2 s more, under way: the future of its outputs."""
     remote.collective_rpc("set_step_delay", args=(2.0,))
     try:
         with ThreadPoolExecutor(1) as pool:
@@ -74,18 +77,64 @@ def test_health_answers_within_a_second_while_a_step_runs_long(server, remote):
             deadline = time.monotonic() + 30
             while not remote.server_info()["running_requests"] and time.monotonic() < deadline:
                 time.sleep(0.05)
-            time.sleep(0.2)  # inside a step
-            answers = []
-            for _ in range(3):
-                start = time.monotonic()
-                answer = httpx.get(f"{server.url}/health", timeout=10)
-                answers.append((answer.json()["status"], time.monotonic() - start))
-            (together,) = slow.result(timeout=60)
+            yield slow
     finally:
         remote.collective_rpc("set_step_delay", args=(0.0,))
+
+
+def test_health_answers_within_a_second_while_a_step_runs_long(server, remote):
+    """The live check waits for the step in progress; it waited a whole second, so with the
+    request's own time the answer came past the second the docs promise (1.75 s under load)."""
+    params = SamplingParams(num_inference_steps=2, seed=5)
+    (alone,) = remote.generate("slow", params)
+    with a_slow_generate(remote, params) as slow:
+        time.sleep(0.2)  # inside a step
+        answers = []
+        for _ in range(3):
+            start = time.monotonic()
+            answer = httpx.get(f"{server.url}/health", timeout=10)
+            answers.append((answer.json()["status"], time.monotonic() - start))
+        (together,) = slow.result(timeout=60)
     assert all(seconds < 1.0 for _, seconds in answers), answers
     assert "busy" in {status for status, _ in answers}
     assert torch.equal(together.image, alone.image)
+
+
+def test_a_generate_body_of_tensors_has_a_json_body_s_limits(server, remote):
+    """A generate sent as a safetensors body (the form that carries input images) was bounded only
+    by --max-upload-mb: 10 MB of JSON in its metadata took 4.2 s and +324 MB before its 413, where
+    the JSON route answers the same request 413 at once. Its header is measured as its first bytes
+    come, against --max-body-mb."""
+    request = json.dumps({"prompts": ["x" * (10 << 20)], "params": {"num_inference_steps": 1}})
+    body = tensors_to_bytes({}, {"request": request})
+    headers = {**AUTH, "content-type": SAFETENSORS_MEDIA_TYPE}
+    with PeakMemory(server.process.pid) as memory:
+        start = time.monotonic()
+        answer = httpx.post(f"{server.url}/rollout/generate", content=body, headers=headers, timeout=60)
+        refused_s = time.monotonic() - start
+    message = answer.json()["error"]["message"]
+    assert answer.status_code == 413 and "header" in message and "(--max-body-mb, as a JSON body's)" in message
+    as_json = httpx.post(f"{server.url}/rollout/generate", content=request, headers={**AUTH, **JSON_TYPE}, timeout=60)
+    assert as_json.status_code == 413
+    start = time.monotonic()
+    remote.generate("fine", SamplingParams(num_inference_steps=1, seed=0))
+    good_s = time.monotonic() - start
+    assert refused_s < max(1.0, 2 * good_s) and memory.growth_mb < 40, (refused_s, good_s, memory.growth_mb)
+
+
+def test_health_polls_during_a_long_step_share_one_check(server, remote):
+    """Every /health poll queued a check of its own for the engine to run between steps: 15 polls
+    during a 2 s step left 15 worker round trips to run before anything else (on mp, each reaches
+    every worker). Polls share the check in flight."""
+    remote.collective_rpc("health_checks")
+    params = SamplingParams(num_inference_steps=3, seed=5)
+    with a_slow_generate(remote, params) as slow, ThreadPoolExecutor(15) as pool:
+        (before,) = remote.collective_rpc("health_checks")  # between two steps: the polls come in the next
+        polls = [pool.submit(httpx.get, f"{server.url}/health", timeout=10) for _ in range(15)]
+        assert {poll.result().json()["status"] for poll in polls} == {"busy"}
+        slow.result(timeout=60)
+    (after,) = remote.collective_rpc("health_checks")
+    assert after - before <= 2, after - before  # before: 15
 
 
 def test_errors_do_not_show_the_names_of_a_file_on_the_server(server, remote, tmp_path):

@@ -15,10 +15,12 @@ import pytest
 import torch
 
 from benchmarks.bad_pushes import TricklingPush, chunk, open_push
-from rollout import SamplingParams
-from rollout.http.wire import LENGTH
+from rollout import RemoteRolloutEngine, SamplingParams
+from rollout.http.wire import LENGTH, SAFETENSORS_MEDIA_TYPE, tensors_to_bytes
+from rollout.pipelines.loading import load_adapter
 from rollout.serve.launch import ServerProcess
 from rollout.serve.routes import body_json
+from rollout.weights.state import base_state, checksum
 from tests.serve.conftest import API_KEY, EXTENSION_FLAGS
 from tests.serve.test_generate_http import assert_same_output
 
@@ -68,6 +70,35 @@ def test_a_frame_that_announces_more_than_it_sends_costs_what_arrived(server, re
     assert max(held) < 40 and after < 20, (held, after)  # before: 60 MB more per push, 600 MB in all
     assert max(health) < 1.0, health
     assert torch.equal(beside.image, alone.image)
+    assert remote.weights_checksum() == checksum and remote.weight_version == version
+
+
+def test_a_frame_whose_sender_stops_costs_what_it_sent_and_an_eighth(server, remote):
+    """A push announcing a 63 MB bucket that sends 16 MiB of it and stops: once a quarter of it
+    had come (past an eighth), the server faulted the whole announced frame in and held it until the
+    push's deadline (1 GiB in the probe; up to --max-upload-mb). Now its pages stay at most an
+    eighth of the frame (32 MiB at most) ahead of its bytes: the memory follows what arrived."""
+    checksum, version = remote.weights_checksum(), remote.weight_version
+    pid = server.process.pid
+    sock = open_push(server.url, API_KEY)
+    try:
+        before = rss_mb(pid)
+        sock.sendall(chunk(LENGTH.pack(63 << 20)))
+        piece = chunk(bytes(1 << 20))
+        for _ in range(16):
+            sock.sendall(piece)
+        deadline, held = time.monotonic() + 2.0, []
+        while time.monotonic() < deadline:  # read, and faulted in ahead of its bytes
+            held.append(rss_mb(pid) - before)
+            time.sleep(0.1)
+        waited_s = health_s(server.url)
+    finally:
+        sock.close()
+    assert 12 < max(held) < 16 + 63 / 8 + 16, held  # before: 63 and more
+    assert waited_s < 1.0
+    deadline = time.monotonic() + 10  # the dropped push is rolled back
+    while rss_mb(pid) - before > 8 and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert remote.weights_checksum() == checksum and remote.weight_version == version
 
 
@@ -181,3 +212,41 @@ def test_a_push_has_a_deadline_and_a_stopping_server_waits_for_no_one(tiny_model
         pushing.close()
     assert exit_code == -signal.SIGTERM
     assert stopped_s < 3 + 8, stopped_s  # the grace, a second for the answers, the engine's stop
+
+
+@pytest.mark.slow  # a server of its own with short timeouts: about 20 s
+@pytest.mark.timeout(240)
+def test_a_trickling_push_holds_another_update_only_for_a_body_timeout(tiny_model):
+    """A push trickling a byte every 0.2 s (never stalled) held the push lock until its upload
+    deadline, so another trainer's push waited that long (600 s by default), streamed or whole.
+    Now, once another update waits, each frame of the holder's body must come within
+    --body-timeout-s: the trickle is cut off (408, rolled back) and the waiting pushes go."""
+    flags = ("--body-timeout-s", "2", "--upload-timeout-s", "40", *EXTENSION_FLAGS)
+    with (
+        ServerProcess.start(tiny_model, *flags, api_key=API_KEY) as server,
+        RemoteRolloutEngine(server.url, api_key=API_KEY) as remote,
+    ):
+        state = {name: tensor + 1 for name, tensor in base_state(load_adapter(tiny_model).transformer).items()}
+        name = sorted(state)[0]
+        for push in ("streamed", "whole"):
+            trickling = TricklingPush(server.url, API_KEY, every_s=0.2)
+            trickling.start()
+            time.sleep(0.5)  # the trickle holds the turn
+            start = time.monotonic()
+            if push == "streamed":
+                version = remote.update_weights(state)
+            else:
+                body = tensors_to_bytes({name: state[name]}, {"request": "{}"})
+                answer = httpx.post(
+                    f"{server.url}/update_weights_from_tensor",
+                    content=body,
+                    headers={**AUTH, "content-type": SAFETENSORS_MEDIA_TYPE},
+                    timeout=60,
+                )
+                version = answer.json()["weight_version"]
+            waited_s = time.monotonic() - start
+            cut_off = answer_of(trickling.sock)
+            trickling.close()
+            assert waited_s < 2 + 4, (push, waited_s)  # before: until the trickle's deadline, 40 s
+            assert cut_off.startswith(b"HTTP/1.1 408") and b"another weight update waited for its turn" in cut_off
+            assert version == remote.weight_version and remote.weights_checksum() == checksum(state)

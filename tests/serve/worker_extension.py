@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 
@@ -62,3 +63,18 @@ class ServeTestExtension:
     def raise_key_error(self, key: str) -> None:
         """A worker function that fails as a user's may (not a ValueError)."""
         raise KeyError(key)
+
+    def health_checks(self) -> int:
+        """How many times the engine has checked this worker's health since the first call of this
+        (the executor calls the class's method by name, so the class's is wrapped)."""
+        if "health_checks_run" not in vars(self):
+            self.health_checks_run = 0
+            worker_class, check = type(self), type(self).check_health
+
+            @functools.wraps(check)  # its @read_only mark too
+            def counted_check(worker):
+                worker.health_checks_run += 1
+                return check(worker)
+
+            worker_class.check_health = counted_check
+        return self.health_checks_run

@@ -56,6 +56,9 @@ class FakeWorkers:
     def apply_staged_weights(self, rank, component):
         pass
 
+    def staged_weights_are_live(self, rank, component):
+        return all(torch.equal(tensor, rank.weights) for tensor in rank.staged.values())
+
     def commit_weights(self, rank, component):
         rank.weights = rank.staged.pop("w")
 
@@ -157,15 +160,40 @@ def test_a_version_goes_down_only_to_one_the_engine_held(swap):
     message = "version -5 is below this engine's weight version 17, and no weights it held had it"
     with pytest.raises(ValueError, match=message):
         hot_swap.update_weights({"w": torch.zeros(2)}, version=-5)
-    with pytest.raises(ValueError, match="version 3 is below this engine's weight version 17.*>= 17, or none for 18"):
+    with pytest.raises(ValueError, match="version 3 is below this engine's weight version 17.* > 17, or none for 18"):
         hot_swap.load_lora("policy", {"a": torch.zeros(1)}, {"r": 1}, version=3)
     with pytest.raises(ValueError, match="version must be an int or None, got True"):
         hot_swap.update_weights({"w": torch.zeros(2)}, version=True)
     assert (len(workers.calls), engine.drains, hot_swap.weight_version) == (calls, drains, 17)
     assert [r.weights.tolist() for r in workers.ranks] == [[1.0, 1.0]] * 2
     assert hot_swap.update_weights({"w": torch.ones(2)}, version=6) == 6  # held: a resumed trainer's
-    assert hot_swap.update_weights({"w": torch.ones(2)}, version=6) == 6  # the same again
     assert hot_swap.update_weights({"w": torch.ones(2)}) == 7
+
+
+def test_a_push_may_not_give_the_current_version_other_weights_nor_leave_64_bits(swap):
+    """Version 5 pushed twice with different weights was taken: samples before and after carried 5
+    for two sets of weights; now it is refused once staged (compared on every rank), and nothing is
+    applied; the weights held, pushed again under 5, change nothing. And a 4300-digit version was
+    taken, after which a server could write no answer (its version header) until it restarted: it
+    is refused before anything is sent."""
+    hot_swap, workers, engine = swap
+    assert hot_swap.update_weights({"w": torch.ones(2)}, version=5) == 5
+    with pytest.raises(ValueError, match="version 5 is this engine's current weight version: .* pass 6 or none"):
+        hot_swap.update_weights({"w": torch.zeros(2)}, version=5)
+    assert hot_swap.update_weights({"w": torch.ones(2)}, version=5) == 5  # a repeat: nothing changes
+    assert "apply_staged_weights" not in workers.calls[-4:] and not any(r.staged for r in workers.ranks)
+    assert [r.weights.tolist() for r in workers.ranks] == [[1.0, 1.0]] * 2
+    calls, drains = len(workers.calls), engine.drains
+    for version in (1 << 63, -(1 << 63) - 1, 10**5000):
+        with pytest.raises(ValueError, match="version must be a 64-bit signed integer .*got (-?\\d+|an integer of)"):
+            hot_swap.update_weights({"w": torch.zeros(2)}, version=version)
+        with pytest.raises(ValueError, match="version must be a 64-bit signed integer"):
+            hot_swap.load_lora("policy", {"a": torch.zeros(1)}, {"r": 1}, version=version)
+    assert (len(workers.calls), engine.drains, hot_swap.weight_version) == (calls, drains, 5)
+    assert [r.weights.tolist() for r in workers.ranks] == [[1.0, 1.0]] * 2
+    assert hot_swap.update_weights({"w": torch.zeros(2)}, version=(1 << 63) - 1) == (1 << 63) - 1
+    with pytest.raises(ValueError, match="the weight version is at its largest"):
+        hot_swap.update_weights({"w": torch.ones(2)})
     assert hot_swap.update_weights({"w": torch.ones(2)}, version=0) == 0  # where every engine starts
 
 
