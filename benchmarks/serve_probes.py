@@ -183,7 +183,7 @@ def probes(tensors: dict, config: dict, files: dict[str, Path]) -> list[Probe]:
         Probe("LoRA r -1", lora({"r": -1}), 400),
         Probe("LoRA layer_replication", lora({"layer_replication": [[0, 1]]}), 400),
         Probe("LoRA with an empty name", lora({}, name=""), 400),
-        Probe("LoRA rank 3 with rank-2 tensors (fails in PEFT)", lora({"r": 3}), 409),
+        Probe("LoRA rank 3 with rank-2 tensors (refused naming a tensor)", lora({"r": 3}), 400),
         Probe("LoRA hot swap with one bogus key", lora({}, tensors=bogus), 400),
         Probe("LoRA hot swap taking the weight version to -5", lora({}, version=-5), 400),
         Probe("LoRA hot swap to a weight version of 4300 digits", lora({}, version=10**4299), 422),

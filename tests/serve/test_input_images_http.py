@@ -22,7 +22,7 @@ from rollout import RemoteRolloutEngine, SamplingParams
 from rollout.http.wire import SAFETENSORS_MEDIA_TYPE, tensors_to_bytes
 from rollout.serve.launch import ServerProcess
 from tests.families import FAMILIES, input_image
-from tests.serve.conftest import API_KEY
+from tests.serve.conftest import API_KEY, EXTENSION_FLAGS
 from tests.serve.probing import refused_beside_a_good_request
 
 pytestmark = pytest.mark.timeout(240)
@@ -70,8 +70,7 @@ KONTEXT = FAMILIES["flux_kontext"]
 
 @pytest.fixture(scope="module")
 def kontext_server(tiny_models):
-    flags = ("--worker-extension-cls", "tests.serve.worker_extension.ServeTestExtension")
-    with ServerProcess.start(tiny_models("flux_kontext"), *flags, api_key=API_KEY) as running:
+    with ServerProcess.start(tiny_models("flux_kontext"), *EXTENSION_FLAGS, api_key=API_KEY) as running:
         yield running
 
 
@@ -167,23 +166,32 @@ def test_an_adapter_that_is_not_loaded_is_refused_before_any_image_is_decoded(ko
     )
 
 
-@pytest.mark.slow  # the Kontext server of the tests above; 64 decodes
-def test_admission_never_waits_behind_other_requests_decodes(kontext_server, kontext_remote):
+@pytest.fixture
+def patient_kontext_server(tiny_models):
+    """A Kontext server whose step timeout admits a 2048 x 2048 input image: at the default one,
+    admission refuses it from its header (its VAE attention would outlast a quarter of it)."""
+    flags = (*EXTENSION_FLAGS, "--step-timeout-s", "100000")
+    with ServerProcess.start(tiny_models("flux_kontext"), *flags, api_key=API_KEY) as running:
+        yield running
+
+
+@pytest.mark.slow  # a Kontext server of its own; 64 decodes
+def test_admission_never_waits_behind_other_requests_decodes(patient_kontext_server):
     """Decodes and every request's checks shared asyncio's default pool: with it full of decodes, a
     text-only generate's params check waited for them (57 s in the issue's probe). Here 64 bodies of
     one 2048 x 2048 PNG each are decoded (then refused: their request_id is taken), and a request the
     admission's checks refuse is answered meanwhile as at once (0.13 s, where it waited 1.3-3.1 s)."""
-    holder = RemoteRolloutEngine(kontext_server.url, api_key=API_KEY)
+    holder = RemoteRolloutEngine(patient_kontext_server.url, api_key=API_KEY)
     holder.add_request("holder", KONTEXT.params(num_inference_steps=1000, seed=0), request_id="held")
     png = png_of_zeros(2048, 2048)
     request = {"prompts": "make it red", "request_id": "held", "params": {"num_inference_steps": 1}}
     bad = {"prompts": ["x"], "params": {"output_type": "nonsense"}}
     try:
         with ThreadPoolExecutor(64) as pool:
-            decoding = [pool.submit(post_images, kontext_server, request, {"images.0.0.png": png}) for _ in range(64)]
+            decoding = [pool.submit(post_images, patient_kontext_server, request, {"images.0.0.png": png}) for _ in range(64)]
             time.sleep(1.0)  # the bodies are in, their decodes queued
             start = time.monotonic()
-            refused = httpx.post(f"{kontext_server.url}/rollout/generate", json=bad, headers=AUTH, timeout=60)
+            refused = httpx.post(f"{patient_kontext_server.url}/rollout/generate", json=bad, headers=AUTH, timeout=60)
             refused_s = time.monotonic() - start
             still_decoding = sum(not future.done() for future in decoding)
             answers = [future.result()[0] for future in decoding]
