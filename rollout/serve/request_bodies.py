@@ -29,6 +29,7 @@ from rollout.serve.weight_stream import UPLOAD_FLAG
 _PARSE_IN_THREAD_BYTES = 64 << 10
 _MOST_BYTES_PER_PIXEL = 8  # a 16-bit RGBA PNG's, which random pixels do not shrink
 _PNG_OVERHEAD_BYTES = 1 << 20  # a PNG's chunks, filter bytes and zlib framing, over its pixels
+_MOST_BYTES_DISCARDED = 64 << 20  # of a refused body, so that its client reads the refusal
 Limit = tuple[int, str]  # bytes, and the flags that set them (for the 413's message)
 
 
@@ -103,20 +104,37 @@ async def _read_tensor_body(
 ) -> bytes:
     """A safetensors body, read whole; its header's length is checked as soon as it has come."""
     chunks, size = [], 0
-    async for chunk in body_chunks(request, *limit, idle_timeout_s):
+    body = body_chunks(request, *limit, idle_timeout_s)
+    async for chunk in body:
         chunks.append(chunk)
         size += len(chunk)
         if header_limit is not None and size >= LENGTH.size:
             (header_bytes,) = LENGTH.unpack_from(b"".join(chunks)[: LENGTH.size])
             if header_bytes > header_limit[0]:
+                await _discard(body, _MOST_BYTES_DISCARDED)
                 raise HTTPException(
                     413,
                     f"the body's safetensors header (its metadata 'request' and the tensors' entries) is "
                     f"{header_bytes} bytes, over this server's limit of {header_limit[0]} ({header_limit[1]})",
-                    headers={"Connection": "close"},  # what is left of the body is not read
+                    headers={"Connection": "close"},  # what is left past _MOST_BYTES_DISCARDED is not read
                 )
             header_limit = None
     return b"".join(chunks)
+
+
+async def _discard(body, most_bytes: int) -> None:
+    """Read and drop up to `most_bytes` more of a refused body. A server that closes its connection
+    with the client's bytes unread makes the kernel reset it, and the reset can destroy the answer
+    before the client reads it (a 413 seen as "peer closed connection without sending complete
+    message body" when 10 MB followed the header)."""
+    discarded = 0
+    try:
+        async for chunk in body:
+            discarded += len(chunk)
+            if discarded >= most_bytes:
+                return
+    except HTTPException:  # the body stalled, went away or ran past its limit: the refusal stands
+        return
 
 
 def describe(error: ValidationError | RequestValidationError) -> str:

@@ -30,4 +30,7 @@ def test_a_compiled_grpo_run_rescores_within_the_contract_and_trains_as_the_eage
     for key in ("reward_mean", "loss"):
         assert [r[key] for r in records] == pytest.approx([r[key] for r in expected], rel=1e-3, abs=1e-5)
     assert compiled["eval_reward_end"] == pytest.approx(eager["eval_reward_end"], rel=1e-3, abs=1e-5)
-    assert_same_lora(tmp_path / "compiled" / "lora", tmp_path / "eager" / "lora", rtol=1e-3, atol=1e-5)
+    # Adam moves an element by up to the learning rate (0.01) a step whatever its gradient's size, so
+    # compiled kernels' float32 rounding in a near-zero gradient shows at a hundredth of a step: 3.1e-5
+    # measured after 3 steps at the tiny model's 32 x 32.
+    assert_same_lora(tmp_path / "compiled" / "lora", tmp_path / "eager" / "lora", rtol=1e-3, atol=1e-4)
