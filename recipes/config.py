@@ -157,10 +157,9 @@ class EngineSection:
         """What the executor and worker extension classes (imported, and torch with them), the
         executor's own rules and the attention backend (what the installed diffusers and torch run
         on `device`) find wrong with these settings."""
-        from rollout.engine.config_check import attention_problems, class_problems
+        from rollout.engine.config_check import problems_without_model
 
-        settings = self._engine_settings()
-        return class_problems(**settings) + attention_problems(types.SimpleNamespace(**settings))
+        return problems_without_model(**self._engine_settings())
 
     def to_engine_config(self, model_path: str) -> EngineConfig:
         return EngineConfig(model=model_path, **self._engine_settings())

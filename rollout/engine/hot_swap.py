@@ -334,8 +334,14 @@ class HotSwap:
             self.collective_rpc("commit_lora", args=(name,))
         except (TimeoutError, WorkerError) as error:
             # Some ranks may have switched: they must not disagree on what `name` means.
-            self.collective_rpc("discard_lora", args=(name,))
             self._loras.pop(name, None)
+            try:
+                self.collective_rpc("discard_lora", args=(name,))
+            except (TimeoutError, WorkerError) as discard_error:
+                why = f"committing LoRA {name!r} failed ({error}) and unloading it failed too ({discard_error})"
+                dead = EngineDeadError(f"{why}: ranks may disagree on what {name!r} is; create a new engine")
+                self._die(dead)
+                raise dead from error
             raise RuntimeError(f"committing LoRA {name!r} failed ({error}); it is unloaded everywhere") from error
         self._loras[name] = bound[0]
         self.versions.move_to(new_version)

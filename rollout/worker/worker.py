@@ -248,14 +248,6 @@ class Worker:
         self.loras.restore()
         return checksum(base_state(self.updates.module(component)))
 
-    def load_lora(
-        self, name: str, source: str | dict[str, torch.Tensor], config: dict | None, check_finite: bool = True
-    ) -> int:
-        """Load (or hot-swap) adapter `name` on this worker alone: `stage_lora` then `commit_lora`."""
-        bound = self.stage_lora(name, source, config, check_finite)
-        self.commit_lora(name)
-        return bound
-
     def stage_lora(
         self, name: str, source: str | dict[str, torch.Tensor], config: dict | None, check_finite: bool = True
     ) -> int:

@@ -11,6 +11,7 @@ from executors import Executor, get_executor_class
 from executors.uni import UniExecutor
 from rollout import EngineConfig, RolloutEngine
 from rollout.errors import WorkerError
+from rollout.worker.worker import _WORKER_ATTRIBUTES
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -118,6 +119,12 @@ class ClashingExtension:
 def test_extension_that_redefines_a_worker_method_is_refused(tiny_model):
     with pytest.raises(ValueError, match=r"ClashingExtension redefines worker methods \['execute'\]"):
         RolloutEngine(EngineConfig(model=tiny_model, worker_extension_cls=ClashingExtension))
+
+
+def test_the_attributes_an_extension_may_not_shadow_are_the_ones_a_worker_sets(extended_engine):
+    """`build_worker_class` refuses an extension method named as a worker's instance attribute from
+    a hand-kept list: a new attribute missing from it would hide such a method silently."""
+    assert set(vars(extended_engine.executor.worker)) == _WORKER_ATTRIBUTES
 
 
 def test_engine_after_shutdown_refuses_calls(tiny_model):

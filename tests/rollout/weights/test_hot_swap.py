@@ -243,6 +243,18 @@ def test_a_lora_commit_that_fails_unloads_it_everywhere(swap):
     assert hot_swap.list_loras() == [] and all(not r.loras for r in workers.ranks)
 
 
+def test_a_lora_commit_whose_unload_fails_too_leaves_the_engine_dead(swap):
+    """Ranks that may disagree on what an adapter is must not serve, as after a failed rollback."""
+    hot_swap, workers, engine = swap
+    workers.script["commit_lora"] = worker_error("commit_lora", RuntimeError("gone"))
+    workers.script["discard_lora"] = worker_error("discard_lora", RuntimeError("still gone"))
+    with pytest.raises(EngineDeadError, match="(?s)committing LoRA .policy. failed .*unloading it failed too"):
+        hot_swap.load_lora("policy", {"a": torch.ones(1)}, {"r": 1})
+    assert engine.dead is not None and hot_swap.list_loras() == []
+    with pytest.raises(EngineDeadError):
+        hot_swap.load_lora("other", {"a": torch.ones(1)}, {"r": 1})
+
+
 def test_a_lora_stage_that_times_out_is_rolled_back(swap):
     hot_swap, workers, _ = swap
     workers.script["stage_lora"] = TimeoutError("worker call 'stage_lora' timed out")
