@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from rollout import SamplingParams
-from trainers_adapters.dpo_trainer import DPOSettings, dpo_step
-from trainers_adapters.lora_policy import LoraPolicy
+from trainers_adapters.dpo.trainer import DPOSettings, dpo_step
+from trainers_adapters.policy.lora_policy import LoraPolicy
 from trainers_adapters.rewards.builtin import colour_target
 from trainers_adapters.rewards.rewarded_rollout import generate_with_rewards
 

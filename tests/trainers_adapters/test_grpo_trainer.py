@@ -11,8 +11,8 @@ import torch
 
 from rollout import SamplingParams
 from rollout.rescoring import RATIO_TOLERANCE
-from trainers_adapters.grpo_trainer import GRPOSettings, grpo_step
-from trainers_adapters.lora_policy import LoraPolicy
+from trainers_adapters.grpo.trainer import GRPOSettings, grpo_step
+from trainers_adapters.policy.lora_policy import LoraPolicy
 from trainers_adapters.rewards.builtin import colour_target
 from trainers_adapters.rewards.rewarded_rollout import generate_with_rewards
 
@@ -126,7 +126,7 @@ def test_an_engine_update_the_policy_did_not_take_stops_the_update(engine, tiny_
     with a log ratio of ~1e-3 and most ratios clipped. It now raises, and taking the same weights
     (checked by checksum) makes it pass."""
     from rollout.weights.state import base_state
-    from trainers_adapters.grpo_trainer import PolicyDriftError
+    from trainers_adapters.grpo.trainer import PolicyDriftError
 
     torch.manual_seed(0)
     policy = LoraPolicy(tiny_model, LORA)
@@ -170,8 +170,8 @@ def test_a_tree_rollout_trains_each_shared_step_once_from_ratio_one(engine, tiny
 
 
 def test_branchgrpo_pruning_skips_the_pruned_steps_and_the_middle_leaves(engine, tiny_model):
-    from trainers_adapters.grpo_trainer import _trained_nodes
-    from trainers_adapters.tree import build_tree, tree_advantages
+    from trainers_adapters.grpo.trainer import _trained_nodes
+    from trainers_adapters.grpo.tree import build_tree, tree_advantages
 
     policy = LoraPolicy(tiny_model, LORA)
     policy.push(engine)
@@ -211,7 +211,7 @@ def test_a_rollout_the_policy_did_not_sample_is_refused_at_the_first_step(engine
 
 
 def test_a_rollout_at_a_lora_scale_rescores_at_that_scale_and_the_drift_error_names_it(engine, tiny_model):
-    from trainers_adapters.grpo_trainer import PolicyDriftError
+    from trainers_adapters.grpo.trainer import PolicyDriftError
 
     torch.manual_seed(0)
     policy = LoraPolicy(tiny_model, {**LORA, "init_lora_weights": False})  # a LoRA that changes the samples

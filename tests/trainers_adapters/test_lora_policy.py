@@ -8,7 +8,7 @@ import torch
 
 from rollout import SamplingParams
 from rollout.rescoring import RATIO_TOLERANCE
-from trainers_adapters.lora_policy import LoraPolicy
+from trainers_adapters.policy.lora_policy import LoraPolicy
 
 pytestmark = pytest.mark.timeout(120)
 

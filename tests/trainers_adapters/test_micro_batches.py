@@ -5,7 +5,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from rollout.outputs import TRAJECTORY_SETTINGS
-from trainers_adapters.micro_batches import micro_batches
+from trainers_adapters.policy.micro_batches import micro_batches
 
 
 def trajectory(height: int):

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from rollout import SamplingParams
-from trainers_adapters.lora_policy import LoraPolicy
-from trainers_adapters.nft import implicit_velocities, nft_loss, optimality_probability
-from trainers_adapters.nft_trainer import NFTSettings, nft_step
-from trainers_adapters.old_policy import DecaySchedule, OldPolicy, ema_update_
+from trainers_adapters.nft.loss import implicit_velocities, nft_loss, optimality_probability
+from trainers_adapters.nft.trainer import NFTSettings, nft_step
+from trainers_adapters.policy.lora_policy import LoraPolicy
+from trainers_adapters.policy.old_policy import DecaySchedule, OldPolicy, ema_update_
 from trainers_adapters.rewards.builtin import colour_target
 from trainers_adapters.rewards.rewarded_rollout import generate_with_rewards
 

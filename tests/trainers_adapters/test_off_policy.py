@@ -1,4 +1,4 @@
-"""Off-policy corrections (`trainers_adapters.off_policy`): the formulas written out, and GRPO
+"""Off-policy corrections (`trainers_adapters.grpo.off_policy`): the formulas written out, and GRPO
 updates on samples an older policy made, including a sample that crossed an update mid-trajectory."""
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ import torch
 from rollout import SamplingParams
 from rollout.rescoring import RATIO_TOLERANCE
 from rollout.weights.state import base_state
-from trainers_adapters.grpo import grpo_policy_loss
-from trainers_adapters.grpo_trainer import GRPOSettings, grpo_step
-from trainers_adapters.lora_policy import LoraPolicy
-from trainers_adapters.off_policy import importance_weights
+from trainers_adapters.grpo.loss import grpo_policy_loss
+from trainers_adapters.grpo.off_policy import importance_weights
+from trainers_adapters.grpo.trainer import GRPOSettings, grpo_step
+from trainers_adapters.policy.lora_policy import LoraPolicy
 from trainers_adapters.rewards.builtin import colour_target
 from trainers_adapters.rewards.rewarded_rollout import generate_with_rewards
 
@@ -104,7 +104,7 @@ def test_a_stale_rollout_trains_without_the_drift_check_and_reports_its_weights(
 
 
 def test_without_a_policy_version_the_same_stale_rollout_fails_the_drift_check(policy_and_stale_rollout):
-    from trainers_adapters.grpo_trainer import PolicyDriftError
+    from trainers_adapters.grpo.trainer import PolicyDriftError
 
     policy, rollout, _, _ = policy_and_stale_rollout
     optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-3)
@@ -113,7 +113,7 @@ def test_without_a_policy_version_the_same_stale_rollout_fails_the_drift_check(p
 
 
 def test_a_stale_rollout_is_held_to_the_contract_with_the_adapter_that_sampled_it(policy_and_stale_rollout):
-    from trainers_adapters.grpo_trainer import PolicyDriftError
+    from trainers_adapters.grpo.trainer import PolicyDriftError
 
     policy, rollout, version, sampled_with = policy_and_stale_rollout
     trained = policy.lora_state()

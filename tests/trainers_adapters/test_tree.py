@@ -9,7 +9,7 @@ import torch
 
 from rollout import NodeId, RolloutOutput
 from trainers_adapters.advantages import group_advantages
-from trainers_adapters.tree import build_tree, tree_advantages
+from trainers_adapters.grpo.tree import build_tree, tree_advantages
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from rollout import EngineConfig, RolloutEngine
-from trainers_adapters.checksum import weights_checksum
+from trainers_adapters.weights.checksum import weights_checksum
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -18,7 +18,7 @@ def _trainer(model: str, port: int, world_size: int, conn) -> None:
     """A trainer process: its own copy of the transformer, one optimizer-like change, then a push."""
     from rollout.pipelines.loading import load_adapter
     from rollout.weights.state import base_state
-    from trainers_adapters.weight_broadcast import WeightBroadcaster
+    from trainers_adapters.weights.broadcast import WeightBroadcaster
 
     transformer = load_adapter(model).transformer
     broadcaster = WeightBroadcaster("127.0.0.1", port, world_size)  # waits for the workers

@@ -1,5 +1,5 @@
 """One DiffusionNFT update from one rewarded rollout of the old policy (Zheng et al., arXiv
-2509.16117; the loss in `trainers_adapters.nft`, the old policy in `trainers_adapters.old_policy`).
+2509.16117; the loss in `trainers_adapters.nft.loss`, the old policy in `trainers_adapters.policy.old_policy`).
 
 The rollout is the old adapter's deterministic ODE samples without CFG; only their clean latents
 x0, their prompts and their rewards are used (no log-probs, so any solver would do). As the
@@ -17,11 +17,11 @@ from dataclasses import dataclass
 import torch
 
 from trainers_adapters.advantages import group_advantages
-from trainers_adapters.lora_policy import LoraPolicy
-from trainers_adapters.nft import nft_loss, optimality_probability
-from trainers_adapters.nft_settings import NFTSettings
-from trainers_adapters.old_policy import OldPolicy
-from trainers_adapters.optim import check_finite_loss, clip_and_step
+from trainers_adapters.nft.loss import nft_loss, optimality_probability
+from trainers_adapters.nft.settings import NFTSettings
+from trainers_adapters.policy.lora_policy import LoraPolicy
+from trainers_adapters.policy.old_policy import OldPolicy
+from trainers_adapters.policy.optim import check_finite_loss, clip_and_step
 from trainers_adapters.rewards.rewarded_rollout import RewardedRollout
 
 

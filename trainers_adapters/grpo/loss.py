@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from rollout.samplers import StepOutput
-from trainers_adapters.grpo_settings import KL_FORMS  # the forms kl_to_reference computes
+from trainers_adapters.grpo.settings import KL_FORMS  # the forms kl_to_reference computes
 
 
 @dataclass
@@ -39,7 +39,7 @@ def grpo_policy_loss(
     weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, GRPOStats]:
     """Clipped policy loss (scalar) over a batch of transitions [B], and statistics. `weights` [B]
-    (no gradient): each transition's importance weight (`trainers_adapters.off_policy`), None: 1."""
+    (no gradient): each transition's importance weight (`trainers_adapters.grpo.off_policy`), None: 1."""
     log_ratio = log_prob_new - log_prob_old.detach()
     ratio = torch.exp(log_ratio)
     advantages = advantages.detach()

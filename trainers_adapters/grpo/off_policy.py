@@ -39,9 +39,9 @@ from dataclasses import dataclass
 import torch
 
 from rollout.outputs import Trajectory
-from trainers_adapters.grpo_settings import OFF_POLICY_CORRECTIONS  # the corrections computed here
-from trainers_adapters.lora_policy import LoraPolicy
-from trainers_adapters.micro_batches import log_probs_without_grad
+from trainers_adapters.grpo.settings import OFF_POLICY_CORRECTIONS  # the corrections computed here
+from trainers_adapters.policy.lora_policy import LoraPolicy
+from trainers_adapters.policy.micro_batches import log_probs_without_grad
 
 # weight version -> the adapter (a `LoraPolicy.lora_state()`) that ran the denoising steps of that version.
 Behaviour = Mapping[int, Mapping[str, torch.Tensor]]

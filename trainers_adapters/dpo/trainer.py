@@ -12,11 +12,11 @@ from dataclasses import dataclass
 
 import torch
 
-from trainers_adapters.dpo import dpo_loss, flow_matching_error, preference_pairs
-from trainers_adapters.dpo_settings import DPOSettings
-from trainers_adapters.lora_policy import LoraPolicy
-from trainers_adapters.micro_batches import micro_batches
-from trainers_adapters.optim import check_finite_loss, clip_and_step
+from trainers_adapters.dpo.loss import dpo_loss, flow_matching_error, preference_pairs
+from trainers_adapters.dpo.settings import DPOSettings
+from trainers_adapters.policy.lora_policy import LoraPolicy
+from trainers_adapters.policy.micro_batches import micro_batches
+from trainers_adapters.policy.optim import check_finite_loss, clip_and_step
 from trainers_adapters.rewards.rewarded_rollout import RewardedRollout
 
 

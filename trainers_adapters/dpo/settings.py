@@ -1,4 +1,4 @@
-"""The knobs of a Diffusion-DPO update (`trainers_adapters.dpo_trainer.dpo_step`; a recipe's `dpo` section).
+"""The knobs of a Diffusion-DPO update (`trainers_adapters.dpo.trainer.dpo_step`; a recipe's `dpo` section).
 
 Plain data, importing no torch: a recipe checks its config with it before anything loads.
 """

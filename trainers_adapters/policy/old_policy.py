@@ -26,7 +26,7 @@ from peft.utils import get_peft_model_state_dict
 from safetensors.torch import load_file, save_file
 
 from rollout.lora.manager import adapter_to_float32
-from trainers_adapters.lora_policy import LoraPolicy, tensor_differences
+from trainers_adapters.policy.lora_policy import LoraPolicy, tensor_differences
 
 ADAPTER_FILE = "old_adapter.safetensors"
 STATE_FILE = "old_policy.json"

@@ -1,4 +1,4 @@
-"""The knobs of a DiffusionNFT update (`trainers_adapters.nft_trainer.nft_step`; a recipe's `nft` section).
+"""The knobs of a DiffusionNFT update (`trainers_adapters.nft.trainer.nft_step`; a recipe's `nft` section).
 
 Plain data, importing no torch: a recipe checks its config with it before anything loads.
 """
@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from rollout.settings import setting, setting_problems
 
 if TYPE_CHECKING:
-    from trainers_adapters.old_policy import DecaySchedule
+    from trainers_adapters.policy.old_policy import DecaySchedule
 
 
 @dataclass(kw_only=True)
@@ -72,6 +72,6 @@ class NFTSettings:
             raise ValueError("; ".join(problems))
 
     def decay_schedule(self) -> DecaySchedule:
-        from trainers_adapters.old_policy import DecaySchedule  # torch, imported when training
+        from trainers_adapters.policy.old_policy import DecaySchedule  # torch, imported when training
 
         return DecaySchedule(self.old_decay_flat_steps, self.old_decay_rate, self.old_decay_max)

@@ -3,7 +3,7 @@
 The rollout's SDE transitions (a random `timestep_fraction` of each trajectory's stochastic steps)
 are credited with their sample's group advantage; in a tree rollout each transition belongs to the
 tree node that ran it, is trained on once (not once per leaf below it) and gets that node's
-advantage (BranchGRPO, see `trainers_adapters.tree`). They are shuffled and split into
+advantage (BranchGRPO, see `trainers_adapters.grpo.tree`). They are shuffled and split into
 `optimizer_steps` minibatches; each minibatch is re-scored by the policy in micro-batches, with
 gradients, through the same sampler functions the engine used, and ends with one optimizer step.
 Before the first optimizer step the policy is exactly the one that sampled, so the ratio of that
@@ -24,20 +24,20 @@ from dataclasses import dataclass
 
 import torch
 
-from trainers_adapters.grpo import grpo_policy_loss, kl_to_reference
-from trainers_adapters.grpo_settings import GRPOSettings
-from trainers_adapters.lora_policy import LoraPolicy
-from trainers_adapters.micro_batches import log_probs_without_grad, micro_batches
-from trainers_adapters.off_policy import (
+from trainers_adapters.grpo.loss import grpo_policy_loss, kl_to_reference
+from trainers_adapters.grpo.off_policy import (
     Behaviour,
     ImportanceWeights,
     behaviour_log_ratio,
     check_behaviour_given,
     importance_weights,
 )
-from trainers_adapters.optim import check_finite_loss, clip_and_step
+from trainers_adapters.grpo.settings import GRPOSettings
+from trainers_adapters.grpo.tree import RolloutTree, build_tree, tree_advantages
+from trainers_adapters.policy.lora_policy import LoraPolicy
+from trainers_adapters.policy.micro_batches import log_probs_without_grad, micro_batches
+from trainers_adapters.policy.optim import check_finite_loss, clip_and_step
 from trainers_adapters.rewards.rewarded_rollout import RewardedRollout
-from trainers_adapters.tree import RolloutTree, build_tree, tree_advantages
 
 
 @dataclass
@@ -63,7 +63,7 @@ class GRPOStepStats:
     # Versions between the policy and the step that made each transition (0 without policy_version).
     staleness_mean: float
     staleness_max: int
-    # The importance weight w = exp(proximal - behaviour) before truncation (trainers_adapters.off_policy),
+    # The importance weight w = exp(proximal - behaviour) before truncation (trainers_adapters.grpo.off_policy),
     # over every transition with a correction, over the first minibatch's with "none".
     importance_weight_mean: float
     importance_weight_std: float
@@ -218,7 +218,7 @@ def _proximal_log_probs(
     settings: GRPOSettings,
 ) -> dict[int, torch.Tensor]:
     """The policy's log-prob of each transition at `positions`, before any optimizer step, without
-    gradient: the proximal policy of the minibatches after the first (`trainers_adapters.off_policy`)."""
+    gradient: the proximal policy of the minibatches after the first (`trainers_adapters.grpo.off_policy`)."""
     return log_probs_without_grad(policy, positions, _transition_of(rollout, transitions), settings.micro_batch_size)
 
 

@@ -1,4 +1,4 @@
-"""The knobs of a GRPO update (`trainers_adapters.grpo_trainer.grpo_step`; a recipe's `grpo` section).
+"""The knobs of a GRPO update (`trainers_adapters.grpo.trainer.grpo_step`; a recipe's `grpo` section).
 
 Plain data, importing no torch: a recipe checks its config with it before anything loads.
 """
@@ -10,10 +10,10 @@ from dataclasses import dataclass
 from rollout.samplers import RATIO_TOLERANCE
 from rollout.settings import Rule, setting, setting_problems
 
-# How an update weighs samples an older policy made (`trainers_adapters.off_policy`, which imports torch).
+# How an update weighs samples an older policy made (`trainers_adapters.grpo.off_policy`, which imports torch).
 OFF_POLICY_CORRECTIONS = ("none", "tis", "rejection")
 
-# The KL to the reference policy that `kl_beta` weighs (`trainers_adapters.grpo.kl_to_reference`).
+# The KL to the reference policy that `kl_beta` weighs (`trainers_adapters.grpo.loss.kl_to_reference`).
 KL_FORMS = ("flow_grpo", "gaussian")
 
 
@@ -33,7 +33,7 @@ class GRPOSettings:
     )
     kl_form: str = setting(
         "flow_grpo",
-        "the KL kl_beta weighs (trainers_adapters.grpo.KL_FORMS): flow_grpo divides by the step's std_dev_t^2 as "
+        "the KL kl_beta weighs (trainers_adapters.grpo.loss.KL_FORMS): flow_grpo divides by the step's std_dev_t^2 as "
         "Flow-GRPO's code does (for flow_sde the exact KL times |dt|), so a Flow-GRPO beta means what it means "
         "there; gaussian is the exact KL of the Gaussian transitions",
         one_of=KL_FORMS,
