@@ -32,8 +32,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from trainers_adapters.lora_policy import LoraPolicy
-from trainers_adapters.old_policy import OldPolicy
+from trainers_adapters.policy.lora_policy import LoraPolicy
+from trainers_adapters.policy.old_policy import OldPolicy
 
 logger = logging.getLogger(__name__)
 

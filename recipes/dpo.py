@@ -4,7 +4,7 @@ and worst sample form a preference pair.
     python -m recipes.run recipes/configs/dpo_tiny.yaml
 
 See `recipes.training` for the loop and the files a run writes, and
-`trainers_adapters.dpo_trainer` for the update.
+`trainers_adapters.dpo.trainer` for the update.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from recipes.config import option
 from recipes.training_config import TrainingConfig
-from trainers_adapters.dpo_settings import DPOSettings
+from trainers_adapters.dpo.settings import DPOSettings
 
 
 @dataclass(kw_only=True)
@@ -26,7 +26,7 @@ def run(config: Config) -> dict:
     # The loop and the update import torch: imported when the recipe runs, so that its config is
     # checked without them.
     from recipes.training import train
-    from trainers_adapters.dpo_trainer import dpo_step
+    from trainers_adapters.dpo.trainer import dpo_step
 
     def update(policy, optimizer, rollout, generator, policy_version, behaviour):
         return dpo_step(policy, optimizer, rollout, config.dpo, generator)

@@ -3,7 +3,7 @@
     python -m recipes.run recipes/configs/grpo_tiny.yaml
 
 See `recipes.training` for the loop and the files a run writes, and
-`trainers_adapters.grpo_trainer` for the update.
+`trainers_adapters.grpo.trainer` for the update.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from recipes.config import option
 from recipes.training_config import TrainingConfig
-from trainers_adapters.grpo_settings import GRPOSettings
+from trainers_adapters.grpo.settings import GRPOSettings
 
 
 @dataclass(kw_only=True)
@@ -53,7 +53,7 @@ def run(config: Config) -> dict:
     # The loop and the update import torch: imported when the recipe runs, so that its config is
     # checked without them.
     from recipes.training import train
-    from trainers_adapters.grpo_trainer import grpo_step
+    from trainers_adapters.grpo.trainer import grpo_step
 
     def update(policy, optimizer, rollout, generator, policy_version, behaviour):
         return grpo_step(policy, optimizer, rollout, config.grpo, generator, policy_version, behaviour)

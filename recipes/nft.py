@@ -6,7 +6,7 @@ holds both.
     python -m recipes.run recipes/configs/nft_tiny.yaml
 
 See `recipes.training` for the loop and the files a run writes, and
-`trainers_adapters.nft_trainer` for the update.
+`trainers_adapters.nft.trainer` for the update.
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ from typing import TYPE_CHECKING
 from recipes.config import option
 from recipes.training_config import TrainingConfig
 from rollout import SamplingParams
-from trainers_adapters.nft_settings import NFTSettings
+from trainers_adapters.nft.settings import NFTSettings
 
 if TYPE_CHECKING:
-    from trainers_adapters.lora_policy import LoraPolicy
-    from trainers_adapters.old_policy import OldPolicy
+    from trainers_adapters.policy.lora_policy import LoraPolicy
+    from trainers_adapters.policy.old_policy import OldPolicy
 
 OLD_ADAPTER = "old"  # the name the old policy's adapter has in the engine
 
@@ -50,8 +50,8 @@ def run(config: Config) -> dict:
     # The loop, the update and the old policy import torch: imported when the recipe runs, so that
     # its config is checked without them.
     from recipes.training import train
-    from trainers_adapters.nft_trainer import nft_step
-    from trainers_adapters.old_policy import OldPolicy
+    from trainers_adapters.nft.trainer import nft_step
+    from trainers_adapters.policy.old_policy import OldPolicy
 
     old: OldPolicy | None = None  # made by `attach` when `train` has built the policy
 

@@ -56,8 +56,8 @@ from recipes.training_config import POLICY_ADAPTER, TrainingConfig
 from rollout import SamplingParams
 from rollout.rescoring import RATIO_TOLERANCE  # the contract the first update's |log ratio| meets
 from rollout.seeding import derive_seed
-from trainers_adapters.lora_policy import LoraPolicy
-from trainers_adapters.old_policy import OldPolicy
+from trainers_adapters.policy.lora_policy import LoraPolicy
+from trainers_adapters.policy.old_policy import OldPolicy
 from trainers_adapters.rewards.placement import open_reward_runner
 from trainers_adapters.rewards.rewarded_rollout import RewardedRollout, generate_with_rewards
 from trainers_adapters.rewards.runner import RewardRunner

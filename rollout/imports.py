@@ -22,13 +22,6 @@ def import_by_path(dotted: str, what: str):
         raise ValueError(f"{what} {dotted!r}: module {module_name!r} has no attribute {attribute!r}") from None
 
 
-def warn_moved(old: str, new: str) -> None:
-    """Warn that module `old` moved to `new`: called by the alias module left at `old` for one release
-    as it is imported, so the warning names the line that imported `old`."""
-    message = f"{old} moved to {new}: import it from there ({old} goes in the next release)"
-    warnings.warn(message, DeprecationWarning, stacklevel=3)
-
-
 def names_moved_to(package: str, module: str) -> Callable[[str], object]:
     """The `__getattr__` of a package that stands where module `module` stood until this release
     (`rollout.weights` was one module, now `rollout.weights.state`): the old module's names still

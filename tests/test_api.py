@@ -119,18 +119,6 @@ def test_the_public_table_names_each_object_where_it_lives_and_import_rollout_lo
     assert done.stdout.strip() == "[]"
 
 
-def test_the_old_remote_engine_path_still_works_for_a_release_and_says_where_to_go():
-    import importlib
-    import sys
-
-    import rollout
-
-    sys.modules.pop("trainers_adapters.remote_engine", None)
-    with pytest.warns(DeprecationWarning, match="trainers_adapters.remote_engine moved to rollout"):
-        old = importlib.import_module("trainers_adapters.remote_engine")
-    assert old.RemoteRolloutEngine is rollout.RemoteRolloutEngine
-
-
 def test_a_client_call_binds_its_arguments_as_declared_before_sending():
     from rollout.serve.client import _sent
 

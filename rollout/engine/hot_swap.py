@@ -230,7 +230,7 @@ class HotSwap:
         """Join a trainer's broadcast group: worker r becomes group rank `rank_offset + r`; the
         trainer is rank 0 and hosts the store at master_address:master_port. Blocks until every
         rank has joined, so the trainer joins concurrently (see
-        `trainers_adapters.weight_broadcast.WeightBroadcaster`). Returns the workers' group ranks."""
+        `trainers_adapters.weights.broadcast.WeightBroadcaster`). Returns the workers' group ranks."""
         self._check_open()
         if rank_offset < 1 or rank_offset + self.config.num_workers > world_size:
             raise ValueError(

@@ -15,7 +15,7 @@ from rollout import EngineConfig, RolloutEngine
 from rollout.weights.state import base_state
 from tests.families import FAMILIES
 from tests.rollout.pipelines.test_compiled_blocks import CONFIG, TOLERANCE, _close
-from trainers_adapters.lora_policy import LoraPolicy
+from trainers_adapters.policy.lora_policy import LoraPolicy
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # Ray workers cannot import the tests
 

@@ -553,7 +553,7 @@ def test_non_finite_weights_are_refused_from_tensors_disk_and_broadcast_unless_a
     from safetensors.torch import save_file
 
     from rollout.weights.state import checksum
-    from trainers_adapters.weight_broadcast import join_engine
+    from trainers_adapters.weights.broadcast import join_engine
 
     digest, version = engine.weights_checksum(), engine.weight_version
     names = [n for n, t in original_weights.items() if t.is_floating_point()][:3]
@@ -897,7 +897,7 @@ def _free_port() -> int:
 
 def test_weights_through_a_broadcast_group(engine, original_weights):
     from rollout.weights.state import checksum
-    from trainers_adapters.weight_broadcast import join_engine
+    from trainers_adapters.weights.broadcast import join_engine
 
     broadcaster = join_engine(engine, "127.0.0.1", _free_port())
     shifted = {name: t - 0.25 for name, t in original_weights.items()}

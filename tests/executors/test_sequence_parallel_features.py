@@ -79,7 +79,7 @@ def _free_port() -> int:
 
 def test_weights_a_trainer_broadcasts_reach_every_rank(group, single, model):
     from rollout.pipelines.loading import load_adapter
-    from trainers_adapters.weight_broadcast import join_engine
+    from trainers_adapters.weights.broadcast import join_engine
 
     original = {name: t.detach().clone() for name, t in base_state(load_adapter(model).transformer).items()}
     shifted = {name: t * 0.9 for name, t in original.items()}

@@ -19,7 +19,7 @@ from recipes.grpo import run
 from rollout.engine.rollout_engine import RolloutEngine
 from rollout.rescoring import RATIO_TOLERANCE
 from tests.recipes.test_checkpoint_resume import CONFIG, assert_same_lora, metrics, settings
-from trainers_adapters.grpo_trainer import PolicyDriftError
+from trainers_adapters.grpo.trainer import PolicyDriftError
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -100,7 +100,7 @@ def check_refusals(model: str, out: Path) -> None:
 
 
 def test_a_crash_while_writing_leaves_the_previous_checkpoint_loadable(tiny_model, tmp_path, monkeypatch):
-    from trainers_adapters.lora_policy import LoraPolicy
+    from trainers_adapters.policy.lora_policy import LoraPolicy
 
     torch.manual_seed(0)
     policy = LoraPolicy(tiny_model, {"r": 2, "lora_alpha": 2, "target_modules": ["to_q"], "init_lora_weights": False})

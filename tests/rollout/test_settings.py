@@ -10,8 +10,8 @@ import pytest
 from rollout import EngineConfig, SamplingParams
 from rollout.request_limits import RequestLimits
 from rollout.settings import setting, setting_default, setting_help, setting_of
-from trainers_adapters.dpo_trainer import DPOSettings
-from trainers_adapters.grpo_trainer import GRPOSettings
+from trainers_adapters.dpo.trainer import DPOSettings
+from trainers_adapters.grpo.trainer import GRPOSettings
 
 CONFIG_DATACLASSES = [EngineConfig, SamplingParams, RequestLimits, GRPOSettings, DPOSettings]
 

@@ -179,7 +179,7 @@ def test_broadcast_group_through_the_server(remote, transformer_state):
     """The trainer (this process, rank 0) forms a gloo group with the server's worker and pushes;
     only the control calls cross HTTP."""
     from rollout.serve.launch import free_port
-    from trainers_adapters.weight_broadcast import join_engine
+    from trainers_adapters.weights.broadcast import join_engine
 
     start = remote.weight_version
     broadcaster = join_engine(remote, "127.0.0.1", free_port())

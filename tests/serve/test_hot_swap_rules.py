@@ -185,7 +185,7 @@ def other_model(tmp_path_factory) -> str:
 
 
 def test_a_policy_on_another_model_folder_is_refused_when_the_run_starts(front, tiny_model, other_model):
-    from trainers_adapters.lora_policy import LoraPolicy
+    from trainers_adapters.policy.lora_policy import LoraPolicy
 
     LoraPolicy(tiny_model, {"r": 4, "lora_alpha": 8}).check_same_base(front)
     stranger = LoraPolicy(other_model, {"r": 4, "lora_alpha": 8})

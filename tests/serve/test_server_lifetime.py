@@ -16,7 +16,7 @@ from rollout.errors import EngineDeadError
 from rollout.serve.launch import ServerProcess
 from tests.executors.worker_functions import wait_gone
 from tests.serve.conftest import API_KEY, EXTENSION_FLAGS
-from trainers_adapters.lora_policy import LoraPolicy
+from trainers_adapters.policy.lora_policy import LoraPolicy
 
 STEP_DELAY_S = 0.5
 

@@ -15,8 +15,8 @@ import torch
 from rollout import EngineConfig, RolloutEngine
 from rollout.rescoring import RATIO_TOLERANCE
 from tests.families import FAMILIES, input_image
-from trainers_adapters.grpo_trainer import GRPOSettings, grpo_step
-from trainers_adapters.lora_policy import LoraPolicy
+from trainers_adapters.grpo.trainer import GRPOSettings, grpo_step
+from trainers_adapters.policy.lora_policy import LoraPolicy
 from trainers_adapters.rewards.builtin import colour_edit
 from trainers_adapters.rewards.rewarded_rollout import generate_with_rewards
 

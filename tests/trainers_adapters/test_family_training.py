@@ -14,9 +14,9 @@ import torch
 from rollout import EngineConfig, RolloutEngine, SamplingParams
 from rollout.rescoring import RATIO_TOLERANCE
 from tests.families import FAMILIES
-from trainers_adapters.dpo_trainer import DPOSettings, dpo_step
-from trainers_adapters.grpo_trainer import GRPOSettings, grpo_step
-from trainers_adapters.lora_policy import LoraPolicy
+from trainers_adapters.dpo.trainer import DPOSettings, dpo_step
+from trainers_adapters.grpo.trainer import GRPOSettings, grpo_step
+from trainers_adapters.policy.lora_policy import LoraPolicy
 from trainers_adapters.rewards.builtin import colour_target
 from trainers_adapters.rewards.rewarded_rollout import generate_with_rewards
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from trainers_adapters.advantages import group_advantages
-from trainers_adapters.dpo import dpo_loss, flow_matching_error, preference_pairs
-from trainers_adapters.grpo import gaussian_kl, grpo_policy_loss
+from trainers_adapters.dpo.loss import dpo_loss, flow_matching_error, preference_pairs
+from trainers_adapters.grpo.loss import gaussian_kl, grpo_policy_loss
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -13,10 +13,10 @@ import torch
 from rollout import SamplingParams
 from rollout.rescoring import recompute_log_probs, score_transitions
 from rollout.samplers import NoDensityError
-from trainers_adapters.grpo import grpo_policy_loss
-from trainers_adapters.grpo_trainer import GRPOSettings, grpo_step
-from trainers_adapters.lora_policy import LoraPolicy
-from trainers_adapters.optim import NonFiniteUpdateError, clip_and_step
+from trainers_adapters.grpo.loss import grpo_policy_loss
+from trainers_adapters.grpo.trainer import GRPOSettings, grpo_step
+from trainers_adapters.policy.lora_policy import LoraPolicy
+from trainers_adapters.policy.optim import NonFiniteUpdateError, clip_and_step
 from trainers_adapters.rewards.builtin import colour_target
 from trainers_adapters.rewards.checks import RewardError
 from trainers_adapters.rewards.composite import CompositeReward, RewardComponent

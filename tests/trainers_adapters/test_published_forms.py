@@ -12,8 +12,8 @@ import torch
 
 from rollout import SamplingParams
 from rollout.rescoring import RATIO_TOLERANCE, recompute_log_probs
-from trainers_adapters.grpo import kl_to_reference
-from trainers_adapters.lora_policy import LoraPolicy
+from trainers_adapters.grpo.loss import kl_to_reference
+from trainers_adapters.policy.lora_policy import LoraPolicy
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -41,7 +41,7 @@ class RewardedRollout:
     group_ids: torch.Tensor
     rollout_s: float  # wall time from the first request to the last reward
     reward_wait_s: float  # of which the rollout waited for rewards after the last sample finished
-    branch_steps: tuple[int, ...] = ()  # the sampling params' (the leaves' trees: `trainers_adapters.tree`)
+    branch_steps: tuple[int, ...] = ()  # the sampling params' (the leaves' trees: `trainers_adapters.grpo.tree`)
     reward_components: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property

@@ -13,7 +13,7 @@ from rollout.lora.bypass import BypassedLoraLayers
 from rollout.lora.manager import LoraManager
 from rollout.pipelines.loading import load_adapter
 from rollout.weights.state import base_state, checksum
-from trainers_adapters.lora_policy import LoraPolicy
+from trainers_adapters.policy.lora_policy import LoraPolicy
 
 pytestmark = pytest.mark.timeout(120)
 

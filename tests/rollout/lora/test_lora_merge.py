@@ -15,7 +15,7 @@ from rollout.lora.manager import LoraManager
 from rollout.lora.merge import merge_problems
 from rollout.rescoring import RATIO_TOLERANCE
 from rollout.weights.state import base_state, checksum
-from trainers_adapters.lora_policy import LoraPolicy
+from trainers_adapters.policy.lora_policy import LoraPolicy
 
 pytestmark = pytest.mark.timeout(120)
 

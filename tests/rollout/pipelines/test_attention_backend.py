@@ -145,7 +145,7 @@ def test_a_backend_leaves_other_models_in_the_process_on_theirs(flux, default_ou
 
 
 def test_lora_policy_takes_the_backend(flux):
-    from trainers_adapters.lora_policy import LoraPolicy
+    from trainers_adapters.policy.lora_policy import LoraPolicy
 
     policy = LoraPolicy(flux, {"r": 2, "lora_alpha": 2}, attention_backend=OTHER_CPU_BACKEND)
     assert backends_in(policy.adapter) == {OTHER_CPU_BACKEND}

@@ -19,7 +19,7 @@ from rollout.pipelines.loading import load_adapter
 from rollout.rescoring import recompute_log_probs
 from rollout.weights.state import base_state
 from tests.families import ALL_FAMILIES, FAMILIES
-from trainers_adapters.lora_policy import LoraPolicy
+from trainers_adapters.policy.lora_policy import LoraPolicy
 
 pytestmark = pytest.mark.timeout(900)
 logger = logging.getLogger(__name__)

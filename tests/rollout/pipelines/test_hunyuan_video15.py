@@ -233,7 +233,7 @@ def test_latent_channels_set_the_video_colour(hunyuan):
 def test_a_policys_lora_saves_without_a_pipeline_lora_loader_and_loads_into_the_engine(hunyuan, tiny_models, tmp_path):
     """HunyuanVideo 1.5's pipelines have no LoRA loader mixin (`save_lora_weights`): the policy
     writes diffusers' LoRA file through HunyuanVideo's, and the engine loads it."""
-    from trainers_adapters.lora_policy import LoraPolicy
+    from trainers_adapters.policy.lora_policy import LoraPolicy
 
     family, engine, _, _ = hunyuan
     torch.manual_seed(0)

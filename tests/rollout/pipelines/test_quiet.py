@@ -14,7 +14,7 @@ SCRIPT = textwrap.dedent(
     import sys
     from rollout import EngineConfig, RolloutEngine, SamplingParams
     from rollout.pipelines.tiny import build_tiny_sd3
-    from trainers_adapters.lora_policy import LoraPolicy
+    from trainers_adapters.policy.lora_policy import LoraPolicy
 
     if __name__ == "__main__":
         path = str(build_tiny_sd3(sys.argv[1]))

@@ -1,0 +1,92 @@
+"""One online Diffusion-DPO update from one rewarded rollout (Wallace et al., arXiv 2311.12908).
+
+Each group's best and worst sample form a pair. Both final latents x0 are noised with one shared
+sigma and one shared noise (the sigma drawn from the rollout's own schedule, so training sees the
+noise levels sampling visits); the policy's and the frozen reference's flow-matching errors on the
+pair give the DPO loss. One optimizer step per rollout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from trainers_adapters.dpo.loss import dpo_loss, flow_matching_error, preference_pairs
+from trainers_adapters.dpo.settings import DPOSettings
+from trainers_adapters.policy.lora_policy import LoraPolicy
+from trainers_adapters.policy.micro_batches import micro_batches
+from trainers_adapters.policy.optim import check_finite_loss, clip_and_step
+from trainers_adapters.rewards.rewarded_rollout import RewardedRollout
+
+
+@dataclass
+class DPOStepStats:
+    loss: float
+    accuracy: float  # share of pairs where the policy favours the winner more than the reference does
+    num_pairs: int  # groups whose rewards were not all equal
+    reward_margin: float  # mean reward of winners minus losers
+    grad_norm: float
+
+
+def dpo_step(
+    policy: LoraPolicy,
+    optimizer: torch.optim.Optimizer,
+    rollout: RewardedRollout,
+    settings: DPOSettings,
+    generator: torch.Generator,
+) -> DPOStepStats:
+    """One optimizer step on the rollout's preference pairs (none when every group is a tie)."""
+    pairs = preference_pairs(rollout.rewards, rollout.group_ids)
+    if not pairs:
+        return DPOStepStats(loss=0.0, accuracy=0.0, num_pairs=0, reward_margin=0.0, grad_norm=0.0)
+    optimizer.zero_grad(set_to_none=True)
+    total_loss = correct = 0.0
+    # A pair shares its group's settings; pairs of groups of other sizes go in other forwards.
+    for chunk in micro_batches(pairs, lambda pair: rollout.outputs[pair[0]].trajectory, settings.micro_batch_size):
+        loss, favoured = _chunk_loss(policy, rollout, chunk, settings.beta, generator)
+        value = loss.item()
+        check_finite_loss(value, optimizer, f"DPO pairs (winner, loser) {chunk[:6]}")
+        (loss * len(chunk) / len(pairs)).backward()
+        total_loss += value * len(chunk)
+        correct += favoured
+    grad_norm = clip_and_step(policy.parameters(), optimizer, settings.max_grad_norm)
+    optimizer.zero_grad(set_to_none=True)
+    winners = torch.tensor([winner for winner, _ in pairs])
+    losers = torch.tensor([loser for _, loser in pairs])
+    return DPOStepStats(
+        loss=total_loss / len(pairs),
+        accuracy=correct / len(pairs),
+        num_pairs=len(pairs),
+        reward_margin=float((rollout.rewards[winners] - rollout.rewards[losers]).mean()),
+        grad_norm=grad_norm,
+    )
+
+
+def _chunk_loss(
+    policy: LoraPolicy,
+    rollout: RewardedRollout,
+    chunk: list[tuple[int, int]],
+    beta: float,
+    generator: torch.Generator,
+) -> tuple[torch.Tensor, int]:
+    """DPO loss of `chunk` and how many of its pairs the policy favours over the reference."""
+    trajectories = rollout.trajectories
+    order = [winner for winner, _ in chunk] + [loser for _, loser in chunk]  # winners first, then losers
+    device = policy.adapter.device
+    x0 = torch.stack([trajectories[i].latents[-1] for i in order]).to(device)
+    ones = [1] * (x0.ndim - 1)  # latents of any rank
+    # One sigma and one noise per pair, shared by its winner and loser.
+    schedule = [trajectories[w].sigmas[:-1] for w, _ in chunk]
+    sigmas = torch.stack([s[torch.randint(len(s), (), generator=generator)] for s in schedule]).repeat(2)
+    noise = torch.randn(x0[: len(chunk)].shape, generator=generator).repeat(2, *ones).to(device)
+    sigmas = sigmas.to(device)
+    noisy = (1 - sigmas.view(-1, *ones)) * x0 + sigmas.view(-1, *ones) * noise
+    ordered = [trajectories[i] for i in order]
+    errors = flow_matching_error(policy.predict_velocity(noisy, sigmas, ordered), x0, noise)
+    with policy.reference():
+        reference = flow_matching_error(policy.predict_velocity(noisy, sigmas, ordered), x0, noise)
+    err_w, err_l = errors.chunk(2)
+    ref_w, ref_l = reference.chunk(2)
+    favoured = int(((err_w - err_l) < (ref_w - ref_l)).sum())
+    return dpo_loss(err_w, err_l, ref_w, ref_l, beta), favoured
