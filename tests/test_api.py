@@ -119,6 +119,25 @@ def test_the_public_table_names_each_object_where_it_lives_and_import_rollout_lo
     assert done.stdout.strip() == "[]"
 
 
+def test_the_type_checkers_imports_are_the_public_table():
+    """rollout/__init__.py imports each public name under TYPE_CHECKING (for IDEs and type
+    checkers, never at run time) from the module its lazy table names, as `X as X` (a re-export)."""
+    import ast
+
+    import rollout
+
+    tree = ast.parse(inspect.getsource(rollout))
+    block = next(n for n in tree.body if isinstance(n, ast.If) and ast.unparse(n.test) == "TYPE_CHECKING")
+    imported = {
+        alias.asname: node.module
+        for node in block.body
+        for alias in node.names
+        if isinstance(node, ast.ImportFrom) and alias.asname == alias.name
+    }
+    assert len(block.body) == len(imported) == len(rollout.PUBLIC_NAMES)
+    assert imported == rollout.PUBLIC_NAMES
+
+
 def test_the_old_remote_engine_path_still_works_for_a_release_and_says_where_to_go():
     import importlib
     import sys
