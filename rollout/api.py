@@ -11,7 +11,6 @@ An implementation may add keyword-only parameters with defaults (hooks its own c
 
 from __future__ import annotations
 
-import functools
 import inspect
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from pathlib import Path
@@ -124,7 +123,8 @@ class RolloutAPI(Protocol):
         """Abort by sample, group or branch id; their worker state is freed before this returns.
         One output with status "aborted" per leaf aborted; unknown ids are ignored."""
 
-    def has_unfinished_requests(self) -> bool: ...
+    def has_unfinished_requests(self) -> bool:
+        """Whether any request added is not finished yet (its output not returned)."""
 
     # Worker functions.
 
@@ -231,32 +231,27 @@ class RolloutAPI(Protocol):
     ) -> int:
         """Load adapter `name` on every worker (or hot-swap it); returns the new weight version."""
 
-    def unload_lora(self, name: str) -> None: ...
+    def unload_lora(self, name: str) -> None:
+        """Remove adapter `name` from every worker and free its memory."""
 
     def lora_modules(self, name: str) -> int:
         """How many modules adapter `name` binds."""
 
-    def list_loras(self) -> list[str]: ...
+    def list_loras(self) -> list[str]:
+        """Names of the loaded LoRA adapters, sorted."""
 
     # Memory.
 
     def sleep(self, level: int = 1) -> None:
         """Free the workers' weight memory (1: offload, 2: discard)."""
 
-    def wake_up(self) -> None: ...
+    def wake_up(self) -> None:
+        """Restore the weights after `sleep`; does nothing when awake."""
 
     # Lifetime.
 
-    def shutdown(self) -> None: ...
-
-
-def _coroutine(declared: Callable) -> Callable:
-    """`declared` (a `RolloutAPI` call) declared as a coroutine: same signature and docs."""
-
-    @functools.wraps(declared)
-    async def coroutine(self, *args, **kwargs): ...
-
-    return coroutine
+    def shutdown(self) -> None:
+        """Stop the engine (or close the connection to it); calls after it raise."""
 
 
 @runtime_checkable
@@ -270,7 +265,8 @@ class AsyncRolloutAPI(Protocol):
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         images: Sequence | None = None,
-    ) -> list[RolloutOutput]: ...
+    ) -> list[RolloutOutput]:
+        """`RolloutAPI.generate`, as a coroutine, sharing batches with other callers' requests."""
 
     def generate_stream(
         self,
@@ -284,23 +280,119 @@ class AsyncRolloutAPI(Protocol):
     async def pause(self, mode: str = "abort") -> None:
         """Stop stepping: "abort" the unfinished requests, "wait" for the running ones, or "keep" them."""
 
-    async def resume(self) -> None: ...
+    async def resume(self) -> None:
+        """Step again after `pause`."""
 
-    # The rest are `RolloutAPI`'s calls as they are, as coroutines.
+    # The rest are `RolloutAPI`'s calls as they are (signatures and meaning), as coroutines.
 
-    abort = _coroutine(RolloutAPI.abort)
-    collective_rpc = _coroutine(RolloutAPI.collective_rpc)
-    check_health = _coroutine(RolloutAPI.check_health)
-    update_weights = _coroutine(RolloutAPI.update_weights)
-    update_weights_from_disk = _coroutine(RolloutAPI.update_weights_from_disk)
-    update_weights_from_worker = _coroutine(RolloutAPI.update_weights_from_worker)
-    init_weight_update_group = _coroutine(RolloutAPI.init_weight_update_group)
-    update_weights_from_distributed = _coroutine(RolloutAPI.update_weights_from_distributed)
-    check_weight_update = _coroutine(RolloutAPI.check_weight_update)
-    weights_checksum = _coroutine(RolloutAPI.weights_checksum)
-    load_lora = _coroutine(RolloutAPI.load_lora)
-    unload_lora = _coroutine(RolloutAPI.unload_lora)
-    sleep = _coroutine(RolloutAPI.sleep)
-    wake_up = _coroutine(RolloutAPI.wake_up)
+    async def abort(self, request_ids: str | Iterable[str]) -> list[RolloutOutput]:
+        """`RolloutAPI.abort`, as a coroutine."""
 
-    def shutdown(self) -> None: ...
+    async def collective_rpc(
+        self,
+        method: str | Callable,
+        args: Sequence = (),
+        kwargs: dict | None = None,
+        timeout: float | None = None,
+        ranks: Sequence[int] | None = None,
+    ) -> list[Any]:
+        """`RolloutAPI.collective_rpc`, as a coroutine."""
+
+    async def check_health(self) -> None:
+        """`RolloutAPI.check_health`, as a coroutine."""
+
+    async def update_weights(
+        self,
+        named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+        *,
+        component: str = DEFAULT_COMPONENT,
+        version: int | None = None,
+        mode: str = "wait",
+        check_finite: bool = True,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    ) -> int:
+        """`RolloutAPI.update_weights`, as a coroutine."""
+
+    async def update_weights_from_disk(
+        self,
+        path: str | Path,
+        *,
+        component: str = DEFAULT_COMPONENT,
+        version: int | None = None,
+        mode: str = "wait",
+        check_finite: bool = True,
+    ) -> int:
+        """`RolloutAPI.update_weights_from_disk`, as a coroutine."""
+
+    async def update_weights_from_worker(
+        self,
+        method: str,
+        args: Sequence = (),
+        kwargs: dict | None = None,
+        *,
+        component: str = DEFAULT_COMPONENT,
+        version: int | None = None,
+        mode: str = "wait",
+        check_finite: bool = True,
+    ) -> int:
+        """`RolloutAPI.update_weights_from_worker`, as a coroutine."""
+
+    async def init_weight_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        backend: str = "gloo",
+        timeout_s: float = 300.0,
+    ) -> list[int]:
+        """`RolloutAPI.init_weight_update_group`, as a coroutine."""
+
+    async def update_weights_from_distributed(
+        self,
+        names: list[str],
+        dtypes: list[torch.dtype],
+        shapes: list[tuple[int, ...]],
+        *,
+        component: str = DEFAULT_COMPONENT,
+        version: int | None = None,
+        mode: str = "wait",
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        check_finite: bool = True,
+    ) -> int:
+        """`RolloutAPI.update_weights_from_distributed`, as a coroutine."""
+
+    async def check_weight_update(
+        self,
+        names: list[str],
+        dtypes: list[torch.dtype],
+        shapes: list[tuple[int, ...]],
+        component: str = DEFAULT_COMPONENT,
+    ) -> None:
+        """`RolloutAPI.check_weight_update`, as a coroutine."""
+
+    async def weights_checksum(self, component: str = DEFAULT_COMPONENT) -> str:
+        """`RolloutAPI.weights_checksum`, as a coroutine."""
+
+    async def load_lora(
+        self,
+        name: str,
+        source: str | Path | Mapping[str, torch.Tensor],
+        config: LoraConfig | Mapping | None = None,
+        *,
+        version: int | None = None,
+        check_finite: bool = True,
+    ) -> int:
+        """`RolloutAPI.load_lora`, as a coroutine."""
+
+    async def unload_lora(self, name: str) -> None:
+        """`RolloutAPI.unload_lora`, as a coroutine."""
+
+    async def sleep(self, level: int = 1) -> None:
+        """`RolloutAPI.sleep`, as a coroutine."""
+
+    async def wake_up(self) -> None:
+        """`RolloutAPI.wake_up`, as a coroutine."""
+
+    def shutdown(self) -> None:
+        """`RolloutAPI.shutdown` (not a coroutine: it may run where no event loop does)."""

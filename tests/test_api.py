@@ -119,15 +119,32 @@ def test_the_public_table_names_each_object_where_it_lives_and_import_rollout_lo
     assert done.stdout.strip() == "[]"
 
 
-def test_a_client_call_binds_its_arguments_as_declared_before_sending():
-    from rollout.serve.client import _sent
+def test_the_type_checkers_imports_are_the_public_table():
+    """rollout/__init__.py imports each public name under TYPE_CHECKING (for IDEs and type
+    checkers, never at run time) from the module its lazy table names, as `X as X` (a re-export)."""
+    import ast
 
+    import rollout
+
+    tree = ast.parse(inspect.getsource(rollout))
+    block = next(n for n in tree.body if isinstance(n, ast.If) and ast.unparse(n.test) == "TYPE_CHECKING")
+    imported = {
+        alias.asname: node.module
+        for node in block.body
+        for alias in node.names
+        if isinstance(node, ast.ImportFrom) and alias.asname == alias.name
+    }
+    assert len(block.body) == len(imported) == len(rollout.PUBLIC_NAMES)
+    assert imported == rollout.PUBLIC_NAMES
+
+
+def test_a_client_call_binds_its_arguments_as_declared_before_sending():
     class Recorder:
         def _call(self, route, **fields):
             self.sent = (route, fields)
 
-        sleep = _sent(RolloutAPI.sleep)
-        init_weight_update_group = _sent(RolloutAPI.init_weight_update_group)
+        sleep = RemoteRolloutEngine.sleep
+        init_weight_update_group = RemoteRolloutEngine.init_weight_update_group
 
     client = Recorder()
     client.sleep()
@@ -145,8 +162,81 @@ def test_a_client_call_binds_its_arguments_as_declared_before_sending():
     with pytest.raises(TypeError, match="lvl"):
         client.sleep(lvl=2)
     assert not hasattr(client, "sent")  # nothing was sent
-    assert inspect.signature(Recorder.sleep) == inspect.signature(RolloutAPI.sleep)
-    assert Recorder.sleep.__doc__ == RolloutAPI.sleep.__doc__
+
+
+_FRONTS = [
+    (RolloutEngine, "rollout/engine/rollout_engine.py"),
+    (AsyncRolloutEngine, "rollout/engine/async_engine.py"),
+    (RemoteRolloutEngine, "rollout/serve/client.py"),
+    (RolloutAPI, "rollout/api.py"),
+    (AsyncRolloutAPI, "rollout/api.py"),
+]
+
+
+def _not_written_out(front, source: str) -> list[str]:
+    """The public members of `front` that are made at import (a wrapper, a copied signature) or
+    defined outside `source`, or that have no docstring."""
+    problems = []
+    for name, member in vars(front).items():
+        function = member.fget if isinstance(member, property) else member
+        if name.startswith("_") or not inspect.isfunction(function):
+            continue
+        where = (function.__qualname__, function.__code__.co_filename.replace("\\", "/"))
+        if where[0] != f"{front.__qualname__}.{name}" or not where[1].endswith(source):
+            problems.append(f"{front.__name__}.{name} is made by {where}")
+        if "__signature__" in vars(function) or "__wrapped__" in vars(function):
+            problems.append(f"{front.__name__}.{name} carries a signature not its own")
+        if not (function.__doc__ or "").strip():
+            problems.append(f"{front.__name__}.{name} has no docstring")
+    return problems
+
+
+@pytest.mark.parametrize(("front", "source"), _FRONTS, ids=[front.__name__ for front, _ in _FRONTS])
+def test_every_front_member_is_written_out_in_its_class_with_a_docstring(front, source):
+    """An IDE's "go to definition" and a static call graph land on each member's own code, which
+    says what it does."""
+    assert _not_written_out(front, source) == []
+
+
+def test_the_written_out_check_sees_made_members():
+    import functools
+
+    def made(method):
+        @functools.wraps(method)
+        def call(self, *args, **kwargs):
+            return method(self, *args, **kwargs)
+
+        return call
+
+    class Front:
+        sleep = made(RolloutEngine.sleep)  # a wrapper: its code is the decorator's
+
+        def wake_up(self) -> None: ...  # no docstring
+
+        def check_health(self) -> None:
+            """Fine."""
+
+    Front.check_health.__signature__ = inspect.signature(RolloutAPI.check_health)
+    problems = _not_written_out(Front, "tests/test_api.py")
+    assert [p.split(" ")[0] for p in problems] == ["Front.sleep", "Front.sleep", "Front.wake_up", "Front.check_health"]
+
+
+def test_the_async_twins_take_the_arguments_of_the_calls_they_run():
+    """`AsyncRolloutAPI`'s coroutines are `RolloutAPI`'s calls, and `AsyncRolloutEngine`'s are
+    `RolloutEngine`'s methods of the same names run in its thread: written twice, held equal."""
+    streamed = {"add_request", "add_requests"}  # these return the stream of what they queue
+    checked = 0
+    for twin, sync in [(AsyncRolloutAPI, RolloutAPI), (AsyncRolloutEngine, RolloutEngine)]:
+        for name, member in vars(twin).items():
+            # generate has no progress bar (use_tqdm) in the async twin: declared on its own.
+            if name == "generate" or not inspect.iscoroutinefunction(member) or name not in vars(sync):
+                continue
+            want, got = inspect.signature(getattr(sync, name)), inspect.signature(member)
+            if name in streamed:
+                want = want.replace(return_annotation="OutputStream")
+            assert got == want, f"{twin.__name__}.{name}{got} is not {sync.__name__}.{name}{want}"
+            checked += 1
+    assert checked >= 14 + 19
 
 
 def test_an_implementation_takes_the_declared_signature_and_must_list_its_names():

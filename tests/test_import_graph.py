@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+import rollout
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("rollout", "executors", "trainers_adapters", "recipes", "benchmarks")
 
@@ -31,9 +33,16 @@ def project_modules() -> dict[str, Path]:
     return found
 
 
+# Packages whose __init__ names each public object's module in a table and imports it on first use
+# (PEP 562): `from rollout import EngineConfig` loads rollout.config, not the whole table (whose
+# `TYPE_CHECKING` imports in rollout/__init__.py count as that package's own edges).
+LAZY_TABLES = {"rollout": rollout.PUBLIC_NAMES}
+
+
 def imported_modules(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
     """The project modules that module `name` imports anywhere in its file. `from pkg import x`
-    imports module `pkg.x` when there is one, else `pkg` itself (its __init__)."""
+    imports module `pkg.x` when there is one, the module a lazy table names for `x`, else `pkg`
+    itself (its __init__)."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     targets = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
@@ -45,7 +54,10 @@ def imported_modules(name: str, path: Path, modules: dict[str, Path]) -> set[str
                 anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
                 base = ".".join(anchor + ([base] if base else []))
             for alias in node.names:
-                targets.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base)
+                if base in LAZY_TABLES and alias.name in LAZY_TABLES[base]:  # loads that module only
+                    targets.add(LAZY_TABLES[base][alias.name])
+                else:
+                    targets.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base)
     return {target for target in targets if target in modules and target != name}
 
 
@@ -97,6 +109,12 @@ def test_the_cycle_finder_finds_a_function_level_cycle(tmp_path):
     modules = {"a": tmp_path / "a.py", "b": tmp_path / "b.py"}
     graph = {name: imported_modules(name, path, modules) for name, path in modules.items()}
     assert cycles(graph) == [["a", "b"]]
+
+
+def test_a_name_from_the_lazy_table_is_an_import_of_its_module_only(tmp_path):
+    (tmp_path / "user.py").write_text("from rollout import EngineConfig, NodeId\n")
+    modules = {name: Path() for name in ("rollout", "rollout.config", "rollout.node_id", "rollout.serve.client")}
+    assert imported_modules("user", tmp_path / "user.py", modules) == {"rollout.config", "rollout.node_id"}
 
 
 # (importer, imported): no module under the first reaches one under the second, directly or through

@@ -10,25 +10,33 @@ task, a closed connection) aborts what it still waited for. The idea follows vLL
     outputs = await engine.generate(["a red square"], SamplingParams(num_samples=4, seed=0))
     async for output in engine.generate_stream(prompts, params):
         ...
+
+Past 400 lines: each `RolloutEngine` method it runs is written out here (signature, defaults and
+docstring an IDE shows), each one call into the engine's thread.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import functools
-import inspect
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from rollout.api import AsyncRolloutAPI, implements
+from rollout.api import DEFAULT_BUCKET_BYTES, DEFAULT_COMPONENT
 from rollout.engine.rollout_engine import RolloutEngine
 from rollout.errors import EngineDeadError, RequestFailedError
 from rollout.outputs import RolloutOutput
-from rollout.weights.sync import StagedPush
+
+if TYPE_CHECKING:
+    import torch
+    from peft import LoraConfig
+
+    from rollout.sampling_params import SamplingParams
+    from rollout.weights.sync import StagedPush
 
 logger = logging.getLogger(__name__)
 
@@ -75,31 +83,6 @@ class OutputStream:
         await self.aclose()
 
 
-def _between_steps(method: Callable) -> Callable:
-    """A coroutine running `method` (a `RolloutEngine` method) on the engine in its thread, between
-    two steps; same signature and docs."""
-
-    @functools.wraps(method)
-    async def call(self: AsyncRolloutEngine, *args, **kwargs):
-        return await self._call(method, self.engine, *args, **kwargs)
-
-    return call
-
-
-def _streamed(method: Callable) -> Callable:
-    """A coroutine running `method` (a `RolloutEngine` method that queues requests and returns
-    their sample ids) on the engine in its thread, between two steps, that returns the stream of
-    those samples' outputs; same parameters."""
-
-    async def call(self: AsyncRolloutEngine, *args, **kwargs) -> OutputStream:
-        return await self._open_stream(lambda: method(self.engine, *args, **kwargs))
-
-    call.__name__ = call.__qualname__ = method.__name__
-    call.__signature__ = inspect.signature(method).replace(return_annotation="OutputStream")
-    call.__doc__ = f"`RolloutEngine.{method.__name__}`, returning the stream of the outputs of what it queues."
-    return call
-
-
 class AsyncRolloutEngine:
     """Every public method is a coroutine, safe to call from many tasks at once; hot-swap calls and
     `collective_rpc` take the arguments of `RolloutEngine`'s methods of the same name and run
@@ -118,19 +101,53 @@ class AsyncRolloutEngine:
 
     # Generation.
 
-    add_requests = _streamed(RolloutEngine.add_requests)
-    add_request = _streamed(RolloutEngine.add_request)
+    async def add_requests(
+        self,
+        prompts: str | Sequence[str],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        images: Sequence | None = None,
+    ) -> OutputStream:
+        """`RolloutEngine.add_requests`, returning the stream of the outputs of what it queues."""
+        return await self._open_stream(lambda: self.engine.add_requests(prompts, params, images=images))
 
-    @implements(AsyncRolloutAPI.generate)
-    async def generate(self, prompts, params, *, images) -> list[RolloutOutput]:
+    async def add_request(
+        self,
+        prompt: str,
+        params: SamplingParams,
+        *,
+        images: Sequence | None = None,
+        prompt_index: int = 0,
+        request_id: str | None = None,
+        base_seed: int | None = None,
+    ) -> OutputStream:
+        """`RolloutEngine.add_request`, returning the stream of the outputs of what it queues."""
+        return await self._open_stream(
+            lambda: self.engine.add_request(
+                prompt, params, images=images, prompt_index=prompt_index, request_id=request_id, base_seed=base_seed
+            )
+        )
+
+    async def generate(
+        self,
+        prompts: str | Sequence[str],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        images: Sequence | None = None,
+    ) -> list[RolloutOutput]:
         """`RolloutEngine.generate`, sharing batches with every other caller's requests; outputs
         ordered by prompt, then sample (aborted ones have status "aborted")."""
         async with await self.add_requests(prompts, params, images=images) as stream:
             outputs = {output.request_id: output async for output in stream}
         return [outputs[request_id] for request_id in stream.request_ids]
 
-    @implements(AsyncRolloutAPI.generate_stream)
-    async def generate_stream(self, prompts, params, *, images) -> AsyncIterator[RolloutOutput]:
+    async def generate_stream(
+        self,
+        prompts: str | Sequence[str],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        images: Sequence | None = None,
+    ) -> AsyncIterator[RolloutOutput]:
         """Like `generate`, yielding each output as it finishes."""
         async with await self.add_requests(prompts, params, images=images) as stream:
             async for output in stream:
@@ -179,6 +196,7 @@ class AsyncRolloutEngine:
 
     @property
     def paused(self) -> bool:
+        """Whether `pause` holds the engine (until `resume`)."""
         return self._paused
 
     @property
@@ -190,31 +208,213 @@ class AsyncRolloutEngine:
             return EngineDeadError(f"the engine's thread failed: {self._failure}")
         return None
 
-    # The hot-swap API and worker functions, each between two steps: `RolloutEngine`'s methods of
-    # the same names and signatures, run in the engine's thread.
+    # The hot-swap API and worker functions, each `RolloutEngine`'s method of the same name and
+    # signature, run in the engine's thread between two steps.
 
-    update_weights = _between_steps(RolloutEngine.update_weights)
-    update_weights_from_disk = _between_steps(RolloutEngine.update_weights_from_disk)
-    update_weights_from_worker = _between_steps(RolloutEngine.update_weights_from_worker)
-    open_weight_push = _between_steps(RolloutEngine.open_weight_push)
-    finish_weight_push = _between_steps(RolloutEngine.finish_weight_push)
-    abort_weight_push = _between_steps(RolloutEngine.abort_weight_push)
+    async def update_weights(
+        self,
+        named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+        *,
+        component: str = DEFAULT_COMPONENT,
+        version: int | None = None,
+        mode: str = "wait",
+        check_finite: bool = True,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    ) -> int:
+        """`RolloutEngine.update_weights` between two steps: replace weights of `component` on
+        every worker, all or nothing; returns the new weight version."""
+        return await self._call(
+            self.engine.update_weights,
+            named_tensors,
+            component=component,
+            version=version,
+            mode=mode,
+            check_finite=check_finite,
+            bucket_bytes=bucket_bytes,
+        )
+
+    async def update_weights_from_disk(
+        self,
+        path: str | Path,
+        *,
+        component: str = DEFAULT_COMPONENT,
+        version: int | None = None,
+        mode: str = "wait",
+        check_finite: bool = True,
+    ) -> int:
+        """`RolloutEngine.update_weights_from_disk` between two steps: `update_weights` from a
+        .safetensors file or a component folder every worker reads itself."""
+        return await self._call(
+            self.engine.update_weights_from_disk,
+            path,
+            component=component,
+            version=version,
+            mode=mode,
+            check_finite=check_finite,
+        )
+
+    async def update_weights_from_worker(
+        self,
+        method: str,
+        args: Sequence = (),
+        kwargs: dict | None = None,
+        *,
+        component: str = DEFAULT_COMPONENT,
+        version: int | None = None,
+        mode: str = "wait",
+        check_finite: bool = True,
+    ) -> int:
+        """`RolloutEngine.update_weights_from_worker` between two steps: `update_weights` with
+        tensors the `@stages_weights` worker function `method` returns or yields on every rank."""
+        return await self._call(
+            self.engine.update_weights_from_worker,
+            method,
+            args,
+            kwargs,
+            component=component,
+            version=version,
+            mode=mode,
+            check_finite=check_finite,
+        )
+
+    async def open_weight_push(
+        self,
+        *,
+        component: str = DEFAULT_COMPONENT,
+        check_finite: bool = True,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        version: int | None = None,
+    ) -> StagedPush:
+        """`RolloutEngine.open_weight_push` between two steps: `update_weights` in parts (see
+        `add_to_weight_push`, `finish_weight_push`, `abort_weight_push`)."""
+        return await self._call(
+            self.engine.open_weight_push,
+            component=component,
+            check_finite=check_finite,
+            bucket_bytes=bucket_bytes,
+            version=version,
+        )
+
+    async def finish_weight_push(self, push: StagedPush, *, version: int | None = None, mode: str = "wait") -> int:
+        """`RolloutEngine.finish_weight_push` between two steps: apply a push from
+        `open_weight_push`; returns the new weight version."""
+        return await self._call(self.engine.finish_weight_push, push, version=version, mode=mode)
+
+    async def abort_weight_push(self, push: StagedPush, cause: BaseException) -> None:
+        """`RolloutEngine.abort_weight_push` between two steps: drop what a push staged."""
+        return await self._call(self.engine.abort_weight_push, push, cause)
 
     async def add_to_weight_push(self, push: StagedPush, named_tensors) -> None:
         """`push.add(named_tensors)` (a push from `open_weight_push`), between two steps: the
         engine steps on between the parts of a push that arrives over time."""
         await self._call(push.add, named_tensors)
 
-    init_weight_update_group = _between_steps(RolloutEngine.init_weight_update_group)
-    update_weights_from_distributed = _between_steps(RolloutEngine.update_weights_from_distributed)
-    check_weight_update = _between_steps(RolloutEngine.check_weight_update)
-    weights_checksum = _between_steps(RolloutEngine.weights_checksum)
-    load_lora = _between_steps(RolloutEngine.load_lora)
-    unload_lora = _between_steps(RolloutEngine.unload_lora)
-    sleep = _between_steps(RolloutEngine.sleep)
-    wake_up = _between_steps(RolloutEngine.wake_up)
-    collective_rpc = _between_steps(RolloutEngine.collective_rpc)
-    check_health = _between_steps(RolloutEngine.check_health)
+    async def init_weight_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        backend: str = "gloo",
+        timeout_s: float = 300.0,
+    ) -> list[int]:
+        """`RolloutEngine.init_weight_update_group` between two steps: join a trainer's broadcast
+        group; returns the workers' group ranks."""
+        return await self._call(
+            self.engine.init_weight_update_group,
+            master_address,
+            master_port,
+            rank_offset,
+            world_size,
+            backend,
+            timeout_s,
+        )
+
+    async def update_weights_from_distributed(
+        self,
+        names: list[str],
+        dtypes: list[torch.dtype],
+        shapes: list[tuple[int, ...]],
+        *,
+        component: str = DEFAULT_COMPONENT,
+        version: int | None = None,
+        mode: str = "wait",
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        check_finite: bool = True,
+    ) -> int:
+        """`RolloutEngine.update_weights_from_distributed` between two steps: `update_weights`
+        with tensors the trainer broadcasts through the group."""
+        return await self._call(
+            self.engine.update_weights_from_distributed,
+            names,
+            dtypes,
+            shapes,
+            component=component,
+            version=version,
+            mode=mode,
+            bucket_bytes=bucket_bytes,
+            check_finite=check_finite,
+        )
+
+    async def check_weight_update(
+        self,
+        names: list[str],
+        dtypes: list[torch.dtype],
+        shapes: list[tuple[int, ...]],
+        component: str = DEFAULT_COMPONENT,
+    ) -> None:
+        """`RolloutEngine.check_weight_update` between two steps: raise ValueError if an update
+        with these tensors would be refused."""
+        return await self._call(self.engine.check_weight_update, names, dtypes, shapes, component)
+
+    async def weights_checksum(self, component: str = DEFAULT_COMPONENT) -> str:
+        """`RolloutEngine.weights_checksum` between two steps: SHA-256 of every weight of
+        `component`; raises if the ranks disagree."""
+        return await self._call(self.engine.weights_checksum, component)
+
+    async def load_lora(
+        self,
+        name: str,
+        source: str | Path | Mapping[str, torch.Tensor],
+        config: LoraConfig | Mapping | None = None,
+        *,
+        version: int | None = None,
+        check_finite: bool = True,
+    ) -> int:
+        """`RolloutEngine.load_lora` between two steps: load adapter `name` on every worker (or
+        hot-swap it); returns the new weight version."""
+        return await self._call(
+            self.engine.load_lora, name, source, config, version=version, check_finite=check_finite
+        )
+
+    async def unload_lora(self, name: str) -> None:
+        """`RolloutEngine.unload_lora` between two steps: remove adapter `name` from every worker."""
+        return await self._call(self.engine.unload_lora, name)
+
+    async def sleep(self, level: int = 1) -> None:
+        """`RolloutEngine.sleep` between two steps: free the workers' weight memory (1: offload,
+        2: discard)."""
+        return await self._call(self.engine.sleep, level)
+
+    async def wake_up(self) -> None:
+        """`RolloutEngine.wake_up` between two steps: restore the weights after `sleep`."""
+        return await self._call(self.engine.wake_up)
+
+    async def collective_rpc(
+        self,
+        method: str | Callable,
+        args: Sequence = (),
+        kwargs: dict | None = None,
+        timeout: float | None = None,
+        ranks: Sequence[int] | None = None,
+    ) -> list[Any]:
+        """`RolloutEngine.collective_rpc` between two steps: a worker method on every rank or on
+        `ranks`; one result per rank, in rank order."""
+        return await self._call(self.engine.collective_rpc, method, args, kwargs, timeout, ranks)
+
+    async def check_health(self) -> None:
+        """`RolloutEngine.check_health` between two steps: raise if a worker cannot serve."""
+        return await self._call(self.engine.check_health)
 
     async def state(self) -> dict:
         """What a client needs to mirror the engine: weight version, adapters, sleep level, load.

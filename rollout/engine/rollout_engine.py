@@ -3,6 +3,9 @@
 `generate` is the one-call path; `add_request` / `step` / `abort` let a caller drive the engine
 itself (to stream outputs or interleave its own work). Worker functions are reached through
 `collective_rpc`.
+
+Past 400 lines: the hot-swap API is written out here (signatures, defaults and docstrings an IDE
+shows), each method one call into `HotSwap`, so that a reader lands on the front's own code.
 """
 
 from __future__ import annotations
@@ -13,13 +16,14 @@ import itertools
 import logging
 import re
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from tqdm.auto import tqdm
 
-from rollout.api import RolloutAPI, implements
+from rollout.api import DEFAULT_BUCKET_BYTES, DEFAULT_COMPONENT
 from rollout.config import EngineConfig
 from rollout.engine.config_check import check_engine_config
 from rollout.engine.hot_swap import HotSwap
@@ -39,22 +43,18 @@ from rollout.seeding import derive_seed, fresh_base_seed
 from rollout.worker.sent_conditions import ReceivedConditions
 from rollout.worker.work_profile import WorkProfile, measure_work
 
+if TYPE_CHECKING:
+    import torch
+    from peft import LoraConfig
+
+    from rollout.weights.sync import StagedPush
+
 logger = logging.getLogger(__name__)
 
 # The ids `add_request` makes (groups "req0", "req1", ..., their samples "req0-0", ...): a caller
 # may not take one, else a request of another caller (another client of a server) that gets it next
 # would be refused as a clash.
 _AUTOMATIC_ID = re.compile(r"req[0-9]+(-[0-9]+)?")
-
-
-def _hot_swap_method(method: Callable) -> Callable:
-    """`RolloutEngine.<name>`: `HotSwap.<name>` on the engine's `hot_swap` (same signature and docs)."""
-
-    @functools.wraps(method)
-    def delegated(engine: RolloutEngine, *args, **kwargs):
-        return method(engine.hot_swap, *args, **kwargs)
-
-    return delegated
 
 
 class RolloutEngine:
@@ -104,8 +104,14 @@ class RolloutEngine:
 
     # Generation.
 
-    @implements(RolloutAPI.generate)
-    def generate(self, prompts, params, *, images, use_tqdm) -> list[RolloutOutput]:
+    def generate(
+        self,
+        prompts: str | Sequence[str],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        images: Sequence | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RolloutOutput]:
         """Generate `num_samples` samples per prompt; outputs ordered by prompt, then sample.
 
         `params` is one `SamplingParams` for all prompts or one per prompt (they may differ in
@@ -208,8 +214,16 @@ class RolloutEngine:
         if problems:
             raise ValueError("invalid request: " + "; ".join(problems))
 
-    @implements(RolloutAPI.add_request)
-    def add_request(self, prompt, params, *, images, prompt_index, request_id, base_seed) -> list[str]:
+    def add_request(
+        self,
+        prompt: str,
+        params: SamplingParams,
+        *,
+        images: Sequence | None = None,
+        prompt_index: int = 0,
+        request_id: str | None = None,
+        base_seed: int | None = None,
+    ) -> list[str]:
         """Queue `params.num_samples` requests for one prompt; returns the ids of their outputs:
         "{request_id}-{sample_index}", and with branching one per leaf,
         "{request_id}-{sample_index}.{child}.{child}...", in branch-path order. Seeds derive from
@@ -398,26 +412,221 @@ class RolloutEngine:
         return [self._make_output(request, None, leaf) for leaf in leaves]
 
     def has_unfinished_requests(self) -> bool:
+        """Whether any request added is not finished yet (its output not returned)."""
         return self.scheduler.has_unfinished()
 
     # Weights, adapters and memory: the hot swap's.
 
-    update_weights = _hot_swap_method(HotSwap.update_weights)
-    update_weights_from_disk = _hot_swap_method(HotSwap.update_weights_from_disk)
-    update_weights_from_worker = _hot_swap_method(HotSwap.update_weights_from_worker)
-    open_weight_push = _hot_swap_method(HotSwap.open_weight_push)
-    finish_weight_push = _hot_swap_method(HotSwap.finish_weight_push)
-    abort_weight_push = _hot_swap_method(HotSwap.abort_weight_push)
-    init_weight_update_group = _hot_swap_method(HotSwap.init_weight_update_group)
-    update_weights_from_distributed = _hot_swap_method(HotSwap.update_weights_from_distributed)
-    check_weight_update = _hot_swap_method(HotSwap.check_weight_update)
-    weights_checksum = _hot_swap_method(HotSwap.weights_checksum)
-    load_lora = _hot_swap_method(HotSwap.load_lora)
-    unload_lora = _hot_swap_method(HotSwap.unload_lora)
-    lora_modules = _hot_swap_method(HotSwap.lora_modules)
-    list_loras = _hot_swap_method(HotSwap.list_loras)
-    sleep = _hot_swap_method(HotSwap.sleep)
-    wake_up = _hot_swap_method(HotSwap.wake_up)
+    def update_weights(
+        self,
+        named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+        *,
+        component: str = DEFAULT_COMPONENT,
+        version: int | None = None,
+        mode: str = "wait",
+        check_finite: bool = True,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    ) -> int:
+        """Replace weights of `component` on every worker, all at once; returns the new weight version.
+
+        `named_tensors`: a name -> tensor mapping or an iterator of (name, tensor) pairs (streamed in
+        buckets of about `bucket_bytes`); names and shapes must be the component's own, dtypes its
+        own or widened exactly (`rollout.weights.state.DTYPE_RULE`: bfloat16 into a float32 model is
+        converted, float32 into a bfloat16 model refused), and with `check_finite` every value must
+        be finite (one summing pass over the bytes; `benchmarks/weight_sync` measures it; False
+        skips it). A bad update is refused whole (ValueError listing every offending tensor) and
+        nothing changes. An update may name some of the component's weights: those change, the
+        rest keep their values (compare `weights_checksum` to check a full push). `mode="wait"`: running
+        requests finish on the old weights first (their outputs come from the next `step()`);
+        `mode="pause"`: the update applies now, between two steps, and running requests continue
+        on the new weights (`RolloutOutput.weight_versions` lists both).
+        The version becomes `version`, or the current one plus 1; a `version` below the current one
+        is refused unless the engine held it before (`rollout.weights.versions`). Workers keep copies
+        of the tensors, so the caller may change them at once; tensors wrapped in `HandedOver` (a
+        caller that never touches them again) are kept as they are where the workers run in this
+        process.
+        """
+        return self.hot_swap.update_weights(
+            named_tensors,
+            component=component,
+            version=version,
+            mode=mode,
+            check_finite=check_finite,
+            bucket_bytes=bucket_bytes,
+        )
+
+    def update_weights_from_disk(
+        self,
+        path: str | Path,
+        *,
+        component: str = DEFAULT_COMPONENT,
+        version: int | None = None,
+        mode: str = "wait",
+        check_finite: bool = True,
+    ) -> int:
+        """`update_weights` from a .safetensors file or a diffusers component folder: every worker
+        reads the files itself. Names, shapes and dtypes are checked from the file headers first,
+        the values (`check_finite`) by the workers as they read them."""
+        return self.hot_swap.update_weights_from_disk(
+            path, component=component, version=version, mode=mode, check_finite=check_finite
+        )
+
+    def update_weights_from_worker(
+        self,
+        method: str,
+        args: Sequence = (),
+        kwargs: dict | None = None,
+        *,
+        component: str = DEFAULT_COMPONENT,
+        version: int | None = None,
+        mode: str = "wait",
+        check_finite: bool = True,
+    ) -> int:
+        """`update_weights` whose tensors every worker reads from a source of the user's own
+        (shared memory, a file, a collective of its own): the `@stages_weights` function `method`
+        of `worker_extension_cls` (`rollout.worker.marks`), called on every rank with `args` and
+        `kwargs`, returns or yields (name, tensor) pairs of `component`. Each rank checks and stages
+        them as `update_weights` checks its tensors; then every rank applies the update or none
+        does: a function that raises or is refused on any rank, or ranks that stage different
+        numbers of tensors, roll every rank back (ValueError for a refusal, the rank's
+        `WorkerError` for a failure) and the weights and their version stay. `version` and `mode`
+        as in `update_weights`."""
+        return self.hot_swap.update_weights_from_worker(
+            method, args, kwargs, component=component, version=version, mode=mode, check_finite=check_finite
+        )
+
+    def open_weight_push(
+        self,
+        *,
+        component: str = DEFAULT_COMPONENT,
+        check_finite: bool = True,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        version: int | None = None,
+    ) -> StagedPush:
+        """`update_weights` in parts, for a caller whose tensors arrive over time (the HTTP
+        server's streamed push): `push.add(pairs)` stages them, a call of its own each, and the
+        engine may step between the calls (staged tensors are invisible to sampling);
+        `finish_weight_push` applies the update, `abort_weight_push` drops it. While it is open,
+        every other weight update and sleep is refused (RuntimeError): they would stage beside it.
+        `version`: the one `finish_weight_push` will be given, refused now if it may not be taken
+        (and checked again then), so that a push refused for it is refused before its tensors come."""
+        return self.hot_swap.open_weight_push(
+            component=component, check_finite=check_finite, bucket_bytes=bucket_bytes, version=version
+        )
+
+    def finish_weight_push(self, push: StagedPush, *, version: int | None = None, mode: str = "wait") -> int:
+        """Apply an update opened with `open_weight_push` as `update_weights` applies its own;
+        returns the new weight version. It has ended whether this returns or raises."""
+        return self.hot_swap.finish_weight_push(push, version=version, mode=mode)
+
+    def abort_weight_push(self, push: StagedPush, cause: BaseException) -> None:
+        """Drop what an update opened with `open_weight_push` staged (its body failed)."""
+        return self.hot_swap.abort_weight_push(push, cause)
+
+    def init_weight_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        backend: str = "gloo",
+        timeout_s: float = 300.0,
+    ) -> list[int]:
+        """Join a trainer's broadcast group: worker r becomes group rank `rank_offset + r`; the
+        trainer is rank 0 and hosts the store at master_address:master_port. Blocks until every
+        rank has joined, so the trainer joins concurrently (see
+        `trainers_adapters.weight_broadcast.WeightBroadcaster`). Returns the workers' group ranks."""
+        return self.hot_swap.init_weight_update_group(
+            master_address, master_port, rank_offset, world_size, backend, timeout_s
+        )
+
+    def update_weights_from_distributed(
+        self,
+        names: list[str],
+        dtypes: list[torch.dtype],
+        shapes: list[tuple[int, ...]],
+        *,
+        component: str = DEFAULT_COMPONENT,
+        version: int | None = None,
+        mode: str = "wait",
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        check_finite: bool = True,
+    ) -> int:
+        """`update_weights` whose tensors the trainer broadcasts through the group (in this order, in
+        buckets of `bucket_bytes`) while this call waits; names, dtypes and shapes are checked first,
+        the values (`check_finite`) by the workers once received."""
+        return self.hot_swap.update_weights_from_distributed(
+            names,
+            dtypes,
+            shapes,
+            component=component,
+            version=version,
+            mode=mode,
+            bucket_bytes=bucket_bytes,
+            check_finite=check_finite,
+        )
+
+    def check_weight_update(
+        self,
+        names: list[str],
+        dtypes: list[torch.dtype],
+        shapes: list[tuple[int, ...]],
+        component: str = DEFAULT_COMPONENT,
+    ) -> None:
+        """Raise ValueError if an update with these tensors would be refused (a trainer checks before
+        it broadcasts, so receivers are never left waiting for a refused update)."""
+        return self.hot_swap.check_weight_update(names, dtypes, shapes, component)
+
+    def weights_checksum(self, component: str = DEFAULT_COMPONENT) -> str:
+        """SHA-256 of every weight of `component`; raises if the ranks disagree."""
+        return self.hot_swap.weights_checksum(component)
+
+    def load_lora(
+        self,
+        name: str,
+        source: str | Path | Mapping[str, torch.Tensor],
+        config: LoraConfig | Mapping | None = None,
+        *,
+        version: int | None = None,
+        check_finite: bool = True,
+    ) -> int:
+        """Load a LoRA adapter on every worker, or hot-swap the one of that name; returns the new
+        weight version (the current one plus 1, or `version`), as `update_weights` does, so a
+        trainer pushing its adapter after each step can check what the next rollouts will carry.
+
+        `source`: a PEFT folder (adapter_config.json + adapter_model.safetensors), a diffusers LoRA
+        folder (pytorch_lora_weights.safetensors), or a mapping of PEFT LoRA tensors with `config`
+        (a `peft.LoraConfig` or its dict; without `target_modules` it targets the family's default
+        modules). Requests pick it with `SamplingParams(lora=name)`. The engine keeps LoRA layers
+        in float32: tensors of a dtype that widens to it exactly are taken, others refused.
+        Running requests finish on the adapter they started with. An adapter whose keys do not fit
+        the model, or (with `check_finite`) that holds NaN or infinity, is refused (ValueError) and
+        the one loaded before stays.
+        """
+        return self.hot_swap.load_lora(name, source, config, version=version, check_finite=check_finite)
+
+    def unload_lora(self, name: str) -> None:
+        """Remove adapter `name` from every worker and free its memory."""
+        return self.hot_swap.unload_lora(name)
+
+    def lora_modules(self, name: str) -> int:
+        """How many modules adapter `name` binds."""
+        return self.hot_swap.lora_modules(name)
+
+    def list_loras(self) -> list[str]:
+        """Names of the loaded LoRA adapters."""
+        return self.hot_swap.list_loras()
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the workers' weight memory for a colocated trainer. Level 1 keeps a host copy
+        (wake-up restores it); level 2 keeps nothing (wake-up reloads the model folder's weights and
+        resets `weight_version` to 0: push the trainer's weights again). Generating while asleep is
+        an error; sleeping deeper is allowed, sleeping again at the same level does nothing."""
+        return self.hot_swap.sleep(level)
+
+    def wake_up(self) -> None:
+        """Restore the weights after `sleep`; does nothing when awake."""
+        return self.hot_swap.wake_up()
 
     @property
     def weight_version(self) -> int:
@@ -431,8 +640,14 @@ class RolloutEngine:
 
     # Worker functions.
 
-    @implements(RolloutAPI.collective_rpc)
-    def collective_rpc(self, method, args, kwargs, timeout, ranks) -> list[Any]:
+    def collective_rpc(
+        self,
+        method: str | Callable,
+        args: Sequence = (),
+        kwargs: dict | None = None,
+        timeout: float | None = None,
+        ranks: Sequence[int] | None = None,
+    ) -> list[Any]:
         """Run a worker method (by name, an extension method, or `fn(worker, *args, **kwargs)`)
         on every rank, or on `ranks`; one result per rank, in rank order. Runs between engine
         steps, never inside one."""
@@ -448,6 +663,7 @@ class RolloutEngine:
         return results
 
     def check_health(self) -> None:
+        """Raise if a worker cannot serve (EngineDeadError once one is gone)."""
         self._check_open()
         self._on_executor(self.executor.check_health)
 
@@ -459,6 +675,7 @@ class RolloutEngine:
     # Lifetime.
 
     def shutdown(self) -> None:
+        """Stop the workers; later calls raise RuntimeError. Calling it again does nothing."""
         if not self._closed:
             self._closed = True
             self.executor.shutdown()

@@ -12,6 +12,9 @@ a server that is gone is an EngineDeadError too, and a call past `timeout_s` a T
 Every answer names the server instance that gave it (`rollout.serve.instance`): once another one
 answers (the server restarted, its weights and adapters gone), every call raises EngineDeadError
 naming the restart, until `reconnect()` accepts the new server.
+
+Past 400 lines: every call of the API is written out here (signature, defaults and docstring an IDE
+shows), each one POST of its route's body (`rollout.serve.routes`) beside the HTTP plumbing it shares.
 """
 
 from __future__ import annotations
@@ -19,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
-import inspect
 import json
 import os
 import threading
@@ -32,7 +34,7 @@ import torch
 from peft import LoraConfig
 from tqdm.auto import tqdm
 
-from rollout.api import RolloutAPI, implements, ranks_list
+from rollout.api import DEFAULT_BUCKET_BYTES, DEFAULT_COMPONENT, ranks_list
 from rollout.config import EngineConfig
 from rollout.errors import EngineDeadError, RequestIdTaken
 from rollout.http.wire import (
@@ -57,60 +59,6 @@ from rollout.serve.weight_stream import weight_frames
 
 WEIGHT_PUSHES = ("socket", "httpx")  # RemoteRolloutEngine(weight_push=...)
 CONNECT_TIMEOUT_S = 10.0
-
-
-def _sent(
-    declared: Callable,
-    *,
-    fields: Callable[..., dict] | None = None,
-    check_component: bool = False,
-    note: str = "",
-) -> Callable:
-    """A client method that sends its arguments to the route of the same name: it has `declared`'s
-    signature and docs (a `RolloutAPI` declaration, `note` added), binds its arguments as
-    `declared` does, defaults applied (a wrong argument is a TypeError before anything is sent),
-    checks `component` against the model first where `check_component`, and POSTs them as the
-    route's body (`fields(**arguments)` where given, else the arguments as they are); returns the
-    answer's field the route names."""
-    signature = inspect.signature(declared)
-    route = declared.__name__
-
-    def method(self: RemoteRolloutEngine, *args, **kwargs):
-        bound = signature.bind(self, *args, **kwargs)
-        bound.apply_defaults()
-        arguments = {name: value for name, value in bound.arguments.items() if name != "self"}
-        if check_component:
-            self.model_spec.check_component(arguments["component"])
-        return self._call(route, **(fields(**arguments) if fields else arguments))
-
-    method.__signature__ = signature
-    method.__name__ = method.__qualname__ = route
-    method.__doc__ = f"{declared.__doc__ or ''} {note}".strip() or None
-    return method
-
-
-# The body fields of the routes whose arguments `_sent` does not send as they are.
-
-
-def _rpc_fields(method, args, kwargs, timeout, ranks) -> dict:
-    if not isinstance(method, str):
-        raise TypeError(
-            "a callable cannot be sent over HTTP; make it a method of the server's --worker-extension-cls "
-            "and call it by name"
-        )
-    return {"method": method, "args": list(args), "kwargs": kwargs, "timeout": timeout, "ranks": ranks_list(ranks)}
-
-
-def _disk_fields(path, **options) -> dict:
-    return {"model_path": str(path), **options}
-
-
-def _layout_fields(names, dtypes, shapes, **options) -> dict:
-    return {**_tensor_layout(names, dtypes, shapes), **options}
-
-
-def _lora_name_fields(name) -> dict:
-    return {"lora_name": name}
 
 
 class RemoteRolloutEngine:
@@ -172,8 +120,14 @@ class RemoteRolloutEngine:
 
     # Generation.
 
-    @implements(RolloutAPI.generate)
-    def generate(self, prompts, params, *, images, use_tqdm) -> list[RolloutOutput]:
+    def generate(
+        self,
+        prompts: str | Sequence[str],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        images: Sequence | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RolloutOutput]:
         """`RolloutEngine.generate`: outputs ordered by prompt, then sample. `images` travel as
         uint8 tensors in a safetensors body."""
         if self.has_unfinished_requests():
@@ -196,8 +150,16 @@ class RemoteRolloutEngine:
 
             return self._run(collect())
 
-    @implements(RolloutAPI.add_request)
-    def add_request(self, prompt, params, *, images, prompt_index, request_id, base_seed) -> list[str]:
+    def add_request(
+        self,
+        prompt: str,
+        params: SamplingParams,
+        *,
+        images: Sequence | None = None,
+        prompt_index: int = 0,
+        request_id: str | None = None,
+        base_seed: int | None = None,
+    ) -> list[str]:
         """`RolloutEngine.add_request`: queue one prompt's samples; returns their ids. Their outputs
         come from `step()`."""
         body = body_json(
@@ -266,6 +228,7 @@ class RemoteRolloutEngine:
         return aborted
 
     def has_unfinished_requests(self) -> bool:
+        """Whether an `add_request` output has not been returned by `step()` yet."""
         with self._changed:
             return bool(self._unfinished or self._ready)
 
@@ -274,15 +237,33 @@ class RemoteRolloutEngine:
         self._call("pause", mode=mode)
 
     def resume(self) -> None:
+        """Let the server's engine step again after `pause`."""
         self._call("resume")
 
     # Worker functions.
 
-    collective_rpc = _sent(
-        RolloutAPI.collective_rpc, fields=_rpc_fields, note="By name, with JSON arguments and results."
-    )
+    def collective_rpc(
+        self,
+        method: str | Callable,
+        args: Sequence = (),
+        kwargs: dict | None = None,
+        timeout: float | None = None,
+        ranks: Sequence[int] | None = None,
+    ) -> list[Any]:
+        """A worker method on every rank or on `ranks`; one result per rank, in rank order. By
+        name (a callable cannot cross HTTP: a TypeError before anything is sent), with JSON
+        arguments and results."""
+        if not isinstance(method, str):
+            raise TypeError(
+                "a callable cannot be sent over HTTP; make it a method of the server's --worker-extension-cls "
+                "and call it by name"
+            )
+        return self._call(
+            "collective_rpc", method=method, args=list(args), kwargs=kwargs, timeout=timeout, ranks=ranks_list(ranks)
+        )
 
     def check_health(self) -> None:
+        """Raise if the server cannot serve (EngineDeadError when it is gone or restarted)."""
         self._request("GET", path("health"))
 
     def server_info(self) -> dict:
@@ -293,14 +274,24 @@ class RemoteRolloutEngine:
 
     @property
     def weight_version(self) -> int:
+        """The server engine's weight version now (asks the server)."""
         return self.server_info()["weight_version"]
 
     @property
     def sleep_level(self) -> int:
+        """The server engine's sleep level now (asks the server)."""
         return self.server_info()["sleep_level"]
 
-    @implements(RolloutAPI.update_weights)
-    def update_weights(self, named_tensors, *, component, version, mode, check_finite, bucket_bytes) -> int:
+    def update_weights(
+        self,
+        named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+        *,
+        component: str = DEFAULT_COMPONENT,
+        version: int | None = None,
+        mode: str = "wait",
+        check_finite: bool = True,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    ) -> int:
         """`RolloutEngine.update_weights`: the tensors stream to the server in buckets of about
         `bucket_bytes`, read from `named_tensors` as they are sent (`rollout.serve.weight_stream`),
         and the server stages each bucket as it arrives. A component the model lacks is refused
@@ -321,24 +312,123 @@ class RemoteRolloutEngine:
             answer = self._post_over_socket("update_weights", body, headers)
         return answer[ROUTES["update_weights"].answer]
 
-    update_weights_from_disk = _sent(
-        RolloutAPI.update_weights_from_disk,
-        fields=_disk_fields,
-        check_component=True,
-        note="`path` is on the server's machine.",
-    )
-    update_weights_from_worker = _sent(
-        RolloutAPI.update_weights_from_worker,
-        check_component=True,
-        note="`method` is a function of the server's --worker-extension-cls; its arguments are JSON.",
-    )
-    init_weight_update_group = _sent(RolloutAPI.init_weight_update_group)
-    update_weights_from_distributed = _sent(RolloutAPI.update_weights_from_distributed, fields=_layout_fields)
-    check_weight_update = _sent(RolloutAPI.check_weight_update, fields=_layout_fields)
-    weights_checksum = _sent(RolloutAPI.weights_checksum, check_component=True)
+    def update_weights_from_disk(
+        self,
+        path: str | Path,
+        *,
+        component: str = DEFAULT_COMPONENT,
+        version: int | None = None,
+        mode: str = "wait",
+        check_finite: bool = True,
+    ) -> int:
+        """`update_weights` from a .safetensors file or a component folder the workers read.
+        `path` is on the server's machine. A component the model lacks is refused before anything
+        is sent."""
+        self.model_spec.check_component(component)
+        return self._call(
+            "update_weights_from_disk",
+            model_path=str(path),
+            component=component,
+            version=version,
+            mode=mode,
+            check_finite=check_finite,
+        )
 
-    @implements(RolloutAPI.load_lora)
-    def load_lora(self, name, source, config, *, version, check_finite) -> int:
+    def update_weights_from_worker(
+        self,
+        method: str,
+        args: Sequence = (),
+        kwargs: dict | None = None,
+        *,
+        component: str = DEFAULT_COMPONENT,
+        version: int | None = None,
+        mode: str = "wait",
+        check_finite: bool = True,
+    ) -> int:
+        """`update_weights` with tensors every worker reads itself: the `@stages_weights` worker
+        function `method` returns or yields them (`rollout.worker.marks`). `method` is a function
+        of the server's --worker-extension-cls; its arguments are JSON. A component the model
+        lacks is refused before anything is sent."""
+        self.model_spec.check_component(component)
+        return self._call(
+            "update_weights_from_worker",
+            method=method,
+            args=args,
+            kwargs=kwargs,
+            component=component,
+            version=version,
+            mode=mode,
+            check_finite=check_finite,
+        )
+
+    def init_weight_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        backend: str = "gloo",
+        timeout_s: float = 300.0,
+    ) -> list[int]:
+        """Join a trainer's broadcast group; returns the workers' group ranks."""
+        return self._call(
+            "init_weight_update_group",
+            master_address=master_address,
+            master_port=master_port,
+            rank_offset=rank_offset,
+            world_size=world_size,
+            backend=backend,
+            timeout_s=timeout_s,
+        )
+
+    def update_weights_from_distributed(
+        self,
+        names: list[str],
+        dtypes: list[torch.dtype],
+        shapes: list[tuple[int, ...]],
+        *,
+        component: str = DEFAULT_COMPONENT,
+        version: int | None = None,
+        mode: str = "wait",
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        check_finite: bool = True,
+    ) -> int:
+        """`update_weights` with tensors the trainer broadcasts through the group."""
+        return self._call(
+            "update_weights_from_distributed",
+            **_tensor_layout(names, dtypes, shapes),
+            component=component,
+            version=version,
+            mode=mode,
+            bucket_bytes=bucket_bytes,
+            check_finite=check_finite,
+        )
+
+    def check_weight_update(
+        self,
+        names: list[str],
+        dtypes: list[torch.dtype],
+        shapes: list[tuple[int, ...]],
+        component: str = DEFAULT_COMPONENT,
+    ) -> None:
+        """Raise ValueError if an update with these tensors would be refused."""
+        return self._call("check_weight_update", **_tensor_layout(names, dtypes, shapes), component=component)
+
+    def weights_checksum(self, component: str = DEFAULT_COMPONENT) -> str:
+        """SHA-256 of every weight of `component`; raises if the ranks disagree. A component the
+        model lacks is refused before anything is sent."""
+        self.model_spec.check_component(component)
+        return self._call("weights_checksum", component=component)
+
+    def load_lora(
+        self,
+        name: str,
+        source: str | Path | Mapping[str, torch.Tensor],
+        config: LoraConfig | Mapping | None = None,
+        *,
+        version: int | None = None,
+        check_finite: bool = True,
+    ) -> int:
         """`RolloutEngine.load_lora`: a folder on the server's machine, or tensors with their config
         (sent as a safetensors body)."""
         if isinstance(source, str | Path):
@@ -358,19 +448,28 @@ class RemoteRolloutEngine:
         )
         return self._post_tensors("load_lora_tensors", dict(source), options)
 
-    unload_lora = _sent(RolloutAPI.unload_lora, fields=_lora_name_fields)
+    def unload_lora(self, name: str) -> None:
+        """Remove adapter `name` from the server's workers."""
+        return self._call("unload_lora", lora_name=name)
 
     def lora_modules(self, name: str) -> int:
+        """How many modules adapter `name` binds on the server."""
         loras = self.server_info()["loras"]
         if name not in loras:
             raise ValueError(f"no LoRA named {name!r} is loaded; loaded: {sorted(loras)}")
         return loras[name]
 
     def list_loras(self) -> list[str]:
+        """Names of the adapters loaded on the server, sorted."""
         return sorted(self.server_info()["loras"])
 
-    sleep = _sent(RolloutAPI.sleep)
-    wake_up = _sent(RolloutAPI.wake_up)
+    def sleep(self, level: int = 1) -> None:
+        """Free the workers' weight memory (1: offload, 2: discard)."""
+        return self._call("sleep", level=level)
+
+    def wake_up(self) -> None:
+        """Restore the workers' weights after `sleep`."""
+        return self._call("wake_up")
 
     # Lifetime.
 
