@@ -1,8 +1,9 @@
-"""A model family as the rest of the project sees it, declared once in `rollout.pipelines.families`.
+"""A model family as the rest of the project sees it, declared once in its folder's `__init__`
+(`rollout/pipelines/families/<folder>/`, with `declare`).
 
 The engine's registry (`_class_name` -> adapter), the tiny pipelines' lookup by short name, the
 tests' family matrix, the benchmarks' `--family` and a recipe's config check all read these
-descriptors (the tuple in `rollout.pipelines.families`), so none of them keeps a list of its own.
+descriptors (the tuple `rollout.pipelines.families.FAMILIES`), so none of them keeps a list of its own.
 
 A descriptor is plain data and imports neither torch nor diffusers: a recipe's config check reads
 the families' facts (names, pipeline classes, accepted guidance fields) without them. The adapter,
@@ -18,6 +19,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rollout.imports import import_by_path
+
+# The benchmark presets every family's tiny module builds (`build_<preset>_<name>`).
+PRESET_NAMES = ("small", "real")
 
 if TYPE_CHECKING:
     import torch
@@ -89,3 +93,19 @@ class Family:
             raise ValueError(f"the {self.name} family has no preset {preset!r}; choose one of {sorted(self.presets)}")
         builder = import_by_path(self.presets[preset], f"the {self.name} family's {preset} preset")
         return builder(folder, device=device, **({} if dtype is None else {"dtype": dtype}))
+
+
+def declare(folder: str, name: str, adapter: str, builders: str | None = None, **facts: Any) -> Family:
+    """The family `name` of the family folder `folder` (its package's `__name__`), with the dotted
+    paths that follow from the folder's layout: the adapter `<folder>.<adapter>` (adapter:
+    "module.Class" inside the folder), the tiny builder `<folder>.tiny.build_tiny_<builders>` and
+    the presets `<folder>.tiny.build_<preset>_<builders>` (`builders`: the name unless said).
+    `facts`: the rest of `Family`'s fields."""
+    builders = builders or name
+    return Family(
+        name=name,
+        adapter_class=f"{folder}.{adapter}",
+        tiny_builder=f"{folder}.tiny.build_tiny_{builders}",
+        presets={preset: f"{folder}.tiny.build_{preset}_{builders}" for preset in PRESET_NAMES},
+        **facts,
+    )

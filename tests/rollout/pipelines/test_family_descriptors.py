@@ -33,25 +33,29 @@ ROOT = Path(__file__).resolve().parents[3]
 NAMES = family_names()
 
 
-def _family_modules():
-    """Every module directly under rollout/pipelines (the tiny package is its builders' own)."""
-    for info in pkgutil.iter_modules(rollout.pipelines.__path__):
-        if not info.ispkg:
-            yield importlib.import_module(f"rollout.pipelines.{info.name}")
+def _pipeline_modules():
+    """Every module of rollout/pipelines, the family folders' too (the tiny package's builders
+    are the families' own tiny modules); not the tiny package's `__main__`, which builds."""
+    for info in pkgutil.walk_packages(rollout.pipelines.__path__, "rollout.pipelines."):
+        if not info.name.endswith(".__main__"):
+            yield importlib.import_module(info.name)
 
 
-def test_every_adapter_is_in_the_tuple_and_every_descriptor_only_there():
-    adapters, descriptors = set(), []
-    for module in _family_modules():
+def test_every_adapter_is_in_the_tuple_and_every_descriptor_in_its_folder():
+    adapters, descriptors = set(), {}
+    for module in _pipeline_modules():
         for value in vars(module).values():
             if inspect.isclass(value) and issubclass(value, PipelineAdapter) and not inspect.isabstract(value):
                 if value.__module__ == module.__name__:
                     adapters.add(value)
             elif isinstance(value, Family):
-                descriptors.append(value)
+                descriptors.setdefault(value.name, set()).add(module.__name__)
     assert adapters == {family.adapter for family in FAMILIES}
-    assert descriptors == []  # declared in the tuple only, none beside an adapter
-    for family in FAMILIES:  # the descriptor names its adapter's pipeline class (read without importing it)
+    for family in FAMILIES:  # declared in its folder's __init__ only, the folder of its adapter and builders
+        folder = family.adapter_class.rsplit(".", 2)[0]
+        assert descriptors.get(family.name, set()) <= {folder}
+        assert family.tiny_builder.startswith(f"{folder}.tiny.")
+        # the descriptor names its adapter's pipeline class (read without importing it)
         assert family.adapter.pipeline_class == family.pipeline_class
 
 
@@ -86,13 +90,14 @@ def test_every_preset_and_tiny_builder_names_a_function(family):
 
 def test_every_familys_tiny_builder_is_importable_from_the_tiny_package():
     """The docs import builders as `from rollout.pipelines.tiny import build_tiny_...`: every family's
-    builder is there, and listed in `__all__`."""
+    builder is there, handed out from its folder's tiny module."""
     import rollout.pipelines.tiny as tiny
 
     for family in FAMILIES:
         name = family.tiny_builder.rpartition(".")[2]
-        assert getattr(tiny, name, None) is import_by_path(family.tiny_builder, "builder"), family.name
-        assert name in tiny.__all__, family.name
+        assert getattr(tiny, name) is import_by_path(family.tiny_builder, "builder"), family.name
+    with pytest.raises(AttributeError, match="has no attribute 'build_tiny_sdxl'"):
+        tiny.build_tiny_sdxl  # noqa: B018
 
 
 @pytest.mark.timeout(120)

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import torch
 
+from rollout.pipelines.families.sd3.tiny import REAL_VAE_BLOCKS
 from rollout.pipelines.quiet import quietly
 from rollout.pipelines.sampling_defaults import SamplingDefaults
 from rollout.pipelines.tiny.colour import make_decoder_colour_faithful
 from rollout.pipelines.tiny.saving import TINY_IMAGE, save
-from rollout.pipelines.tiny.sd3 import REAL_VAE_BLOCKS
 from rollout.pipelines.tiny.text_encoders import mistral3_encoder, qwen3_encoder
 from rollout.pipelines.tiny.tokenizers import content_list_tokenizer, qwen3_tokenizer
 
@@ -117,7 +117,7 @@ def _build_tiny_flux2(path, seed, sizes, transformer_config, device, dtype, dev:
             block_out_channels=sizes.vae_block_out_channels,
             layers_per_block=1,
             latent_channels=channels,
-            # One group: per-channel GroupNorm would erase each latent channel's mean (tiny/sd3.py).
+            # One group: per-channel GroupNorm would erase each latent channel's mean (families/sd3/tiny.py).
             norm_num_groups=1,
             sample_size=32,
             use_quant_conv=False,
@@ -139,7 +139,7 @@ def _build_tiny_flux2(path, seed, sizes, transformer_config, device, dtype, dev:
     return save(pipeline, path, dtype, sizes.sampling_defaults)
 
 
-# Benchmark presets (benchmarks/model_presets.py), as in tiny/sd3.py.
+# Benchmark presets (benchmarks/model_presets.py), as in families/sd3/tiny.py.
 
 # FLUX.2 [klein] 4B's transformer/config.json (the same for FLUX.2-klein-4B and -base-4B; diffusers'
 # scripts/convert_flux2_to_diffusers.py writes the same values): 3.88B parameters.

@@ -32,7 +32,7 @@ import torch
 
 from rollout.input_images import InputImages
 from rollout.pipelines.condition import PromptEmbeds
-from rollout.pipelines.qwen_image import QwenImageAdapter, QwenImageEmbeds
+from rollout.pipelines.families.qwen_image.adapter import QwenImageAdapter, QwenImageEmbeds
 from rollout.pipelines.spec import ModelSpec, area_size
 
 # QwenImageEditPipeline.__call__'s target area (written inline there) for the resized input image.

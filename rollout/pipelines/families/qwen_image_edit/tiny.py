@@ -1,5 +1,5 @@
 """Tiny `QwenImageEditPipeline` and `QwenImageEditPlusPipeline`: Qwen-Image's components (see
-tiny/qwen_image.py) plus a `Qwen2VLProcessor`, whose image processor makes a few vision tokens
+families/qwen_image/tiny.py) plus a `Qwen2VLProcessor`, whose image processor makes a few vision tokens
 of every input image, and a text encoder whose vision tower reads them.
 
 Both pipelines resize an input image to about a megapixel before the VAE encodes it (their
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from rollout.pipelines.tiny.qwen_image import QWEN_IMAGE, TinyQwenImageSizes, build_tiny_qwen_image
+from rollout.pipelines.families.qwen_image.tiny import QWEN_IMAGE, TinyQwenImageSizes, build_tiny_qwen_image
 from rollout.pipelines.tiny.tokenizers import qwen25_vl_tokenizer
 
 # A megapixel condition image becomes 32x32 latents; a 32x32 output, 2x2 latents (one packed token).
@@ -68,7 +68,7 @@ def _build_tiny_edit(path: str | Path, seed: int, pipeline_class: str, **kwargs)
     return path
 
 
-# Benchmark presets (benchmarks/model_presets.py), as in tiny/qwen_image.py.
+# Benchmark presets (benchmarks/model_presets.py), as in families/qwen_image/tiny.py.
 
 # Qwen-Image-Edit's and Qwen-Image-Edit-2509's transformer/config.json: Qwen-Image's 20B MMDiT.
 QWEN_IMAGE_EDIT = dict(QWEN_IMAGE)

@@ -28,7 +28,7 @@ import torch
 
 from rollout.input_images import InputImages
 from rollout.pipelines.condition import PromptEmbeds
-from rollout.pipelines.ltx2 import PIPELINE_GUIDANCE_OFF, LTX2Adapter, LTX2Embeds
+from rollout.pipelines.families.ltx2.adapter import PIPELINE_GUIDANCE_OFF, LTX2Adapter, LTX2Embeds
 from rollout.pipelines.spec import ModelSpec
 
 # LTX2ImageToVideoPipeline's arguments that make it compute what the engine does: text-to-video's,

@@ -185,7 +185,7 @@ def _siglip_image_processor():
     return SiglipImageProcessor(size={"height": 32, "width": 32})
 
 
-# Benchmark presets (benchmarks/model_presets.py), as in tiny/wan.py.
+# Benchmark presets (benchmarks/model_presets.py), as in families/wan/tiny.py.
 
 # HunyuanVideo 1.5 480p's transformer (diffusers' scripts/convert_hunyuan_video1_5_to_diffusers.py,
 # "480p_t2v" and "480p_i2v", converted to hunyuanvideo-community/HunyuanVideo-1.5-480p_t2v and _i2v;

@@ -1,6 +1,6 @@
 """Tiny `WanImageToVideoPipeline`s: Wan 2.1 I2V (one transformer that reads CLIP image embeddings,
 with a CLIP vision encoder) and Wan 2.2 I2V A14B (two experts split at 0.9, no image encoder), with
-Wan's tiny UMT5 encoder and causal VAE (`tiny/wan.py`), all random; plus their benchmark presets."""
+Wan's tiny UMT5 encoder and causal VAE (`families/wan/tiny.py`), all random; plus their benchmark presets."""
 
 from __future__ import annotations
 
@@ -8,12 +8,12 @@ from pathlib import Path
 
 import torch
 
+from rollout.pipelines.families.wan.tiny import REAL_WAN_SIZES, WAN21_T2V_1_3B, WAN_SHIFT, TinyWanSizes, wan_vae
 from rollout.pipelines.quiet import quietly
 from rollout.pipelines.tiny.colour import make_causal_decoder_colour_faithful
 from rollout.pipelines.tiny.saving import save
 from rollout.pipelines.tiny.text_encoders import umt5_encoder
 from rollout.pipelines.tiny.tokenizers import t5_tokenizer
-from rollout.pipelines.tiny.wan import REAL_WAN_SIZES, WAN21_T2V_1_3B, WAN_SHIFT, TinyWanSizes, wan_vae
 
 # Wan 2.2 I2V A14B's boundary (the Wan2.2 repository's wan/configs/wan_i2v_A14B.py: boundary 0.900;
 # its T2V's is 0.875): steps with timestep >= 900 go to the high-noise expert.
@@ -120,7 +120,7 @@ def _clip_image_processor():
     return CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
 
 
-# Benchmark presets (benchmarks/model_presets.py), as in tiny/wan.py.
+# Benchmark presets (benchmarks/model_presets.py), as in families/wan/tiny.py.
 
 # Wan 2.1 I2V 14B 480P's transformer (diffusers' scripts/convert_wan_to_diffusers.py, "Wan-I2V-14B-480p",
 # converted to Wan-AI/Wan2.1-I2V-14B-480P-Diffusers): Wan 2.1 T2V 14B's shape (40 heads of 128, a
@@ -139,7 +139,7 @@ WAN21_I2V_14B = WAN21_T2V_1_3B | {
 WAN22_I2V_A14B_EXPERT = WAN21_I2V_14B | {"image_dim": None, "added_kv_proj_dim": None}
 
 
-# The small preset's transformer: tiny/wan.py's WAN_SMALL (4 layers of 4 x 32 heads, a 512 MLP, Wan
+# The small preset's transformer: families/wan/tiny.py's WAN_SMALL (4 layers of 4 x 32 heads, a 512 MLP, Wan
 # 2.1 1.3B's norms) taking the tiny VAE's first frame (4 + 2 + 4 input channels) and, for Wan 2.1,
 # the tiny CLIP's embeddings.
 def _small_config(image_dim: int | None) -> dict:

@@ -1,6 +1,6 @@
 """A tiny `QwenImagePipeline`: a Qwen2.5-VL text encoder, the dual-stream transformer, the causal
 3D VAE (colour-faithful), all random, with Qwen-Image's own scheduler settings. The edit pipelines
-(`QwenImageEditPipeline`, `QwenImageEditPlusPipeline`) add a processor: tiny/qwen_image_edit.py."""
+(`QwenImageEditPipeline`, `QwenImageEditPlusPipeline`) add a processor: families/qwen_image_edit/tiny.py."""
 
 from __future__ import annotations
 
@@ -110,7 +110,7 @@ def build_tiny_qwen_image(
     return save(pipeline, path, dtype, sizes.sampling_defaults)
 
 
-# Benchmark presets (benchmarks/model_presets.py), as in tiny/sd3.py.
+# Benchmark presets (benchmarks/model_presets.py), as in families/sd3/tiny.py.
 
 # Qwen-Image's transformer/config.json.
 QWEN_IMAGE = {

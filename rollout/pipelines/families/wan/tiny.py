@@ -145,7 +145,7 @@ def wan_transformer(sizes: TinyWanSizes, config: dict | None):
     )
 
 
-# Benchmark presets (benchmarks/model_presets.py), as in tiny/sd3.py.
+# Benchmark presets (benchmarks/model_presets.py), as in families/sd3/tiny.py.
 
 # Wan 2.1 T2V 1.3B and each of Wan 2.2 T2V A14B's two experts (diffusers' scripts/convert_wan_to_diffusers.py,
 # "Wan-T2V-1.3B" and "Wan2.2-T2V-A14B"; the A14B's pipeline has boundary_ratio 0.875).

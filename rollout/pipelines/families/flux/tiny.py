@@ -9,10 +9,10 @@ from pathlib import Path
 
 import torch
 
+from rollout.pipelines.families.sd3.tiny import REAL_VAE_BLOCKS, tiny_autoencoder_kl
 from rollout.pipelines.quiet import quietly
 from rollout.pipelines.sampling_defaults import SamplingDefaults
 from rollout.pipelines.tiny.saving import TINY_IMAGE, save
-from rollout.pipelines.tiny.sd3 import REAL_VAE_BLOCKS, tiny_autoencoder_kl
 from rollout.pipelines.tiny.text_encoders import clip_text_encoder, t5_encoder
 from rollout.pipelines.tiny.tokenizers import clip_tokenizer, t5_tokenizer
 
@@ -105,7 +105,7 @@ def build_tiny_flux(
     return save(pipeline, path, dtype, defaults)
 
 
-# Benchmark presets (benchmarks/model_presets.py), as in tiny/sd3.py.
+# Benchmark presets (benchmarks/model_presets.py), as in families/sd3/tiny.py.
 
 # FLUX.1-dev's transformer/config.json.
 FLUX1_DEV = {

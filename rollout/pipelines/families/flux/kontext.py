@@ -24,7 +24,7 @@ import torch
 
 from rollout.input_images import InputImages
 from rollout.pipelines.condition import PromptEmbeds
-from rollout.pipelines.flux import FluxAdapter, FluxEmbeds
+from rollout.pipelines.families.flux.adapter import FluxAdapter, FluxEmbeds
 from rollout.pipelines.spec import ModelSpec
 
 

@@ -30,8 +30,8 @@ import torch
 
 from rollout.input_images import InputImages
 from rollout.pipelines.condition import PromptEmbeds
+from rollout.pipelines.families.wan.adapter import WanAdapter, WanEmbeds
 from rollout.pipelines.spec import ModelSpec
-from rollout.pipelines.wan import WanAdapter, WanEmbeds
 
 
 @dataclass

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from rollout.pipelines.flux2 import Flux2KleinAdapter
+from rollout.pipelines.families.flux2.adapter import Flux2KleinAdapter
 
 
 class Flux2DevAdapter(Flux2KleinAdapter):

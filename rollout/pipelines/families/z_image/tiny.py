@@ -8,10 +8,10 @@ from pathlib import Path
 
 import torch
 
+from rollout.pipelines.families.sd3.tiny import REAL_VAE_BLOCKS, tiny_autoencoder_kl
 from rollout.pipelines.quiet import quietly
 from rollout.pipelines.sampling_defaults import SamplingDefaults
 from rollout.pipelines.tiny.saving import TINY_IMAGE, save
-from rollout.pipelines.tiny.sd3 import REAL_VAE_BLOCKS, tiny_autoencoder_kl
 from rollout.pipelines.tiny.text_encoders import qwen3_encoder
 from rollout.pipelines.tiny.tokenizers import qwen3_tokenizer
 
@@ -87,7 +87,7 @@ def build_tiny_z_image(
     return save(pipeline, path, dtype, sizes.sampling_defaults)
 
 
-# Benchmark presets (benchmarks/model_presets.py), as in tiny/sd3.py.
+# Benchmark presets (benchmarks/model_presets.py), as in families/sd3/tiny.py.
 
 # Z-Image-Turbo's transformer/config.json (Z-Image, the base model, publishes the same one).
 Z_IMAGE_TURBO = {

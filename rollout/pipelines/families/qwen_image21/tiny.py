@@ -1,7 +1,7 @@
 """A tiny `QwenImage21Pipeline`: a Qwen3-VL text encoder, the single-stream block-causal transformer
 and Qwen-Image 2.1's VAE (16x spatial compression, latents read unpatched), all random, with a
 `Qwen3VLProcessor` written locally. Qwen-Image 2.1's published scheduler settings are not in
-diffusers, so the tiny folder takes Qwen-Image's (tiny/qwen_image.py) and no `sample_sigmas`."""
+diffusers, so the tiny folder takes Qwen-Image's (families/qwen_image/tiny.py) and no `sample_sigmas`."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from pathlib import Path
 
 import torch
 
+from rollout.pipelines.families.qwen_image.tiny import QWEN_IMAGE_SCHEDULER, TinyQwenImageSizes
 from rollout.pipelines.quiet import quietly
 from rollout.pipelines.tiny.colour import TEXTURE_SCALE, add_identity, paint_colours
-from rollout.pipelines.tiny.qwen_image import QWEN_IMAGE_SCHEDULER, TinyQwenImageSizes
 from rollout.pipelines.tiny.saving import save
 from rollout.pipelines.tiny.tokenizers import CONTENT_LIST_CHAT_TEMPLATE, QWEN_VISION_TOKENS, qwen25_vl_tokenizer
 
@@ -164,7 +164,7 @@ def build_tiny_qwen_image21(
     return save(pipeline, path, dtype, sizes.sampling_defaults)
 
 
-# Benchmark presets (benchmarks/model_presets.py), as in tiny/qwen_image.py.
+# Benchmark presets (benchmarks/model_presets.py), as in families/qwen_image/tiny.py.
 
 # Qwen-Image 2.1's transformer: QwenImage21Transformer2DModel's defaults in diffusers 0.42.1, which
 # its docstring gives as the published model's (32 single-stream blocks of 32 x 128 heads, Qwen3-VL's

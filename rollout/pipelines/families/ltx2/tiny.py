@@ -220,7 +220,7 @@ def ltx2_audio(sizes: TinyLTX2Sizes):
     return audio_vae, vocoder
 
 
-# Benchmark presets (benchmarks/model_presets.py), as in tiny/wan.py.
+# Benchmark presets (benchmarks/model_presets.py), as in families/wan/tiny.py.
 
 # LTX-2's transformer (19B, Lightricks/LTX-2 transformer/config.json): 48 layers of 32 x 128 video
 # heads and 32 x 64 audio heads, 128 latent channels each side, Gemma 3 12B's 3840-wide text.
