@@ -1,8 +1,9 @@
 """Every model family the project runs: one folder each below this package, and one tuple of their
 descriptors (`rollout.pipelines.family`), `FAMILIES`.
 
-A family's folder holds its descriptors (the folder's `__init__`), its adapter and its tiny builder
-with its benchmark presets (`tiny.py`); several families share a folder when they share an adapter
+A family's folder holds its descriptors (`family.yaml`: plain data, the dotted paths derived from the
+folder and the name, `rollout.pipelines.family.declare`), its adapter and its tiny builder with its
+benchmark presets (`tiny.py`); several families share a folder when they share an adapter
 module or a tiny builder (FLUX.1 and FLUX.1 Kontext, Wan 2.1 and 2.2). Adding a family is its folder
 plus its line in `FOLDERS`. The engine's registry (`_class_name` -> adapter), the tiny pipelines'
 lookup by short name, the tests' family matrix, the benchmarks' `--family` choices and a recipe's
@@ -13,10 +14,10 @@ the families without them.
 
 from __future__ import annotations
 
-import importlib
+from pathlib import Path
 from typing import TYPE_CHECKING
 
-from rollout.pipelines.family import Family
+from rollout.pipelines.family import Family, read_folder
 from rollout.pipelines.guidance import GUIDANCE_FIELDS
 
 if TYPE_CHECKING:
@@ -37,7 +38,7 @@ FOLDERS = (
     "z_image",
 )
 FAMILIES: tuple[Family, ...] = tuple(
-    family for folder in FOLDERS for family in importlib.import_module(f"{__name__}.{folder}").FAMILIES
+    family for folder in FOLDERS for family in read_folder(f"{__name__}.{folder}", Path(__file__).parent / folder)
 )
 
 

@@ -23,7 +23,7 @@ from rollout import SamplingParams
 from rollout.imports import import_by_path
 from rollout.pipelines import loading
 from rollout.pipelines.adapter import PipelineAdapter
-from rollout.pipelines.families import FAMILIES, family_named, family_names
+from rollout.pipelines.families import FAMILIES, FOLDERS, family_named, family_names
 from rollout.pipelines.family import Family
 from rollout.pipelines.guidance import GUIDANCE_FIELDS
 from rollout.pipelines.tiny import TINY_BUILDERS
@@ -42,21 +42,26 @@ def _pipeline_modules():
 
 
 def test_every_adapter_is_in_the_tuple_and_every_descriptor_in_its_folder():
-    adapters, descriptors = set(), {}
+    adapters, descriptors = set(), []
     for module in _pipeline_modules():
         for value in vars(module).values():
             if inspect.isclass(value) and issubclass(value, PipelineAdapter) and not inspect.isabstract(value):
                 if value.__module__ == module.__name__:
                     adapters.add(value)
             elif isinstance(value, Family):
-                descriptors.setdefault(value.name, set()).add(module.__name__)
+                descriptors.append(value)
     assert adapters == {family.adapter for family in FAMILIES}
-    for family in FAMILIES:  # declared in its folder's __init__ only, the folder of its adapter and builders
+    assert descriptors == []  # declared in the folders' family.yaml only, none beside an adapter
+    for family in FAMILIES:  # its adapter and builders are its folder's
         folder = family.adapter_class.rsplit(".", 2)[0]
-        assert descriptors.get(family.name, set()) <= {folder}
         assert family.tiny_builder.startswith(f"{folder}.tiny.")
         # the descriptor names its adapter's pipeline class (read without importing it)
         assert family.adapter.pipeline_class == family.pipeline_class
+
+
+def test_every_family_folder_is_in_the_table():
+    folders = {path.parent.name for path in (ROOT / "rollout/pipelines/families").glob("*/family.yaml")}
+    assert set(FOLDERS) == folders and len(FOLDERS) == len(folders)
 
 
 def test_names_are_unique_and_lookups_derive_from_the_tuple():
