@@ -28,7 +28,8 @@ from rollout.pipelines.families import FAMILIES, family_named
 from rollout.pipelines.families.flux.tiny import FLUX1_DEV
 from rollout.pipelines.families.flux2.tiny import FLUX2_KLEIN_4B, FLUX2_KLEIN_9B
 from rollout.pipelines.families.qwen_image.tiny import QWEN_IMAGE
-from rollout.pipelines.families.sd3.tiny import REAL_VAE_BLOCKS, SD35_MEDIUM
+from rollout.pipelines.families.sd3.tiny import SD35_MEDIUM
+from rollout.pipelines.tiny.builder import REAL_VAE_BLOCKS
 from rollout.pipelines.families.wan.tiny import WAN21_T2V_1_3B, WAN22_T2V_A14B_EXPERT, WAN_SMALL
 from rollout.pipelines.families.z_image.tiny import Z_IMAGE_TURBO
 

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import torch
 
-from rollout.pipelines.families.sd3.tiny import REAL_VAE_BLOCKS, tiny_autoencoder_kl
-from rollout.pipelines.quiet import quietly
+from rollout.pipelines.families.sd3.tiny import tiny_autoencoder_kl
 from rollout.pipelines.sampling_defaults import SamplingDefaults
+from rollout.pipelines.tiny.builder import Preset, real_sizes, tiny_builder
 from rollout.pipelines.tiny.saving import TINY_IMAGE, save
 from rollout.pipelines.tiny.text_encoders import clip_text_encoder, t5_encoder
 from rollout.pipelines.tiny.tokenizers import clip_tokenizer, t5_tokenizer
@@ -46,25 +46,15 @@ class TinyFluxSizes:
     sampling_defaults: SamplingDefaults | None = TINY_IMAGE  # an unsized request's (None: the pipeline's)
 
 
-@quietly
+@tiny_builder(TinyFluxSizes())
 def build_tiny_flux(
-    path: str | Path,
-    seed: int = 0,
-    sizes: TinyFluxSizes = TinyFluxSizes(),
-    transformer_config: dict | None = None,
-    device: str = "cpu",
-    dtype: torch.dtype = torch.float32,
-    pipeline_class: str = "FluxPipeline",
+    path, seed, sizes, transformer_config, device, dtype, pipeline_class: str = "FluxPipeline"
 ) -> Path:
-    """Build a `FluxPipeline` with random weights and save it to `path`; returns `path`.
-    Deterministic in `seed`; a folder that already holds a pipeline is overwritten.
-    `transformer_config` replaces the tiny transformer (benchmarks pass a published config); the
-    modules are made on `device` and saved in `dtype`. `pipeline_class`: "FluxKontextPipeline"
-    saves the same components as FLUX.1 Kontext (the same transformer class)."""
+    """A tiny `FluxPipeline` (a `TinyBuilder`). `pipeline_class`: "FluxKontextPipeline" saves the same
+    components as FLUX.1 Kontext (the same transformer class)."""
     import diffusers
     from diffusers import FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
 
-    path = Path(path)
     tokenizer = clip_tokenizer()
     tokenizer_2 = t5_tokenizer()
     text_width = sizes.t5_hidden_size or sizes.text_hidden_size
@@ -122,27 +112,16 @@ FLUX1_DEV = {
 }
 
 
-def build_small_flux(folder: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> Path:
-    """A transformer big enough to dominate a CPU's time (2 joint and 4 single blocks of 4 x 32
-    heads), tiny text encoders and VAE."""
-    sizes = TinyFluxSizes(
-        num_layers=2, num_single_layers=4, num_attention_heads=4, attention_head_dim=32, axes_dims_rope=(8, 12, 12)
-    )
-    return build_tiny_flux(folder, sizes=sizes, device=device, dtype=dtype)
-
-
-def build_real_flux(folder: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> Path:
-    """FLUX.1-dev's transformer (12B parameters) with random weights, one-layer text encoders of the
-    real widths, and a narrow VAE with the real scale factor and latent channels."""
-    sizes = TinyFluxSizes(
-        latent_channels=16,
-        text_hidden_size=768,  # CLIP-L
-        t5_hidden_size=4096,
-        text_layers=1,
-        vae_block_out_channels=REAL_VAE_BLOCKS,
-        sampling_defaults=None,  # the published pipeline's default size
-    )
-    return build_tiny_flux(folder, sizes=sizes, transformer_config=FLUX1_DEV, device=device, dtype=dtype)
+# A transformer big enough to dominate a CPU's time (2 joint and 4 single blocks of 4 x 32 heads), tiny
+# text encoders and VAE.
+SMALL_SIZES = TinyFluxSizes(
+    num_layers=2, num_single_layers=4, num_attention_heads=4, attention_head_dim=32, axes_dims_rope=(8, 12, 12)
+)
+# FLUX.1-dev's transformer (12B parameters) with random weights, one-layer text encoders of the real
+# widths (CLIP-L's 768, T5's 4096), and a narrow VAE with the real scale factor and latent channels.
+REAL_SIZES = real_sizes(TinyFluxSizes, latent_channels=16, text_hidden_size=768, t5_hidden_size=4096)
+build_small_flux = Preset(build_tiny_flux, SMALL_SIZES)
+build_real_flux = Preset(build_tiny_flux, REAL_SIZES, FLUX1_DEV)
 
 
 # FLUX.1 Kontext: FLUX.1's components under FluxKontextPipeline. FLUX.1-Kontext-dev's
@@ -155,24 +134,5 @@ def build_tiny_flux_kontext(path: str | Path, seed: int = 0, **kwargs) -> Path:
     return build_tiny_flux(path, seed=seed, pipeline_class="FluxKontextPipeline", **kwargs)
 
 
-def build_small_flux_kontext(folder: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> Path:
-    """`build_small_flux`'s sizes under FluxKontextPipeline."""
-    sizes = TinyFluxSizes(
-        num_layers=2, num_single_layers=4, num_attention_heads=4, attention_head_dim=32, axes_dims_rope=(8, 12, 12)
-    )
-    return build_tiny_flux_kontext(folder, sizes=sizes, device=device, dtype=dtype)
-
-
-def build_real_flux_kontext(folder: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> Path:
-    """FLUX.1-Kontext-dev's transformer (12B parameters) with random weights, as `build_real_flux`."""
-    sizes = TinyFluxSizes(
-        latent_channels=16,
-        text_hidden_size=768,
-        t5_hidden_size=4096,
-        text_layers=1,
-        vae_block_out_channels=REAL_VAE_BLOCKS,
-        sampling_defaults=None,  # the published pipeline's default size
-    )
-    return build_tiny_flux_kontext(
-        folder, sizes=sizes, transformer_config=FLUX1_KONTEXT_DEV, device=device, dtype=dtype
-    )
+build_small_flux_kontext = Preset(build_tiny_flux_kontext, SMALL_SIZES)
+build_real_flux_kontext = Preset(build_tiny_flux_kontext, REAL_SIZES, FLUX1_KONTEXT_DEV)

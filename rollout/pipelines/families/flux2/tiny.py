@@ -8,9 +8,8 @@ from pathlib import Path
 
 import torch
 
-from rollout.pipelines.families.sd3.tiny import REAL_VAE_BLOCKS
-from rollout.pipelines.quiet import quietly
 from rollout.pipelines.sampling_defaults import SamplingDefaults
+from rollout.pipelines.tiny.builder import Preset, real_sizes, tiny_builder
 from rollout.pipelines.tiny.colour import make_decoder_colour_faithful
 from rollout.pipelines.tiny.saving import TINY_IMAGE, save
 from rollout.pipelines.tiny.text_encoders import mistral3_encoder, qwen3_encoder
@@ -52,31 +51,14 @@ class TinyFlux2KleinSizes:
     sampling_defaults: SamplingDefaults | None = TINY_IMAGE  # an unsized request's (None: the pipeline's)
 
 
-@quietly
-def build_tiny_flux2_klein(
-    path: str | Path,
-    seed: int = 0,
-    sizes: TinyFlux2KleinSizes = TinyFlux2KleinSizes(),
-    transformer_config: dict | None = None,
-    device: str = "cpu",
-    dtype: torch.dtype = torch.float32,
-) -> Path:
-    """Build a `Flux2KleinPipeline` with random weights and save it to `path`; returns `path`.
-    Deterministic in `seed`; a folder that already holds a pipeline is overwritten.
-    `transformer_config` replaces the tiny transformer (benchmarks pass a published config); the
-    modules are made on `device` and saved in `dtype`."""
+@tiny_builder(TinyFlux2KleinSizes())
+def build_tiny_flux2_klein(path, seed, sizes, transformer_config, device, dtype) -> Path:
+    """A tiny `Flux2KleinPipeline` (a `TinyBuilder`)."""
     return _build_tiny_flux2(path, seed, sizes, transformer_config, device, dtype, dev=False)
 
 
-@quietly
-def build_tiny_flux2_dev(
-    path: str | Path,
-    seed: int = 0,
-    sizes: TinyFlux2KleinSizes = TinyFlux2KleinSizes(),
-    transformer_config: dict | None = None,
-    device: str = "cpu",
-    dtype: torch.dtype = torch.float32,
-) -> Path:
+@tiny_builder(TinyFlux2KleinSizes())
+def build_tiny_flux2_dev(path, seed, sizes, transformer_config, device, dtype) -> Path:
     """Build a `Flux2Pipeline` (FLUX.2 [dev]: a Mistral 3 text encoder read at layers 10, 20, 30, a
     guidance-distilled transformer; `sizes.distilled` is not used) as `build_tiny_flux2_klein`."""
     return _build_tiny_flux2(path, seed, sizes, transformer_config, device, dtype, dev=True)
@@ -91,7 +73,6 @@ def _build_tiny_flux2(path, seed, sizes, transformer_config, device, dtype, dev:
         Flux2Transformer2DModel,
     )
 
-    path = Path(path)
     tokenizer = content_list_tokenizer() if dev else qwen3_tokenizer()
     channels = sizes.latent_channels
     num_blocks = len(sizes.vae_block_out_channels)
@@ -167,23 +148,17 @@ FLUX2_KLEIN_9B = FLUX2_KLEIN_4B | {
 }
 
 
-def build_small_flux2_klein(folder: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> Path:
-    """A transformer big enough to dominate a CPU's time (2 double and 4 single blocks of 4 x 32
-    heads), a tiny text encoder and VAE."""
-    sizes = TinyFlux2KleinSizes(
-        num_layers=2, num_single_layers=4, num_attention_heads=4, attention_head_dim=32, axes_dims_rope=(8, 8, 8, 8)
-    )
-    return build_tiny_flux2_klein(folder, sizes=sizes, device=device, dtype=dtype)
-
-
-def build_real_flux2_klein(folder: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> Path:
-    """FLUX.2 [klein] 4B's transformer (3.88B parameters) with random weights, a text encoder of
-    Qwen3-4B's width (27 layers, the deepest the pipeline reads; 2x-wide MLPs: about 1.5B
-    parameters), and a narrow VAE with the real scale factor and latent channels (32)."""
-    sizes = TinyFlux2KleinSizes(
-        latent_channels=32, text_hidden_size=2560, vae_block_out_channels=REAL_VAE_BLOCKS, sampling_defaults=None
-    )
-    return build_tiny_flux2_klein(folder, sizes=sizes, transformer_config=FLUX2_KLEIN_4B, device=device, dtype=dtype)
+# A transformer big enough to dominate a CPU's time (2 double and 4 single blocks of 4 x 32 heads), a
+# tiny text encoder and VAE.
+SMALL_SIZES = TinyFlux2KleinSizes(
+    num_layers=2, num_single_layers=4, num_attention_heads=4, attention_head_dim=32, axes_dims_rope=(8, 8, 8, 8)
+)
+# FLUX.2 [klein] 4B's transformer (3.88B parameters) with random weights, a text encoder of Qwen3-4B's
+# width (27 layers, the deepest the pipeline reads; 2x-wide MLPs: about 1.5B parameters), and a narrow
+# VAE with the real scale factor and latent channels (32).
+build_small_flux2_klein = Preset(build_tiny_flux2_klein, SMALL_SIZES)
+KLEIN_REAL_SIZES = real_sizes(TinyFlux2KleinSizes, latent_channels=32, text_hidden_size=2560)
+build_real_flux2_klein = Preset(build_tiny_flux2_klein, KLEIN_REAL_SIZES, FLUX2_KLEIN_4B)
 
 
 # FLUX.2 [dev]'s transformer: Flux2Transformer2DModel's defaults in diffusers 0.42.1, which are the
@@ -198,19 +173,10 @@ FLUX2_DEV = FLUX2_KLEIN_4B | {
 }
 
 
-def build_small_flux2_dev(folder: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> Path:
-    """As `build_small_flux2_klein`, with FLUX.2 [dev]'s text encoder and guidance embedding."""
-    sizes = TinyFlux2KleinSizes(
-        num_layers=2, num_single_layers=4, num_attention_heads=4, attention_head_dim=32, axes_dims_rope=(8, 8, 8, 8)
-    )
-    return build_tiny_flux2_dev(folder, sizes=sizes, device=device, dtype=dtype)
-
-
-def build_real_flux2_dev(folder: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> Path:
-    """FLUX.2 [dev]'s transformer (about 32B parameters: bfloat16 on an H200) with random weights, a
-    text encoder of Mistral Small 3.1's width (30 layers, the deepest the pipeline reads), and a
-    narrow VAE with the real scale factor and latent channels (32)."""
-    sizes = TinyFlux2KleinSizes(
-        latent_channels=32, text_hidden_size=5120, vae_block_out_channels=REAL_VAE_BLOCKS, sampling_defaults=None
-    )
-    return build_tiny_flux2_dev(folder, sizes=sizes, transformer_config=FLUX2_DEV, device=device, dtype=dtype)
+# As the klein presets, with FLUX.2 [dev]'s text encoder and guidance embedding. The real one: FLUX.2
+# [dev]'s transformer (about 32B parameters: bfloat16 on an H200) with random weights, a text encoder of
+# Mistral Small 3.1's width (30 layers, the deepest the pipeline reads), and a narrow VAE with the real
+# scale factor and latent channels (32).
+build_small_flux2_dev = Preset(build_tiny_flux2_dev, SMALL_SIZES)
+DEV_REAL_SIZES = real_sizes(TinyFlux2KleinSizes, latent_channels=32, text_hidden_size=5120)
+build_real_flux2_dev = Preset(build_tiny_flux2_dev, DEV_REAL_SIZES, FLUX2_DEV)

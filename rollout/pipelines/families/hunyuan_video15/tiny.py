@@ -12,8 +12,8 @@ from pathlib import Path
 
 import torch
 
-from rollout.pipelines.quiet import quietly
 from rollout.pipelines.sampling_defaults import SamplingDefaults
+from rollout.pipelines.tiny.builder import Preset, tiny_builder
 from rollout.pipelines.tiny.colour import make_dcae_video_decoder_colour_faithful
 from rollout.pipelines.tiny.saving import TINY_FRAMES, save
 from rollout.pipelines.tiny.text_encoders import t5_encoder
@@ -52,7 +52,7 @@ class TinyHunyuanVideo15Sizes:
 TINY_SIZES = TinyHunyuanVideo15Sizes()
 
 
-def transformer_config(sizes: TinyHunyuanVideo15Sizes) -> dict:
+def hunyuan_transformer_config(sizes: TinyHunyuanVideo15Sizes) -> dict:
     """The tiny transformer: the noisy latents, the first frame's latents and its mask in (2C + 1
     channels), the noisy latents' velocity out; rotary axes of a quarter of each head for time and
     the rest split between height and width (each even, as the rotary table needs)."""
@@ -75,19 +75,12 @@ def transformer_config(sizes: TinyHunyuanVideo15Sizes) -> dict:
     }
 
 
-@quietly
+@tiny_builder(TINY_SIZES)
 def build_tiny_hunyuan_video15(
-    path: str | Path,
-    seed: int = 0,
-    sizes: TinyHunyuanVideo15Sizes = TINY_SIZES,
-    transformer: dict | None = None,
-    device: str = "cpu",
-    dtype: torch.dtype = torch.float32,
-    image_to_video: bool = False,
+    path, seed, sizes, transformer_config, device, dtype, image_to_video: bool = False
 ) -> Path:
-    """Build a `HunyuanVideo15Pipeline` (with `image_to_video`, a `HunyuanVideo15ImageToVideoPipeline`)
-    with random weights and save it to `path`; returns `path`. Deterministic in `seed`;
-    `transformer` replaces the tiny transformer's config (the presets pass a published one)."""
+    """A tiny `HunyuanVideo15Pipeline` (a `TinyBuilder`; with `image_to_video`, a
+    `HunyuanVideo15ImageToVideoPipeline`)."""
     from diffusers import (
         AutoencoderKLHunyuanVideo15,
         ClassifierFreeGuidance,
@@ -99,7 +92,7 @@ def build_tiny_hunyuan_video15(
     from transformers import ByT5Tokenizer
 
     tokenizer, tokenizer_2 = content_list_tokenizer(), ByT5Tokenizer()
-    config = transformer or transformer_config(sizes)
+    config = transformer_config or hunyuan_transformer_config(sizes)
     torch.manual_seed(seed)
     with torch.device(device):
         vae = AutoencoderKLHunyuanVideo15(
@@ -129,7 +122,7 @@ def build_tiny_hunyuan_video15(
         pipeline = HunyuanVideo15ImageToVideoPipeline(**components)
     else:
         pipeline = HunyuanVideo15Pipeline(**components)
-    return save(pipeline, Path(path), dtype, sizes.sampling_defaults)
+    return save(pipeline, path, dtype, sizes.sampling_defaults)
 
 
 def build_tiny_hunyuan_video15_i2v(path: str | Path, seed: int = 0, **options) -> Path:
@@ -229,29 +222,11 @@ REAL_SIZES = TinyHunyuanVideo15Sizes(
 )
 
 
-def build_small_hunyuan_video15(folder: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> Path:
-    """Text-to-video with the small transformer, tiny text encoders and VAE."""
-    return build_tiny_hunyuan_video15(folder, transformer=transformer_config(SMALL_SIZES), device=device, dtype=dtype)
-
-
-def build_small_hunyuan_video15_i2v(
-    folder: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32
-) -> Path:
-    """Image-to-video with the small transformer, tiny text and image encoders and VAE."""
-    config = transformer_config(SMALL_SIZES)
-    return build_tiny_hunyuan_video15_i2v(folder, transformer=config, device=device, dtype=dtype)
-
-
-def build_real_hunyuan_video15(folder: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> Path:
-    """HunyuanVideo 1.5 480p's transformer (`HUNYUAN15_480P`, 8.3B parameters) with random weights,
-    two-layer text encoders of the real widths, and a narrow VAE with the real scale factors."""
-    return build_tiny_hunyuan_video15(folder, sizes=REAL_SIZES, transformer=HUNYUAN15_480P, device=device, dtype=dtype)
-
-
-def build_real_hunyuan_video15_i2v(
-    folder: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32
-) -> Path:
-    """`build_real_hunyuan_video15` for image-to-video, with a one-layer SigLIP of the real width."""
-    return build_tiny_hunyuan_video15_i2v(
-        folder, sizes=REAL_SIZES, transformer=HUNYUAN15_480P, device=device, dtype=dtype
-    )
+# Text- and image-to-video with the small transformer, tiny text (and image) encoders and VAE.
+build_small_hunyuan_video15 = Preset(build_tiny_hunyuan_video15, None, hunyuan_transformer_config(SMALL_SIZES))
+build_small_hunyuan_video15_i2v = Preset(build_tiny_hunyuan_video15_i2v, None, hunyuan_transformer_config(SMALL_SIZES))
+# HunyuanVideo 1.5 480p's transformer (`HUNYUAN15_480P`, 8.3B parameters) with random weights, two-layer
+# text encoders of the real widths, and a narrow VAE with the real scale factors; for image-to-video
+# also a one-layer SigLIP of the real width.
+build_real_hunyuan_video15 = Preset(build_tiny_hunyuan_video15, REAL_SIZES, HUNYUAN15_480P)
+build_real_hunyuan_video15_i2v = Preset(build_tiny_hunyuan_video15_i2v, REAL_SIZES, HUNYUAN15_480P)

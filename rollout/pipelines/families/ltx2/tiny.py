@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 
-from rollout.pipelines.quiet import quietly
 from rollout.pipelines.sampling_defaults import SamplingDefaults
+from rollout.pipelines.tiny.builder import Preset, tiny_builder
 from rollout.pipelines.tiny.saving import TINY_VIDEO, save
 from rollout.pipelines.tiny.text_encoders import gemma3_encoder
 from rollout.pipelines.tiny.tokenizers import gemma_tokenizer
@@ -71,20 +71,11 @@ def ltx2_transformer_config(sizes: TinyLTX2Sizes) -> dict:
     }
 
 
-@quietly
-def build_tiny_ltx2(
-    path: str | Path,
-    seed: int = 0,
-    sizes: TinyLTX2Sizes = TinyLTX2Sizes(),
-    transformer_config: dict | None = None,
-    device: str = "cpu",
-    dtype: torch.dtype = torch.float32,
-    image_to_video: bool = False,
-) -> Path:
-    """Build an `LTX2Pipeline` (`image_to_video`: an `LTX2ImageToVideoPipeline`, whose components
-    are the same) with random weights and save it to `path`; returns `path`. Deterministic in
-    `seed`; `transformer_config` replaces the tiny transformer (the presets pass larger ones, whose
-    `caption_channels` the text encoder's width follows)."""
+@tiny_builder(TinyLTX2Sizes())
+def build_tiny_ltx2(path, seed, sizes, transformer_config, device, dtype, image_to_video: bool = False) -> Path:
+    """A tiny `LTX2Pipeline` (a `TinyBuilder`; `image_to_video`: an `LTX2ImageToVideoPipeline`, whose
+    components are the same). The text encoder's width follows `transformer_config`'s
+    `caption_channels` (the presets pass larger transformers)."""
     from diffusers import FlowMatchEulerDiscreteScheduler, LTX2ImageToVideoPipeline, LTX2Pipeline
 
     config = transformer_config or ltx2_transformer_config(sizes)
@@ -108,7 +99,7 @@ def build_tiny_ltx2(
         transformer=transformer,
         vocoder=vocoder,
     )
-    return save(pipeline, Path(path), dtype, sizes.sampling_defaults)
+    return save(pipeline, path, dtype, sizes.sampling_defaults)
 
 
 def build_tiny_ltx2_i2v(path: str | Path, seed: int = 0, **options) -> Path:
@@ -252,28 +243,18 @@ LTX2_SMALL = ltx2_transformer_config(TinyLTX2Sizes()) | {
 }
 
 
-def build_small_ltx2(folder: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> Path:
-    """LTX-2 with the `LTX2_SMALL` transformer, the tiny text encoder, VAEs and vocoder."""
-    return build_tiny_ltx2(folder, transformer_config=LTX2_SMALL, device=device, dtype=dtype)
-
-
-def build_small_ltx2_i2v(folder: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> Path:
-    """`build_small_ltx2`'s model as an `LTX2ImageToVideoPipeline`."""
-    return build_tiny_ltx2_i2v(folder, transformer_config=LTX2_SMALL, device=device, dtype=dtype)
-
-
+# LTX-2 with the `LTX2_SMALL` transformer, the tiny text encoder, VAEs and vocoder (and as an
+# `LTX2ImageToVideoPipeline`).
+build_small_ltx2 = Preset(build_tiny_ltx2, None, LTX2_SMALL)
+build_small_ltx2_i2v = Preset(build_tiny_ltx2_i2v, None, LTX2_SMALL)
 # The real preset's narrow VAEs of LTX-2's latent widths (128 video channels; 8 audio channels of 16 bins),
 # and the published pipeline's default size and frames.
 REAL_LTX2_SIZES = TinyLTX2Sizes(latent_channels=128, audio_latent_channels=8, mel_bins=64, sampling_defaults=None)
 
 
-def build_real_ltx2(folder: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> Path:
-    """LTX-2's 19B transformer with random weights, a one-layer Gemma 3 of the real text width, and
-    narrow VAEs of the real latent widths (`REAL_LTX2_SIZES`), which compress as the tiny ones do
-    (space and time by 2), not as LTX-2's (space 32, time 8)."""
-    return build_tiny_ltx2(folder, sizes=REAL_LTX2_SIZES, transformer_config=LTX2_19B, device=device, dtype=dtype)
-
-
-def build_real_ltx2_i2v(folder: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> Path:
-    """`build_real_ltx2`'s model as an `LTX2ImageToVideoPipeline` (LTX-2 19B takes both)."""
-    return build_tiny_ltx2_i2v(folder, sizes=REAL_LTX2_SIZES, transformer_config=LTX2_19B, device=device, dtype=dtype)
+# LTX-2's 19B transformer with random weights, a one-layer Gemma 3 of the real text width, and narrow
+# VAEs of the real latent widths (`REAL_LTX2_SIZES`), which compress as the tiny ones do (space and
+# time by 2), not as LTX-2's (space 32, time 8); and the same as an `LTX2ImageToVideoPipeline` (LTX-2
+# 19B takes both).
+build_real_ltx2 = Preset(build_tiny_ltx2, REAL_LTX2_SIZES, LTX2_19B)
+build_real_ltx2_i2v = Preset(build_tiny_ltx2_i2v, REAL_LTX2_SIZES, LTX2_19B)

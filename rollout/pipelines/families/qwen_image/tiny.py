@@ -9,8 +9,8 @@ from pathlib import Path
 
 import torch
 
-from rollout.pipelines.quiet import quietly
 from rollout.pipelines.sampling_defaults import SamplingDefaults
+from rollout.pipelines.tiny.builder import Preset, real_sizes, tiny_builder
 from rollout.pipelines.tiny.colour import make_causal_decoder_colour_faithful
 from rollout.pipelines.tiny.saving import TINY_IMAGE, save
 from rollout.pipelines.tiny.text_encoders import qwen25_vl_encoder
@@ -46,26 +46,15 @@ class TinyQwenImageSizes:
     sampling_defaults: SamplingDefaults | None = TINY_IMAGE  # an unsized request's (None: the pipeline's)
 
 
-@quietly
+@tiny_builder(TinyQwenImageSizes())
 def build_tiny_qwen_image(
-    path: str | Path,
-    seed: int = 0,
-    sizes: TinyQwenImageSizes = TinyQwenImageSizes(),
-    transformer_config: dict | None = None,
-    device: str = "cpu",
-    dtype: torch.dtype = torch.float32,
-    pipeline_class: str = "QwenImagePipeline",
-    processor=None,
+    path, seed, sizes, transformer_config, device, dtype, pipeline_class: str = "QwenImagePipeline", processor=None
 ) -> Path:
-    """Build a `QwenImagePipeline` with random weights and save it to `path`; returns `path`.
-    Deterministic in `seed`; a folder that already holds a pipeline is overwritten.
-    `transformer_config` replaces the tiny transformer (benchmarks pass a published config); the
-    modules are made on `device` and saved in `dtype`. An edit `pipeline_class` takes a
+    """A tiny `QwenImagePipeline` (a `TinyBuilder`). An edit `pipeline_class` takes a
     `processor` (a `Qwen2VLProcessor`), whose tokenizer the pipeline and its text encoder share."""
     import diffusers
     from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
 
-    path = Path(path)
     tokenizer = qwen2_tokenizer() if processor is None else processor.tokenizer
     torch.manual_seed(seed)
     channels = sizes.latent_channels
@@ -126,17 +115,12 @@ QWEN_IMAGE = {
 }
 
 
-def build_small_qwen_image(folder: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> Path:
-    """A transformer big enough to dominate a CPU's time (4 layers of 4 x 32 heads), a tiny text
-    encoder and VAE."""
-    sizes = TinyQwenImageSizes(num_layers=4, num_attention_heads=4, attention_head_dim=32, axes_dims_rope=(8, 12, 12))
-    return build_tiny_qwen_image(folder, sizes=sizes, device=device, dtype=dtype)
-
-
-def build_real_qwen_image(folder: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> Path:
-    """Qwen-Image's transformer (20B parameters) with random weights, a one-layer text encoder of the
-    real width, and a small VAE with the real scale factor and latent channels."""
-    sizes = TinyQwenImageSizes(
-        latent_channels=16, text_hidden_size=3584, text_layers=1, vae_dim_mult=(1, 2, 4, 4), sampling_defaults=None
-    )
-    return build_tiny_qwen_image(folder, sizes=sizes, transformer_config=QWEN_IMAGE, device=device, dtype=dtype)
+# A transformer big enough to dominate a CPU's time (4 layers of 4 x 32 heads), a tiny text encoder and VAE.
+build_small_qwen_image = Preset(
+    build_tiny_qwen_image,
+    TinyQwenImageSizes(num_layers=4, num_attention_heads=4, attention_head_dim=32, axes_dims_rope=(8, 12, 12)),
+)
+# Qwen-Image's transformer (20B parameters) with random weights, a one-layer text encoder of the real
+# width, and a small VAE with the real scale factor and latent channels.
+REAL_SIZES = real_sizes(TinyQwenImageSizes, latent_channels=16, text_hidden_size=3584, vae_dim_mult=(1, 2, 4, 4))
+build_real_qwen_image = Preset(build_tiny_qwen_image, REAL_SIZES, QWEN_IMAGE)

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from rollout.pipelines.families.qwen_image.tiny import QWEN_IMAGE_SCHEDULER, TinyQwenImageSizes
-from rollout.pipelines.quiet import quietly
+from rollout.pipelines.tiny.builder import Preset, real_sizes, tiny_builder
 from rollout.pipelines.tiny.colour import TEXTURE_SCALE, add_identity, paint_colours
 from rollout.pipelines.tiny.saving import save
 from rollout.pipelines.tiny.tokenizers import CONTENT_LIST_CHAT_TEMPLATE, QWEN_VISION_TOKENS, qwen25_vl_tokenizer
@@ -102,18 +102,9 @@ def make_qwen_image21_decoder_colour_faithful(vae) -> None:
     paint_colours(decoder.conv_out, latent_channels)
 
 
-@quietly
-def build_tiny_qwen_image21(
-    path: str | Path,
-    seed: int = 0,
-    sizes: TinyQwenImage21Sizes = TinyQwenImage21Sizes(),
-    transformer_config: dict | None = None,
-    device: str = "cpu",
-    dtype: torch.dtype = torch.float32,
-) -> Path:
-    """Build a `QwenImage21Pipeline` with random weights and save it to `path`; returns `path`.
-    Deterministic in `seed`; `transformer_config` replaces the tiny transformer (benchmarks pass
-    the published one); the modules are made on `device` and saved in `dtype`."""
+@tiny_builder(TinyQwenImage21Sizes())
+def build_tiny_qwen_image21(path, seed, sizes, transformer_config, device, dtype) -> Path:
+    """A tiny `QwenImage21Pipeline` (a `TinyBuilder`)."""
     from diffusers import (
         AutoencoderKLQwenImage21,
         FlowMatchEulerDiscreteScheduler,
@@ -121,7 +112,6 @@ def build_tiny_qwen_image21(
         QwenImage21Transformer2DModel,
     )
 
-    path = Path(path)
     processor = tiny_qwen3_vl_processor()
     torch.manual_seed(seed)
     channels = sizes.latent_channels
@@ -184,19 +174,12 @@ QWEN_IMAGE21 = {
 }
 
 
-def build_small_qwen_image21(folder: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> Path:
-    """A transformer big enough to dominate a CPU's time (4 layers of 4 x 32 heads), a tiny text
-    encoder and VAE."""
-    sizes = TinyQwenImage21Sizes(
-        num_layers=4, num_attention_heads=4, attention_head_dim=32, axes_dims_rope=(8, 12, 12)
-    )
-    return build_tiny_qwen_image21(folder, sizes=sizes, device=device, dtype=dtype)
-
-
-def build_real_qwen_image21(folder: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> Path:
-    """Qwen-Image 2.1's transformer with random weights, a one-layer text encoder of the real width,
-    and a small VAE with the real latent channels and scale factor."""
-    sizes = TinyQwenImage21Sizes(
-        latent_channels=64, text_hidden_size=4096, text_layers=1, vae_base_dim=64, sampling_defaults=None
-    )
-    return build_tiny_qwen_image21(folder, sizes=sizes, transformer_config=QWEN_IMAGE21, device=device, dtype=dtype)
+# A transformer big enough to dominate a CPU's time (4 layers of 4 x 32 heads), a tiny text encoder and VAE.
+build_small_qwen_image21 = Preset(
+    build_tiny_qwen_image21,
+    TinyQwenImage21Sizes(num_layers=4, num_attention_heads=4, attention_head_dim=32, axes_dims_rope=(8, 12, 12)),
+)
+# Qwen-Image 2.1's transformer with random weights, a one-layer text encoder of the real width, and a
+# small VAE with the real latent channels and scale factor.
+REAL_SIZES = real_sizes(TinyQwenImage21Sizes, latent_channels=64, text_hidden_size=4096, vae_base_dim=64)
+build_real_qwen_image21 = Preset(build_tiny_qwen_image21, REAL_SIZES, QWEN_IMAGE21)

@@ -12,9 +12,8 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-import torch
-
 from rollout.pipelines.families.qwen_image.tiny import QWEN_IMAGE, TinyQwenImageSizes, build_tiny_qwen_image
+from rollout.pipelines.tiny.builder import Preset, real_sizes
 from rollout.pipelines.tiny.tokenizers import qwen25_vl_tokenizer
 
 # A megapixel condition image becomes 32x32 latents; a 32x32 output, 2x2 latents (one packed token).
@@ -82,42 +81,14 @@ SMALL_SIZES = dataclasses.replace(
 )
 # The real transformer's latents (16 channels) from a small VAE with the real scale factor (8), and
 # the published pipelines' default sizes.
-REAL_SIZES = TinyQwenImageSizes(
-    latent_channels=16,
-    text_hidden_size=3584,
-    text_layers=1,
-    vae_base_dim=8,
-    vae_dim_mult=(1, 1, 1, 1),
-    sampling_defaults=None,
+REAL_SIZES = real_sizes(
+    TinyQwenImageSizes, latent_channels=16, text_hidden_size=3584, vae_base_dim=8, vae_dim_mult=(1, 1, 1, 1)
 )
-
-
-def build_small_qwen_image_edit(folder: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> Path:
-    """A transformer big enough to dominate a CPU's time (4 layers of 4 x 32 heads), a tiny text
-    encoder and VAE."""
-    return build_tiny_qwen_image_edit(folder, sizes=SMALL_SIZES, device=device, dtype=dtype)
-
-
-def build_small_qwen_image_edit_plus(
-    folder: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32
-) -> Path:
-    """`build_small_qwen_image_edit`'s sizes under QwenImageEditPlusPipeline."""
-    return build_tiny_qwen_image_edit_plus(folder, sizes=SMALL_SIZES, device=device, dtype=dtype)
-
-
-def build_real_qwen_image_edit(folder: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> Path:
-    """Qwen-Image-Edit's transformer (20B parameters) with random weights, a one-layer text encoder
-    of the real width, and a small VAE with the real scale factor and latent channels."""
-    return build_tiny_qwen_image_edit(
-        folder, sizes=REAL_SIZES, transformer_config=QWEN_IMAGE_EDIT, device=device, dtype=dtype
-    )
-
-
-def build_real_qwen_image_edit_plus(
-    folder: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32
-) -> Path:
-    """Qwen-Image-Edit-2511's transformer (20B parameters, `zero_cond_t`) under
-    QwenImageEditPlusPipeline, with `build_real_qwen_image_edit`'s small text encoder and VAE."""
-    return build_tiny_qwen_image_edit_plus(
-        folder, sizes=REAL_SIZES, transformer_config=QWEN_IMAGE_EDIT_2511, device=device, dtype=dtype
-    )
+# A transformer big enough to dominate a CPU's time (4 layers of 4 x 32 heads), a tiny text encoder and
+# VAE; the real ones: Qwen-Image-Edit's transformer (20B parameters), and Qwen-Image-Edit-2511's
+# (`zero_cond_t`) under QwenImageEditPlusPipeline, with random weights, a one-layer text encoder of the
+# real width, and a small VAE with the real scale factor and latent channels.
+build_small_qwen_image_edit = Preset(build_tiny_qwen_image_edit, SMALL_SIZES)
+build_small_qwen_image_edit_plus = Preset(build_tiny_qwen_image_edit_plus, SMALL_SIZES)
+build_real_qwen_image_edit = Preset(build_tiny_qwen_image_edit, REAL_SIZES, QWEN_IMAGE_EDIT)
+build_real_qwen_image_edit_plus = Preset(build_tiny_qwen_image_edit_plus, REAL_SIZES, QWEN_IMAGE_EDIT_2511)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from rollout.pipelines.quiet import quietly
+from rollout.pipelines.tiny.builder import Preset, real_sizes, tiny_builder
 from rollout.pipelines.tiny.colour import make_decoder_colour_faithful
 from rollout.pipelines.tiny.saving import save
 from rollout.pipelines.tiny.text_encoders import clip_text_encoder, t5_encoder
@@ -57,27 +57,13 @@ def tiny_autoencoder_kl(latent_channels: int, block_out_channels: tuple[int, ...
     return vae
 
 
-@quietly
-def build_tiny_sd3(
-    path: str | Path,
-    seed: int = 0,
-    sizes: TinySD3Sizes = TinySD3Sizes(),
-    with_t5: bool = True,
-    transformer_config: dict | None = None,
-    device: str = "cpu",
-    dtype: torch.dtype = torch.float32,
-) -> Path:
-    """Build a `StableDiffusion3Pipeline` with random weights and save it to `path`; returns `path`.
-
-    Building is deterministic in `seed`; a folder that already holds a pipeline is overwritten.
-    `with_t5=False` leaves T5 out (SD3 then feeds zeros in its place); diffusers loads such a folder
-    only with `text_encoder_3=None, tokenizer_3=None` (the engine passes them itself).
-    `transformer_config` replaces the tiny transformer (benchmarks pass a published config); the
-    modules are made on `device` and saved in `dtype`.
-    """
+@tiny_builder(TinySD3Sizes())
+def build_tiny_sd3(path, seed, sizes, transformer_config, device, dtype, with_t5: bool = True) -> Path:
+    """A tiny `StableDiffusion3Pipeline` (a `TinyBuilder`). `with_t5=False` leaves T5 out (SD3 then
+    feeds zeros in its place); diffusers loads such a folder only with `text_encoder_3=None,
+    tokenizer_3=None` (the engine passes them itself)."""
     from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
 
-    path = Path(path)
     tokenizer = clip_tokenizer()
     tokenizer_3 = t5_tokenizer() if with_t5 else None
     # The two CLIP encoders are concatenated along features and padded to T5's width.
@@ -140,25 +126,13 @@ SD35_MEDIUM = {
     "dual_attention_layers": tuple(range(13)),
     "qk_norm": "rms_norm",
 }
-# A VAE with 4 blocks scales by 8, as the real ones do; narrow, so decoding stays cheap.
-REAL_VAE_BLOCKS = (16, 16, 16, 16)
-
-
-def build_small_sd3(folder: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> Path:
-    """A transformer big enough to dominate a CPU's time (4 layers of 4 x 32 heads), tiny text
-    encoders and VAE: 64x64 images are 256 tokens."""
-    sizes = TinySD3Sizes(sample_size=32, num_layers=4, num_attention_heads=4, attention_head_dim=32)
-    return build_tiny_sd3(folder, sizes=sizes, device=device, dtype=dtype)
-
-
-def build_real_sd3(folder: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> Path:
-    """SD3.5 Medium's transformer (2.2B parameters) with random weights, one-layer text encoders of
-    the real widths, and a narrow VAE with the real scale factor and latent channels."""
-    sizes = TinySD3Sizes(
-        latent_channels=16,
-        text_hidden_size=1024,  # two CLIPs of 1024: pooled 2048, as CLIP-L + CLIP-G give
-        t5_hidden_size=4096,
-        text_layers=1,
-        vae_block_out_channels=REAL_VAE_BLOCKS,
-    )
-    return build_tiny_sd3(folder, sizes=sizes, transformer_config=SD35_MEDIUM, device=device, dtype=dtype)
+# A transformer big enough to dominate a CPU's time (4 layers of 4 x 32 heads), tiny text encoders and
+# VAE: 64x64 images are 256 tokens.
+build_small_sd3 = Preset(
+    build_tiny_sd3, TinySD3Sizes(sample_size=32, num_layers=4, num_attention_heads=4, attention_head_dim=32)
+)
+# SD3.5 Medium's transformer (2.2B parameters) with random weights, one-layer text encoders of the
+# real widths (two CLIPs of 1024: pooled 2048, as CLIP-L + CLIP-G give), and a narrow VAE with the
+# real scale factor and latent channels.
+REAL_SIZES = real_sizes(TinySD3Sizes, latent_channels=16, text_hidden_size=1024, t5_hidden_size=4096)
+build_real_sd3 = Preset(build_tiny_sd3, REAL_SIZES, SD35_MEDIUM)

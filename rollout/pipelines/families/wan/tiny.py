@@ -11,6 +11,7 @@ import torch
 
 from rollout.pipelines.quiet import quietly
 from rollout.pipelines.sampling_defaults import SamplingDefaults
+from rollout.pipelines.tiny.builder import Preset, tiny_builder
 from rollout.pipelines.tiny.colour import make_causal_decoder_colour_faithful
 from rollout.pipelines.tiny.saving import TINY_VIDEO, save
 from rollout.pipelines.tiny.text_encoders import umt5_encoder
@@ -38,21 +39,11 @@ class TinyWanSizes:
     sampling_defaults: SamplingDefaults | None = TINY_VIDEO  # an unsized request's (None: the pipeline's)
 
 
-@quietly
-def build_tiny_wan(
-    path: str | Path,
-    seed: int = 0,
-    sizes: TinyWanSizes = TinyWanSizes(),
-    transformer_config: dict | None = None,
-    device: str = "cpu",
-    dtype: torch.dtype = torch.float32,
-    boundary_ratio: float | None = None,
-) -> Path:
-    """Build a Wan 2.1 `WanPipeline` with random weights and save it to `path`; returns `path`.
-    Deterministic in `seed`; `transformer_config` replaces the tiny transformer (benchmarks pass a
-    published config); the modules are made on `device` and saved in `dtype`. A `boundary_ratio`
-    makes it Wan 2.2's two experts, split there (`build_tiny_wan22`)."""
-    return _build(Path(path), seed, sizes, transformer_config, boundary_ratio, device, dtype)
+@tiny_builder(TinyWanSizes())
+def build_tiny_wan(path, seed, sizes, transformer_config, device, dtype, boundary_ratio: float | None = None) -> Path:
+    """A tiny Wan 2.1 `WanPipeline` (a `TinyBuilder`). A `boundary_ratio` makes it Wan 2.2's two
+    experts, split there (`build_tiny_wan22`)."""
+    return _build(path, seed, sizes, transformer_config, boundary_ratio, device, dtype)
 
 
 def build_tiny_wan22(path: str | Path, seed: int = 0, **options) -> Path:
@@ -191,24 +182,11 @@ REAL_WAN_SIZES = TinyWanSizes(
 )
 
 
-def build_small_wan(folder: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> Path:
-    """Wan 2.1 with the `WAN_SMALL` transformer, a tiny text encoder and VAE."""
-    return build_tiny_wan(folder, transformer_config=WAN_SMALL, device=device, dtype=dtype)
-
-
-def build_small_wan22(folder: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> Path:
-    """Wan 2.2 with two `WAN_SMALL` experts, a tiny text encoder and VAE."""
-    return build_tiny_wan22(folder, transformer_config=WAN_SMALL, device=device, dtype=dtype)
-
-
-def build_real_wan(folder: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> Path:
-    """Wan 2.1 T2V 1.3B's transformer (1.4B parameters) with random weights, a one-layer UMT5 of the
-    real width, and a narrow VAE with the real scale factors and latent channels."""
-    config = WAN21_T2V_1_3B
-    return build_tiny_wan(folder, sizes=REAL_WAN_SIZES, transformer_config=config, device=device, dtype=dtype)
-
-
-def build_real_wan22(folder: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> Path:
-    """Wan 2.2 T2V A14B's two experts (14.3B parameters each) with random weights, as `build_real_wan`."""
-    config = WAN22_T2V_A14B_EXPERT
-    return build_tiny_wan22(folder, sizes=REAL_WAN_SIZES, transformer_config=config, device=device, dtype=dtype)
+# Wan 2.1 and 2.2 with `WAN_SMALL` transformers, a tiny text encoder and VAE.
+build_small_wan = Preset(build_tiny_wan, None, WAN_SMALL)
+build_small_wan22 = Preset(build_tiny_wan22, None, WAN_SMALL)
+# Wan 2.1 T2V 1.3B's transformer (1.4B parameters) and Wan 2.2 T2V A14B's two experts (14.3B parameters
+# each) with random weights, a one-layer UMT5 of the real width, and a narrow VAE with the real scale
+# factors and latent channels.
+build_real_wan = Preset(build_tiny_wan, REAL_WAN_SIZES, WAN21_T2V_1_3B)
+build_real_wan22 = Preset(build_tiny_wan22, REAL_WAN_SIZES, WAN22_T2V_A14B_EXPERT)

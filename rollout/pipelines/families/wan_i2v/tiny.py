@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from rollout.pipelines.families.wan.tiny import REAL_WAN_SIZES, WAN21_T2V_1_3B, WAN_SHIFT, TinyWanSizes, wan_vae
-from rollout.pipelines.quiet import quietly
+from rollout.pipelines.tiny.builder import Preset, tiny_builder
 from rollout.pipelines.tiny.colour import make_causal_decoder_colour_faithful
 from rollout.pipelines.tiny.saving import save
 from rollout.pipelines.tiny.text_encoders import umt5_encoder
@@ -44,20 +44,13 @@ def i2v_transformer_config(sizes: TinyWanSizes, temporal_scale: int, image_dim: 
     }
 
 
-@quietly
+@tiny_builder(TINY_SIZES)
 def build_tiny_wan_i2v(
-    path: str | Path,
-    seed: int = 0,
-    sizes: TinyWanSizes = TINY_SIZES,
-    transformer_config: dict | None = None,
-    device: str = "cpu",
-    dtype: torch.dtype = torch.float32,
-    boundary_ratio: float | None = None,
+    path, seed, sizes, transformer_config, device, dtype, boundary_ratio: float | None = None
 ) -> Path:
-    """Build a Wan 2.1 I2V `WanImageToVideoPipeline` with random weights (a tiny CLIP vision encoder
-    of 32x32 images, its image processor, a transformer with `image_dim`) and save it to `path`;
-    returns `path`. Deterministic in `seed`; `transformer_config` replaces the tiny transformer.
-    A `boundary_ratio` makes it Wan 2.2 I2V's two experts without an image encoder (`build_tiny_wan22_i2v`)."""
+    """A tiny Wan 2.1 I2V `WanImageToVideoPipeline` (a `TinyBuilder`: a tiny CLIP vision encoder of
+    32x32 images, its image processor, a transformer with `image_dim`). A `boundary_ratio` makes it
+    Wan 2.2 I2V's two experts without an image encoder (`build_tiny_wan22_i2v`)."""
     from diffusers import FlowMatchEulerDiscreteScheduler, WanImageToVideoPipeline
     from diffusers.models import WanTransformer3DModel
 
@@ -86,7 +79,7 @@ def build_tiny_wan_i2v(
         transformer_2=transformer_2,
         boundary_ratio=boundary_ratio,
     )
-    return save(pipeline, Path(path), dtype, sizes.sampling_defaults)
+    return save(pipeline, path, dtype, sizes.sampling_defaults)
 
 
 def build_tiny_wan22_i2v(path: str | Path, seed: int = 0, **options) -> Path:
@@ -148,34 +141,13 @@ def _small_config(image_dim: int | None) -> dict:
     return i2v_transformer_config(sizes, 2, image_dim) | {"ffn_dim": 512} | norms
 
 
-def build_small_wan_i2v(folder: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> Path:
-    """Wan 2.1 I2V with the small transformer, a tiny text encoder, CLIP and VAE."""
-    return build_tiny_wan_i2v(folder, transformer_config=_small_config(TINY_CLIP_WIDTH), device=device, dtype=dtype)
-
-
-def build_small_wan22_i2v(folder: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> Path:
-    """Wan 2.2 I2V with two small experts, a tiny text encoder and VAE."""
-    return build_tiny_wan22_i2v(folder, transformer_config=_small_config(None), device=device, dtype=dtype)
-
-
-def build_real_wan_i2v(folder: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> Path:
-    """Wan 2.1 I2V 14B 480P's transformer (`WAN21_I2V_14B`) with random weights, a one-layer UMT5 of
-    the real width, a narrow VAE with the real scale factors, and a two-layer CLIP vision encoder
-    of ViT-H's width (1280, the transformer's image_dim) at 32x32."""
-    return _build_real(folder, WAN21_I2V_14B, None, device, dtype)
-
-
-def build_real_wan22_i2v(folder: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> Path:
-    """Wan 2.2 I2V A14B's two experts (`WAN22_I2V_A14B_EXPERT`) with random weights, as `build_real_wan_i2v`."""
-    return _build_real(folder, WAN22_I2V_A14B_EXPERT, WAN22_I2V_BOUNDARY_RATIO, device, dtype)
-
-
-def _build_real(folder, config, boundary_ratio, device, dtype) -> Path:
-    return build_tiny_wan_i2v(
-        folder,
-        sizes=REAL_WAN_SIZES,
-        transformer_config=config,
-        device=device,
-        dtype=dtype,
-        boundary_ratio=boundary_ratio,
-    )
+# Wan 2.1 I2V with the small transformer, a tiny text encoder, CLIP and VAE; Wan 2.2 I2V with two small
+# experts, a tiny text encoder and VAE.
+build_small_wan_i2v = Preset(build_tiny_wan_i2v, None, _small_config(TINY_CLIP_WIDTH))
+build_small_wan22_i2v = Preset(build_tiny_wan22_i2v, None, _small_config(None))
+# Wan 2.1 I2V 14B 480P's transformer (`WAN21_I2V_14B`) and Wan 2.2 I2V A14B's two experts
+# (`WAN22_I2V_A14B_EXPERT`) with random weights, a one-layer UMT5 of the real width, a narrow VAE with
+# the real scale factors, and (Wan 2.1) a two-layer CLIP vision encoder of ViT-H's width (1280, the
+# transformer's image_dim) at 32x32.
+build_real_wan_i2v = Preset(build_tiny_wan_i2v, REAL_WAN_SIZES, WAN21_I2V_14B)
+build_real_wan22_i2v = Preset(build_tiny_wan22_i2v, REAL_WAN_SIZES, WAN22_I2V_A14B_EXPERT)

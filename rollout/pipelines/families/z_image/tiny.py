@@ -8,9 +8,9 @@ from pathlib import Path
 
 import torch
 
-from rollout.pipelines.families.sd3.tiny import REAL_VAE_BLOCKS, tiny_autoencoder_kl
-from rollout.pipelines.quiet import quietly
+from rollout.pipelines.families.sd3.tiny import tiny_autoencoder_kl
 from rollout.pipelines.sampling_defaults import SamplingDefaults
+from rollout.pipelines.tiny.builder import Preset, real_sizes, tiny_builder
 from rollout.pipelines.tiny.saving import TINY_IMAGE, save
 from rollout.pipelines.tiny.text_encoders import qwen3_encoder
 from rollout.pipelines.tiny.tokenizers import qwen3_tokenizer
@@ -39,22 +39,11 @@ class TinyZImageSizes:
     sampling_defaults: SamplingDefaults | None = TINY_IMAGE  # an unsized request's (None: the pipeline's)
 
 
-@quietly
-def build_tiny_z_image(
-    path: str | Path,
-    seed: int = 0,
-    sizes: TinyZImageSizes = TinyZImageSizes(),
-    transformer_config: dict | None = None,
-    device: str = "cpu",
-    dtype: torch.dtype = torch.float32,
-) -> Path:
-    """Build a `ZImagePipeline` with random weights and save it to `path`; returns `path`.
-    Deterministic in `seed`; a folder that already holds a pipeline is overwritten.
-    `transformer_config` replaces the tiny transformer (benchmarks pass a published config); the
-    modules are made on `device` and saved in `dtype`."""
+@tiny_builder(TinyZImageSizes())
+def build_tiny_z_image(path, seed, sizes, transformer_config, device, dtype) -> Path:
+    """A tiny `ZImagePipeline` (a `TinyBuilder`)."""
     from diffusers import FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
 
-    path = Path(path)
     tokenizer = qwen3_tokenizer()
     torch.manual_seed(seed)
     with torch.device(device):
@@ -109,22 +98,12 @@ Z_IMAGE_TURBO = {
 }
 
 
-def build_small_z_image(folder: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> Path:
-    """A transformer big enough to dominate a CPU's time (4 layers and 2 + 2 refiners of 4 x 32
-    heads), a tiny text encoder and VAE."""
-    sizes = TinyZImageSizes(num_layers=4, num_refiner_layers=2, num_heads=4, axes_dims=(8, 12, 12))
-    return build_tiny_z_image(folder, sizes=sizes, device=device, dtype=dtype)
-
-
-def build_real_z_image(folder: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> Path:
-    """Z-Image-Turbo's transformer (6.15B parameters) with random weights, a one-layer Qwen3 text
-    encoder of the real width (Qwen3-4B's 2560), and a narrow VAE with the real scale factor and
-    latent channels."""
-    sizes = TinyZImageSizes(
-        latent_channels=16,
-        text_hidden_size=2560,
-        text_layers=1,
-        vae_block_out_channels=REAL_VAE_BLOCKS,
-        sampling_defaults=None,  # the published pipeline's default size
-    )
-    return build_tiny_z_image(folder, sizes=sizes, transformer_config=Z_IMAGE_TURBO, device=device, dtype=dtype)
+# A transformer big enough to dominate a CPU's time (4 layers and 2 + 2 refiners of 4 x 32 heads), a
+# tiny text encoder and VAE.
+build_small_z_image = Preset(
+    build_tiny_z_image, TinyZImageSizes(num_layers=4, num_refiner_layers=2, num_heads=4, axes_dims=(8, 12, 12))
+)
+# Z-Image-Turbo's transformer (6.15B parameters) with random weights, a one-layer Qwen3 text encoder of
+# the real width (Qwen3-4B's 2560), and a narrow VAE with the real scale factor and latent channels.
+REAL_SIZES = real_sizes(TinyZImageSizes, latent_channels=16, text_hidden_size=2560)
+build_real_z_image = Preset(build_tiny_z_image, REAL_SIZES, Z_IMAGE_TURBO)
