@@ -78,15 +78,9 @@ def build_tiny_flux(
         vae = tiny_autoencoder_kl(sizes.latent_channels, sizes.vae_block_out_channels, 32)
         text_encoder = clip_text_encoder(tokenizer, sizes.text_hidden_size, sizes.text_layers, with_projection=False)
         text_encoder_2 = t5_encoder(tokenizer_2, text_width)
-    pipeline = getattr(diffusers, pipeline_class)(
-        scheduler=FlowMatchEulerDiscreteScheduler(**FLUX_SCHEDULER),
-        vae=vae,
-        text_encoder=text_encoder,
-        tokenizer=tokenizer,
-        text_encoder_2=text_encoder_2,
-        tokenizer_2=tokenizer_2,
-        transformer=transformer,
-    )
+    scheduler = FlowMatchEulerDiscreteScheduler(**FLUX_SCHEDULER)
+    text = dict(text_encoder=text_encoder, tokenizer=tokenizer, text_encoder_2=text_encoder_2, tokenizer_2=tokenizer_2)
+    pipeline = getattr(diffusers, pipeline_class)(scheduler=scheduler, vae=vae, transformer=transformer, **text)
     defaults = sizes.sampling_defaults
     if pipeline_class == "FluxKontextPipeline" and defaults is not None:
         # Kontext's auto_resize (its pipeline's default) resizes a tiny input image to about a

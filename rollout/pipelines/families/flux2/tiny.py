@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from rollout.pipelines.families.flux.tiny import FLUX_SCHEDULER
 from rollout.pipelines.sampling_defaults import SamplingDefaults
 from rollout.pipelines.tiny.builder import Preset, real_sizes, tiny_builder
 from rollout.pipelines.tiny.colour import make_decoder_colour_faithful
@@ -18,15 +19,7 @@ from rollout.pipelines.tiny.tokenizers import content_list_tokenizer, qwen3_toke
 # The scheduler diffusers' FLUX.2 conversion script gives its pipelines (FLUX.1-dev's
 # scheduler_config.json). Flux2KleinPipeline passes its own `mu` (compute_empirical_mu), so of
 # these only use_dynamic_shifting (and time_shift_type's default, exponential) shape the schedule.
-FLUX2_SCHEDULER = {
-    "base_image_seq_len": 256,
-    "base_shift": 0.5,
-    "max_image_seq_len": 4096,
-    "max_shift": 1.15,
-    "num_train_timesteps": 1000,
-    "shift": 3.0,
-    "use_dynamic_shifting": True,
-}
+FLUX2_SCHEDULER = FLUX_SCHEDULER
 # Flux2KleinPipeline reads Qwen3's hidden states after these layers (text_encoder_out_layers'
 # default), so the text encoder needs at least the last of them; Flux2Pipeline reads Mistral 3's
 # after layers 10, 20 and 30.
@@ -109,12 +102,9 @@ def _build_tiny_flux2(path, seed, sizes, transformer_config, device, dtype, dev:
             text_encoder = mistral3_encoder(tokenizer, sizes.text_hidden_size, DEV_TEXT_LAYERS)
         else:
             text_encoder = qwen3_encoder(tokenizer, sizes.text_hidden_size, TEXT_LAYERS)
+    scheduler = FlowMatchEulerDiscreteScheduler(**FLUX2_SCHEDULER)
     components = dict(
-        scheduler=FlowMatchEulerDiscreteScheduler(**FLUX2_SCHEDULER),
-        vae=vae,
-        text_encoder=text_encoder,
-        tokenizer=tokenizer,
-        transformer=transformer,
+        scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer
     )
     pipeline = Flux2Pipeline(**components) if dev else Flux2KleinPipeline(**components, is_distilled=sizes.distilled)
     return save(pipeline, path, dtype, sizes.sampling_defaults)

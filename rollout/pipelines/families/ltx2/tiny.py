@@ -89,16 +89,10 @@ def build_tiny_ltx2(path, seed, sizes, transformer_config, device, dtype, image_
         vae = ltx2_video_vae(sizes.latent_channels)
         audio_vae, vocoder = ltx2_audio(sizes)
     pipeline_class = LTX2ImageToVideoPipeline if image_to_video else LTX2Pipeline
-    pipeline = pipeline_class(
-        scheduler=FlowMatchEulerDiscreteScheduler(**LTX2_SCHEDULER),
-        vae=vae,
-        audio_vae=audio_vae,
-        text_encoder=text_encoder,
-        tokenizer=tokenizer,
-        connectors=connectors,
-        transformer=transformer,
-        vocoder=vocoder,
-    )
+    scheduler = FlowMatchEulerDiscreteScheduler(**LTX2_SCHEDULER)
+    text = dict(text_encoder=text_encoder, tokenizer=tokenizer, connectors=connectors)
+    sound = dict(audio_vae=audio_vae, vocoder=vocoder)
+    pipeline = pipeline_class(scheduler=scheduler, vae=vae, transformer=transformer, **text, **sound)
     return save(pipeline, path, dtype, sizes.sampling_defaults)
 
 

@@ -85,14 +85,11 @@ def build_tiny_qwen_image(
         text_encoder = qwen25_vl_encoder(
             tokenizer, sizes.text_hidden_size, sizes.text_layers, reads_images=processor is not None
         )
-    pipeline = getattr(diffusers, pipeline_class)(
-        scheduler=FlowMatchEulerDiscreteScheduler(**QWEN_IMAGE_SCHEDULER),
-        vae=vae,
-        text_encoder=text_encoder,
-        tokenizer=tokenizer,
-        transformer=transformer,
-        **({} if processor is None else {"processor": processor}),
+    scheduler = FlowMatchEulerDiscreteScheduler(**QWEN_IMAGE_SCHEDULER)
+    text = dict(text_encoder=text_encoder, tokenizer=tokenizer) | (
+        {} if processor is None else {"processor": processor}
     )
+    pipeline = getattr(diffusers, pipeline_class)(scheduler=scheduler, vae=vae, transformer=transformer, **text)
     if processor is not None:  # model_index.json names the class whose files the folder holds, as
         # a downloaded folder does, whatever subclass made them (qwen_vl_processor.py)
         pipeline.register_to_config(processor=("transformers", "Qwen2VLProcessor"))

@@ -142,13 +142,9 @@ def build_tiny_qwen_image21(path, seed, sizes, transformer_config, device, dtype
         )
         make_qwen_image21_decoder_colour_faithful(vae)
         text_encoder = qwen3_vl_encoder(processor.tokenizer, sizes.text_hidden_size, sizes.text_layers)
-    pipeline = QwenImage21Pipeline(
-        scheduler=FlowMatchEulerDiscreteScheduler(**QWEN_IMAGE_SCHEDULER),
-        vae=vae,
-        text_encoder=text_encoder,
-        processor=processor,
-        transformer=transformer,
-    )
+    scheduler = FlowMatchEulerDiscreteScheduler(**QWEN_IMAGE_SCHEDULER)
+    text = dict(text_encoder=text_encoder, processor=processor)
+    pipeline = QwenImage21Pipeline(scheduler=scheduler, vae=vae, transformer=transformer, **text)
     # model_index.json names the class whose files the folder holds (qwen_vl_processor.py)
     pipeline.register_to_config(processor=("transformers", "Qwen3VLProcessor"))
     return save(pipeline, path, dtype, sizes.sampling_defaults)

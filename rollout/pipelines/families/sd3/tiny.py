@@ -93,17 +93,10 @@ def build_tiny_sd3(path, seed, sizes, transformer_config, device, dtype, with_t5
         text_encoder = clip_text_encoder(tokenizer, sizes.text_hidden_size, sizes.text_layers, with_projection=True)
         text_encoder_2 = clip_text_encoder(tokenizer, sizes.text_hidden_size, sizes.text_layers, with_projection=True)
         text_encoder_3 = t5_encoder(tokenizer_3, text_width) if with_t5 else None
-    pipeline = StableDiffusion3Pipeline(
-        transformer=transformer,
-        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
-        vae=vae,
-        text_encoder=text_encoder,
-        tokenizer=tokenizer,
-        text_encoder_2=text_encoder_2,
-        tokenizer_2=tokenizer,
-        text_encoder_3=text_encoder_3,
-        tokenizer_3=tokenizer_3,
-    )
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0)
+    clips = dict(text_encoder=text_encoder, tokenizer=tokenizer, text_encoder_2=text_encoder_2, tokenizer_2=tokenizer)
+    t5 = dict(text_encoder_3=text_encoder_3, tokenizer_3=tokenizer_3)
+    pipeline = StableDiffusion3Pipeline(transformer=transformer, scheduler=scheduler, vae=vae, **clips, **t5)
     return save(pipeline, path, dtype, None)  # its default: the transformer's sample_size
 
 

@@ -80,16 +80,10 @@ def _build(path, seed, sizes, transformer_config, boundary_ratio, device, dtype,
         if not ti2v:
             make_causal_decoder_colour_faithful(vae)
         text_encoder = umt5_encoder(tokenizer, sizes.text_hidden_size)
-    pipeline = WanPipeline(
-        tokenizer=tokenizer,
-        text_encoder=text_encoder,
-        transformer=transformer,
-        transformer_2=transformer_2,
-        vae=vae,
-        scheduler=FlowMatchEulerDiscreteScheduler(shift=WAN_SHIFT),
-        boundary_ratio=boundary_ratio,
-        expand_timesteps=ti2v,
-    )
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=WAN_SHIFT)
+    experts = dict(transformer=transformer, transformer_2=transformer_2, boundary_ratio=boundary_ratio)
+    text = dict(tokenizer=tokenizer, text_encoder=text_encoder)
+    pipeline = WanPipeline(vae=vae, scheduler=scheduler, expand_timesteps=ti2v, **text, **experts)
     return save(pipeline, path, dtype, sizes.sampling_defaults)
 
 

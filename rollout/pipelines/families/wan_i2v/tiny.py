@@ -68,16 +68,13 @@ def build_tiny_wan_i2v(
         text_encoder = umt5_encoder(tokenizer, sizes.text_hidden_size)
         clip_width = config.get("image_dim")  # Wan 2.1's CLIP width; None: no image encoder (Wan 2.2)
         image_encoder = None if clip_width is None else _clip_vision_encoder(clip_width)
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=WAN_SHIFT)
+    image = dict(
+        image_processor=None if image_encoder is None else _clip_image_processor(), image_encoder=image_encoder
+    )
+    experts = dict(transformer=transformer, transformer_2=transformer_2, boundary_ratio=boundary_ratio)
     pipeline = WanImageToVideoPipeline(
-        tokenizer=tokenizer,
-        text_encoder=text_encoder,
-        vae=vae,
-        scheduler=FlowMatchEulerDiscreteScheduler(shift=WAN_SHIFT),
-        image_processor=None if image_encoder is None else _clip_image_processor(),
-        image_encoder=image_encoder,
-        transformer=transformer,
-        transformer_2=transformer_2,
-        boundary_ratio=boundary_ratio,
+        tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, scheduler=scheduler, **image, **experts
     )
     return save(pipeline, path, dtype, sizes.sampling_defaults)
 

@@ -66,13 +66,9 @@ def build_tiny_z_image(path, seed, sizes, transformer_config, device, dtype) -> 
         vae = tiny_autoencoder_kl(sizes.latent_channels, sizes.vae_block_out_channels, 32)
         # Z-Image's model_index names a `Qwen3Model`: the causal LM's body, without its head.
         text_encoder = qwen3_encoder(tokenizer, sizes.text_hidden_size, sizes.text_layers).model
-    pipeline = ZImagePipeline(
-        scheduler=FlowMatchEulerDiscreteScheduler(**Z_IMAGE_TURBO_SCHEDULER),
-        vae=vae,
-        text_encoder=text_encoder,
-        tokenizer=tokenizer,
-        transformer=transformer,
-    )
+    scheduler = FlowMatchEulerDiscreteScheduler(**Z_IMAGE_TURBO_SCHEDULER)
+    text = dict(text_encoder=text_encoder, tokenizer=tokenizer)
+    pipeline = ZImagePipeline(scheduler=scheduler, vae=vae, transformer=transformer, **text)
     return save(pipeline, path, dtype, sizes.sampling_defaults)
 
 
