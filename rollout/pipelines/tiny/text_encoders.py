@@ -3,6 +3,17 @@
 from __future__ import annotations
 
 
+def text_model_sizes(tokenizer, width: int, layers: int) -> dict:
+    """What every tiny language model's config shares: the tokenizer's vocabulary, `layers` layers of
+    `width` with MLPs twice as wide."""
+    return {
+        "vocab_size": len(tokenizer),
+        "hidden_size": width,
+        "intermediate_size": 2 * width,
+        "num_hidden_layers": layers,
+    }
+
+
 def clip_text_encoder(tokenizer, hidden_size: int, layers: int, with_projection: bool):
     """CLIP's text model (`CLIPTextModelWithProjection` as SD3 has, or `CLIPTextModel` as FLUX has)."""
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
@@ -74,10 +85,7 @@ def qwen25_vl_encoder(tokenizer, width: int, layers: int, reads_images: bool = F
         markers = [vocab_size, vocab_size + 1, vocab_size + 2, vocab_size + 3]
     config = Qwen2_5_VLConfig(
         text_config={
-            "vocab_size": vocab_size,
-            "hidden_size": width,
-            "intermediate_size": 2 * width,
-            "num_hidden_layers": layers,
+            **text_model_sizes(tokenizer, width, layers),
             "num_attention_heads": heads,
             "num_key_value_heads": heads,
             "max_position_embeddings": 2048,
@@ -109,10 +117,7 @@ def qwen3_encoder(tokenizer, width: int, layers: int):
 
     heads = max(2, width // 128)
     config = Qwen3Config(
-        vocab_size=len(tokenizer),
-        hidden_size=width,
-        intermediate_size=2 * width,
-        num_hidden_layers=layers,
+        **text_model_sizes(tokenizer, width, layers),
         num_attention_heads=heads,
         num_key_value_heads=max(1, heads // 4),
         head_dim=width // heads,
@@ -135,10 +140,7 @@ def mistral3_encoder(tokenizer, width: int, layers: int):
     config = Mistral3Config(
         text_config={
             "model_type": "mistral",
-            "vocab_size": len(tokenizer),
-            "hidden_size": width,
-            "intermediate_size": 2 * width,
-            "num_hidden_layers": layers,
+            **text_model_sizes(tokenizer, width, layers),
             "num_attention_heads": heads,
             "num_key_value_heads": max(1, heads // 4),
             "head_dim": width // heads,
@@ -169,10 +171,7 @@ def gemma3_encoder(tokenizer, width: int, layers: int):
 
     config = Gemma3Config(
         text_config={
-            "vocab_size": len(tokenizer),
-            "hidden_size": width,
-            "intermediate_size": 2 * width,
-            "num_hidden_layers": layers,
+            **text_model_sizes(tokenizer, width, layers),
             "num_attention_heads": 2,
             "num_key_value_heads": 1,
             "head_dim": width // 2,

@@ -16,7 +16,7 @@ from rollout.pipelines.sampling_defaults import SamplingDefaults
 from rollout.pipelines.tiny.builder import Preset, tiny_builder
 from rollout.pipelines.tiny.colour import make_dcae_video_decoder_colour_faithful
 from rollout.pipelines.tiny.saving import TINY_FRAMES, save
-from rollout.pipelines.tiny.text_encoders import t5_encoder
+from rollout.pipelines.tiny.text_encoders import t5_encoder, text_model_sizes
 from rollout.pipelines.tiny.tokenizers import content_list_tokenizer
 
 # HunyuanVideo 1.5 480p's scheduler shift and guidance (diffusers' scripts/
@@ -140,10 +140,7 @@ def _qwen25_vl_text_model(tokenizer, width: int, layers: int):
     rotary_half = width // heads // 2  # multimodal RoPE splits each head's rotary half in 3 sections
     sections = [rotary_half - 2 * (rotary_half // 3), rotary_half // 3, rotary_half // 3]
     config = Qwen2_5_VLTextConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=width,
-        intermediate_size=2 * width,
-        num_hidden_layers=layers,
+        **text_model_sizes(tokenizer, width, layers),
         num_attention_heads=heads,
         num_key_value_heads=heads,
         max_position_embeddings=2048,

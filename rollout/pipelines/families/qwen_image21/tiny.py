@@ -12,8 +12,14 @@ import torch
 
 from rollout.pipelines.families.qwen_image.tiny import QWEN_IMAGE_SCHEDULER, TinyQwenImageSizes
 from rollout.pipelines.tiny.builder import Preset, real_sizes, tiny_builder
-from rollout.pipelines.tiny.colour import TEXTURE_SCALE, add_identity, paint_colours
+from rollout.pipelines.tiny.colour import (
+    add_identity,
+    paint_colours,
+    pass_latents_through_causal_resnets,
+    quiet_causal_attention,
+)
 from rollout.pipelines.tiny.saving import save
+from rollout.pipelines.tiny.text_encoders import text_model_sizes
 from rollout.pipelines.tiny.tokenizers import CONTENT_LIST_CHAT_TEMPLATE, QWEN_VISION_TOKENS, qwen25_vl_tokenizer
 
 
@@ -51,10 +57,7 @@ def qwen3_vl_encoder(tokenizer, width: int, layers: int):
     markers = tokenizer.convert_tokens_to_ids(list(QWEN_VISION_TOKENS))  # start, end, image, video
     config = Qwen3VLConfig(
         text_config={
-            "vocab_size": len(tokenizer),
-            "hidden_size": width,
-            "intermediate_size": 2 * width,
-            "num_hidden_layers": layers,
+            **text_model_sizes(tokenizer, width, layers),
             "num_attention_heads": heads,
             "num_key_value_heads": heads,
             "head_dim": width // heads,
@@ -84,21 +87,12 @@ def make_qwen_image21_decoder_colour_faithful(vae) -> None:
     """As `colour.make_causal_decoder_colour_faithful`, for Qwen-Image 2.1's decoder (2D convs in a
     causal-3D shell, residual up blocks): latent channel c paints colour c."""
     decoder = vae.decoder
-    latent_channels = decoder.conv_in.in_channels
-    add_identity(vae.post_quant_conv, latent_channels, texture=0.0)
-    add_identity(decoder.conv_in, latent_channels)
-    for resnet in [*decoder.mid_block.resnets, *(r for block in decoder.up_blocks for r in block.resnets)]:
-        add_identity(resnet.conv2, 0)
-        if isinstance(resnet.conv_shortcut, torch.nn.Conv2d):  # channels change: pass the ones both sides have
-            shortcut = resnet.conv_shortcut
-            add_identity(shortcut, min(shortcut.in_channels, shortcut.out_channels), texture=0.0)
+    latent_channels = pass_latents_through_causal_resnets(vae, torch.nn.Conv2d)
     for block in decoder.up_blocks:
         if block.upsampler is not None:
             conv = block.upsampler.resample[1]  # after the nearest-neighbour upsample
             add_identity(conv, conv.out_channels)
-    for attention in decoder.mid_block.attentions:
-        attention.proj.weight.mul_(TEXTURE_SCALE)
-        attention.proj.bias.zero_()
+    quiet_causal_attention(decoder)
     paint_colours(decoder.conv_out, latent_channels)
 
 
