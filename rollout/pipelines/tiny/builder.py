@@ -10,6 +10,7 @@ are made on `device` and saved in `dtype`.
 from __future__ import annotations
 
 import functools
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,17 +63,41 @@ def tiny_builder(default_sizes: Any) -> Callable[[Callable[..., Path]], TinyBuil
     return decorate
 
 
+def published_config(module_file: str, name: str) -> dict:
+    """The transformer config `name` kept beside a family's tiny.py (`module_file`): a published
+    model's config.json as its repository has it, which a "real" preset builds with random weights."""
+    return json.loads((Path(module_file).parent / name).read_text())
+
+
 # A VAE with 4 blocks scales by 8, as the real ones do; narrow, so decoding stays cheap.
 REAL_VAE_BLOCKS = (16, 16, 16, 16)
+# The parts of a "small" preset's sizes: a transformer big enough to dominate a CPU's time (4 layers of
+# 4 x 32 heads) beside the tiny text encoders and VAE.
+SMALL_PARTS = {"num_layers": 4, "num_attention_heads": 4, "attention_head_dim": 32}
 # The parts of a "real" preset's sizes that are not its published transformer: one-layer text
 # encoders, a narrow VAE with the real scale factor, and the published pipeline's default size.
 REAL_PARTS = {"text_layers": 1, "vae_block_out_channels": REAL_VAE_BLOCKS, "sampling_defaults": None}
 
 
+def block_sizes(sizes: Any) -> dict:
+    """The block sizes most tiny transformers take under these names (`SMALL_PARTS`' fields):
+    `num_layers` blocks of `num_attention_heads` heads of `attention_head_dim`."""
+    return {name: getattr(sizes, name) for name in SMALL_PARTS}
+
+
+def small_sizes(sizes_class: type, **fields: Any) -> Any:
+    """`sizes_class(**fields)` with the `SMALL_PARTS` the class has (and `fields` does not set)."""
+    return _with_parts(sizes_class, SMALL_PARTS, fields)
+
+
 def real_sizes(sizes_class: type, **fields: Any) -> Any:
     """`sizes_class(**fields)` with the `REAL_PARTS` the class has (and `fields` does not set)."""
-    parts = {name: value for name, value in REAL_PARTS.items() if name in sizes_class.__dataclass_fields__}
-    return sizes_class(**(parts | fields))
+    return _with_parts(sizes_class, REAL_PARTS, fields)
+
+
+def _with_parts(sizes_class: type, parts: dict, fields: dict) -> Any:
+    known = sizes_class.__dataclass_fields__
+    return sizes_class(**{name: value for name, value in parts.items() if name in known} | fields)
 
 
 @dataclass(frozen=True)

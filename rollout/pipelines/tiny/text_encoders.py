@@ -2,6 +2,20 @@
 
 from __future__ import annotations
 
+# A Qwen-VL vision tower of one block, 16 wide: the tiny edit pipelines' input images pass through it.
+TINY_VISION_TOWER = {"depth": 1, "hidden_size": 16, "intermediate_size": 16, "num_heads": 2}
+
+
+def vision_markers(markers: list[int]) -> dict:
+    """A Qwen-VL config's vision token ids: start, end, image, video (`markers`, in that order)."""
+    start, end, image, video = markers
+    return {
+        "vision_start_token_id": start,
+        "vision_end_token_id": end,
+        "image_token_id": image,
+        "video_token_id": video,
+    }
+
 
 def text_model_sizes(tokenizer, width: int, layers: int) -> dict:
     """What every tiny language model's config shares: the tokenizer's vocabulary, `layers` layers of
@@ -94,17 +108,8 @@ def qwen25_vl_encoder(tokenizer, width: int, layers: int, reads_images: bool = F
             "bos_token_id": tokenizer.pad_token_id,
             "eos_token_id": tokenizer.pad_token_id,
         },
-        vision_config={
-            "depth": 1,
-            "hidden_size": 16,
-            "intermediate_size": 16,
-            "num_heads": 2,
-            "out_hidden_size": width,
-        },
-        vision_start_token_id=markers[0],
-        vision_end_token_id=markers[1],
-        image_token_id=markers[2],
-        video_token_id=markers[3],
+        vision_config=TINY_VISION_TOWER | {"out_hidden_size": width},
+        **vision_markers(markers),
     )
     return Qwen2_5_VLForConditionalGeneration(config)
 

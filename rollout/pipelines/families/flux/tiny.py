@@ -11,7 +11,7 @@ import torch
 
 from rollout.pipelines.families.sd3.tiny import tiny_autoencoder_kl
 from rollout.pipelines.sampling_defaults import SamplingDefaults
-from rollout.pipelines.tiny.builder import Preset, real_sizes, tiny_builder
+from rollout.pipelines.tiny.builder import Preset, block_sizes, published_config, real_sizes, small_sizes, tiny_builder
 from rollout.pipelines.tiny.saving import TINY_IMAGE, save
 from rollout.pipelines.tiny.text_encoders import clip_text_encoder, t5_encoder
 from rollout.pipelines.tiny.tokenizers import clip_tokenizer, t5_tokenizer
@@ -65,10 +65,8 @@ def build_tiny_flux(
             or {
                 "patch_size": 1,
                 "in_channels": 4 * sizes.latent_channels,  # packed 2x2 patches
-                "num_layers": sizes.num_layers,
+                **block_sizes(sizes),
                 "num_single_layers": sizes.num_single_layers,
-                "attention_head_dim": sizes.attention_head_dim,
-                "num_attention_heads": sizes.num_attention_heads,
                 "joint_attention_dim": text_width,
                 "pooled_projection_dim": sizes.text_hidden_size,
                 "guidance_embeds": sizes.guidance_embeds,
@@ -92,25 +90,11 @@ def build_tiny_flux(
 # Benchmark presets (benchmarks/model_presets.py), as in families/sd3/tiny.py.
 
 # FLUX.1-dev's transformer/config.json.
-FLUX1_DEV = {
-    "patch_size": 1,
-    "in_channels": 64,
-    "num_layers": 19,
-    "num_single_layers": 38,
-    "attention_head_dim": 128,
-    "num_attention_heads": 24,
-    "joint_attention_dim": 4096,
-    "pooled_projection_dim": 768,
-    "guidance_embeds": True,
-    "axes_dims_rope": (16, 56, 56),
-}
+FLUX1_DEV = published_config(__file__, "flux1_dev.json")
 
 
-# A transformer big enough to dominate a CPU's time (2 joint and 4 single blocks of 4 x 32 heads), tiny
-# text encoders and VAE.
-SMALL_SIZES = TinyFluxSizes(
-    num_layers=2, num_single_layers=4, num_attention_heads=4, attention_head_dim=32, axes_dims_rope=(8, 12, 12)
-)
+# The small preset's transformer: 2 joint and 4 single blocks (of `SMALL_PARTS`' 4 x 32 heads).
+SMALL_SIZES = small_sizes(TinyFluxSizes, num_layers=2, num_single_layers=4, axes_dims_rope=(8, 12, 12))
 # FLUX.1-dev's transformer (12B parameters) with random weights, one-layer text encoders of the real
 # widths (CLIP-L's 768, T5's 4096), and a narrow VAE with the real scale factor and latent channels.
 REAL_SIZES = real_sizes(TinyFluxSizes, latent_channels=16, text_hidden_size=768, t5_hidden_size=4096)

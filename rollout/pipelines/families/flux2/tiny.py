@@ -10,7 +10,7 @@ import torch
 
 from rollout.pipelines.families.flux.tiny import FLUX_SCHEDULER
 from rollout.pipelines.sampling_defaults import SamplingDefaults
-from rollout.pipelines.tiny.builder import Preset, real_sizes, tiny_builder
+from rollout.pipelines.tiny.builder import Preset, block_sizes, published_config, real_sizes, small_sizes, tiny_builder
 from rollout.pipelines.tiny.colour import make_decoder_colour_faithful
 from rollout.pipelines.tiny.saving import TINY_IMAGE, save
 from rollout.pipelines.tiny.text_encoders import mistral3_encoder, qwen3_encoder
@@ -76,10 +76,8 @@ def _build_tiny_flux2(path, seed, sizes, transformer_config, device, dtype, dev:
             or {
                 "patch_size": 1,
                 "in_channels": 4 * channels,  # 2x2 patchified latents
-                "num_layers": sizes.num_layers,
+                **block_sizes(sizes),
                 "num_single_layers": sizes.num_single_layers,
-                "attention_head_dim": sizes.attention_head_dim,
-                "num_attention_heads": sizes.num_attention_heads,
                 "joint_attention_dim": 3 * sizes.text_hidden_size,
                 "axes_dims_rope": sizes.axes_dims_rope,
                 "guidance_embeds": dev,  # FLUX.2 [dev] is guidance-distilled; no klein transformer is
@@ -113,22 +111,9 @@ def _build_tiny_flux2(path, seed, sizes, transformer_config, device, dtype, dev:
 # Benchmark presets (benchmarks/model_presets.py), as in families/sd3/tiny.py.
 
 # FLUX.2 [klein] 4B's transformer/config.json (the same for FLUX.2-klein-4B and -base-4B; diffusers'
-# scripts/convert_flux2_to_diffusers.py writes the same values): 3.88B parameters.
-FLUX2_KLEIN_4B = {
-    "patch_size": 1,
-    "in_channels": 128,
-    "num_layers": 5,
-    "num_single_layers": 20,
-    "attention_head_dim": 128,
-    "num_attention_heads": 24,
-    "joint_attention_dim": 7680,  # 3 x Qwen3-4B's 2560
-    "timestep_guidance_channels": 256,
-    "mlp_ratio": 3.0,
-    "axes_dims_rope": (32, 32, 32, 32),
-    "rope_theta": 2000,
-    "eps": 1e-6,
-    "guidance_embeds": False,
-}
+# scripts/convert_flux2_to_diffusers.py writes the same values): 3.88B parameters; its joint_attention_dim
+# 7680 is 3 x Qwen3-4B's 2560.
+FLUX2_KLEIN_4B = published_config(__file__, "flux2_klein_4b.json")
 # FLUX.2 [klein] 9B's (from the same script): 9.08B parameters, text from Qwen3-8B (4096 wide).
 FLUX2_KLEIN_9B = FLUX2_KLEIN_4B | {
     "num_layers": 8,
@@ -138,11 +123,8 @@ FLUX2_KLEIN_9B = FLUX2_KLEIN_4B | {
 }
 
 
-# A transformer big enough to dominate a CPU's time (2 double and 4 single blocks of 4 x 32 heads), a
-# tiny text encoder and VAE.
-SMALL_SIZES = TinyFlux2KleinSizes(
-    num_layers=2, num_single_layers=4, num_attention_heads=4, attention_head_dim=32, axes_dims_rope=(8, 8, 8, 8)
-)
+# The small preset's transformer: 2 double and 4 single blocks (of `SMALL_PARTS`' 4 x 32 heads).
+SMALL_SIZES = small_sizes(TinyFlux2KleinSizes, num_layers=2, num_single_layers=4, axes_dims_rope=(8, 8, 8, 8))
 # FLUX.2 [klein] 4B's transformer (3.88B parameters) with random weights, a text encoder of Qwen3-4B's
 # width (27 layers, the deepest the pipeline reads; 2x-wide MLPs: about 1.5B parameters), and a narrow
 # VAE with the real scale factor and latent channels (32).

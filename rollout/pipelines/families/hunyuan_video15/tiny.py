@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from rollout.pipelines.sampling_defaults import SamplingDefaults
-from rollout.pipelines.tiny.builder import Preset, tiny_builder
+from rollout.pipelines.tiny.builder import Preset, published_config, small_sizes, tiny_builder
 from rollout.pipelines.tiny.colour import make_dcae_video_decoder_colour_faithful
 from rollout.pipelines.tiny.saving import TINY_FRAMES, save
 from rollout.pipelines.tiny.text_encoders import t5_encoder, text_model_sizes
@@ -182,28 +182,10 @@ def _siglip_image_processor():
 # HunyuanVideo15Transformer3DModel's defaults): 54 dual-stream blocks of 16 heads of 128, Qwen2.5-VL
 # 7B's 3584-wide text, ByT5's 1472-wide glyph text, SigLIP's 1152-wide image tokens, 32 latent
 # channels (65 in: the noisy latents, the first frame's and its mask), target size 640.
-HUNYUAN15_480P = {
-    "in_channels": 65,
-    "out_channels": 32,
-    "num_attention_heads": 16,
-    "attention_head_dim": 128,
-    "num_layers": 54,
-    "num_refiner_layers": 2,
-    "mlp_ratio": 4.0,
-    "patch_size": 1,
-    "patch_size_t": 1,
-    "qk_norm": "rms_norm",
-    "text_embed_dim": 3584,
-    "text_embed_2_dim": 1472,
-    "image_embed_dim": 1152,
-    "rope_theta": 256.0,
-    "rope_axes_dim": (16, 56, 56),
-    "target_size": 640,
-    "use_meanflow": False,
-}
+HUNYUAN15_480P = published_config(__file__, "hunyuan15_480p.json")
 # The small preset's transformer: the tiny pipeline's latents, text and image widths, 4 layers of
 # 4 x 32 heads (as the other small presets).
-SMALL_SIZES = TinyHunyuanVideo15Sizes(num_layers=4, num_refiner_layers=2, num_attention_heads=4, attention_head_dim=32)
+SMALL_SIZES = small_sizes(TinyHunyuanVideo15Sizes, num_refiner_layers=2)
 # The real presets' VAE: space / 16 and time / 4 with 32 latent channels, as HunyuanVideo 1.5's,
 # but narrow (its widths are 128..1024), as the other real presets' VAEs; text at the real widths.
 REAL_SIZES = TinyHunyuanVideo15Sizes(

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from rollout.pipelines.sampling_defaults import SamplingDefaults
-from rollout.pipelines.tiny.builder import Preset, tiny_builder
+from rollout.pipelines.tiny.builder import Preset, published_config, tiny_builder
 from rollout.pipelines.tiny.saving import TINY_VIDEO, save
 from rollout.pipelines.tiny.text_encoders import gemma3_encoder
 from rollout.pipelines.tiny.tokenizers import gemma_tokenizer
@@ -209,22 +209,7 @@ def ltx2_audio(sizes: TinyLTX2Sizes):
 
 # LTX-2's transformer (19B, Lightricks/LTX-2 transformer/config.json): 48 layers of 32 x 128 video
 # heads and 32 x 64 audio heads, 128 latent channels each side, Gemma 3 12B's 3840-wide text.
-LTX2_19B = {
-    "in_channels": 128,
-    "out_channels": 128,
-    "patch_size": 1,
-    "patch_size_t": 1,
-    "num_attention_heads": 32,
-    "attention_head_dim": 128,
-    "cross_attention_dim": 4096,
-    "audio_in_channels": 128,
-    "audio_out_channels": 128,
-    "audio_num_attention_heads": 32,
-    "audio_attention_head_dim": 64,
-    "audio_cross_attention_dim": 2048,
-    "num_layers": 48,
-    "caption_channels": 3840,
-}
+LTX2_19B = published_config(__file__, "ltx2_19b.json")
 # The small preset: the tiny latents and text, 4 layers of 4 x 32 video heads (2 x 32 audio heads).
 LTX2_SMALL = ltx2_transformer_config(TinyLTX2Sizes()) | {
     "num_attention_heads": 4,

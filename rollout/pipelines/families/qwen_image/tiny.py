@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from rollout.pipelines.sampling_defaults import SamplingDefaults
-from rollout.pipelines.tiny.builder import Preset, real_sizes, tiny_builder
+from rollout.pipelines.tiny.builder import Preset, block_sizes, published_config, real_sizes, small_sizes, tiny_builder
 from rollout.pipelines.tiny.colour import make_causal_decoder_colour_faithful
 from rollout.pipelines.tiny.saving import TINY_IMAGE, save
 from rollout.pipelines.tiny.text_encoders import qwen25_vl_encoder
@@ -65,9 +65,7 @@ def build_tiny_qwen_image(
                 "patch_size": 2,
                 "in_channels": 4 * channels,  # packed 2x2 patches
                 "out_channels": channels,
-                "num_layers": sizes.num_layers,
-                "attention_head_dim": sizes.attention_head_dim,
-                "num_attention_heads": sizes.num_attention_heads,
+                **block_sizes(sizes),
                 "joint_attention_dim": sizes.text_hidden_size,
                 "axes_dims_rope": sizes.axes_dims_rope,
             }
@@ -99,24 +97,10 @@ def build_tiny_qwen_image(
 # Benchmark presets (benchmarks/model_presets.py), as in families/sd3/tiny.py.
 
 # Qwen-Image's transformer/config.json.
-QWEN_IMAGE = {
-    "patch_size": 2,
-    "in_channels": 64,
-    "out_channels": 16,
-    "num_layers": 60,
-    "attention_head_dim": 128,
-    "num_attention_heads": 24,
-    "joint_attention_dim": 3584,
-    "guidance_embeds": False,
-    "axes_dims_rope": (16, 56, 56),
-}
+QWEN_IMAGE = published_config(__file__, "qwen_image.json")
 
 
-# A transformer big enough to dominate a CPU's time (4 layers of 4 x 32 heads), a tiny text encoder and VAE.
-build_small_qwen_image = Preset(
-    build_tiny_qwen_image,
-    TinyQwenImageSizes(num_layers=4, num_attention_heads=4, attention_head_dim=32, axes_dims_rope=(8, 12, 12)),
-)
+build_small_qwen_image = Preset(build_tiny_qwen_image, small_sizes(TinyQwenImageSizes, axes_dims_rope=(8, 12, 12)))
 # Qwen-Image's transformer (20B parameters) with random weights, a one-layer text encoder of the real
 # width, and a small VAE with the real scale factor and latent channels.
 REAL_SIZES = real_sizes(TinyQwenImageSizes, latent_channels=16, text_hidden_size=3584, vae_dim_mult=(1, 2, 4, 4))

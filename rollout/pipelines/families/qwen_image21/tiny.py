@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from rollout.pipelines.families.qwen_image.tiny import QWEN_IMAGE_SCHEDULER, TinyQwenImageSizes
-from rollout.pipelines.tiny.builder import Preset, real_sizes, tiny_builder
+from rollout.pipelines.tiny.builder import Preset, block_sizes, published_config, real_sizes, small_sizes, tiny_builder
 from rollout.pipelines.tiny.colour import (
     add_identity,
     paint_colours,
@@ -19,7 +19,7 @@ from rollout.pipelines.tiny.colour import (
     quiet_causal_attention,
 )
 from rollout.pipelines.tiny.saving import save
-from rollout.pipelines.tiny.text_encoders import text_model_sizes
+from rollout.pipelines.tiny.text_encoders import TINY_VISION_TOWER, text_model_sizes, vision_markers
 from rollout.pipelines.tiny.tokenizers import CONTENT_LIST_CHAT_TEMPLATE, QWEN_VISION_TOKENS, qwen25_vl_tokenizer
 
 
@@ -65,19 +65,9 @@ def qwen3_vl_encoder(tokenizer, width: int, layers: int):
             "rope_parameters": {"rope_type": "default", "mrope_section": sections, "mrope_interleaved": True},
             "pad_token_id": tokenizer.pad_token_id,
         },
-        vision_config={
-            "depth": 1,
-            "hidden_size": 16,
-            "intermediate_size": 16,
-            "num_heads": 2,
-            "out_hidden_size": width,
-            "deepstack_visual_indexes": [0],
-            "num_position_embeddings": 64,
-        },
-        vision_start_token_id=markers[0],
-        vision_end_token_id=markers[1],
-        image_token_id=markers[2],
-        video_token_id=markers[3],
+        vision_config=TINY_VISION_TOWER
+        | {"out_hidden_size": width, "deepstack_visual_indexes": [0], "num_position_embeddings": 64},
+        **vision_markers(markers),
     )
     return Qwen3VLForConditionalGeneration(config)
 
@@ -115,9 +105,7 @@ def build_tiny_qwen_image21(path, seed, sizes, transformer_config, device, dtype
             or {
                 "in_channels": channels,
                 "out_channels": channels,
-                "num_layers": sizes.num_layers,
-                "attention_head_dim": sizes.attention_head_dim,
-                "num_attention_heads": sizes.num_attention_heads,
+                **block_sizes(sizes),
                 "context_in_dim": sizes.text_hidden_size,
                 "axes_dims_rope": sizes.axes_dims_rope,
             }
@@ -150,25 +138,11 @@ def build_tiny_qwen_image21(path, seed, sizes, transformer_config, device, dtype
 # its docstring gives as the published model's (32 single-stream blocks of 32 x 128 heads, Qwen3-VL's
 # 4096-wide hidden states, 64 latent channels read unpatched); the checkpoint's own config.json is
 # not available offline to compare.
-QWEN_IMAGE21 = {
-    "patch_size": 1,
-    "in_channels": 64,
-    "out_channels": 64,
-    "num_layers": 32,
-    "attention_head_dim": 128,
-    "num_attention_heads": 32,
-    "context_in_dim": 4096,
-    "mlp_ratio": 3,
-    "axes_dims_rope": (16, 56, 56),
-    "causal_condition": True,
-}
+QWEN_IMAGE21 = published_config(__file__, "qwen_image21.json")
 
 
-# A transformer big enough to dominate a CPU's time (4 layers of 4 x 32 heads), a tiny text encoder and VAE.
-build_small_qwen_image21 = Preset(
-    build_tiny_qwen_image21,
-    TinyQwenImage21Sizes(num_layers=4, num_attention_heads=4, attention_head_dim=32, axes_dims_rope=(8, 12, 12)),
-)
+SMALL_SIZES = small_sizes(TinyQwenImage21Sizes, axes_dims_rope=(8, 12, 12))
+build_small_qwen_image21 = Preset(build_tiny_qwen_image21, SMALL_SIZES)
 # Qwen-Image 2.1's transformer with random weights, a one-layer text encoder of the real width, and a
 # small VAE with the real latent channels and scale factor.
 REAL_SIZES = real_sizes(TinyQwenImage21Sizes, latent_channels=64, text_hidden_size=4096, vae_base_dim=64)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from rollout.pipelines.tiny.builder import Preset, real_sizes, tiny_builder
+from rollout.pipelines.tiny.builder import Preset, block_sizes, published_config, real_sizes, small_sizes, tiny_builder
 from rollout.pipelines.tiny.colour import make_decoder_colour_faithful
 from rollout.pipelines.tiny.saving import save
 from rollout.pipelines.tiny.text_encoders import clip_text_encoder, t5_encoder
@@ -77,9 +77,7 @@ def build_tiny_sd3(path, seed, sizes, transformer_config, device, dtype, with_t5
                 "patch_size": sizes.patch_size,
                 "in_channels": sizes.latent_channels,
                 "out_channels": sizes.latent_channels,
-                "num_layers": sizes.num_layers,
-                "attention_head_dim": sizes.attention_head_dim,
-                "num_attention_heads": sizes.num_attention_heads,
+                **block_sizes(sizes),
                 "caption_projection_dim": sizes.attention_head_dim * sizes.num_attention_heads,
                 "joint_attention_dim": text_width,
                 "pooled_projection_dim": 2 * sizes.text_hidden_size,
@@ -104,26 +102,9 @@ def build_tiny_sd3(path, seed, sizes, transformer_config, device, dtype, with_t5
 # benchmark measures, built through the tiny builder.
 
 # SD3.5 Medium's transformer/config.json.
-SD35_MEDIUM = {
-    "sample_size": 128,
-    "patch_size": 2,
-    "in_channels": 16,
-    "num_layers": 24,
-    "attention_head_dim": 64,
-    "num_attention_heads": 24,
-    "joint_attention_dim": 4096,
-    "caption_projection_dim": 1536,
-    "pooled_projection_dim": 2048,
-    "out_channels": 16,
-    "pos_embed_max_size": 384,
-    "dual_attention_layers": tuple(range(13)),
-    "qk_norm": "rms_norm",
-}
-# A transformer big enough to dominate a CPU's time (4 layers of 4 x 32 heads), tiny text encoders and
-# VAE: 64x64 images are 256 tokens.
-build_small_sd3 = Preset(
-    build_tiny_sd3, TinySD3Sizes(sample_size=32, num_layers=4, num_attention_heads=4, attention_head_dim=32)
-)
+SD35_MEDIUM = published_config(__file__, "sd35_medium.json")
+# The small preset (`SMALL_PARTS`) makes 64x64 images: 256 tokens.
+build_small_sd3 = Preset(build_tiny_sd3, small_sizes(TinySD3Sizes, sample_size=32))
 # SD3.5 Medium's transformer (2.2B parameters) with random weights, one-layer text encoders of the
 # real widths (two CLIPs of 1024: pooled 2048, as CLIP-L + CLIP-G give), and a narrow VAE with the
 # real scale factor and latent channels.

@@ -11,7 +11,7 @@ import torch
 
 from rollout.pipelines.quiet import quietly
 from rollout.pipelines.sampling_defaults import SamplingDefaults
-from rollout.pipelines.tiny.builder import Preset, tiny_builder
+from rollout.pipelines.tiny.builder import Preset, published_config, tiny_builder
 from rollout.pipelines.tiny.colour import make_causal_decoder_colour_faithful
 from rollout.pipelines.tiny.saving import TINY_VIDEO, save
 from rollout.pipelines.tiny.text_encoders import umt5_encoder
@@ -134,21 +134,7 @@ def wan_transformer(sizes: TinyWanSizes, config: dict | None):
 
 # Wan 2.1 T2V 1.3B and each of Wan 2.2 T2V A14B's two experts (diffusers' scripts/convert_wan_to_diffusers.py,
 # "Wan-T2V-1.3B" and "Wan2.2-T2V-A14B"; the A14B's pipeline has boundary_ratio 0.875).
-WAN21_T2V_1_3B = {
-    "patch_size": (1, 2, 2),
-    "num_attention_heads": 12,
-    "attention_head_dim": 128,
-    "in_channels": 16,
-    "out_channels": 16,
-    "text_dim": 4096,
-    "freq_dim": 256,
-    "ffn_dim": 8960,
-    "num_layers": 30,
-    "cross_attn_norm": True,
-    "qk_norm": "rms_norm_across_heads",
-    "eps": 1e-6,
-    "rope_max_seq_len": 1024,
-}
+WAN21_T2V_1_3B = published_config(__file__, "wan21_t2v_1_3b.json")
 WAN22_T2V_A14B_EXPERT = WAN21_T2V_1_3B | {"num_attention_heads": 40, "ffn_dim": 13824, "num_layers": 40}
 # The small preset's Wan transformer (each expert of wan22): the tiny pipeline's latents (4 channels)
 # and text width (32), 4 layers of 4 x 32 heads with a 4x MLP, as the other small presets; the rest

@@ -10,7 +10,7 @@ import torch
 
 from rollout.pipelines.families.sd3.tiny import tiny_autoencoder_kl
 from rollout.pipelines.sampling_defaults import SamplingDefaults
-from rollout.pipelines.tiny.builder import Preset, real_sizes, tiny_builder
+from rollout.pipelines.tiny.builder import Preset, published_config, real_sizes, small_sizes, tiny_builder
 from rollout.pipelines.tiny.saving import TINY_IMAGE, save
 from rollout.pipelines.tiny.text_encoders import qwen3_encoder
 from rollout.pipelines.tiny.tokenizers import qwen3_tokenizer
@@ -75,30 +75,12 @@ def build_tiny_z_image(path, seed, sizes, transformer_config, device, dtype) -> 
 # Benchmark presets (benchmarks/model_presets.py), as in families/sd3/tiny.py.
 
 # Z-Image-Turbo's transformer/config.json (Z-Image, the base model, publishes the same one).
-Z_IMAGE_TURBO = {
-    "all_patch_size": (2,),
-    "all_f_patch_size": (1,),
-    "in_channels": 16,
-    "dim": 3840,
-    "n_layers": 30,
-    "n_refiner_layers": 2,
-    "n_heads": 30,
-    "n_kv_heads": 30,
-    "norm_eps": 1e-05,
-    "qk_norm": True,
-    "cap_feat_dim": 2560,
-    "rope_theta": 256.0,
-    "t_scale": 1000.0,
-    "axes_dims": [32, 48, 48],
-    "axes_lens": list(Z_IMAGE_AXES_LENS),
-}
+Z_IMAGE_TURBO = published_config(__file__, "z_image_turbo.json")
 
 
-# A transformer big enough to dominate a CPU's time (4 layers and 2 + 2 refiners of 4 x 32 heads), a
-# tiny text encoder and VAE.
-build_small_z_image = Preset(
-    build_tiny_z_image, TinyZImageSizes(num_layers=4, num_refiner_layers=2, num_heads=4, axes_dims=(8, 12, 12))
-)
+# The small preset's transformer: `SMALL_PARTS`' 4 layers, 2 + 2 refiners, 4 heads of 32.
+SMALL_SIZES = small_sizes(TinyZImageSizes, num_refiner_layers=2, num_heads=4, axes_dims=(8, 12, 12))
+build_small_z_image = Preset(build_tiny_z_image, SMALL_SIZES)
 # Z-Image-Turbo's transformer (6.15B parameters) with random weights, a one-layer Qwen3 text encoder of
 # the real width (Qwen3-4B's 2560), and a narrow VAE with the real scale factor and latent channels.
 REAL_SIZES = real_sizes(TinyZImageSizes, latent_channels=16, text_hidden_size=2560)
