@@ -29,9 +29,9 @@ from rollout.pipelines.families.flux.tiny import FLUX1_DEV
 from rollout.pipelines.families.flux2.tiny import FLUX2_KLEIN_4B, FLUX2_KLEIN_9B
 from rollout.pipelines.families.qwen_image.tiny import QWEN_IMAGE
 from rollout.pipelines.families.sd3.tiny import SD35_MEDIUM
-from rollout.pipelines.tiny.builder import REAL_VAE_BLOCKS
 from rollout.pipelines.families.wan.tiny import WAN21_T2V_1_3B, WAN22_T2V_A14B_EXPERT, WAN_SMALL
 from rollout.pipelines.families.z_image.tiny import Z_IMAGE_TURBO
+from rollout.pipelines.tiny.builder import REAL_VAE_BLOCKS
 
 __all__ = [
     "DEFAULT_NUM_FRAMES",

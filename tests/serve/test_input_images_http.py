@@ -188,7 +188,9 @@ def test_admission_never_waits_behind_other_requests_decodes(patient_kontext_ser
     bad = {"prompts": ["x"], "params": {"output_type": "nonsense"}}
     try:
         with ThreadPoolExecutor(64) as pool:
-            decoding = [pool.submit(post_images, patient_kontext_server, request, {"images.0.0.png": png}) for _ in range(64)]
+            decoding = [
+                pool.submit(post_images, patient_kontext_server, request, {"images.0.0.png": png}) for _ in range(64)
+            ]
             time.sleep(1.0)  # the bodies are in, their decodes queued
             start = time.monotonic()
             refused = httpx.post(f"{patient_kontext_server.url}/rollout/generate", json=bad, headers=AUTH, timeout=60)
