@@ -44,7 +44,6 @@ def tiny_builder(default_sizes: Any) -> Callable[[Callable[..., Path]], TinyBuil
     quietly (no third-party progress bars)."""
 
     def decorate(build: Callable[..., Path]) -> TinyBuilder:
-        @quietly
         @functools.wraps(build)
         def with_defaults(
             path: str | Path,
@@ -58,7 +57,7 @@ def tiny_builder(default_sizes: Any) -> Callable[[Callable[..., Path]], TinyBuil
             return build(Path(path), seed, sizes, transformer_config, device, dtype, **options)
 
         del with_defaults.__wrapped__  # its signature is the one above, with the defaults
-        return with_defaults
+        return quietly(with_defaults)
 
     return decorate
 
