@@ -8,10 +8,10 @@ real   the transformer of the published model (the family's `real_model`) from i
        channels: a GPU measurement of the real per-step work. The
        transformers have 1.4B to 20B parameters (Wan 2.2: two of 14.3B): build them on the GPU.
 
-Each family declares its presets (`Family.presets`, built by functions beside its tiny builder in
-rollout/pipelines/tiny/); this module adds the sizes the benchmark samples at. Video families
-sample `num_frames` frames of `height` x `width`; their default sizes are in DEFAULT_VIDEO_SIZE and
-DEFAULT_NUM_FRAMES.
+Each family declares its presets (`Family.presets`: `Preset` rows beside its tiny builder, in its
+folder's tiny.py under rollout/pipelines/families/); this module adds the sizes the benchmark
+samples at. Video families sample `num_frames` frames of `height` x `width`; their default sizes
+are in DEFAULT_VIDEO_SIZE and DEFAULT_NUM_FRAMES.
 """
 
 from __future__ import annotations
@@ -25,12 +25,14 @@ from pathlib import Path
 import torch
 
 from rollout.pipelines.families import FAMILIES, family_named
-from rollout.pipelines.tiny.flux import FLUX1_DEV
-from rollout.pipelines.tiny.flux2 import FLUX2_KLEIN_4B, FLUX2_KLEIN_9B
-from rollout.pipelines.tiny.qwen_image import QWEN_IMAGE
-from rollout.pipelines.tiny.sd3 import REAL_VAE_BLOCKS, SD35_MEDIUM
-from rollout.pipelines.tiny.wan import WAN21_T2V_1_3B, WAN22_T2V_A14B_EXPERT, WAN_SMALL
-from rollout.pipelines.tiny.z_image import Z_IMAGE_TURBO
+from rollout.pipelines.families.flux.tiny import FLUX1_DEV
+from rollout.pipelines.families.flux2.tiny import FLUX2_KLEIN_4B, FLUX2_KLEIN_9B
+from rollout.pipelines.families.qwen_image.tiny import QWEN_IMAGE
+from rollout.pipelines.families.sd3.tiny import SD35_MEDIUM
+from rollout.pipelines.families.wan.tiny import WAN21_T2V_1_3B, WAN22_T2V_A14B_EXPERT, WAN_SMALL
+from rollout.pipelines.families.z_image.tiny import Z_IMAGE_TURBO
+from rollout.pipelines.family import PRESET_NAMES
+from rollout.pipelines.tiny.builder import REAL_VAE_BLOCKS
 
 __all__ = [
     "DEFAULT_NUM_FRAMES",
@@ -53,7 +55,7 @@ __all__ = [
     "built",
 ]
 
-PRESETS = ("small", "real")
+PRESETS = PRESET_NAMES  # every family builds each
 
 # Wan 2.1 T2V 14B's transformer, as its published config.json (Wan-AI/Wan2.1-T2V-14B-Diffusers,
 # transformer/) gives it: 40 heads of 128 (width 5120), a 13824 MLP, 40 layers, the rest as the 1.3B.

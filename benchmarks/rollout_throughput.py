@@ -238,11 +238,11 @@ def make_diffusers_run(pipeline, args: argparse.Namespace) -> Callable[[int], No
         shape["max_area"] = args.height * args.width
 
     if type(pipeline).__name__ == "LTX2Pipeline":  # its STG, modality guidance and rescale off, as the engine
-        from rollout.pipelines.ltx2 import PIPELINE_GUIDANCE_OFF
+        from rollout.pipelines.families.ltx2.adapter import PIPELINE_GUIDANCE_OFF
 
         shape |= PIPELINE_GUIDANCE_OFF
     if type(pipeline).__name__ == "LTX2ImageToVideoPipeline":  # and its first frame encoded as given (image_crf=0)
-        from rollout.pipelines.ltx2_i2v import PIPELINE_SETTINGS
+        from rollout.pipelines.families.ltx2.i2v import PIPELINE_SETTINGS
 
         shape |= PIPELINE_SETTINGS
     prompt = args.prompt

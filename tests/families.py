@@ -86,12 +86,12 @@ class Family:
         guidance_scale; LTX2ImageToVideoPipeline's as well, and its first frame encoded as given
         (`image_crf=0`: no H.264 re-compression)."""
         if self.pipeline_class == "LTX2ImageToVideoPipeline":
-            from rollout.pipelines.ltx2_i2v import PIPELINE_SETTINGS
+            from rollout.pipelines.families.ltx2.i2v import PIPELINE_SETTINGS
 
             return dict(PIPELINE_SETTINGS)
         if self.pipeline_class != "LTX2Pipeline":
             return {}
-        from rollout.pipelines.ltx2 import PIPELINE_GUIDANCE_OFF
+        from rollout.pipelines.families.ltx2.adapter import PIPELINE_GUIDANCE_OFF
 
         return dict(PIPELINE_GUIDANCE_OFF)
 

@@ -555,7 +555,7 @@ class LoraManager:
         if not given & modules:
             raise ValueError(
                 f"LoRA {name!r} refused: its keys match no module of the model "
-                f"(e.g. {sorted(tensors)[:3]}); expected keys like 'transformer_blocks.0.attn.to_q.lora_A.weight'"
+                f"(e.g. {sorted(tensors)[:3]}); expected keys like 'block_sizes.0.attn.to_q.lora_A.weight'"
             )
         targeted = {m for m in modules if _is_target(config, m)}
         problems = []

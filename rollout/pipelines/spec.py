@@ -84,7 +84,7 @@ class ModelSpec:
         grid's (LTX2Pipeline.check_inputs: 32 pixels, whatever its VAE).
     audio_features: a model that makes sound with its video (LTX-2): the audio latents' packed
         features per latent audio frame; 0 for the others. Its latents are one flat vector, the
-        video's packed tokens then the audio's packed frames (rollout/pipelines/ltx2.py).
+        video's packed tokens then the audio's packed frames (rollout/pipelines/families/ltx2/adapter.py).
     audio_latents_per_second, frame_rate: latent audio frames per second of video and the frames
         per second it plays at, which give a video's latent audio frames (`audio_latent_frames`).
     audio_sample_rate: samples per second of the decoded waveform (`RolloutOutput.audio`).

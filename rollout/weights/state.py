@@ -1,7 +1,7 @@
 """A model component's weights as the hot-swap API sees them: names, specs, checks, checksums, and
 an all-or-nothing swap.
 
-Names are the component's own state-dict names (e.g. `transformer_blocks.0.attn.to_q.weight`), the
+Names are the component's own state-dict names (e.g. `block_sizes.0.attn.to_q.weight`), the
 same whether or not LoRA adapters wrap a layer (PEFT's `.base_layer.` is hidden, and LoRA tensors
 are not weights here).
 """

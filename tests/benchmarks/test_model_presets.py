@@ -19,7 +19,7 @@ from benchmarks.model_presets import (
     build,
 )
 from rollout.pipelines.families import FAMILIES
-from rollout.pipelines.tiny.qwen_image_edit import QWEN_IMAGE_EDIT_2511
+from rollout.pipelines.families.qwen_image_edit.tiny import QWEN_IMAGE_EDIT_2511
 from tests.families import slow_family
 
 pytestmark = pytest.mark.timeout(120)
@@ -62,7 +62,7 @@ def test_small_preset_builds_a_loadable_pipeline(tmp_path, family):
 
 def test_the_edit_presets_are_qwen_images_transformer():
     from benchmarks.model_presets import QWEN_IMAGE
-    from rollout.pipelines.tiny.qwen_image_edit import QWEN_IMAGE_EDIT, QWEN_IMAGE_EDIT_2509
+    from rollout.pipelines.families.qwen_image_edit.tiny import QWEN_IMAGE_EDIT, QWEN_IMAGE_EDIT_2509
 
     assert QWEN_IMAGE_EDIT == QWEN_IMAGE_EDIT_2509 == QWEN_IMAGE
     assert QWEN_IMAGE_EDIT_2511 == {**QWEN_IMAGE, "zero_cond_t": True}

@@ -15,7 +15,7 @@ import torch
 
 from rollout import EngineConfig, RolloutEngine, SamplingParams
 from rollout.input_images import InputImages
-from rollout.pipelines.flux_kontext import KontextImages
+from rollout.pipelines.families.flux.kontext import KontextImages
 from rollout.pipelines.loading import load_adapter
 from rollout.rescoring import RATIO_TOLERANCE, recompute_log_probs
 from tests.families import FAMILIES, input_image

@@ -3,9 +3,11 @@ random weights.
 
 Tests, demos and benchmarks cannot download weights, so they build a pipeline here, save it with
 `save_pretrained`, and load it back with the real `from_pretrained` code; every folder loads with
-plain `PipelineClass.from_pretrained(path)`. Tokenizers are written locally (`tokenizers.py`), and
-the VAE decoders are set close to a colour map (`colour.py`), so an image's colours follow its
-latents and the demos' colour reward is something a policy can learn.
+plain `PipelineClass.from_pretrained(path)`. Each family's builder is its folder's `tiny.py`
+(`rollout/pipelines/families/<folder>/tiny.py`); this package holds what they share and hands
+their builders out by name. Tokenizers are written locally (`tokenizers.py`), and the VAE decoders
+are set close to a colour map (`colour.py`), so an image's colours follow its latents and the
+demos' colour reward is something a policy can learn.
 
     python -m rollout.pipelines.tiny OUT_DIR [--family NAME] [--seed N]   (--help lists the families)
 """
@@ -13,59 +15,30 @@ latents and the demos' colour reward is something a policy can learn.
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 
 from rollout.pipelines.families import FAMILIES, families_help
-from rollout.pipelines.tiny.flux import TinyFluxSizes, build_tiny_flux, build_tiny_flux_kontext
-from rollout.pipelines.tiny.flux2 import TinyFlux2KleinSizes, build_tiny_flux2_dev, build_tiny_flux2_klein
-from rollout.pipelines.tiny.hunyuan_video15 import (
-    TinyHunyuanVideo15Sizes,
-    build_tiny_hunyuan_video15,
-    build_tiny_hunyuan_video15_i2v,
-)
-from rollout.pipelines.tiny.ltx2 import TinyLTX2Sizes, build_tiny_ltx2, build_tiny_ltx2_i2v
-from rollout.pipelines.tiny.qwen_image import TinyQwenImageSizes, build_tiny_qwen_image
-from rollout.pipelines.tiny.qwen_image21 import TinyQwenImage21Sizes, build_tiny_qwen_image21
-from rollout.pipelines.tiny.qwen_image_edit import build_tiny_qwen_image_edit, build_tiny_qwen_image_edit_plus
-from rollout.pipelines.tiny.sd3 import TinySD3Sizes, build_tiny_sd3
-from rollout.pipelines.tiny.wan import TinyWanSizes, build_tiny_wan, build_tiny_wan22, build_tiny_wan22_ti2v
-from rollout.pipelines.tiny.wan_i2v import build_tiny_wan22_i2v, build_tiny_wan_i2v
-from rollout.pipelines.tiny.z_image import TinyZImageSizes, build_tiny_z_image
 
 # Family name -> builder(path, seed=0) -> path, from the family descriptors.
 TINY_BUILDERS = {family.name: family.build_tiny for family in FAMILIES}
+# The families' tiny modules (`rollout/pipelines/families/<folder>/tiny.py`), whose builders and
+# sizes (`build_tiny_sd3`, `TinySD3Sizes`) this package hands out by name.
+TINY_MODULES = tuple(dict.fromkeys(family.tiny_builder.rpartition(".")[0] for family in FAMILIES))
 
-__all__ = [
-    "TINY_BUILDERS",
-    "TinyFlux2KleinSizes",
-    "TinyFluxSizes",
-    "TinyHunyuanVideo15Sizes",
-    "TinyLTX2Sizes",
-    "TinyQwenImage21Sizes",
-    "TinyQwenImageSizes",
-    "TinySD3Sizes",
-    "TinyWanSizes",
-    "TinyZImageSizes",
-    "build_tiny_flux",
-    "build_tiny_flux_kontext",
-    "build_tiny_flux2_dev",
-    "build_tiny_flux2_klein",
-    "build_tiny_hunyuan_video15",
-    "build_tiny_hunyuan_video15_i2v",
-    "build_tiny_ltx2",
-    "build_tiny_ltx2_i2v",
-    "build_tiny_qwen_image",
-    "build_tiny_qwen_image21",
-    "build_tiny_qwen_image_edit",
-    "build_tiny_qwen_image_edit_plus",
-    "build_tiny_sd3",
-    "build_tiny_wan",
-    "build_tiny_wan22",
-    "build_tiny_wan22_ti2v",
-    "build_tiny_wan_i2v",
-    "build_tiny_wan22_i2v",
-    "build_tiny_z_image",
-]
+__all__ = ["TINY_BUILDERS", "TINY_MODULES", "main"]
+
+
+def __getattr__(name: str):
+    """A family's tiny builder or sizes (`from rollout.pipelines.tiny import build_tiny_sd3`), from
+    its folder's tiny module, imported when first named: those modules import this package's shared
+    parts (tokenizers, text encoders, saving), so importing them here up front would be circular."""
+    if name.startswith(("build_", "Tiny")):
+        for module_name in TINY_MODULES:
+            module = importlib.import_module(module_name)
+            if name in vars(module):
+                return vars(module)[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -42,22 +42,37 @@ def make_causal_decoder_colour_faithful(vae) -> None:
     """For the causal 3D decoder of `AutoencoderKLQwenImage`. Its output norm keeps only each
     pixel's direction in feature space, so the colour follows which latent channels dominate."""
     decoder = vae.decoder
+    latent_channels = pass_latents_through_causal_resnets(vae, torch.nn.Conv3d)
+    for block in decoder.up_blocks:
+        for upsampler in block.upsamplers or []:
+            conv = upsampler.resample[1]  # after the nearest-neighbour upsample
+            add_identity(conv, conv.out_channels)
+    quiet_causal_attention(decoder)
+    paint_colours(decoder.conv_out, latent_channels)
+
+
+def pass_latents_through_causal_resnets(vae, shortcut_class: type) -> int:
+    """The part every causal decoder (Qwen-Image's, Qwen-Image 2.1's) shares: the post-quant and
+    input convs copy the latents into the first feature channels and the residual blocks stay near
+    identity, their channel-changing shortcuts (of `shortcut_class`) passing on the channels both
+    sides have. Returns the number of latent channels."""
+    decoder = vae.decoder
     latent_channels = decoder.conv_in.in_channels
     add_identity(vae.post_quant_conv, latent_channels, texture=0.0)
     add_identity(decoder.conv_in, latent_channels)
     for resnet in [*decoder.mid_block.resnets, *(r for block in decoder.up_blocks for r in block.resnets)]:
         add_identity(resnet.conv2, 0)
-        if isinstance(resnet.conv_shortcut, torch.nn.Conv3d):  # channels change: pass the ones both sides have
+        if isinstance(resnet.conv_shortcut, shortcut_class):  # channels change: pass the ones both sides have
             shortcut = resnet.conv_shortcut
             add_identity(shortcut, min(shortcut.in_channels, shortcut.out_channels), texture=0.0)
-    for block in decoder.up_blocks:
-        for upsampler in block.upsamplers or []:
-            conv = upsampler.resample[1]  # after the nearest-neighbour upsample
-            add_identity(conv, conv.out_channels)
+    return latent_channels
+
+
+def quiet_causal_attention(decoder) -> None:
+    """A causal decoder's mid-block attention keeps a tenth of its output projection, no bias."""
     for attention in decoder.mid_block.attentions:
         attention.proj.weight.mul_(TEXTURE_SCALE)
         attention.proj.bias.zero_()
-    paint_colours(decoder.conv_out, latent_channels)
 
 
 def add_identity(conv: torch.nn.Module, channels: int, texture: float = TEXTURE_SCALE) -> None:

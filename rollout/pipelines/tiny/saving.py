@@ -44,16 +44,20 @@ def save(pipeline, path: Path, dtype: torch.dtype, sampling_defaults: SamplingDe
 
 
 def builder_digest() -> str:
-    """SHA-256 of the tiny builders' source (every module of this package) and of the versions of the
-    libraries whose classes and random initialisation they use: any change to how a tiny pipeline is
-    made changes it (a changed comment too, which costs one needless rebuild; a version number bumped
-    by hand would be forgotten, as the Qwen edit VAE's rebuild showed). An upgraded diffusers can
+    """SHA-256 of the tiny builders' source (every module of this package and every family folder's
+    `tiny.py`) and of the versions of the libraries whose classes and random initialisation they
+    use: any change to how a tiny pipeline is made changes it (a changed comment too, which costs one
+    needless rebuild; a version number bumped by hand would be forgotten, as the Qwen edit VAE's
+    rebuild showed). An upgraded diffusers can
     save a class's config with other fields and defaults, so a folder saved by the old one is stale."""
     digest = hashlib.sha256()
     for library in BUILDING_LIBRARIES:
         digest.update(f"{library}=={importlib.metadata.version(library)}\0".encode())
-    for module in sorted(Path(__file__).parent.glob("*.py")):
-        digest.update(module.name.encode() + b"\0" + module.read_bytes() + b"\0")
+    pipelines = Path(__file__).parents[1]
+    modules = sorted(pipelines.glob("tiny/*.py")) + sorted(pipelines.glob("families/*/tiny.py"))
+    for module in modules:
+        name = module.relative_to(pipelines).as_posix()
+        digest.update(name.encode() + b"\0" + module.read_bytes() + b"\0")
     return digest.hexdigest()
 
 

@@ -2,6 +2,31 @@
 
 from __future__ import annotations
 
+# A Qwen-VL vision tower of one block, 16 wide: the tiny edit pipelines' input images pass through it.
+TINY_VISION_TOWER = {"depth": 1, "hidden_size": 16, "intermediate_size": 16, "num_heads": 2}
+
+
+def vision_markers(markers: list[int]) -> dict:
+    """A Qwen-VL config's vision token ids: start, end, image, video (`markers`, in that order)."""
+    start, end, image, video = markers
+    return {
+        "vision_start_token_id": start,
+        "vision_end_token_id": end,
+        "image_token_id": image,
+        "video_token_id": video,
+    }
+
+
+def text_model_sizes(tokenizer, width: int, layers: int) -> dict:
+    """What every tiny language model's config shares: the tokenizer's vocabulary, `layers` layers of
+    `width` with MLPs twice as wide."""
+    return {
+        "vocab_size": len(tokenizer),
+        "hidden_size": width,
+        "intermediate_size": 2 * width,
+        "num_hidden_layers": layers,
+    }
+
 
 def clip_text_encoder(tokenizer, hidden_size: int, layers: int, with_projection: bool):
     """CLIP's text model (`CLIPTextModelWithProjection` as SD3 has, or `CLIPTextModel` as FLUX has)."""
@@ -74,10 +99,7 @@ def qwen25_vl_encoder(tokenizer, width: int, layers: int, reads_images: bool = F
         markers = [vocab_size, vocab_size + 1, vocab_size + 2, vocab_size + 3]
     config = Qwen2_5_VLConfig(
         text_config={
-            "vocab_size": vocab_size,
-            "hidden_size": width,
-            "intermediate_size": 2 * width,
-            "num_hidden_layers": layers,
+            **text_model_sizes(tokenizer, width, layers),
             "num_attention_heads": heads,
             "num_key_value_heads": heads,
             "max_position_embeddings": 2048,
@@ -86,17 +108,8 @@ def qwen25_vl_encoder(tokenizer, width: int, layers: int, reads_images: bool = F
             "bos_token_id": tokenizer.pad_token_id,
             "eos_token_id": tokenizer.pad_token_id,
         },
-        vision_config={
-            "depth": 1,
-            "hidden_size": 16,
-            "intermediate_size": 16,
-            "num_heads": 2,
-            "out_hidden_size": width,
-        },
-        vision_start_token_id=markers[0],
-        vision_end_token_id=markers[1],
-        image_token_id=markers[2],
-        video_token_id=markers[3],
+        vision_config=TINY_VISION_TOWER | {"out_hidden_size": width},
+        **vision_markers(markers),
     )
     return Qwen2_5_VLForConditionalGeneration(config)
 
@@ -109,10 +122,7 @@ def qwen3_encoder(tokenizer, width: int, layers: int):
 
     heads = max(2, width // 128)
     config = Qwen3Config(
-        vocab_size=len(tokenizer),
-        hidden_size=width,
-        intermediate_size=2 * width,
-        num_hidden_layers=layers,
+        **text_model_sizes(tokenizer, width, layers),
         num_attention_heads=heads,
         num_key_value_heads=max(1, heads // 4),
         head_dim=width // heads,
@@ -135,10 +145,7 @@ def mistral3_encoder(tokenizer, width: int, layers: int):
     config = Mistral3Config(
         text_config={
             "model_type": "mistral",
-            "vocab_size": len(tokenizer),
-            "hidden_size": width,
-            "intermediate_size": 2 * width,
-            "num_hidden_layers": layers,
+            **text_model_sizes(tokenizer, width, layers),
             "num_attention_heads": heads,
             "num_key_value_heads": max(1, heads // 4),
             "head_dim": width // heads,
@@ -169,10 +176,7 @@ def gemma3_encoder(tokenizer, width: int, layers: int):
 
     config = Gemma3Config(
         text_config={
-            "vocab_size": len(tokenizer),
-            "hidden_size": width,
-            "intermediate_size": 2 * width,
-            "num_hidden_layers": layers,
+            **text_model_sizes(tokenizer, width, layers),
             "num_attention_heads": 2,
             "num_key_value_heads": 1,
             "head_dim": width // 2,

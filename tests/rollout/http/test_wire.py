@@ -117,7 +117,7 @@ def test_malformed_safetensors_are_wire_errors(data, message):
 
 def test_frames_cannot_name_classes_outside_the_families():
     decoder = OutputDecoder()
-    for name in ("os.system", "builtins.eval", "rollout.pipelines.sd3.SD3Adapter"):
+    for name in ("os.system", "builtins.eval", "rollout.pipelines.families.sd3.adapter.SD3Adapter"):
         [(fields, tensors)] = FrameReader().feed(frame("embeds", {"key": "e0", "class": name}))
         with pytest.raises(WireError):
             decoder.decode(fields, tensors)

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from rollout import EngineConfig, RolloutEngine, SamplingParams
-from rollout.pipelines.qwen_image import QwenImageEmbeds
-from rollout.pipelines.sd3 import SD3Embeds
+from rollout.pipelines.families.qwen_image.adapter import QwenImageEmbeds
+from rollout.pipelines.families.sd3.adapter import SD3Embeds
 from tests.families import FAMILIES, input_image, matrix
 
 pytestmark = pytest.mark.timeout(180)

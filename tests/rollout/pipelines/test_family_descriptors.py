@@ -23,7 +23,7 @@ from rollout import SamplingParams
 from rollout.imports import import_by_path
 from rollout.pipelines import loading
 from rollout.pipelines.adapter import PipelineAdapter
-from rollout.pipelines.families import FAMILIES, family_named, family_names
+from rollout.pipelines.families import FAMILIES, FOLDERS, family_named, family_names
 from rollout.pipelines.family import Family
 from rollout.pipelines.guidance import GUIDANCE_FIELDS
 from rollout.pipelines.tiny import TINY_BUILDERS
@@ -33,16 +33,17 @@ ROOT = Path(__file__).resolve().parents[3]
 NAMES = family_names()
 
 
-def _family_modules():
-    """Every module directly under rollout/pipelines (the tiny package is its builders' own)."""
-    for info in pkgutil.iter_modules(rollout.pipelines.__path__):
-        if not info.ispkg:
-            yield importlib.import_module(f"rollout.pipelines.{info.name}")
+def _pipeline_modules():
+    """Every module of rollout/pipelines, the family folders' too (the tiny package's builders
+    are the families' own tiny modules); not the tiny package's `__main__`, which builds."""
+    for info in pkgutil.walk_packages(rollout.pipelines.__path__, "rollout.pipelines."):
+        if not info.name.endswith(".__main__"):
+            yield importlib.import_module(info.name)
 
 
-def test_every_adapter_is_in_the_tuple_and_every_descriptor_only_there():
+def test_every_adapter_is_in_the_tuple_and_every_descriptor_in_its_folder():
     adapters, descriptors = set(), []
-    for module in _family_modules():
+    for module in _pipeline_modules():
         for value in vars(module).values():
             if inspect.isclass(value) and issubclass(value, PipelineAdapter) and not inspect.isabstract(value):
                 if value.__module__ == module.__name__:
@@ -50,9 +51,17 @@ def test_every_adapter_is_in_the_tuple_and_every_descriptor_only_there():
             elif isinstance(value, Family):
                 descriptors.append(value)
     assert adapters == {family.adapter for family in FAMILIES}
-    assert descriptors == []  # declared in the tuple only, none beside an adapter
-    for family in FAMILIES:  # the descriptor names its adapter's pipeline class (read without importing it)
+    assert descriptors == []  # declared in the folders' family.yaml only, none beside an adapter
+    for family in FAMILIES:  # its adapter and builders are its folder's
+        folder = family.adapter_class.rsplit(".", 2)[0]
+        assert family.tiny_builder.startswith(f"{folder}.tiny.")
+        # the descriptor names its adapter's pipeline class (read without importing it)
         assert family.adapter.pipeline_class == family.pipeline_class
+
+
+def test_every_family_folder_is_in_the_table():
+    folders = {path.parent.name for path in (ROOT / "rollout/pipelines/families").glob("*/family.yaml")}
+    assert set(FOLDERS) == folders and len(FOLDERS) == len(folders)
 
 
 def test_names_are_unique_and_lookups_derive_from_the_tuple():
@@ -86,13 +95,14 @@ def test_every_preset_and_tiny_builder_names_a_function(family):
 
 def test_every_familys_tiny_builder_is_importable_from_the_tiny_package():
     """The docs import builders as `from rollout.pipelines.tiny import build_tiny_...`: every family's
-    builder is there, and listed in `__all__`."""
+    builder is there, handed out from its folder's tiny module."""
     import rollout.pipelines.tiny as tiny
 
     for family in FAMILIES:
         name = family.tiny_builder.rpartition(".")[2]
-        assert getattr(tiny, name, None) is import_by_path(family.tiny_builder, "builder"), family.name
-        assert name in tiny.__all__, family.name
+        assert getattr(tiny, name) is import_by_path(family.tiny_builder, "builder"), family.name
+    with pytest.raises(AttributeError, match="has no attribute 'build_tiny_sdxl'"):
+        tiny.build_tiny_sdxl  # noqa: B018
 
 
 @pytest.mark.timeout(120)

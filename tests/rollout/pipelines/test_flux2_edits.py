@@ -13,7 +13,7 @@ import torch
 
 from rollout import EngineConfig, RolloutEngine
 from rollout.input_images import InputImages
-from rollout.pipelines.flux2 import Flux2KleinImages
+from rollout.pipelines.families.flux2.adapter import Flux2KleinImages
 from rollout.pipelines.loading import load_adapter
 from rollout.rescoring import RATIO_TOLERANCE, recompute_log_probs
 from tests.families import FAMILIES, input_image

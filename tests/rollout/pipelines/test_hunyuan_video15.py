@@ -15,8 +15,8 @@ import torch
 
 from rollout import EngineConfig, RolloutEngine, SamplingParams
 from rollout.input_images import InputImages
+from rollout.pipelines.families.hunyuan_video15.tiny import HUNYUAN15_GUIDANCE
 from rollout.pipelines.loading import load_adapter
-from rollout.pipelines.tiny.hunyuan_video15 import HUNYUAN15_GUIDANCE
 from rollout.rescoring import RATIO_TOLERANCE, recompute_log_probs
 from tests.families import VIDEO_FAMILIES, input_image
 
@@ -175,7 +175,7 @@ def test_the_first_frame_sets_the_size_and_is_encoded_once_per_group(hunyuan):
 def test_unsupported_guiders_and_meanflow_are_refused_when_the_folder_loads(hunyuan):
     from diffusers import ClassifierFreeGuidance
 
-    from rollout.pipelines.hunyuan_video15 import HunyuanVideo15ImageToVideoAdapter, check_guider
+    from rollout.pipelines.families.hunyuan_video15.adapter import HunyuanVideo15ImageToVideoAdapter, check_guider
 
     family, _, pipeline, _ = hunyuan
     check_guider(ClassifierFreeGuidance(guidance_scale=6.0), family.pipeline_class)  # the published one

@@ -12,8 +12,8 @@ from transformers import Qwen2VLProcessor
 from transformers.utils import is_torchvision_available
 
 from rollout.input_images import InputImages
+from rollout.pipelines.families.qwen_image_edit.tiny import VISION_MERGE, tiny_processor
 from rollout.pipelines.qwen_vl_processor import Qwen2VLImageTextProcessor, load_qwen_vl_processor
-from rollout.pipelines.tiny.qwen_image_edit import VISION_MERGE, tiny_processor
 from tests.families import input_image
 
 pytestmark = pytest.mark.timeout(60)
