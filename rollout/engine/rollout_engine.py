@@ -535,7 +535,7 @@ class RolloutEngine:
         """Join a trainer's broadcast group: worker r becomes group rank `rank_offset + r`; the
         trainer is rank 0 and hosts the store at master_address:master_port. Blocks until every
         rank has joined, so the trainer joins concurrently (see
-        `trainers_adapters.weight_broadcast.WeightBroadcaster`). Returns the workers' group ranks."""
+        `trainers_adapters.weights.broadcast.WeightBroadcaster`). Returns the workers' group ranks."""
         return self.hot_swap.init_weight_update_group(
             master_address, master_port, rank_offset, world_size, backend, timeout_s
         )
