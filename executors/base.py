@@ -28,8 +28,8 @@ from rollout.config import EngineConfig
 from rollout.errors import EngineDeadError, WorkerError, interrupted_reason
 from rollout.messages import RunnerOutput, SchedulerOutput, WorkerInput
 from rollout.weights.handed_over import HandedOver
-from rollout.worker.marks import STAGES_WEIGHTS, mark_of, worker_functions
-from rollout.worker.worker import build_worker_class, call_function
+from rollout.worker.marks import STAGES_WEIGHTS, mark_of, name_on_the_wire, worker_functions
+from rollout.worker.worker import Worker, build_worker_class, call_function
 
 logger = logging.getLogger(__name__)
 
@@ -162,18 +162,20 @@ class Executor:
                 f"or None for rpc_timeout_s; got {timeout!r}"
             )
         self._check_alive()
-        name, _ = self.resolve_method(method)
+        name, function = self.resolve_method(method)
         ranks = self.resolve_ranks(ranks)
         timeout = self.config.rpc_timeout_s if timeout is None else timeout
         args, kwargs = worker_arguments((tuple(args), dict(kwargs or {})), copy=self.shares_memory)
+        # A worker function (by name or by reference) travels as its name; any other callable whole.
+        sent = function if name_on_the_wire(self.worker_cls, method) is None else name
         try:
-            return self._collective_rpc(name, method, args, kwargs, timeout, ranks)
+            return self._collective_rpc(name, sent, args, kwargs, timeout, ranks)
         except EngineDeadError as error:
             self._die(str(error))
 
     def check_health(self) -> None:
         """Raise if any worker cannot serve."""
-        self.collective_rpc("check_health")
+        self.collective_rpc(Worker.check_health)
 
     def shutdown(self) -> None:
         """Stop every worker and free their resources. Idempotent."""
@@ -205,7 +207,8 @@ class Executor:
 
     def _send_rpc(self, name: str, method: str | Callable, args: tuple, kwargs: dict, ranks: list[int]) -> dict:
         """Send every rank in `ranks` the call `method(worker, *args, **kwargs)` (`method`: a worker
-        method name or a callable; `name` is for messages); rank -> pending call."""
+        function's name, which the worker looks up on its class, or any other callable; `name` is
+        for messages); rank -> pending call."""
         raise NotImplementedError
 
     def _gather(self, name: str, pending: dict[int, Any], timeout: float) -> dict[int, Any]:
@@ -416,8 +419,10 @@ class Executor:
         return answers[min(failed)] if failed else None
 
     def resolve_method(self, method: str | Callable) -> tuple[str, Callable]:
-        """(name for messages, function taking the worker first) for a method name or a callable.
-        A `@stages_weights` function is refused: called alone it would apply nothing."""
+        """(name for messages, function taking the worker first) for a worker function's name, a
+        reference to one (`Worker.sleep`, a method of the extension: named as by its name), or any
+        other callable. A `@stages_weights` function is refused: called alone it would apply nothing."""
+        name = name_on_the_wire(self.worker_cls, method)
         if isinstance(method, str):
             available = worker_functions(self.worker_cls)
             if method not in available:
@@ -425,7 +430,9 @@ class Executor:
                     f"unknown worker method {method!r}; available: {sorted(available)} "
                     "(add your own with EngineConfig(worker_extension_cls=...) or pass a callable)"
                 )
-            name, function = method, getattr(self.worker_cls, method)
+            function = getattr(self.worker_cls, method)
+        elif name is not None:
+            function = method
         elif callable(method):
             name, function = getattr(method, "__qualname__", repr(method)), method
         else:

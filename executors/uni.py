@@ -57,7 +57,8 @@ class UniExecutor(Executor):
         return self._thread.submit(_until_stopped, self.worker, self.worker_cls.execute, (work,), {})
 
     def _send_rpc(self, name: str, method: str | Callable, args: tuple, kwargs: dict, ranks: list[int]) -> dict:
-        _, fn = self.resolve_method(method)
+        # Resolved and checked once, by the base: a name is looked up as a worker process looks it up.
+        fn = getattr(self.worker_cls, method) if isinstance(method, str) else method
         return {0: self._thread.submit(_until_stopped, self.worker, fn, args, kwargs)}
 
     def _gather(self, name: str, pending: dict[int, Future], timeout: float) -> dict[int, Any]:

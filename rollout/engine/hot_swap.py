@@ -26,6 +26,7 @@ from rollout.weights.state import TensorSpec
 from rollout.weights.sync import StagedPush, WeightSync
 from rollout.weights.versions import WeightVersions
 from rollout.worker.marks import staging_function
+from rollout.worker.worker import Worker
 
 if TYPE_CHECKING:
     from rollout.config import EngineConfig
@@ -238,7 +239,7 @@ class HotSwap:
                 f"world_size={world_size}, with rank 0 for the trainer; got rank_offset={rank_offset}"
             )
         args = (master_address, master_port, rank_offset, world_size, backend, timeout_s)
-        return self.collective_rpc("init_weight_update_group", args=args, timeout=timeout_s + 30)
+        return self.collective_rpc(Worker.init_weight_update_group, args=args, timeout=timeout_s + 30)
 
     @implements(RolloutAPI.update_weights_from_distributed)
     def update_weights_from_distributed(
@@ -268,7 +269,7 @@ class HotSwap:
         """SHA-256 of every weight of `component`; raises if the ranks disagree."""
         self._check_component(component)
         self.check_awake()
-        digests = self.collective_rpc("weights_checksum", args=(component,))
+        digests = self.collective_rpc(Worker.weights_checksum, args=(component,))
         if len(set(digests)) != 1:
             raise RuntimeError(f"ranks hold different weights of {component}: checksums {digests}")
         return digests[0]
@@ -308,7 +309,8 @@ class HotSwap:
         kept = f"the {name!r} it had" if name in self._loras else f"no adapter named {name!r}"
         try:
             bound = self.collective_rpc(
-                "stage_lora", args=(name, source if isinstance(source, str) else dict(source), config, check_finite)
+                Worker.stage_lora,
+                args=(name, source if isinstance(source, str) else dict(source), config, check_finite),
             )
             if repeat:
                 self._drop_repeated_lora(name, version)
@@ -328,15 +330,15 @@ class HotSwap:
         except BaseException:
             # A dead engine refuses at once (its workers are gone with what they staged).
             with contextlib.suppress(Exception):
-                self.collective_rpc("rollback_lora", args=(name,))
+                self.collective_rpc(Worker.rollback_lora, args=(name,))
             raise
         try:
-            self.collective_rpc("commit_lora", args=(name,))
+            self.collective_rpc(Worker.commit_lora, args=(name,))
         except (TimeoutError, WorkerError) as error:
             # Some ranks may have switched: they must not disagree on what `name` means.
             self._loras.pop(name, None)
             try:
-                self.collective_rpc("discard_lora", args=(name,))
+                self.collective_rpc(Worker.discard_lora, args=(name,))
             except (TimeoutError, WorkerError) as discard_error:
                 why = f"committing LoRA {name!r} failed ({error}) and unloading it failed too ({discard_error})"
                 dead = EngineDeadError(f"{why}: ranks may disagree on what {name!r} is; create a new engine")
@@ -354,7 +356,7 @@ class HotSwap:
         server that held it), and is dropped; otherwise it is refused (ValueError), as any push that
         would give the current version other weights."""
         repeats = name in self._loras and all(self.collective_rpc(_stages_the_live_lora, args=(name,)))
-        self.collective_rpc("rollback_lora", args=(name,))
+        self.collective_rpc(Worker.rollback_lora, args=(name,))
         if not repeats:
             raise self.versions.current_taken(version)
         logger.debug("LoRA %r repeated under the current version %d: nothing changed", name, version)
@@ -364,7 +366,7 @@ class HotSwap:
         before this runs there). A rollback that fails leaves ranks that may disagree: dead."""
         wait = max(self.config.rpc_timeout_s, self.config.step_timeout_s)
         try:
-            self.collective_rpc("rollback_lora", args=(name,), timeout=wait)
+            self.collective_rpc(Worker.rollback_lora, args=(name,), timeout=wait)
         except (TimeoutError, WorkerError) as error:
             raise self._dead_after("load_lora", f"rolling it back failed too ({error})") from cause
 
@@ -377,7 +379,7 @@ class HotSwap:
         if users:
             raise RuntimeError(f"{len(users)} unfinished requests use LoRA {name!r}; finish or abort them first")
         try:
-            self.collective_rpc("unload_lora", args=(name,))
+            self.collective_rpc(Worker.unload_lora, args=(name,))
         except TimeoutError as error:
             raise self._reread_after("unload_lora", error) from error
         del self._loras[name]
@@ -409,7 +411,7 @@ class HotSwap:
                 f"cannot sleep with {unfinished} unfinished requests; step() them to completion or abort() them first"
             )
         try:
-            self.collective_rpc("sleep", args=(level,))
+            self.collective_rpc(Worker.sleep, args=(level,))
         except TimeoutError as error:
             raise self._reread_after("sleep", error) from error
         self.sleep_level = max(self.sleep_level, level)
@@ -421,7 +423,7 @@ class HotSwap:
             return
         deepest = self.sleep_level
         try:
-            self.collective_rpc("wake_up")
+            self.collective_rpc(Worker.wake_up)
         except TimeoutError as error:
             timeout = self._reread_after("wake_up", error)
             if self.sleep_level == 0:  # the late call woke them
@@ -445,14 +447,14 @@ class HotSwap:
         # The read waits behind the late call; give it as long as a step may take.
         wait = max(self.config.rpc_timeout_s, self.config.step_timeout_s)
         try:
-            states = self.collective_rpc("hot_swap_state", timeout=wait)
+            states = self.collective_rpc(Worker.hot_swap_state, timeout=wait)
         except (TimeoutError, WorkerError) as reread_error:
             raise self._dead_after(method, f"their state could not be read back ({reread_error})") from error
         names = [set(state["loras"]) for state in states]
         split = sorted(set.union(*names) - set.intersection(*names))
         if split:
             for name in split:
-                self.collective_rpc("discard_lora", args=(name,))
+                self.collective_rpc(Worker.discard_lora, args=(name,))
         levels = {state["sleep_level"] for state in states}
         if len(levels) > 1:
             raise self._dead_after(method, f"ranks are at different sleep levels {sorted(levels)}") from error

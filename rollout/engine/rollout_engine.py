@@ -36,8 +36,10 @@ from rollout.node_id import NodeId
 from rollout.outputs import RequestTimings, RolloutOutput
 from rollout.sampling_params import SamplingParams
 from rollout.seeding import derive_seed, fresh_base_seed
+from rollout.worker.marks import name_on_the_wire
 from rollout.worker.sent_conditions import ReceivedConditions
 from rollout.worker.work_profile import WorkProfile, measure_work
+from rollout.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +70,7 @@ class RolloutEngine:
         self.config = config
         self.executor = check_engine_config(config)(config)  # before any worker starts
         try:
-            self.model_spec = self.executor.collective_rpc("model_spec")[0]
+            self.model_spec = self.executor.collective_rpc(Worker.model_spec)[0]
             # What a request's units of work would take here, measured once on every rank (admission by work).
             profiles = self.executor.collective_rpc(measure_work, timeout=config.startup_timeout_s)
         except BaseException:
@@ -443,7 +445,7 @@ class RolloutEngine:
         )
         if self._step_observers:
             wall_s = time.perf_counter() - start
-            name = method if isinstance(method, str) else getattr(method, "__qualname__", repr(method))
+            name = name_on_the_wire(self.executor.worker_cls, method) or getattr(method, "__qualname__", repr(method))
             self._notify(StepReport(kind="rpc", name=name, wall_s=wall_s, execute_s=wall_s))
         return results
 

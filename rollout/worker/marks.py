@@ -103,6 +103,17 @@ def worker_functions(worker_cls: type) -> set[str]:
     return {name for name in dir(worker_cls) if not name.startswith("_") and callable(getattr(worker_cls, name))}
 
 
+def name_on_the_wire(worker_cls: type, method: str | Callable) -> str | None:
+    """The name a worker function travels under to the workers, who look it up on their class:
+    `method` itself for a name; its name for a reference to a function of `worker_cls`
+    (`Worker.stage_weights`, a method of the `worker_extension_cls`), so an engine names its
+    calls by reference and still sends a name; None for any other callable (sent whole)."""
+    if isinstance(method, str):
+        return method
+    name = getattr(method, "__name__", None)  # a callable object may have none: it is sent whole
+    return name if isinstance(name, str) and getattr(worker_cls, name, None) is method else None
+
+
 def functions_marked(worker_cls: type, mark: str) -> frozenset[str]:
     """The worker functions of `worker_cls` that carry `mark`."""
     return frozenset(name for name in worker_functions(worker_cls) if mark_of(getattr(worker_cls, name)) == mark)

@@ -472,3 +472,37 @@ def test_an_engine_rpc_timeout_leaves_the_engine_serving(engine):
         engine.collective_rpc("get_rank", timeout=1.0)
     assert engine.dead is None
     assert engine.collective_rpc("get_rank") == [0, 1, "back"]
+
+
+class RecordingSends(ScriptedExecutor):
+    """Records the (name, method) of every call the base sends."""
+
+    def __init__(self, config: EngineConfig):
+        self.sends: list[tuple[str, object]] = []
+        super().__init__(config)
+
+    def _send_rpc(self, name, method, args, kwargs, ranks):
+        self.sends.append((name, method))
+        return super()._send_rpc(name, method, args, kwargs, ranks)
+
+
+def test_a_worker_function_named_by_reference_travels_as_its_name(config):
+    from rollout.worker.worker import Worker
+
+    def rank_of(worker):
+        return worker.rank
+
+    executor = RecordingSends(config)
+    try:
+        assert executor.collective_rpc(Worker.get_rank) == [0, 1, 2]
+        assert executor.collective_rpc("get_rank") == [0, 1, 2]
+        assert executor.collective_rpc(rank_of) == [0, 1, 2]
+        assert executor.sends[-3:] == [
+            ("get_rank", "get_rank"),
+            ("get_rank", "get_rank"),
+            (rank_of.__qualname__, rank_of),
+        ]
+        with pytest.raises(ValueError, match="unknown worker method 'no_such_function'"):
+            executor.collective_rpc("no_such_function")
+    finally:
+        executor.shutdown()

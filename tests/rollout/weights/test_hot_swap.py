@@ -38,7 +38,8 @@ class FakeWorkers:
         self.calls: list[str] = []
         self.script: dict[str, BaseException] = {}
 
-    def rpc(self, method: str, args=(), kwargs=None, timeout=None, ranks=None):
+    def rpc(self, method, args=(), kwargs=None, timeout=None, ranks=None):
+        method = method if isinstance(method, str) else method.__name__  # `Worker.sleep` travels as "sleep"
         self.calls.append(method)
         results = []
         for index in ranks if ranks is not None else range(len(self.ranks)):
