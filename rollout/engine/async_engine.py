@@ -26,9 +26,9 @@ from typing import Any
 
 from rollout.api import AsyncRolloutAPI, implements
 from rollout.engine.rollout_engine import RolloutEngine
+from rollout.engine.weight_sync import StagedPush
 from rollout.errors import EngineDeadError, RequestFailedError
 from rollout.outputs import RolloutOutput
-from rollout.weights.sync import StagedPush
 
 logger = logging.getLogger(__name__)
 

@@ -19,12 +19,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from rollout.api import DEFAULT_BUCKET_BYTES, DEFAULT_COMPONENT, RolloutAPI, implements
+from rollout.engine.weight_sync import StagedPush, WeightSync
+from rollout.engine.weight_versions import WeightVersions
 from rollout.errors import EngineDeadError, WorkerError
 from rollout.weights.broadcast_group import BroadcastEntry
 from rollout.weights.safetensors_files import safetensors_files
 from rollout.weights.state import TensorSpec
-from rollout.weights.sync import StagedPush, WeightSync
-from rollout.weights.versions import WeightVersions
 from rollout.worker.marks import staging_function
 from rollout.worker.worker import Worker
 
@@ -110,7 +110,7 @@ class HotSwap:
         `mode="pause"`: the update applies now, between two steps, and running requests continue
         on the new weights (`RolloutOutput.weight_versions` lists both).
         The version becomes `version`, or the current one plus 1; a `version` below the current one
-        is refused unless the engine held it before (`rollout.weights.versions`). Workers keep copies
+        is refused unless the engine held it before (`rollout.engine.weight_versions`). Workers keep copies
         of the tensors, so the caller may change them at once; tensors wrapped in `HandedOver` (a
         caller that never touches them again) are kept as they are where the workers run in this
         process.

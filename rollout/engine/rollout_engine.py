@@ -23,6 +23,7 @@ from rollout.api import RolloutAPI, implements
 from rollout.config import EngineConfig
 from rollout.engine.config_check import check_engine_config
 from rollout.engine.hot_swap import HotSwap
+from rollout.engine.received_conditions import ReceivedConditions
 from rollout.engine.request import Request, RequestStatus, step_stream
 from rollout.engine.scheduler import Scheduler
 from rollout.engine.shared_conditions import SharedConditions
@@ -37,7 +38,6 @@ from rollout.outputs import RequestTimings, RolloutOutput
 from rollout.sampling_params import SamplingParams
 from rollout.seeding import derive_seed, fresh_base_seed
 from rollout.worker.marks import name_on_the_wire
-from rollout.worker.sent_conditions import ReceivedConditions
 from rollout.worker.work_profile import WorkProfile, measure_work
 from rollout.worker.worker import Worker
 
