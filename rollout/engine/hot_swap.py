@@ -2,9 +2,11 @@
 
 A `HotSwap` owns what the engine keeps of its workers' weights (the weight version, the loaded
 adapters, the sleep level, the text encoders' generation) and changes it only through the workers.
-It is built from the few engine callables it needs, so it is tested with a fake RPC; `RolloutEngine`
-delegates its hot-swap methods to it. Every method is a thin layer over `collective_rpc` plus that
-bookkeeping, and runs between engine steps.
+It is built over the executor (the workers' class and the config) and an `EngineControl`: what only
+the engine decides (its open and dead state, draining its running requests, its guarded
+`collective_rpc`); it is tested over fake ranks. `RolloutEngine` delegates its hot-swap methods to
+it. Every method is a thin layer over `collective_rpc` plus that bookkeeping, and runs between
+engine steps.
 """
 
 from __future__ import annotations
@@ -12,9 +14,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -29,50 +31,60 @@ from rollout.worker.marks import staging_function
 from rollout.worker.worker import Worker
 
 if TYPE_CHECKING:
-    from rollout.config import EngineConfig
     from rollout.engine.request import Request
+    from rollout.pipelines.spec import ModelSpec
 
 logger = logging.getLogger(__name__)
 
 _LORA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
-class HotSwap:
-    """The engine's weights, adapters and sleep, built from what it needs of the engine:
+class EngineControl(Protocol):
+    """What a `HotSwap` asks of its engine, which alone decides it: the engine's requests and its
+    life are its own (`RolloutEngine` gives one). Drains and deaths come in the middle of a hot
+    swap's protocol (a LoRA is staged on every rank before the running requests are drained, so
+    a refusal answers at once; ranks that may disagree after a failed commit end the engine), so
+    they are asked for there rather than sequenced around it."""
 
-    rpc: `collective_rpc(method, args=(), kwargs=None, timeout=None, ranks=None)` on the workers;
-    check_open: raises if the engine is shut down or dead;
-    drain: steps the running requests to the end (their outputs kept for the next step);
-    die: `die(EngineDeadError)` marks the engine dead and fails its requests;
-    unfinished: the unfinished requests;
-    config: the engine's `EngineConfig`;
-    check_component: raises ValueError unless its argument names a component of the model
-        (`ModelSpec.check_component`): checked before a call that names one sends anything;
-    worker_cls: the workers' class (`Worker` with the config's extension), whose functions are
-        checked before a call that names one sends anything.
-    """
-
-    def __init__(
+    def collective_rpc(
         self,
-        *,
-        rpc: Callable,
-        check_open: Callable[[], None],
-        drain: Callable[[], None],
-        die: Callable[[EngineDeadError], None],
-        unfinished: Callable[[], Collection[Request]],
-        config: EngineConfig,
-        check_component: Callable[[str], None],
-        worker_cls: type,
-    ):
-        self.collective_rpc = rpc
-        self._check_component = check_component
-        self._worker_cls = worker_cls
-        self._check_open = check_open
-        self._drain = drain
-        self._die = die
-        self._unfinished = unfinished
-        self.config = config
-        self._weight_sync = WeightSync(rpc)
+        method: str | Callable,
+        args: Sequence = (),
+        kwargs: dict | None = None,
+        timeout: float | None = None,
+        ranks: Sequence[int] | None = None,
+    ) -> list[Any]:
+        """The engine's call of a worker function on every rank: refused once the engine is shut
+        down or dead, the engine's death where the workers are gone, seen by its step observers."""
+
+    def check_open(self) -> None:
+        """Raise if the engine is shut down or dead."""
+
+    def finish_running_requests(self) -> None:
+        """Step the running requests to the end (their outputs kept for the next step)."""
+
+    def die(self, error: EngineDeadError) -> None:
+        """Mark the engine dead with `error` and fail its requests."""
+
+    def unfinished_requests(self) -> Collection[Request]:
+        """The engine's unfinished requests."""
+
+
+class HotSwap:
+    """The engine's weights, adapters and sleep, over `executor` (its `worker_cls`, whose functions
+    are checked before a call that names one sends anything, and its `config`), `model_spec` (a
+    component a call names is checked with it before anything is sent) and `engine`, what only the
+    engine decides (`EngineControl`)."""
+
+    # `executor`: the engine's `executors.Executor`, unannotated: rollout reaches executors only
+    # through `get_executor_class`.
+    def __init__(self, executor, model_spec: ModelSpec, engine: EngineControl):
+        self.engine = engine
+        self.collective_rpc = engine.collective_rpc
+        self._check_component = model_spec.check_component
+        self._worker_cls = executor.worker_cls
+        self.config = executor.config
+        self._weight_sync = WeightSync(self.collective_rpc)
         self.versions = WeightVersions()
         self.sleep_level = 0
         # Counts the changes of the text encoders' weights; the engine sends it with every step, and
@@ -115,7 +127,7 @@ class HotSwap:
         caller that never touches them again) are kept as they are where the workers run in this
         process.
         """
-        self._check_open()
+        self.engine.check_open()
         self._check_component(component)
         _check_bucket_bytes(bucket_bytes)
         push_args = (named_tensors, component, check_finite, bucket_bytes)
@@ -136,7 +148,7 @@ class HotSwap:
         every other weight update and sleep is refused (RuntimeError): they would stage beside it.
         `version`: the one `finish_weight_push` will be given, refused now if it may not be taken
         (and checked again then), so that a push refused for it is refused before its tensors come."""
-        self._check_open()
+        self.engine.check_open()
         self.check_awake()
         _check_bucket_bytes(bucket_bytes)
         if not self.versions.names_current(version):  # the current one only repeats: checked at the end
@@ -180,7 +192,7 @@ class HotSwap:
         repeat = self.versions.names_current(version)
         new_version = self.versions.current if repeat else self.versions.next(version)
         if mode == "wait":
-            self._drain()
+            self.engine.finish_running_requests()
         try:
             if repeat:
                 with self._weight_sync.only_if_unchanged(lambda: self.versions.current_taken(version)):
@@ -189,7 +201,7 @@ class HotSwap:
                 return new_version
             push(*push_args)
         except EngineDeadError as error:  # ranks that may disagree (weight_sync decides): stop serving
-            self._die(error)
+            self.engine.die(error)
             raise
         self.encoder_generation += 1
         self.versions.move_to(new_version)
@@ -201,7 +213,7 @@ class HotSwap:
         """`update_weights` from a .safetensors file or a diffusers component folder: every worker
         reads the files itself. Names, shapes and dtypes are checked from the file headers first,
         the values (`check_finite`) by the workers as they read them."""
-        self._check_open()
+        self.engine.check_open()
         self._check_component(component)
         files = safetensors_files(path)
         push_args = (files, component, check_finite)
@@ -218,7 +230,7 @@ class HotSwap:
         numbers of tensors, roll every rank back (ValueError for a refusal, the rank's
         `WorkerError` for a failure) and the weights and their version stay. `version` and `mode`
         as in `update_weights`."""
-        self._check_open()
+        self.engine.check_open()
         self._check_component(component)
         staging_function(self._worker_cls, method)
         push_args = (method, tuple(args), dict(kwargs or {}), component, check_finite)
@@ -232,7 +244,7 @@ class HotSwap:
         trainer is rank 0 and hosts the store at master_address:master_port. Blocks until every
         rank has joined, so the trainer joins concurrently (see
         `trainers_adapters.weight_broadcast.WeightBroadcaster`). Returns the workers' group ranks."""
-        self._check_open()
+        self.engine.check_open()
         if rank_offset < 1 or rank_offset + self.config.num_workers > world_size:
             raise ValueError(
                 f"the workers need group ranks rank_offset..rank_offset+{self.config.num_workers - 1} inside "
@@ -248,7 +260,7 @@ class HotSwap:
         """`update_weights` whose tensors the trainer broadcasts through the group (in this order, in
         buckets of `bucket_bytes`) while this call waits; names, dtypes and shapes are checked first,
         the values (`check_finite`) by the workers once received."""
-        self._check_open()
+        self.engine.check_open()
         self._check_component(component)
         _check_bucket_bytes(bucket_bytes)
         entries = _broadcast_entries(names, dtypes, shapes)
@@ -259,7 +271,7 @@ class HotSwap:
     def check_weight_update(self, names, dtypes, shapes, component) -> None:
         """Raise ValueError if an update with these tensors would be refused (a trainer checks before
         it broadcasts, so receivers are never left waiting for a refused update)."""
-        self._check_open()
+        self.engine.check_open()
         self._check_component(component)
         entries = _broadcast_entries(names, dtypes, shapes)
         self._weight_sync.check_specs({e.name: e.spec for e in entries}, component)
@@ -291,7 +303,7 @@ class HotSwap:
         the model, or (with `check_finite`) that holds NaN or infinity, is refused (ValueError) and
         the one loaded before stays.
         """
-        self._check_open()
+        self.engine.check_open()
         if not (isinstance(name, str) and _LORA_NAME.fullmatch(name)):
             raise ValueError(
                 f"a LoRA name is 1-64 letters, digits, '_' or '-' (PEFT keys its layers by it), got {name!r}"
@@ -326,7 +338,7 @@ class HotSwap:
                 f"loading LoRA {name!r} failed on rank {error.rank} ({error.error}); every rank keeps {kept}"
             ) from error
         try:
-            self._drain()
+            self.engine.finish_running_requests()
         except BaseException:
             # A dead engine refuses at once (its workers are gone with what they staged).
             with contextlib.suppress(Exception):
@@ -342,7 +354,7 @@ class HotSwap:
             except (TimeoutError, WorkerError) as discard_error:
                 why = f"committing LoRA {name!r} failed ({error}) and unloading it failed too ({discard_error})"
                 dead = EngineDeadError(f"{why}: ranks may disagree on what {name!r} is; create a new engine")
-                self._die(dead)
+                self.engine.die(dead)
                 raise dead from error
             raise RuntimeError(f"committing LoRA {name!r} failed ({error}); it is unloaded everywhere") from error
         self._loras[name] = bound[0]
@@ -372,10 +384,10 @@ class HotSwap:
 
     def unload_lora(self, name: str) -> None:
         """Remove adapter `name` from every worker and free its memory."""
-        self._check_open()
+        self.engine.check_open()
         if name not in self._loras:
             raise ValueError(f"no LoRA named {name!r} is loaded; loaded: {self.list_loras()}")
-        users = [r.request_id for r in self._unfinished() if r.params.lora == name]
+        users = [r.request_id for r in self.engine.unfinished_requests() if r.params.lora == name]
         if users:
             raise RuntimeError(f"{len(users)} unfinished requests use LoRA {name!r}; finish or abort them first")
         try:
@@ -401,11 +413,11 @@ class HotSwap:
         (wake-up restores it); level 2 keeps nothing (wake-up reloads the model folder's weights and
         resets `weight_version` to 0: push the trainer's weights again). Generating while asleep is
         an error; sleeping deeper is allowed, sleeping again at the same level does nothing."""
-        self._check_open()
+        self.engine.check_open()
         if level not in (1, 2):
             raise ValueError(f"sleep level must be 1 (offload weights) or 2 (discard them), got {level!r}")
         self._check_no_staged_push()
-        unfinished = len(self._unfinished())
+        unfinished = len(self.engine.unfinished_requests())
         if unfinished:
             raise RuntimeError(
                 f"cannot sleep with {unfinished} unfinished requests; step() them to completion or abort() them first"
@@ -418,7 +430,7 @@ class HotSwap:
 
     def wake_up(self) -> None:
         """Restore the weights after `sleep`; does nothing when awake."""
-        self._check_open()
+        self.engine.check_open()
         if self.sleep_level == 0:
             return
         deepest = self.sleep_level
@@ -469,7 +481,7 @@ class HotSwap:
 
     def _dead_after(self, method: str, why: str) -> EngineDeadError:
         dead = EngineDeadError(f"{method!r} timed out and {why}; create a new engine")
-        self._die(dead)
+        self.engine.die(dead)
         return dead
 
 

@@ -13,7 +13,7 @@ import itertools
 import logging
 import re
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -93,16 +93,7 @@ class RolloutEngine:
         self._tree_parts = SharedTreeParts()
         self._tree_ids = itertools.count()
         self._step_observers: list[Callable[[StepReport], None]] = []
-        self.hot_swap = HotSwap(
-            rpc=self.collective_rpc,
-            check_open=self._check_open,
-            drain=self._finish_running_requests,
-            die=self._die,
-            unfinished=lambda: self.scheduler.requests.values(),
-            config=config,
-            check_component=self.model_spec.check_component,
-            worker_cls=self.executor.worker_cls,
-        )
+        self.hot_swap = HotSwap(self.executor, self.model_spec, _HotSwapControl(self))
 
     # Generation.
 
@@ -634,6 +625,29 @@ class RolloutEngine:
             ),
             error=error,
         )
+
+
+@dataclasses.dataclass(frozen=True)
+class _HotSwapControl:
+    """What the engine's `HotSwap` asks of it (`rollout.engine.hot_swap.EngineControl`): the
+    engine's own calls, not part of its public surface."""
+
+    engine: RolloutEngine
+
+    def collective_rpc(self, method, args=(), kwargs=None, timeout=None, ranks=None) -> list[Any]:
+        return self.engine.collective_rpc(method, args=args, kwargs=kwargs, timeout=timeout, ranks=ranks)
+
+    def check_open(self) -> None:
+        self.engine._check_open()
+
+    def finish_running_requests(self) -> None:
+        self.engine._finish_running_requests()
+
+    def die(self, error: EngineDeadError) -> None:
+        self.engine._die(error)
+
+    def unfinished_requests(self) -> Collection[Request]:
+        return self.engine.scheduler.requests.values()
 
 
 def _node_named(target: str) -> NodeId | None:
