@@ -14,9 +14,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -31,43 +31,12 @@ from rollout.worker.marks import staging_function
 from rollout.worker.worker import Worker
 
 if TYPE_CHECKING:
-    from rollout.engine.request import Request
+    from rollout.engine.engine_control import EngineControl
     from rollout.pipelines.spec import ModelSpec
 
 logger = logging.getLogger(__name__)
 
 _LORA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
-
-
-class EngineControl(Protocol):
-    """What a `HotSwap` asks of its engine, which alone decides it: the engine's requests and its
-    life are its own (`RolloutEngine` gives one). Drains and deaths come in the middle of a hot
-    swap's protocol (a LoRA is staged on every rank before the running requests are drained, so
-    a refusal answers at once; ranks that may disagree after a failed commit end the engine), so
-    they are asked for there rather than sequenced around it."""
-
-    def collective_rpc(
-        self,
-        method: str | Callable,
-        args: Sequence = (),
-        kwargs: dict | None = None,
-        timeout: float | None = None,
-        ranks: Sequence[int] | None = None,
-    ) -> list[Any]:
-        """The engine's call of a worker function on every rank: refused once the engine is shut
-        down or dead, the engine's death where the workers are gone, seen by its step observers."""
-
-    def check_open(self) -> None:
-        """Raise if the engine is shut down or dead."""
-
-    def finish_running_requests(self) -> None:
-        """Step the running requests to the end (their outputs kept for the next step)."""
-
-    def die(self, error: EngineDeadError) -> None:
-        """Mark the engine dead with `error` and fail its requests."""
-
-    def unfinished_requests(self) -> Collection[Request]:
-        """The engine's unfinished requests."""
 
 
 class HotSwap:

@@ -629,7 +629,7 @@ class RolloutEngine:
 
 @dataclasses.dataclass(frozen=True)
 class _HotSwapControl:
-    """What the engine's `HotSwap` asks of it (`rollout.engine.hot_swap.EngineControl`): the
+    """What the engine's `HotSwap` asks of it (`rollout.engine.engine_control.EngineControl`): the
     engine's own calls, not part of its public surface."""
 
     engine: RolloutEngine
