@@ -26,15 +26,20 @@ from executors.replica_groups import GroupRendezvous, ReplicaLayout
 from rollout.api import RolloutAPI, implements, ranks_list
 from rollout.config import EngineConfig
 from rollout.errors import EngineDeadError, WorkerError, interrupted_reason
-from rollout.messages import RunnerOutput, SchedulerOutput, WorkerInput
+from rollout.messages import RunnerOutput, SchedulerOutput
 from rollout.weights.handed_over import HandedOver
-from rollout.worker.marks import STAGES_WEIGHTS, mark_of, worker_functions
-from rollout.worker.worker import build_worker_class, call_function
+from rollout.worker.marks import STAGES_WEIGHTS, mark_of, name_on_the_wire, worker_functions
+from rollout.worker.worker import Worker, build_worker_class, call_function
 
 logger = logging.getLogger(__name__)
 
 # What a backend defines: its transport (see `Executor`).
-TRANSPORT_METHODS = ("_start_workers", "_send_step", "_send_rpc", "_gather", "_release_workers")
+TRANSPORT_METHODS = ("_start_workers", "_send_rpc", "_gather", "_release_workers")
+# What an executor of an older contract wrote itself (`transport_problems`): the base's own steps,
+# and the step's send of its own that a step through `_send_rpc` replaced (the base has none now).
+_BASE_STEPS, _GONE_SENDS = ("_execute", "_collective_rpc"), ("_send_step",)
+# An engine step's name on the wire and in messages: the worker's `@step` function.
+STEP_NAME = Worker.execute.__name__
 # The ready handshake's name, as messages about it show it.
 STARTUP = "start-up"
 MAX_RPC_TIMEOUT_S = 7 * 24 * 3600
@@ -45,8 +50,9 @@ PROGRESS_READS = 10
 
 class Executor:
     """Subclass this for a custom backend and write its transport, the methods under "The
-    transport" below: `_start_workers`, `_send_step`, `_send_rpc`, `_gather`, `_release_workers`
-    and, where busy workers need it, `_stop_workers`. Workers are instances of
+    transport" below: `_start_workers`, `_send_rpc`, `_gather`, `_release_workers` and, where
+    busy workers need it, `_stop_workers`. A step is a call like any other (`Worker.execute`,
+    sent by name through `_send_rpc`, as vLLM's `execute_model` is a `collective_rpc`). Workers are instances of
     `self.worker_cls(config, rank)`, built where they run by `WorkerBootstrap.build(rank)`. A
     backend sets up what `_release_workers` frees before calling `super().__init__(config)`,
     which starts the workers (and releases them if start-up fails).
@@ -54,7 +60,7 @@ class Executor:
     Replica groups come with the base: with `ranks_per_replica` (`cfg_parallel` x
     `sequence_parallel`) > 1 a replica spans that many consecutive ranks
     (`executors.replica_groups`). `execute` takes and returns one part per replica and sends a
-    replica's part to every rank of its group; `_send_step` still addresses one rank. The
+    replica's part to every rank of its group (one `_send_rpc` per replica). The
     bootstrap builds each worker with its place in its group, and the worker joins the group's
     process group; a transport need only start every rank (on Ray, a group's ranks on one node).
     `collective_rpc` addresses ranks, so every hot-swap call reaches every rank of every group.
@@ -90,12 +96,14 @@ class Executor:
     `_progress` (one written before it existed) keeps a whole-step deadline: a step must answer
     within `step_timeout_s` in all.
 
-    The older contract (workers started in the executor's own `__init__`, `_execute` and
-    `_collective_rpc` written by the backend, its own `check_health` and `shutdown`) is gone; such
-    an executor is refused before any worker starts (`transport_problems`). To move one, start the
-    workers in `_start_workers`, split `_execute` and `_collective_rpc` into the sends and
-    `_gather` (return what answered; the base words the timeout and picks the failing rank), move
-    what `shutdown` freed into `_release_workers`, and drop `check_health` and `shutdown`.
+    The older contracts (workers started in the executor's own `__init__`, `_execute` and
+    `_collective_rpc` written by the backend, its own `check_health` and `shutdown`; later a
+    `_send_step` of its own for steps) are gone; such an executor is refused before any worker
+    starts (`transport_problems`). To move one, start the workers in `_start_workers`, split
+    `_execute` and `_collective_rpc` into the sends and `_gather` (return what answered; the base
+    words the timeout and picks the failing rank), move what `shutdown` freed into
+    `_release_workers`, and drop `check_health` and `shutdown`; a `_send_step` goes: its step
+    reaches `_send_rpc` as `execute` by name, with `step=True`.
     """
 
     # One worker, in this process (`uni`): the base clones the tensors of its arguments for it. An
@@ -162,18 +170,20 @@ class Executor:
                 f"or None for rpc_timeout_s; got {timeout!r}"
             )
         self._check_alive()
-        name, _ = self.resolve_method(method)
+        name, function = self.resolve_method(method)
         ranks = self.resolve_ranks(ranks)
         timeout = self.config.rpc_timeout_s if timeout is None else timeout
         args, kwargs = worker_arguments((tuple(args), dict(kwargs or {})), copy=self.shares_memory)
+        # A worker function (by name or by reference) travels as its name; any other callable whole.
+        sent = function if name_on_the_wire(self.worker_cls, method) is None else name
         try:
-            return self._collective_rpc(name, method, args, kwargs, timeout, ranks)
+            return self._collective_rpc(name, sent, args, kwargs, timeout, ranks)
         except EngineDeadError as error:
             self._die(str(error))
 
     def check_health(self) -> None:
         """Raise if any worker cannot serve."""
-        self.collective_rpc("check_health")
+        self.collective_rpc(Worker.check_health)
 
     def shutdown(self) -> None:
         """Stop every worker and free their resources. Idempotent."""
@@ -197,15 +207,17 @@ class Executor:
         `self.worker_cls(self.config, rank)`); rank -> a pending call answering its pid once built."""
         raise NotImplementedError
 
-    def _send_step(self, rank: int, work: WorkerInput) -> Any:
-        """Send `rank` its part of an engine step, `Worker.execute(work)` run as every worker function
-        is (`rollout.worker.worker.call_function`, which leaves a merged LoRA adapter in place for a step);
-        the pending call."""
-        raise NotImplementedError
-
-    def _send_rpc(self, name: str, method: str | Callable, args: tuple, kwargs: dict, ranks: list[int]) -> dict:
+    def _send_rpc(
+        self, name: str, method: str | Callable, args: tuple, kwargs: dict, ranks: list[int], step: bool = False
+    ) -> dict:
         """Send every rank in `ranks` the call `method(worker, *args, **kwargs)` (`method`: a worker
-        method name or a callable; `name` is for messages); rank -> pending call."""
+        function's name, which the worker looks up on its class, or any other callable; `name` is
+        for messages), run as every worker function is (`rollout.worker.worker.call_function`);
+        rank -> pending call. `step`: one replica's part of an engine step (`execute` by name,
+        with its `WorkerInput`): the other replicas' parts are in flight beside it, each with
+        arguments of its own, and the base may gather it again while it progresses, so its
+        arguments must stay readable until it answers (only `mp`, whose RPCs share one reused
+        argument block, does anything with it)."""
         raise NotImplementedError
 
     def _gather(self, name: str, pending: dict[int, Any], timeout: float) -> dict[int, Any]:
@@ -243,10 +255,10 @@ class Executor:
         one `RunnerOutput` per replica, in replica order: its leader's (an empty one for a replica
         with nothing to do). The other ranks of a group answer once their step is done."""
         work = {replica: w for replica, w in scheduler_output.worker_inputs.items() if not w.is_empty}
-        pending = {
-            rank: self._send_step(rank, w) for replica, w in work.items() for rank in self.layout.ranks_of(replica)
-        }
-        results = self._answers("execute", pending, timeout, while_progressing=True)
+        pending = {}
+        for replica, w in work.items():
+            pending |= self._send_rpc(STEP_NAME, STEP_NAME, (w,), {}, self.layout.ranks_of(replica), step=True)
+        results = self._answers(STEP_NAME, pending, timeout, while_progressing=True)
         for replica in work:
             self._check_in_step(replica, results)
         return [results.get(self.layout.leader_of(replica), RunnerOutput()) for replica in range(self.num_replicas)]
@@ -410,14 +422,16 @@ class Executor:
         isolate requests then: `rollout.parallel.group_failures`), and its peers may wait in a collective
         until their timeout: a transport's `_gather` stops waiting as soon as this answers one
         (one that waits on is slower, not wrong)."""
-        if name != "execute" or self.layout.ranks_per_replica == 1:
+        if name != STEP_NAME or self.layout.ranks_per_replica == 1:
             return None
         failed = [rank for rank, answer in answers.items() if isinstance(answer, WorkerError)]
         return answers[min(failed)] if failed else None
 
     def resolve_method(self, method: str | Callable) -> tuple[str, Callable]:
-        """(name for messages, function taking the worker first) for a method name or a callable.
-        A `@stages_weights` function is refused: called alone it would apply nothing."""
+        """(name for messages, function taking the worker first) for a worker function's name, a
+        reference to one (`Worker.sleep`, a method of the extension: named as by its name), or any
+        other callable. A `@stages_weights` function is refused: called alone it would apply nothing."""
+        name = name_on_the_wire(self.worker_cls, method)
         if isinstance(method, str):
             available = worker_functions(self.worker_cls)
             if method not in available:
@@ -425,7 +439,9 @@ class Executor:
                     f"unknown worker method {method!r}; available: {sorted(available)} "
                     "(add your own with EngineConfig(worker_extension_cls=...) or pass a callable)"
                 )
-            name, function = method, getattr(self.worker_cls, method)
+            function = getattr(self.worker_cls, method)
+        elif name is not None:
+            function = method
         elif callable(method):
             name, function = getattr(method, "__qualname__", repr(method)), method
         else:
@@ -461,7 +477,8 @@ def transport_problems(cls: type[Executor]) -> list[str]:
             f"executor {cls.__qualname__} does not define its transport: {', '.join(missing)} missing "
             "(see executors.base.Executor)"
         )
-    own_steps = [name for name in ("_execute", "_collective_rpc") if getattr(cls, name) is not getattr(Executor, name)]
+    own_steps = [name for name in _BASE_STEPS if getattr(cls, name) is not getattr(Executor, name)]
+    own_steps += [name for name in _GONE_SENDS if any(name in vars(klass) for klass in cls.__mro__)]
     if own_steps:
         problems.append(
             f"executor {cls.__qualname__} writes {' and '.join(own_steps)}, the older executor contract, which is "

@@ -40,7 +40,6 @@ from executors.shm import (
 )
 from rollout.config import EngineConfig
 from rollout.errors import EngineDeadError, WorkerError
-from rollout.messages import WorkerInput
 
 logger = logging.getLogger(__name__)
 
@@ -113,16 +112,14 @@ class MPExecutor(Executor):
             self._selector.register(process.sentinel, selectors.EVENT_READ, (_DEATH, rank))
         return ready
 
-    def _send_step(self, rank: int, work: WorkerInput) -> _Sent:
-        arguments = pack(((work,), {}), self._prefix)
-        try:
-            return _Sent(self._send(rank, "execute", "execute", arguments), arguments)
-        except BaseException:
-            discard(arguments)
-            raise
-
-    def _send_rpc(self, name: str, method: str | Callable, args: tuple, kwargs: dict, ranks: list[int]) -> dict:
+    def _send_rpc(
+        self, name: str, method: str | Callable, args: tuple, kwargs: dict, ranks: list[int], step: bool = False
+    ) -> dict:
         wire_method = method_to_wire(method)
+        if step:
+            # The replicas' parts of a step are in flight together, and one may be gathered again
+            # while it progresses: each rank reads a block of its own, removed once it answers.
+            return {rank: self._send_own(rank, name, wire_method, (args, kwargs)) for rank in ranks}
         # One block, read (copied out) by every rank before it replies.
         arguments = pack((args, kwargs), self._prefix, self._argument_block)
         return {rank: _Sent(self._send(rank, name, wire_method, arguments)) for rank in ranks}
@@ -177,6 +174,15 @@ class MPExecutor(Executor):
         self._stop()
 
     # Internals.
+
+    def _send_own(self, rank: int, name: str, method: str | bytes, arguments: tuple[tuple, dict]) -> _Sent:
+        """Send `rank` a call whose arguments are packed in a block of its own."""
+        packed = pack(arguments, self._prefix)
+        try:
+            return _Sent(self._send(rank, name, method, packed), packed)
+        except BaseException:
+            discard(packed)
+            raise
 
     def _send(self, rank: int, name: str, method: str | bytes, arguments: Packed) -> int:
         call_id = next(self._call_ids)

@@ -24,7 +24,6 @@ from executors.base import Executor, call_wire_method, map_nested, method_to_wir
 from executors.bootstrap import WorkerBootstrap
 from rollout.config import EngineConfig
 from rollout.errors import EngineDeadError, WorkerError
-from rollout.messages import WorkerInput
 
 logger = logging.getLogger(__name__)
 
@@ -139,10 +138,9 @@ class RayExecutor(Executor):
         ]
         return {rank: actor.pid.remote() for rank, actor in enumerate(hold.actors)}
 
-    def _send_step(self, rank: int, work: WorkerInput):
-        return self._hold.actors[rank].call.remote("execute", ((work,), {}))
-
-    def _send_rpc(self, name: str, method: str | Callable, args: tuple, kwargs: dict, ranks: list[int]) -> dict:
+    def _send_rpc(
+        self, name: str, method: str | Callable, args: tuple, kwargs: dict, ranks: list[int], step: bool = False
+    ) -> dict:
         arguments = tensors_to_wire((args, kwargs))
         if len(ranks) > 1 and _tensor_bytes(arguments) > _PUT_ONCE_BYTES:
             arguments = self._ray.put(arguments)  # one copy in the object store, read by every rank

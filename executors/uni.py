@@ -22,7 +22,6 @@ from executors.base import Executor
 from executors.bootstrap import WorkerBootstrap
 from rollout.config import EngineConfig
 from rollout.errors import WorkerError
-from rollout.messages import WorkerInput
 from rollout.worker.progress import WorkerStopped
 from rollout.worker.worker import call_function
 
@@ -52,12 +51,12 @@ class UniExecutor(Executor):
         # In-process: the worker shares the engine's config and torch threads; the bootstrap is for processes.
         return {0: self._thread.submit(self._build_worker)}
 
-    def _send_step(self, rank: int, work: WorkerInput) -> Future:
-        # Through the dispatch a worker process runs for its steps too: one rule for every executor.
-        return self._thread.submit(_until_stopped, self.worker, self.worker_cls.execute, (work,), {})
-
-    def _send_rpc(self, name: str, method: str | Callable, args: tuple, kwargs: dict, ranks: list[int]) -> dict:
-        _, fn = self.resolve_method(method)
+    def _send_rpc(
+        self, name: str, method: str | Callable, args: tuple, kwargs: dict, ranks: list[int], step: bool = False
+    ) -> dict:
+        # Resolved and checked once, by the base: a name (a step's too) is looked up as a worker
+        # process looks it up, and runs through the dispatch a worker process runs.
+        fn = getattr(self.worker_cls, method) if isinstance(method, str) else method
         return {0: self._thread.submit(_until_stopped, self.worker, fn, args, kwargs)}
 
     def _gather(self, name: str, pending: dict[int, Future], timeout: float) -> dict[int, Any]:

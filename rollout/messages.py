@@ -2,8 +2,11 @@
 
 The engine sends each worker a `WorkerInput` per step (new requests in full once, then only their
 ids; forks of tree rollouts; ids to free); the worker answers with a `RunnerOutput` (finished
-requests, each failure, text embeddings sent the first time). Both ends import this module and
-nothing of each other (the layout of vLLM v1's `SchedulerOutput`/`NewRequestData`).
+requests, each failure, text embeddings sent the first time). Both ends import this module (the
+layout of vLLM v1's `SchedulerOutput`/`NewRequestData`). The worker side imports nothing of the
+engine; the engine names the worker functions it calls (`Worker.stage_lora`, their marks) and
+measures a worker's work at start-up (`rollout.worker.work_profile`), and what of this exchange
+runs in the engine's process lives under `rollout/engine/` (`received_conditions`, `weight_sync`).
 """
 
 from __future__ import annotations

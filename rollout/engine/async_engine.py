@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from rollout.api import DEFAULT_BUCKET_BYTES, DEFAULT_COMPONENT
 from rollout.engine.rollout_engine import RolloutEngine
+from rollout.engine.weight_sync import StagedPush
 from rollout.errors import EngineDeadError, RequestFailedError
 from rollout.outputs import RolloutOutput
 
@@ -36,7 +37,6 @@ if TYPE_CHECKING:
     from peft import LoraConfig
 
     from rollout.sampling_params import SamplingParams
-    from rollout.weights.sync import StagedPush
 
 logger = logging.getLogger(__name__)
 

@@ -2,9 +2,11 @@
 
 A `HotSwap` owns what the engine keeps of its workers' weights (the weight version, the loaded
 adapters, the sleep level, the text encoders' generation) and changes it only through the workers.
-It is built from the few engine callables it needs, so it is tested with a fake RPC; `RolloutEngine`
-delegates its hot-swap methods to it. Every method is a thin layer over `collective_rpc` plus that
-bookkeeping, and runs between engine steps.
+It is built over the executor (the workers' class and the config) and an `EngineControl`: what only
+the engine decides (its open and dead state, draining its running requests, its guarded
+`collective_rpc`); it is tested over fake ranks. `RolloutEngine` delegates its hot-swap methods to
+it. Every method is a thin layer over `collective_rpc` plus that bookkeeping, and runs between
+engine steps.
 """
 
 from __future__ import annotations
@@ -12,24 +14,25 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
 from rollout.api import DEFAULT_BUCKET_BYTES, DEFAULT_COMPONENT, RolloutAPI, implements
+from rollout.engine.weight_sync import StagedPush, WeightSync
+from rollout.engine.weight_versions import WeightVersions
 from rollout.errors import EngineDeadError, WorkerError
 from rollout.weights.broadcast_group import BroadcastEntry
 from rollout.weights.safetensors_files import safetensors_files
 from rollout.weights.state import TensorSpec
-from rollout.weights.sync import StagedPush, WeightSync
-from rollout.weights.versions import WeightVersions
 from rollout.worker.marks import staging_function
+from rollout.worker.worker import Worker
 
 if TYPE_CHECKING:
-    from rollout.config import EngineConfig
-    from rollout.engine.request import Request
+    from rollout.engine.engine_control import EngineControl
+    from rollout.pipelines.spec import ModelSpec
 
 logger = logging.getLogger(__name__)
 
@@ -37,41 +40,20 @@ _LORA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
 class HotSwap:
-    """The engine's weights, adapters and sleep, built from what it needs of the engine:
+    """The engine's weights, adapters and sleep, over `executor` (its `worker_cls`, whose functions
+    are checked before a call that names one sends anything, and its `config`), `model_spec` (a
+    component a call names is checked with it before anything is sent) and `engine`, what only the
+    engine decides (`EngineControl`)."""
 
-    rpc: `collective_rpc(method, args=(), kwargs=None, timeout=None, ranks=None)` on the workers;
-    check_open: raises if the engine is shut down or dead;
-    drain: steps the running requests to the end (their outputs kept for the next step);
-    die: `die(EngineDeadError)` marks the engine dead and fails its requests;
-    unfinished: the unfinished requests;
-    config: the engine's `EngineConfig`;
-    check_component: raises ValueError unless its argument names a component of the model
-        (`ModelSpec.check_component`): checked before a call that names one sends anything;
-    worker_cls: the workers' class (`Worker` with the config's extension), whose functions are
-        checked before a call that names one sends anything.
-    """
-
-    def __init__(
-        self,
-        *,
-        rpc: Callable,
-        check_open: Callable[[], None],
-        drain: Callable[[], None],
-        die: Callable[[EngineDeadError], None],
-        unfinished: Callable[[], Collection[Request]],
-        config: EngineConfig,
-        check_component: Callable[[str], None],
-        worker_cls: type,
-    ):
-        self.collective_rpc = rpc
-        self._check_component = check_component
-        self._worker_cls = worker_cls
-        self._check_open = check_open
-        self._drain = drain
-        self._die = die
-        self._unfinished = unfinished
-        self.config = config
-        self._weight_sync = WeightSync(rpc)
+    # `executor`: the engine's `executors.Executor`, unannotated: rollout reaches executors only
+    # through `get_executor_class`.
+    def __init__(self, executor, model_spec: ModelSpec, engine: EngineControl):
+        self.engine = engine
+        self.collective_rpc = engine.collective_rpc
+        self._check_component = model_spec.check_component
+        self._worker_cls = executor.worker_cls
+        self.config = executor.config
+        self._weight_sync = WeightSync(self.collective_rpc)
         self.versions = WeightVersions()
         self.sleep_level = 0
         # Counts the changes of the text encoders' weights; the engine sends it with every step, and
@@ -109,12 +91,12 @@ class HotSwap:
         `mode="pause"`: the update applies now, between two steps, and running requests continue
         on the new weights (`RolloutOutput.weight_versions` lists both).
         The version becomes `version`, or the current one plus 1; a `version` below the current one
-        is refused unless the engine held it before (`rollout.weights.versions`). Workers keep copies
+        is refused unless the engine held it before (`rollout.engine.weight_versions`). Workers keep copies
         of the tensors, so the caller may change them at once; tensors wrapped in `HandedOver` (a
         caller that never touches them again) are kept as they are where the workers run in this
         process.
         """
-        self._check_open()
+        self.engine.check_open()
         self._check_component(component)
         _check_bucket_bytes(bucket_bytes)
         push_args = (named_tensors, component, check_finite, bucket_bytes)
@@ -135,7 +117,7 @@ class HotSwap:
         every other weight update and sleep is refused (RuntimeError): they would stage beside it.
         `version`: the one `finish_weight_push` will be given, refused now if it may not be taken
         (and checked again then), so that a push refused for it is refused before its tensors come."""
-        self._check_open()
+        self.engine.check_open()
         self.check_awake()
         _check_bucket_bytes(bucket_bytes)
         if not self.versions.names_current(version):  # the current one only repeats: checked at the end
@@ -179,7 +161,7 @@ class HotSwap:
         repeat = self.versions.names_current(version)
         new_version = self.versions.current if repeat else self.versions.next(version)
         if mode == "wait":
-            self._drain()
+            self.engine.finish_running_requests()
         try:
             if repeat:
                 with self._weight_sync.only_if_unchanged(lambda: self.versions.current_taken(version)):
@@ -188,7 +170,7 @@ class HotSwap:
                 return new_version
             push(*push_args)
         except EngineDeadError as error:  # ranks that may disagree (weight_sync decides): stop serving
-            self._die(error)
+            self.engine.die(error)
             raise
         self.encoder_generation += 1
         self.versions.move_to(new_version)
@@ -200,7 +182,7 @@ class HotSwap:
         """`update_weights` from a .safetensors file or a diffusers component folder: every worker
         reads the files itself. Names, shapes and dtypes are checked from the file headers first,
         the values (`check_finite`) by the workers as they read them."""
-        self._check_open()
+        self.engine.check_open()
         self._check_component(component)
         files = safetensors_files(path)
         push_args = (files, component, check_finite)
@@ -217,7 +199,7 @@ class HotSwap:
         numbers of tensors, roll every rank back (ValueError for a refusal, the rank's
         `WorkerError` for a failure) and the weights and their version stay. `version` and `mode`
         as in `update_weights`."""
-        self._check_open()
+        self.engine.check_open()
         self._check_component(component)
         staging_function(self._worker_cls, method)
         push_args = (method, tuple(args), dict(kwargs or {}), component, check_finite)
@@ -231,14 +213,14 @@ class HotSwap:
         trainer is rank 0 and hosts the store at master_address:master_port. Blocks until every
         rank has joined, so the trainer joins concurrently (see
         `trainers_adapters.weights.broadcast.WeightBroadcaster`). Returns the workers' group ranks."""
-        self._check_open()
+        self.engine.check_open()
         if rank_offset < 1 or rank_offset + self.config.num_workers > world_size:
             raise ValueError(
                 f"the workers need group ranks rank_offset..rank_offset+{self.config.num_workers - 1} inside "
                 f"world_size={world_size}, with rank 0 for the trainer; got rank_offset={rank_offset}"
             )
         args = (master_address, master_port, rank_offset, world_size, backend, timeout_s)
-        return self.collective_rpc("init_weight_update_group", args=args, timeout=timeout_s + 30)
+        return self.collective_rpc(Worker.init_weight_update_group, args=args, timeout=timeout_s + 30)
 
     @implements(RolloutAPI.update_weights_from_distributed)
     def update_weights_from_distributed(
@@ -247,7 +229,7 @@ class HotSwap:
         """`update_weights` whose tensors the trainer broadcasts through the group (in this order, in
         buckets of `bucket_bytes`) while this call waits; names, dtypes and shapes are checked first,
         the values (`check_finite`) by the workers once received."""
-        self._check_open()
+        self.engine.check_open()
         self._check_component(component)
         _check_bucket_bytes(bucket_bytes)
         entries = _broadcast_entries(names, dtypes, shapes)
@@ -258,7 +240,7 @@ class HotSwap:
     def check_weight_update(self, names, dtypes, shapes, component) -> None:
         """Raise ValueError if an update with these tensors would be refused (a trainer checks before
         it broadcasts, so receivers are never left waiting for a refused update)."""
-        self._check_open()
+        self.engine.check_open()
         self._check_component(component)
         entries = _broadcast_entries(names, dtypes, shapes)
         self._weight_sync.check_specs({e.name: e.spec for e in entries}, component)
@@ -268,7 +250,7 @@ class HotSwap:
         """SHA-256 of every weight of `component`; raises if the ranks disagree."""
         self._check_component(component)
         self.check_awake()
-        digests = self.collective_rpc("weights_checksum", args=(component,))
+        digests = self.collective_rpc(Worker.weights_checksum, args=(component,))
         if len(set(digests)) != 1:
             raise RuntimeError(f"ranks hold different weights of {component}: checksums {digests}")
         return digests[0]
@@ -290,7 +272,7 @@ class HotSwap:
         the model, or (with `check_finite`) that holds NaN or infinity, is refused (ValueError) and
         the one loaded before stays.
         """
-        self._check_open()
+        self.engine.check_open()
         if not (isinstance(name, str) and _LORA_NAME.fullmatch(name)):
             raise ValueError(
                 f"a LoRA name is 1-64 letters, digits, '_' or '-' (PEFT keys its layers by it), got {name!r}"
@@ -308,7 +290,8 @@ class HotSwap:
         kept = f"the {name!r} it had" if name in self._loras else f"no adapter named {name!r}"
         try:
             bound = self.collective_rpc(
-                "stage_lora", args=(name, source if isinstance(source, str) else dict(source), config, check_finite)
+                Worker.stage_lora,
+                args=(name, source if isinstance(source, str) else dict(source), config, check_finite),
             )
             if repeat:
                 self._drop_repeated_lora(name, version)
@@ -324,23 +307,23 @@ class HotSwap:
                 f"loading LoRA {name!r} failed on rank {error.rank} ({error.error}); every rank keeps {kept}"
             ) from error
         try:
-            self._drain()
+            self.engine.finish_running_requests()
         except BaseException:
             # A dead engine refuses at once (its workers are gone with what they staged).
             with contextlib.suppress(Exception):
-                self.collective_rpc("rollback_lora", args=(name,))
+                self.collective_rpc(Worker.rollback_lora, args=(name,))
             raise
         try:
-            self.collective_rpc("commit_lora", args=(name,))
+            self.collective_rpc(Worker.commit_lora, args=(name,))
         except (TimeoutError, WorkerError) as error:
             # Some ranks may have switched: they must not disagree on what `name` means.
             self._loras.pop(name, None)
             try:
-                self.collective_rpc("discard_lora", args=(name,))
+                self.collective_rpc(Worker.discard_lora, args=(name,))
             except (TimeoutError, WorkerError) as discard_error:
                 why = f"committing LoRA {name!r} failed ({error}) and unloading it failed too ({discard_error})"
                 dead = EngineDeadError(f"{why}: ranks may disagree on what {name!r} is; create a new engine")
-                self._die(dead)
+                self.engine.die(dead)
                 raise dead from error
             raise RuntimeError(f"committing LoRA {name!r} failed ({error}); it is unloaded everywhere") from error
         self._loras[name] = bound[0]
@@ -354,7 +337,7 @@ class HotSwap:
         server that held it), and is dropped; otherwise it is refused (ValueError), as any push that
         would give the current version other weights."""
         repeats = name in self._loras and all(self.collective_rpc(_stages_the_live_lora, args=(name,)))
-        self.collective_rpc("rollback_lora", args=(name,))
+        self.collective_rpc(Worker.rollback_lora, args=(name,))
         if not repeats:
             raise self.versions.current_taken(version)
         logger.debug("LoRA %r repeated under the current version %d: nothing changed", name, version)
@@ -364,20 +347,20 @@ class HotSwap:
         before this runs there). A rollback that fails leaves ranks that may disagree: dead."""
         wait = max(self.config.rpc_timeout_s, self.config.step_timeout_s)
         try:
-            self.collective_rpc("rollback_lora", args=(name,), timeout=wait)
+            self.collective_rpc(Worker.rollback_lora, args=(name,), timeout=wait)
         except (TimeoutError, WorkerError) as error:
             raise self._dead_after("load_lora", f"rolling it back failed too ({error})") from cause
 
     def unload_lora(self, name: str) -> None:
         """Remove adapter `name` from every worker and free its memory."""
-        self._check_open()
+        self.engine.check_open()
         if name not in self._loras:
             raise ValueError(f"no LoRA named {name!r} is loaded; loaded: {self.list_loras()}")
-        users = [r.request_id for r in self._unfinished() if r.params.lora == name]
+        users = [r.request_id for r in self.engine.unfinished_requests() if r.params.lora == name]
         if users:
             raise RuntimeError(f"{len(users)} unfinished requests use LoRA {name!r}; finish or abort them first")
         try:
-            self.collective_rpc("unload_lora", args=(name,))
+            self.collective_rpc(Worker.unload_lora, args=(name,))
         except TimeoutError as error:
             raise self._reread_after("unload_lora", error) from error
         del self._loras[name]
@@ -399,29 +382,29 @@ class HotSwap:
         (wake-up restores it); level 2 keeps nothing (wake-up reloads the model folder's weights and
         resets `weight_version` to 0: push the trainer's weights again). Generating while asleep is
         an error; sleeping deeper is allowed, sleeping again at the same level does nothing."""
-        self._check_open()
+        self.engine.check_open()
         if level not in (1, 2):
             raise ValueError(f"sleep level must be 1 (offload weights) or 2 (discard them), got {level!r}")
         self._check_no_staged_push()
-        unfinished = len(self._unfinished())
+        unfinished = len(self.engine.unfinished_requests())
         if unfinished:
             raise RuntimeError(
                 f"cannot sleep with {unfinished} unfinished requests; step() them to completion or abort() them first"
             )
         try:
-            self.collective_rpc("sleep", args=(level,))
+            self.collective_rpc(Worker.sleep, args=(level,))
         except TimeoutError as error:
             raise self._reread_after("sleep", error) from error
         self.sleep_level = max(self.sleep_level, level)
 
     def wake_up(self) -> None:
         """Restore the weights after `sleep`; does nothing when awake."""
-        self._check_open()
+        self.engine.check_open()
         if self.sleep_level == 0:
             return
         deepest = self.sleep_level
         try:
-            self.collective_rpc("wake_up")
+            self.collective_rpc(Worker.wake_up)
         except TimeoutError as error:
             timeout = self._reread_after("wake_up", error)
             if self.sleep_level == 0:  # the late call woke them
@@ -445,14 +428,14 @@ class HotSwap:
         # The read waits behind the late call; give it as long as a step may take.
         wait = max(self.config.rpc_timeout_s, self.config.step_timeout_s)
         try:
-            states = self.collective_rpc("hot_swap_state", timeout=wait)
+            states = self.collective_rpc(Worker.hot_swap_state, timeout=wait)
         except (TimeoutError, WorkerError) as reread_error:
             raise self._dead_after(method, f"their state could not be read back ({reread_error})") from error
         names = [set(state["loras"]) for state in states]
         split = sorted(set.union(*names) - set.intersection(*names))
         if split:
             for name in split:
-                self.collective_rpc("discard_lora", args=(name,))
+                self.collective_rpc(Worker.discard_lora, args=(name,))
         levels = {state["sleep_level"] for state in states}
         if len(levels) > 1:
             raise self._dead_after(method, f"ranks are at different sleep levels {sorted(levels)}") from error
@@ -467,7 +450,7 @@ class HotSwap:
 
     def _dead_after(self, method: str, why: str) -> EngineDeadError:
         dead = EngineDeadError(f"{method!r} timed out and {why}; create a new engine")
-        self._die(dead)
+        self.engine.die(dead)
         return dead
 
 

@@ -16,7 +16,7 @@ import itertools
 import logging
 import re
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -27,6 +27,7 @@ from rollout.api import DEFAULT_BUCKET_BYTES, DEFAULT_COMPONENT
 from rollout.config import EngineConfig
 from rollout.engine.config_check import check_engine_config
 from rollout.engine.hot_swap import HotSwap
+from rollout.engine.received_conditions import ReceivedConditions
 from rollout.engine.request import Request, RequestStatus, step_stream
 from rollout.engine.scheduler import Scheduler
 from rollout.engine.shared_conditions import SharedConditions
@@ -40,8 +41,9 @@ from rollout.node_id import NodeId
 from rollout.outputs import RequestTimings, RolloutOutput
 from rollout.sampling_params import SamplingParams
 from rollout.seeding import derive_seed, fresh_base_seed
-from rollout.worker.sent_conditions import ReceivedConditions
+from rollout.worker.marks import name_on_the_wire
 from rollout.worker.work_profile import WorkProfile, measure_work
+from rollout.worker.worker import Worker
 
 if TYPE_CHECKING:
     import torch
@@ -68,7 +70,7 @@ class RolloutEngine:
         self.config = config
         self.executor = check_engine_config(config)(config)  # before any worker starts
         try:
-            self.model_spec = self.executor.collective_rpc("model_spec")[0]
+            self.model_spec = self.executor.collective_rpc(Worker.model_spec)[0]
             # What a request's units of work would take here, measured once on every rank (admission by work).
             profiles = self.executor.collective_rpc(measure_work, timeout=config.startup_timeout_s)
         except BaseException:
@@ -91,16 +93,7 @@ class RolloutEngine:
         self._tree_parts = SharedTreeParts()
         self._tree_ids = itertools.count()
         self._step_observers: list[Callable[[StepReport], None]] = []
-        self.hot_swap = HotSwap(
-            rpc=self.collective_rpc,
-            check_open=self._check_open,
-            drain=self._finish_running_requests,
-            die=self._die,
-            unfinished=lambda: self.scheduler.requests.values(),
-            config=config,
-            check_component=self.model_spec.check_component,
-            worker_cls=self.executor.worker_cls,
-        )
+        self.hot_swap = HotSwap(self.executor, self.model_spec, _HotSwapControl(self))
 
     # Generation.
 
@@ -658,7 +651,7 @@ class RolloutEngine:
         )
         if self._step_observers:
             wall_s = time.perf_counter() - start
-            name = method if isinstance(method, str) else getattr(method, "__qualname__", repr(method))
+            name = name_on_the_wire(self.executor.worker_cls, method) or getattr(method, "__qualname__", repr(method))
             self._notify(StepReport(kind="rpc", name=name, wall_s=wall_s, execute_s=wall_s))
         return results
 
@@ -849,6 +842,29 @@ class RolloutEngine:
             ),
             error=error,
         )
+
+
+@dataclasses.dataclass(frozen=True)
+class _HotSwapControl:
+    """What the engine's `HotSwap` asks of it (`rollout.engine.engine_control.EngineControl`): the
+    engine's own calls, not part of its public surface."""
+
+    engine: RolloutEngine
+
+    def collective_rpc(self, method, args=(), kwargs=None, timeout=None, ranks=None) -> list[Any]:
+        return self.engine.collective_rpc(method, args=args, kwargs=kwargs, timeout=timeout, ranks=ranks)
+
+    def check_open(self) -> None:
+        self.engine._check_open()
+
+    def finish_running_requests(self) -> None:
+        self.engine._finish_running_requests()
+
+    def die(self, error: EngineDeadError) -> None:
+        self.engine._die(error)
+
+    def unfinished_requests(self) -> Collection[Request]:
+        return self.engine.scheduler.requests.values()
 
 
 def _node_named(target: str) -> NodeId | None:

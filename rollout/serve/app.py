@@ -48,7 +48,7 @@ from rollout.serve.push_turns import PushTurns
 from rollout.serve.request_bodies import RequestBodies, describe
 from rollout.serve.routes import path
 from rollout.serve.weight_stream import receive_update
-from rollout.worker.marks import READ_ONLY, STAGES_WEIGHTS, functions_marked, mark_of, worker_functions
+from rollout.worker.marks import READ_ONLY, STAGES_WEIGHTS, engine_routes, functions_marked, mark_of, worker_functions
 from rollout.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -369,26 +369,8 @@ def build_app(engine: AsyncRolloutEngine, settings: ServerSettings) -> FastAPI:
 
 # Worker functions by name.
 
-# The engine's own route for what a state-changing worker function does.
-_ENGINE_ROUTES = {
-    "execute": path("generate"),
-    "stage_weights": path("update_weights"),
-    "apply_staged_weights": path("update_weights"),
-    "commit_weights": path("update_weights"),
-    "rollback_weights": path("update_weights"),
-    "stage_weights_from_files": path("update_weights_from_disk"),
-    "stage_weights_from_function": path("update_weights_from_worker"),
-    "init_weight_update_group": path("init_weight_update_group"),
-    "stage_weights_from_broadcast": path("update_weights_from_distributed"),
-    "load_lora": path("load_lora"),
-    "stage_lora": path("load_lora"),
-    "commit_lora": path("load_lora"),
-    "rollback_lora": path("load_lora"),
-    "unload_lora": path("unload_lora"),
-    "discard_lora": path("unload_lora"),
-    "sleep": path("sleep"),
-    "wake_up": path("wake_up"),
-}
+# The engine's own route for what a state-changing worker function does (from its mark).
+_ENGINE_ROUTES = {name: path(api_method) for name, api_method in engine_routes(Worker).items()}
 
 
 def _rpc_refusal(worker_cls: type, method: str) -> str:

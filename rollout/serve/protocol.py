@@ -19,13 +19,13 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
 from rollout.api import DEFAULT_BUCKET_BYTES, DEFAULT_COMPONENT
 from rollout.engine.async_engine import PAUSE_MODES
+from rollout.engine.weight_versions import MAX_VERSION, MIN_VERSION
 from rollout.sampling_params import SamplingParams
-from rollout.weights.versions import MAX_VERSION, MIN_VERSION
 
 STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 Positive = Annotated[int, Field(gt=0)]
 PositiveSeconds = Annotated[float, Field(gt=0)]
-# A weight version: a 64-bit signed integer, as every peer reads it (`rollout.weights.versions`).
+# A weight version: a 64-bit signed integer, as every peer reads it (`rollout.engine.weight_versions`).
 Version = Annotated[int, Field(ge=MIN_VERSION, le=MAX_VERSION)]
 
 

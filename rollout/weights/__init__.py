@@ -1,4 +1,5 @@
-"""Weights: their state and checksums, pushes and syncs, hot swaps, the files they come from."""
+"""Weights as a worker holds them: their state and checksums, staging, broadcast groups, the files
+they come from (the engine's side of a sync is `rollout.engine.weight_sync`)."""
 
 from rollout.imports import names_moved_to
 

@@ -1,5 +1,5 @@
-"""Text embeddings (and an edit's encoded input images) cross from a worker to the engine once, not
-with every finished sample.
+"""The worker's side of sending text embeddings (and an edit's encoded input images) to the engine
+once, not with every finished sample; the engine's side is `rollout.engine.received_conditions`.
 
 Every finished trajectory carries the embeddings of its prompt and negative prompt, but the samples
 of a prompt (and every sample with the same negative prompt) finish over many steps, and sending
@@ -8,14 +8,14 @@ texts are 170 KiB; its image and latents ~100 KiB). So a worker numbers an embed
 first time a sample finishes with it and sends its CPU copy once, in that step's reply; later
 samples carry only the number (`ConditionKeys`). The worker keeps the number while a live request
 still uses the object, and the reply of the step in which none does any more releases it; the
-engine (`ReceivedConditions`) keeps the copy exactly that long, so a number never outlives what
-it names. Both sides change only in `Worker.execute` and in the engine's reading of its reply, one
-reply at a time and in order, which is what keeps them in step on every executor.
+engine (`rollout.engine.received_conditions.ReceivedConditions`) keeps the copy exactly that long,
+so a number never outlives what it names. Both sides change only in `Worker.execute` and in the
+engine's reading of its reply, one reply at a time and in order, which is what keeps them in step
+on every executor.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 from collections.abc import Iterable
 
@@ -61,33 +61,3 @@ class SentConditions:
             held = self._numbered[id(embeds)] = (next(self._numbers), embeds)
             self._unsent[held[0]] = embeds.to("cpu", torch.float32)
         return held[0]
-
-
-class ReceivedConditions:
-    """The engine's side: per rank, the embeddings its worker sent, by number, until released."""
-
-    def __init__(self, num_ranks: int):
-        self._by_rank: list[dict[int, PromptEmbeds]] = [{} for _ in range(num_ranks)]
-
-    def attach(self, rank: int, runner_output) -> None:
-        """Give every trajectory in `runner_output` (a `rollout.worker.model_runner.RunnerOutput` of `rank`)
-        its condition, then forget the numbers the reply released. Unannotated: the runner's module
-        imports this one, and the import graph has no cycle, even one only a type checker follows."""
-        held = self._by_rank[rank]
-        held |= runner_output.embeds
-        for finished in runner_output.finished:
-            if finished.trajectory is not None:
-                finished.trajectory.condition = self._condition(rank, held, finished.condition)
-        for number in runner_output.released_embeds:
-            del held[number]
-
-    @staticmethod
-    def _condition(rank: int, held: dict[int, PromptEmbeds], keys: ConditionKeys) -> Condition:
-        numbers = dataclasses.asdict(keys)
-        missing = [n for n in numbers.values() if n is not None and n not in held]
-        if missing:
-            raise RuntimeError(
-                f"worker rank {rank} named text embeddings {missing} it never sent (an earlier reply of "
-                "that rank was lost to an error); create a new engine"
-            )
-        return Condition(**{name: None if n is None else held[n] for name, n in numbers.items()})

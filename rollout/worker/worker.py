@@ -32,7 +32,7 @@ from rollout.pipelines.spec import ModelSpec
 from rollout.weights.broadcast_group import BroadcastEntry, connect, receive_bucket
 from rollout.weights.regular_files import check_regular
 from rollout.weights.state import StagedUpdates, TensorSpec, base_state, checksum, specs_of
-from rollout.worker.marks import READ_ONLY, functions_marked, read_only, worker_functions
+from rollout.worker.marks import READ_ONLY, STEP, engine_route, functions_marked, read_only, step, worker_functions
 from rollout.worker.model_runner import BatchLost, ModelRunner, RequestState, describe
 from rollout.worker.progress import Progress
 from rollout.worker.sent_conditions import SentConditions
@@ -82,6 +82,7 @@ class Worker:
         self.sleeper = Sleeper(self.adapter.components, config.model)
         self.broadcast_group = None  # joined by init_weight_update_group
 
+    @step
     def execute(self, work: WorkerInput) -> RunnerOutput:
         """Run one engine step: drop aborted requests, start new ones, denoise, return finished.
 
@@ -188,9 +189,11 @@ class Worker:
     def weight_specs(self, component: str) -> dict[str, TensorSpec]:
         return specs_of(self.updates.module(component))
 
+    @engine_route("update_weights")
     def stage_weights(self, component: str, named_tensors: dict[str, torch.Tensor]) -> int:
         return self.updates.stage(component, named_tensors)
 
+    @engine_route("update_weights_from_worker")
     def stage_weights_from_function(
         self, component: str, method: str, args: Sequence, kwargs: dict, check_finite: bool
     ) -> int:
@@ -202,12 +205,14 @@ class Worker:
         pairs = produced.items() if isinstance(produced, Mapping) else produced
         return self.updates.stage_pairs(component, pairs, check_finite)
 
+    @engine_route("update_weights_from_disk")
     def stage_weights_from_files(self, component: str, files: list[str], check_finite: bool) -> int:
         from safetensors.torch import load_file
 
         parts = (load_file(check_regular(file, "weights file")) for file in files)
         return self.updates.stage_checked(component, parts, check_finite)
 
+    @engine_route("init_weight_update_group")
     def init_weight_update_group(
         self, master_address: str, master_port: int, rank_offset: int, world_size: int, backend: str, timeout_s: float
     ) -> int:
@@ -216,6 +221,7 @@ class Worker:
         self.broadcast_group = connect(master_address, master_port, group_rank, world_size, backend, timeout_s)
         return group_rank
 
+    @engine_route("update_weights_from_distributed")
     def stage_weights_from_broadcast(
         self, component: str, buckets: list[list[BroadcastEntry]], check_finite: bool
     ) -> int:
@@ -231,14 +237,17 @@ class Worker:
         self.loras.restore()  # compare with the base, not a merged adapter
         return self.updates.staged_is_live(component)
 
+    @engine_route("update_weights")
     def apply_staged_weights(self, component: str) -> int:
         self.loras.restore()
         return self.updates.apply(component)
 
+    @engine_route("update_weights")
     def commit_weights(self, component: str) -> None:
         self.loras.restore()
         self.updates.commit(component)
 
+    @engine_route("update_weights")
     def rollback_weights(self, component: str) -> None:
         self.loras.restore()
         self.updates.rollback(component)
@@ -248,6 +257,7 @@ class Worker:
         self.loras.restore()
         return checksum(base_state(self.updates.module(component)))
 
+    @engine_route("load_lora")
     def stage_lora(
         self, name: str, source: str | dict[str, torch.Tensor], config: dict | None, check_finite: bool = True
     ) -> int:
@@ -257,21 +267,26 @@ class Worker:
         tensors, folder_config = read_lora_folder(source) if isinstance(source, str) else (source, None)
         return self.loras.stage(name, tensors, config if config is not None else folder_config, check_finite)
 
+    @engine_route("load_lora")
     def commit_lora(self, name: str) -> None:
         self.loras.commit(name)
 
+    @engine_route("load_lora")
     def rollback_lora(self, name: str) -> None:
         self.loras.rollback(name)
 
+    @engine_route("unload_lora")
     def unload_lora(self, name: str) -> None:
         self.loras.unload(name)
 
+    @engine_route("unload_lora")
     def discard_lora(self, name: str) -> None:
         """Drop `name`, staged or loaded, if this worker has it (cleanup after a failure on some rank)."""
         self.loras.rollback(name)
         if name in self.loras.configs:
             self.loras.unload(name)
 
+    @engine_route("sleep")
     def sleep(self, level: int) -> None:
         self.loras.restore()
         self.sleeper.sleep(level)
@@ -289,6 +304,7 @@ class Worker:
             "merges": self.loras.merges,
         }
 
+    @engine_route("wake_up")
     def wake_up(self) -> None:
         self.sleeper.wake_up()
 
@@ -329,7 +345,7 @@ _WORKER_ATTRIBUTES = {
 READ_ONLY_METHODS = functions_marked(Worker, READ_ONLY)
 # What runs with a merged LoRA adapter left in place: an engine step, whose forward merges only when
 # its adapter or scale changes (`LoraManager.activate`), and the read-only functions.
-_KEEP_THE_MERGE = READ_ONLY_METHODS | {"execute"}
+_KEEP_THE_MERGE = READ_ONLY_METHODS | functions_marked(Worker, STEP)
 
 
 def build_worker_class(extension: str | type | None) -> type[Worker]:

@@ -172,10 +172,9 @@ class ScriptedExecutor(Executor):
             rank: self._send(STARTUP, rank, lambda rank=rank: self._build(rank)) for rank in range(self.num_workers)
         }
 
-    def _send_step(self, rank: int, work: WorkerInput) -> FakeCall:
-        return self._send("execute", rank, lambda: self.workers[rank].execute(work))
-
-    def _send_rpc(self, name: str, method: str | Callable, args: tuple, kwargs: dict, ranks: list[int]) -> dict:
+    def _send_rpc(
+        self, name: str, method: str | Callable, args: tuple, kwargs: dict, ranks: list[int], step: bool = False
+    ) -> dict:
         def run(rank: int) -> Any:
             worker = self.workers[rank]
             fn = (

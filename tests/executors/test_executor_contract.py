@@ -16,10 +16,12 @@ import pytest
 import torch
 
 from executors.uni import UniExecutor
+from recipes.custom_executor import LatentStatsExtension
 from rollout import EngineConfig, RolloutEngine, SamplingParams
 from rollout.errors import RequestFailedError, WorkerError
 from rollout.rescoring import RATIO_TOLERANCE
 from rollout.weights.state import base_state
+from rollout.worker.worker import Worker
 from tests.executors import worker_functions
 from tests.executors.worker_functions import fail_decodes_of_height, fail_requests_of, stop_failing
 from tests.families import FAMILIES, input_image
@@ -232,6 +234,9 @@ def test_collective_rpc_by_name_extension_callable_and_rank_subset(engine):
     assert engine.collective_rpc("get_rank") == ranks
     counts = engine.collective_rpc("transformer_parameter_count")
     assert len(counts) == len(ranks) and counts[0] > 0 and len(set(counts)) == 1
+    # By reference, a worker's own function or the extension's: sent as its name, as above.
+    assert engine.collective_rpc(Worker.get_rank) == ranks
+    assert engine.collective_rpc(LatentStatsExtension.transformer_parameter_count) == counts
     assert engine.collective_rpc(lambda worker, a, b=0: worker.rank * 10 + a + b, args=(1,), kwargs={"b": 2}) == [
         r * 10 + 3 for r in ranks
     ]

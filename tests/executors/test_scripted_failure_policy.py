@@ -399,7 +399,7 @@ def test_an_executor_of_the_older_contract_is_refused_before_any_worker_starts(c
     with pytest.raises(TypeError, match="writes _execute and _collective_rpc, the older executor contract"):
         OwnLifecycleExecutor(config)
     problems = class_problems(executor=OwnLifecycleExecutor)
-    assert any("_start_workers, _send_step, _send_rpc, _gather, _release_workers missing" in p for p in problems)
+    assert any("_start_workers, _send_rpc, _gather, _release_workers missing" in p for p in problems)
     assert any("the older executor contract, which is gone" in p for p in problems)
 
 
@@ -411,7 +411,7 @@ class HalfATransport(Executor):
 def test_an_executor_without_a_transport_is_refused_with_what_is_missing(config):
     with pytest.raises(
         TypeError,
-        match="HalfATransport does not define its transport: _send_step, _send_rpc, _gather, _release_workers missing",
+        match="HalfATransport does not define its transport: _send_rpc, _gather, _release_workers missing",
     ):
         HalfATransport(config)
     with pytest.raises(TypeError, match="Executor does not define its transport"):
@@ -472,3 +472,50 @@ def test_an_engine_rpc_timeout_leaves_the_engine_serving(engine):
         engine.collective_rpc("get_rank", timeout=1.0)
     assert engine.dead is None
     assert engine.collective_rpc("get_rank") == [0, 1, "back"]
+
+
+class RecordingSends(ScriptedExecutor):
+    """Records the (name, method) of every call the base sends."""
+
+    def __init__(self, config: EngineConfig):
+        self.sends: list[tuple[str, object]] = []
+        super().__init__(config)
+
+    def _send_rpc(self, name, method, args, kwargs, ranks, step=False):
+        self.sends.append((name, method))
+        return super()._send_rpc(name, method, args, kwargs, ranks, step)
+
+
+def test_a_worker_function_named_by_reference_travels_as_its_name(config):
+    from rollout.worker.worker import Worker
+
+    def rank_of(worker):
+        return worker.rank
+
+    executor = RecordingSends(config)
+    try:
+        assert executor.collective_rpc(Worker.get_rank) == [0, 1, 2]
+        assert executor.collective_rpc("get_rank") == [0, 1, 2]
+        assert executor.collective_rpc(rank_of) == [0, 1, 2]
+        assert executor.sends[-3:] == [
+            ("get_rank", "get_rank"),
+            ("get_rank", "get_rank"),
+            (rank_of.__qualname__, rank_of),
+        ]
+        with pytest.raises(ValueError, match="unknown worker method 'no_such_function'"):
+            executor.collective_rpc("no_such_function")
+    finally:
+        executor.shutdown()
+
+
+class OwnStepSend(ScriptedExecutor):
+    def _send_step(self, rank, work):
+        raise AssertionError("a step reaches _send_rpc: this is never called")
+
+
+def test_an_executor_that_still_sends_its_steps_itself_is_refused(config):
+    from executors.base import transport_problems
+
+    assert transport_problems(ScriptedExecutor) == []
+    (problem,) = transport_problems(OwnStepSend)
+    assert "writes _send_step, the older executor contract" in problem

@@ -38,7 +38,8 @@ class FakeWorkers:
         self.calls: list[str] = []
         self.script: dict[str, BaseException] = {}
 
-    def rpc(self, method: str, args=(), kwargs=None, timeout=None, ranks=None):
+    def rpc(self, method, args=(), kwargs=None, timeout=None, ranks=None):
+        method = method if isinstance(method, str) else method.__name__  # `Worker.sleep` travels as "sleep"
         self.calls.append(method)
         results = []
         for index in ranks if ranks is not None else range(len(self.ranks)):
@@ -100,43 +101,55 @@ def worker_error(method: str, error: BaseException) -> WorkerError:
 
 
 class Engine:
-    """What the engine gives a `HotSwap`: open/dead state, drained and unfinished requests."""
+    """What the engine gives a `HotSwap` (`EngineControl`): open/dead state, drained and
+    unfinished requests, and its RPC (here to the fake ranks)."""
 
-    def __init__(self):
+    def __init__(self, workers: FakeWorkers):
+        self.workers = workers
         self.dead: EngineDeadError | None = None
         self.unfinished: list = []
         self.drains = 0
+
+    def collective_rpc(self, *args, **kwargs):
+        self.check_open()
+        return self.workers.rpc(*args, **kwargs)
 
     def check_open(self):
         if self.dead is not None:
             raise EngineDeadError(str(self.dead))
 
-    def drain(self):
+    def finish_running_requests(self):
         self.drains += 1
 
     def die(self, error):
         self.dead = error
 
+    def unfinished_requests(self):
+        return self.unfinished
+
+
+@dataclass
+class FakeExecutor:
+    """What a `HotSwap` reads of its executor."""
+
+    config: EngineConfig
+    worker_cls: type = Worker
+
+
+@dataclass
+class AnySpec:
+    """A model spec that takes every component."""
+
+    def check_component(self, component: str) -> None:
+        pass
+
 
 @pytest.fixture
 def swap(tmp_path):
     (tmp_path / "model_index.json").write_text('{"_class_name": "StableDiffusion3Pipeline"}')
-    workers, engine = FakeWorkers(), Engine()
-
-    def rpc(*args, **kwargs):
-        engine.check_open()
-        return workers.rpc(*args, **kwargs)
-
-    hot_swap = HotSwap(
-        rpc=rpc,
-        check_open=engine.check_open,
-        drain=engine.drain,
-        die=engine.die,
-        unfinished=lambda: engine.unfinished,
-        config=EngineConfig(model=str(tmp_path)),
-        check_component=lambda component: None,
-        worker_cls=Worker,
-    )
+    workers = FakeWorkers()
+    engine = Engine(workers)
+    hot_swap = HotSwap(FakeExecutor(EngineConfig(model=str(tmp_path))), AnySpec(), engine)
     return hot_swap, workers, engine
 
 

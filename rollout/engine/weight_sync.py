@@ -24,6 +24,7 @@ from rollout.weights.broadcast_group import BroadcastEntry, plan_buckets
 from rollout.weights.handed_over import HandedOver
 from rollout.weights.safetensors_files import read_specs
 from rollout.weights.state import TensorSpec, refusal_message, spec_problem, update_problems
+from rollout.worker.worker import Worker
 
 
 class WeightSync:
@@ -45,7 +46,7 @@ class WeightSync:
 
     def specs(self, component: str) -> dict[str, TensorSpec]:
         if component not in self._specs:
-            self._specs[component] = self._rpc("weight_specs", args=(component,), ranks=[0])[0]
+            self._specs[component] = self._rpc(Worker.weight_specs, args=(component,), ranks=[0])[0]
         return self._specs[component]
 
     def push(
@@ -71,7 +72,7 @@ class WeightSync:
         return StagedPush(self, component, check_finite, bucket_bytes)
 
     def _stage(self, component: str, bucket: dict[str, torch.Tensor], handed_over: bool) -> None:
-        self._rpc("stage_weights", args=(component, HandedOver(bucket) if handed_over else bucket))
+        self._rpc(Worker.stage_weights, args=(component, HandedOver(bucket) if handed_over else bucket))
 
     def push_from_files(self, files: list[Path], component: str, check_finite: bool) -> int:
         """Like `push`, but every rank reads the safetensors `files` itself; the headers are
@@ -79,7 +80,7 @@ class WeightSync:
         given = read_specs(files)
         self.check_specs(given, component, name_foreign=False)
         with self._all_or_nothing(component):
-            self._stage_on_ranks("stage_weights_from_files", component, [str(f) for f in files], check_finite)
+            self._stage_on_ranks(Worker.stage_weights_from_files, component, [str(f) for f in files], check_finite)
         return len(given)
 
     def push_from_broadcast(
@@ -91,7 +92,7 @@ class WeightSync:
         self.check_specs({e.name: e.spec for e in entries}, component)
         with self._all_or_nothing(component):
             buckets = plan_buckets(entries, bucket_bytes)
-            self._stage_on_ranks("stage_weights_from_broadcast", component, buckets, check_finite)
+            self._stage_on_ranks(Worker.stage_weights_from_broadcast, component, buckets, check_finite)
         return len(entries)
 
     def push_from_function(self, method: str, args: tuple, kwargs: dict, component: str, check_finite: bool) -> int:
@@ -99,7 +100,8 @@ class WeightSync:
         (`Worker.stage_weights_from_function`), checked there. A function that fails or is refused
         on any rank, or ranks that stage different numbers of tensors, roll every rank back."""
         with self._all_or_nothing(component):
-            counts = self._stage_on_ranks("stage_weights_from_function", component, method, args, kwargs, check_finite)
+            staging = Worker.stage_weights_from_function
+            counts = self._stage_on_ranks(staging, component, method, args, kwargs, check_finite)
             if len(set(counts)) > 1:
                 raise ValueError(
                     f"update refused, weights unchanged: the ranks' {method!r} staged different numbers of tensors "
@@ -107,7 +109,7 @@ class WeightSync:
                 )
         return counts[0]
 
-    def _stage_on_ranks(self, method: str, *args) -> list:
+    def _stage_on_ranks(self, method: Callable, *args) -> list:
         """Run a staging worker function (its result on every rank); a rank's refusal
         (ValueError) is the update's refusal."""
         try:
@@ -151,19 +153,19 @@ class WeightSync:
         """Swap the staged tensors in on every rank and commit; a failure before the commit rolls
         every rank back. Inside `only_if_unchanged`, drop them instead (refused unless unchanged)."""
         if self._repeat_refusal is not None:
-            unchanged = all(self._rpc("staged_weights_are_live", args=(component,)))
+            unchanged = all(self._rpc(Worker.staged_weights_are_live, args=(component,)))
             refusal = None if unchanged else self._repeat_refusal()
             self._roll_back(component, refusal or ValueError("a repeated push, dropped"))
             if refusal is not None:
                 raise refusal
             return
         try:
-            self._rpc("apply_staged_weights", args=(component,))
+            self._rpc(Worker.apply_staged_weights, args=(component,))
         except BaseException as error:
             self._roll_back(component, error)
             raise
         try:
-            self._rpc("commit_weights", args=(component,))
+            self._rpc(Worker.commit_weights, args=(component,))
         except (WorkerError, TimeoutError) as error:
             raise EngineDeadError(
                 f"committing the update of {component} failed on some rank ({_brief(error)}); ranks that "
@@ -172,7 +174,7 @@ class WeightSync:
 
     def _roll_back(self, component: str, cause: BaseException) -> None:
         try:
-            self._rpc("rollback_weights", args=(component,))
+            self._rpc(Worker.rollback_weights, args=(component,))
         except Exception as error:
             raise EngineDeadError(
                 f"the update of {component} failed ({_brief(cause)}) and rolling it back failed too "
