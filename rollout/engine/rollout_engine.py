@@ -49,7 +49,7 @@ if TYPE_CHECKING:
     import torch
     from peft import LoraConfig
 
-    from rollout.weights.sync import StagedPush
+    from rollout.engine.weight_sync import StagedPush
 
 logger = logging.getLogger(__name__)
 
@@ -434,7 +434,7 @@ class RolloutEngine:
         `mode="pause"`: the update applies now, between two steps, and running requests continue
         on the new weights (`RolloutOutput.weight_versions` lists both).
         The version becomes `version`, or the current one plus 1; a `version` below the current one
-        is refused unless the engine held it before (`rollout.weights.versions`). Workers keep copies
+        is refused unless the engine held it before (`rollout.engine.weight_versions`). Workers keep copies
         of the tensors, so the caller may change them at once; tensors wrapped in `HandedOver` (a
         caller that never touches them again) are kept as they are where the workers run in this
         process.
