@@ -80,8 +80,8 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def _train(args, mode: str, seed: int, out: Path) -> list[dict]:
-    from recipes.config import load_config
     from recipes.grpo import run
+    from recipes.loading import load_config
 
     staleness = "null" if mode == "sync" else str(args.max_staleness)
     overrides = [

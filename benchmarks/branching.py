@@ -45,7 +45,7 @@ import torch
 
 from benchmarks import harness
 from benchmarks.harness import Stats, Target, positive_int
-from recipes.config import load_config, recipe_module
+from recipes.loading import load_config, recipe_module
 from rollout import EngineConfig, RolloutEngine, RolloutOutput, SamplingParams
 from rollout.pipelines.tiny import build_tiny_sd3
 

@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import functools
-import importlib
 import json
 import logging
 import os
@@ -54,14 +52,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# Recipe name (the YAML's `recipe:`) -> module defining `Config` (a RecipeConfig) and `run(config)`.
-# Modules are imported only when their recipe is used or listed.
-RECIPES: dict[str, str] = {
-    "rollout": "recipes.rollout",
-    "grpo": "recipes.grpo",
-    "dpo": "recipes.dpo",
-    "nft": "recipes.nft",
-}
+# The recipes a config may name (`recipe:`); `recipes.loading.RECIPES` maps each to its module.
+RECIPE_NAMES = ("rollout", "grpo", "dpo", "nft")
 
 TINY_MODEL = "tiny"
 
@@ -202,7 +194,7 @@ class EngineSection:
 
 @dataclass(kw_only=True)
 class RecipeConfig:
-    """Base of every recipe's config; `recipe` picks the recipe (a key of `RECIPES`).
+    """Base of every recipe's config; `recipe` picks the recipe (one of `RECIPE_NAMES`).
 
     A recipe states its checks of values and combinations in `value_problems`, over a dict of the
     keys that are well-formed, so they run (and report) even when other keys of the same file are
@@ -210,7 +202,7 @@ class RecipeConfig:
     what they check go in `import_problems`.
     """
 
-    recipe: str = option(help=f"which recipe to run: {', '.join(RECIPES)}")
+    recipe: str = option(help=f"which recipe to run: {', '.join(RECIPE_NAMES)}")
 
     def __post_init__(self) -> None:
         problems = self.value_problems({f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
@@ -228,46 +220,6 @@ class RecipeConfig:
         each prefixed with its key: run by `load_config` once every key and value is valid, so that
         a config with a typo is answered without those imports."""
         return []
-
-
-def recipe_module(name: str) -> types.ModuleType:
-    """The module of recipe `name`: it defines `Config` and `run(config)`."""
-    if name not in RECIPES:
-        raise ValueError(f"unknown recipe {name!r}; choose one of {sorted(RECIPES)}")
-    return importlib.import_module(RECIPES[name])
-
-
-# Loading.
-
-
-def load_config(path: str | Path, overrides: Sequence[str] = (), *, on_this_machine: bool = False) -> RecipeConfig:
-    """Read the YAML at `path`, apply `overrides` ("dotted.key=yaml value"), and check everything:
-    with the keys and values, what the model would refuse once loaded (`model_problems`), and with
-    `on_this_machine` (as `python -m recipes.run` checks a config it is about to run) that `model.path`
-    is a supported pipeline folder here and that the service at `engine.url`, if any, answers.
-
-    Raises ValueError listing every problem found.
-    """
-    data = yaml.safe_load(Path(path).read_text())
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise ValueError(f"invalid config {path}: the file must hold a mapping of keys, got {type(data).__name__}")
-    problems = apply_overrides(data, overrides)
-    name = data.get("recipe")
-    if not isinstance(name, str) or name not in RECIPES:
-        problems.insert(0, f"recipe: must be one of {sorted(RECIPES)}, got {name!r}")
-        raise ValueError(_format_problems(path, problems))
-    checks = functools.partial(model_problems_of, folder_must_exist=on_this_machine)
-    config = build_section(recipe_module(name).Config, data, "", problems, checks)
-    if problems:
-        raise ValueError(_format_problems(path, problems))
-    problems = config.import_problems()
-    if not problems and on_this_machine:  # a connection, once everything else is right
-        problems = config.engine.service_problems()
-    if problems:
-        raise ValueError(_format_problems(path, problems))
-    return config
 
 
 def model_problems(model: ModelSection, sampling: Any, folder_must_exist: bool) -> list[str]:
@@ -465,7 +417,7 @@ def _unknown_key(prefix: str, key: str, known: list[str]) -> str:
     return f"unknown key {prefix + key!r}; {hint}"
 
 
-def _format_problems(path: str | Path, problems: list[str]) -> str:
+def format_problems(path: str | Path, problems: list[str]) -> str:
     noun = "problem" if len(problems) == 1 else "problems"
     return f"invalid config {path} ({len(problems)} {noun}):\n" + "\n".join(f"  - {p}" for p in problems)
 

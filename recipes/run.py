@@ -8,7 +8,8 @@ import logging
 
 import yaml
 
-from recipes.config import RECIPES, config_keys, load_config, recipe_module
+from recipes.config import config_keys
+from recipes.loading import RECIPES, load_config, recipe_module
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -28,10 +28,10 @@ if TYPE_CHECKING:
     from rollout.errors import EngineDeadError as EngineDeadError
     from rollout.errors import RequestFailedError as RequestFailedError
     from rollout.errors import WorkerError as WorkerError
+    from rollout.model_spec import ModelSpec as ModelSpec
     from rollout.node_id import NodeId as NodeId
     from rollout.outputs import RolloutOutput as RolloutOutput
     from rollout.outputs import Trajectory as Trajectory
-    from rollout.pipelines.spec import ModelSpec as ModelSpec
     from rollout.sampling_params import SamplingParams as SamplingParams
     from rollout.serve.client import RemoteRolloutEngine as RemoteRolloutEngine
     from rollout.step_series import StepSeries as StepSeries
@@ -46,7 +46,7 @@ PUBLIC_NAMES = {
     # What a request and an engine are made of.
     "EngineConfig": "rollout.config",
     "SamplingParams": "rollout.sampling_params",
-    "ModelSpec": "rollout.pipelines.spec",
+    "ModelSpec": "rollout.model_spec",
     "NodeId": "rollout.node_id",
     # What comes back.
     "RolloutOutput": "rollout.outputs",

@@ -21,8 +21,8 @@ if TYPE_CHECKING:
     from peft import LoraConfig
 
     from rollout.config import EngineConfig
+    from rollout.model_spec import ModelSpec
     from rollout.outputs import RolloutOutput
-    from rollout.pipelines.spec import ModelSpec
     from rollout.sampling_params import SamplingParams
 
 # The defaults the fronts share, named once: the component a weight update or a checksum concerns

@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from rollout.condition import PromptEmbeds
 from rollout.input_images import InputImages
 from rollout.outputs import Trajectory
-from rollout.pipelines.condition import PromptEmbeds
 from rollout.sampling_params import SamplingParams
 
 

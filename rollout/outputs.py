@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from rollout.condition import Condition
 from rollout.node_id import NamedByNode, NodeId
-from rollout.pipelines.condition import Condition
 from rollout.reprs import dataclass_repr
 from rollout.step_series import StepSeries
 

@@ -14,7 +14,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
-from rollout.pipelines.spec import ModelSpec
+from rollout.model_spec import ModelSpec
 from rollout.sampling_params import SamplingParams
 from rollout.settings import setting
 

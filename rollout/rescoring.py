@@ -15,9 +15,9 @@ from collections.abc import Sequence
 
 import torch
 
+from rollout.condition import Condition
+from rollout.guidance import Guidance, Scale, guidance_argument
 from rollout.outputs import Trajectory
-from rollout.pipelines.condition import Condition
-from rollout.pipelines.guidance import Guidance, Scale, guidance_argument
 from rollout.samplers import RATIO_TOLERANCE as RATIO_TOLERANCE  # the contract, named where it is kept
 from rollout.samplers import get_sampler
 from rollout.samplers.step_output import NoDensityError, StepOutput

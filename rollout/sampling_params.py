@@ -6,7 +6,7 @@ import itertools
 import math
 from dataclasses import dataclass
 
-from rollout.pipelines.guidance import GUIDANCE_FIELDS
+from rollout.guidance import GUIDANCE_FIELDS
 from rollout.samplers import LOG_PROB_FORMS, SAMPLER_NAMES, is_stochastic_step
 from rollout.settings import setting
 

@@ -1,13 +1,18 @@
-"""The packages' import graph has no cycle, nothing imports a package it must not, and every module
-imports on its own.
+"""The packages' import graph has no cycle, every module has a layer and imports only down the
+layers, nothing imports a package it must not, and every module imports on its own.
 
-Every import statement counts, at module level and inside functions alike: an import moved into a
-function to dodge a cycle still makes one (the cycle is only hidden until that function runs).
+Every import counts, at module level and inside functions alike: an import moved into a function
+to dodge a cycle still makes one (the cycle is only hidden until that function runs). So do the
+imports that are not statements: a name of a lazy public table (`from rollout import X` loads
+X's module), a string that is a project module's dotted path (what `importlib`, `import_by_path`
+and the executors' and recipes' tables load), and the modules the families' and samplers'
+registries load by derived names.
 """
 
 from __future__ import annotations
 
 import ast
+import functools
 import subprocess
 import sys
 from pathlib import Path
@@ -15,15 +20,27 @@ from pathlib import Path
 import pytest
 
 import rollout
+import trainers_adapters
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("rollout", "executors", "trainers_adapters", "recipes", "benchmarks")
+VOCABULARY = "rollout's vocabulary"  # rollout/x.py: the modules at rollout's top level
+PACKAGES = ("rollout", "executors", "trainers_adapters", "recipes", "benchmarks", "tests")
 
 pytestmark = pytest.mark.timeout(180)
 
 
+@functools.cache
+def parsed(path: Path) -> ast.Module:
+    return ast.parse(path.read_text(), str(path))
+
+
 def project_modules() -> dict[str, Path]:
-    """Dotted module name -> file, for every module of the packages."""
+    """Dotted module name -> file, for every module of the packages (a copy a test may add to)."""
+    return dict(_project_modules())
+
+
+@functools.cache
+def _project_modules() -> dict[str, Path]:
     found = {}
     for package in PACKAGES:
         for path in sorted((ROOT / package).rglob("*.py")):
@@ -36,16 +53,19 @@ def project_modules() -> dict[str, Path]:
 # Packages whose __init__ names each public object's module in a table and imports it on first use
 # (PEP 562): `from rollout import EngineConfig` loads rollout.config, not the whole table (whose
 # `TYPE_CHECKING` imports in rollout/__init__.py count as that package's own edges).
-LAZY_TABLES = {"rollout": rollout.PUBLIC_NAMES}
+LAZY_TABLES = {"rollout": rollout.PUBLIC_NAMES, "trainers_adapters": trainers_adapters.PUBLIC_NAMES}
 
 
 def imported_modules(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
     """The project modules that module `name` imports anywhere in its file. `from pkg import x`
     imports module `pkg.x` when there is one, the module a lazy table names for `x`, else `pkg`
-    itself (its __init__)."""
+    itself (its __init__). A string that is a module's dotted path ("pkg.mod", "pkg.mod.Class" or
+    "pkg.mod:Class", what `importlib` and the registries load) imports that module; docstrings and
+    messages (strings with spaces) do not."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    tree = parsed(path)
     targets = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             targets |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom):
@@ -58,7 +78,57 @@ def imported_modules(name: str, path: Path, modules: dict[str, Path]) -> set[str
                     targets.add(LAZY_TABLES[base][alias.name])
                 else:
                     targets.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base)
+    # Loaded by name: a package that loads its own modules so (its lazy table) adds no edge, or
+    # each of them importing the package back would be a cycle that never runs.
+    docstrings = {id(node.body[0].value) for node in ast.walk(tree) if _has_docstring(node)}
+    by_name = set(registries().get(name, set()))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+            by_name.add(module_named_by(node.value, modules))
+    targets |= {target for target in by_name - {None} if not target.startswith(name + ".")}
     return {target for target in targets if target in modules and target != name}
+
+
+def _has_docstring(node: ast.AST) -> bool:
+    return (
+        isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
+        and bool(node.body)
+        and isinstance(node.body[0], ast.Expr)
+        and isinstance(node.body[0].value, ast.Constant)
+    )
+
+
+def module_named_by(text: str, modules: dict[str, Path]) -> str | None:
+    """The project module a dotted path names: "pkg.mod", "pkg.mod.Attr" or "pkg.mod:Attr"."""
+    if " " in text or "." not in text:
+        return None
+    path = text.split(":")[0]
+    if path in modules:
+        return path
+    module, _, attribute = path.rpartition(".")
+    if module in LAZY_TABLES:  # "rollout.EngineConfig": the module the table loads for it
+        return LAZY_TABLES[module].get(attribute)
+    return module if module in modules and modules[module].name != "__init__.py" else None
+
+
+@functools.cache
+def registries() -> dict[str, set[str]]:
+    """The modules registries load by names they derive rather than spell out: each family's
+    adapter, tiny builder and presets (from its folder and name), each sampler (`get_sampler`),
+    each recipe (`recipe_module`)."""
+    from recipes.loading import RECIPES
+    from rollout.pipelines.families import FAMILIES
+    from rollout.samplers import SAMPLER_NAMES
+
+    family_paths = {
+        path for family in FAMILIES for path in (family.adapter_class, family.tiny_builder, *family.presets.values())
+    }
+    modules = project_modules()
+    return {
+        "rollout.pipelines.families": {module_named_by(path, modules) for path in family_paths} - {None},
+        "rollout.samplers": {f"rollout.samplers.{sampler}" for sampler in SAMPLER_NAMES},
+        "recipes.loading": set(RECIPES.values()),
+    }
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -192,61 +262,100 @@ sys.exit(1 if failed else 0)
     assert done.returncode == 0, done.stdout + done.stderr
 
 
-# The layers, top to bottom: a module imports only its own layer and those below it. The worker's
-# features (weights, LoRA, parallel groups) sit with the worker, and so does the wire format both
-# HTTP services share (rollout.http reads tensors as the weights' files do), under all that serves.
+# The layers, top to bottom: a module imports modules of its own package (a key below) and of the
+# layers under it, never one of another package of its layer or above. rollout's own top-level
+# modules are the vocabulary every layer speaks (configs, parameters, outputs, errors, the step
+# messages, conditions, guidance, model specs): above the samplers only. The worker's features
+# (weights, LoRA, parallel groups) sit under the worker, and so does the wire format both HTTP
+# services share (rollout.http reads tensors as the weights' files do). rollout's public table
+# (its __init__) sits above all that it names; what uses rollout sits above it.
 LAYERS = {
-    "rollout.serve": 5,
-    "rollout.engine": 4,
-    "executors": 3,
-    "rollout.worker": 2,
-    "rollout.weights": 2,
-    "rollout.lora": 2,
-    "rollout.parallel": 2,
-    "rollout.http": 2,
-    "rollout.pipelines": 1,
-    "rollout.samplers": 1,
+    "tests": 13,
+    "benchmarks": 12,
+    "recipes": 11,
+    "trainers_adapters": 10,
+    "rollout": 9,  # the package's public table, rollout/__init__.py
+    "rollout.serve": 8,
+    "rollout.engine": 7,
+    "executors": 6,
+    "rollout.worker": 5,
+    "rollout.lora": 4,
+    "rollout.http": 4,
+    "rollout.weights": 3,
+    "rollout.parallel": 3,
+    "rollout.pipelines": 2,
+    VOCABULARY: 1,
+    "rollout.samplers": 0,
 }
-# rollout's own top-level modules are the vocabulary every layer speaks (configs, parameters,
-# outputs, errors, the step messages): they import only each other and the pipelines and samplers.
-VOCABULARY_MAY_IMPORT = ("rollout.pipelines", "rollout.samplers")
 
 
-def layer_of(name: str) -> int | None:
-    for package, layer in LAYERS.items():
-        if name == package or name.startswith(package + "."):
-            return layer
-    return None
-
-
-def is_vocabulary(name: str, modules: dict[str, Path]) -> bool:
-    """A module at rollout's top level (rollout/x.py), not the package's public table."""
-    return name.count(".") == 1 and name.startswith("rollout.") and modules[name].name != "__init__.py"
+def package_of(name: str, modules: dict[str, Path]) -> str | None:
+    """The key of LAYERS `name` falls under: the longest package that holds it, or VOCABULARY."""
+    if name.count(".") == 1 and name.startswith("rollout.") and modules[name].name != "__init__.py":
+        return VOCABULARY
+    found = [package for package in LAYERS if name == package or name.startswith(package + ".")]
+    return max(found, key=len, default=None)
 
 
 def direction_violations(modules: dict[str, Path]) -> list[str]:
     found = []
     for name, path in sorted(modules.items()):
+        mine = package_of(name, modules)
+        if mine is None:
+            found.append(f"{name} has no layer: add its package to LAYERS")
+            continue
         for target in sorted(imported_modules(name, path, modules)):
-            if is_vocabulary(name, modules):
-                if not (is_vocabulary(target, modules) or target.startswith(VOCABULARY_MAY_IMPORT)):
-                    found.append(f"{name} (rollout's vocabulary) imports {target}")
-            elif (mine := layer_of(name)) is not None and (theirs := layer_of(target)) is not None and theirs > mine:
-                found.append(f"{name} (layer {mine}) imports {target} (layer {theirs}, above it)")
+            theirs = package_of(target, modules)
+            if theirs != mine and LAYERS[theirs] >= LAYERS[mine]:
+                where = "above it" if LAYERS[theirs] > LAYERS[mine] else "beside it"
+                layers = f"layer {LAYERS[mine]}) imports {target} ({theirs}, layer {LAYERS[theirs]}"
+                found.append(f"{name} ({mine}, {layers}, {where})")
     return found
 
 
 def test_imports_go_down_the_layers():
-    """serve -> engine -> executors -> worker (and its weights, LoRA, parallel groups) -> pipelines
-    and samplers; rollout's top-level modules import only each other and the pipelines and samplers."""
+    """Every module has a layer, and imports only its own package and the layers below it."""
     assert direction_violations(project_modules()) == []
 
 
-def test_a_worker_module_importing_the_engine_is_named_with_both_modules(tmp_path):
+@pytest.mark.parametrize(
+    ("module", "source", "imported"),
+    [
+        # rollout reaching what uses it
+        (
+            "rollout.engine.bad",
+            "from trainers_adapters.grpo.loss import grpo_policy_loss\n",
+            "trainers_adapters.grpo.loss",
+        ),
+        ("rollout.worker.bad", "import recipes.config\n", "recipes.config"),
+        ("rollout.serve.bad", "from tests.families import FAMILIES\n", "tests.families"),
+        # between the worker's features: up, and beside
+        ("rollout.weights.bad", "from rollout.lora.manager import LoraManager\n", "rollout.lora.manager"),
+        ("rollout.lora.bad", "from rollout.http.wire import tensors_to_bytes\n", "rollout.http.wire"),
+        # the vocabulary reaching the pipelines (the loop there was)
+        ("rollout.bad", "from rollout.pipelines.loading import load_adapter\n", "rollout.pipelines.loading"),
+        # through the lazy public table, importlib and a registry's dotted path
+        ("rollout.worker.bad", "from rollout import RemoteRolloutEngine\n", "rollout.serve.client"),
+        (
+            "rollout.worker.bad",
+            "import importlib\nimportlib.import_module('rollout.serve.app')\n",
+            "rollout.serve.app",
+        ),
+        ("rollout.pipelines.bad", "BACKENDS = {'mp': 'executors.mp:MpExecutor'}\n", "executors.mp"),
+    ],
+)
+def test_a_wrong_way_import_is_named_with_both_modules(tmp_path, module, source, imported):
     modules = project_modules()
     bad = tmp_path / "bad.py"
-    bad.write_text("from rollout.engine.scheduler import Scheduler\n")
+    bad.write_text(source)
+    modules[module] = bad
+    found = [line for line in direction_violations(modules) if line.startswith(f"{module} (")]
+    assert len(found) == 1 and f" imports {imported} (" in found[0], found
+
+
+def test_a_message_that_names_a_module_is_not_an_import(tmp_path):
+    modules = project_modules()
+    bad = tmp_path / "bad.py"
+    bad.write_text('"""Unlike rollout.serve.app, this."""\nMESSAGE = "see rollout.serve.app for the routes"\n')
     modules["rollout.worker.bad"] = bad
-    assert "rollout.worker.bad (layer 2) imports rollout.engine.scheduler (layer 4, above it)" in (
-        direction_violations(modules)
-    )
+    assert imported_modules("rollout.worker.bad", bad, modules) == set()

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import weakref
 
+from rollout.condition import Condition, PromptEmbeds
 from rollout.engine.request import Request
-from rollout.pipelines.condition import Condition, PromptEmbeds
-from rollout.pipelines.spec import ModelSpec
+from rollout.model_spec import ModelSpec
 
 
 class SharedConditions:

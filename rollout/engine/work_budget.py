@@ -27,7 +27,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from rollout.pipelines.spec import ModelSpec
+from rollout.model_spec import ModelSpec
 from rollout.sampling_params import SamplingParams
 from rollout.worker.work_profile import WorkProfile, denoised_pixels, encoded_pixels, latent_frames
 

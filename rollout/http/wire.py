@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from rollout.condition import Condition, PromptEmbeds
 from rollout.http.tensor_bytes import (  # here too: the wire's own names
     LENGTH,
     SAFETENSORS_MEDIA_TYPE,  # noqa: F401 (the services read it from here)
@@ -48,7 +49,6 @@ from rollout.http.tensor_bytes import (  # here too: the wire's own names
 from rollout.input_images import InputImages
 from rollout.node_id import NodeId
 from rollout.outputs import TRAJECTORY_SETTINGS, RequestTimings, RolloutOutput, Trajectory
-from rollout.pipelines.condition import Condition, PromptEmbeds
 from rollout.pipelines.families import FAMILIES
 from rollout.step_series import StepSeries
 

@@ -25,8 +25,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from rollout.pipelines.condition import PromptEmbeds
-from rollout.pipelines.device_copy import row_index
+from rollout.condition import PromptEmbeds
+from rollout.device_copy import row_index
 from rollout.pipelines.guidance_passes import RowsForward
 
 logger = logging.getLogger(__name__)

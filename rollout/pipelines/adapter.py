@@ -39,13 +39,13 @@ import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 from torch import nn
 
+from rollout.condition import Condition, PromptEmbeds
+from rollout.device_copy import host_to_device, row_index
+from rollout.guidance import Guidance, Scale, guidance_argument
 from rollout.input_images import InputImages
-from rollout.pipelines.condition import Condition, PromptEmbeds
-from rollout.pipelines.device_copy import host_to_device, row_index
-from rollout.pipelines.guidance import Guidance, Scale, guidance_argument
+from rollout.model_spec import ModelSpec
 from rollout.pipelines.guidance_passes import GuidancePasses, guidance_passes_here
 from rollout.pipelines.sampling_defaults import SamplingDefaults
-from rollout.pipelines.spec import ModelSpec
 
 
 @dataclasses.dataclass

@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from rollout.pipelines.condition import PromptEmbeds
+from rollout.condition import PromptEmbeds
 
 # One forward over some rows of a batch: (the rows, as host row numbers; their embeddings) -> the
 # transformer's prediction for them, in the model's dtype. The rows are known on the host (which

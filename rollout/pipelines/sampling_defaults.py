@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from rollout.pipelines.spec import ModelSpec
+    from rollout.model_spec import ModelSpec
 
 FILE_NAME = "sampling_defaults.json"  # beside model_index.json
 

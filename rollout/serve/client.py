@@ -47,8 +47,8 @@ from rollout.http.wire import (
     tensors_to_bytes,
 )
 from rollout.input_images import images_per_prompt
+from rollout.model_spec import ModelSpec
 from rollout.outputs import RolloutOutput
-from rollout.pipelines.spec import ModelSpec
 from rollout.sampling_params import SamplingParams
 from rollout.serve import API_KEY_ENV
 from rollout.serve.error_table import exception_for, worker_error

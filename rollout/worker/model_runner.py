@@ -7,7 +7,7 @@ sample's result does not depend on its batch-mates.
 
 Nothing in a step makes the host wait for the device: each row's sigmas, scales and step noise are
 built on the host (the noise from the requests' CPU generators, into one pinned buffer) and queued
-to the device without waiting (`rollout.pipelines.device_copy`), the rows of a pass or a rule are
+to the device without waiting (`rollout.device_copy`), the rows of a pass or a rule are
 host row numbers, never a boolean mask, and the history stays on the device until `finish` queues
 its copies to pinned host memory and waits once for all of them.
 
@@ -28,13 +28,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from rollout.condition import Condition, PromptEmbeds
+from rollout.device_copy import host_buffer, host_to_device, row_index, synchronize, to_device, to_host
+from rollout.guidance import Guidance
 from rollout.lora.manager import LoraManager
 from rollout.messages import FinishedRequest, Fork, NewRequestData
+from rollout.model_spec import ModelSpec
 from rollout.outputs import Trajectory
-from rollout.pipelines.condition import Condition, PromptEmbeds
-from rollout.pipelines.device_copy import host_buffer, host_to_device, row_index, synchronize, to_device, to_host
-from rollout.pipelines.guidance import Guidance
-from rollout.pipelines.spec import ModelSpec
 from rollout.samplers import get_sampler
 from rollout.seeding import make_generator
 from rollout.worker.path_history import PathHistory

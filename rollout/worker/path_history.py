@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rollout.pipelines.device_copy import to_host
+from rollout.device_copy import to_host
 from rollout.sampling_params import SamplingParams
 from rollout.step_series import StepSeries
 

@@ -21,8 +21,8 @@ from collections.abc import Iterable
 
 import torch
 
+from rollout.condition import Condition, PromptEmbeds
 from rollout.messages import ConditionKeys
-from rollout.pipelines.condition import Condition, PromptEmbeds
 
 
 class SentConditions:

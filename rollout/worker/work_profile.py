@@ -30,7 +30,7 @@ from torch import nn
 
 from rollout.input_images import InputImages
 from rollout.messages import NewRequestData
-from rollout.pipelines.spec import ModelSpec
+from rollout.model_spec import ModelSpec
 from rollout.sampling_params import SamplingParams
 from rollout.worker.progress import progress_units
 from rollout.worker.sent_conditions import SentConditions

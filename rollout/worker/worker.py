@@ -17,6 +17,7 @@ from rollout.config import EngineConfig
 from rollout.imports import import_by_path
 from rollout.lora.manager import LoraManager, read_lora_folder
 from rollout.messages import RunnerOutput, WorkerInput
+from rollout.model_spec import ModelSpec
 from rollout.parallel.cfg import CfgParallelPasses
 from rollout.parallel.group_failures import FailureAgreement, GroupOutOfStep
 from rollout.parallel.sequence import (
@@ -28,7 +29,6 @@ from rollout.parallel.sequence import (
 )
 from rollout.pipelines.compiled_blocks import compile_blocks
 from rollout.pipelines.loading import load_adapter
-from rollout.pipelines.spec import ModelSpec
 from rollout.weights.broadcast_group import BroadcastEntry, connect, receive_bucket
 from rollout.weights.regular_files import check_regular
 from rollout.weights.state import StagedUpdates, TensorSpec, base_state, checksum, specs_of

@@ -26,7 +26,7 @@ from executors.bootstrap import WorkerBootstrap
 from rollout.config import EngineConfig
 from rollout.errors import WorkerError
 from rollout.messages import RunnerOutput, WorkerInput
-from rollout.pipelines.spec import ModelSpec
+from rollout.model_spec import ModelSpec
 from rollout.worker.work_profile import WorkProfile, measure_work
 
 # What a tiny SD3 reports, so an engine can check requests against it.

@@ -14,8 +14,8 @@ import time
 import pytest
 
 from recipes import checkpoint
-from recipes.config import load_config
 from recipes.grpo import run
+from recipes.loading import load_config
 from rollout.engine.rollout_engine import RolloutEngine
 from rollout.rescoring import RATIO_TOLERANCE
 from tests.recipes.test_checkpoint_resume import CONFIG, assert_same_lora, metrics, settings

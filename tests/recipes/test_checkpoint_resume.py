@@ -17,8 +17,8 @@ import torch
 
 import recipes.config
 from recipes import checkpoint
-from recipes.config import load_config, recipe_module
 from recipes.grpo import run
+from recipes.loading import load_config, recipe_module
 from rollout.lora.manager import read_lora_folder
 
 CONFIG = Path(recipes.config.__file__).parent / "configs" / "grpo_tiny.yaml"

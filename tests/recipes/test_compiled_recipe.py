@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from recipes.config import load_config
 from recipes.grpo import run
+from recipes.loading import load_config
 from rollout.rescoring import RATIO_TOLERANCE
 from tests.recipes.test_checkpoint_resume import CONFIG, assert_same_lora, metrics, settings
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 import recipes.config
-from recipes.config import load_config
 from recipes.grpo import run
+from recipes.loading import load_config
 from rollout.serve.launch import ServerProcess
 from tests.recipes.test_grpo_learns import learning_overrides
 

@@ -9,8 +9,8 @@ import dataclasses
 
 import pytest
 
-from recipes.config import load_config
 from recipes.grpo import run
+from recipes.loading import load_config
 from recipes.run import main
 from tests.recipes.test_training_recipes import CONFIG_DIR
 

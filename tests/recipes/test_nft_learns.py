@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import recipes.config
-from recipes.config import load_config
+from recipes.loading import load_config
 from recipes.nft import run
 from tests.recipes.test_grpo_learns import reward_margin
 

@@ -8,8 +8,8 @@ import logging
 
 import pytest
 
-from recipes.config import load_config
 from recipes.grpo import run
+from recipes.loading import load_config
 from tests.recipes.test_checkpoint_resume import SMALL
 from tests.recipes.test_training_recipes import CONFIG_DIR
 from tests.rollout.pipelines.test_quiet import NOISE

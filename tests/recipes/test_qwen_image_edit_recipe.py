@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 import recipes.config
-from recipes.config import load_config
 from recipes.grpo import run
+from recipes.loading import load_config
 from rollout.rescoring import RATIO_TOLERANCE
 
 CONFIG_DIR = Path(recipes.config.__file__).parent / "configs"

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 import recipes.config
-from recipes.config import EngineSection, ModelSection, config_keys, load_config, recipe_module
+from recipes.config import EngineSection, ModelSection, config_keys
+from recipes.loading import load_config, recipe_module
 from recipes.run import main
 from rollout import EngineConfig, SamplingParams
 from rollout.pipelines.tiny.saving import BUILD_STAMP, builder_digest, is_current_build

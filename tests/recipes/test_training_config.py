@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 import recipes.config
-from recipes.config import load_config
+from recipes.loading import load_config
 from trainers_adapters.rewards.spec import reward_specs
 
 CONFIG_DIR = Path(recipes.config.__file__).parent / "configs"

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 import recipes.config
-from recipes.config import load_config
 from recipes.grpo import run
+from recipes.loading import load_config
 from rollout import RemoteRolloutEngine
 from rollout.serve import API_KEY_ENV
 

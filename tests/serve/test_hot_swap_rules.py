@@ -199,8 +199,8 @@ def test_the_training_recipe_checks_the_servers_model_first(server, other_model,
     from pathlib import Path
 
     import recipes.config
-    from recipes.config import load_config
     from recipes.grpo import run
+    from recipes.loading import load_config
     from tests.serve.conftest import API_KEY
 
     config = Path(recipes.config.__file__).parent / "configs" / "grpo_tiny.yaml"

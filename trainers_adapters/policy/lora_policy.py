@@ -18,6 +18,8 @@ from peft import LoraConfig
 from peft.utils import get_peft_model_state_dict
 
 from rollout.api import DEFAULT_COMPONENT
+from rollout.condition import Condition
+from rollout.guidance import Guidance
 from rollout.lora.manager import (
     DIFFUSERS_LORA_FILE,
     DIFFUSERS_LORA_FILE_2,
@@ -26,8 +28,6 @@ from rollout.lora.manager import (
     split_by_component,
 )
 from rollout.outputs import TRAJECTORY_SETTINGS, Trajectory
-from rollout.pipelines.condition import Condition
-from rollout.pipelines.guidance import Guidance
 from rollout.pipelines.loading import load_adapter
 from rollout.rescoring import check_scorable, score_steps
 from rollout.samplers import StepOutput

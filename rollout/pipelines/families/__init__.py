@@ -17,8 +17,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from rollout.guidance import GUIDANCE_FIELDS
 from rollout.pipelines.family import Family, read_folder
-from rollout.pipelines.guidance import GUIDANCE_FIELDS
 
 if TYPE_CHECKING:
     from rollout.pipelines.adapter import PipelineAdapter

@@ -20,12 +20,12 @@ from benchmarks import rollout_throughput
 from benchmarks.model_presets import PRESETS, VIDEO_FAMILIES
 from recipes.config import ModelSection
 from rollout import SamplingParams
+from rollout.guidance import GUIDANCE_FIELDS
 from rollout.imports import import_by_path
 from rollout.pipelines import loading
 from rollout.pipelines.adapter import PipelineAdapter
 from rollout.pipelines.families import FAMILIES, FOLDERS, family_named, family_names
 from rollout.pipelines.family import Family
-from rollout.pipelines.guidance import GUIDANCE_FIELDS
 from rollout.pipelines.tiny import TINY_BUILDERS
 from tests.families import ALL_FAMILIES, slow_family
 

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from rollout import SamplingParams
-from rollout.pipelines.condition import Condition
-from rollout.pipelines.guidance import GUIDANCE_FIELDS, Guidance, guidance_argument
-from rollout.pipelines.spec import GUIDANCE_FIELDS as SPEC_GUIDANCE_FIELDS
+from rollout.condition import Condition
+from rollout.guidance import GUIDANCE_FIELDS, Guidance, guidance_argument
+from rollout.model_spec import GUIDANCE_FIELDS as SPEC_GUIDANCE_FIELDS
 
 pytestmark = pytest.mark.timeout(60)
 

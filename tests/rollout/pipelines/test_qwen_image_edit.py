@@ -11,7 +11,7 @@ import torch
 
 from rollout import EngineConfig, RolloutEngine
 from rollout.input_images import InputImages
-from rollout.pipelines.spec import ModelSpec, area_size
+from rollout.model_spec import ModelSpec, area_size
 from tests.families import FAMILIES, input_image
 
 pytestmark = pytest.mark.timeout(300)

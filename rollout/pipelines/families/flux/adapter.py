@@ -13,10 +13,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from rollout.condition import PromptEmbeds
+from rollout.model_spec import ModelSpec
 from rollout.pipelines.adapter import PipelineAdapter, decode_scaled_latents, packed_latents_spec
-from rollout.pipelines.condition import PromptEmbeds
 from rollout.pipelines.flow_shift import resolution_shift
-from rollout.pipelines.spec import ModelSpec
 
 
 @dataclass

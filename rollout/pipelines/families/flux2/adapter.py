@@ -31,10 +31,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from rollout.condition import PromptEmbeds
 from rollout.input_images import InputImages
+from rollout.model_spec import ModelSpec
 from rollout.pipelines.adapter import PipelineAdapter, images_to_uint8
-from rollout.pipelines.condition import PromptEmbeds
-from rollout.pipelines.spec import ModelSpec
 
 
 @dataclass

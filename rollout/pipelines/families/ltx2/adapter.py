@@ -29,9 +29,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from rollout.condition import PromptEmbeds
+from rollout.model_spec import ModelSpec
 from rollout.pipelines.adapter import PipelineAdapter, images_to_uint8
-from rollout.pipelines.condition import PromptEmbeds
-from rollout.pipelines.spec import ModelSpec
 
 FRAME_RATE = 24.0  # LTX2Pipeline's default frame_rate (motion_speed 1)
 # LTX2Pipeline's arguments that make it compute what the engine does: its other guidance terms off

@@ -26,10 +26,10 @@ from dataclasses import dataclass
 
 import torch
 
+from rollout.condition import PromptEmbeds
 from rollout.input_images import InputImages
-from rollout.pipelines.condition import PromptEmbeds
+from rollout.model_spec import ModelSpec
 from rollout.pipelines.families.ltx2.adapter import PIPELINE_GUIDANCE_OFF, LTX2Adapter, LTX2Embeds
-from rollout.pipelines.spec import ModelSpec
 
 # LTX2ImageToVideoPipeline's arguments that make it compute what the engine does: text-to-video's,
 # and the first frame encoded as given (no H.264 re-compression; see the module's docstring).

@@ -16,10 +16,10 @@ from typing import ClassVar
 import numpy as np
 import torch
 
+from rollout.condition import PromptEmbeds
+from rollout.model_spec import ModelSpec
 from rollout.pipelines.adapter import PipelineAdapter, images_to_uint8, packed_latents_spec
-from rollout.pipelines.condition import PromptEmbeds
 from rollout.pipelines.flow_shift import resolution_shift
-from rollout.pipelines.spec import ModelSpec
 
 
 @dataclass

@@ -25,11 +25,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from rollout.device_copy import row_index
+from rollout.model_spec import ModelSpec
 from rollout.pipelines.adapter import PipelineAdapter
-from rollout.pipelines.device_copy import row_index
 from rollout.pipelines.families.qwen_image.adapter import QwenImageEmbeds, decode_normalised
 from rollout.pipelines.flow_shift import resolution_shift
-from rollout.pipelines.spec import ModelSpec
 
 # The pipeline's default `output_resolution`: a 1024x1024 image when no size is given.
 DEFAULT_RESOLUTION = 1024

@@ -30,10 +30,10 @@ from typing import Any, ClassVar
 
 import torch
 
+from rollout.condition import PromptEmbeds
 from rollout.input_images import InputImages
-from rollout.pipelines.condition import PromptEmbeds
+from rollout.model_spec import ModelSpec, area_size
 from rollout.pipelines.families.qwen_image.adapter import QwenImageAdapter, QwenImageEmbeds
-from rollout.pipelines.spec import ModelSpec, area_size
 
 # QwenImageEditPipeline.__call__'s target area (written inline there) for the resized input image.
 EDIT_IMAGE_AREA = 1024 * 1024

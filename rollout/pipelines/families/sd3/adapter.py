@@ -11,10 +11,10 @@ from dataclasses import dataclass
 
 import torch
 
+from rollout.condition import PromptEmbeds
+from rollout.model_spec import ModelSpec
 from rollout.pipelines.adapter import PipelineAdapter, decode_scaled_latents
-from rollout.pipelines.condition import PromptEmbeds
 from rollout.pipelines.flow_shift import resolution_shift
-from rollout.pipelines.spec import ModelSpec
 
 
 @dataclass

@@ -24,11 +24,11 @@ import numpy as np
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 
+from rollout.condition import PromptEmbeds
+from rollout.device_copy import row_index
+from rollout.guidance import Guidance
+from rollout.model_spec import ModelSpec
 from rollout.pipelines.adapter import PipelineAdapter, images_to_uint8
-from rollout.pipelines.condition import PromptEmbeds
-from rollout.pipelines.device_copy import row_index
-from rollout.pipelines.guidance import Guidance
-from rollout.pipelines.spec import ModelSpec
 
 
 @dataclass

@@ -28,10 +28,10 @@ from dataclasses import dataclass
 
 import torch
 
+from rollout.condition import PromptEmbeds
 from rollout.input_images import InputImages
-from rollout.pipelines.condition import PromptEmbeds
+from rollout.model_spec import ModelSpec
 from rollout.pipelines.families.wan.adapter import WanAdapter, WanEmbeds
-from rollout.pipelines.spec import ModelSpec
 
 
 @dataclass

@@ -23,10 +23,10 @@ from typing import ClassVar
 
 import torch
 
+from rollout.condition import PromptEmbeds
+from rollout.model_spec import ModelSpec
 from rollout.pipelines.adapter import PipelineAdapter, decode_scaled_latents
-from rollout.pipelines.condition import PromptEmbeds
 from rollout.pipelines.flow_shift import resolution_shift
-from rollout.pipelines.spec import ModelSpec
 
 # ZImageTransformer2DModel pads every caption to a multiple of this many tokens (SEQ_MULTI_OF).
 CAPTION_MULTIPLE = 32

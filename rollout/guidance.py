@@ -55,7 +55,7 @@ class Guidance:
         field or all leave it None), on `device` (CPU by default), copied without waiting."""
         import torch
 
-        from rollout.pipelines.device_copy import host_to_device
+        from rollout.device_copy import host_to_device
 
         device = torch.device("cpu") if device is None else device
         values = {name: [getattr(row, name) for row in rows] for name in GUIDANCE_FIELDS}
@@ -68,7 +68,7 @@ class Guidance:
         floats as they are."""
         import torch
 
-        from rollout.pipelines.device_copy import row_index
+        from rollout.device_copy import row_index
 
         def picked(value: Scale) -> Scale:
             if isinstance(value, torch.Tensor) and value.ndim > 0:

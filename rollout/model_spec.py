@@ -11,7 +11,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from rollout.pipelines.guidance import GUIDANCE_FIELDS  # the fields whose meaning depends on the model
+from rollout.guidance import GUIDANCE_FIELDS  # the fields whose meaning depends on the model
 from rollout.sampling_params import SamplingParams
 
 
