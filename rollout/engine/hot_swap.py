@@ -32,7 +32,7 @@ from rollout.worker.worker import Worker
 
 if TYPE_CHECKING:
     from rollout.engine.engine_control import EngineControl
-    from rollout.pipelines.spec import ModelSpec
+    from rollout.model_spec import ModelSpec
 
 logger = logging.getLogger(__name__)
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from rollout.condition import Condition, PromptEmbeds
 from rollout.messages import ConditionKeys, RunnerOutput
-from rollout.pipelines.condition import Condition, PromptEmbeds
 
 
 class ReceivedConditions:
