@@ -58,6 +58,4 @@ PUBLIC_NAMES = {
     "WorkerError": "rollout.errors",
 }
 
-__all__ = sorted(PUBLIC_NAMES)
-
-__getattr__, __dir__ = lazy_public_names(__name__, PUBLIC_NAMES, globals())
+__all__, __getattr__, __dir__ = lazy_public_names(__name__, PUBLIC_NAMES, globals())
