@@ -68,41 +68,32 @@ pins:
 # from them, so the page's numbers are the ones this run measured.
 RESULTS := benchmarks/results
 BENCH = $(PY) -m benchmarks.$(1) $(2) --json $(RESULTS)/$(3).json
+# One BENCH per line of a recipe, for $(foreach) (each line its own command, as if written out).
+define BENCH_LINE
+$(call BENCH,$(1),$(2),$(3))
+
+endef
+# rollout_throughput at each family's defaults (rollout_throughput_<family>.json); sd3's variants
+# and HunyuanVideo 1.5's smaller runs are listed apart.
+THROUGHPUT_FAMILIES := flux qwen_image flux_kontext qwen_image_edit qwen_image_edit_plus flux2_klein wan wan22 wan_i2v
+# The benchmarks that run with their defaults, one report each (<name>.json).
+PLAIN_BENCHES := output_memory faults executor_overhead weight_sync lora_swap serve_load http_weight_push \
+	serve_probes branching expert_update request_table reward_models reward_overlap
 
 bench: setup
 	rm -rf $(RESULTS) && mkdir -p $(RESULTS)
 	$(call BENCH,rollout_throughput,--family sd3,rollout_throughput_sd3)
 	$(call BENCH,rollout_throughput,--family sd3 --compile both,rollout_throughput_sd3_compiled)
 	$(call BENCH,rollout_throughput,--family sd3 --compile both --also-on mp ray --no-breakdown,rollout_throughput_sd3_executors)
-	$(call BENCH,rollout_throughput,--family flux,rollout_throughput_flux)
-	$(call BENCH,rollout_throughput,--family qwen_image,rollout_throughput_qwen_image)
-	$(call BENCH,rollout_throughput,--family flux_kontext,rollout_throughput_flux_kontext)
-	$(call BENCH,rollout_throughput,--family qwen_image_edit,rollout_throughput_qwen_image_edit)
-	$(call BENCH,rollout_throughput,--family qwen_image_edit_plus,rollout_throughput_qwen_image_edit_plus)
-	$(call BENCH,rollout_throughput,--family flux2_klein,rollout_throughput_flux2_klein)
-	$(call BENCH,rollout_throughput,--family wan,rollout_throughput_wan)
-	$(call BENCH,rollout_throughput,--family wan22,rollout_throughput_wan22)
-	$(call BENCH,rollout_throughput,--family wan_i2v,rollout_throughput_wan_i2v)
+	$(foreach f,$(THROUGHPUT_FAMILIES),$(call BENCH_LINE,rollout_throughput,--family $(f),rollout_throughput_$(f)))
 	$(call BENCH,rollout_throughput,--family hunyuan_video15 --batch-size 4 --repeats 2,rollout_throughput_hunyuan_video15)
 	$(call BENCH,rollout_throughput,--family hunyuan_video15_i2v --batch-size 4 --repeats 2,rollout_throughput_hunyuan_video15_i2v)
 	$(call BENCH,rollout_throughput,--family zimage,rollout_throughput_zimage)
-	$(call BENCH,output_memory,,output_memory)
-	$(call BENCH,faults,,faults)
-	$(call BENCH,executor_overhead,,executor_overhead)
-	$(call BENCH,weight_sync,,weight_sync)
-	$(call BENCH,lora_swap,,lora_swap)
 	$(call BENCH,lora_rollout,--family sd3 --merge-at-real-size sd35_medium,lora_rollout_sd3)
 	$(call BENCH,lora_rollout,--family flux --cfg off,lora_rollout_flux)
 	$(call BENCH,rescore_batches,--family sd3,rescore_batches_sd3)
 	$(call BENCH,rescore_batches,--family flux,rescore_batches_flux)
-	$(call BENCH,serve_load,,serve_load)
-	$(call BENCH,http_weight_push,,http_weight_push)
-	$(call BENCH,serve_probes,,serve_probes)
-	$(call BENCH,branching,,branching)
-	$(call BENCH,expert_update,,expert_update)
-	$(call BENCH,request_table,,request_table)
-	$(call BENCH,reward_models,,reward_models)
-	$(call BENCH,reward_overlap,,reward_overlap)
+	$(foreach name,$(PLAIN_BENCHES),$(call BENCH_LINE,$(name),,$(name)))
 	$(call BENCH,async_training,--plot $(RESULTS)/async_training.png,async_training)
 	$(call BENCH,parallel,,parallel)
 	$(call BENCH,parallel,--mode measure,parallel_measure)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from recipes.config import option
 from recipes.training_config import TrainingConfig
+from rollout import SamplingParams
 from trainers_adapters.grpo.settings import GRPOSettings
 
 
@@ -39,14 +40,12 @@ class Config(TrainingConfig):
     output_dir: str = option("outputs/grpo", "folder for metrics, plots, sample grids and the final LoRA")
 
     @classmethod
-    def value_problems(cls, values: dict) -> list[str]:
-        problems = super().value_problems(values)
-        sampling = values.get("sampling")
-        if sampling is not None and sampling.sampler == "ode":
-            problems.append("sampling.sampler 'ode' has no log-probs for GRPO; use flow_sde, cps or dance_sde")
-        elif sampling is not None and not any(sampling.sde_mask()):
-            problems.append(f"sampling.sde_window {sampling.sde_window} holds no step; GRPO trains on the SDE steps")
-        return problems
+    def sampling_problems(cls, sampling: SamplingParams) -> list[str]:
+        if sampling.sampler == "ode":
+            return ["sampling.sampler 'ode' has no log-probs for GRPO; use flow_sde, cps or dance_sde"]
+        if not any(sampling.sde_mask()):
+            return [f"sampling.sde_window {sampling.sde_window} holds no step; GRPO trains on the SDE steps"]
+        return []
 
 
 def run(config: Config) -> dict:

@@ -33,14 +33,17 @@ class Config(TrainingConfig):
     output_dir: str = option("outputs/nft", "folder for metrics, plots, sample grids and the final LoRA")
 
     @classmethod
-    def value_problems(cls, values: dict) -> list[str]:
-        problems = super().value_problems(values)
-        sampling = values.get("sampling")
-        if sampling is not None and sampling.sampler != "ode":
-            problems.append(
+    def sampling_problems(cls, sampling: SamplingParams) -> list[str]:
+        if sampling.sampler != "ode":
+            return [
                 f"sampling.sampler is {sampling.sampler!r}; DiffusionNFT samples the old policy deterministically: "
                 "use ode"
-            )
+            ]
+        return []
+
+    @classmethod
+    def value_problems(cls, values: dict) -> list[str]:
+        problems = super().value_problems(values)
         if values.get("sde_window_range") is not None:
             problems.append("sde_window_range slides an SDE window; DiffusionNFT's ODE rollouts have none: null it")
         return problems

@@ -157,7 +157,15 @@ class TrainingConfig(RecipeConfig):
         window_range = values.get("sde_window_range")
         if window_range is not None and sampling is not None:
             problems += _window_range_problems(window_range, sampling)
+        if sampling is not None:
+            problems += cls.sampling_problems(sampling)
         return problems
+
+    @classmethod
+    def sampling_problems(cls, sampling: SamplingParams) -> list[str]:
+        """What the recipe's algorithm needs of the rollouts' `sampling` beside what every training
+        recipe needs (GRPO: log-probs; DiffusionNFT: deterministic rollouts); nothing by default."""
+        return []
 
     def import_problems(self) -> list[str]:
         """The engine's classes, the rewards (their classes and settings), where reward workers run

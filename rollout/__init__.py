@@ -12,7 +12,7 @@ checkers see through the table; tests/test_api.py holds the two equal.
 
 from __future__ import annotations
 
-import importlib
+from rollout.imports import lazy_public_names
 
 # What IDEs and type checkers read: the table below as imports (never run; `X as X` marks a
 # re-export). mypy and pyright take any name TYPE_CHECKING as true, and the annotation keeps Jedi
@@ -58,17 +58,4 @@ PUBLIC_NAMES = {
     "WorkerError": "rollout.errors",
 }
 
-__all__ = sorted(PUBLIC_NAMES)
-
-
-def __getattr__(name: str):
-    module = PUBLIC_NAMES.get(name)
-    if module is None:
-        raise AttributeError(f"module 'rollout' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # the next lookup finds it without coming here
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(PUBLIC_NAMES))
+__all__, __getattr__, __dir__ = lazy_public_names(__name__, PUBLIC_NAMES, globals())

@@ -43,3 +43,26 @@ def names_moved_to(package: str, module: str) -> Callable[[str], object]:
 
 
 _MISSING = object()
+
+
+def lazy_public_names(
+    package: str, table: dict[str, str], namespace: dict[str, object]
+) -> tuple[list[str], Callable[[str], object], Callable[[], list[str]]]:
+    """The `__all__` (the table's names, sorted), `__getattr__` and `__dir__` (PEP 562) of a
+    package whose public names are a table of name -> module (`rollout`, `trainers_adapters`): a
+    name is imported from its module on first use and kept in the package's `namespace` (its
+    `globals()`), so the next lookup does not come back here, and importing the package itself
+    imports none of them."""
+
+    def __getattr__(name: str) -> object:
+        module = table.get(name)
+        if module is None:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        value = getattr(importlib.import_module(module), name)
+        namespace[name] = value
+        return value
+
+    def __dir__() -> list[str]:
+        return sorted(set(namespace) | set(table))
+
+    return sorted(table), __getattr__, __dir__

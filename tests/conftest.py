@@ -18,7 +18,7 @@ def tiny_models(tmp_path_factory) -> Callable[[str], str]:
     def path_of(family: str) -> str:
         if family not in paths:
             folder = tmp_path_factory.mktemp(f"tiny_{family}") / "pipeline"
-            paths[family] = str(ALL_FAMILIES[family].build(folder, seed=0))
+            paths[family] = str(ALL_FAMILIES[family].build_tiny(folder, seed=0))
         return paths[family]
 
     return path_of

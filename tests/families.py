@@ -4,7 +4,7 @@ off is the descriptor's (`Family.cfg_on` / `cfg_off`), so tests and benchmarks g
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,43 +25,32 @@ DEFAULT_EDIT_SIZES = [(32, 32), (24, 40)]
 
 
 @dataclass(frozen=True)
-class Family:
-    descriptor: family_module.Family
+class Family(family_module.Family):
+    """A family's descriptor, with what the tests ask of its tiny pipeline: requests of its sizes
+    with guidance on or off, its input images, and its own diffusers pipeline."""
 
-    @property
-    def name(self) -> str:
-        return self.descriptor.name
-
-    @property
-    def pipeline_class(self) -> str:
-        return self.descriptor.pipeline_class
-
-    @property
-    def build(self) -> Callable:
-        return self.descriptor.build_tiny
+    @classmethod
+    def of(cls, descriptor: family_module.Family) -> Family:
+        return cls(**{field.name: getattr(descriptor, field.name) for field in dataclasses.fields(descriptor)})
 
     @property
     def cfg(self) -> dict:
         """SamplingParams fields that turn CFG on."""
-        return self.descriptor.guidance_fields(cfg=True)
+        return self.guidance_fields(cfg=True)
 
     @property
     def no_cfg(self) -> dict:
         """... and off."""
-        return self.descriptor.guidance_fields(cfg=False)
+        return self.guidance_fields(cfg=False)
 
     @property
     def extra(self) -> dict:
         """SamplingParams fields every request sets: frames of a video; FLUX.1 Kontext's edits encode
         their tiny images at their own size (its pipeline's default resize to about a megapixel
         would make each forward attend over ~66k image tokens)."""
-        if self.descriptor.video:
+        if self.video:
             return {"num_frames": TINY_NUM_FRAMES}
         return {"auto_resize": False} if self.name == "flux_kontext" else {}
-
-    @property
-    def edits(self) -> bool:
-        return self.descriptor.edits
 
     def diffusers_pipeline(self, path: str | Path):
         """The family's own diffusers pipeline, loaded from the folder at `path` as the engine loads
@@ -74,7 +63,7 @@ class Family:
         if self.pipeline_class == "WanImageToVideoPipeline":  # its text cleaning calls ftfy unconditionally
             pytest.importorskip("ftfy", reason="WanImageToVideoPipeline.__call__ needs ftfy")
         pipeline_class = getattr(diffusers, self.pipeline_class)
-        pipeline = pipeline_class.from_pretrained(path, **self.descriptor.adapter.given_components(Path(path)))
+        pipeline = pipeline_class.from_pretrained(path, **self.adapter.given_components(Path(path)))
         pipeline.set_progress_bar_config(disable=True)
         return pipeline
 
@@ -145,9 +134,9 @@ def input_image(index: int, height: int = 32, width: int = 32) -> torch.Tensor:
     return image
 
 
-FAMILIES = {d.name: Family(d) for d in DESCRIPTORS if not d.video}
+FAMILIES = {d.name: Family.of(d) for d in DESCRIPTORS if not d.video}
 # Video families: their outputs are `video`, not `image`, so the image tests do not run on them.
-VIDEO_FAMILIES = {d.name: Family(d) for d in DESCRIPTORS if d.video}
+VIDEO_FAMILIES = {d.name: Family.of(d) for d in DESCRIPTORS if d.video}
 ALL_FAMILIES = FAMILIES | VIDEO_FAMILIES
 # Text-to-video (WanPipeline, HunyuanVideo15Pipeline, LTX2Pipeline) and image-to-video
 # (WanImageToVideoPipeline, HunyuanVideo15ImageToVideoPipeline: a first frame per request).

@@ -19,7 +19,7 @@ torch (a recipe checks its config before anything loads).
 
 from __future__ import annotations
 
-import importlib
+from rollout.imports import lazy_public_names
 
 PUBLIC_NAMES = {
     # GRPO.
@@ -71,17 +71,4 @@ PUBLIC_NAMES = {
     "AestheticScore": "trainers_adapters.rewards.models.aesthetic",
 }
 
-__all__ = sorted(PUBLIC_NAMES)
-
-
-def __getattr__(name: str):
-    module = PUBLIC_NAMES.get(name)
-    if module is None:
-        raise AttributeError(f"module 'trainers_adapters' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # the next lookup finds it without coming here
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(PUBLIC_NAMES))
+__all__, __getattr__, __dir__ = lazy_public_names(__name__, PUBLIC_NAMES, globals())

@@ -55,14 +55,14 @@ def one_request(family):
         **family.pipeline_extra,
         **family.pipeline_inputs(inputs or None, params.height, params.width),
     }
-    if family.descriptor.video:
+    if family.video:
         call["num_frames"] = params.num_frames
     return params, inputs, call
 
 
 def pipeline_peak(family, path: str, call: dict) -> int:
     pipeline = family.diffusers_pipeline(path)
-    call = family.descriptor.adapter.pipeline_arguments(pipeline, call)  # HunyuanVideo 1.5: its guider's scale
+    call = family.adapter.pipeline_arguments(pipeline, call)  # HunyuanVideo 1.5: its guider's scale
     pipeline(**call)  # the first call makes what every later call reuses
     with AllocationPeak() as peak:
         pipeline(**call)
@@ -88,7 +88,7 @@ def test_the_engine_holds_no_more_memory_than_the_pipeline(request, tiny_models,
     with RolloutEngine(EngineConfig(model=path, worker_extension_cls=EXTENSION, **BACKENDS[backend])) as engine:
         engine.generate(["a red square"], params, **inputs)
         outputs, (peak,) = engine_peak(engine, lambda: engine.generate(["a red square"], params, **inputs))
-    media = outputs[0].video if family.descriptor.video else outputs[0].image
+    media = outputs[0].video if family.video else outputs[0].image
     # The measure sees the work: the pipeline's peak is at least its decoded output in float32.
     assert expected > media.numel() * torch.float32.itemsize
     mib = 2**20

@@ -9,12 +9,12 @@ import cloudpickle
 import pytest
 import safetensors
 import torch
-from safetensors.torch import save_file
 
 from rollout import EngineConfig, RolloutEngine, SamplingParams
 from rollout.errors import WorkerError
 from rollout.weights.state import base_state, checksum
 from rollout.worker.marks import read_only, stages_weights
+from tests.weight_files import new_weights_file
 
 # Ray workers cannot import the test modules: ship this one's classes by value (which is why they
 # reach safetensors through its module: its Rust classes do not pickle by value).
@@ -77,11 +77,8 @@ def new_weights(engine, tmp_path):
     engine goes back to its weights afterwards."""
     state = engine.collective_rpc(lambda worker: base_state(worker.adapter.transformer), ranks=[0])[0]
     changed = {name: tensor + 0.125 for name, tensor in list(state.items())[:6]}
-    path = tmp_path / "new.safetensors"
-    save_file(changed, path)
-    version = engine.weight_version
-    yield str(path), state | changed
-    engine.update_weights(state, version=version)
+    with new_weights_file(engine, state, changed, tmp_path) as weights:
+        yield weights
 
 
 def test_a_staging_function_updates_every_rank_with_a_version(engine, new_weights):

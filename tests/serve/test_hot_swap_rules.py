@@ -181,7 +181,7 @@ def other_model(tmp_path_factory) -> str:
     """Another tiny SD3 folder: the same architecture, other random weights."""
     from tests.families import ALL_FAMILIES
 
-    return str(ALL_FAMILIES["sd3"].build(tmp_path_factory.mktemp("other_sd3") / "pipeline", seed=1))
+    return str(ALL_FAMILIES["sd3"].build_tiny(tmp_path_factory.mktemp("other_sd3") / "pipeline", seed=1))
 
 
 def test_a_policy_on_another_model_folder_is_refused_when_the_run_starts(front, tiny_model, other_model):

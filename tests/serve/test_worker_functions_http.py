@@ -13,6 +13,7 @@ from rollout.errors import WorkerError
 from rollout.pipelines.loading import load_adapter
 from rollout.weights.state import base_state, checksum
 from tests.serve.conftest import API_KEY
+from tests.weight_files import new_weights_file
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -29,11 +30,8 @@ def new_weights(remote, transformer_state, tmp_path):
     """A file of new values for a few weights (on the server's machine: this one), the whole state
     they make, and the server's weights put back afterwards."""
     changed = {name: tensor * 0.5 for name, tensor in list(transformer_state.items())[:5]}
-    path = tmp_path / "new.safetensors"
-    save_file(changed, path)
-    version = remote.weight_version
-    yield str(path), transformer_state | changed
-    remote.update_weights(transformer_state, version=version)
+    with new_weights_file(remote, transformer_state, changed, tmp_path) as weights:
+        yield weights
 
 
 def test_a_staging_function_updates_the_server_with_a_version(remote, new_weights):

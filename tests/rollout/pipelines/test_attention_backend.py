@@ -158,7 +158,7 @@ def test_lora_policy_takes_the_backend(flux):
 )
 def test_each_familys_declaration_matches_its_attention_processors(tiny_models, family):
     adapter = load_adapter(tiny_models(family))
-    declared = FAMILIES[family].descriptor.attention_dispatcher
+    declared = FAMILIES[family].attention_dispatcher
     assert [dispatches_attention(module) for module in adapter.denoisers.values()] == [declared] * len(
         adapter.denoisers
     )

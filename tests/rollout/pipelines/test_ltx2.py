@@ -10,13 +10,18 @@ import dataclasses
 
 import pytest
 import torch
-from diffusers import LTX2Pipeline
 
-from rollout import EngineConfig, RolloutEngine, SamplingParams
-from rollout.pipelines.loading import load_adapter
-from rollout.rescoring import RATIO_TOLERANCE, recompute_log_probs
+from rollout import SamplingParams
+from rollout.rescoring import recompute_log_probs
 from rollout.step_series import StepSeries
 from tests.families import AUDIO_VIDEO_FAMILIES
+from tests.rollout.pipelines.family_checks import (
+    assert_ratio_one,
+    assert_same_sample,
+    engine_and_pipeline,
+    over_the_wire,
+    pipeline_schedule,
+)
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -30,11 +35,8 @@ LENGTH = {"max_sequence_length": 64}
 @pytest.fixture(scope="module")
 def ltx2(tiny_models):
     """(engine, the diffusers pipeline, a trainer's adapter) on the same tiny folder."""
-    path = tiny_models(FAMILY.name)
-    pipeline = LTX2Pipeline.from_pretrained(path)
-    pipeline.set_progress_bar_config(disable=True)
-    with RolloutEngine(EngineConfig(model=path, max_batch_size=16)) as engine:
-        yield engine, pipeline, load_adapter(path)
+    with engine_and_pipeline(FAMILY, tiny_models(FAMILY.name), max_batch_size=16) as setup:
+        yield setup
 
 
 def pipeline_latents(pipeline, latents: torch.Tensor) -> dict:
@@ -96,13 +98,6 @@ def test_schedule_and_trainer_sigmas_are_the_pipelines(ltx2):
     """The shift follows the video's token count (so the frame count): 9 and 17 frames differ, and
     each equals the pipeline's; a trainer's `sigmas` are the pipeline's `sigmas=`."""
     engine, pipeline, _ = ltx2
-    captured = {}
-
-    def capture(pipe, step, timestep, callback_kwargs):
-        captured["sigmas"] = pipe.scheduler.sigmas.clone()
-        captured["timesteps"] = pipe.scheduler.timesteps.clone()
-        return callback_kwargs
-
     schedules = []
     for frames, sigmas in ((9, None), (17, None), (9, (1.0, 0.8, 0.45, 0.2))):
         params = FAMILY.params(
@@ -110,9 +105,10 @@ def test_schedule_and_trainer_sigmas_are_the_pipelines(ltx2):
         )
         (output,) = engine.generate("x", params)
         arguments = call(params, 4) | {"prompt": "x", "num_frames": frames, "output_type": "latent"}
-        pipeline(**arguments, sigmas=None if sigmas is None else list(sigmas), callback_on_step_end=capture)
-        assert torch.equal(output.trajectory.sigmas, captured["sigmas"].float())
-        assert torch.equal(output.trajectory.timesteps, captured["timesteps"].float())
+        arguments["sigmas"] = None if sigmas is None else list(sigmas)
+        expected_sigmas, expected_timesteps = pipeline_schedule(pipeline, **arguments)
+        assert torch.equal(output.trajectory.sigmas, expected_sigmas.float())
+        assert torch.equal(output.trajectory.timesteps, expected_timesteps.float())
         schedules.append(output.trajectory.sigmas)
     assert not torch.equal(schedules[0], schedules[1])
 
@@ -121,9 +117,7 @@ def test_schedule_and_trainer_sigmas_are_the_pipelines(ltx2):
 def test_rescoring_gives_ratio_one(ltx2, sampler):
     engine, _, trainer_adapter = ltx2
     params = FAMILY.params(cfg=True, sampler=sampler, noise_level=0.5, num_inference_steps=4, num_samples=2, seed=1)
-    for output in engine.generate(["a red square", "a blue circle"], params):
-        log_ratio = recompute_log_probs(trainer_adapter, output.trajectory) - output.trajectory.log_probs
-        assert log_ratio.abs().max() < RATIO_TOLERANCE
+    assert_ratio_one(trainer_adapter, engine.generate(["a red square", "a blue circle"], params))
 
 
 def test_the_log_prob_of_a_step_covers_the_video_and_the_audio(ltx2):
@@ -160,9 +154,7 @@ def test_a_sample_alone_equals_the_sample_in_a_mixed_batch(ltx2):
     crowd = engine.generate(
         ["red", "a long prompt about a green circle in a wide field at noon", "blue"], crowd_params
     )
-    a, b = alone.trajectory, crowd[0].trajectory
-    assert (a.latents.stack() - b.latents.stack()).abs().max() < 1e-5
-    assert (a.log_probs - b.log_probs).abs().max() < 1e-5
+    assert_same_sample(alone, crowd[0])
     assert crowd[2].video.shape == (13, 3, 32, 32) and crowd[2].audio.shape[-1] > crowd[0].audio.shape[-1]
 
 
@@ -189,15 +181,9 @@ def test_sizes_frames_and_fields_the_pipeline_refuses_are_refused_at_admission(l
 
 
 def test_video_and_audio_cross_the_wire_bitwise(ltx2):
-    from rollout.http.wire import FrameReader, OutputDecoder, OutputEncoder
-
     engine, _, _ = ltx2
     outputs = engine.generate("a red square", FAMILY.params(cfg=True, num_inference_steps=2, num_samples=2, seed=9))
-    encoder, decoder = OutputEncoder(), OutputDecoder()
-    data = b"".join(encoder.encode(output) for output in outputs)
-    decoded = [decoder.decode(f, t) for f, t in FrameReader().feed(data)]
-    decoded = [output for output in decoded if output is not None]
-    for got, expected in zip(decoded, outputs, strict=True):
+    for got, expected in zip(over_the_wire(outputs), outputs, strict=True):
         assert torch.equal(got.video, expected.video) and torch.equal(got.audio, expected.audio)
         assert got.audio_sample_rate == expected.audio_sample_rate == 16000
         assert torch.equal(got.trajectory.latents.stack(), expected.trajectory.latents.stack())

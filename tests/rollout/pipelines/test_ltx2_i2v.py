@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from diffusers import LTX2ImageToVideoPipeline
 
-from rollout import EngineConfig, RolloutEngine
 from rollout.input_images import InputImages
-from rollout.pipelines.loading import load_adapter
-from rollout.rescoring import RATIO_TOLERANCE, recompute_log_probs
 from tests.families import AUDIO_VIDEO_FAMILIES, input_image
-from tests.rollout.pipelines.first_frames import counted_encodings
+from tests.rollout.pipelines.family_checks import (
+    assert_ratio_one,
+    assert_same_sample,
+    engine_and_pipeline,
+    over_the_wire,
+)
+from tests.rollout.pipelines.first_frames import assert_one_first_frame_is_required, counted_encodings
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -33,11 +35,8 @@ FRAME = input_image(0, 24, 40)  # another size than the 32x32 video: the pipelin
 @pytest.fixture(scope="module")
 def ltx2_i2v(tiny_models):
     """(engine, the diffusers pipeline, a trainer's adapter) on the same tiny folder."""
-    path = tiny_models(FAMILY.name)
-    pipeline = LTX2ImageToVideoPipeline.from_pretrained(path)
-    pipeline.set_progress_bar_config(disable=True)
-    with RolloutEngine(EngineConfig(model=path, max_batch_size=16)) as engine:
-        yield engine, pipeline, load_adapter(path)
+    with engine_and_pipeline(FAMILY, tiny_models(FAMILY.name), max_batch_size=16) as setup:
+        yield setup
 
 
 def run_pipeline(pipeline, initial: torch.Tensor, params, **call) -> tuple:
@@ -110,9 +109,7 @@ def test_rescoring_gives_ratio_one(ltx2_i2v, sampler):
     engine, _, trainer_adapter = ltx2_i2v
     params = FAMILY.params(cfg=True, sampler=sampler, noise_level=0.5, num_inference_steps=4, num_samples=2, seed=1)
     images = FAMILY.inputs(2)["images"]
-    for output in engine.generate(["a red square", "a blue circle"], params, images=images):
-        log_ratio = recompute_log_probs(trainer_adapter, output.trajectory) - output.trajectory.log_probs
-        assert log_ratio.abs().max() < RATIO_TOLERANCE
+    assert_ratio_one(trainer_adapter, engine.generate(["a red square", "a blue circle"], params, images=images))
 
 
 def test_a_sample_alone_equals_the_sample_in_a_mixed_batch(ltx2_i2v):
@@ -127,9 +124,7 @@ def test_a_sample_alone_equals_the_sample_in_a_mixed_batch(ltx2_i2v):
     ]
     frames = [[FRAME], [input_image(1)], [input_image(2, 40, 24)]]
     crowd = engine.generate(["red", "a green circle in a wide field at noon", "blue"], crowd_params, images=frames)
-    a, b = alone.trajectory, crowd[0].trajectory
-    assert (a.latents.stack() - b.latents.stack()).abs().max() < 1e-5
-    assert (a.log_probs - b.log_probs).abs().max() < 1e-5
+    assert_same_sample(alone, crowd[0])
     assert crowd[2].video.shape == (13, 3, 32, 32) and crowd[2].audio.shape[-1] > crowd[0].audio.shape[-1]
 
 
@@ -149,10 +144,7 @@ def test_the_first_frame_is_encoded_once_and_held_once_by_a_group(ltx2_i2v):
 
 def test_requests_the_model_cannot_take_are_refused_at_admission(ltx2_i2v):
     engine, _, _ = ltx2_i2v
-    with pytest.raises(ValueError, match=r"makes a video from its first frame: pass images=\[\[image\], \.\.\.\]"):
-        engine.generate("x", FAMILY.params())
-    with pytest.raises(ValueError, match="takes at most 1 input images per prompt, got 2"):
-        engine.generate("x", FAMILY.params(), images=[[FRAME, FRAME]])
+    assert_one_first_frame_is_required(engine, FAMILY.params(), FRAME)
     with pytest.raises(ValueError, match=r"num_frames=8 does not fit LTX2ImageToVideoPipeline's VAE, .* num_frames=9"):
         engine.generate("x", FAMILY.params(num_frames=8), images=[[FRAME]])
     with pytest.raises(ValueError, match=r"height=48 is not divisible by 32 \(.*own rule: multiples of 32\)"):
@@ -166,17 +158,11 @@ def test_requests_the_model_cannot_take_are_refused_at_admission(ltx2_i2v):
 
 
 def test_the_first_frame_and_the_sound_cross_the_wire_once_per_answer(ltx2_i2v):
-    from rollout.http.wire import FrameReader, OutputDecoder, OutputEncoder
-
     engine, _, _ = ltx2_i2v
     outputs = engine.generate(
         "a red square", FAMILY.params(num_inference_steps=2, num_samples=2, seed=9), images=[[FRAME]]
     )
-    encoder = OutputEncoder()  # one answer's stream
-    data = b"".join(encoder.encode(output) for output in outputs)
-    decoder = OutputDecoder()
-    decoded = [decoder.decode(f, t) for f, t in FrameReader().feed(data)]
-    first, second = (output for output in decoded if output is not None)
+    first, second = over_the_wire(outputs)  # one answer's stream
     assert first.trajectory.condition.images is second.trajectory.condition.images  # decoded once, shared
     assert torch.equal(first.trajectory.condition.images.tokens, outputs[0].trajectory.condition.images.tokens)
     assert torch.equal(first.video, outputs[0].video) and torch.equal(first.audio, outputs[0].audio)

@@ -8,6 +8,7 @@ import torch
 
 from rollout import EngineConfig, RolloutEngine
 from tests.families import FAMILIES, matrix
+from tests.rollout.pipelines.family_checks import pipeline_schedule
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -70,21 +71,14 @@ def test_schedule_matches_diffusers(family_setup):
     """Sigmas and timesteps as the pipeline sets them (FLUX.1 and Qwen-Image shift them by the
     image's token count, Qwen-Image stretches them to end at 0.02)."""
     family, engine, pipeline = family_setup
-    captured = {}
-
-    def capture(pipe, step, timestep, callback_kwargs):
-        captured["sigmas"] = pipe.scheduler.sigmas.clone()
-        captured["timesteps"] = pipe.scheduler.timesteps.clone()
-        return callback_kwargs
-
     inputs = _required_inputs(family, engine)
     (output,) = engine.generate("x", family.params(sampler="ode", num_inference_steps=7, seed=0), **inputs)
     call = {"guidance_scale": 1.0} if family.name == "sd3" else {}
     call |= {"num_inference_steps": 7, "height": 32, "width": 32, "output_type": "latent"}
     call |= family.pipeline_inputs(inputs)
-    pipeline(prompt="x", callback_on_step_end=capture, **call)
-    assert torch.equal(output.trajectory.sigmas, captured["sigmas"])
-    assert torch.equal(output.trajectory.timesteps, captured["timesteps"])
+    sigmas, timesteps = pipeline_schedule(pipeline, prompt="x", **call)
+    assert torch.equal(output.trajectory.sigmas, sigmas)
+    assert torch.equal(output.trajectory.timesteps, timesteps)
 
 
 def test_sigmas_dictated_by_the_trainer_match_the_pipelines_sigmas_argument(family_setup):

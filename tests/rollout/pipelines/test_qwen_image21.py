@@ -52,7 +52,7 @@ def test_prompts_of_different_lengths_in_one_batch_each_equal_the_pipeline(setup
 
 def test_guidance_is_plain_cfg_without_qwen_images_rescale(setup):
     family, _, engine = setup
-    adapter_class = family.descriptor.adapter
+    adapter_class = family.adapter
     cond, uncond = torch.tensor([[3.0, 4.0]]), torch.tensor([[1.0, 0.0]])
     combined = adapter_class.combine_cfg(None, cond, uncond, torch.tensor(4.0))
     assert torch.equal(combined, uncond + 4.0 * (cond - uncond))  # Qwen-Image's would rescale to norm 5

@@ -16,7 +16,7 @@ from tests.families import ALL_FAMILIES, input_image, slow_family
 
 pytestmark = pytest.mark.timeout(180)
 
-ALL = [pytest.param(name, marks=slow_family(f.descriptor)) for name, f in ALL_FAMILIES.items()]
+ALL = [pytest.param(name, marks=slow_family(f)) for name, f in ALL_FAMILIES.items()]
 TINY_SIDE, TINY_FRAMES = 256, 33  # the most a tiny folder's request without a size may cost
 # What the families' pipelines make when a request sets no size, on a folder that names none: their
 # __call__'s defaults (Wan 480 x 832 x 81, LTX-2 512 x 768 x 121, Z-Image and Qwen-Image 2.1 1024),
@@ -81,8 +81,8 @@ def test_a_request_without_a_size_runs_at_the_tiny_size(tiny_models, name):
         start = time.perf_counter()
         (output,) = engine.generate("a red square", params)
         seconds = time.perf_counter() - start
-    shape = (9, 3, 32, 32) if family.descriptor.video else (3, 32, 32)
-    assert tuple((output.video if family.descriptor.video else output.image).shape) == shape
+    shape = (9, 3, 32, 32) if family.video else (3, 32, 32)
+    assert tuple((output.video if family.video else output.image).shape) == shape
     assert seconds < 20, seconds
 
 

@@ -11,23 +11,15 @@ from diffusers import WanPipeline
 
 from rollout import EngineConfig, RolloutEngine, SamplingParams
 from rollout.pipelines.loading import load_adapter
-from rollout.rescoring import RATIO_TOLERANCE, recompute_log_probs
 from tests.families import TEXT_TO_VIDEO_FAMILIES
+from tests.rollout.pipelines.family_checks import assert_ratio_one, family_engines, over_the_wire
 
 VIDEO_FAMILIES = {name: f for name, f in TEXT_TO_VIDEO_FAMILIES.items() if f.pipeline_class == "WanPipeline"}
 
 pytestmark = pytest.mark.timeout(180)
 
 
-@pytest.fixture(scope="module", params=list(VIDEO_FAMILIES))
-def wan(request, tiny_models):
-    """(family, engine, the diffusers pipeline, a trainer's adapter) on the same tiny folder."""
-    family = VIDEO_FAMILIES[request.param]
-    path = tiny_models(family.name)
-    pipeline = WanPipeline.from_pretrained(path)
-    pipeline.set_progress_bar_config(disable=True)
-    with RolloutEngine(EngineConfig(model=path)) as engine:
-        yield family, engine, pipeline, load_adapter(path)
+wan = family_engines(VIDEO_FAMILIES)
 
 
 @pytest.mark.parametrize("cfg", [True, False], ids=["cfg", "no-cfg"])
@@ -75,9 +67,7 @@ def test_the_two_experts_and_their_guidance_act_on_their_own_steps(wan):
 def test_rescoring_gives_ratio_one(wan, sampler):
     family, engine, _, trainer_adapter = wan
     params = family.params(cfg=True, sampler=sampler, noise_level=0.5, num_inference_steps=4, num_samples=2, seed=1)
-    for output in engine.generate(["a red square", "a blue circle"], params):
-        log_ratio = recompute_log_probs(trainer_adapter, output.trajectory) - output.trajectory.log_probs
-        assert log_ratio.abs().max() < RATIO_TOLERANCE
+    assert_ratio_one(trainer_adapter, engine.generate(["a red square", "a blue circle"], params))
 
 
 def test_samples_do_not_depend_on_their_batch_mates(wan):
@@ -125,9 +115,7 @@ def test_trees_and_records_on_video_latents(wan):
     assert leaves[0].trajectory.latents.parts[0] is leaves[1].trajectory.latents.parts[0]
     assert leaves[0].latents.shape == (4, 5, 16, 16) and leaves[0].video is None
     assert leaves[0].trajectory.records["x0"][3].shape == (4, 5, 16, 16)
-    for leaf in leaves:
-        log_ratio = recompute_log_probs(trainer_adapter, leaf.trajectory) - leaf.trajectory.log_probs
-        assert log_ratio.abs().max() < RATIO_TOLERANCE
+    assert_ratio_one(trainer_adapter, leaves)
 
 
 EXPERTS = ("transformer", "transformer_2")
@@ -193,15 +181,9 @@ def test_the_expert_chosen_on_the_host_is_the_one_the_device_chooses(wan):
 
 
 def test_videos_cross_the_wire_bitwise(wan):
-    from rollout.http.wire import FrameReader, OutputDecoder, OutputEncoder
-
     family, engine, _, _ = wan
     outputs = engine.generate("a red square", family.params(cfg=True, num_inference_steps=2, num_samples=2, seed=9))
-    encoder, decoder = OutputEncoder(), OutputDecoder()
-    data = b"".join(encoder.encode(output) for output in outputs)
-    decoded = [decoder.decode(f, t) for f, t in FrameReader().feed(data)]
-    decoded = [output for output in decoded if output is not None]
-    for got, expected in zip(decoded, outputs, strict=True):
+    for got, expected in zip(over_the_wire(outputs), outputs, strict=True):
         assert torch.equal(got.video, expected.video) and got.image is None
         assert torch.equal(got.trajectory.latents.stack(), expected.trajectory.latents.stack())
         for name in ("num_frames", "guidance_scale", "guidance_scale_2"):
@@ -248,6 +230,4 @@ def test_ti2v_layout_takes_one_timestep_per_token_as_wan_pipeline_does(tmp_path)
 
         trainer_adapter = load_adapter(str(path))
         sde = SamplingParams(**{**params.__dict__, "sampler": "flow_sde", "noise_level": 0.5, "num_samples": 2})
-        for sample in engine.generate("a red square", sde):
-            log_ratio = recompute_log_probs(trainer_adapter, sample.trajectory) - sample.trajectory.log_probs
-            assert log_ratio.abs().max() < RATIO_TOLERANCE
+        assert_ratio_one(trainer_adapter, engine.generate("a red square", sde))

@@ -9,15 +9,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from diffusers import WanImageToVideoPipeline
 
-from rollout import EngineConfig, RolloutEngine, SamplingParams
+from rollout import SamplingParams
 from rollout.input_images import InputImages
-from rollout.pipelines.loading import load_adapter
-from rollout.rescoring import RATIO_TOLERANCE, recompute_log_probs
 from tests.families import IMAGE_TO_VIDEO_FAMILIES as I2V_FAMILIES
 from tests.families import input_image
-from tests.rollout.pipelines.first_frames import counted_encodings
+from tests.rollout.pipelines.family_checks import assert_ratio_one, family_engines, over_the_wire
+from tests.rollout.pipelines.first_frames import assert_one_first_frame_is_required, counted_encodings
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -27,15 +25,7 @@ IMAGE_TO_VIDEO_FAMILIES = {
 FRAME = input_image(0, 24, 40)  # another size than the 32x32 video: the pipeline resizes it
 
 
-@pytest.fixture(scope="module", params=list(IMAGE_TO_VIDEO_FAMILIES))
-def i2v(request, tiny_models):
-    """(family, engine, the diffusers pipeline, a trainer's adapter) on the same tiny folder."""
-    family = IMAGE_TO_VIDEO_FAMILIES[request.param]
-    path = tiny_models(family.name)
-    pipeline = WanImageToVideoPipeline.from_pretrained(path)
-    pipeline.set_progress_bar_config(disable=True)
-    with RolloutEngine(EngineConfig(model=path)) as engine:
-        yield family, engine, pipeline, load_adapter(path)
+i2v = family_engines(IMAGE_TO_VIDEO_FAMILIES)
 
 
 @pytest.mark.parametrize("cfg", [True, False], ids=["cfg", "no-cfg"])
@@ -68,9 +58,7 @@ def test_rescoring_gives_ratio_one(i2v, sampler):
     family, engine, _, trainer_adapter = i2v
     params = family.params(cfg=True, sampler=sampler, noise_level=0.5, num_inference_steps=4, num_samples=2, seed=1)
     images = family.inputs(2)["images"]
-    for output in engine.generate(["a red square", "a blue circle"], params, images=images):
-        log_ratio = recompute_log_probs(trainer_adapter, output.trajectory) - output.trajectory.log_probs
-        assert log_ratio.abs().max() < RATIO_TOLERANCE
+    assert_ratio_one(trainer_adapter, engine.generate(["a red square", "a blue circle"], params, images=images))
 
 
 def test_samples_do_not_depend_on_their_batch_mates(i2v):
@@ -102,10 +90,7 @@ def test_the_first_frame_is_encoded_once_and_held_once_by_a_group(i2v):
 
 def test_requests_the_model_cannot_take_are_refused_at_admission(i2v):
     family, engine, _, _ = i2v
-    with pytest.raises(ValueError, match=r"makes a video from its first frame: pass images=\[\[image\], \.\.\.\]"):
-        engine.generate("x", family.params())
-    with pytest.raises(ValueError, match="takes at most 1 input images per prompt, got 2"):
-        engine.generate("x", family.params(), images=[[FRAME, FRAME]])
+    assert_one_first_frame_is_required(engine, family.params(), FRAME)
     with pytest.raises(ValueError, match=r"num_frames=8 does not fit WanImageToVideoPipeline's VAE, .* num_frames=9"):
         engine.generate("x", family.params(num_frames=8), images=[[FRAME]])
     with pytest.raises(ValueError, match=r"height=34 is not divisible by 4"):
@@ -132,17 +117,11 @@ def test_wan22_guidance_scale_2_acts_on_the_low_noise_steps_only(i2v):
 
 
 def test_the_first_frame_crosses_the_wire_once_per_answer(i2v):
-    from rollout.http.wire import FrameReader, OutputDecoder, OutputEncoder
-
     family, engine, _, _ = i2v
     outputs = engine.generate(
         "a red square", family.params(num_inference_steps=2, num_samples=2, seed=9), images=[[FRAME]]
     )
-    encoder = OutputEncoder()  # one answer's stream
-    data = b"".join(encoder.encode(output) for output in outputs)
-    decoder = OutputDecoder()
-    decoded = [decoder.decode(f, t) for f, t in FrameReader().feed(data)]
-    first, second = (output for output in decoded if output is not None)
+    first, second = over_the_wire(outputs)  # one answer's stream
     sent = outputs[0].trajectory.condition.images
     assert first.trajectory.condition.images is second.trajectory.condition.images  # decoded once, shared
     for name, tensor in sent.tensors().items():
