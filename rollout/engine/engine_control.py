@@ -3,7 +3,7 @@ decisions, typed, instead of loose callables."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Collection
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
@@ -18,16 +18,10 @@ class EngineControl(Protocol):
     a refusal answers at once; ranks that may disagree after a failed commit end the engine), so
     they are asked for there rather than sequenced around it."""
 
-    def collective_rpc(
-        self,
-        method: str | Callable,
-        args: Sequence = (),
-        kwargs: dict | None = None,
-        timeout: float | None = None,
-        ranks: Sequence[int] | None = None,
-    ) -> list[Any]:
-        """The engine's call of a worker function on every rank: refused once the engine is shut
-        down or dead, the engine's death where the workers are gone, seen by its step observers."""
+    def collective_rpc(self, method, args=(), kwargs=None, timeout=None, ranks=None) -> list[Any]:
+        """The engine's call of a worker function on every rank (`RolloutAPI.collective_rpc`'s
+        arguments): refused once the engine is shut down or dead, the engine's death where the
+        workers are gone, seen by its step observers."""
 
     def check_open(self) -> None:
         """Raise if the engine is shut down or dead."""

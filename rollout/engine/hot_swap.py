@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from rollout.api import DEFAULT_BUCKET_BYTES, DEFAULT_COMPONENT, RolloutAPI, implements
+from rollout.api import RolloutAPI, implements
 from rollout.engine.weight_sync import StagedPush, WeightSync
 from rollout.engine.weight_versions import WeightVersions
 from rollout.errors import EngineDeadError, WorkerError
@@ -77,25 +77,8 @@ class HotSwap:
 
     @implements(RolloutAPI.update_weights)
     def update_weights(self, named_tensors, *, component, version, mode, check_finite, bucket_bytes) -> int:
-        """Replace weights of `component` on every worker, all at once; returns the new weight version.
-
-        `named_tensors`: a name -> tensor mapping or an iterator of (name, tensor) pairs (streamed in
-        buckets of about `bucket_bytes`); names and shapes must be the component's own, dtypes its
-        own or widened exactly (`rollout.weights.state.DTYPE_RULE`: bfloat16 into a float32 model is
-        converted, float32 into a bfloat16 model refused), and with `check_finite` every value must
-        be finite (one summing pass over the bytes; `benchmarks/weight_sync` measures it; False
-        skips it). A bad update is refused whole (ValueError listing every offending tensor) and
-        nothing changes. An update may name some of the component's weights: those change, the
-        rest keep their values (compare `weights_checksum` to check a full push). `mode="wait"`: running
-        requests finish on the old weights first (their outputs come from the next `step()`);
-        `mode="pause"`: the update applies now, between two steps, and running requests continue
-        on the new weights (`RolloutOutput.weight_versions` lists both).
-        The version becomes `version`, or the current one plus 1; a `version` below the current one
-        is refused unless the engine held it before (`rollout.engine.weight_versions`). Workers keep copies
-        of the tensors, so the caller may change them at once; tensors wrapped in `HandedOver` (a
-        caller that never touches them again) are kept as they are where the workers run in this
-        process.
-        """
+        """`RolloutEngine.update_weights`: replace weights of `component` on every worker, all at
+        once, refused whole or applied whole; returns the new weight version."""
         self.engine.check_open()
         self._check_component(component)
         _check_bucket_bytes(bucket_bytes)
@@ -103,20 +86,9 @@ class HotSwap:
         return self._update(self._weight_sync.push, push_args, component, version, mode)
 
     def open_weight_push(
-        self,
-        *,
-        component: str = DEFAULT_COMPONENT,
-        check_finite: bool = True,
-        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-        version: int | None = None,
+        self, *, component: str, check_finite: bool, bucket_bytes: int, version: int | None
     ) -> StagedPush:
-        """`update_weights` in parts, for a caller whose tensors arrive over time (the HTTP
-        server's streamed push): `push.add(pairs)` stages them, a call of its own each, and the
-        engine may step between the calls (staged tensors are invisible to sampling);
-        `finish_weight_push` applies the update, `abort_weight_push` drops it. While it is open,
-        every other weight update and sleep is refused (RuntimeError): they would stage beside it.
-        `version`: the one `finish_weight_push` will be given, refused now if it may not be taken
-        (and checked again then), so that a push refused for it is refused before its tensors come."""
+        """`RolloutEngine.open_weight_push`: `update_weights` in parts, whose version is checked now."""
         self.engine.check_open()
         self.check_awake()
         _check_bucket_bytes(bucket_bytes)
