@@ -25,19 +25,16 @@ demo: setup
 	$(PY) -m recipes.run recipes/configs/grpo_tiny.yaml
 
 # Copied code fails lint: pylint's duplicate-code checker (symilar) over the packages, on runs of
-# DUPLICATE_LINES identical lines or more (comments, docstrings and signatures aside: the three
-# engine fronts write out the same signatures by design, and tests/test_api.py holds them equal). symilar reads the files
-# as text, in about a second; pylint's own R0801 pass infers every import first (20 s on 2 cores).
-# A family copied into a new folder and renamed keeps runs far longer than this.
+# DUPLICATE_LINES identical lines or more, comments, docstrings and signatures aside (.ci/duplicate_code.py
+# says why and how, in about a second). A family copied into a new folder and renamed keeps runs far
+# longer than this.
 DUPLICATE_LINES := 8
 PACKAGES := rollout executors trainers_adapters recipes benchmarks
 
 lint: setup
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
-	@report=$$($(PY) -m pylint.checkers.symilar --duplicates=$(DUPLICATE_LINES) --ignore-comments \
-		--ignore-docstrings --ignore-signatures $$(find $(PACKAGES) -name '*.py' | sort)); \
-	case "$$report" in *" duplicates=0 "*) echo "$$report";; *) echo "$$report"; exit 1;; esac
+	$(PY) .ci/duplicate_code.py --lines $(DUPLICATE_LINES) $(PACKAGES)
 
 test: lint
 	$(PY) -m pytest -q
