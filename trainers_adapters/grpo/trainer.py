@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from trainers_adapters.data_parallel.trainer_ranks import TrainerRanks
 from trainers_adapters.grpo.loss import grpo_policy_loss, kl_to_reference
 from trainers_adapters.grpo.off_policy import (
     Behaviour,
@@ -83,6 +84,7 @@ def grpo_step(
     generator: torch.Generator,
     policy_version: int | None = None,
     behaviour: Behaviour | None = None,
+    ranks: TrainerRanks | None = None,
 ) -> GRPOStepStats:
     """Run `settings.optimizer_steps` optimizer steps on `rollout`. The caller pushes the policy to
     the engine afterwards (the engine samples only with pushed weights). A rollout the policy's
@@ -96,7 +98,13 @@ def grpo_step(
     that ran the steps of that version older than `policy_version` (the asynchronous loop keeps
     them: `recipes.async_rollouts`). Given, stale steps are held to the re-scoring contract with the
     adapter that sampled them, as the policy's own are with the policy, and a stale version it lacks
-    is refused (ValueError) before anything changes; None leaves stale steps out of the check."""
+    is refused (ValueError) before anything changes; None leaves stale steps out of the check.
+
+    `ranks`: the data-parallel trainer ranks (`trainers_adapters.data_parallel`); each runs this
+    with the step's whole rollout as `rollout_shares` gives it, picks the same transitions and
+    minibatches, trains on those of the samples it holds and sums the gradients over the ranks
+    before each optimizer step; the statistics are the whole step's. None: one rank."""
+    ranks = ranks if ranks is not None else TrainerRanks()
     _check_sampled_by_policy(policy, rollout)
     tree = build_tree(rollout.outputs, rollout.rewards, rollout.branch_steps, rollout.trajectories[0].num_steps)
     advantages = tree_advantages(tree, global_std=settings.global_std, clip_max=settings.adv_clip_max)
@@ -112,27 +120,31 @@ def grpo_step(
     stale = {position for position, age in enumerate(staleness) if age > 0} if behaviour is not None else set()
     if stale:
         check_behaviour_given({_ran_with(rollout, transitions[position]) for position in stale}, behaviour)
+
+    def held(positions: list[int]) -> list[int]:  # those of `positions` this rank trains on
+        return [position for position in positions if rollout.holds(transitions[position][0])]
+
     order = torch.randperm(len(transitions), generator=generator).tolist()
     minibatches = [mb.tolist() for mb in torch.tensor_split(torch.tensor(order), settings.optimizer_steps)]
     minibatches = [minibatch for minibatch in minibatches if minibatch]
     later = [position for minibatch in minibatches[1:] for position in minibatch]
     decoupled = settings.off_policy_correction != "none"
     log_ratio_before_update, behaviour_rescore_s = None, 0.0
-    stale_first = [position for position in minibatches[0] if position in stale]
+    stale_first = [position for position in held(minibatches[0]) if position in stale]
     if stale_first:  # before the forwards that train: `holding` must not swap between one and its backward
         started = time.perf_counter()
         transition_of = _transition_of(rollout, transitions)
         checked = [(*transition_of(p), _ran_with(rollout, transitions[p])) for p in stale_first]
         log_ratio_before_update = behaviour_log_ratio(policy, checked, behaviour, settings.micro_batch_size)
         behaviour_rescore_s = time.perf_counter() - started
-    proximal = _proximal_log_probs(policy, rollout, transitions, later, settings) if decoupled and later else {}
+    proximal = _proximal_log_probs(policy, rollout, transitions, held(later), settings) if decoupled and later else {}
     totals = dict.fromkeys(("loss", "policy_loss", "kl", "ratio_mean", "clip_fraction"), 0.0)
     first_steps, first_abs_log_ratios = [], []  # of the first minibatch: step index, |log ratio| per transition
     raw_weights, corrected = [], []
     grad_norm = 0.0
     for number, minibatch in enumerate(minibatches):
         optimizer.zero_grad(set_to_none=True)
-        for chunk in micro_batches(minibatch, _trajectory_of(rollout, transitions), settings.micro_batch_size):
+        for chunk in micro_batches(held(minibatch), _trajectory_of(rollout, transitions), settings.micro_batch_size):
             chosen = [transitions[position] for position in chunk]
             given = torch.stack([proximal[position] for position in chunk]) if number > 0 and decoupled else None
             loss, parts, scored = _chunk_loss(policy, rollout, chosen, settings, given)
@@ -150,16 +162,23 @@ def grpo_step(
                     log_ratio_before_update = max(log_ratio_before_update or 0.0, worst)
                 first_steps += [step for _, step, _ in chosen]
                 first_abs_log_ratios.append(scored.abs_log_ratio)
+        if number == 0:
+            log_ratio_before_update = _worst_over_ranks(ranks, log_ratio_before_update)
+            any_stale_first = ranks.max(float(bool(stale_first))) > 0
         if number == 0 and log_ratio_before_update is not None:
             limit = settings.max_log_ratio_before_update
-            _check_ratio(log_ratio_before_update, limit, optimizer, rollout, stale=bool(stale_first))
+            _check_ratio(log_ratio_before_update, limit, optimizer, rollout, stale=any_stale_first)
+        ranks.sum_gradients(policy.parameters())
         grad_norm = clip_and_step(policy.parameters(), optimizer, settings.max_grad_norm)
     optimizer.zero_grad(set_to_none=True)
     count = len(transitions)
-    by_step_max, by_step_mean = _by_step(torch.tensor(first_steps), torch.cat(first_abs_log_ratios))
-    raw = torch.cat(raw_weights)
+    first = ranks.gather((first_steps, _cat(first_abs_log_ratios)))
+    first_steps = [step for steps, _ in first for step in steps]
+    by_step_max, by_step_mean = _by_step(torch.tensor(first_steps), torch.cat([ratios for _, ratios in first]))
+    raw = torch.cat(ranks.gather(_cat(raw_weights)))
+    corrected = ranks.gather(_cat(corrected, torch.bool))
     return GRPOStepStats(
-        **{key: value / count for key, value in totals.items()},
+        **{key: ranks.sum(value) / count for key, value in totals.items()},
         log_ratio_before_update=log_ratio_before_update,
         log_ratio_by_step_max=by_step_max,
         log_ratio_by_step_mean=by_step_mean,
@@ -173,8 +192,19 @@ def grpo_step(
         importance_weight_min=float(raw.min()),
         importance_weight_max=float(raw.max()),
         corrected_fraction=float(torch.cat(corrected).float().mean()),
-        behaviour_rescore_s=behaviour_rescore_s,
+        behaviour_rescore_s=ranks.max(behaviour_rescore_s),
     )
+
+
+def _cat(tensors: list[torch.Tensor], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """`tensors` [B_i] joined; empty on a rank that held none of them."""
+    return torch.cat(tensors) if tensors else torch.zeros(0, dtype=dtype)
+
+
+def _worst_over_ranks(ranks: TrainerRanks, log_ratio: float | None) -> float | None:
+    """The largest of the ranks' `log_ratio`s; None where no rank re-scored any (-1 stands for it)."""
+    worst = ranks.max(-1.0 if log_ratio is None else log_ratio)
+    return None if worst < 0 else worst
 
 
 def _ran_with(rollout: RewardedRollout, transition: tuple[int, int, float]) -> int:

@@ -5,7 +5,8 @@ The rollout is the old adapter's deterministic ODE samples without CFG; only the
 x0, their prompts and their rewards are used (no log-probs, so any solver would do). As the
 authors' code does: advantages are each prompt's reward minus its group's mean over the std of all
 the step's rewards, mapped to r in [0, 1]; each sample is trained on a random `timestep_fraction`
-of its own sampling schedule's noise levels (9 of 10), each with fresh noise; the samples are
+of its own sampling schedule's noise levels (9 of 10), each with fresh noise (drawn from a seed of
+its own, so that data-parallel ranks draw what one rank would); the samples are
 shuffled and split into `optimizer_steps` minibatches, one optimizer step each; then the old
 adapter follows the current one by EMA.
 """
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from trainers_adapters.advantages import group_advantages
+from trainers_adapters.data_parallel.trainer_ranks import TrainerRanks
 from trainers_adapters.nft.loss import nft_loss, optimality_probability
 from trainers_adapters.nft.settings import NFTSettings
 from trainers_adapters.policy.lora_policy import LoraPolicy
@@ -46,9 +48,14 @@ def nft_step(
     rollout: RewardedRollout,
     settings: NFTSettings,
     generator: torch.Generator,
+    ranks: TrainerRanks | None = None,
 ) -> NFTStepStats:
     """Run `settings.optimizer_steps` optimizer steps on `rollout`, then move the old adapter
-    towards the current one. The caller pushes both to the engine afterwards."""
+    towards the current one. The caller pushes both to the engine afterwards. `ranks`: the
+    data-parallel trainer ranks, each with the whole step's rollout as
+    `trainers_adapters.data_parallel.rollout_shares` gives it; each trains on the samples it
+    holds and the gradients are summed over the ranks. None: one rank."""
+    ranks = ranks if ranks is not None else TrainerRanks()
     _check_rollout(policy, old, rollout)
     advantages = group_advantages(
         rollout.rewards, rollout.group_ids, global_std=settings.global_std, clip_max=settings.adv_clip_max
@@ -62,21 +69,25 @@ def nft_step(
         chunk_pairs = [(int(i), level) for i in minibatch for level in pairs[int(i)]]
         if not chunk_pairs:
             continue
+        seeds = torch.randint(2**62, (len(chunk_pairs),), generator=generator).tolist()  # every rank alike
+        held = [(*pair, seed) for pair, seed in zip(chunk_pairs, seeds, strict=True) if rollout.holds(pair[0])]
         optimizer.zero_grad(set_to_none=True)
-        for start in range(0, len(chunk_pairs), settings.micro_batch_size):
-            chunk = chunk_pairs[start : start + settings.micro_batch_size]
-            loss, parts = _chunk_loss(policy, old, rollout, chunk, r, settings, generator)
-            check_finite_loss(parts["loss"], optimizer, f"DiffusionNFT (sample, noise level index) pairs {chunk[:6]}")
+        for start in range(0, len(held), settings.micro_batch_size):
+            chunk = held[start : start + settings.micro_batch_size]
+            loss, parts = _chunk_loss(policy, old, rollout, chunk, r, settings)
+            described = [(i, level) for i, level, _ in chunk[:6]]
+            check_finite_loss(parts["loss"], optimizer, f"DiffusionNFT (sample, noise level index) pairs {described}")
             (loss * len(chunk) / len(chunk_pairs)).backward()
             for key in totals:
                 totals[key] += parts[key] * len(chunk)
+        ranks.sum_gradients(policy.parameters())
         grad_norm = clip_and_step(policy.parameters(), optimizer, settings.max_grad_norm)
         count += len(chunk_pairs)
         steps += 1
     optimizer.zero_grad(set_to_none=True)
     decay = old.step(steps, settings.decay_schedule())
     return NFTStepStats(
-        **{key: value / count for key, value in totals.items()},
+        **{key: ranks.sum(value) / count for key, value in totals.items()},
         r_mean=float(r.mean()),
         advantage_abs_mean=float(advantages.abs().mean()),
         grad_norm=grad_norm,
@@ -98,16 +109,17 @@ def _chunk_loss(
     policy: LoraPolicy,
     old: OldPolicy,
     rollout: RewardedRollout,
-    chunk: list[tuple[int, int]],
+    chunk: list[tuple[int, int, int]],
     r: torch.Tensor,
     settings: NFTSettings,
-    generator: torch.Generator,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    trajectories = [rollout.trajectories[i] for i, _ in chunk]
+    """The loss of `chunk` (sample, noise level index, the seed of its noise) and its statistics."""
+    trajectories = [rollout.trajectories[i] for i, _, _ in chunk]
     device = policy.adapter.device
     x0 = torch.stack([t.latents[-1] for t in trajectories]).to(device)
-    t = torch.stack([traj.sigmas[level] for traj, (_, level) in zip(trajectories, chunk, strict=True)]).to(device)
-    noise = torch.randn(x0.shape, generator=generator).to(device)
+    t = torch.stack([traj.sigmas[level] for traj, (_, level, _) in zip(trajectories, chunk, strict=True)]).to(device)
+    noise = [torch.randn(x0.shape[1:], generator=torch.Generator().manual_seed(seed)) for _, _, seed in chunk]
+    noise = torch.stack(noise).to(device)
     t_b = t.view(-1, *([1] * (x0.ndim - 1)))
     x_t = (1 - t_b) * x0 + t_b * noise
     v_theta = policy.predict_velocity(x_t, t, trajectories)
@@ -115,7 +127,7 @@ def _chunk_loss(
         v_old = policy.predict_velocity(x_t, t, trajectories)
     dims = tuple(range(1, x0.ndim))
     policy_loss = nft_loss(
-        v_theta, v_old, x_t, x0, t, r[[i for i, _ in chunk]].to(device), settings.beta, settings.adv_clip_max
+        v_theta, v_old, x_t, x0, t, r[[i for i, _, _ in chunk]].to(device), settings.beta, settings.adv_clip_max
     ).mean()
     kl = torch.zeros((), device=device)
     if settings.kl_beta > 0:

@@ -43,10 +43,19 @@ class RewardedRollout:
     reward_wait_s: float  # of which the rollout waited for rewards after the last sample finished
     branch_steps: tuple[int, ...] = ()  # the sampling params' (the leaves' trees: `trainers_adapters.grpo.tree`)
     reward_components: dict[str, torch.Tensor] = field(default_factory=dict)
+    # The outputs whose tensors this trainer rank holds, in data-parallel training
+    # (`trainers_adapters.data_parallel.rollout_shares`): the others are light copies that carry
+    # what every rank's bookkeeping reads (rewards, steps, versions), not latents or conditions.
+    # None: every output is whole.
+    held: range | None = None
 
     @property
     def trajectories(self):
         return [output.trajectory for output in self.outputs]
+
+    def holds(self, index: int) -> bool:
+        """Whether output `index` is whole here (this rank trains on it)."""
+        return self.held is None or index in self.held
 
 
 def generate_with_rewards(

@@ -1,0 +1,93 @@
+"""What one trainer rank runs in the data-parallel tests: the GRPO, DPO and DiffusionNFT updates
+on its share of saved rollouts, with the gradients summed over a gloo group (spawned processes
+import this module; one rank runs it in the test's own process)."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+
+import torch
+import torch.distributed as dist
+
+from trainers_adapters.data_parallel.rollout_shares import gather_rollout, scatter_rollout
+from trainers_adapters.data_parallel.trainer_ranks import TrainerRanks
+from trainers_adapters.dpo.trainer import DPOSettings, dpo_step
+from trainers_adapters.grpo.trainer import GRPOSettings, grpo_step
+from trainers_adapters.nft.trainer import NFTSettings, nft_step
+from trainers_adapters.policy.lora_policy import LoraPolicy
+from trainers_adapters.policy.old_policy import OldPolicy
+from trainers_adapters.rewards.rewarded_rollout import RewardedRollout
+
+LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["to_q", "to_k", "to_v", "to_out.0"]}
+
+
+def share_of(whole: RewardedRollout, ranks: TrainerRanks) -> RewardedRollout:
+    """The part of `whole` a colocated rank samples itself: its share of the prompts' groups."""
+    prompts = list(dict.fromkeys(whole.group_ids.tolist()))
+    mine = {prompts[i] for i in ranks.share(len(prompts))}
+    kept = [i for i, group in enumerate(whole.group_ids.tolist()) if group in mine]
+    return dataclasses.replace(
+        whole,
+        outputs=[whole.outputs[i] for i in kept],
+        rewards=whole.rewards[kept],
+        group_ids=whole.group_ids[kept],
+        reward_components={name: scores[kept] for name, scores in whole.reward_components.items()},
+    )
+
+
+def updates(rank: int, world_size: int, model: str, rollouts_file: str, results: str, store: str | None) -> None:
+    """Run each update from the same initial LoRA on this rank's view of the rollouts and save
+    rank 0's adapters and statistics to `results`."""
+    if world_size > 1:
+        dist.init_process_group(
+            "gloo",
+            store=dist.FileStore(store, world_size),
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=120),
+        )
+    try:
+        ranks = TrainerRanks(rank, world_size)
+        rollouts = torch.load(rollouts_file, weights_only=False)
+        sampled, ode = rollouts["grpo"], rollouts["nft"]
+        outcome = {}
+        torch.set_num_threads(1)
+
+        def fresh_policy() -> LoraPolicy:
+            torch.manual_seed(0)
+            return LoraPolicy(model, LORA)
+
+        settings = GRPOSettings(optimizer_steps=2, micro_batch_size=3, timestep_fraction=0.75)
+        for how, rollout in [
+            ("gathered", gather_rollout(ranks, share_of(sampled, ranks))),
+            ("scattered", scatter_rollout(ranks, sampled if ranks.is_main else None)),
+        ]:
+            policy = fresh_policy()
+            optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-2)
+            stats = grpo_step(policy, optimizer, rollout, settings, torch.Generator().manual_seed(1), ranks=ranks)
+            outcome[f"grpo_{how}"] = (policy.lora_state(), dataclasses.asdict(stats))
+
+        policy = fresh_policy()
+        optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-2)
+        rollout = gather_rollout(ranks, share_of(sampled, ranks))
+        stats = dpo_step(
+            policy, optimizer, rollout, DPOSettings(micro_batch_size=2), torch.Generator().manual_seed(2), ranks
+        )
+        outcome["dpo"] = (policy.lora_state(), dataclasses.asdict(stats))
+
+        policy = fresh_policy()
+        old = OldPolicy(policy)
+        optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-2)
+        rollout = gather_rollout(ranks, share_of(ode, ranks))
+        nft = NFTSettings(optimizer_steps=2, micro_batch_size=3)
+        stats = nft_step(policy, old, optimizer, rollout, nft, torch.Generator().manual_seed(3), ranks)
+        outcome["nft"] = (
+            policy.lora_state() | {f"old.{k}": t.clone() for k, t in old.tensors().items()},
+            dataclasses.asdict(stats),
+        )
+        if ranks.is_main:
+            torch.save(outcome, f"{results}/world{world_size}.pt")
+    finally:
+        if world_size > 1:
+            dist.destroy_process_group()
