@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import weakref
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
@@ -156,6 +157,11 @@ class WeightSwap:
         self._old.clear()
 
 
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors are one view of one storage."""
+    return (a.data_ptr(), a.shape, a.stride(), a.dtype) == (b.data_ptr(), b.shape, b.stride(), b.dtype)
+
+
 def _real_names(module: nn.Module) -> dict[str, str]:
     """Plain name -> name in the module as it is now (PEFT puts weights under `.base_layer.`)."""
     return {
@@ -184,7 +190,29 @@ class StagedUpdates:
     def __init__(self, components: Mapping[str, nn.Module]):
         self.components = components
         self._staged: dict[str, dict[str, torch.Tensor]] = {}
-        self._swaps: dict[str, WeightSwap] = {}
+        self._swaps: dict[str, list[WeightSwap]] = {}
+        # component -> other module trees over its weights' storage (a colocated trainer's denoisers:
+        # `rollout.pipelines.shared_base`), swapped with it; held weakly: a dropped trainer leaves.
+        self._sharers: dict[str, weakref.WeakSet[nn.Module]] = {}
+
+    def share(self, component: str, module: nn.Module) -> None:
+        """Swap every update of `component` into `module` too, in the same `apply` and the same
+        `rollback` or `commit`: a module of the same architecture whose base weights are the
+        component's own tensors (checked: the same storage), so that it keeps seeing them."""
+        own, theirs = base_state(self.module(component)), base_state(module)
+        differ = sorted(
+            n for n in own.keys() | theirs.keys() if n not in own or n not in theirs or not _same(own[n], theirs[n])
+        )
+        if differ:
+            raise ValueError(
+                f"cannot share {component}'s weights with a module that does not hold them: {differ[:3]} "
+                f"({len(differ)} tensors) differ in name or storage; build it with rollout.pipelines.shared_base"
+            )
+        self._sharers.setdefault(component, weakref.WeakSet()).add(module)
+
+    def shared(self) -> list[str]:
+        """The components whose weights another module tree shares now."""
+        return sorted(component for component, sharers in self._sharers.items() if len(sharers))
 
     def module(self, component: str) -> nn.Module:
         if component not in self.components:
@@ -244,16 +272,21 @@ class StagedUpdates:
     def apply(self, component: str) -> int:
         """Swap every staged tensor in at once; returns how many."""
         staged = self._staged.pop(component, {})
-        self._swaps[component] = WeightSwap(self.module(component), staged)
+        modules = [self.module(component), *self._sharers.get(component, ())]
+        swaps = self._swaps[component] = []
+        try:
+            for module in modules:
+                swaps.append(WeightSwap(module, staged))
+        except BaseException:
+            self.rollback(component)
+            raise
         return len(staged)
 
     def rollback(self, component: str) -> None:
         self._staged.pop(component, None)
-        swap = self._swaps.pop(component, None)
-        if swap is not None:
+        for swap in self._swaps.pop(component, ()):
             swap.rollback()
 
     def commit(self, component: str) -> None:
-        swap = self._swaps.pop(component, None)
-        if swap is not None:
+        for swap in self._swaps.pop(component, ()):
             swap.commit()

@@ -288,6 +288,13 @@ class Worker:
 
     @engine_route("sleep")
     def sleep(self, level: int) -> None:
+        shared = self.updates.shared()
+        if shared:
+            raise ValueError(
+                f"sleep refused: a trainer's policy in this process shares the base weights of {', '.join(shared)} "
+                "(LoraPolicy.sharing_base), so sleeping would free none of them; keep the engine awake while it "
+                "shares them, or give the trainer its own copy (LoraPolicy(model, ...)) to sleep the engine"
+            )
         self.loras.restore()
         self.sleeper.sleep(level)
 

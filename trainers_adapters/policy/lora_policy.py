@@ -17,6 +17,7 @@ from diffusers.loaders.lora_base import LoraBaseMixin
 from peft import LoraConfig
 from peft.utils import get_peft_model_state_dict
 
+from rollout import RolloutEngine
 from rollout.api import DEFAULT_COMPONENT
 from rollout.condition import Condition
 from rollout.guidance import Guidance
@@ -32,6 +33,7 @@ from rollout.pipelines.loading import load_adapter
 from rollout.rescoring import check_scorable, score_steps
 from rollout.samplers import StepOutput
 from rollout.weights.state import base_state, checksum, specs_of, update_problems
+from rollout.worker.shared_base import share_base
 
 
 class LoraPolicy:
@@ -52,9 +54,46 @@ class LoraPolicy:
         attention_backend: str | None = None,
         compile: str = "off",
     ):
-        self.adapter = load_adapter(model, device, dtype, attention_backend, compile)
-        self.model = str(model)
+        self._attach(load_adapter(model, device, dtype, attention_backend, compile), str(model), name, lora_config)
+
+    @classmethod
+    def sharing_base(
+        cls, engine: RolloutEngine, lora_config: LoraConfig | Mapping, name: str = "policy"
+    ) -> LoraPolicy:
+        """A policy whose denoisers share the frozen base weights of `engine`, a `RolloutEngine`
+        in this process (executor 'uni'): one copy of the base for engine and trainer (colocated
+        training). The policy's denoisers are module trees of its own whose every base tensor is
+        the engine's (the same storage); it loads nothing else (trajectories carry the conditions),
+        its LoRA is in its trees only (the engine's adapters are in the engine's), and it re-scores
+        with the engine's dtype, device, attention backend and compiled blocks.
+
+        The engine's `update_weights` changes the policy's base with its own (so `load_base_weights`
+        is refused); a LoRA the engine merges (`merge_lora`) never reaches the policy, since a merge
+        points the engine's weights at new tensors and leaves the base's storage untouched; the
+        engine's `sleep` is refused while the policy lives (it would free nothing). Any other engine
+        (executor 'mp' or 'ray', a server's client, the async engine) is a ValueError."""
+        if not (isinstance(engine, RolloutEngine) and engine.executor.shares_memory):
+            where = (
+                f"executor {engine.config.executor!r}" if isinstance(engine, RolloutEngine) else type(engine).__name__
+            )
+            raise ValueError(
+                "LoraPolicy.sharing_base shares the base weights of an engine whose worker runs in this process, and "
+                f"this engine is a {where}: build it with RolloutEngine(EngineConfig(..., executor='uni')) "
+                "in the trainer's process, or give the trainer its own copy with LoraPolicy(model, lora_config)"
+            )
+        (adapter,) = engine.collective_rpc(share_base)
+        policy = cls.__new__(cls)
+        policy._attach(adapter, engine.config.model, name, lora_config, shares_base=True)
+        return policy
+
+    def _attach(
+        self, adapter, model: str, name: str, lora_config: LoraConfig | Mapping, shares_base: bool = False
+    ) -> None:
+        """Add the trainable adapter `name` to every denoiser of `adapter` (a pipeline adapter)."""
+        self.adapter = adapter
+        self.model = model
         self.name = name
+        self.shares_base = shares_base  # whether the base weights are an engine's (`sharing_base`)
         config = lora_config if isinstance(lora_config, LoraConfig) else LoraConfig(**lora_config)
         if config.target_modules is None:
             config = dataclasses.replace(config, target_modules=set(self.adapter.default_lora_targets))
@@ -88,7 +127,13 @@ class LoraPolicy:
     def load_base_weights(self, named_tensors: Mapping[str, torch.Tensor], component: str = DEFAULT_COMPONENT) -> None:
         """Take the base weights the engine took with `engine.update_weights(named_tensors,
         component=...)`, so the policy re-scores with the model that sampled. Checked as the
-        engine checks them (names, shapes, dtypes); a bad set is refused whole."""
+        engine checks them (names, shapes, dtypes); a bad set is refused whole. A policy that
+        shares the engine's base (`sharing_base`) has them already: refused."""
+        if self.shares_base:
+            raise ValueError(
+                "this policy shares the engine's base weights (LoraPolicy.sharing_base): engine.update_weights "
+                "changed them for both; call only engine.update_weights"
+            )
         module = self.adapter.components[component]
         problems = update_problems(specs_of(module), named_tensors.items(), check_finite=True)
         if problems:
