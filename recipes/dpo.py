@@ -28,7 +28,7 @@ def run(config: Config) -> dict:
     from recipes.training import train
     from trainers_adapters.dpo.trainer import dpo_step
 
-    def update(policy, optimizer, rollout, generator, policy_version, behaviour):
-        return dpo_step(policy, optimizer, rollout, config.dpo, generator)
+    def update(policy, optimizer, rollout, generator, policy_version, behaviour, ranks):
+        return dpo_step(policy, optimizer, rollout, config.dpo, generator, ranks)
 
     return train(config, update, lambda stats: {"pairs": stats.num_pairs, "acc": f"{stats.accuracy:.2f}"})

@@ -54,8 +54,8 @@ def run(config: Config) -> dict:
     from recipes.training import train
     from trainers_adapters.grpo.trainer import grpo_step
 
-    def update(policy, optimizer, rollout, generator, policy_version, behaviour):
-        return grpo_step(policy, optimizer, rollout, config.grpo, generator, policy_version, behaviour)
+    def update(policy, optimizer, rollout, generator, policy_version, behaviour, ranks):
+        return grpo_step(policy, optimizer, rollout, config.grpo, generator, policy_version, behaviour, ranks)
 
     def postfix(stats) -> dict:
         return {"log_ratio0": f"{stats.log_ratio_before_update:.1e}"}

@@ -64,8 +64,8 @@ def run(config: Config) -> dict:
         old = OldPolicy(policy, OLD_ADAPTER)
         return old
 
-    def update(policy, optimizer, rollout, generator, policy_version, behaviour):
-        return nft_step(policy, old, optimizer, rollout, config.nft, generator)
+    def update(policy, optimizer, rollout, generator, policy_version, behaviour, ranks):
+        return nft_step(policy, old, optimizer, rollout, config.nft, generator, ranks)
 
     return train(config, update, lambda stats: {"old_decay": f"{stats.old_decay:.3f}"}, old_policy=attach)
 

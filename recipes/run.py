@@ -1,10 +1,12 @@
-"""Launch a recipe from its YAML config: `python -m recipes.run CONFIG [--set KEY=VALUE ...]`."""
+"""Launch a recipe from its YAML config: `python -m recipes.run CONFIG [--set KEY=VALUE ...]`, or
+on N data-parallel trainer ranks: `torchrun --nproc-per-node N -m recipes.run CONFIG ...`."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import logging
+import os
 
 import yaml
 
@@ -17,7 +19,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m recipes.run",
         description=(
             "Run a recipe (a scripted rollout or training run) from a YAML config. The config's `recipe:` "
-            "key picks the recipe; every problem in the config is reported at once before anything runs."
+            "key picks the recipe; every problem in the config is reported at once before anything runs. "
+            "Training recipes run on N data-parallel ranks when launched with torchrun --nproc-per-node N -m "
+            "recipes.run CONFIG (trainer.placement says where they sample)."
         ),
         epilog=_keys_help(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -60,7 +64,9 @@ def _keys_help() -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # Under torchrun, rank 0 speaks for the run; the other ranks only warn.
+    level = logging.INFO if os.environ.get("RANK", "0") == "0" else logging.WARNING
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per HTTP call with engine.url
     try:
         # JSON text is YAML, so the path stays a string whatever it looks like.

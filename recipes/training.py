@@ -16,6 +16,14 @@ With `checkpoint_every`, also `checkpoints/step-NNNNNN/` (see `recipes.checkpoin
 derived from the seed and the step, and every generator the loop draws from (prompt order,
 minibatch order, torch's global one) is restored.
 
+Launched by torchrun (`torchrun --nproc-per-node N -m recipes.run CONFIG`), the loop runs on N
+data-parallel trainer ranks (`trainers_adapters.data_parallel`): each trains on its share of the
+step's groups, the gradients are summed over the ranks, and every rank holds the same LoRA after
+each update, the one a single rank would hold with the same global batch. `trainer.placement`
+says who samples: colocated, every rank its own share with its own engine; separate, rank 0 the
+whole step with the one engine, which hands each rank its share. Rank 0 alone writes the run's
+files and logs; a checkpoint is rank 0's, which every rank resumes from.
+
 A decoupled algorithm (DiffusionNFT) passes `old_policy`: the rollouts then sample with that
 second adapter, which the engine holds next to the policy's (both pushed after every update),
 and checkpoints carry it.
@@ -27,6 +35,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import os
 import random
 import threading
 import time
@@ -35,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from tqdm import tqdm
 
 from recipes.async_rollouts import RolloutsAhead
@@ -53,9 +63,11 @@ from recipes.plots import plot_log_ratio, plot_reward
 from recipes.randomness import PromptOrder, restore_rng, rng_state
 from recipes.rollout import save_samples
 from recipes.training_config import POLICY_ADAPTER, TrainingConfig
-from rollout import SamplingParams
+from rollout import RolloutEngine, SamplingParams
 from rollout.rescoring import RATIO_TOLERANCE  # the contract the first update's |log ratio| meets
 from rollout.seeding import derive_seed
+from trainers_adapters.data_parallel.rollout_shares import gather_rollout, scatter_rollout
+from trainers_adapters.data_parallel.trainer_ranks import TrainerRanks
 from trainers_adapters.policy.lora_policy import LoraPolicy
 from trainers_adapters.policy.old_policy import OldPolicy
 from trainers_adapters.rewards.placement import open_reward_runner
@@ -89,11 +101,13 @@ def _step_params(config: TrainingConfig, params: SamplingParams, step: int) -> S
     return step_params
 
 
-# update(policy, optimizer, rollout, generator, policy_version, behaviour) -> a dataclass of statistics
-# for metrics.jsonl; policy_version: the engine weight version of the policy before the update;
-# behaviour: the asynchronous loop's adapters that sampled the rollout, by weight version (None: synchronous).
+# update(policy, optimizer, rollout, generator, policy_version, behaviour, ranks) -> a dataclass of
+# statistics for metrics.jsonl; policy_version: the engine weight version of the policy before the
+# update; behaviour: the asynchronous loop's adapters that sampled the rollout, by weight version
+# (None: synchronous); ranks: the data-parallel trainer ranks, which the rollout is shared among.
 UpdateFn = Callable[
-    [LoraPolicy, torch.optim.Optimizer, RewardedRollout, torch.Generator, int, dict[int, dict] | None], Any
+    [LoraPolicy, torch.optim.Optimizer, RewardedRollout, torch.Generator, int, dict[int, dict] | None, TrainerRanks],
+    Any,
 ]
 
 
@@ -108,59 +122,104 @@ def train(
     update statistics shown in the progress bar. `old_policy(policy)`, if given, makes the adapter
     the rollouts sample with instead of the policy's own (the evals still show the policy).
     `max_staleness` N: sample the rollouts of the next steps while the trainer updates, with the
-    policy of N updates before (`recipes.async_rollouts`); None: one after the other."""
+    policy of N updates before (`recipes.async_rollouts`); None: one after the other. Under torchrun,
+    every rank runs this (see the module's docstring); rank 0 returns the summary, the others {}."""
     check_setup(config)  # the model folder and a rollout service's answer, before anything is written or loaded
     if max_staleness is not None and old_policy is not None:
         raise ValueError("asynchronous training (max_staleness) is GRPO's; a decoupled old policy samples already")
+    ranks = TrainerRanks.from_environment(config.engine.device)
+    try:
+        return _train(config, update, postfix, old_policy, max_staleness, ranks)
+    finally:
+        if ranks.world_size > 1:
+            dist.destroy_process_group()
+
+
+def _placement_problems(config: TrainingConfig, ranks: TrainerRanks, max_staleness: int | None) -> list[str]:
+    if ranks.world_size == 1:
+        return []
+    problems = []
+    if config.trainer.placement == "colocated" and config.engine.url is not None:
+        problems.append(
+            f"trainer.placement colocated gives each of the {ranks.world_size} ranks its own engine, but engine.url "
+            "names one server for all: set trainer.placement: separate (rank 0 samples there and shares the step)"
+        )
+    if config.trainer.placement == "separate" and max_staleness is not None:
+        problems.append(
+            "asynchronous training (asynchronous.max_staleness) on several ranks samples on every rank: set "
+            "trainer.placement: colocated"
+        )
+    return problems
+
+
+def _rank_engine(config: TrainingConfig, ranks: TrainerRanks):
+    """The engine section of this rank: on a GPU, each rank's engine and policy on its own
+    (torchrun's LOCAL_RANK) unless the config names one."""
+    device = config.engine.device
+    if ranks.world_size == 1 or device != "cuda":
+        return config.engine
+    local = f"cuda:{os.environ.get('LOCAL_RANK', '0')}"
+    torch.cuda.set_device(local)
+    return dataclasses.replace(config.engine, device=local)
+
+
+def _train(
+    config: TrainingConfig,
+    update: UpdateFn,
+    postfix: Callable[[Any], dict],
+    old_policy: Callable[[LoraPolicy], OldPolicy] | None,
+    max_staleness: int | None,
+    ranks: TrainerRanks,
+) -> dict:
+    problems = _placement_problems(config, ranks, max_staleness)
+    if problems:
+        raise ValueError(f"invalid config for {ranks.world_size} trainer ranks: " + "; ".join(problems))
+    colocated = config.trainer.placement == "colocated"
+    samples = colocated or ranks.is_main  # this rank opens an engine and rewards, and samples
     prompts = config.all_prompts()
     output_dir = Path(config.output_dir)
     resumed_from = resume_folder(config.resume, output_dir)
     resumed = read_resumable(resumed_from, to_dict(config)) if resumed_from is not None else None
     output_dir.mkdir(parents=True, exist_ok=True)
-    model_path = config.model.resolve_path()
-    config.engine.to_engine_config(model_path)  # checks the model folder (and engine settings) before any load
-    torch.manual_seed(config.seed)
+    # Rank 0 builds a tiny model's folder (once), the others then find it.
+    model_path = ranks.broadcast(config.model.resolve_path() if ranks.is_main else None)
+    engine_section = _rank_engine(config, ranks)
+    engine_section.to_engine_config(model_path)  # checks the model folder (and engine settings) before any load
     generator = torch.Generator().manual_seed(config.seed)
-    policy = LoraPolicy(
-        model_path,
-        config.lora.peft_config(),
-        name=POLICY_ADAPTER,
-        device=config.engine.device,
-        dtype=getattr(torch, config.engine.dtype),
-        attention_backend=config.engine.attention_backend,  # re-scores with the kernel that sampled
-        compile=config.engine.compile,
-    )
-    old = old_policy(policy) if old_policy is not None else None
-    optimizer = torch.optim.AdamW(
-        policy.parameters(), lr=config.optimizer.learning_rate, weight_decay=config.optimizer.weight_decay
-    )
-    params = dataclasses.replace(config.sampling, lora=POLICY_ADAPTER if old is None else old.name)
     prompt_order = PromptOrder(prompts, config.seed)
     edit_images = config.input_images.for_prompts(prompts)  # prompt -> its input images, or None
     history: list[dict] = []
     first_step, train_s_before = 0, 0.0
     if resumed is not None:
-        state, optimizer_state = resumed
-        policy.load(resumed_from / "lora")
-        if old is not None:
-            old.load(resumed_from / OLD_POLICY)
-        optimizer.load_state_dict(optimizer_state)
-        history, first_step, train_s_before = state.history, state.step, state.train_s
-        drop_later_checkpoints(output_dir, state.step)
-        logger.info("resuming from %s: step %d of %d", resumed_from, state.step, config.steps)
+        history, first_step, train_s_before = resumed[0].history, resumed[0].step, resumed[0].train_s
+        if ranks.is_main:
+            drop_later_checkpoints(output_dir, first_step)
+        logger.info("resuming from %s: step %d of %d", resumed_from, first_step, config.steps)
     started = time.perf_counter()
     with (
-        open_loggers(config.logger, output_dir, to_dict(config), config.wandb, done=history) as loggers,
-        open_reward_runner(
-            config.reward,
-            config.reward_workers,
-            runner=config.reward_runner,
-            devices=config.reward_devices,
-            timeout_s=config.reward_timeout_s,
-        ) as rewards,
-        config.engine.open_engine(model_path) as engine,
+        open_loggers(
+            config.logger if ranks.is_main else [], output_dir, to_dict(config), config.wandb, done=history
+        ) as loggers,
+        _open_rewards(config) if samples else contextlib.nullcontext() as rewards,
+        engine_section.open_engine(model_path) if samples else contextlib.nullcontext() as engine,
     ):
-        policy.check_same_base(engine)  # a server on another model folder answers here, not as a drift later
+        policy = _trainer_policy(config, engine_section, model_path, engine)
+        if engine is not None and not policy.shares_base:  # another model folder answers here, not as a drift later
+            policy.check_same_base(engine)
+        old = old_policy(policy) if old_policy is not None else None
+        optimizer = torch.optim.AdamW(
+            policy.parameters(), lr=config.optimizer.learning_rate, weight_decay=config.optimizer.weight_decay
+        )
+        params = dataclasses.replace(config.sampling, lora=POLICY_ADAPTER if old is None else old.name)
+        if resumed is not None:
+            policy.load(resumed_from / "lora")
+            if old is not None:
+                old.load(resumed_from / OLD_POLICY)
+            optimizer.load_state_dict(resumed[1])
+
+        def push(version: int | None = None) -> int:  # the version the next samples carry, on every rank
+            pushed = _push(engine, policy, old, version=version) if engine is not None else None
+            return pushed if colocated else ranks.broadcast(pushed)
 
         def push_snapshot(state: dict, push_version: int) -> int:  # an adapter the rollouts sample with
             return engine.load_lora(policy.name, state, policy.lora_config, version=push_version)
@@ -172,15 +231,17 @@ def train(
         # A resumed run re-pushes its adapter with the checkpoint's version, so the numbering (and
         # the check that samples carry the version last pushed) goes on, on a fresh server as on the same.
         if max_staleness is None or resumed is None:
-            version = _push(engine, policy, old, version=None if resumed is None else resumed[0].weight_version)
+            version = push(None if resumed is None else resumed[0].weight_version)
         else:  # the first rollout's adapter, before the generators are restored (see below)
             version = resumed[0].weight_version
             push_snapshot(snapshots[first_index], version - first_step + first_index)
-        if resumed is None:
+        if resumed is None and ranks.is_main:
             eval_start = _eval_samples(engine, config, prompts, rewards, edit_images)
             samples_start = save_samples(eval_start.outputs, config.grid_scale, output_dir / "samples_start")
             loggers.log_images(0, {"samples_start": samples_start})
             eval_reward_start = float(eval_start.rewards.mean())
+        elif resumed is None:
+            eval_reward_start = None  # rank 0's, which alone writes it
         else:  # after the push: an engine in this process draws from torch's generator
             restore_rng(resumed[0].rng, prompt_order, generator)
             eval_reward_start = resumed[0].eval_reward_start
@@ -189,12 +250,22 @@ def train(
         # taken those of later steps by the time a checkpoint is written.
         prompt_states = {first_step: prompt_order.state()}
 
-        def sample_step(step: int, stop: threading.Event | None) -> RewardedRollout:
+        def sample_step(step: int, stop: threading.Event | None) -> RewardedRollout | None:
+            """This rank's part of the step's rollout: its share of the prompts (colocated), the whole
+            step (rank 0, separate) or nothing (another rank, separate)."""
             taken = prompt_order.take(config.prompts_per_step)
             prompt_states[step + 1] = prompt_order.state()
-            images = None if edit_images is None else [edit_images[prompt] for prompt in taken]
+            if engine is None:
+                return None
+            share = ranks.share(len(taken)) if colocated else range(len(taken))
+            mine = [taken[index] for index in share]
+            images = None if edit_images is None else [edit_images[prompt] for prompt in mine]
             step_params = _step_params(config, params, step)
-            return generate_with_rewards(engine, taken, step_params, rewards, None, f"step{step}-", images, stop)
+            prefix = f"step{step}-"
+            return generate_with_rewards(engine, mine, step_params, rewards, None, prefix, images, stop, share.start)
+
+        def shared(part: RewardedRollout | None) -> RewardedRollout:  # the step's rollout, as this rank trains on it
+            return gather_rollout(ranks, part) if colocated else scatter_rollout(ranks, part)
 
         ahead = None
         if max_staleness is not None:
@@ -202,27 +273,29 @@ def train(
             ahead = RolloutsAhead(
                 sample_step, push_snapshot, steps, max_staleness, base_version, snapshots, first_index
             )
-        bar = tqdm(steps, desc=config.recipe, unit="step", initial=first_step, total=config.steps)
+        bar = tqdm(
+            steps, desc=config.recipe, unit="step", initial=first_step, total=config.steps, disable=not ranks.is_main
+        )
         with ahead if ahead is not None else contextlib.nullcontext():
             for step in bar:
                 wait_started = time.perf_counter()
                 if ahead is None:
-                    rollout = sample_step(step, None)
+                    rollout = shared(sample_step(step, None))
                     stale = {o.weight_version for o in rollout.outputs} - {version}
                     if stale:
                         raise RuntimeError(f"step {step}: samples carry weight versions {stale}, expected {version}")
                     behaviour = None
                 else:
-                    rollout = ahead.rollout(step)
+                    rollout = shared(ahead.rollout(step))
                     version = ahead.version_of(step)  # the policy's, pushed or not
                     behaviour = ahead.behaviour_of(rollout)
                 wait_s = time.perf_counter() - wait_started
                 update_started = time.perf_counter()
-                stats = update(policy, optimizer, rollout, generator, version, behaviour)
+                stats = update(policy, optimizer, rollout, generator, version, behaviour, ranks)
                 update_s = time.perf_counter() - update_started
                 push_started = time.perf_counter()
                 if ahead is None:
-                    new_version = _push(engine, policy, old)
+                    new_version = push()
                     if new_version <= version:
                         raise RuntimeError(
                             f"step {step}: the push returned weight version {new_version}, not above {version}"
@@ -243,7 +316,8 @@ def train(
                 history.append(record)
                 loggers.log_scalars(step, record)
                 bar.set_postfix(reward=f"{record['reward_mean']:.4f}", **postfix(stats))
-                if config.checkpoint_every and ((step + 1) % config.checkpoint_every == 0 or step + 1 == config.steps):
+                every = config.checkpoint_every
+                if ranks.is_main and every and ((step + 1) % every == 0 or step + 1 == config.steps):
                     rng = rng_state(prompt_order, generator) | {"prompt_order": prompt_states[step + 1]}
                     state = TrainingState(
                         step=step + 1,
@@ -269,6 +343,8 @@ def train(
                     ahead.forget_before(step + 1)
         if ahead is not None and ahead.pushed != config.steps:  # the final policy, for the eval
             policy.push(engine, version=version)
+        if not ranks.is_main:
+            return {}
         eval_end = _eval_samples(engine, config, prompts, rewards, edit_images)
         # After `steps` updates: the x position that follows the last step's scalars.
         samples_end = save_samples(eval_end.outputs, config.grid_scale, output_dir / "samples_end")
@@ -293,6 +369,34 @@ def train(
         output_dir,
     )
     return summary
+
+
+def _trainer_policy(config: TrainingConfig, engine_section, model_path: str, engine) -> LoraPolicy:
+    """The policy the trainer trains: over the base weights of an engine in this process (one copy
+    of the base: `LoraPolicy.sharing_base`), else over a copy of its own denoisers' model."""
+    torch.manual_seed(config.seed)  # the LoRA's initial values
+    in_process = isinstance(engine, RolloutEngine) and engine.executor.shares_memory
+    if in_process and config.trainer.share_base:
+        return LoraPolicy.sharing_base(engine, config.lora.peft_config(), name=POLICY_ADAPTER)
+    return LoraPolicy(
+        model_path,
+        config.lora.peft_config(),
+        name=POLICY_ADAPTER,
+        device=engine_section.device,
+        dtype=getattr(torch, engine_section.dtype),
+        attention_backend=config.engine.attention_backend,  # re-scores with the kernel that sampled
+        compile=config.engine.compile,
+    )
+
+
+def _open_rewards(config: TrainingConfig):
+    return open_reward_runner(
+        config.reward,
+        config.reward_workers,
+        runner=config.reward_runner,
+        devices=config.reward_devices,
+        timeout_s=config.reward_timeout_s,
+    )
 
 
 def _push(engine, policy: LoraPolicy, old: OldPolicy | None, version: int | None = None) -> int:

@@ -55,6 +55,34 @@ class OptimizerSection:
             raise ValueError(f"learning_rate must be > 0, got {self.learning_rate}")
 
 
+PLACEMENTS = ("colocated", "separate")
+
+
+@dataclass(kw_only=True)
+class TrainerSection:
+    """How the trainer runs: its ranks are the processes torchrun starts
+    (`torchrun --nproc-per-node N -m recipes.run CONFIG`; docs/training.md)."""
+
+    placement: str = option(
+        "colocated",
+        "colocated: every trainer rank hosts its own engine (the engine section's, on the rank's device), samples "
+        "its share of each step's prompts and loads each new LoRA into it; separate: rank 0 alone opens the engine "
+        "(its mp or ray workers on other devices, or engine.url), samples the whole step and hands each rank its "
+        "share, and pushes one adapter per step. One rank: the same either way",
+    )
+
+    share_base: bool = option(
+        True,
+        "with an engine in the trainer's process (executor uni), the trainer's policy shares the engine's frozen "
+        "base weights (one copy of the base per device; LoraPolicy.sharing_base); false: the trainer loads its own "
+        "copy of the denoisers",
+    )
+
+    def __post_init__(self) -> None:
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"placement must be one of {', '.join(PLACEMENTS)}, got {self.placement!r}")
+
+
 @dataclass(kw_only=True)
 class EvalSection:
     """The fixed-noise samples drawn before and after training (samples_start/end.png)."""
@@ -81,6 +109,7 @@ class TrainingConfig(RecipeConfig):
     sampling: SamplingParams = option(factory=lambda: SamplingParams(sampler="flow_sde", noise_level=0.7))
     lora: LoraSection = option(factory=LoraSection)
     optimizer: OptimizerSection = option(factory=OptimizerSection)
+    trainer: TrainerSection = option(factory=TrainerSection)
     eval: EvalSection = option(factory=EvalSection)
     # A bare dict: its entries are checked by reward_problems, which names each bad one, not as one type error.
     reward: str | dict = option(

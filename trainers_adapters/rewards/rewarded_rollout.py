@@ -67,6 +67,7 @@ def generate_with_rewards(
     request_prefix: str = "rollout",
     images: Sequence | None = None,
     stop: threading.Event | None = None,
+    first_prompt_index: int = 0,
 ) -> RewardedRollout:
     """Generate `params.num_samples` samples of every prompt (each a tree of leaves when `params`
     branch) and reward each group as it finishes: `reward` on `pool` (a thread of this process; a
@@ -79,18 +80,22 @@ def generate_with_rewards(
     Every reward's output is checked (`trainers_adapters.rewards.checks`): a NaN, an inf or a wrong
     count raises a RewardError naming the reward and the samples, here, before the caller can update
     anything. Once `stop` is set (from another thread) the rollout ends at the engine's next step
-    with RolloutStopped, its requests aborted."""
+    with RolloutStopped, its requests aborted. `first_prompt_index`: the prompt index (and request
+    id number) of `prompts[0]`, the next ones following: a data-parallel trainer rank samples its
+    share of a step's prompts under the indices, hence the seeds, they have in the whole step."""
     if params.output_type != "image":
         raise ValueError("a rewarded rollout needs images (or videos); set output_type='image' in the sampling params")
     if isinstance(reward, RewardRunner):
         if pool is not None:
             raise ValueError("pass a thread pool with a reward, not with a RewardRunner, which scores groups itself")
-        return _generate(engine, prompts, params, reward, request_prefix, images, stop)
+        return _generate(engine, prompts, params, reward, request_prefix, images, stop, first_prompt_index)
     with RewardsOnThreads(reward, pool) as runner:
-        return _generate(engine, prompts, params, runner, request_prefix, images, stop)
+        return _generate(engine, prompts, params, runner, request_prefix, images, stop, first_prompt_index)
 
 
-def _generate(engine, prompts, params, runner: RewardRunner, request_prefix: str, images, stop) -> RewardedRollout:
+def _generate(
+    engine, prompts, params, runner: RewardRunner, request_prefix: str, images, stop, first: int
+) -> RewardedRollout:
     started = time.perf_counter()
     group_of: dict[str, int] = {}
     finished: list[list[RolloutOutput]] = [[] for _ in prompts]
@@ -98,19 +103,20 @@ def _generate(engine, prompts, params, runner: RewardRunner, request_prefix: str
     inputs = images_per_prompt(images, len(prompts))  # uint8 tensors, as the reward gets them
     try:
         for index, prompt in enumerate(prompts):
+            number = first + index
             ids = engine.add_request(
-                prompt, params, images=inputs[index], prompt_index=index, request_id=f"{request_prefix}{index}"
+                prompt, params, images=inputs[index], prompt_index=number, request_id=f"{request_prefix}{number}"
             )
             group_of.update(dict.fromkeys(ids, index))
         while engine.has_unfinished_requests():
             if stop is not None and stop.is_set():
                 raise RolloutStopped(f"rollout {request_prefix!r} stopped by its caller")
             for output in engine.step():
-                group = finished[group_of[output.request_id]]
+                index = group_of[output.request_id]
+                group = finished[index]
                 group.append(output)
                 if len(group) == params.num_samples * params.leaves_per_sample:
-                    scored = runner.submit(*group_inputs(group, inputs[output.prompt_index]))
-                    futures[output.prompt_index] = scored
+                    futures[index] = runner.submit(*group_inputs(group, inputs[index]))
             _raise_first_failure(futures.values())
     except BaseException:
         # Leave no requests behind in the engine; a dead engine cannot abort, and then the
