@@ -43,6 +43,16 @@ def build_parser() -> argparse.ArgumentParser:
             "the same as --set resume=DIR"
         ),
     )
+    parser.add_argument(
+        "--plan",
+        action="store_true",
+        help=(
+            "print the memory plan of a training config and exit without loading any weights: per device the "
+            "weights (engine, trainer, shared), the LoRA with its gradients and AdamW states, and the activation "
+            "peak of one micro-batch, estimated on the meta device and fake tensors; the fit is checked against "
+            "trainer.device_memory_gib, or the CUDA device's own total (docs/training.md, Memory plan)"
+        ),
+    )
     return parser
 
 
@@ -68,6 +78,14 @@ def main(argv: list[str] | None = None) -> None:
         config = load_config(args.config, [*args.overrides, *resume], on_this_machine=True)
     except (ValueError, OSError, yaml.YAMLError) as error:
         parser.error(str(error))
+    if args.plan:
+        from recipes.memory_plan import memory_plan  # torch, diffusers: only when asked
+
+        try:
+            print(memory_plan(config).render())
+        except ValueError as error:
+            parser.error(str(error))
+        return
     recipe_module(config.recipe).run(config)
 
 

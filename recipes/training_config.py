@@ -55,6 +55,37 @@ class OptimizerSection:
             raise ValueError(f"learning_rate must be > 0, got {self.learning_rate}")
 
 
+PLACEMENTS = ("colocated", "separate")
+
+
+@dataclass(kw_only=True)
+class TrainerSection:
+    """Where the trainer runs and what it keeps in memory (the memory plan: docs/training.md)."""
+
+    gradient_checkpointing: bool = option(
+        False, "recompute each denoiser block's activations in the backward instead of keeping them"
+    )
+    placement: str = option(
+        "colocated",
+        "colocated: each device holds an engine and a trainer rank sharing its frozen denoisers; separate: "
+        "engine devices hold the engine only, trainer devices the trainer with its own denoisers",
+    )
+    device_memory_gib: float | None = option(
+        None,
+        "memory of each device the memory plan checks the fit against; null: the total of engine.device "
+        "when it is a CUDA device torch sees here, else no fit check",
+    )
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.placement not in PLACEMENTS:
+            problems.append(f"placement must be one of {list(PLACEMENTS)}, got {self.placement!r}")
+        if self.device_memory_gib is not None and self.device_memory_gib <= 0:
+            problems.append(f"device_memory_gib must be > 0 (or null), got {self.device_memory_gib}")
+        if problems:
+            raise ValueError("; ".join(problems))
+
+
 @dataclass(kw_only=True)
 class EvalSection:
     """The fixed-noise samples drawn before and after training (samples_start/end.png)."""
@@ -81,6 +112,7 @@ class TrainingConfig(RecipeConfig):
     sampling: SamplingParams = option(factory=lambda: SamplingParams(sampler="flow_sde", noise_level=0.7))
     lora: LoraSection = option(factory=LoraSection)
     optimizer: OptimizerSection = option(factory=OptimizerSection)
+    trainer: TrainerSection = option(factory=TrainerSection)
     eval: EvalSection = option(factory=EvalSection)
     # A bare dict: its entries are checked by reward_problems, which names each bad one, not as one type error.
     reward: str | dict = option(
@@ -181,7 +213,20 @@ class TrainingConfig(RecipeConfig):
             self.reward_workers, self.reward_runner, self.reward_devices, self.reward_timeout_s, self.reward
         )
         config += resume_problems(self.resume, self.output_dir)
+        config += self.fit_problems()
         return problems + [f"config: {problem}" for problem in config]
+
+    def fit_problems(self) -> list[str]:
+        """Whether the memory plan fits each device, where the device's memory is known (set, or a
+        CUDA device torch sees) and the model folder is here: it builds meta modules and runs one
+        micro-batch on fake tensors (seconds), so it runs only then."""
+        from recipes.memory_plan import device_capacity, memory_plan
+
+        if device_capacity(self)[0] is None:
+            return []
+        if self.model.path != "tiny" and not Path(self.model.path).is_dir():
+            return []  # checked where the model is; model.path's own check says it is missing
+        return memory_plan(self).problems()
 
     def all_prompts(self) -> list[str]:
         prompts = list(self.prompts)
