@@ -125,8 +125,8 @@ class MemoryPlan:
         for device in self.devices:
             lines.append(f"{device.device} ({device.role}):")
             for line in device.lines:
-                lines.append(f"  {line.what:<44} {size(line.bytes):>10}  {line.source}")
-            lines.append(f"  {'total':<44} {size(device.total):>10}")
+                lines.append(f"  {line.what:<36} {size(line.bytes):>10}  {line.source}")
+            lines.append(f"  {'total':<36} {size(device.total):>10}")
         capacity = "not known: no fit check" if self.capacity is None else size(self.capacity)
         lines.append(f"device memory: {capacity} ({self.capacity_source})")
         for problem in self.problems():
@@ -180,6 +180,10 @@ def memory_plan(config) -> MemoryPlan:
             denoiser.enable_gradient_checkpointing()
     key, rows, guided = micro_batch(config)
     activations = train_step_peak(adapter, config.sampling, rows, guided, fake=True)
+    if guided and adapter.spec.resolve(config.sampling)[0].negative_prompt is not None:
+        rows_text = f"{rows} rows + {rows} unconditional (CFG)"
+    else:
+        rows_text = f"{rows} rows"
     checkpointing = "on" if config.trainer.gradient_checkpointing else "off"
     trainer = (
         Line("LoRA parameters", lora_bytes, lora_source),
@@ -188,7 +192,7 @@ def memory_plan(config) -> MemoryPlan:
         Line(
             "activations of one micro-batch",
             activations,
-            f"{key}: {rows} rows, gradient checkpointing {checkpointing}; forward + backward on fake tensors",
+            f"{key}: {rows_text}, gradient checkpointing {checkpointing}; forward + backward on fake tensors",
         ),
     )
     engine_lora = Line("engine's copy of the LoRA", lora_bytes, "the pushed adapter, float32")
@@ -199,8 +203,8 @@ def memory_plan(config) -> MemoryPlan:
                 config.engine.device,
                 "each device: an engine and a trainer rank",
                 (
-                    Line(f"shared weights ({names})", denoiser_bytes, source),
-                    Line(f"engine-only weights ({others})", other_bytes, source),
+                    Line("shared weights (engine and trainer)", denoiser_bytes, f"{names}: {source}"),
+                    Line("engine-only weights", other_bytes, f"{others}: {source}"),
                     engine_lora,
                     *trainer,
                 ),
@@ -211,12 +215,12 @@ def memory_plan(config) -> MemoryPlan:
             DeviceMemory(
                 config.engine.device,
                 "each engine device",
-                (Line(f"engine weights ({names}, {others})", denoiser_bytes + other_bytes, source), engine_lora),
+                (Line("engine weights", denoiser_bytes + other_bytes, f"{names}, {others}: {source}"), engine_lora),
             ),
             DeviceMemory(
                 config.engine.device,
                 "each trainer device",
-                (Line(f"trainer's copy of {names}", denoiser_bytes, source), *trainer),
+                (Line("trainer's copy of the denoisers", denoiser_bytes, f"{names}: {source}"), *trainer),
             ),
         )
     capacity, capacity_source = device_capacity(config)

@@ -213,20 +213,19 @@ class TrainingConfig(RecipeConfig):
             self.reward_workers, self.reward_runner, self.reward_devices, self.reward_timeout_s, self.reward
         )
         config += resume_problems(self.resume, self.output_dir)
-        config += self.fit_problems()
         return problems + [f"config: {problem}" for problem in config]
 
     def fit_problems(self) -> list[str]:
-        """Whether the memory plan fits each device, where the device's memory is known (set, or a
-        CUDA device torch sees) and the model folder is here: it builds meta modules and runs one
-        micro-batch on fake tensors (seconds), so it runs only then."""
+        """Whether the memory plan fits each device (each problem prefixed "config: "), where the
+        device's memory is known (set, or a CUDA device torch sees) and the model folder is here: it
+        builds meta modules and runs one micro-batch on fake tensors (seconds), so only then."""
         from recipes.memory_plan import device_capacity, memory_plan
 
         if device_capacity(self)[0] is None:
             return []
         if self.model.path != "tiny" and not Path(self.model.path).is_dir():
             return []  # checked where the model is; model.path's own check says it is missing
-        return memory_plan(self).problems()
+        return [f"config: {problem}" for problem in memory_plan(self).problems()]
 
     def all_prompts(self) -> list[str]:
         prompts = list(self.prompts)
