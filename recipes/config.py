@@ -221,6 +221,11 @@ class RecipeConfig:
         a config with a typo is answered without those imports."""
         return []
 
+    def fit_problems(self) -> list[str]:
+        """Whether what the recipe holds in memory fits the devices it names (a training config's
+        memory plan); run by `load_config` after `import_problems`. None by default."""
+        return []
+
 
 def model_problems(model: ModelSection, sampling: Any, folder_must_exist: bool) -> list[str]:
     """What the model would refuse, known before it loads: a `model.path` that is not a supported

@@ -36,11 +36,15 @@ def recipe_module(name: str) -> types.ModuleType:
     return importlib.import_module(RECIPES[name])
 
 
-def load_config(path: str | Path, overrides: Sequence[str] = (), *, on_this_machine: bool = False) -> RecipeConfig:
+def load_config(
+    path: str | Path, overrides: Sequence[str] = (), *, on_this_machine: bool = False, check_fit: bool = True
+) -> RecipeConfig:
     """Read the YAML at `path`, apply `overrides` ("dotted.key=yaml value"), and check everything:
     with the keys and values, what the model would refuse once loaded (`model_problems`), and with
     `on_this_machine` (as `python -m recipes.run` checks a config it is about to run) that `model.path`
     is a supported pipeline folder here and that the service at `engine.url`, if any, answers.
+    `check_fit`: a training config's memory plan must fit its devices where their memory is known
+    (`TrainingConfig.fit_problems`); off for `--plan`, which shows the plan that does not fit.
 
     Raises ValueError listing every problem found.
     """
@@ -59,6 +63,8 @@ def load_config(path: str | Path, overrides: Sequence[str] = (), *, on_this_mach
     if problems:
         raise ValueError(format_problems(path, problems))
     problems = config.import_problems()
+    if check_fit and not problems:
+        problems = config.fit_problems()
     if not problems and on_this_machine:  # a connection, once everything else is right
         problems = config.engine.service_problems()
     if problems:

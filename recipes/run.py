@@ -47,6 +47,16 @@ def build_parser() -> argparse.ArgumentParser:
             "the same as --set resume=DIR"
         ),
     )
+    parser.add_argument(
+        "--plan",
+        action="store_true",
+        help=(
+            "print the memory plan of a training config and exit without loading any weights: per device the "
+            "weights (engine, trainer, shared), the LoRA with its gradients and AdamW states, and the activation "
+            "peak of one micro-batch, estimated on the meta device and fake tensors; the fit is checked against "
+            "trainer.device_memory_gib, or the CUDA device's own total (docs/training.md, Memory plan)"
+        ),
+    )
     return parser
 
 
@@ -71,9 +81,18 @@ def main(argv: list[str] | None = None) -> None:
     try:
         # JSON text is YAML, so the path stays a string whatever it looks like.
         resume = [] if args.resume is None else [f"resume={json.dumps(args.resume)}"]
-        config = load_config(args.config, [*args.overrides, *resume], on_this_machine=True)
+        # --plan shows a plan that does not fit too: the fit is what it is asked about.
+        config = load_config(args.config, [*args.overrides, *resume], on_this_machine=True, check_fit=not args.plan)
     except (ValueError, OSError, yaml.YAMLError) as error:
         parser.error(str(error))
+    if args.plan:
+        from recipes.memory_plan import memory_plan  # torch, diffusers: only when asked
+
+        try:
+            print(memory_plan(config).render())
+        except ValueError as error:
+            parser.error(str(error))
+        return
     recipe_module(config.recipe).run(config)
 
 

@@ -60,8 +60,9 @@ PLACEMENTS = ("colocated", "separate")
 
 @dataclass(kw_only=True)
 class TrainerSection:
-    """How the trainer runs: its ranks are the processes torchrun starts
-    (`torchrun --nproc-per-node N -m recipes.run CONFIG`; docs/training.md)."""
+    """How the trainer runs and what it keeps in memory: its ranks are the processes torchrun starts
+    (`torchrun --nproc-per-node N -m recipes.run CONFIG`), and `--plan` counts what each device
+    holds (docs/training.md)."""
 
     placement: str = option(
         "colocated",
@@ -70,17 +71,29 @@ class TrainerSection:
         "(its mp or ray workers on other devices, or engine.url), samples the whole step and hands each rank its "
         "share, and pushes one adapter per step. One rank: the same either way",
     )
-
     share_base: bool = option(
         True,
         "with an engine in the trainer's process (executor uni), the trainer's policy shares the engine's frozen "
         "base weights (one copy of the base per device; LoraPolicy.sharing_base); false: the trainer loads its own "
         "copy of the denoisers",
     )
+    gradient_checkpointing: bool = option(
+        False, "recompute each denoiser block's activations in the backward instead of keeping them"
+    )
+    device_memory_gib: float | None = option(
+        None,
+        "memory of each device the memory plan checks the fit against; null: the total of engine.device "
+        "when it is a CUDA device torch sees here, else no fit check",
+    )
 
     def __post_init__(self) -> None:
+        problems = []
         if self.placement not in PLACEMENTS:
-            raise ValueError(f"placement must be one of {', '.join(PLACEMENTS)}, got {self.placement!r}")
+            problems.append(f"placement must be one of {list(PLACEMENTS)}, got {self.placement!r}")
+        if self.device_memory_gib is not None and self.device_memory_gib <= 0:
+            problems.append(f"device_memory_gib must be > 0 (or null), got {self.device_memory_gib}")
+        if problems:
+            raise ValueError("; ".join(problems))
 
 
 @dataclass(kw_only=True)
@@ -211,6 +224,18 @@ class TrainingConfig(RecipeConfig):
         )
         config += resume_problems(self.resume, self.output_dir)
         return problems + [f"config: {problem}" for problem in config]
+
+    def fit_problems(self) -> list[str]:
+        """Whether the memory plan fits each device (each problem prefixed "config: "), where the
+        device's memory is known (set, or a CUDA device torch sees) and the model folder is here: it
+        builds meta modules and runs one micro-batch on fake tensors (seconds), so only then."""
+        from recipes.memory_plan import device_capacity, memory_plan
+
+        if device_capacity(self)[0] is None:
+            return []
+        if self.model.path != "tiny" and not Path(self.model.path).is_dir():
+            return []  # checked where the model is; model.path's own check says it is missing
+        return [f"config: {problem}" for problem in memory_plan(self).problems()]
 
     def all_prompts(self) -> list[str]:
         prompts = list(self.prompts)

@@ -1,0 +1,238 @@
+"""The memory plan of a training config (`python -m recipes.run CONFIG --plan`), computed before
+anything loads: per device, the weights (the engine's, the trainer's and what they share), the
+LoRA with its gradients and AdamW states, and the activation peak of one training micro-batch.
+
+Weights: every module of the model folder built on the meta device from its `model_index.json`
+and each component's `config.json` (no weight file is read), counted at the config's dtype. LoRA:
+the trainer's adapter attached to those meta denoisers (float32, as it trains), its gradients
+(float32) and AdamW's two float32 states per parameter. Activations: `train_step_peak` on
+`FakeTensorMode`'s shape-only tensors over the same meta model (the trainer's forward and
+backward at the config's micro-batch, size, frames and guidance; gradient checkpointing as the
+trainer sets it), which costs no memory at any size.
+
+Placements (`trainer.placement`): colocated, each device holds one engine and one trainer rank
+that shares the engine's frozen denoisers; separate, an engine device holds the engine only and a
+trainer device the trainer, with its own copy of the denoisers (no text encoders, no VAE). The
+engine's own sampling activations are not planned (a rollout runs without gradients, and
+`engine.max_batch_size` bounds it).
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from rollout.pipelines.loading import adapter_class
+from rollout.pipelines.model_index import read_model_index
+from rollout.pipelines.quiet import quietly
+
+GIB = 1024**3
+ADAMW_STATES = 2  # exp_avg and exp_avg_sq, float32, per trained parameter
+
+
+@quietly
+def meta_adapter(folder: str | Path, dtype: torch.dtype):
+    """The family's `PipelineAdapter` over the pipeline of `folder` with every module made on the
+    meta device from its config.json, in `dtype` (tokenizers and the scheduler read as they are:
+    small files)."""
+    import diffusers
+
+    folder = Path(folder)
+    index = read_model_index(folder)
+    components = {}
+    for name, value in index.items():
+        if name.startswith("_") or not isinstance(value, list):
+            continue
+        library, class_name = value
+        if library is None:  # a component saved as [null, null] (SD3 without T5)
+            components[name] = None
+            continue
+        cls = getattr(importlib.import_module(library), class_name)
+        if not issubclass(cls, torch.nn.Module):
+            components[name] = cls.from_pretrained(folder / name)
+        elif library == "diffusers":
+            with torch.device("meta"):
+                components[name] = in_dtype(cls.from_config(cls.load_config(folder / name)), dtype)
+        else:  # transformers
+            config = cls.config_class.from_pretrained(folder / name)
+            with torch.device("meta"):
+                components[name] = in_dtype(cls._from_config(config), dtype)
+    pipeline = getattr(diffusers, index["_class_name"])(**components)
+    return adapter_class(index["_class_name"])(pipeline)
+
+
+def in_dtype(module: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """`module` cast to `dtype`; not cast when already in it (diffusers warns on every cast)."""
+    return module if dtype == torch.float32 else module.to(dtype)
+
+
+def module_bytes(module: torch.nn.Module) -> int:
+    """Bytes of a module's parameters and buffers (meta tensors count their shapes and dtypes)."""
+    tensors = [*module.parameters(), *module.buffers()]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def size(count: int) -> str:
+    """Bytes as GiB from 1 GiB up, else MiB."""
+    return f"{count / GIB:.2f} GiB" if count >= GIB else f"{count / 1024**2:.2f} MiB"
+
+
+@dataclass(frozen=True)
+class Line:
+    what: str
+    bytes: int
+    source: str
+
+
+@dataclass(frozen=True)
+class DeviceMemory:
+    """What one device holds; `count` devices hold the same."""
+
+    device: str
+    role: str
+    lines: tuple[Line, ...]
+
+    @property
+    def total(self) -> int:
+        return sum(line.bytes for line in self.lines)
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    devices: tuple[DeviceMemory, ...]
+    capacity: int | None  # bytes of each device, None: not known (no fit check)
+    capacity_source: str
+    knobs: dict[str, str] = field(default_factory=dict)  # what to turn, with the saving it gives
+
+    def problems(self) -> list[str]:
+        """A device that the plan does not fit, naming the knobs to turn; none without a capacity."""
+        if self.capacity is None:
+            return []
+        return [
+            f"trainer: the memory plan needs {size(device.total)} on {device.device} ({device.role}) but "
+            f"it has {size(self.capacity)} ({self.capacity_source}); "
+            + "; ".join(f"{knob} ({why})" for knob, why in self.knobs.items())
+            + " (python -m recipes.run CONFIG --plan shows the plan)"
+            for device in self.devices
+            if device.total > self.capacity
+        ]
+
+    def render(self) -> str:
+        lines = []
+        for device in self.devices:
+            lines.append(f"{device.device} ({device.role}):")
+            for line in device.lines:
+                lines.append(f"  {line.what:<36} {size(line.bytes):>10}  {line.source}")
+            lines.append(f"  {'total':<36} {size(device.total):>10}")
+        capacity = "not known: no fit check" if self.capacity is None else size(self.capacity)
+        lines.append(f"device memory: {capacity} ({self.capacity_source})")
+        for problem in self.problems():
+            lines.append(f"DOES NOT FIT: {problem}")
+        return "\n".join(lines)
+
+
+def micro_batch(config) -> tuple[str, int, bool]:
+    """(the config's micro-batch key, the rows one micro-batch runs through the denoiser, whether
+    they carry classifier-free guidance's unconditional rows): GRPO re-scores `micro_batch_size`
+    transitions as they were sampled (guided where the rollouts were); a DPO pair is two rows (the
+    winner and the loser); NFT's (sample, noise level) pairs one row each, both without CFG."""
+    for name, rows_per_item, guided in (("grpo", 1, True), ("dpo", 2, False), ("nft", 1, False)):
+        if config.recipe == name:
+            return f"{name}.micro_batch_size", getattr(config, name).micro_batch_size * rows_per_item, guided
+    raise ValueError(f"recipe {config.recipe!r} trains nothing: the memory plan is for grpo, dpo and nft configs")
+
+
+def device_capacity(config) -> tuple[int | None, str]:
+    """Bytes of one device of the run: `trainer.device_memory_gib`, else the total of the CUDA device
+    `engine.device` names when torch sees it, else not known."""
+    gib = config.trainer.device_memory_gib
+    if gib is not None:
+        return int(gib * GIB), "trainer.device_memory_gib"
+    device = torch.device(config.engine.device)
+    if device.type == "cuda" and torch.cuda.is_available():
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return torch.cuda.get_device_properties(index).total_memory, f"the total of {device} as torch sees it"
+    return None, f"{config.engine.device} has no known total; set trainer.device_memory_gib to check the fit"
+
+
+def memory_plan(config) -> MemoryPlan:
+    """The plan of training config `config` (a `TrainingConfig`); builds nothing but meta modules
+    and reads no weight file. `model.path` must be a folder here (a tiny one is built first)."""
+    from trainers_adapters.policy.train_step_peak import attach_lora, train_step_peak
+
+    folder = config.model.resolve_path()
+    dtype = getattr(torch, config.engine.dtype)
+    adapter = meta_adapter(folder, dtype)
+    source = f"{folder}/*/config.json on the meta device, {config.engine.dtype}"
+    denoisers = adapter.denoisers
+    components = adapter.components
+    denoiser_bytes = sum(module_bytes(module) for module in denoisers.values())
+    other_bytes = sum(module_bytes(m) for name, m in components.items() if name not in denoisers)
+    others = ", ".join(name for name in sorted(components) if name not in denoisers) or "none"
+    lora = attach_lora(adapter, config.lora.peft_config())
+    lora_bytes = sum(p.numel() * 4 for p in lora)  # float32
+    lora_source = f"{sum(p.numel() for p in lora):,} LoRA parameters (rank {config.lora.rank}), float32"
+    if config.trainer.gradient_checkpointing:
+        for denoiser in denoisers.values():
+            denoiser.enable_gradient_checkpointing()
+    key, rows, guided = micro_batch(config)
+    activations = train_step_peak(adapter, config.sampling, rows, guided, fake=True)
+    if guided and adapter.spec.resolve(config.sampling)[0].negative_prompt is not None:
+        rows_text = f"{rows} rows + {rows} unconditional (CFG)"
+    else:
+        rows_text = f"{rows} rows"
+    checkpointing = "on" if config.trainer.gradient_checkpointing else "off"
+    trainer = (
+        Line("LoRA parameters", lora_bytes, lora_source),
+        Line("LoRA gradients", lora_bytes, "float32"),
+        Line("AdamW states", ADAMW_STATES * lora_bytes, "2 float32 states per LoRA parameter"),
+        Line(
+            "activations of one micro-batch",
+            activations,
+            f"{key}: {rows_text}, gradient checkpointing {checkpointing}; forward + backward on fake tensors",
+        ),
+    )
+    engine_lora = Line("engine's copy of the LoRA", lora_bytes, "the pushed adapter, float32")
+    names = ", ".join(denoisers)
+    if config.trainer.placement == "colocated":
+        devices = (
+            DeviceMemory(
+                config.engine.device,
+                "each device: an engine and a trainer rank",
+                (
+                    Line("shared weights (engine and trainer)", denoiser_bytes, f"{names}: {source}"),
+                    Line("engine-only weights", other_bytes, f"{others}: {source}"),
+                    engine_lora,
+                    *trainer,
+                ),
+            ),
+        )
+    else:
+        devices = (
+            DeviceMemory(
+                config.engine.device,
+                "each engine device",
+                (Line("engine weights", denoiser_bytes + other_bytes, f"{names}, {others}: {source}"), engine_lora),
+            ),
+            DeviceMemory(
+                config.engine.device,
+                "each trainer device",
+                (Line("trainer's copy of the denoisers", denoiser_bytes, f"{names}: {source}"), *trainer),
+            ),
+        )
+    capacity, capacity_source = device_capacity(config)
+    per_row = activations / rows
+    knobs = {
+        f"lower {key}": f"about {size(int(per_row))} of activations a row",
+    }
+    if not config.trainer.gradient_checkpointing:
+        knobs["set trainer.gradient_checkpointing: true"] = "keeps about one block's activations at a time"
+    if config.trainer.placement == "colocated":
+        knobs["set trainer.placement: separate"] = (
+            f"the trainer's devices then hold no {others} ({size(other_bytes)}) and no engine"
+        )
+    knobs["or use GPUs with more memory"] = "a LoRA's data-parallel ranks each hold all of the above"
+    return MemoryPlan(devices, capacity, capacity_source, knobs)

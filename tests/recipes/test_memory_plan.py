@@ -1,0 +1,62 @@
+"""The memory plan's activation estimate (meta modules, fake tensors) against the same micro-batch
+measured on the real model, and the plan's fit check naming the knobs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from benchmarks.allocation_peak import AllocationPeak
+from recipes.loading import load_config
+from recipes.memory_plan import memory_plan, meta_adapter
+from rollout import SamplingParams
+from rollout.pipelines.loading import load_adapter
+from trainers_adapters.policy.train_step_peak import attach_lora, train_step_peak
+
+pytestmark = pytest.mark.timeout(120)
+
+LORA = {"r": 8, "lora_alpha": 16}
+PARAMS = SamplingParams(sampler="flow_sde", noise_level=0.7, guidance_scale=4.5)  # CFG: twice the rows
+
+
+def estimate(folder: str, rows: int, checkpointing: bool) -> int:
+    adapter = meta_adapter(folder, torch.float32)
+    attach_lora(adapter, LORA)
+    if checkpointing:
+        adapter.transformer.enable_gradient_checkpointing()
+    return train_step_peak(adapter, PARAMS, rows, guided=True, fake=True)
+
+
+def measured(folder: str, rows: int, checkpointing: bool) -> tuple[int, int]:
+    """(live tensor bytes, the CPU allocator's high-water mark) of the same step on the real model."""
+    adapter = load_adapter(folder)
+    attach_lora(adapter, LORA)
+    if checkpointing:
+        adapter.transformer.enable_gradient_checkpointing()
+    with AllocationPeak() as allocator:
+        live = train_step_peak(adapter, PARAMS, rows, guided=True, fake=False)
+    return live, allocator.peak_bytes
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_fake_estimate_is_within_20_percent_of_the_real_peak(tiny_model, checkpointing):
+    live, allocator = measured(tiny_model, 4, checkpointing)
+    guess = estimate(tiny_model, 4, checkpointing)
+    assert abs(guess - live) <= 0.01 * live, (guess, live)  # the same count: fake tensors keep every shape
+    assert abs(guess - allocator) <= 0.2 * allocator, (guess, allocator)  # torch's own allocator
+
+
+def test_gradient_checkpointing_and_rows_change_the_estimate(tiny_model):
+    plain = estimate(tiny_model, 4, False)
+    assert estimate(tiny_model, 4, True) < plain
+    assert estimate(tiny_model, 8, False) > 1.5 * plain
+
+
+def test_a_config_that_does_not_fit_is_refused_with_the_knobs(tmp_path):
+    overrides = [f"model.tiny_cache_dir={tmp_path / 'tiny'}", f"output_dir={tmp_path / 'out'}"]
+    config = load_config("recipes/configs/grpo_tiny.yaml", overrides)
+    plan = memory_plan(config)
+    assert plan.capacity is None and plan.problems() == []  # a CPU has no known total: no check
+    tight = plan.devices[0].total / 2 / 1024**3
+    with pytest.raises(ValueError, match="grpo.micro_batch_size.*gradient_checkpointing.*placement: separate"):
+        load_config("recipes/configs/grpo_tiny.yaml", [*overrides, f"trainer.device_memory_gib={tight}"])

@@ -1,0 +1,77 @@
+"""The activation peak of one training micro-batch: the bytes a forward and backward of the
+denoiser through the trainer's LoRA policy add on top of the weights, measured by
+`LiveTensorBytes` on real tensors, or estimated with no memory at all on `FakeTensorMode`'s
+shape-only tensors over a model whose weights were never loaded (built on the meta device from its
+configs: `recipes.memory_plan`).
+
+The computation is the trainer's: `PipelineAdapter.predict_velocity` of `rows` transitions at the
+request's size, frames and guidance (the unconditional rows of classifier-free guidance included),
+a LoRA in float32 on every denoiser and nothing else trainable, and a backward from the velocity.
+The sampler's update on the velocity (a few latent-sized float32 tensors) is left out: its
+re-scoring checks read values, which shape-only tensors do not have.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping
+
+import torch
+from peft import LoraConfig
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from rollout.condition import Condition
+from rollout.guidance import Guidance
+from rollout.lora.manager import adapter_to_float32
+from rollout.sampling_params import SamplingParams
+from trainers_adapters.policy.live_bytes import LiveTensorBytes
+
+LORA_NAME = "policy"
+
+
+def attach_lora(adapter, lora_config: LoraConfig | Mapping) -> list[torch.nn.Parameter]:
+    """A trainable float32 LoRA on every denoiser of `adapter`, base frozen, as `LoraPolicy` makes it
+    (the family's default targets where the config names none); returns the LoRA parameters. Works
+    on meta modules too (the plan attaches before the weights exist)."""
+    config = lora_config if isinstance(lora_config, LoraConfig) else LoraConfig(**lora_config)
+    if config.target_modules is None:
+        config = LoraConfig(**{**config.to_dict(), "target_modules": set(adapter.default_lora_targets)})
+    for denoiser in adapter.denoisers.values():
+        denoiser.requires_grad_(False)
+        denoiser.add_adapter(config, adapter_name=LORA_NAME)
+        denoiser.set_adapters([LORA_NAME])
+        adapter_to_float32(denoiser, LORA_NAME)
+    return [p for denoiser in adapter.denoisers.values() for p in denoiser.parameters() if p.requires_grad]
+
+
+def train_step_peak(adapter, params: SamplingParams, rows: int, guided: bool, *, fake: bool) -> int:
+    """Peak bytes a forward and backward of `rows` transitions add to `adapter` (LoRA attached),
+    at `params`' size, frames and guidance (resolved by `adapter.spec.resolve`); `guided`: with the
+    unconditional rows of classifier-free guidance where `params` turns it on (GRPO re-scores
+    with them; DPO and NFT use the conditional velocity). `fake`: on shape-only tensors; the
+    adapter's modules may then be on the meta device (they are given fake storage, never memory).
+    Gradient checkpointing counts as the denoisers have it set (`enable_gradient_checkpointing`)."""
+    resolved, problems = adapter.spec.resolve(params)
+    if problems:
+        raise ValueError(f"the micro-batch's sampling settings do not fit the model: {'; '.join(problems)}")
+    negative_prompt = resolved.negative_prompt if guided else None
+    with FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext():
+        if fake:
+            for module in adapter.components.values():
+                module.to_empty(device="cpu")  # fake storage of each weight's shape and dtype
+        length = resolved.max_sequence_length
+        with torch.no_grad():  # the trajectories carry the conditions: encoded once, outside the step
+            prompt = adapter.encode_prompts(["a photo"], length)[0]
+            negative = None if negative_prompt is None else adapter.encode_prompts([negative_prompt], length)[0]
+        shape = adapter.spec.latent_shape(resolved.height, resolved.width, resolved.num_frames)
+        latents = torch.zeros(rows, *shape)
+        sigmas = torch.full((rows,), 0.5)
+        guidance = Guidance.of(resolved)  # guided rows are those whose condition has a negative
+        conditions = [Condition(prompt, negative)] * rows
+        with LiveTensorBytes() as live:
+            velocity = adapter.predict_velocity(
+                latents, sigmas, conditions, height=resolved.height, width=resolved.width, guidance=guidance
+            )
+            velocity.mean().backward()
+            del velocity
+    return live.peak_bytes
