@@ -60,19 +60,23 @@ def run(config: Config) -> dict:
 
     def attach(policy: LoraPolicy) -> OldPolicy:
         nonlocal old
-        _check_cfg_free(config.sampling, policy)
         old = OldPolicy(policy, OLD_ADAPTER)
         return old
 
     def update(policy, optimizer, rollout, generator, policy_version, behaviour, ranks):
         return nft_step(policy, old, optimizer, rollout, config.nft, generator, ranks)
 
-    return train(config, update, lambda stats: {"old_decay": f"{stats.old_decay:.3f}"}, old_policy=attach)
+    def check_cfg_free(adapter) -> None:
+        _check_cfg_free(config.sampling, adapter.spec)
+
+    def postfix(stats) -> dict:
+        return {"old_decay": f"{stats.old_decay:.3f}"}
+
+    return train(config, update, postfix, old_policy=attach, check_model=check_cfg_free)
 
 
-def _check_cfg_free(sampling: SamplingParams, policy: LoraPolicy) -> None:
+def _check_cfg_free(sampling: SamplingParams, spec) -> None:
     """Refuse CFG before the engine loads: the loss trains the conditional velocity alone."""
-    spec = policy.adapter.spec
     if spec.cfg_field is None:
         return
     scale = getattr(sampling, spec.cfg_field)

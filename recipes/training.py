@@ -59,6 +59,7 @@ from recipes.checkpoint import (
 )
 from recipes.config import check_setup, to_dict
 from recipes.loggers import open_loggers
+from recipes.memory_plan import meta_adapter
 from recipes.plots import plot_log_ratio, plot_reward
 from recipes.randomness import PromptOrder, restore_rng, rng_state
 from recipes.rollout import save_samples
@@ -117,19 +118,22 @@ def train(
     postfix: Callable[[Any], dict],
     old_policy: Callable[[LoraPolicy], OldPolicy] | None = None,
     max_staleness: int | None = None,
+    check_model: Callable[[Any], None] | None = None,
 ) -> dict:
     """Run the training loop; returns the summary written to summary.json. `postfix` picks the
     update statistics shown in the progress bar. `old_policy(policy)`, if given, makes the adapter
     the rollouts sample with instead of the policy's own (the evals still show the policy).
     `max_staleness` N: sample the rollouts of the next steps while the trainer updates, with the
-    policy of N updates before (`recipes.async_rollouts`); None: one after the other. Under torchrun,
+    policy of N updates before (`recipes.async_rollouts`); None: one after the other. `check_model`,
+    if given, checks the model's pipeline adapter (built on the meta device: no weights) before
+    anything loads and raises ValueError for a model the recipe cannot train. Under torchrun,
     every rank runs this (see the module's docstring); rank 0 returns the summary, the others {}."""
     check_setup(config)  # the model folder and a rollout service's answer, before anything is written or loaded
     if max_staleness is not None and old_policy is not None:
         raise ValueError("asynchronous training (max_staleness) is GRPO's; a decoupled old policy samples already")
     ranks = TrainerRanks.from_environment(config.engine.device)
     try:
-        return _train(config, update, postfix, old_policy, max_staleness, ranks)
+        return _train(config, update, postfix, old_policy, max_staleness, check_model, ranks)
     finally:
         if ranks.world_size > 1:
             dist.destroy_process_group()
@@ -169,6 +173,7 @@ def _train(
     postfix: Callable[[Any], dict],
     old_policy: Callable[[LoraPolicy], OldPolicy] | None,
     max_staleness: int | None,
+    check_model: Callable[[Any], None] | None,
     ranks: TrainerRanks,
 ) -> dict:
     problems = _placement_problems(config, ranks, max_staleness)
@@ -185,6 +190,8 @@ def _train(
     model_path = ranks.broadcast(config.model.resolve_path() if ranks.is_main else None)
     engine_section = _rank_engine(config, ranks)
     engine_section.to_engine_config(model_path)  # checks the model folder (and engine settings) before any load
+    if check_model is not None:
+        check_model(meta_adapter(model_path, getattr(torch, engine_section.dtype)))
     generator = torch.Generator().manual_seed(config.seed)
     prompt_order = PromptOrder(prompts, config.seed)
     edit_images = config.input_images.for_prompts(prompts)  # prompt -> its input images, or None

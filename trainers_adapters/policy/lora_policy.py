@@ -36,6 +36,21 @@ from rollout.weights.state import base_state, checksum, specs_of, update_problem
 from rollout.worker.shared_base import share_base
 
 
+def attach_lora(adapter, lora_config: LoraConfig | Mapping, name: str) -> LoraConfig:
+    """Add a trainable float32 LoRA `name` to every denoiser of `adapter` (a pipeline adapter; its
+    modules may be on the meta device), the base frozen, and pick it; returns its config, with the
+    family's default targets where `lora_config` names none."""
+    config = lora_config if isinstance(lora_config, LoraConfig) else LoraConfig(**lora_config)
+    if config.target_modules is None:
+        config = dataclasses.replace(config, target_modules=set(adapter.default_lora_targets))
+    for denoiser in adapter.denoisers.values():
+        denoiser.requires_grad_(False)
+        denoiser.add_adapter(config, adapter_name=name)
+        denoiser.set_adapters([name])
+        adapter_to_float32(denoiser, name)  # trained in float32, and the engine computes with float32 too
+    return config
+
+
 class LoraPolicy:
     """A frozen base model plus one trainable LoRA adapter named `name` on every denoiser (the
     transformer; both experts of Wan 2.2). A config that names no `target_modules` gets the model
@@ -94,16 +109,8 @@ class LoraPolicy:
         self.model = model
         self.name = name
         self.shares_base = shares_base  # whether the base weights are an engine's (`sharing_base`)
-        config = lora_config if isinstance(lora_config, LoraConfig) else LoraConfig(**lora_config)
-        if config.target_modules is None:
-            config = dataclasses.replace(config, target_modules=set(self.adapter.default_lora_targets))
-        self.lora_config = config
+        self.lora_config = attach_lora(adapter, lora_config, name)
         self.denoisers = self.adapter.denoisers
-        for denoiser in self.denoisers.values():
-            denoiser.requires_grad_(False)
-            denoiser.add_adapter(self.lora_config, adapter_name=name)
-            denoiser.set_adapters([name])
-            adapter_to_float32(denoiser, name)  # trained in float32, and the engine computes with float32 too
 
     def parameters(self) -> list[torch.nn.Parameter]:
         """The trainable LoRA parameters (what the optimizer updates)."""

@@ -22,25 +22,17 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from rollout.condition import Condition
 from rollout.guidance import Guidance
-from rollout.lora.manager import adapter_to_float32
 from rollout.sampling_params import SamplingParams
 from trainers_adapters.policy.live_bytes import LiveTensorBytes
+from trainers_adapters.policy.lora_policy import attach_lora as attach_policy_lora
 
 LORA_NAME = "policy"
 
 
 def attach_lora(adapter, lora_config: LoraConfig | Mapping) -> list[torch.nn.Parameter]:
-    """A trainable float32 LoRA on every denoiser of `adapter`, base frozen, as `LoraPolicy` makes it
-    (the family's default targets where the config names none); returns the LoRA parameters. Works
-    on meta modules too (the plan attaches before the weights exist)."""
-    config = lora_config if isinstance(lora_config, LoraConfig) else LoraConfig(**lora_config)
-    if config.target_modules is None:
-        config = LoraConfig(**{**config.to_dict(), "target_modules": set(adapter.default_lora_targets)})
-    for denoiser in adapter.denoisers.values():
-        denoiser.requires_grad_(False)
-        denoiser.add_adapter(config, adapter_name=LORA_NAME)
-        denoiser.set_adapters([LORA_NAME])
-        adapter_to_float32(denoiser, LORA_NAME)
+    """`LoraPolicy`'s trainable LoRA on every denoiser of `adapter` (meta modules too: the plan
+    attaches before the weights exist); returns the LoRA parameters."""
+    attach_policy_lora(adapter, lora_config, LORA_NAME)
     return [p for denoiser in adapter.denoisers.values() for p in denoiser.parameters() if p.requires_grad]
 
 
