@@ -521,12 +521,14 @@ class RolloutEngine:
         try:
             return self._apply_update(self.hot_swap.finishing_update(push, version=version, mode=mode))
         except BaseException as error:  # refused before the push's own finish: drop what it staged
-            self.hot_swap.abort_weight_push(push, error)
+            self.abort_weight_push(push, error)
             raise
 
     def abort_weight_push(self, push: StagedPush, cause: BaseException) -> None:
-        """Drop what an update opened with `open_weight_push` staged (its body failed)."""
-        return self.hot_swap.abort_weight_push(push, cause)
+        """Drop what an update opened with `open_weight_push` staged (its body failed); a drop that
+        fails on some rank leaves ranks that may disagree, and the engine dead."""
+        with self._swap_failures_are_fatal():
+            self.hot_swap.abort_weight_push(push, cause)
 
     def init_weight_update_group(
         self,

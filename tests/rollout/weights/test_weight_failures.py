@@ -73,3 +73,17 @@ def test_a_lora_commit_whose_unload_fails_too_stops_the_engine(tiny_model):
         assert engine.dead is not None and engine.list_loras() == []
         with pytest.raises(EngineDeadError, match="unloading it failed too"):
             engine.load_lora("other", {"a": torch.ones(1)}, {"r": 1})
+
+
+def test_a_streamed_push_whose_drop_fails_stops_the_engine(tiny_model):
+    """A push opened with `open_weight_push` whose body failed is dropped; a drop that fails on a
+    rank leaves ranks that may disagree, as a failed rollback does anywhere else."""
+    with RolloutEngine(EngineConfig(model=tiny_model)) as engine:
+        weights = _weights(engine)
+        push = engine.open_weight_push()
+        push.add(iter(weights.items()))
+        engine.collective_rpc(_break, args=("rollback", "raise"))
+        with pytest.raises(EngineDeadError, match="rollback failed"):
+            engine.abort_weight_push(push, ValueError("the body was cut off"))
+        with pytest.raises(EngineDeadError):
+            engine.generate("x", SamplingParams(num_inference_steps=1))
