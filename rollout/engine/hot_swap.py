@@ -2,16 +2,20 @@
 
 A `HotSwap` owns what the engine keeps of its workers' weights (the weight version, the loaded
 adapters, the sleep level, the text encoders' generation) and changes it only through the workers.
-It is built over the executor (the workers' class and the config) and an `EngineControl`: what only
-the engine decides (its open and dead state, draining its running requests, its guarded
-`collective_rpc`); it is tested over fake ranks. `RolloutEngine` delegates its hot-swap methods to
-it. Every method is a thin layer over `collective_rpc` plus that bookkeeping, and runs between
-engine steps.
+It is built over the executor (the workers' class and the config) and the engine's `collective_rpc`,
+and tested over fake ranks. It never calls the engine back: `RolloutEngine` sequences it. The engine
+checks that it is open before it asks, finishes its running requests between the phases of a swap
+that waits for them (`weight_update` then `apply_update`; `stage_lora` then `commit_lora`), passes
+what a swap must know of its requests, and dies of the `EngineDeadError` a swap raises where ranks
+may disagree. Every method is a thin layer over `collective_rpc` plus that bookkeeping, and runs
+between engine steps.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 import logging
 import re
 from collections.abc import Callable, Mapping
@@ -31,7 +35,6 @@ from rollout.worker.marks import staging_function
 from rollout.worker.worker import Worker
 
 if TYPE_CHECKING:
-    from rollout.engine.engine_control import EngineControl
     from rollout.model_spec import ModelSpec
 
 logger = logging.getLogger(__name__)
@@ -39,17 +42,47 @@ logger = logging.getLogger(__name__)
 _LORA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
+@dataclasses.dataclass(frozen=True)
+class WeightUpdate:
+    """A weight update checked whole (component, version, mode, sleep, no push being staged) and
+    not sent yet: `HotSwap.apply_update` sends it. With `mode` "wait" the engine first finishes its
+    running requests on the old weights."""
+
+    push: Callable[[], int]  # stages, checks and applies it on every rank (`WeightSync`)
+    component: str
+    version: int | None  # as the caller gave it
+    new_version: int
+    repeat: bool  # `version` names the current one: applied only if every rank holds it already
+    mode: str
+
+
+@dataclasses.dataclass(frozen=True)
+class StagedLora:
+    """A LoRA adapter staged on every rank beside the live one (`HotSwap.stage_lora`), which no rank
+    has switched to yet: `HotSwap.commit_lora` switches, `HotSwap.drop_staged_lora` drops it. A
+    `repeat` (every rank staged exactly its live adapter, under the current version) was dropped
+    already: nothing changes."""
+
+    name: str
+    modules: int  # how many modules it binds
+    version: int  # the weight version it gives
+    repeat: bool
+
+
 class HotSwap:
     """The engine's weights, adapters and sleep, over `executor` (its `worker_cls`, whose functions
     are checked before a call that names one sends anything, and its `config`), `model_spec` (a
-    component a call names is checked with it before anything is sent) and `engine`, what only the
-    engine decides (`EngineControl`)."""
+    component a call names is checked with it before anything is sent) and the engine's
+    `collective_rpc`."""
 
     # `executor`: the engine's `executors.Executor`, unannotated: rollout reaches executors only
-    # through `get_executor_class`.
-    def __init__(self, executor, model_spec: ModelSpec, engine: EngineControl):
-        self.engine = engine
-        self.collective_rpc = engine.collective_rpc
+    # through `get_executor_class`. `collective_rpc`: the engine's (`RolloutEngine.collective_rpc`),
+    # not the executor's: it refuses once the engine is shut down or dead, a worker's death ends the
+    # engine at once, and step observers see every worker call (benchmarks/weight_sync times a push
+    # by them). A streamed push's `StagedPush.add` calls it outside any engine method, so guards put
+    # around this class's methods would miss those calls.
+    def __init__(self, executor, model_spec: ModelSpec, collective_rpc: Callable[..., list]):
+        self.collective_rpc = collective_rpc
         self._check_component = model_spec.check_component
         self._worker_cls = executor.worker_cls
         self.config = executor.config
@@ -75,21 +108,18 @@ class HotSwap:
 
     # Weights.
 
-    @implements(RolloutAPI.update_weights)
-    def update_weights(self, named_tensors, *, component, version, mode, check_finite, bucket_bytes) -> int:
-        """`RolloutEngine.update_weights`: replace weights of `component` on every worker, all at
-        once, refused whole or applied whole; returns the new weight version."""
-        self.engine.check_open()
+    def weight_update(self, named_tensors, *, component, version, mode, check_finite, bucket_bytes) -> WeightUpdate:
+        """`RolloutEngine.update_weights`, checked: replace weights of `component` on every worker,
+        all at once, refused whole or applied whole."""
         self._check_component(component)
         _check_bucket_bytes(bucket_bytes)
         push_args = (named_tensors, component, check_finite, bucket_bytes)
-        return self._update(self._weight_sync.push, push_args, component, version, mode)
+        return self._checked_update(self._weight_sync.push, push_args, component, version, mode)
 
     def open_weight_push(
         self, *, component: str, check_finite: bool, bucket_bytes: int, version: int | None
     ) -> StagedPush:
         """`RolloutEngine.open_weight_push`: `update_weights` in parts, whose version is checked now."""
-        self.engine.check_open()
         self.check_awake()
         _check_bucket_bytes(bucket_bytes)
         if not self.versions.names_current(version):  # the current one only repeats: checked at the end
@@ -98,19 +128,16 @@ class HotSwap:
         self._staged_push = self._weight_sync.open(component, check_finite, bucket_bytes)
         return self._staged_push
 
-    def finish_weight_push(self, push: StagedPush, *, version: int | None = None, mode: str = "wait") -> int:
-        """Apply an update opened with `open_weight_push` as `update_weights` applies its own;
-        returns the new weight version. It has ended whether this returns or raises."""
-        finish, self._staged_push = push.finish, None
-        try:
-            return self._update(finish, (), push.component, version, mode)
-        except BaseException as error:
-            if not push.ended:  # refused before the push's own finish: drop what it staged
-                push.abort(error)
-            raise
+    def finishing_update(self, push: StagedPush, *, version: int | None, mode: str) -> WeightUpdate:
+        """The update that applies a push opened with `open_weight_push`, checked as `weight_update`
+        checks its own (`RolloutEngine.finish_weight_push`); the push is no longer the open one.
+        Refused here or later before the push's own finish, it is dropped with `abort_weight_push`."""
+        self._staged_push = None
+        return self._checked_update(push.finish, (), push.component, version, mode)
 
     def abort_weight_push(self, push: StagedPush, cause: BaseException) -> None:
-        """Drop what an update opened with `open_weight_push` staged (its body failed)."""
+        """Drop what an update opened with `open_weight_push` staged (its body failed, or its finish
+        was refused before the push's own)."""
         if self._staged_push is push:
             self._staged_push = None
         if not push.ended:
@@ -123,7 +150,9 @@ class HotSwap:
                 "send this once it has ended"
             )
 
-    def _update(self, push: Callable, push_args: tuple, component: str, version: int | None, mode: str) -> int:
+    def _checked_update(
+        self, push: Callable, push_args: tuple, component: str, version: int | None, mode: str
+    ) -> WeightUpdate:
         self._check_no_staged_push()
         self.check_awake()
         if mode not in ("wait", "pause"):
@@ -132,37 +161,37 @@ class HotSwap:
         # re-pushing its checkpoint), which changes nothing; any other version checked before staging.
         repeat = self.versions.names_current(version)
         new_version = self.versions.current if repeat else self.versions.next(version)
-        if mode == "wait":
-            self.engine.finish_running_requests()
-        try:
-            if repeat:
-                with self._weight_sync.only_if_unchanged(lambda: self.versions.current_taken(version)):
-                    push(*push_args)
-                logger.debug("weights of %s repeated at the current version %d: unchanged", component, version)
-                return new_version
-            push(*push_args)
-        except EngineDeadError as error:  # ranks that may disagree (weight_sync decides): stop serving
-            self.engine.die(error)
-            raise
-        self.encoder_generation += 1
-        self.versions.move_to(new_version)
-        logger.info("weights of %s updated to version %d", component, new_version)
-        return new_version
+        return WeightUpdate(functools.partial(push, *push_args), component, version, new_version, repeat, mode)
 
-    @implements(RolloutAPI.update_weights_from_disk)
-    def update_weights_from_disk(self, path, *, component, version, mode, check_finite) -> int:
-        """`update_weights` from a .safetensors file or a diffusers component folder: every worker
+    def apply_update(self, update: WeightUpdate) -> int:
+        """Send a checked update to every rank; returns the new weight version. A failed commit or
+        rollback leaves ranks that may disagree (`weight_sync` decides): EngineDeadError."""
+        if update.repeat:
+            with self._weight_sync.only_if_unchanged(lambda: self.versions.current_taken(update.version)):
+                update.push()
+            logger.debug(
+                "weights of %s repeated at the current version %d: unchanged", update.component, update.version
+            )
+            return update.new_version
+        update.push()
+        self.encoder_generation += 1
+        self.versions.move_to(update.new_version)
+        logger.info("weights of %s updated to version %d", update.component, update.new_version)
+        return update.new_version
+
+    def weight_update_from_disk(self, path, *, component, version, mode, check_finite) -> WeightUpdate:
+        """`weight_update` from a .safetensors file or a diffusers component folder: every worker
         reads the files itself. Names, shapes and dtypes are checked from the file headers first,
         the values (`check_finite`) by the workers as they read them."""
-        self.engine.check_open()
         self._check_component(component)
         files = safetensors_files(path)
         push_args = (files, component, check_finite)
-        return self._update(self._weight_sync.push_from_files, push_args, component, version, mode)
+        return self._checked_update(self._weight_sync.push_from_files, push_args, component, version, mode)
 
-    @implements(RolloutAPI.update_weights_from_worker)
-    def update_weights_from_worker(self, method, args, kwargs, *, component, version, mode, check_finite) -> int:
-        """`update_weights` whose tensors every worker reads from a source of the user's own
+    def weight_update_from_worker(
+        self, method, args, kwargs, *, component, version, mode, check_finite
+    ) -> WeightUpdate:
+        """`weight_update` whose tensors every worker reads from a source of the user's own
         (shared memory, a file, a collective of its own): the `@stages_weights` function `method`
         of `worker_extension_cls` (`rollout.worker.marks`), called on every rank with `args` and
         `kwargs`, returns or yields (name, tensor) pairs of `component`. Each rank checks and stages
@@ -171,11 +200,10 @@ class HotSwap:
         numbers of tensors, roll every rank back (ValueError for a refusal, the rank's
         `WorkerError` for a failure) and the weights and their version stay. `version` and `mode`
         as in `update_weights`."""
-        self.engine.check_open()
         self._check_component(component)
         staging_function(self._worker_cls, method)
         push_args = (method, tuple(args), dict(kwargs or {}), component, check_finite)
-        return self._update(self._weight_sync.push_from_function, push_args, component, version, mode)
+        return self._checked_update(self._weight_sync.push_from_function, push_args, component, version, mode)
 
     @implements(RolloutAPI.init_weight_update_group)
     def init_weight_update_group(
@@ -185,7 +213,6 @@ class HotSwap:
         trainer is rank 0 and hosts the store at master_address:master_port. Blocks until every
         rank has joined, so the trainer joins concurrently (see
         `trainers_adapters.weights.broadcast.WeightBroadcaster`). Returns the workers' group ranks."""
-        self.engine.check_open()
         if rank_offset < 1 or rank_offset + self.config.num_workers > world_size:
             raise ValueError(
                 f"the workers need group ranks rank_offset..rank_offset+{self.config.num_workers - 1} inside "
@@ -194,25 +221,22 @@ class HotSwap:
         args = (master_address, master_port, rank_offset, world_size, backend, timeout_s)
         return self.collective_rpc(Worker.init_weight_update_group, args=args, timeout=timeout_s + 30)
 
-    @implements(RolloutAPI.update_weights_from_distributed)
-    def update_weights_from_distributed(
+    def weight_update_from_distributed(
         self, names, dtypes, shapes, *, component, version, mode, bucket_bytes, check_finite
-    ) -> int:
-        """`update_weights` whose tensors the trainer broadcasts through the group (in this order, in
-        buckets of `bucket_bytes`) while this call waits; names, dtypes and shapes are checked first,
-        the values (`check_finite`) by the workers once received."""
-        self.engine.check_open()
+    ) -> WeightUpdate:
+        """`weight_update` whose tensors the trainer broadcasts through the group (in this order, in
+        buckets of `bucket_bytes`) while `apply_update` waits; names, dtypes and shapes are checked
+        first, the values (`check_finite`) by the workers once received."""
         self._check_component(component)
         _check_bucket_bytes(bucket_bytes)
         entries = _broadcast_entries(names, dtypes, shapes)
         push_args = (entries, component, bucket_bytes, check_finite)
-        return self._update(self._weight_sync.push_from_broadcast, push_args, component, version, mode)
+        return self._checked_update(self._weight_sync.push_from_broadcast, push_args, component, version, mode)
 
     @implements(RolloutAPI.check_weight_update)
     def check_weight_update(self, names, dtypes, shapes, component) -> None:
         """Raise ValueError if an update with these tensors would be refused (a trainer checks before
         it broadcasts, so receivers are never left waiting for a refused update)."""
-        self.engine.check_open()
         self._check_component(component)
         entries = _broadcast_entries(names, dtypes, shapes)
         self._weight_sync.check_specs({e.name: e.spec for e in entries}, component)
@@ -229,22 +253,12 @@ class HotSwap:
 
     # LoRA adapters.
 
-    @implements(RolloutAPI.load_lora)
-    def load_lora(self, name, source, config, *, version, check_finite) -> int:
-        """Load a LoRA adapter on every worker, or hot-swap the one of that name; returns the new
-        weight version (the current one plus 1, or `version`), as `update_weights` does, so a
-        trainer pushing its adapter after each step can check what the next rollouts will carry.
-
-        `source`: a PEFT folder (adapter_config.json + adapter_model.safetensors), a diffusers LoRA
-        folder (pytorch_lora_weights.safetensors), or a mapping of PEFT LoRA tensors with `config`
-        (a `peft.LoraConfig` or its dict; without `target_modules` it targets the family's default
-        modules). Requests pick it with `SamplingParams(lora=name)`. The engine keeps LoRA layers
-        in float32: tensors of a dtype that widens to it exactly are taken, others refused.
-        Running requests finish on the adapter they started with. An adapter whose keys do not fit
-        the model, or (with `check_finite`) that holds NaN or infinity, is refused (ValueError) and
-        the one loaded before stays.
-        """
-        self.engine.check_open()
+    def stage_lora(self, name, source, config, *, version, check_finite) -> StagedLora:
+        """The first phase of `RolloutEngine.load_lora` (which says what the arguments are): check
+        them and the version, and stage the adapter on every rank beside its live one (running
+        requests keep theirs, so a refusal answers at once). A refusal or failure is rolled back on
+        every rank and raised (ValueError for a refusal); a rollback that fails too leaves ranks
+        that may disagree: EngineDeadError."""
         if not (isinstance(name, str) and _LORA_NAME.fullmatch(name)):
             raise ValueError(
                 f"a LoRA name is 1-64 letters, digits, '_' or '-' (PEFT keys its layers by it), got {name!r}"
@@ -257,8 +271,7 @@ class HotSwap:
             raise ValueError(f"LoRA {name!r} from tensors needs a config (a peft.LoraConfig or its dict)")
         repeat = self.versions.names_current(version)  # allowed only to repeat the live adapter exactly
         new_version = self.versions.current if repeat else self.versions.next(version)
-        # Every rank stages it beside its live adapter (running requests keep theirs, so a refusal
-        # answers at once); only once all have, and the running requests are done, does any switch.
+        # Only once every rank has staged it, and the engine's running requests are done, does any switch.
         kept = f"the {name!r} it had" if name in self._loras else f"no adapter named {name!r}"
         try:
             bound = self.collective_rpc(
@@ -267,7 +280,6 @@ class HotSwap:
             )
             if repeat:
                 self._drop_repeated_lora(name, version)
-                return new_version
         except TimeoutError as error:
             self._roll_back_lora(name, error)
             raise TimeoutError(f"{error}; the load was rolled back on every rank, which keeps {kept}") from error
@@ -278,13 +290,19 @@ class HotSwap:
             raise RuntimeError(
                 f"loading LoRA {name!r} failed on rank {error.rank} ({error.error}); every rank keeps {kept}"
             ) from error
-        try:
-            self.engine.finish_running_requests()
-        except BaseException:
-            # A dead engine refuses at once (its workers are gone with what they staged).
-            with contextlib.suppress(Exception):
-                self.collective_rpc(Worker.rollback_lora, args=(name,))
-            raise
+        return StagedLora(name, bound[0], new_version, repeat)
+
+    def drop_staged_lora(self, staged: StagedLora) -> None:
+        """Drop `staged` from every rank (the engine could not finish its running requests): best
+        effort, since a dead engine refuses at once (its workers are gone with what they staged)."""
+        with contextlib.suppress(Exception):
+            self.collective_rpc(Worker.rollback_lora, args=(staged.name,))
+
+    def commit_lora(self, staged: StagedLora) -> int:
+        """Switch every rank to `staged` (the engine's running requests are done); returns the new
+        weight version. A commit that fails unloads it everywhere (RuntimeError); if that fails too,
+        ranks may disagree on what it is: EngineDeadError."""
+        name = staged.name
         try:
             self.collective_rpc(Worker.commit_lora, args=(name,))
         except (TimeoutError, WorkerError) as error:
@@ -294,14 +312,12 @@ class HotSwap:
                 self.collective_rpc(Worker.discard_lora, args=(name,))
             except (TimeoutError, WorkerError) as discard_error:
                 why = f"committing LoRA {name!r} failed ({error}) and unloading it failed too ({discard_error})"
-                dead = EngineDeadError(f"{why}: ranks may disagree on what {name!r} is; create a new engine")
-                self.engine.die(dead)
-                raise dead from error
+                raise EngineDeadError(f"{why}: ranks may disagree on what {name!r} is; create a new engine") from error
             raise RuntimeError(f"committing LoRA {name!r} failed ({error}); it is unloaded everywhere") from error
-        self._loras[name] = bound[0]
-        self.versions.move_to(new_version)
-        logger.debug("LoRA %r loaded on %d modules; weight version %d", name, bound[0], new_version)
-        return new_version
+        self._loras[name] = staged.modules
+        self.versions.move_to(staged.version)
+        logger.debug("LoRA %r loaded on %d modules; weight version %d", name, staged.modules, staged.version)
+        return staged.version
 
     def _drop_repeated_lora(self, name: str, version: int) -> None:
         """A load that names the current version, staged: it changes nothing if every rank staged
@@ -316,19 +332,18 @@ class HotSwap:
 
     def _roll_back_lora(self, name: str, cause: BaseException) -> None:
         """Drop what any rank staged for `name` (a late stage still running in a worker is done
-        before this runs there). A rollback that fails leaves ranks that may disagree: dead."""
+        before this runs there). A rollback that fails leaves ranks that may disagree: EngineDeadError."""
         wait = max(self.config.rpc_timeout_s, self.config.step_timeout_s)
         try:
             self.collective_rpc(Worker.rollback_lora, args=(name,), timeout=wait)
         except (TimeoutError, WorkerError) as error:
             raise self._dead_after("load_lora", f"rolling it back failed too ({error})") from cause
 
-    def unload_lora(self, name: str) -> None:
-        """Remove adapter `name` from every worker and free its memory."""
-        self.engine.check_open()
+    def unload_lora(self, name: str, users: list[str]) -> None:
+        """Remove adapter `name` from every worker and free its memory; refused while `users` (the
+        engine's unfinished requests that use it, by id) is not empty."""
         if name not in self._loras:
             raise ValueError(f"no LoRA named {name!r} is loaded; loaded: {self.list_loras()}")
-        users = [r.request_id for r in self.engine.unfinished_requests() if r.params.lora == name]
         if users:
             raise RuntimeError(f"{len(users)} unfinished requests use LoRA {name!r}; finish or abort them first")
         try:
@@ -349,16 +364,12 @@ class HotSwap:
 
     # Memory.
 
-    def sleep(self, level: int = 1) -> None:
-        """Free the workers' weight memory for a colocated trainer. Level 1 keeps a host copy
-        (wake-up restores it); level 2 keeps nothing (wake-up reloads the model folder's weights and
-        resets `weight_version` to 0: push the trainer's weights again). Generating while asleep is
-        an error; sleeping deeper is allowed, sleeping again at the same level does nothing."""
-        self.engine.check_open()
+    def sleep(self, level: int, unfinished: int) -> None:
+        """`RolloutEngine.sleep`: free the workers' weight memory; refused while the engine has
+        `unfinished` requests."""
         if level not in (1, 2):
             raise ValueError(f"sleep level must be 1 (offload weights) or 2 (discard them), got {level!r}")
         self._check_no_staged_push()
-        unfinished = len(self.engine.unfinished_requests())
         if unfinished:
             raise RuntimeError(
                 f"cannot sleep with {unfinished} unfinished requests; step() them to completion or abort() them first"
@@ -371,7 +382,6 @@ class HotSwap:
 
     def wake_up(self) -> None:
         """Restore the weights after `sleep`; does nothing when awake."""
-        self.engine.check_open()
         if self.sleep_level == 0:
             return
         deepest = self.sleep_level
@@ -396,7 +406,7 @@ class HotSwap:
         """A state-changing call timed out, and may still finish in a worker. Instead of guessing,
         read what the workers hold (a worker runs this read after the late call), make the engine's
         record match, and return the timeout to raise. Ranks left holding different adapters drop
-        them; ranks at different sleep levels, or no answer, leave the engine dead."""
+        them; ranks at different sleep levels, or no answer, raise EngineDeadError."""
         # The read waits behind the late call; give it as long as a step may take.
         wait = max(self.config.rpc_timeout_s, self.config.step_timeout_s)
         try:
@@ -421,9 +431,7 @@ class HotSwap:
         )
 
     def _dead_after(self, method: str, why: str) -> EngineDeadError:
-        dead = EngineDeadError(f"{method!r} timed out and {why}; create a new engine")
-        self.engine.die(dead)
-        return dead
+        return EngineDeadError(f"{method!r} timed out and {why}; create a new engine")
 
 
 def _stages_the_live_lora(worker, name: str) -> bool:

@@ -5,7 +5,8 @@ itself (to stream outputs or interleave its own work). Worker functions are reac
 `collective_rpc`.
 
 Past 400 lines: the hot-swap API is written out here (signatures, defaults and docstrings an IDE
-shows), each method one call into `HotSwap`, so that a reader lands on the front's own code.
+shows), each method a few lines that sequence `HotSwap` (the engine's open and dead state, and the
+drains of its running requests, are decided here), so that a reader lands on the front's own code.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import itertools
 import logging
 import re
 import time
-from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -26,7 +27,7 @@ from tqdm.auto import tqdm
 from rollout.api import DEFAULT_BUCKET_BYTES, DEFAULT_COMPONENT
 from rollout.config import EngineConfig
 from rollout.engine.config_check import check_engine_config
-from rollout.engine.hot_swap import HotSwap
+from rollout.engine.hot_swap import HotSwap, WeightUpdate
 from rollout.engine.received_conditions import ReceivedConditions
 from rollout.engine.request import Request, RequestStatus, step_stream
 from rollout.engine.scheduler import Scheduler
@@ -93,7 +94,7 @@ class RolloutEngine:
         self._tree_parts = SharedTreeParts()
         self._tree_ids = itertools.count()
         self._step_observers: list[Callable[[StepReport], None]] = []
-        self.hot_swap = HotSwap(self.executor, self.model_spec, _HotSwapControl(self))
+        self.hot_swap = HotSwap(self.executor, self.model_spec, self.collective_rpc)
 
     # Generation.
 
@@ -439,7 +440,8 @@ class RolloutEngine:
         caller that never touches them again) are kept as they are where the workers run in this
         process.
         """
-        return self.hot_swap.update_weights(
+        self._check_open()
+        update = self.hot_swap.weight_update(
             named_tensors,
             component=component,
             version=version,
@@ -447,6 +449,7 @@ class RolloutEngine:
             check_finite=check_finite,
             bucket_bytes=bucket_bytes,
         )
+        return self._apply_update(update)
 
     def update_weights_from_disk(
         self,
@@ -460,9 +463,11 @@ class RolloutEngine:
         """`update_weights` from a .safetensors file or a diffusers component folder: every worker
         reads the files itself. Names, shapes and dtypes are checked from the file headers first,
         the values (`check_finite`) by the workers as they read them."""
-        return self.hot_swap.update_weights_from_disk(
+        self._check_open()
+        update = self.hot_swap.weight_update_from_disk(
             path, component=component, version=version, mode=mode, check_finite=check_finite
         )
+        return self._apply_update(update)
 
     def update_weights_from_worker(
         self,
@@ -484,9 +489,11 @@ class RolloutEngine:
         numbers of tensors, roll every rank back (ValueError for a refusal, the rank's
         `WorkerError` for a failure) and the weights and their version stay. `version` and `mode`
         as in `update_weights`."""
-        return self.hot_swap.update_weights_from_worker(
+        self._check_open()
+        update = self.hot_swap.weight_update_from_worker(
             method, args, kwargs, component=component, version=version, mode=mode, check_finite=check_finite
         )
+        return self._apply_update(update)
 
     def open_weight_push(
         self,
@@ -503,6 +510,7 @@ class RolloutEngine:
         every other weight update and sleep is refused (RuntimeError): they would stage beside it.
         `version`: the one `finish_weight_push` will be given, refused now if it may not be taken
         (and checked again then), so that a push refused for it is refused before its tensors come."""
+        self._check_open()
         return self.hot_swap.open_weight_push(
             component=component, check_finite=check_finite, bucket_bytes=bucket_bytes, version=version
         )
@@ -510,11 +518,17 @@ class RolloutEngine:
     def finish_weight_push(self, push: StagedPush, *, version: int | None = None, mode: str = "wait") -> int:
         """Apply an update opened with `open_weight_push` as `update_weights` applies its own;
         returns the new weight version. It has ended whether this returns or raises."""
-        return self.hot_swap.finish_weight_push(push, version=version, mode=mode)
+        try:
+            return self._apply_update(self.hot_swap.finishing_update(push, version=version, mode=mode))
+        except BaseException as error:  # refused before the push's own finish: drop what it staged
+            self.abort_weight_push(push, error)
+            raise
 
     def abort_weight_push(self, push: StagedPush, cause: BaseException) -> None:
-        """Drop what an update opened with `open_weight_push` staged (its body failed)."""
-        return self.hot_swap.abort_weight_push(push, cause)
+        """Drop what an update opened with `open_weight_push` staged (its body failed); a drop that
+        fails on some rank leaves ranks that may disagree, and the engine dead."""
+        with self._swap_failures_are_fatal():
+            self.hot_swap.abort_weight_push(push, cause)
 
     def init_weight_update_group(
         self,
@@ -529,6 +543,7 @@ class RolloutEngine:
         trainer is rank 0 and hosts the store at master_address:master_port. Blocks until every
         rank has joined, so the trainer joins concurrently (see
         `trainers_adapters.weights.broadcast.WeightBroadcaster`). Returns the workers' group ranks."""
+        self._check_open()
         return self.hot_swap.init_weight_update_group(
             master_address, master_port, rank_offset, world_size, backend, timeout_s
         )
@@ -548,7 +563,8 @@ class RolloutEngine:
         """`update_weights` whose tensors the trainer broadcasts through the group (in this order, in
         buckets of `bucket_bytes`) while this call waits; names, dtypes and shapes are checked first,
         the values (`check_finite`) by the workers once received."""
-        return self.hot_swap.update_weights_from_distributed(
+        self._check_open()
+        update = self.hot_swap.weight_update_from_distributed(
             names,
             dtypes,
             shapes,
@@ -558,6 +574,7 @@ class RolloutEngine:
             bucket_bytes=bucket_bytes,
             check_finite=check_finite,
         )
+        return self._apply_update(update)
 
     def check_weight_update(
         self,
@@ -568,6 +585,7 @@ class RolloutEngine:
     ) -> None:
         """Raise ValueError if an update with these tensors would be refused (a trainer checks before
         it broadcasts, so receivers are never left waiting for a refused update)."""
+        self._check_open()
         return self.hot_swap.check_weight_update(names, dtypes, shapes, component)
 
     def weights_checksum(self, component: str = DEFAULT_COMPONENT) -> str:
@@ -596,11 +614,24 @@ class RolloutEngine:
         the model, or (with `check_finite`) that holds NaN or infinity, is refused (ValueError) and
         the one loaded before stays.
         """
-        return self.hot_swap.load_lora(name, source, config, version=version, check_finite=check_finite)
+        self._check_open()
+        with self._swap_failures_are_fatal():
+            staged = self.hot_swap.stage_lora(name, source, config, version=version, check_finite=check_finite)
+            if staged.repeat:  # every rank staged exactly its live adapter: dropped, nothing changes
+                return staged.version
+            try:
+                self._finish_running_requests()  # on the adapter they started with
+            except BaseException:
+                self.hot_swap.drop_staged_lora(staged)
+                raise
+            return self.hot_swap.commit_lora(staged)
 
     def unload_lora(self, name: str) -> None:
         """Remove adapter `name` from every worker and free its memory."""
-        return self.hot_swap.unload_lora(name)
+        self._check_open()
+        users = [r.request_id for r in self.scheduler.requests.values() if r.params.lora == name]
+        with self._swap_failures_are_fatal():
+            self.hot_swap.unload_lora(name, users)
 
     def lora_modules(self, name: str) -> int:
         """How many modules adapter `name` binds."""
@@ -615,11 +646,15 @@ class RolloutEngine:
         (wake-up restores it); level 2 keeps nothing (wake-up reloads the model folder's weights and
         resets `weight_version` to 0: push the trainer's weights again). Generating while asleep is
         an error; sleeping deeper is allowed, sleeping again at the same level does nothing."""
-        return self.hot_swap.sleep(level)
+        self._check_open()
+        with self._swap_failures_are_fatal():
+            self.hot_swap.sleep(level, unfinished=len(self.scheduler.requests))
 
     def wake_up(self) -> None:
         """Restore the weights after `sleep`; does nothing when awake."""
-        return self.hot_swap.wake_up()
+        self._check_open()
+        with self._swap_failures_are_fatal():
+            self.hot_swap.wake_up()
 
     @property
     def weight_version(self) -> int:
@@ -689,6 +724,25 @@ class RolloutEngine:
 
     def _check_awake(self) -> None:
         self.hot_swap.check_awake()
+
+    def _apply_update(self, update: WeightUpdate) -> int:
+        """Send a weight update `HotSwap` has checked whole: with mode "wait", once the running
+        requests have finished on the old weights (their outputs kept for the next `step()`)."""
+        if update.mode == "wait":
+            self._finish_running_requests()
+        with self._swap_failures_are_fatal():
+            return self.hot_swap.apply_update(update)
+
+    @contextmanager
+    def _swap_failures_are_fatal(self) -> Iterator[None]:
+        """A hot swap whose commit or rollback failed may leave ranks that disagree (which weights,
+        which adapter, which sleep level); `HotSwap` raises EngineDeadError for it, and the engine
+        stops serving here, failing its requests."""
+        try:
+            yield
+        except EngineDeadError as error:
+            self._die(error)
+            raise
 
     def _on_executor(self, call: Callable, *args, **kwargs):
         """Run an executor call; if the workers are gone (dead, or stopped by an interrupt in the
@@ -842,29 +896,6 @@ class RolloutEngine:
             ),
             error=error,
         )
-
-
-@dataclasses.dataclass(frozen=True)
-class _HotSwapControl:
-    """What the engine's `HotSwap` asks of it (`rollout.engine.engine_control.EngineControl`): the
-    engine's own calls, not part of its public surface."""
-
-    engine: RolloutEngine
-
-    def collective_rpc(self, method, args=(), kwargs=None, timeout=None, ranks=None) -> list[Any]:
-        return self.engine.collective_rpc(method, args=args, kwargs=kwargs, timeout=timeout, ranks=ranks)
-
-    def check_open(self) -> None:
-        self.engine._check_open()
-
-    def finish_running_requests(self) -> None:
-        self.engine._finish_running_requests()
-
-    def die(self, error: EngineDeadError) -> None:
-        self.engine._die(error)
-
-    def unfinished_requests(self) -> Collection[Request]:
-        return self.engine.scheduler.requests.values()
 
 
 def _node_named(target: str) -> NodeId | None:
