@@ -129,6 +129,7 @@ def train(
         dtype=getattr(torch, config.engine.dtype),
         attention_backend=config.engine.attention_backend,  # re-scores with the kernel that sampled
         compile=config.engine.compile,
+        gradient_checkpointing=config.trainer.gradient_checkpointing,
     )
     old = old_policy(policy) if old_policy is not None else None
     optimizer = torch.optim.AdamW(

@@ -28,10 +28,12 @@ from rollout.lora.manager import (
     split_by_component,
 )
 from rollout.outputs import TRAJECTORY_SETTINGS, Trajectory
+from rollout.pipelines.families import families_of
 from rollout.pipelines.loading import load_adapter
 from rollout.rescoring import check_scorable, score_steps
 from rollout.samplers import StepOutput
 from rollout.weights.state import base_state, checksum, specs_of, update_problems
+from trainers_adapters.policy.checkpointing import enable_gradient_checkpointing
 
 
 class LoraPolicy:
@@ -40,7 +42,10 @@ class LoraPolicy:
     family's default targets. `attention_backend`: as the engine's (`EngineConfig.attention_backend`),
     so the policy re-scores with the attention kernel that sampled. `compile`: as `EngineConfig.compile`
     ("blocks": the denoisers' transformer blocks compiled, gradients through them; see docs/engine.md
-    for the re-score bound)."""
+    for the re-score bound). `gradient_checkpointing`: every denoiser keeps only its blocks' inputs in
+    a forward with gradients and recomputes their activations in the backward (diffusers' own, with
+    compiled blocks too: `trainers_adapters.policy.checkpointing`): the same gradients, a lower
+    activation peak, one more forward of the blocks per backward."""
 
     def __init__(
         self,
@@ -51,6 +56,7 @@ class LoraPolicy:
         dtype: torch.dtype = torch.float32,
         attention_backend: str | None = None,
         compile: str = "off",
+        gradient_checkpointing: bool = False,
     ):
         self.adapter = load_adapter(model, device, dtype, attention_backend, compile)
         self.model = str(model)
@@ -65,6 +71,10 @@ class LoraPolicy:
             denoiser.add_adapter(self.lora_config, adapter_name=name)
             denoiser.set_adapters([name])
             adapter_to_float32(denoiser, name)  # trained in float32, and the engine computes with float32 too
+        if gradient_checkpointing:
+            pipeline_class = type(self.adapter.pipeline).__name__
+            families = "/".join(family.name for family in families_of(pipeline_class))
+            enable_gradient_checkpointing(self.denoisers, f"{pipeline_class} (family {families})")
 
     def parameters(self) -> list[torch.nn.Parameter]:
         """The trainable LoRA parameters (what the optimizer updates)."""
