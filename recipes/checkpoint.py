@@ -45,7 +45,9 @@ _STEP_FOLDER = re.compile(r"step-(\d{6,})")
 FORMAT = 1
 
 # Config keys a resume may change: the run's length, where its engine runs and its files and
-# metrics go, and checkpointing itself. Any other difference would make the resumed run another run.
+# metrics go, checkpointing itself, and gradient checkpointing (the same gradients, less memory: a
+# run that ran out of memory resumes with it on). Any other difference would make the resumed run
+# another run.
 RESUMABLE_KEYS = frozenset(
     {
         "steps",
@@ -64,6 +66,7 @@ RESUMABLE_KEYS = frozenset(
         "engine.executor",
         "engine.num_workers",
         "engine.max_batch_size",
+        "trainer.gradient_checkpointing",
     }
 )
 

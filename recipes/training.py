@@ -384,7 +384,9 @@ def _trainer_policy(config: TrainingConfig, engine_section, model_path: str, eng
     torch.manual_seed(config.seed)  # the LoRA's initial values
     in_process = isinstance(engine, RolloutEngine) and engine.executor.shares_memory
     if in_process and config.trainer.share_base:
-        return LoraPolicy.sharing_base(engine, config.lora.peft_config(), name=POLICY_ADAPTER)
+        return LoraPolicy.sharing_base(
+            engine, config.lora.peft_config(), POLICY_ADAPTER, config.trainer.gradient_checkpointing
+        )
     return LoraPolicy(
         model_path,
         config.lora.peft_config(),
@@ -393,6 +395,7 @@ def _trainer_policy(config: TrainingConfig, engine_section, model_path: str, eng
         dtype=getattr(torch, engine_section.dtype),
         attention_backend=config.engine.attention_backend,  # re-scores with the kernel that sampled
         compile=config.engine.compile,
+        gradient_checkpointing=config.trainer.gradient_checkpointing,
     )
 
 

@@ -219,6 +219,12 @@ def test_configs_that_quote_a_paper_name_the_forms_of_its_code(path):
     assert quoted or path.name == "dpo_tiny.yaml"  # every GRPO (and NFT) config follows a paper's code
 
 
+@pytest.mark.parametrize("path", sorted(CONFIG_DIR.glob("*_lora.yaml")), ids=lambda p: p.name)
+def test_real_size_configs_checkpoint_the_trainer_s_activations(path):
+    """Without it, the backward through a 12B-20B transformer keeps every block's activations."""
+    assert load_config(path).trainer.gradient_checkpointing
+
+
 def test_flow_grpo_s_kl_weight_keeps_its_meaning():
     config = load_config(CONFIG_DIR / "grpo_sd35_medium_lora.yaml")
     assert (config.grpo.kl_beta, config.grpo.kl_form) == (0.04, "flow_grpo")

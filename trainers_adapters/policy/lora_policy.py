@@ -29,11 +29,13 @@ from rollout.lora.manager import (
     split_by_component,
 )
 from rollout.outputs import TRAJECTORY_SETTINGS, Trajectory
+from rollout.pipelines.families import families_of
 from rollout.pipelines.loading import load_adapter
 from rollout.rescoring import check_scorable, score_steps
 from rollout.samplers import StepOutput
 from rollout.weights.state import base_state, checksum, specs_of, update_problems
 from rollout.worker.shared_base import share_base
+from trainers_adapters.policy.checkpointing import enable_gradient_checkpointing
 
 
 def attach_lora(adapter, lora_config: LoraConfig | Mapping, name: str) -> LoraConfig:
@@ -57,7 +59,10 @@ class LoraPolicy:
     family's default targets. `attention_backend`: as the engine's (`EngineConfig.attention_backend`),
     so the policy re-scores with the attention kernel that sampled. `compile`: as `EngineConfig.compile`
     ("blocks": the denoisers' transformer blocks compiled, gradients through them; see docs/engine.md
-    for the re-score bound)."""
+    for the re-score bound). `gradient_checkpointing`: every denoiser keeps only its blocks' inputs in
+    a forward with gradients and recomputes their activations in the backward (diffusers' own, with
+    compiled blocks too: `trainers_adapters.policy.checkpointing`): the same gradients, a lower
+    activation peak, one more forward of the blocks per backward."""
 
     def __init__(
         self,
@@ -68,19 +73,27 @@ class LoraPolicy:
         dtype: torch.dtype = torch.float32,
         attention_backend: str | None = None,
         compile: str = "off",
+        gradient_checkpointing: bool = False,
     ):
-        self._attach(load_adapter(model, device, dtype, attention_backend, compile), str(model), name, lora_config)
+        adapter = load_adapter(model, device, dtype, attention_backend, compile)
+        self._attach(adapter, str(model), name, lora_config, gradient_checkpointing=gradient_checkpointing)
 
     @classmethod
     def sharing_base(
-        cls, engine: RolloutEngine, lora_config: LoraConfig | Mapping, name: str = "policy"
+        cls,
+        engine: RolloutEngine,
+        lora_config: LoraConfig | Mapping,
+        name: str = "policy",
+        gradient_checkpointing: bool = False,
     ) -> LoraPolicy:
         """A policy whose denoisers share the frozen base weights of `engine`, a `RolloutEngine`
         in this process (executor 'uni'): one copy of the base for engine and trainer (colocated
         training). The policy's denoisers are module trees of its own whose every base tensor is
         the engine's (the same storage); it loads nothing else (trajectories carry the conditions),
         its LoRA is in its trees only (the engine's adapters are in the engine's), and it re-scores
-        with the engine's dtype, device, attention backend and compiled blocks.
+        with the engine's dtype, device, attention backend and compiled blocks; its own trees
+        recompute their activations in the backward with `gradient_checkpointing` (the engine's
+        modules are untouched).
 
         The engine's `update_weights` changes the policy's base with its own (so `load_base_weights`
         is refused); a LoRA the engine merges (`merge_lora`) never reaches the policy, since a merge
@@ -98,19 +111,30 @@ class LoraPolicy:
             )
         (adapter,) = engine.collective_rpc(share_base)
         policy = cls.__new__(cls)
-        policy._attach(adapter, engine.config.model, name, lora_config, shares_base=True)
+        policy._attach(adapter, engine.config.model, name, lora_config, True, gradient_checkpointing)
         return policy
 
     def _attach(
-        self, adapter, model: str, name: str, lora_config: LoraConfig | Mapping, shares_base: bool = False
+        self,
+        adapter,
+        model: str,
+        name: str,
+        lora_config: LoraConfig | Mapping,
+        shares_base: bool = False,
+        gradient_checkpointing: bool = False,
     ) -> None:
-        """Add the trainable adapter `name` to every denoiser of `adapter` (a pipeline adapter)."""
+        """Add the trainable adapter `name` to every denoiser of `adapter` (a pipeline adapter),
+        with its denoisers' blocks checkpointed if `gradient_checkpointing`."""
         self.adapter = adapter
         self.model = model
         self.name = name
         self.shares_base = shares_base  # whether the base weights are an engine's (`sharing_base`)
         self.lora_config = attach_lora(adapter, lora_config, name)
         self.denoisers = self.adapter.denoisers
+        if gradient_checkpointing:
+            pipeline_class = type(self.adapter.pipeline).__name__
+            families = "/".join(family.name for family in families_of(pipeline_class))
+            enable_gradient_checkpointing(self.denoisers, f"{pipeline_class} (family {families})")
 
     def parameters(self) -> list[torch.nn.Parameter]:
         """The trainable LoRA parameters (what the optimizer updates)."""
