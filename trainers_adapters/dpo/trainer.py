@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from trainers_adapters.data_parallel.equal_passes import equal_passes
 from trainers_adapters.data_parallel.trainer_ranks import TrainerRanks
 from trainers_adapters.dpo.loss import dpo_loss, flow_matching_error, preference_pairs
 from trainers_adapters.dpo.settings import DPOSettings
@@ -52,14 +53,17 @@ def dpo_step(
     optimizer.zero_grad(set_to_none=True)
     total_loss = correct = 0.0
     # A pair shares its group's settings; pairs of groups of other sizes go in other forwards.
-    for chunk in micro_batches(held, lambda item: rollout.outputs[item[0][0]].trajectory, settings.micro_batch_size):
+    chunks = micro_batches(held, lambda item: rollout.outputs[item[0][0]].trajectory, settings.micro_batch_size)
+    mine = rollout.held.start if rollout.held is not None else 0  # a sample of this rank's, for a filler pass
+    for chunk, counts in equal_passes(ranks, chunks, [((mine, mine), 0)], policy.sharded):
         loss, favoured = _chunk_loss(policy, rollout, chunk, settings.beta)
         value = loss.item()
         check_finite_loss(value, optimizer, f"DPO pairs (winner, loser) {[pair for pair, _ in chunk[:6]]}")
-        (loss * len(chunk) / len(pairs)).backward()
-        total_loss += value * len(chunk)
-        correct += favoured
-    ranks.sum_gradients(policy.parameters())
+        (loss * (len(chunk) / len(pairs) if counts else 0.0)).backward()
+        if counts:
+            total_loss += value * len(chunk)
+            correct += favoured
+    policy.sum_gradients(ranks)
     grad_norm = clip_and_step(policy.parameters(), optimizer, settings.max_grad_norm)
     optimizer.zero_grad(set_to_none=True)
     total_loss, correct = ranks.sum(total_loss), ranks.sum(correct)

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from trainers_adapters.data_parallel.equal_passes import equal_passes
 from trainers_adapters.data_parallel.trainer_ranks import TrainerRanks
 from trainers_adapters.grpo.loss import grpo_policy_loss, kl_to_reference
 from trainers_adapters.grpo.off_policy import (
@@ -142,14 +143,18 @@ def grpo_step(
     first_steps, first_abs_log_ratios = [], []  # of the first minibatch: step index, |log ratio| per transition
     raw_weights, corrected = [], []
     grad_norm = 0.0
+    filler = held(list(range(len(transitions))))[:1]  # a sharded policy's zero-weight pass (equal_passes)
     for number, minibatch in enumerate(minibatches):
         optimizer.zero_grad(set_to_none=True)
-        for chunk in micro_batches(held(minibatch), _trajectory_of(rollout, transitions), settings.micro_batch_size):
+        chunks = micro_batches(held(minibatch), _trajectory_of(rollout, transitions), settings.micro_batch_size)
+        for chunk, counts in equal_passes(ranks, chunks, filler, policy.sharded):
             chosen = [transitions[position] for position in chunk]
             given = torch.stack([proximal[position] for position in chunk]) if number > 0 and decoupled else None
             loss, parts, scored = _chunk_loss(policy, rollout, chosen, settings, given)
             check_finite_loss(parts["loss"], optimizer, _describe(chosen, parts))
-            (loss * len(chunk) / len(minibatch)).backward()
+            (loss * (len(chunk) / len(minibatch) if counts else 0.0)).backward()
+            if not counts:
+                continue
             for key in totals:
                 totals[key] += parts[key] * len(chunk)
             if number == 0 or decoupled:
@@ -168,7 +173,7 @@ def grpo_step(
         if number == 0 and log_ratio_before_update is not None:
             limit = settings.max_log_ratio_before_update
             _check_ratio(log_ratio_before_update, limit, optimizer, rollout, stale=any_stale_first)
-        ranks.sum_gradients(policy.parameters())
+        policy.sum_gradients(ranks)
         grad_norm = clip_and_step(policy.parameters(), optimizer, settings.max_grad_norm)
     optimizer.zero_grad(set_to_none=True)
     count = len(transitions)

@@ -80,7 +80,7 @@ def nft_step(
             (loss * len(chunk) / len(chunk_pairs)).backward()
             for key in totals:
                 totals[key] += parts[key] * len(chunk)
-        ranks.sum_gradients(policy.parameters())
+        policy.sum_gradients(ranks)
         grad_norm = clip_and_step(policy.parameters(), optimizer, settings.max_grad_norm)
         count += len(chunk_pairs)
         steps += 1

@@ -136,9 +136,15 @@ class LoraPolicy:
             families = "/".join(family.name for family in families_of(pipeline_class))
             enable_gradient_checkpointing(self.denoisers, f"{pipeline_class} (family {families})")
 
+    sharded = False  # each rank holds the whole adapter: its forwards are its own
+
     def parameters(self) -> list[torch.nn.Parameter]:
         """The trainable LoRA parameters (what the optimizer updates)."""
         return [p for denoiser in self.denoisers.values() for p in denoiser.parameters() if p.requires_grad]
+
+    def sum_gradients(self, ranks) -> None:
+        """Sum the LoRA's gradients over the data-parallel trainer `ranks` (before the optimizer step)."""
+        ranks.sum_gradients(self.parameters())
 
     def lora_state(self) -> dict[str, torch.Tensor]:
         """The adapter's tensors in PEFT keys, detached copies: what `engine.load_lora` takes. Keys

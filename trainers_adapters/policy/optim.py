@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 
 import torch
+from torch.distributed.tensor import DTensor
 
 
 class NonFiniteUpdateError(RuntimeError):
@@ -37,7 +38,8 @@ def clip_and_step(
     gradient norm measured before clipping. A non-finite norm raises `NonFiniteUpdateError` first
     (gradients cleared, no step)."""
     max_norm = max_grad_norm if max_grad_norm > 0 else float("inf")
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(parameters, max_norm))
+    norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm)
+    grad_norm = float(norm.full_tensor() if isinstance(norm, DTensor) else norm)  # FSDP's: over every rank's shards
     if not math.isfinite(grad_norm):
         optimizer.zero_grad(set_to_none=True)
         raise NonFiniteUpdateError(

@@ -91,3 +91,44 @@ def updates(rank: int, world_size: int, model: str, rollouts_file: str, results:
     finally:
         if world_size > 1:
             dist.destroy_process_group()
+
+
+def full_updates(rank: int, world_size: int, model: str, rollouts_file: str, results: str, store: str) -> None:
+    """GRPO and DPO updates of every weight (`FullPolicy`, FSDP2 over `world_size` gloo ranks; one
+    rank too) on this rank's share of the base model's rollout; rank 0 saves the gathered weights,
+    the statistics, and the checksum an engine reports after the push."""
+    from rollout import EngineConfig, RolloutEngine
+    from rollout.weights.state import checksum
+    from trainers_adapters.policy.full_policy import FullPolicy
+
+    dist.init_process_group(
+        "gloo",
+        store=dist.FileStore(store, world_size),
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=120),
+    )
+    try:
+        torch.set_num_threads(1)
+        ranks = TrainerRanks(rank, world_size)
+        sampled = torch.load(rollouts_file, weights_only=False)["base"]
+        rollout = gather_rollout(ranks, share_of(sampled, ranks))
+        outcome = {}
+        for update in ("grpo", "dpo"):
+            policy = FullPolicy(model, keep_reference=update == "dpo")
+            optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-3)
+            if update == "grpo":
+                settings = GRPOSettings(optimizer_steps=2, micro_batch_size=3, timestep_fraction=0.75)
+                stats = grpo_step(policy, optimizer, rollout, settings, torch.Generator().manual_seed(1), ranks=ranks)
+            else:
+                settings = DPOSettings(micro_batch_size=2)
+                stats = dpo_step(policy, optimizer, rollout, settings, torch.Generator().manual_seed(2), ranks)
+            weights = dict(policy.full_state("transformer"))
+            with RolloutEngine(EngineConfig(model=model)) as engine:
+                version = policy.push(engine)
+                pushed = engine.weights_checksum()
+            outcome[update] = (weights, dataclasses.asdict(stats), version, pushed, checksum(weights))
+        if ranks.is_main:
+            torch.save(outcome, f"{results}/full_world{world_size}.pt")
+    finally:
+        dist.destroy_process_group()
