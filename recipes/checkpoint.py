@@ -96,10 +96,17 @@ def write_checkpoint(
     keep: int = 1,
     old_policy: OldPolicy | None = None,
     behaviour: dict[int, dict[str, torch.Tensor]] | None = None,
-) -> Path:
-    """Write `state`, the policy's adapter, the optimizer's state (and the old policy, and the
-    behaviour adapters by the updates they had, if any) as the checkpoint of `state.step`,
-    atomically (see the module docstring), then delete all but the latest `keep`."""
+    main: bool = True,
+) -> Path | None:
+    """Write `state`, the policy's adapter (or weights), the optimizer's state (and the old
+    policy, and the behaviour adapters by the updates they had, if any) as the checkpoint of
+    `state.step`, atomically (see the module docstring), then delete all but the latest `keep`.
+    A sharded policy's ranks (`FullPolicy`) all call this: each gathers its shards, and only the
+    `main` one writes (the others get None)."""
+    optimizer_state = policy.optimizer_state(optimizer)  # gathered whole (a sharded policy's)
+    if not main:
+        policy.save(None, write=False)
+        return None
     parent = Path(output_dir) / CHECKPOINTS
     parent.mkdir(parents=True, exist_ok=True)
     for leftover in parent.glob(".step-*"):  # a write or replace that a crash interrupted
@@ -107,8 +114,8 @@ def write_checkpoint(
     final = checkpoint_folder(output_dir, state.step)
     partial = parent / f".{final.name}.partial"
     partial.mkdir()
-    policy.save(partial / "lora")
-    torch.save(optimizer.state_dict(), partial / "optimizer.pt")
+    policy.save(partial / policy.saved_as)
+    torch.save(optimizer_state, partial / "optimizer.pt")
     if old_policy is not None:
         old_policy.save(partial / OLD_POLICY)
     if behaviour:
@@ -136,7 +143,7 @@ def write_checkpoint(
 
 def read_checkpoint(folder: str | Path) -> tuple[TrainingState, dict]:
     """(the state, the optimizer's state_dict) of the checkpoint in `folder`; its adapter is
-    `folder / "lora"`, for `LoraPolicy.load`."""
+    `folder / policy.saved_as`, for the policy's `load`."""
     folder = Path(folder)
     saved = json.loads((folder / STATE_FILE).read_text())
     written_format = saved.pop("format")

@@ -31,4 +31,7 @@ def run(config: Config) -> dict:
     def update(policy, optimizer, rollout, generator, policy_version, behaviour, ranks):
         return dpo_step(policy, optimizer, rollout, config.dpo, generator, ranks)
 
-    return train(config, update, lambda stats: {"pairs": stats.num_pairs, "acc": f"{stats.accuracy:.2f}"})
+    def postfix(stats) -> dict:
+        return {"pairs": stats.num_pairs, "acc": f"{stats.accuracy:.2f}"}
+
+    return train(config, update, postfix, reference=True)  # DPO's loss compares with the reference

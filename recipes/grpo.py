@@ -40,6 +40,22 @@ class Config(TrainingConfig):
     output_dir: str = option("outputs/grpo", "folder for metrics, plots, sample grids and the final LoRA")
 
     @classmethod
+    def value_problems(cls, values: dict) -> list[str]:
+        problems = super().value_problems(values)
+        if values.get("policy") == "full":
+            asynchronous, grpo = values.get("asynchronous"), values.get("grpo")
+            if asynchronous is not None and asynchronous.max_staleness is not None:
+                problems.append(
+                    "policy full trains synchronously (each step's weights go to the engine): null "
+                    "asynchronous.max_staleness"
+                )
+            if grpo is not None and grpo.off_policy_correction != "none":
+                problems.append(
+                    "policy full has no behaviour adapters to correct with: set grpo.off_policy_correction: none"
+                )
+        return problems
+
+    @classmethod
     def sampling_problems(cls, sampling: SamplingParams) -> list[str]:
         if sampling.sampler == "ode":
             return ["sampling.sampler 'ode' has no log-probs for GRPO; use flow_sde, cps or dance_sde"]
@@ -60,4 +76,5 @@ def run(config: Config) -> dict:
     def postfix(stats) -> dict:
         return {"log_ratio0": f"{stats.log_ratio_before_update:.1e}"}
 
-    return train(config, update, postfix, max_staleness=config.asynchronous.max_staleness)
+    reference = config.grpo.kl_beta > 0  # the KL term's
+    return train(config, update, postfix, max_staleness=config.asynchronous.max_staleness, reference=reference)

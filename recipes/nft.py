@@ -46,6 +46,8 @@ class Config(TrainingConfig):
         problems = super().value_problems(values)
         if values.get("sde_window_range") is not None:
             problems.append("sde_window_range slides an SDE window; DiffusionNFT's ODE rollouts have none: null it")
+        if values.get("policy") == "full":
+            problems.append("policy full: DiffusionNFT's old policy is a second adapter; train a LoRA (policy: lora)")
         return problems
 
 

@@ -69,6 +69,7 @@ from rollout.rescoring import RATIO_TOLERANCE  # the contract the first update's
 from rollout.seeding import derive_seed
 from trainers_adapters.data_parallel.rollout_shares import gather_rollout, scatter_rollout
 from trainers_adapters.data_parallel.trainer_ranks import TrainerRanks
+from trainers_adapters.policy.full_policy import FullPolicy
 from trainers_adapters.policy.lora_policy import LoraPolicy
 from trainers_adapters.policy.old_policy import OldPolicy
 from trainers_adapters.rewards.placement import open_reward_runner
@@ -119,6 +120,7 @@ def train(
     old_policy: Callable[[LoraPolicy], OldPolicy] | None = None,
     max_staleness: int | None = None,
     check_model: Callable[[Any], None] | None = None,
+    reference: bool = False,
 ) -> dict:
     """Run the training loop; returns the summary written to summary.json. `postfix` picks the
     update statistics shown in the progress bar. `old_policy(policy)`, if given, makes the adapter
@@ -126,16 +128,17 @@ def train(
     `max_staleness` N: sample the rollouts of the next steps while the trainer updates, with the
     policy of N updates before (`recipes.async_rollouts`); None: one after the other. `check_model`,
     if given, checks the model's pipeline adapter (built on the meta device: no weights) before
-    anything loads and raises ValueError for a model the recipe cannot train. Under torchrun,
+    anything loads and raises ValueError for a model the recipe cannot train. `reference`: the
+    update uses the reference policy (a KL term, DPO), which a full policy keeps a copy of. Under torchrun,
     every rank runs this (see the module's docstring); rank 0 returns the summary, the others {}."""
     check_setup(config)  # the model folder and a rollout service's answer, before anything is written or loaded
     if max_staleness is not None and old_policy is not None:
         raise ValueError("asynchronous training (max_staleness) is GRPO's; a decoupled old policy samples already")
-    ranks = TrainerRanks.from_environment(config.engine.device)
+    ranks = TrainerRanks.from_environment(config.engine.device, always_join=config.policy == "full")
     try:
-        return _train(config, update, postfix, old_policy, max_staleness, check_model, ranks)
+        return _train(config, update, postfix, old_policy, max_staleness, check_model, reference, ranks)
     finally:
-        if ranks.world_size > 1:
+        if dist.is_initialized():
             dist.destroy_process_group()
 
 
@@ -174,6 +177,7 @@ def _train(
     old_policy: Callable[[LoraPolicy], OldPolicy] | None,
     max_staleness: int | None,
     check_model: Callable[[Any], None] | None,
+    reference: bool,
     ranks: TrainerRanks,
 ) -> dict:
     problems = _placement_problems(config, ranks, max_staleness)
@@ -210,22 +214,23 @@ def _train(
         _open_rewards(config) if samples else contextlib.nullcontext() as rewards,
         engine_section.open_engine(model_path) if samples else contextlib.nullcontext() as engine,
     ):
-        policy = _trainer_policy(config, engine_section, model_path, engine)
-        if engine is not None and not policy.shares_base:  # another model folder answers here, not as a drift later
+        policy = _trainer_policy(config, engine_section, model_path, engine, reference)
+        if engine is not None and not (policy.sharded or policy.shares_base):  # another model folder: said now
             policy.check_same_base(engine)
         old = old_policy(policy) if old_policy is not None else None
         optimizer = torch.optim.AdamW(
             policy.parameters(), lr=config.optimizer.learning_rate, weight_decay=config.optimizer.weight_decay
         )
-        params = dataclasses.replace(config.sampling, lora=POLICY_ADAPTER if old is None else old.name)
+        params = dataclasses.replace(config.sampling, lora=policy.name if old is None else old.name)
         if resumed is not None:
-            policy.load(resumed_from / "lora")
+            policy.load(resumed_from / policy.saved_as)
             if old is not None:
                 old.load(resumed_from / OLD_POLICY)
-            optimizer.load_state_dict(resumed[1])
+            policy.load_optimizer_state(optimizer, resumed[1])
 
         def push(version: int | None = None) -> int:  # the version the next samples carry, on every rank
-            pushed = _push(engine, policy, old, version=version) if engine is not None else None
+            # A sharded policy's ranks all gather each tensor; those without an engine drop it.
+            pushed = _push(engine, policy, old, version=version) if engine is not None or policy.sharded else None
             return pushed if colocated else ranks.broadcast(pushed)
 
         def push_snapshot(state: dict, push_version: int) -> int:  # an adapter the rollouts sample with
@@ -243,7 +248,7 @@ def _train(
             version = resumed[0].weight_version
             push_snapshot(snapshots[first_index], version - first_step + first_index)
         if resumed is None and ranks.is_main:
-            eval_start = _eval_samples(engine, config, prompts, rewards, edit_images)
+            eval_start = _eval_samples(engine, config, prompts, rewards, edit_images, policy.name)
             samples_start = save_samples(eval_start.outputs, config.grid_scale, output_dir / "samples_start")
             loggers.log_images(0, {"samples_start": samples_start})
             eval_reward_start = float(eval_start.rewards.mean())
@@ -324,7 +329,8 @@ def _train(
                 loggers.log_scalars(step, record)
                 bar.set_postfix(reward=f"{record['reward_mean']:.4f}", **postfix(stats))
                 every = config.checkpoint_every
-                if ranks.is_main and every and ((step + 1) % every == 0 or step + 1 == config.steps):
+                writes = ranks.is_main or policy.sharded  # a sharded policy's ranks all gather their shards
+                if writes and every and ((step + 1) % every == 0 or step + 1 == config.steps):
                     rng = rng_state(prompt_order, generator) | {"prompt_order": prompt_states[step + 1]}
                     state = TrainingState(
                         step=step + 1,
@@ -344,15 +350,18 @@ def _train(
                         config.keep_checkpoints,
                         old_policy=old,
                         behaviour=behaviour,
+                        main=ranks.is_main,
                     )
                 prompt_states.pop(step, None)
                 if ahead is not None:
                     ahead.forget_before(step + 1)
         if ahead is not None and ahead.pushed != config.steps:  # the final policy, for the eval
             policy.push(engine, version=version)
+        # A sharded policy's ranks all gather their shards for rank 0's final weights.
+        saved = policy.save(output_dir / policy.saved_as, write=ranks.is_main) if policy.sharded else None
         if not ranks.is_main:
             return {}
-        eval_end = _eval_samples(engine, config, prompts, rewards, edit_images)
+        eval_end = _eval_samples(engine, config, prompts, rewards, edit_images, policy.name)
         # After `steps` updates: the x position that follows the last step's scalars.
         samples_end = save_samples(eval_end.outputs, config.grid_scale, output_dir / "samples_end")
         loggers.log_images(config.steps, {"samples_end": samples_end})
@@ -361,8 +370,8 @@ def _train(
     plot_reward(history, output_dir / "reward.png", title=f"{config.recipe}: reward {reward_label(config.reward)}")
     if history and "log_ratio_by_step_max" in history[0]:  # GRPO's; DPO has no policy ratio
         plot_log_ratio(history, output_dir / "log_ratio.png", title=f"{config.recipe}: rollout/train agreement")
-    lora_file = policy.save(output_dir / "lora")
-    summary = _summary(config, history, eval_reward_start, eval_end, train_s, model_path, lora_file)
+    saved = saved if saved is not None else policy.save(output_dir / policy.saved_as)
+    summary = _summary(config, history, eval_reward_start, eval_end, train_s, model_path, saved, policy.sharded)
     (output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     logger.info(
         "done in %.1f s: mean reward of the first 5 steps %.4f, of the last 5 %.4f (margin %+.4f); "
@@ -378,9 +387,22 @@ def _train(
     return summary
 
 
-def _trainer_policy(config: TrainingConfig, engine_section, model_path: str, engine) -> LoraPolicy:
-    """The policy the trainer trains: over the base weights of an engine in this process (one copy
-    of the base: `LoraPolicy.sharing_base`), else over a copy of its own denoisers' model."""
+def _trainer_policy(
+    config: TrainingConfig, engine_section, model_path: str, engine, reference: bool
+) -> LoraPolicy | FullPolicy:
+    """The policy the trainer trains: every weight of the denoisers (`policy: full`, sharded over
+    the ranks, with a reference copy if the update needs one), or a LoRA over the base weights of
+    an engine in this process (one copy of the base: `LoraPolicy.sharing_base`), else over a copy
+    of its own denoisers' model."""
+    if config.policy == "full":
+        return FullPolicy(
+            model_path,
+            device=engine_section.device,
+            dtype=getattr(torch, engine_section.dtype),
+            attention_backend=config.engine.attention_backend,
+            gradient_checkpointing=config.trainer.gradient_checkpointing,
+            keep_reference=reference,
+        )
     torch.manual_seed(config.seed)  # the LoRA's initial values
     in_process = isinstance(engine, RolloutEngine) and engine.executor.shares_memory
     if in_process and config.trainer.share_base:
@@ -419,11 +441,11 @@ def _push(engine, policy: LoraPolicy, old: OldPolicy | None, version: int | None
 
 
 def _eval_samples(
-    engine, config: TrainingConfig, prompts: list[str], rewards: RewardRunner, edit_images: dict | None
+    engine, config: TrainingConfig, prompts: list[str], rewards: RewardRunner, edit_images: dict | None, lora
 ) -> RewardedRollout:
     params = dataclasses.replace(
         config.sampling,
-        lora=POLICY_ADAPTER,
+        lora=lora,  # the policy's adapter; None: a full policy's weights, which the engine holds
         num_samples=config.eval.num_samples,
         num_inference_steps=config.eval.num_inference_steps,
         sampler=config.eval.sampler,
@@ -493,7 +515,8 @@ def _summary(
     eval_end: RewardedRollout,
     train_s: float,
     model_path: str,
-    lora_file: Path,
+    saved: Path,
+    full: bool,
 ) -> dict:
     rewards = [record["reward_mean"] for record in history]
     log_ratios = [r["log_ratio_before_update"] for r in history if r.get("log_ratio_before_update") is not None]
@@ -513,5 +536,6 @@ def _summary(
         "log_ratio_before_first_update": log_ratios[0] if log_ratios else None,
         "log_ratio_before_update_max": max(log_ratios, default=None),
         "final_weight_version": history[-1]["weight_version"] if history else None,
-        "lora_file": str(lora_file),
+        # the final LoRA's file, or a full policy's weights: a diffusers folder per denoiser
+        "weights_folder" if full else "lora_file": str(saved),
     }

@@ -56,6 +56,7 @@ class OptimizerSection:
 
 
 PLACEMENTS = ("colocated", "separate")
+POLICIES = ("lora", "full")
 
 
 @dataclass(kw_only=True)
@@ -122,6 +123,12 @@ class TrainingConfig(RecipeConfig):
     model: ModelSection = option(factory=ModelSection)
     engine: EngineSection = option(factory=EngineSection)
     sampling: SamplingParams = option(factory=lambda: SamplingParams(sampler="flow_sde", noise_level=0.7))
+    policy: str = option(
+        "lora",
+        "what the trainer trains: lora (an adapter, the lora section; the engine's base stays) or full (every weight "
+        "of the denoisers, sharded with FSDP2 over the trainer ranks and pushed to the engine after every step; "
+        "docs/training.md)",
+    )
     lora: LoraSection = option(factory=LoraSection)
     optimizer: OptimizerSection = option(factory=OptimizerSection)
     trainer: TrainerSection = option(factory=TrainerSection)
@@ -190,6 +197,14 @@ class TrainingConfig(RecipeConfig):
             problems.append(f"prompts_file {prompts_file!r} does not exist")
         if values.get("prompts") == [] and "prompts_file" in values and prompts_file is None:
             problems.append("prompts is empty and no prompts_file is given; give at least one prompt")
+        if values.get("policy") not in (None, *POLICIES):
+            problems.append(f"policy must be one of {list(POLICIES)}, got {values['policy']!r}")
+        engine = values.get("engine")
+        if values.get("policy") == "full" and engine is not None and engine.compile != "off":
+            problems.append(
+                "policy full trains the eager denoisers (FSDP's units are the blocks compile=blocks compiles): "
+                "set engine.compile: off"
+            )
         for name in ("prompts_per_step", "steps", "grid_scale", "keep_checkpoints"):
             if values.get(name, 1) < 1:
                 problems.append(f"{name} must be >= 1, got {values[name]}")

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from recipes import checkpoint
 from recipes.loading import load_config, recipe_module
@@ -38,6 +39,8 @@ SMALL = [
 # (NFT), below that for GRPO and DPO. A rank that trained on other samples differs by ~lr.
 LORA_ATOL = 1e-3
 METRIC_RTOL, METRIC_ATOL = 1e-3, 1e-5
+# Every weight trained, sharded with FSDP2 over the ranks (one rank: a group of its own).
+FULL = ["policy=full", "optimizer.learning_rate=0.001"]
 
 
 def overrides(model: str, out: Path, *extra: str) -> list[str]:
@@ -83,8 +86,19 @@ def assert_close_metrics(ours: list[dict], one_rank: list[dict]) -> None:
         ("grpo", ["trainer.placement=separate", "engine.executor=mp"]),
         ("dpo", ["trainer.placement=colocated"]),
         ("nft", ["trainer.placement=colocated"]),
+        ("grpo", ["trainer.placement=colocated", *FULL]),
+        ("grpo", ["trainer.placement=separate", "engine.executor=mp", "engine.num_workers=2", *FULL]),
+        ("dpo", ["trainer.placement=colocated", *FULL]),
     ],
-    ids=["grpo-colocated-uni", "grpo-separate-mp", "dpo-colocated-uni", "nft-colocated-uni"],
+    ids=[
+        "grpo-colocated-uni",
+        "grpo-separate-mp",
+        "dpo-colocated-uni",
+        "nft-colocated-uni",
+        "grpo-full-colocated-uni",
+        "grpo-full-separate-mp-2-replicas",
+        "dpo-full-colocated-uni",
+    ],
 )
 def test_two_ranks_train_as_one_rank(tiny_model, tmp_path, recipe, placement):
     config = CONFIG.with_name(f"{recipe}_tiny.yaml")
@@ -93,8 +107,23 @@ def test_two_ranks_train_as_one_rank(tiny_model, tmp_path, recipe, placement):
     log = finished(two)
     assert log.count("recipes.training: done in") == 1  # rank 0 speaks for the run
     assert_close_metrics(metrics(tmp_path / "two"), metrics(tmp_path / "one"))
-    assert_same_lora(tmp_path / "two" / "lora", tmp_path / "one" / "lora", atol=LORA_ATOL)
+    if "policy=full" in placement:
+        assert_same_weights(tmp_path / "two" / "weights", tmp_path / "one" / "weights", atol=LORA_ATOL)
+    else:
+        assert_same_lora(tmp_path / "two" / "lora", tmp_path / "one" / "lora", atol=LORA_ATOL)
     assert (tmp_path / "two" / "summary.json").is_file() and (tmp_path / "two" / "samples_end.png").is_file()
+
+
+def assert_same_weights(a: Path, b: Path, atol: float = 0.0) -> None:
+    """The full policies saved in `a` and `b` (a diffusers folder per denoiser) hold the same
+    weights, bitwise or within `atol`; diffusers loads them as plain models."""
+    from diffusers import SD3Transformer2DModel
+
+    first = SD3Transformer2DModel.from_pretrained(a / "transformer").state_dict()
+    second = SD3Transformer2DModel.from_pretrained(b / "transformer").state_dict()
+    assert first.keys() == second.keys()
+    for key in first:
+        torch.testing.assert_close(first[key], second[key], rtol=0, atol=atol, msg=f"the weights differ at {key}")
 
 
 def test_asynchronous_training_on_two_ranks_trains_as_one_rank(tiny_model, tmp_path):
@@ -106,10 +135,12 @@ def test_asynchronous_training_on_two_ranks_trains_as_one_rank(tiny_model, tmp_p
     assert_same_lora(tmp_path / "two" / "lora", tmp_path / "one" / "lora", atol=LORA_ATOL)
 
 
-def test_a_rank_killed_with_sigkill_resumes_bitwise(tiny_model, tmp_path):
+@pytest.mark.parametrize("policy", [[], FULL], ids=["lora", "full"])
+def test_a_rank_killed_with_sigkill_resumes_bitwise(tiny_model, tmp_path, policy):
     """Two ranks, checkpoints every step; rank 1 is killed after step 2's checkpoint, torchrun
-    stops the run, and `--resume auto` on two ranks gives the run that never stopped, bitwise."""
-    steps = ["steps=4", "checkpoint_every=1"]
+    stops the run, and `--resume auto` on two ranks gives the run that never stopped, bitwise (the
+    full policy's sharded weights and AdamW state gathered into the checkpoint and sharded again)."""
+    steps = ["steps=4", "checkpoint_every=1", *policy]
     whole = torchrun(CONFIG, tiny_model, tmp_path / "whole", *steps)
     killed = torchrun(CONFIG, tiny_model, tmp_path / "killed", *steps)
     folder = checkpoint.checkpoint_folder(tmp_path / "killed", 2)
@@ -127,4 +158,7 @@ def test_a_rank_killed_with_sigkill_resumes_bitwise(tiny_model, tmp_path):
     finished(torchrun(CONFIG, tiny_model, tmp_path / "killed", *steps, "resume=auto"))
     finished(whole)
     assert metrics(tmp_path / "killed") == metrics(tmp_path / "whole")
-    assert_same_lora(tmp_path / "killed" / "lora", tmp_path / "whole" / "lora")
+    if policy:
+        assert_same_weights(tmp_path / "killed" / "weights", tmp_path / "whole" / "weights")
+    else:
+        assert_same_lora(tmp_path / "killed" / "lora", tmp_path / "whole" / "lora")

@@ -46,16 +46,21 @@ class TrainerRanks:
             )
 
     @classmethod
-    def from_environment(cls, device: str, timeout_s: float = 1800.0) -> TrainerRanks:
+    def from_environment(cls, device: str, timeout_s: float = 1800.0, always_join: bool = False) -> TrainerRanks:
         """The ranks torchrun launched (its RANK and WORLD_SIZE variables), joined into the default
-        process group (NCCL on a CUDA `device`, gloo on the CPU); one rank without them. `timeout_s`:
-        how long a collective waits for a rank that fell behind (a rollout included) before it fails."""
+        process group (NCCL on a CUDA `device`, gloo on the CPU); one rank without them, in a
+        process group of its own if `always_join` (FSDP needs one: `FullPolicy`). `timeout_s`: how
+        long a collective waits for a rank that fell behind (a rollout included) before it fails."""
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
-        if world_size == 1:
+        if world_size == 1 and not always_join:
             return cls()
         if not dist.is_initialized():
             backend = "nccl" if torch.device(device).type == "cuda" else "gloo"
-            dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+            timeout = datetime.timedelta(seconds=timeout_s)
+            if world_size == 1:  # no rendezvous to make: a store in this process
+                dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+            else:
+                dist.init_process_group(backend, timeout=timeout)
         return cls(dist.get_rank(), dist.get_world_size())
 
     @property

@@ -58,6 +58,8 @@ class FullPolicy:
 
     name = None  # the engine samples with its base weights, which each push replaces: no adapter
     sharded = True  # every rank takes part in each forward, backward and push
+    saved_as = "weights"  # its folder in a run's output and checkpoints: a diffusers folder per denoiser
+    shares_base = False  # it trains the base: nothing to share with an engine
 
     def __init__(
         self,

@@ -137,10 +137,18 @@ class LoraPolicy:
             enable_gradient_checkpointing(self.denoisers, f"{pipeline_class} (family {families})")
 
     sharded = False  # each rank holds the whole adapter: its forwards are its own
+    saved_as = "lora"  # its folder in a run's output and checkpoints
 
     def parameters(self) -> list[torch.nn.Parameter]:
         """The trainable LoRA parameters (what the optimizer updates)."""
         return [p for denoiser in self.denoisers.values() for p in denoiser.parameters() if p.requires_grad]
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
+        """The optimizer's state, to checkpoint."""
+        return optimizer.state_dict()
+
+    def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
+        optimizer.load_state_dict(state)
 
     def sum_gradients(self, ranks) -> None:
         """Sum the LoRA's gradients over the data-parallel trainer `ranks` (before the optimizer step)."""
