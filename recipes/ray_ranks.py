@@ -61,7 +61,8 @@ def import_ray():
 
 
 class RankFailedError(RuntimeError):
-    """A trainer rank failed; `rank` is the first one that did, the message carries its traceback."""
+    """A trainer rank failed; `rank`: the one whose failure ended the run (a rank whose error came out
+    of a collective only saw a peer's failure), and the message carries its traceback."""
 
     def __init__(self, rank: int, message: str):
         super().__init__(message)
@@ -79,6 +80,9 @@ class RankPlace:
 class TrainerRank:
     """Runs inside a Ray actor: one data-parallel trainer rank of a recipe."""
 
+    def __init__(self):
+        self._failed_in_a_collective = False
+
     def place(self) -> RankPlace:
         ray = import_ray()
         return RankPlace(ray.get_runtime_context().get_node_id(), tuple(str(i) for i in ray.get_gpu_ids()))
@@ -89,9 +93,6 @@ class TrainerRank:
             probe.bind(("", 0))
             port = probe.getsockname()[1]
         return import_ray().util.get_node_ip_address(), port
-
-    def __init__(self):
-        self._failed_in_a_collective = False
 
     def run(self, config: TrainingConfig, environment: dict[str, str]) -> dict:
         """Run the recipe as a torchrun rank with `environment`; rank 0's summary, {} elsewhere."""
