@@ -1,17 +1,18 @@
 """Launch a recipe from its YAML config: `python -m recipes.run CONFIG [--set KEY=VALUE ...]`, or
-on N data-parallel trainer ranks: `torchrun --nproc-per-node N -m recipes.run CONFIG ...`."""
+on N data-parallel trainer ranks: `torchrun --nproc-per-node N -m recipes.run CONFIG ...`, or as N
+Ray actors over a cluster's nodes: `python -m recipes.run CONFIG --ray-ranks N ...`."""
 
 from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 
 import yaml
 
 from recipes.config import config_keys
 from recipes.loading import RECIPES, load_config, recipe_module
+from recipes.run_log import configure_logging
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -21,7 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
             "Run a recipe (a scripted rollout or training run) from a YAML config. The config's `recipe:` "
             "key picks the recipe; every problem in the config is reported at once before anything runs. "
             "Training recipes run on N data-parallel ranks when launched with torchrun --nproc-per-node N -m "
-            "recipes.run CONFIG (trainer.placement says where they sample)."
+            "recipes.run CONFIG, or as Ray actors with --ray-ranks N (trainer.placement says where they sample)."
         ),
         epilog=_keys_help(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -57,6 +58,16 @@ def build_parser() -> argparse.ArgumentParser:
             "trainer.device_memory_gib, or the CUDA device's own total (docs/training.md, Memory plan)"
         ),
     )
+    parser.add_argument(
+        "--ray-ranks",
+        type=int,
+        metavar="N",
+        help=(
+            "run a training recipe on N data-parallel trainer ranks as Ray actors in one placement group (a GPU "
+            "each with a CUDA engine.device): on the Ray cluster at $RAY_ADDRESS, else on a local Ray; the same "
+            "run as torchrun --nproc-per-node N (docs/training.md, Data-parallel training)"
+        ),
+    )
     return parser
 
 
@@ -74,10 +85,9 @@ def _keys_help() -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
-    # Under torchrun, rank 0 speaks for the run; the other ranks only warn.
-    level = logging.INFO if os.environ.get("RANK", "0") == "0" else logging.WARNING
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per HTTP call with engine.url
+    configure_logging(os.environ.get("RANK", "0") == "0")  # under torchrun, RANK is this process's
+    if args.ray_ranks is not None and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        parser.error("--ray-ranks starts the ranks itself: launch it with python -m recipes.run, not torchrun")
     try:
         # JSON text is YAML, so the path stays a string whatever it looks like.
         resume = [] if args.resume is None else [f"resume={json.dumps(args.resume)}"]
@@ -92,6 +102,14 @@ def main(argv: list[str] | None = None) -> None:
             print(memory_plan(config).render())
         except ValueError as error:
             parser.error(str(error))
+        return
+    if args.ray_ranks is not None:
+        from recipes.ray_ranks import launch_problem, run_on_ray_ranks  # Ray itself: only when it runs
+
+        problem = launch_problem(config, args.ray_ranks)
+        if problem is not None:
+            parser.error(problem)
+        run_on_ray_ranks(config, args.ray_ranks)
         return
     recipe_module(config.recipe).run(config)
 
