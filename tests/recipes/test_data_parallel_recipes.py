@@ -80,15 +80,15 @@ def assert_close_metrics(ours: list[dict], one_rank: list[dict]) -> None:
 
 
 @pytest.mark.parametrize(
-    ("recipe", "placement"),
+    ("recipe", "placement", "policy"),
     [
-        ("grpo", ["trainer.placement=colocated"]),
-        ("grpo", ["trainer.placement=separate", "engine.executor=mp"]),
-        ("dpo", ["trainer.placement=colocated"]),
-        ("nft", ["trainer.placement=colocated"]),
-        ("grpo", ["trainer.placement=colocated", *FULL]),
-        ("grpo", ["trainer.placement=separate", "engine.executor=mp", "engine.num_workers=2", *FULL]),
-        ("dpo", ["trainer.placement=colocated", *FULL]),
+        ("grpo", ["trainer.placement=colocated"], []),
+        ("grpo", ["trainer.placement=separate", "engine.executor=mp"], []),
+        ("dpo", ["trainer.placement=colocated"], []),
+        ("nft", ["trainer.placement=colocated"], []),
+        ("grpo", ["trainer.placement=colocated"], FULL),
+        ("grpo", ["trainer.placement=separate", "engine.executor=mp", "engine.num_workers=2"], FULL),
+        ("dpo", ["trainer.placement=colocated"], FULL),
     ],
     ids=[
         "grpo-colocated-uni",
@@ -100,14 +100,15 @@ def assert_close_metrics(ours: list[dict], one_rank: list[dict]) -> None:
         "dpo-full-colocated-uni",
     ],
 )
-def test_two_ranks_train_as_one_rank(tiny_model, tmp_path, recipe, placement):
+def test_two_ranks_train_as_one_rank(tiny_model, tmp_path, recipe, placement, policy):
+    """`placement` for the two ranks (one rank samples in its own process either way), `policy` for both."""
     config = CONFIG.with_name(f"{recipe}_tiny.yaml")
-    two = torchrun(config, tiny_model, tmp_path / "two", *placement)
-    recipe_module(recipe).run(load_config(config, overrides(tiny_model, tmp_path / "one")))
+    two = torchrun(config, tiny_model, tmp_path / "two", *placement, *policy)
+    recipe_module(recipe).run(load_config(config, overrides(tiny_model, tmp_path / "one", *policy)))
     log = finished(two)
     assert log.count("recipes.training: done in") == 1  # rank 0 speaks for the run
     assert_close_metrics(metrics(tmp_path / "two"), metrics(tmp_path / "one"))
-    if "policy=full" in placement:
+    if policy:
         assert_same_weights(tmp_path / "two" / "weights", tmp_path / "one" / "weights", atol=LORA_ATOL)
     else:
         assert_same_lora(tmp_path / "two" / "lora", tmp_path / "one" / "lora", atol=LORA_ATOL)

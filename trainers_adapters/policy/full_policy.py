@@ -177,11 +177,11 @@ class FullPolicy:
             latents, sigmas, conditions, height=first.height, width=first.width, guidance=guidance
         )
 
-    def save(self, folder: str | Path, write: bool = True) -> Path:
+    def save(self, folder: str | Path | None, write: bool = True) -> Path | None:
         """Write every denoiser as diffusers' `save_pretrained` does (`folder/<component>/config.json`
         and its weights in float32), which `from_pretrained` loads as a plain diffusers folder.
-        Collective: every rank gathers; only the one with `write` writes."""
-        folder = Path(folder)
+        Collective: every rank gathers; only the one with `write` writes (the others may pass None)."""
+        folder = Path(folder) if write else None
         for component, denoiser in self.denoisers.items():
             state = {name: tensor.contiguous() for name, tensor in self._full_float32(component)}
             if write:
