@@ -75,7 +75,7 @@ endef
 THROUGHPUT_FAMILIES := flux qwen_image flux_kontext qwen_image_edit qwen_image_edit_plus flux2_klein wan wan22 wan_i2v
 # The benchmarks that run with their defaults, one report each (<name>.json).
 PLAIN_BENCHES := output_memory faults executor_overhead weight_sync lora_swap serve_load http_weight_push \
-	serve_probes branching expert_update request_table reward_models reward_overlap train_memory
+	serve_probes branching expert_update request_table reward_models reward_overlap train_memory train_scaling
 
 bench: setup
 	rm -rf $(RESULTS) && mkdir -p $(RESULTS)
