@@ -216,7 +216,8 @@ def test_configs_that_quote_a_paper_name_the_forms_of_its_code(path):
             else:
                 line = next(line for line in text.splitlines() if line.strip().startswith(f"{key}:"))
                 assert paper in line, f"{path.name}: the comment on {section}.{key} does not say what {paper} uses"
-    assert quoted or path.name in ("dpo_tiny.yaml", "dpo_full_tiny.yaml")  # every GRPO (and NFT) config follows a paper's code
+    # every GRPO (and NFT) config follows a paper's code
+    assert quoted or path.name in ("dpo_tiny.yaml", "dpo_full_tiny.yaml")
 
 
 @pytest.mark.parametrize("path", sorted(CONFIG_DIR.glob("*_lora.yaml")), ids=lambda p: p.name)
