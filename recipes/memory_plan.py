@@ -163,6 +163,11 @@ def memory_plan(config) -> MemoryPlan:
     and reads no weight file. `model.path` must be a folder here (a tiny one is built first)."""
     from trainers_adapters.policy.train_step_peak import attach_lora, train_step_peak
 
+    if config.policy == "full":  # sharded weights, gradients and AdamW states over the ranks: not counted yet
+        raise ValueError(
+            "the memory plan counts a LoRA policy's training; policy full (every weight, sharded over the trainer "
+            "ranks) is not planned yet: see the arithmetic in the config's header"
+        )
     folder = config.model.resolve_path()
     dtype = getattr(torch, config.engine.dtype)
     adapter = meta_adapter(folder, dtype)

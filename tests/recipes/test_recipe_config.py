@@ -44,12 +44,13 @@ def test_shipped_config_validates(path):
     config = load_config(path)
     assert isinstance(config, recipe_module(config.recipe).Config)
     assert path.read_text().lstrip().startswith("#"), "a shipped config starts with a header comment"
-    assert f"python -m recipes.run recipes/configs/{path.name}" in path.read_text()
+    # its launch line: python -m recipes.run ..., or torchrun ... -m recipes.run ... for several ranks
+    assert f" -m recipes.run recipes/configs/{path.name}" in path.read_text()
 
 
 def test_every_shipped_config_is_in_the_training_docs_recipe_list():
     listed = (CONFIG_DIR.parents[1] / "docs" / "training.md").read_text()
-    missing = [path.name for path in SHIPPED if f"python -m recipes.run recipes/configs/{path.name}" not in listed]
+    missing = [path.name for path in SHIPPED if f" -m recipes.run recipes/configs/{path.name}" not in listed]
     assert missing == [], f"docs/training.md's recipe list lacks {missing}"
 
 
