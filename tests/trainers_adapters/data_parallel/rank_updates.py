@@ -4,6 +4,7 @@ import this module; one rank runs it in the test's own process)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 
@@ -128,6 +129,12 @@ def full_updates(rank: int, world_size: int, model: str, rollouts_file: str, res
                 version = policy.push(engine)
                 pushed = engine.weights_checksum()
             outcome[update] = (weights, dataclasses.asdict(stats), version, pushed, checksum(weights))
+        # The separate placement: rank 0's engine of two `mp` replicas takes the weights every rank
+        # gathers; weights_checksum() refuses replicas that disagree.
+        replicas = EngineConfig(model=model, executor="mp", num_workers=2)
+        with RolloutEngine(replicas) if ranks.is_main else contextlib.nullcontext() as engine:
+            policy.push(engine)
+            outcome["mp_replicas"] = engine.weights_checksum() if engine is not None else None
         if ranks.is_main:
             torch.save(outcome, f"{results}/full_world{world_size}.pt")
     finally:

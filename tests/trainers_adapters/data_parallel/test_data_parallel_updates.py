@@ -94,11 +94,13 @@ def _spawn(target, world_size: int, *args) -> None:
 
 def test_two_fsdp_ranks_train_every_weight_as_one_rank(tiny_model, rollouts_file, tmp_path):
     """`FullPolicy` sharded over 2 ranks against 1 (FSDP2 on a one-rank group): the same weights and
-    statistics after a GRPO and a DPO update, and the engine holds exactly them after the push."""
+    statistics after a GRPO and a DPO update, and the engine holds exactly them after the push: a
+    `uni` engine on each rank, and rank 0's engine of two `mp` replicas."""
     _spawn(full_updates, 1, tiny_model, rollouts_file, str(tmp_path), str(tmp_path / "store1"))
     _spawn(full_updates, 2, tiny_model, rollouts_file, str(tmp_path), str(tmp_path / "store2"))
     one, two = torch.load(tmp_path / "full_world1.pt"), torch.load(tmp_path / "full_world2.pt")
     initial = dict(LoraPolicy(tiny_model, LORA).adapter.transformer.state_dict())
+    assert one["mp_replicas"] == one["dpo"][4] and two["mp_replicas"] == two["dpo"][4]  # both replicas: DPO's
     for update in ("grpo", "dpo"):
         weights, stats, version, pushed, trained = one[update]
         other_weights, other_stats, other_version, other_pushed, other_trained = two[update]
