@@ -86,7 +86,7 @@ class HotSwap:
         self._check_component = model_spec.check_component
         self._worker_cls = executor.worker_cls
         self.config = executor.config
-        self._weight_sync = WeightSync(self.collective_rpc)
+        self._weight_sync = WeightSync(self.collective_rpc, executor.shares_memory)
         self.versions = WeightVersions()
         self.sleep_level = 0
         # Counts the changes of the text encoders' weights; the engine sends it with every step, and

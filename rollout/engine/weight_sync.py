@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -23,13 +24,21 @@ from rollout.errors import EngineDeadError, WorkerError
 from rollout.weights.broadcast_group import BroadcastEntry, plan_buckets
 from rollout.weights.handed_over import HandedOver
 from rollout.weights.safetensors_files import read_specs
-from rollout.weights.state import TensorSpec, refusal_message, spec_problem, update_problems
+from rollout.weights.staging import BucketLayout, EngineMaps, write_bucket
+from rollout.weights.state import TensorSpec, all_finite, non_finite_problems, refusal_message, spec_problem
 from rollout.worker.worker import Worker
 
 
 class WeightSync:
-    def __init__(self, collective_rpc: Callable):
+    """`in_process`: the workers share this process's memory (`uni`): their staging buffers come
+    back as tensors, not as shared files to map."""
+
+    def __init__(self, collective_rpc: Callable, in_process: bool):
         self._rpc = collective_rpc
+        self._in_process = in_process
+        self._maps = EngineMaps()
+        self._recent_paths: deque[set[str]] = deque(maxlen=2)  # the files the last pushes wrote
+        self._shared_reachable = True  # False once a worker's shared file could not be mapped here
         self._specs: dict[str, dict[str, TensorSpec]] = {}
         self._repeat_refusal: Callable[[], Exception] | None = None  # set by `only_if_unchanged`
 
@@ -71,8 +80,46 @@ class WeightSync:
         """An update to stage in parts (`StagedPush`); `push` is one whose parts come in one call."""
         return StagedPush(self, component, check_finite, bucket_bytes)
 
-    def _stage(self, component: str, bucket: dict[str, torch.Tensor], handed_over: bool) -> None:
-        self._rpc(Worker.stage_weights, args=(component, HandedOver(bucket) if handed_over else bucket))
+    def _stage(
+        self, component: str, pairs: list[tuple[str, torch.Tensor]], handed_over: bool, check_finite: bool
+    ) -> tuple[list[str], set[str]]:
+        """Stage one bucket on every rank; returns the NaN/inf problems found (nothing is staged
+        then) and the shared files written. Tensors handed over to an in-process worker are
+        staged as they are; all others are written once into every rank's staging buffer."""
+        if handed_over and self._in_process:
+            bucket = dict(pairs)
+            problems = non_finite_problems(bucket) if check_finite else []
+            if not problems:
+                self._rpc(Worker.stage_weights, args=(component, HandedOver(bucket)))
+            return problems, set()
+        specs = self.specs(component)
+        layout = BucketLayout.of([(name, specs[name]) for name, _ in pairs])
+        tensors = [tensor for _, tensor in pairs]
+        targets = []
+        if self._shared_reachable or self._in_process:
+            reserve = ([layout.nbytes], not self._in_process, self._in_process)
+            handles = [h[0] for h in self._rpc(Worker.reserve_staging, args=reserve)]
+            targets = [self._maps.writable(handle) for handle in handles]
+        if not targets or any(target is None for target in targets):
+            # Another host (or a full /dev/shm): one flat buffer through the executor's transport.
+            self._shared_reachable = False
+            flat = torch.empty(layout.nbytes, dtype=torch.uint8)
+            problems = write_bucket(flat, layout, tensors, check_finite)
+            if not problems:
+                self._rpc(Worker.stage_weights_flat, args=(component, layout, HandedOver(flat)))
+            return problems, set()
+        problems = write_bucket(targets[0], layout, tensors, check_finite)
+        if problems:
+            return problems, set()
+        for target in targets[1:]:  # every further rank: one flat copy of the bucket
+            target.copy_(targets[0])
+        self._rpc(Worker.stage_weights_from_staging, args=(component, layout))
+        return [], {h.path for h in handles if h.path is not None}
+
+    def _ended(self, paths: set[str]) -> None:
+        """A push ended: keep the mappings of the files this push and the one before wrote."""
+        self._recent_paths.append(paths)
+        self._maps.keep_only(set().union(*self._recent_paths))
 
     def push_from_files(self, files: list[Path], component: str, check_finite: bool) -> int:
         """Like `push`, but every rank reads the safetensors `files` itself; the headers are
@@ -209,8 +256,9 @@ class StagedPush:
         self._specs = sync.specs(component)
         self._problems: list[str] = []
         self._seen: set[str] = set()
-        self._bucket: dict[str, torch.Tensor] = {}
+        self._bucket: list[tuple[str, torch.Tensor]] = []
         self._bucket_size = 0
+        self._paths: set[str] = set()  # the workers' shared files written
         self._handed_over = False
         self.ended = False  # applied, refused or dropped: nothing of it is staged any more
 
@@ -224,24 +272,31 @@ class StagedPush:
                 self._problems.append(f"{name}: given twice")
                 continue
             self._seen.add(name)
-            self._problems += update_problems(self._specs, [(name, tensor)], self._check_finite)
-            if self._problems:  # once refused, only keep checking
-                continue
-            self._bucket[name] = tensor
-            self._bucket_size += tensor.numel() * tensor.element_size()
-            if self._bucket_size >= self._bucket_bytes:
-                self._stage_bucket()
+            expected = self._specs.get(name)
+            problem = spec_problem(name, expected, TensorSpec(tuple(tensor.shape), tensor.dtype))
+            if problem is not None:
+                self._check_values(self._bucket)  # refused: what waits for its bucket is only checked
+                self._bucket, self._bucket_size = [], 0
+                self._problems.append(problem)
+            elif self._problems:  # once refused, only keep checking
+                self._check_values([(name, tensor)])
+            else:  # values checked as they are written into the staging buffers
+                self._bucket.append((name, tensor))
+                self._bucket_size += expected.nbytes
+                if self._bucket_size >= self._bucket_bytes:
+                    self._stage_bucket()
 
     def finish(self) -> int:
         """Apply on every rank; returns the number of tensors. A refused update is dropped first."""
         try:
+            if self._bucket and not self._problems:
+                self._stage_bucket()  # its values are checked as it is written
             _raise_if_refused(self.component, self._problems, self._seen)
-            if self._bucket:
-                self._stage_bucket()
         except BaseException as error:
             self.abort(error)
             raise
         self.ended = True
+        self._sync._ended(self._paths)
         self._sync._apply(self.component)
         return len(self._seen)
 
@@ -249,8 +304,15 @@ class StagedPush:
         """Drop what was staged on every rank (`cause`: why, for the error if that fails too)."""
         self.ended = True
         self._bucket.clear()
+        self._sync._ended(self._paths)
         self._sync._roll_back(self.component, cause)
 
+    def _check_values(self, pairs: list[tuple[str, torch.Tensor]]) -> None:
+        if self._check_finite:
+            self._problems += [f"{name}: holds NaN or infinite values" for name, t in pairs if not all_finite(t)]
+
     def _stage_bucket(self) -> None:
-        bucket, self._bucket, self._bucket_size = self._bucket, {}, 0
-        self._sync._stage(self.component, bucket, self._handed_over)
+        bucket, self._bucket, self._bucket_size = self._bucket, [], 0
+        problems, paths = self._sync._stage(self.component, bucket, self._handed_over, self._check_finite)
+        self._problems += problems
+        self._paths |= paths
