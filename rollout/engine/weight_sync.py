@@ -22,6 +22,7 @@ import torch
 
 from rollout.errors import EngineDeadError, WorkerError
 from rollout.weights.broadcast_group import BroadcastEntry, plan_buckets
+from rollout.weights.delta import Fingerprint, PushReport, fingerprint
 from rollout.weights.handed_over import HandedOver
 from rollout.weights.safetensors_files import read_specs
 from rollout.weights.staging import BucketLayout, EngineMaps, write_bucket
@@ -39,6 +40,7 @@ class WeightSync:
         self._maps = EngineMaps()
         self._recent_paths: deque[set[str]] = deque(maxlen=2)  # the files the last pushes wrote
         self._shared_reachable = True  # False once a worker's shared file could not be mapped here
+        self.applied: StagedPush | None = None  # set by the `StagedPush` that applied last
         self._specs: dict[str, dict[str, TensorSpec]] = {}
         self._repeat_refusal: Callable[[], Exception] | None = None  # set by `only_if_unchanged`
 
@@ -64,11 +66,14 @@ class WeightSync:
         component: str,
         check_finite: bool,
         bucket_bytes: int,
+        baseline: dict[str, Fingerprint] | None = None,
     ) -> int:
         """Apply the update on every rank; returns the number of tensors. Raises ValueError (nothing
         changed) for a bad update, WorkerError (rolled back everywhere) if a rank failed. The buckets
-        of a `HandedOver` update are handed over to the ranks in turn."""
-        staged = self.open(component, check_finite, bucket_bytes)
+        of a `HandedOver` update are handed over to the ranks in turn. With a `baseline` (a delta
+        push: the fingerprints of what every rank holds), only the tensors whose fingerprint
+        differs are sent; the push, once applied, is `applied` (its `report`, its `fingerprints`)."""
+        staged = self.open(component, check_finite, bucket_bytes, baseline)
         try:
             staged.add(named_tensors)
         except BaseException as error:
@@ -76,9 +81,11 @@ class WeightSync:
             raise
         return staged.finish()
 
-    def open(self, component: str, check_finite: bool, bucket_bytes: int) -> StagedPush:
+    def open(
+        self, component: str, check_finite: bool, bucket_bytes: int, baseline: dict[str, Fingerprint] | None = None
+    ) -> StagedPush:
         """An update to stage in parts (`StagedPush`); `push` is one whose parts come in one call."""
-        return StagedPush(self, component, check_finite, bucket_bytes)
+        return StagedPush(self, component, check_finite, bucket_bytes, baseline)
 
     def _stage(
         self, component: str, pairs: list[tuple[str, torch.Tensor]], handed_over: bool, check_finite: bool
@@ -250,8 +257,19 @@ class StagedPush:
     engine may step between the calls: staged tensors are invisible to sampling (the HTTP server's
     streamed push stages each bucket as it arrives, and generation goes on meanwhile)."""
 
-    def __init__(self, sync: WeightSync, component: str, check_finite: bool, bucket_bytes: int):
+    def __init__(
+        self,
+        sync: WeightSync,
+        component: str,
+        check_finite: bool,
+        bucket_bytes: int,
+        baseline: dict[str, Fingerprint] | None = None,
+    ):
         self.component = component
+        self.baseline = baseline  # a delta push: tensors with these fingerprints are not sent
+        self.fingerprints: dict[str, Fingerprint] = {}  # of every tensor given, in a delta push
+        self.report: PushReport | None = None  # once applied
+        self._given_bytes = self._sent_bytes = self._sent_tensors = 0
         self._sync, self._check_finite, self._bucket_bytes = sync, check_finite, bucket_bytes
         self._specs = sync.specs(component)
         self._problems: list[str] = []
@@ -281,6 +299,13 @@ class StagedPush:
             elif self._problems:  # once refused, only keep checking
                 self._check_values([(name, tensor)])
             else:  # values checked as they are written into the staging buffers
+                self._given_bytes += expected.nbytes
+                if self.baseline is not None:
+                    mark = self.fingerprints[name] = fingerprint(tensor)
+                    if self.baseline.get(name) == mark:
+                        continue  # every rank holds it already
+                self._sent_tensors += 1
+                self._sent_bytes += expected.nbytes
                 self._bucket.append((name, tensor))
                 self._bucket_size += expected.nbytes
                 if self._bucket_size >= self._bucket_bytes:
@@ -298,6 +323,10 @@ class StagedPush:
         self.ended = True
         self._sync._ended(self._paths)
         self._sync._apply(self.component)
+        self.report = PushReport(
+            len(self._seen), self._given_bytes, self._sent_tensors, self._sent_bytes, self.baseline is not None
+        )
+        self._sync.applied = self
         return len(self._seen)
 
     def abort(self, cause: BaseException) -> None:
