@@ -13,19 +13,20 @@
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
+from rollout.engine.bucket_sender import BucketInFlight, BucketSender
 from rollout.errors import EngineDeadError, WorkerError
 from rollout.weights.broadcast_group import BroadcastEntry, plan_buckets
 from rollout.weights.delta import Fingerprint, PushReport, fingerprint
 from rollout.weights.handed_over import HandedOver
 from rollout.weights.safetensors_files import read_specs
-from rollout.weights.staging import BucketLayout, EngineMaps, write_bucket
+from rollout.weights.staging import BucketLayout
 from rollout.weights.state import TensorSpec, all_finite, non_finite_problems, refusal_message, spec_problem
 from rollout.worker.worker import Worker
 
@@ -37,9 +38,7 @@ class WeightSync:
     def __init__(self, collective_rpc: Callable, in_process: bool):
         self._rpc = collective_rpc
         self._in_process = in_process
-        self._maps = EngineMaps()
-        self._recent_paths: deque[set[str]] = deque(maxlen=2)  # the files the last pushes wrote
-        self._shared_reachable = True  # False once a worker's shared file could not be mapped here
+        self.sender = BucketSender(collective_rpc, in_process)
         self.applied: StagedPush | None = None  # set by the `StagedPush` that applied last
         self._specs: dict[str, dict[str, TensorSpec]] = {}
         self._repeat_refusal: Callable[[], Exception] | None = None  # set by `only_if_unchanged`
@@ -87,46 +86,13 @@ class WeightSync:
         """An update to stage in parts (`StagedPush`); `push` is one whose parts come in one call."""
         return StagedPush(self, component, check_finite, bucket_bytes, baseline)
 
-    def _stage(
-        self, component: str, pairs: list[tuple[str, torch.Tensor]], handed_over: bool, check_finite: bool
-    ) -> tuple[list[str], set[str]]:
-        """Stage one bucket on every rank; returns the NaN/inf problems found (nothing is staged
-        then) and the shared files written. Tensors handed over to an in-process worker are
-        staged as they are; all others are written once into every rank's staging buffer."""
-        if handed_over and self._in_process:
-            bucket = dict(pairs)
-            problems = non_finite_problems(bucket) if check_finite else []
-            if not problems:
-                self._rpc(Worker.stage_weights, args=(component, HandedOver(bucket)))
-            return problems, set()
-        specs = self.specs(component)
-        layout = BucketLayout.of([(name, specs[name]) for name, _ in pairs])
-        tensors = [tensor for _, tensor in pairs]
-        targets = []
-        if self._shared_reachable or self._in_process:
-            reserve = ([layout.nbytes], not self._in_process, self._in_process)
-            handles = [h[0] for h in self._rpc(Worker.reserve_staging, args=reserve)]
-            targets = [self._maps.writable(handle) for handle in handles]
-        if not targets or any(target is None for target in targets):
-            # Another host (or a full /dev/shm): one flat buffer through the executor's transport.
-            self._shared_reachable = False
-            flat = torch.empty(layout.nbytes, dtype=torch.uint8)
-            problems = write_bucket(flat, layout, tensors, check_finite)
-            if not problems:
-                self._rpc(Worker.stage_weights_flat, args=(component, layout, HandedOver(flat)))
-            return problems, set()
-        problems = write_bucket(targets[0], layout, tensors, check_finite)
-        if problems:
-            return problems, set()
-        for target in targets[1:]:  # every further rank: one flat copy of the bucket
-            target.copy_(targets[0])
-        self._rpc(Worker.stage_weights_from_staging, args=(component, layout))
-        return [], {h.path for h in handles if h.path is not None}
-
-    def _ended(self, paths: set[str]) -> None:
-        """A push ended: keep the mappings of the files this push and the one before wrote."""
-        self._recent_paths.append(paths)
-        self._maps.keep_only(set().union(*self._recent_paths))
+    def _stage_handed_over(self, component: str, bucket: dict[str, torch.Tensor], check_finite: bool) -> list[str]:
+        """Stage tensors handed over to an in-process worker as they are (no copy); returns the
+        NaN/inf problems found (nothing is staged then)."""
+        problems = non_finite_problems(bucket) if check_finite else []
+        if not problems:
+            self._rpc(Worker.stage_weights, args=(component, HandedOver(bucket)))
+        return problems
 
     def push_from_files(self, files: list[Path], component: str, check_finite: bool) -> int:
         """Like `push`, but every rank reads the safetensors `files` itself; the headers are
@@ -277,6 +243,8 @@ class StagedPush:
         self._bucket: list[tuple[str, torch.Tensor]] = []
         self._bucket_size = 0
         self._paths: set[str] = set()  # the workers' shared files written
+        self._in_flight: BucketInFlight | None = None  # the bucket being written, staged once the next starts
+        self._writer: ThreadPoolExecutor | None = None  # writes the buckets, beside the caller's iterator
         self._handed_over = False
         self.ended = False  # applied, refused or dropped: nothing of it is staged any more
 
@@ -316,12 +284,12 @@ class StagedPush:
         try:
             if self._bucket and not self._problems:
                 self._stage_bucket()  # its values are checked as it is written
+            self._send_in_flight()
             _raise_if_refused(self.component, self._problems, self._seen)
         except BaseException as error:
             self.abort(error)
             raise
-        self.ended = True
-        self._sync._ended(self._paths)
+        self._end()
         self._sync._apply(self.component)
         self.report = PushReport(
             len(self._seen), self._given_bytes, self._sent_tensors, self._sent_bytes, self.baseline is not None
@@ -331,17 +299,44 @@ class StagedPush:
 
     def abort(self, cause: BaseException) -> None:
         """Drop what was staged on every rank (`cause`: why, for the error if that fails too)."""
-        self.ended = True
         self._bucket.clear()
-        self._sync._ended(self._paths)
+        if self._in_flight is not None:  # its write must end before the rollback gives its buffers up
+            self._in_flight.written.exception()
+            self._in_flight = None
+        self._end()
         self._sync._roll_back(self.component, cause)
+
+    def _end(self) -> None:
+        self.ended = True
+        if self._writer is not None:
+            self._writer.shutdown()
+            self._writer = None
+        self._sync.sender.ended(self._paths)
 
     def _check_values(self, pairs: list[tuple[str, torch.Tensor]]) -> None:
         if self._check_finite:
             self._problems += [f"{name}: holds NaN or infinite values" for name, t in pairs if not all_finite(t)]
 
     def _stage_bucket(self) -> None:
+        """Start writing the full bucket, then stage the one written before it (double buffering)."""
         bucket, self._bucket, self._bucket_size = self._bucket, [], 0
-        problems, paths = self._sync._stage(self.component, bucket, self._handed_over, self._check_finite)
-        self._problems += problems
-        self._paths |= paths
+        if self._handed_over and self._sync._in_process:
+            self._send_in_flight()
+            self._problems += self._sync._stage_handed_over(self.component, dict(bucket), self._check_finite)
+            return
+        layout = BucketLayout.of([(name, self._specs[name]) for name, _ in bucket])
+        if self._writer is None:
+            self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout-weight-writer")
+        if self._problems:  # refused already: only check the rest
+            self._check_values(bucket)
+            return
+        previous = self._in_flight
+        self._in_flight = self._sync.sender.begin(layout, [t for _, t in bucket], self._check_finite, self._writer)
+        self._paths |= self._in_flight.paths
+        if previous is not None:  # checked and staged while this one is written
+            self._problems += self._sync.sender.send(self.component, previous, stage=not self._problems)
+
+    def _send_in_flight(self) -> None:
+        bucket, self._in_flight = self._in_flight, None
+        if bucket is not None:
+            self._problems += self._sync.sender.send(self.component, bucket, stage=not self._problems)

@@ -25,6 +25,7 @@ import tempfile
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from queue import SimpleQueue
 
 import torch
 
@@ -61,18 +62,35 @@ class BucketLayout:
 
 
 def write_bucket(
-    flat: torch.Tensor, layout: BucketLayout, tensors: list[torch.Tensor], check_finite: bool
-) -> list[str]:
-    """Copy `tensors` (in `layout`'s order) into `flat`, converting to the target dtype; returns
-    the names of those holding NaN or infinity, checked on the bytes just written (still in cache)."""
-    problems = []
+    targets: list[torch.Tensor], layout: BucketLayout, tensors: list[torch.Tensor], written: SimpleQueue | None
+) -> None:
+    """Copy `tensors` (in `layout`'s order) into the first of `targets` (uint8 buffers), converting
+    to the target dtype, then the whole bucket into every further one. With `written`, the index
+    of each tensor goes there once copied, and None at the end (also on failure), so that another
+    thread checks each tensor while this one copies the next (`check_written`)."""
+    views = layout.views(targets[0])
+    try:
+        with torch.no_grad():
+            for index, ((name, *_), tensor) in enumerate(zip(layout.entries, tensors, strict=True)):
+                views[name].copy_(tensor.detach())
+                if written is not None:
+                    written.put(index)
+            for target in targets[1:]:  # every further rank: one flat copy
+                target.copy_(targets[0])
+    finally:
+        if written is not None:
+            written.put(None)
+
+
+def check_written(flat: torch.Tensor, layout: BucketLayout, written: SimpleQueue) -> list[str]:
+    """The NaN/inf problems of the tensors `write_bucket` reports written, checked as they come
+    (their bytes are still in cache, and the next tensor is copied meanwhile)."""
     views = layout.views(flat)
-    with torch.no_grad():
-        for (name, *_), tensor in zip(layout.entries, tensors, strict=True):
-            target = views[name]
-            target.copy_(tensor.detach())
-            if check_finite and not all_finite(target):
-                problems.append(f"{name}: holds NaN or infinite values")
+    problems = []
+    for index in iter(written.get, None):
+        name = layout.entries[index][0]
+        if not all_finite(views[name]):
+            problems.append(f"{name}: holds NaN or infinite values")
     return problems
 
 
@@ -147,7 +165,6 @@ class StagingPool:
         self._push = 0
 
     def reserve(self, sizes: list[int], shared: bool, in_process: bool) -> list[StagingHandle]:
-        self._push += 1
         handles = []
         for nbytes in sizes:
             buffer = next((b for b in self._buffers if self._fits(b, nbytes, shared)), None)
@@ -176,9 +193,11 @@ class StagingPool:
     def cancel(self) -> None:
         """Forget the reservations not taken (the push was dropped)."""
         self._reserved.clear()
+        self._push += 1
 
     def trim(self) -> None:
-        """Drop the free buffers neither this push nor the one before used (a push of other sizes)."""
+        """The push was applied: drop the free buffers neither it nor the one before used (a push
+        of other sizes)."""
         keep = []
         for buffer in self._buffers:
             if buffer.last_push < self._push - 1 and buffer.is_free() and buffer not in self._reserved:
@@ -186,6 +205,7 @@ class StagingPool:
             else:
                 keep.append(buffer)
         self._buffers = keep
+        self._push += 1
 
     def close(self) -> None:
         """Remove the shared files (the worker is ending; mappings stay valid until they are dropped)."""

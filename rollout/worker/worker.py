@@ -211,6 +211,7 @@ class Worker:
     @engine_route("update_weights")
     def stage_weights_flat(self, component: str, layout: BucketLayout, flat: torch.Tensor) -> int:
         """Stage a bucket that came through the transport as one flat buffer (this worker's own copy)."""
+        self.staging.cancel()  # the engine could not reach the buffers it reserved
         return self.updates.stage(component, layout.views(flat))
 
     @engine_route("update_weights_from_worker")

@@ -32,7 +32,7 @@ def _pushes_stay_exact(engine) -> None:
     first = engine.update_weights(state, delta=True)  # no record yet: everything is sent
     assert first == version + 1 and engine.hot_swap.last_push.sent_tensors == len(state)
     for step in range(3):
-        changed = names[step :: 7]
+        changed = names[step::7]
         for name in changed:
             state[name].mul_(-1.5)
         engine.update_weights(state, delta=True, bucket_bytes=2**16)

@@ -1,0 +1,93 @@
+"""How the buckets of `update_weights` reach the workers: written once into their staging buffers,
+double-buffered.
+
+For each bucket the engine reserves a staging buffer on every rank (one RPC), then writes the
+caller's tensors into the first rank's buffer on a writer thread (the NaN/inf check on the bytes
+just written; every further rank gets one flat copy of it), and only then asks the ranks to stage
+it. While bucket k is written, the caller's iterator produces bucket k+1 and the ranks stage
+bucket k-1: packing overlaps sending. A caller's tensors must therefore stay as they are until
+`update_weights` returns (the engine keeps none of them after that); an iterator that refills one
+buffer in place for every bucket would need two.
+
+Where a worker's buffer cannot be reached from here (a Ray actor on another host, a full
+/dev/shm), the bucket is written into one flat buffer of the engine's and goes through the
+executor's transport instead (`Worker.stage_weights_flat`).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from queue import SimpleQueue
+
+import torch
+
+from rollout.weights.handed_over import HandedOver
+from rollout.weights.staging import BucketLayout, EngineMaps, check_written, write_bucket
+from rollout.worker.worker import Worker
+
+
+@dataclass
+class BucketInFlight:
+    """A bucket being written into `targets` (the first rank's buffer first): `written` resolves
+    once it is, `progress` (with the NaN/inf check) yields each tensor's index as it is copied."""
+
+    layout: BucketLayout
+    targets: list[torch.Tensor]
+    written: Future
+    progress: SimpleQueue | None
+    through_transport: bool  # the targets are the engine's own buffer, sent through the transport
+    paths: set[str] = field(default_factory=set)  # the workers' shared files it is written into
+
+
+class BucketSender:
+    """`in_process`: the workers share this process's memory (`uni`), so their staging buffers
+    come back as tensors rather than files to map."""
+
+    def __init__(self, collective_rpc: Callable, in_process: bool):
+        self._rpc = collective_rpc
+        self._in_process = in_process
+        self._maps = EngineMaps()
+        self._recent_paths: deque[set[str]] = deque(maxlen=2)  # the files the last two pushes wrote
+        self._reachable = True  # False once a worker's shared file could not be mapped here
+
+    def begin(
+        self, layout: BucketLayout, tensors: list[torch.Tensor], check_finite: bool, writer: ThreadPoolExecutor
+    ) -> BucketInFlight:
+        """Reserve the bucket's staging buffer on every rank and start writing it on `writer`."""
+        targets, paths = [], set()
+        if self._reachable:
+            reserve = ([layout.nbytes], not self._in_process, self._in_process)
+            handles = [answer[0] for answer in self._rpc(Worker.reserve_staging, args=reserve)]
+            targets = [self._maps.writable(handle) for handle in handles]
+            paths = {h.path for h in handles if h.path is not None}
+        through_transport = not targets or any(target is None for target in targets)
+        if through_transport:  # another host or a full /dev/shm
+            self._reachable = False
+            targets, paths = [torch.empty(layout.nbytes, dtype=torch.uint8)], set()
+        progress = SimpleQueue() if check_finite else None
+        written = writer.submit(write_bucket, targets, layout, tensors, progress)
+        return BucketInFlight(layout, targets, written, progress, through_transport, paths)
+
+    def send(self, component: str, bucket: BucketInFlight, stage: bool) -> list[str]:
+        """Check `bucket` as it is written, then stage it on every rank if `stage` (the push is not
+        refused already) and it holds no NaN or infinity (its problems are returned: the push is
+        refused, and its rollback gives the reservations up)."""
+        problems = check_written(bucket.targets[0], bucket.layout, bucket.progress) if bucket.progress else []
+        bucket.written.result()
+        if problems or not stage:
+            return problems
+        if bucket.through_transport:
+            flat = HandedOver(bucket.targets[0])
+            self._rpc(Worker.stage_weights_flat, args=(component, bucket.layout, flat))
+        else:
+            self._rpc(Worker.stage_weights_from_staging, args=(component, bucket.layout))
+        return []
+
+    def ended(self, paths: set[str]) -> None:
+        """A push ended: keep the mappings of the files it and the push before wrote (the workers
+        hand those out again), drop the rest."""
+        self._recent_paths.append(paths)
+        self._maps.keep_only(set().union(*self._recent_paths))
