@@ -5,9 +5,10 @@ For each bucket the engine reserves a staging buffer on every rank (one RPC), th
 caller's tensors into the first rank's buffer on a writer thread (the NaN/inf check on the bytes
 just written; every further rank gets one flat copy of it), and only then asks the ranks to stage
 it. While bucket k is written, the caller's iterator produces bucket k+1 and the ranks stage
-bucket k-1: packing overlaps sending. A caller's tensors must therefore stay as they are until
-`update_weights` returns (the engine keeps none of them after that); an iterator that refills one
-buffer in place for every bucket would need two.
+bucket k-1: packing overlaps sending. The last bucket is written on the caller's thread, as
+nothing is left to overlap with it. A caller's tensors must stay as they are until
+`update_weights` returns (the engine keeps none of them after that); an iterator that refills
+one buffer in place for every bucket would need two.
 
 Where a worker's buffer cannot be reached from here (a Ray actor on another host, a full
 /dev/shm), the bucket is written into one flat buffer of the engine's and goes through the
@@ -20,24 +21,22 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from queue import SimpleQueue
 
 import torch
 
 from rollout.weights.handed_over import HandedOver
-from rollout.weights.staging import BucketLayout, EngineMaps, check_written, write_bucket
+from rollout.weights.staging import BucketLayout, EngineMaps, write_bucket
 from rollout.worker.worker import Worker
 
 
 @dataclass
 class BucketInFlight:
-    """A bucket being written into `targets` (the first rank's buffer first): `written` resolves
-    once it is, `progress` (with the NaN/inf check) yields each tensor's index as it is copied."""
+    """A bucket being written into `targets` (the first rank's buffer first, checked there):
+    `written` resolves to its NaN/inf problems."""
 
     layout: BucketLayout
     targets: list[torch.Tensor]
     written: Future
-    progress: SimpleQueue | None
     through_transport: bool  # the targets are the engine's own buffer, sent through the transport
     paths: set[str] = field(default_factory=set)  # the workers' shared files it is written into
 
@@ -54,9 +53,14 @@ class BucketSender:
         self._reachable = True  # False once a worker's shared file could not be mapped here
 
     def begin(
-        self, layout: BucketLayout, tensors: list[torch.Tensor], check_finite: bool, writer: ThreadPoolExecutor
+        self,
+        layout: BucketLayout,
+        tensors: list[torch.Tensor],
+        check_finite: bool,
+        writer: ThreadPoolExecutor | None,
     ) -> BucketInFlight:
-        """Reserve the bucket's staging buffer on every rank and start writing it on `writer`."""
+        """Reserve the bucket's staging buffer on every rank and write it on `writer` (here, when
+        None: the last bucket, which nothing is left to overlap with)."""
         targets, paths = [], set()
         if self._reachable:
             reserve = ([layout.nbytes], not self._in_process, self._in_process)
@@ -67,16 +71,18 @@ class BucketSender:
         if through_transport:  # another host or a full /dev/shm
             self._reachable = False
             targets, paths = [torch.empty(layout.nbytes, dtype=torch.uint8)], set()
-        progress = SimpleQueue() if check_finite else None
-        written = writer.submit(write_bucket, targets, layout, tensors, progress)
-        return BucketInFlight(layout, targets, written, progress, through_transport, paths)
+        if writer is not None:
+            written = writer.submit(write_bucket, targets, layout, tensors, check_finite)
+        else:
+            written = Future()
+            written.set_result(write_bucket(targets, layout, tensors, check_finite))
+        return BucketInFlight(layout, targets, written, through_transport, paths)
 
     def send(self, component: str, bucket: BucketInFlight, stage: bool) -> list[str]:
-        """Check `bucket` as it is written, then stage it on every rank if `stage` (the push is not
+        """Wait for `bucket`'s write, then stage it on every rank if `stage` (the push is not
         refused already) and it holds no NaN or infinity (its problems are returned: the push is
         refused, and its rollback gives the reservations up)."""
-        problems = check_written(bucket.targets[0], bucket.layout, bucket.progress) if bucket.progress else []
-        bucket.written.result()
+        problems = bucket.written.result()
         if problems or not stage:
             return problems
         if bucket.through_transport:

@@ -283,7 +283,7 @@ class StagedPush:
         """Apply on every rank; returns the number of tensors. A refused update is dropped first."""
         try:
             if self._bucket and not self._problems:
-                self._stage_bucket()  # its values are checked as it is written
+                self._stage_bucket(last=True)  # its values are checked as it is written
             self._send_in_flight()
             _raise_if_refused(self.component, self._problems, self._seen)
         except BaseException as error:
@@ -317,21 +317,23 @@ class StagedPush:
         if self._check_finite:
             self._problems += [f"{name}: holds NaN or infinite values" for name, t in pairs if not all_finite(t)]
 
-    def _stage_bucket(self) -> None:
-        """Start writing the full bucket, then stage the one written before it (double buffering)."""
+    def _stage_bucket(self, last: bool = False) -> None:
+        """Start writing the full bucket, then stage the one written before it (double buffering);
+        the `last` is written on this thread."""
         bucket, self._bucket, self._bucket_size = self._bucket, [], 0
         if self._handed_over and self._sync._in_process:
             self._send_in_flight()
             self._problems += self._sync._stage_handed_over(self.component, dict(bucket), self._check_finite)
             return
         layout = BucketLayout.of([(name, self._specs[name]) for name, _ in bucket])
-        if self._writer is None:
+        if self._writer is None and not last:
             self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout-weight-writer")
         if self._problems:  # refused already: only check the rest
             self._check_values(bucket)
             return
         previous = self._in_flight
-        self._in_flight = self._sync.sender.begin(layout, [t for _, t in bucket], self._check_finite, self._writer)
+        writer = None if last else self._writer
+        self._in_flight = self._sync.sender.begin(layout, [t for _, t in bucket], self._check_finite, writer)
         self._paths |= self._in_flight.paths
         if previous is not None:  # checked and staged while this one is written
             self._problems += self._sync.sender.send(self.component, previous, stage=not self._problems)

@@ -25,7 +25,6 @@ import tempfile
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from queue import SimpleQueue
 
 import torch
 
@@ -62,35 +61,32 @@ class BucketLayout:
 
 
 def write_bucket(
-    targets: list[torch.Tensor], layout: BucketLayout, tensors: list[torch.Tensor], written: SimpleQueue | None
-) -> None:
+    targets: list[torch.Tensor], layout: BucketLayout, tensors: list[torch.Tensor], check_finite: bool
+) -> list[str]:
     """Copy `tensors` (in `layout`'s order) into the first of `targets` (uint8 buffers), converting
-    to the target dtype, then the whole bucket into every further one. With `written`, the index
-    of each tensor goes there once copied, and None at the end (also on failure), so that another
-    thread checks each tensor while this one copies the next (`check_written`)."""
+    to the target dtype, then the whole bucket into every further one; returns the names of those
+    holding NaN or infinity. The check sums each tensor right after its copy, while its bytes are
+    still in cache (a second pass over the bucket would read it all from memory again), and looks
+    at all the sums at once; only a tensor whose sum is not finite is looked at element by element
+    (a finite tensor whose sum overflows is not refused)."""
     views = layout.views(targets[0])
-    try:
-        with torch.no_grad():
-            for index, ((name, *_), tensor) in enumerate(zip(layout.entries, tensors, strict=True)):
-                views[name].copy_(tensor.detach())
-                if written is not None:
-                    written.put(index)
-            for target in targets[1:]:  # every further rank: one flat copy
+    sums, summed = [], []
+    with torch.no_grad():
+        for (name, *_), tensor in zip(layout.entries, tensors, strict=True):
+            view = views[name]
+            view.copy_(tensor.detach())
+            if check_finite and view.is_floating_point() and view.numel():
+                sums.append(view.sum())
+                summed.append(name)
+        problems = []
+        if sums:
+            suspects = (~torch.isfinite(torch.stack(sums))).nonzero().flatten().tolist()
+            problems = [
+                f"{summed[i]}: holds NaN or infinite values" for i in suspects if not all_finite(views[summed[i]])
+            ]
+        if not problems:
+            for target in targets[1:]:  # every further rank: one flat copy of the checked bucket
                 target.copy_(targets[0])
-    finally:
-        if written is not None:
-            written.put(None)
-
-
-def check_written(flat: torch.Tensor, layout: BucketLayout, written: SimpleQueue) -> list[str]:
-    """The NaN/inf problems of the tensors `write_bucket` reports written, checked as they come
-    (their bytes are still in cache, and the next tensor is copied meanwhile)."""
-    views = layout.views(flat)
-    problems = []
-    for index in iter(written.get, None):
-        name = layout.entries[index][0]
-        if not all_finite(views[name]):
-            problems.append(f"{name}: holds NaN or infinite values")
     return problems
 
 
