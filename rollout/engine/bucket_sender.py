@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from rollout.weights.handed_over import HandedOver
-from rollout.weights.staging import BucketLayout, EngineMaps, write_bucket
+from rollout.weights.staging import BucketLayout, EngineMaps, StagingHandle, write_bucket
 from rollout.worker.worker import Worker
 
 
@@ -51,6 +51,14 @@ class BucketSender:
         self._maps = EngineMaps()
         self._recent_paths: deque[set[str]] = deque(maxlen=2)  # the files the last two pushes wrote
         self._reachable = True  # False once a worker's shared file could not be mapped here
+        self._ahead: deque[list[StagingHandle]] = deque()  # per bucket still to come: every rank's buffer
+
+    def reserve_ahead(self, sizes: list[int]) -> None:
+        """Reserve the buffers of the push's next buckets (`sizes`: their bytes) in one RPC."""
+        if self._reachable and sizes:
+            reserve = (sizes, not self._in_process, self._in_process)
+            per_rank = self._rpc(Worker.reserve_staging, args=reserve)
+            self._ahead.extend([list(handles) for handles in zip(*per_rank, strict=True)])
 
     def begin(
         self,
@@ -63,8 +71,11 @@ class BucketSender:
         None: the last bucket, which nothing is left to overlap with)."""
         targets, paths = [], set()
         if self._reachable:
-            reserve = ([layout.nbytes], not self._in_process, self._in_process)
-            handles = [answer[0] for answer in self._rpc(Worker.reserve_staging, args=reserve)]
+            if self._ahead:
+                handles = self._ahead.popleft()  # the worker checks it is this bucket's size
+            else:
+                reserve = ([layout.nbytes], not self._in_process, self._in_process)
+                handles = [answer[0] for answer in self._rpc(Worker.reserve_staging, args=reserve)]
             targets = [self._maps.writable(handle) for handle in handles]
             paths = {h.path for h in handles if h.path is not None}
         through_transport = not targets or any(target is None for target in targets)
@@ -95,5 +106,6 @@ class BucketSender:
     def ended(self, paths: set[str]) -> None:
         """A push ended: keep the mappings of the files it and the push before wrote (the workers
         hand those out again), drop the rest."""
+        self._ahead.clear()
         self._recent_paths.append(paths)
         self._maps.keep_only(set().union(*self._recent_paths))

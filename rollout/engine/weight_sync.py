@@ -253,6 +253,8 @@ class StagedPush:
         self._handed_over = isinstance(named_tensors, HandedOver)
         named_tensors = named_tensors.value if self._handed_over else named_tensors
         items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
+        if isinstance(named_tensors, Mapping) and not self._seen and self.baseline is None:
+            self._reserve_ahead(named_tensors)
         for name, tensor in items:
             if name in self._seen:
                 self._problems.append(f"{name}: given twice")
@@ -312,6 +314,25 @@ class StagedPush:
             self._writer.shutdown()
             self._writer = None
         self._sync.sender.ended(self._paths)
+
+    def _reserve_ahead(self, named_tensors: Mapping[str, torch.Tensor]) -> None:
+        """A whole update given at once: reserve every bucket's staging buffer in one RPC (a
+        delta push learns only as it goes which tensors it sends)."""
+        if self._handed_over and self._sync._in_process:
+            return
+        sizes, bucket, size = [], [], 0
+        for name, tensor in named_tensors.items():  # bucketed as `add` buckets them
+            expected = self._specs.get(name)
+            if spec_problem(name, expected, TensorSpec(tuple(tensor.shape), tensor.dtype)) is not None:
+                return  # refused as it is added: nothing to reserve
+            bucket.append((name, expected))
+            size += expected.nbytes
+            if size >= self._bucket_bytes:
+                sizes.append(BucketLayout.of(bucket).nbytes)
+                bucket, size = [], 0
+        if bucket:
+            sizes.append(BucketLayout.of(bucket).nbytes)
+        self._sync.sender.reserve_ahead(sizes)
 
     def _check_values(self, pairs: list[tuple[str, torch.Tensor]]) -> None:
         if self._check_finite:

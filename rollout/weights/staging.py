@@ -201,6 +201,7 @@ class StagingPool:
             else:
                 keep.append(buffer)
         self._buffers = keep
+        self._reserved.clear()
         self._push += 1
 
     def close(self) -> None:
