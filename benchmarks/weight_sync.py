@@ -51,10 +51,13 @@ MIB = 2**20
 NO_CHECK_MODE = "uni no check"  # check_finite=False, beside the uni mode that checks
 TARGET_COPY_PERCENT = {"uni": 70.0, "mp": 50.0, "ray": 50.0}  # of the copy floor's GB/s (issue 53)
 TARGET_SPEEDUP_VS_NAIVE = 5.0  # every backend
+# On a GPU (`--device cuda`, `make bench-gpu`): GB/s into each replica, verl's NCCL checkpoint
+# engine's 8.25 GB/s per replica rounded down (issue 53).
+TARGET_GPU_GB_PER_S = 8.0
 
 
 def build_parser():
-    parser = harness.parser("weight_sync", __doc__, repeats=7, warmup=1, threads=1)
+    parser = harness.parser("weight_sync", __doc__, repeats=7, warmup=1, threads=1, device="cpu")
     run = parser.add_argument_group("what to run")
     run.add_argument("--backends", nargs="+", choices=BACKENDS, default=list(BACKENDS), help="executors to measure")
     run.add_argument("--bucket-mib", type=harness.positive_int, default=512, help="bucket_bytes (MiB), uni and ray")
@@ -173,6 +176,7 @@ class Pushes:
 
     trainer: object
     verify: str  # "every" or "first"
+    device: str = "cpu"  # where the trainer's copy and the engines' models are
     round_index: int = -1
     expected: str = ""
     verified: int = 0
@@ -187,7 +191,7 @@ class Pushes:
                 self.round_index, self.expected = round_.index, checksum(base_state(self.trainer))
             if timer is not None:
                 timer.reset()
-            _, seconds = harness.timed_call(run)
+            _, seconds = harness.timed_call(run, device=self.device)
             pieces = timer.take(seconds) if timer is not None else {}
             if engine is not None and (self.verify == "every" or round_.index == 0):
                 got = engine.weights_checksum()
@@ -199,7 +203,9 @@ class Pushes:
         return measured
 
 
-def report_modes(report: harness.Report, samples: dict[str, dict[str, list[float]]], nbytes: int) -> dict[str, dict]:
+def report_modes(
+    report: harness.Report, samples: dict[str, dict[str, list[float]]], nbytes: int, device: str = "cpu"
+) -> dict[str, dict]:
     """The pushes' table and targets; returns per mode the seconds' statistics, GB/s and the two ratios."""
     floor, naive = samples["copy floor"]["s"], samples.get("naive", {}).get("s")
     summary, rows = {}, []
@@ -229,6 +235,8 @@ def report_modes(report: harness.Report, samples: dict[str, dict[str, list[float
             report.check(harness.Target(f"{mode}: % of the copy floor's GB/s", copy_percent, ">=", goal))
         if backend in BACKENDS and naive:
             report.check(harness.Target(f"{mode}: x faster than naive", speedup, ">=", TARGET_SPEEDUP_VS_NAIVE))
+        if backend in BACKENDS and device.startswith("cuda"):
+            report.check(harness.Target(f"{mode}: GB/s per replica", row["gb_per_s"], ">=", TARGET_GPU_GB_PER_S))
     report.table(
         f"pushing {nbytes / 1e6:.1f} MB",
         ["mode", "median s", "min s", "max s", "GB/s", "% copy", "round", "x naive", "round", "pause ms"],
@@ -288,6 +296,7 @@ def main(argv: list[str] | None = None) -> dict:
         folder = Path(tmp) / "pipeline"
         build_tiny_sd3(folder, seed=0, sizes=sizes)
         trainer = SD3Transformer2DModel.from_pretrained(folder, subfolder="transformer", local_files_only=True)
+        trainer.to(args.device)
         original = checksum(base_state(trainer))  # what every engine loads
         state = base_state(trainer)  # the trainer's tensors, which `perturb` changes in place
         nbytes = sum(t.numel() * t.element_size() for t in state.values())
@@ -304,11 +313,13 @@ def main(argv: list[str] | None = None) -> dict:
         engines: dict[str, RolloutEngine] = {}
         for backend in backends:
             start = time.perf_counter()
-            config = EngineConfig(model=str(folder), executor=backend, num_workers=1, threads_per_worker=args.threads)
+            config = EngineConfig(
+                model=str(folder), executor=backend, num_workers=1, threads_per_worker=args.threads, device=args.device
+            )
             engines[backend] = stack.enter_context(RolloutEngine(config))
             print(f"  started {backend:<4} in {time.perf_counter() - start:6.2f} s", flush=True)
         timers = {} if args.no_breakdown else {backend: PushTimer(engine) for backend, engine in engines.items()}
-        pushes = Pushes(trainer, args.verify)
+        pushes = Pushes(trainer, args.verify, args.device)
         modes = {"copy floor": pushes.mode(make_copy_run(state)), "clone": pushes.mode(make_clone_run(state))}
         engine_modes = [
             (f"{backend} ({mib} MiB)", backend, mib, True)
@@ -331,7 +342,7 @@ def main(argv: list[str] | None = None) -> dict:
         f"{pushes.verified} checksum comparisons, all equal; load average {load_before:.2f} at the start, "
         f"{os.getloadavg()[0]:.2f} at the end (other processes share the machine if these are high)"
     )
-    summary = report_modes(report, samples, nbytes)
+    summary = report_modes(report, samples, nbytes, args.device)
     breakdowns = report_breakdown(report, samples, summary, [mode for mode, *_ in engine_modes]) if timers else {}
     report.results = {
         "transformer_parameters": params,

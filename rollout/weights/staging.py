@@ -104,8 +104,9 @@ class StagingHandle:
 
 
 class _Buffer:
-    def __init__(self, nbytes: int, shared: bool):
+    def __init__(self, nbytes: int, shared: bool, device: torch.device):
         self.nbytes = nbytes
+        self.device = torch.device("cpu") if shared else device
         self.path: str | None = None
         self.inode = 0
         self.last_push = 0
@@ -113,8 +114,8 @@ class _Buffer:
             self.path, self.inode = _shared_file(nbytes)
         if self.path is not None:
             self.flat = torch.from_file(self.path, shared=True, size=nbytes, dtype=torch.uint8)
-        else:
-            self.flat = torch.empty(nbytes, dtype=torch.uint8)
+        else:  # on the model's device: an in-process engine writes straight into it
+            self.flat = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         self.flat.zero_()  # every page touched now, not in the timed write of the first push
 
     def is_free(self) -> bool:
@@ -160,22 +161,26 @@ class StagingPool:
         self._reserved: list[_Buffer] = []
         self._push = 0
 
-    def reserve(self, sizes: list[int], shared: bool, in_process: bool) -> list[StagingHandle]:
+    def reserve(self, sizes: list[int], shared: bool, in_process: bool, device: torch.device) -> list[StagingHandle]:
+        """A buffer per bucket (`sizes`: bytes): in a shared-memory file with `shared`, else on
+        `device` (the model's: the engine's write is then the only copy, on a GPU too)."""
         handles = []
+        device = torch.device("cpu") if shared else torch.device(device)
         for nbytes in sizes:
-            buffer = next((b for b in self._buffers if self._fits(b, nbytes, shared)), None)
+            buffer = next((b for b in self._buffers if self._fits(b, nbytes, shared, device)), None)
             if buffer is None:
-                buffer = _Buffer(nbytes, shared)
+                buffer = _Buffer(nbytes, shared, device)
                 self._buffers.append(buffer)
             buffer.last_push = self._push
             self._reserved.append(buffer)
             handles.append(buffer.handle(in_process))
         return handles
 
-    def _fits(self, buffer: _Buffer, nbytes: int, shared: bool) -> bool:
+    def _fits(self, buffer: _Buffer, nbytes: int, shared: bool, device: torch.device) -> bool:
         return (
             buffer.nbytes == nbytes
             and (buffer.path is not None) == shared
+            and buffer.device == device
             and buffer not in self._reserved
             and buffer.is_free()
         )

@@ -200,7 +200,7 @@ class Worker:
         """A staging buffer for each bucket of a push (`sizes`: their bytes), in a shared-memory
         file with `shared` (for an engine in another process), handed back as the buffer itself
         `in_process`. The engine writes the buckets into them; `stage_weights_from_staging` stages each."""
-        return self.staging.reserve(sizes, shared, in_process)
+        return self.staging.reserve(sizes, shared, in_process, self.adapter.device)
 
     @engine_route("update_weights")
     def stage_weights_from_staging(self, component: str, layout: BucketLayout) -> int:
