@@ -14,9 +14,12 @@ transformer again as the trainer's copy, and pushes the same bytes (every tensor
 
 Every round first perturbs the trainer's copy; after every push (untimed) `engine.weights_checksum()`
 must equal `rollout.weights.state.checksum(state)`. The step observer (RPCs) and worker timers on
-`StagedUpdates` split every engine push into the engine's checks, the stage_weights RPCs' transport,
-the worker's staging copy, and apply/commit. Targets (on the medians): uni >= 50 % of the copy
-floor's GB/s, mp >= 25 %, every backend >= 5x faster than naive.
+`StagedUpdates` split every engine push into the engine's part (spec checks, the one write of each
+bucket into the workers' staging buffers with the NaN/inf check), the reserve and stage RPCs, the
+worker's staging (views), and apply/commit; `pause` is the apply and commit RPCs, all that
+generation waits for when a push streams beside it. Targets (issue 53, on the medians): uni >= 70 %
+of the copy floor's GB/s, mp and ray >= 50 %, every backend >= 5x faster than naive; with
+`--device cuda` (`make bench-gpu`), >= 8 GB/s per replica.
 
 --threads sets torch's threads here (copy floor, clone, naive and the uni worker run in this
 process) and in each mp/ray worker. Copies are memory-bound; with more threads than idle cores,
