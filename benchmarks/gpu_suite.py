@@ -19,7 +19,10 @@ bfloat16, and writes each one's JSON report into `--results`, plus its own repor
                  bfloat16 default, which re-scores exactly) costs once compiled;
   throughput_sd3_mp  `rollout_throughput --family sd3 --compile both --also-on mp`: the eager and the
                  compiled engine on `mp` beside the same on `uni` (Ray is left out: the GPU
-                 machine's Python has none, and each Ray engine would hold the whole GPU).
+                 machine's Python has none, and each Ray engine would hold the whole GPU);
+  weight_sync    `weight_sync --device cuda --backends uni mp`: its own SD3 transformer (219 MB of
+                 float32) pushed from the trainer's copy on the GPU into a `uni` and an `mp`
+                 engine, >= 8 GB/s per replica.
 
 `rollout_throughput` holds a copy of the model per engine and one for the pipeline diffusers and the
 floor run: three with `--compile both` (FLUX.1-dev: 3 x 24 GB). Qwen-Image's 20B parameters take
@@ -65,6 +68,7 @@ class Part:
     arguments: list[str]
     family: str
     cap_s: float
+    suite_options: bool = True  # takes the suite's --preset, --device, --dtype and --model-folder
 
 
 def parts(args: argparse.Namespace) -> list[Part]:
@@ -101,6 +105,15 @@ def parts(args: argparse.Namespace) -> list[Part]:
         lora("uni", 80, compile="blocks"),
         throughput("sd3", "on", 120, also_on="mp"),
         throughput("qwen_image", "on", 130, batch_size=4, compile="off"),
+        # A full transformer pushed from a trainer copy on the GPU: >= 8 GB/s per replica.
+        Part(
+            "weight_sync",
+            "weight_sync",
+            ["--device", args.device, "--backends", "uni", "mp", *rounds],
+            "sd3",
+            90,
+            False,
+        ),
     ]
 
 
@@ -154,19 +167,13 @@ def scratch_folder() -> Path:
 def run_part(part: Part, args: argparse.Namespace, folder: Path, timeout_s: float) -> tuple[str, float]:
     """Run one part in its own process, its output in `<results>/logs/<name>.log`; returns its
     status ("ok", "failed (rc N)" or "cut off") and its seconds."""
+    suite = ["--preset", args.preset, "--device", args.device, "--dtype", args.dtype, "--model-folder", str(folder)]
     command = [
         sys.executable,
         "-m",
         f"benchmarks.{part.module}",
         *part.arguments,
-        "--preset",
-        args.preset,
-        "--device",
-        args.device,
-        "--dtype",
-        args.dtype,
-        "--model-folder",
-        str(folder),
+        *(suite if part.suite_options else []),
         "--json",
         str(args.results / f"{part.name}.json"),
     ]

@@ -60,6 +60,7 @@ def worker_main(
                 return
             send(conn, _serve(worker, message, block_prefix, blocks))
     finally:
+        worker.staging.close()
         blocks.replies.abandon()
         blocks.arguments.close()
 

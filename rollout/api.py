@@ -153,6 +153,7 @@ class RolloutAPI(Protocol):
         mode: str = "wait",
         check_finite: bool = True,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        delta: bool = False,
     ) -> int:
         """Replace weights of `component` on every worker, all or nothing; returns the new version."""
 
@@ -310,6 +311,7 @@ class AsyncRolloutAPI(Protocol):
         mode: str = "wait",
         check_finite: bool = True,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        delta: bool = False,
     ) -> int:
         """`RolloutAPI.update_weights`, as a coroutine."""
 

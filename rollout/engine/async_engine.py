@@ -220,6 +220,7 @@ class AsyncRolloutEngine:
         mode: str = "wait",
         check_finite: bool = True,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        delta: bool = False,
     ) -> int:
         """`RolloutEngine.update_weights` between two steps: replace weights of `component` on
         every worker, all or nothing; returns the new weight version."""
@@ -231,6 +232,7 @@ class AsyncRolloutEngine:
             mode=mode,
             check_finite=check_finite,
             bucket_bytes=bucket_bytes,
+            delta=delta,
         )
 
     async def update_weights_from_disk(
@@ -284,6 +286,7 @@ class AsyncRolloutEngine:
         check_finite: bool = True,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         version: int | None = None,
+        delta: bool = False,
     ) -> StagedPush:
         """`RolloutEngine.open_weight_push` between two steps: `update_weights` in parts (see
         `add_to_weight_push`, `finish_weight_push`, `abort_weight_push`)."""
@@ -293,6 +296,7 @@ class AsyncRolloutEngine:
             check_finite=check_finite,
             bucket_bytes=bucket_bytes,
             version=version,
+            delta=delta,
         )
 
     async def finish_weight_push(self, push: StagedPush, *, version: int | None = None, mode: str = "wait") -> int:

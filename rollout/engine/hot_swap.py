@@ -29,6 +29,7 @@ from rollout.engine.weight_sync import StagedPush, WeightSync
 from rollout.engine.weight_versions import WeightVersions
 from rollout.errors import EngineDeadError, WorkerError
 from rollout.weights.broadcast_group import BroadcastEntry
+from rollout.weights.delta import Fingerprint, PushReport, SentRecord
 from rollout.weights.safetensors_files import safetensors_files
 from rollout.weights.state import TensorSpec
 from rollout.worker.marks import staging_function
@@ -86,7 +87,7 @@ class HotSwap:
         self._check_component = model_spec.check_component
         self._worker_cls = executor.worker_cls
         self.config = executor.config
-        self._weight_sync = WeightSync(self.collective_rpc)
+        self._weight_sync = WeightSync(self.collective_rpc, executor.shares_memory)
         self.versions = WeightVersions()
         self.sleep_level = 0
         # Counts the changes of the text encoders' weights; the engine sends it with every step, and
@@ -94,6 +95,10 @@ class HotSwap:
         self.encoder_generation = 0
         self._loras: dict[str, int] = {}  # name -> modules it binds
         self._staged_push: StagedPush | None = None  # an update staged in parts, until it ends
+        # What the last update_weights sent (its changed fraction), and per component the
+        # fingerprints of what every rank holds, for delta pushes (rollout.weights.delta).
+        self.last_push: PushReport | None = None
+        self._sent: dict[str, SentRecord] = {}
 
     @property
     def weight_version(self) -> int:
@@ -108,16 +113,18 @@ class HotSwap:
 
     # Weights.
 
-    def weight_update(self, named_tensors, *, component, version, mode, check_finite, bucket_bytes) -> WeightUpdate:
+    def weight_update(
+        self, named_tensors, *, component, version, mode, check_finite, bucket_bytes, delta=False
+    ) -> WeightUpdate:
         """`RolloutEngine.update_weights`, checked: replace weights of `component` on every worker,
         all at once, refused whole or applied whole."""
         self._check_component(component)
         _check_bucket_bytes(bucket_bytes)
-        push_args = (named_tensors, component, check_finite, bucket_bytes)
+        push_args = (named_tensors, component, check_finite, bucket_bytes, self._baseline(component, delta))
         return self._checked_update(self._weight_sync.push, push_args, component, version, mode)
 
     def open_weight_push(
-        self, *, component: str, check_finite: bool, bucket_bytes: int, version: int | None
+        self, *, component: str, check_finite: bool, bucket_bytes: int, version: int | None, delta: bool = False
     ) -> StagedPush:
         """`RolloutEngine.open_weight_push`: `update_weights` in parts, whose version is checked now."""
         self.check_awake()
@@ -125,8 +132,18 @@ class HotSwap:
         if not self.versions.names_current(version):  # the current one only repeats: checked at the end
             self.versions.next(version)
         self._check_no_staged_push()
-        self._staged_push = self._weight_sync.open(component, check_finite, bucket_bytes)
+        baseline = self._baseline(component, delta)
+        self._staged_push = self._weight_sync.open(component, check_finite, bucket_bytes, baseline)
         return self._staged_push
+
+    def _baseline(self, component: str, delta: bool) -> dict[str, Fingerprint] | None:
+        """What a delta push compares with: the fingerprints sent under the version every rank
+        holds now (none, and so every tensor sent, after any other update or a sleep); None for a
+        full push."""
+        if not delta:
+            return None
+        record = self._sent.get(component)
+        return dict(record.fingerprints) if record is not None and record.version == self.versions.current else {}
 
     def finishing_update(self, push: StagedPush, *, version: int | None, mode: str) -> WeightUpdate:
         """The update that applies a push opened with `open_weight_push`, checked as `weight_update`
@@ -173,10 +190,27 @@ class HotSwap:
                 "weights of %s repeated at the current version %d: unchanged", update.component, update.version
             )
             return update.new_version
+        self._weight_sync.applied = None
         update.push()
         self.encoder_generation += 1
         self.versions.move_to(update.new_version)
-        logger.info("weights of %s updated to version %d", update.component, update.new_version)
+        applied, self.last_push = self._weight_sync.applied, None
+        if applied is None:  # from files, a broadcast or a worker function
+            logger.info("weights of %s updated to version %d", update.component, update.new_version)
+            return update.new_version
+        self.last_push = report = applied.report
+        if applied.baseline is not None:
+            self._sent[update.component] = SentRecord(update.new_version, applied.baseline | applied.fingerprints)
+        logger.info(
+            "weights of %s updated to version %d: %d of %d tensors sent (%.1f %% of %.1f MB%s)",
+            update.component,
+            update.new_version,
+            report.sent_tensors,
+            report.tensors,
+            100 * report.changed_fraction,
+            report.nbytes / 1e6,
+            ", a delta push" if report.delta else "",
+        )
         return update.new_version
 
     def weight_update_from_disk(self, path, *, component, version, mode, check_finite) -> WeightUpdate:
@@ -374,6 +408,7 @@ class HotSwap:
             raise RuntimeError(
                 f"cannot sleep with {unfinished} unfinished requests; step() them to completion or abort() them first"
             )
+        self._sent.clear()  # woken weights may be reloaded: the next delta push sends everything
         try:
             self.collective_rpc(Worker.sleep, args=(level,))
         except TimeoutError as error:

@@ -420,6 +420,7 @@ class RolloutEngine:
         mode: str = "wait",
         check_finite: bool = True,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        delta: bool = False,
     ) -> int:
         """Replace weights of `component` on every worker, all at once; returns the new weight version.
 
@@ -438,7 +439,11 @@ class RolloutEngine:
         is refused unless the engine held it before (`rollout.engine.weight_versions`). Workers keep copies
         of the tensors, so the caller may change them at once; tensors wrapped in `HandedOver` (a
         caller that never touches them again) are kept as they are where the workers run in this
-        process.
+        process. Each bucket is written once, into the workers' staging memory, which becomes
+        their weights (`rollout.weights.staging`); the caller's tensors are only read during the call.
+        `delta=True` sends only the tensors whose fingerprint changed since the version every worker
+        holds (`rollout.weights.delta`; the first delta push, and any after another update or a
+        sleep, sends everything); `hot_swap.last_push` says what was sent (`changed_fraction`).
         """
         self._check_open()
         update = self.hot_swap.weight_update(
@@ -448,6 +453,7 @@ class RolloutEngine:
             mode=mode,
             check_finite=check_finite,
             bucket_bytes=bucket_bytes,
+            delta=delta,
         )
         return self._apply_update(update)
 
@@ -502,6 +508,7 @@ class RolloutEngine:
         check_finite: bool = True,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         version: int | None = None,
+        delta: bool = False,
     ) -> StagedPush:
         """`update_weights` in parts, for a caller whose tensors arrive over time (the HTTP
         server's streamed push): `push.add(pairs)` stages them, a call of its own each, and the
@@ -512,7 +519,7 @@ class RolloutEngine:
         (and checked again then), so that a push refused for it is refused before its tensors come."""
         self._check_open()
         return self.hot_swap.open_weight_push(
-            component=component, check_finite=check_finite, bucket_bytes=bucket_bytes, version=version
+            component=component, check_finite=check_finite, bucket_bytes=bucket_bytes, version=version, delta=delta
         )
 
     def finish_weight_push(self, push: StagedPush, *, version: int | None = None, mode: str = "wait") -> int:

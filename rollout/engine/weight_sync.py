@@ -14,22 +14,32 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
+from rollout.engine.bucket_sender import BucketInFlight, BucketSender
 from rollout.errors import EngineDeadError, WorkerError
 from rollout.weights.broadcast_group import BroadcastEntry, plan_buckets
+from rollout.weights.delta import Fingerprint, PushReport, fingerprint
 from rollout.weights.handed_over import HandedOver
 from rollout.weights.safetensors_files import read_specs
-from rollout.weights.state import TensorSpec, refusal_message, spec_problem, update_problems
+from rollout.weights.staging import BucketLayout
+from rollout.weights.state import TensorSpec, all_finite, non_finite_problems, refusal_message, spec_problem
 from rollout.worker.worker import Worker
 
 
 class WeightSync:
-    def __init__(self, collective_rpc: Callable):
+    """`in_process`: the workers share this process's memory (`uni`): their staging buffers come
+    back as tensors, not as shared files to map."""
+
+    def __init__(self, collective_rpc: Callable, in_process: bool):
         self._rpc = collective_rpc
+        self._in_process = in_process
+        self.sender = BucketSender(collective_rpc, in_process)
+        self.applied: StagedPush | None = None  # set by the `StagedPush` that applied last
         self._specs: dict[str, dict[str, TensorSpec]] = {}
         self._repeat_refusal: Callable[[], Exception] | None = None  # set by `only_if_unchanged`
 
@@ -55,11 +65,14 @@ class WeightSync:
         component: str,
         check_finite: bool,
         bucket_bytes: int,
+        baseline: dict[str, Fingerprint] | None = None,
     ) -> int:
         """Apply the update on every rank; returns the number of tensors. Raises ValueError (nothing
         changed) for a bad update, WorkerError (rolled back everywhere) if a rank failed. The buckets
-        of a `HandedOver` update are handed over to the ranks in turn."""
-        staged = self.open(component, check_finite, bucket_bytes)
+        of a `HandedOver` update are handed over to the ranks in turn. With a `baseline` (a delta
+        push: the fingerprints of what every rank holds), only the tensors whose fingerprint
+        differs are sent; the push, once applied, is `applied` (its `report`, its `fingerprints`)."""
+        staged = self.open(component, check_finite, bucket_bytes, baseline)
         try:
             staged.add(named_tensors)
         except BaseException as error:
@@ -67,12 +80,19 @@ class WeightSync:
             raise
         return staged.finish()
 
-    def open(self, component: str, check_finite: bool, bucket_bytes: int) -> StagedPush:
+    def open(
+        self, component: str, check_finite: bool, bucket_bytes: int, baseline: dict[str, Fingerprint] | None = None
+    ) -> StagedPush:
         """An update to stage in parts (`StagedPush`); `push` is one whose parts come in one call."""
-        return StagedPush(self, component, check_finite, bucket_bytes)
+        return StagedPush(self, component, check_finite, bucket_bytes, baseline)
 
-    def _stage(self, component: str, bucket: dict[str, torch.Tensor], handed_over: bool) -> None:
-        self._rpc(Worker.stage_weights, args=(component, HandedOver(bucket) if handed_over else bucket))
+    def _stage_handed_over(self, component: str, bucket: dict[str, torch.Tensor], check_finite: bool) -> list[str]:
+        """Stage tensors handed over to an in-process worker as they are (no copy); returns the
+        NaN/inf problems found (nothing is staged then)."""
+        problems = non_finite_problems(bucket) if check_finite else []
+        if not problems:
+            self._rpc(Worker.stage_weights, args=(component, HandedOver(bucket)))
+        return problems
 
     def push_from_files(self, files: list[Path], component: str, check_finite: bool) -> int:
         """Like `push`, but every rank reads the safetensors `files` itself; the headers are
@@ -203,14 +223,28 @@ class StagedPush:
     engine may step between the calls: staged tensors are invisible to sampling (the HTTP server's
     streamed push stages each bucket as it arrives, and generation goes on meanwhile)."""
 
-    def __init__(self, sync: WeightSync, component: str, check_finite: bool, bucket_bytes: int):
+    def __init__(
+        self,
+        sync: WeightSync,
+        component: str,
+        check_finite: bool,
+        bucket_bytes: int,
+        baseline: dict[str, Fingerprint] | None = None,
+    ):
         self.component = component
+        self.baseline = baseline  # a delta push: tensors with these fingerprints are not sent
+        self.fingerprints: dict[str, Fingerprint] = {}  # of every tensor given, in a delta push
+        self.report: PushReport | None = None  # once applied
+        self._given_bytes = self._sent_bytes = self._sent_tensors = 0
         self._sync, self._check_finite, self._bucket_bytes = sync, check_finite, bucket_bytes
         self._specs = sync.specs(component)
         self._problems: list[str] = []
         self._seen: set[str] = set()
-        self._bucket: dict[str, torch.Tensor] = {}
+        self._bucket: list[tuple[str, torch.Tensor]] = []
         self._bucket_size = 0
+        self._paths: set[str] = set()  # the workers' shared files written
+        self._in_flight: BucketInFlight | None = None  # the bucket being written, staged once the next starts
+        self._writer: ThreadPoolExecutor | None = None  # writes the buckets, beside the caller's iterator
         self._handed_over = False
         self.ended = False  # applied, refused or dropped: nothing of it is staged any more
 
@@ -219,38 +253,113 @@ class StagedPush:
         self._handed_over = isinstance(named_tensors, HandedOver)
         named_tensors = named_tensors.value if self._handed_over else named_tensors
         items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
+        if isinstance(named_tensors, Mapping) and not self._seen and self.baseline is None:
+            self._reserve_ahead(named_tensors)
         for name, tensor in items:
             if name in self._seen:
                 self._problems.append(f"{name}: given twice")
                 continue
             self._seen.add(name)
-            self._problems += update_problems(self._specs, [(name, tensor)], self._check_finite)
-            if self._problems:  # once refused, only keep checking
-                continue
-            self._bucket[name] = tensor
-            self._bucket_size += tensor.numel() * tensor.element_size()
-            if self._bucket_size >= self._bucket_bytes:
-                self._stage_bucket()
+            expected = self._specs.get(name)
+            problem = spec_problem(name, expected, TensorSpec(tuple(tensor.shape), tensor.dtype))
+            if problem is not None:
+                self._check_values(self._bucket)  # refused: what waits for its bucket is only checked
+                self._bucket, self._bucket_size = [], 0
+                self._problems.append(problem)
+            elif self._problems:  # once refused, only keep checking
+                self._check_values([(name, tensor)])
+            else:  # values checked as they are written into the staging buffers
+                self._given_bytes += expected.nbytes
+                if self.baseline is not None:
+                    mark = self.fingerprints[name] = fingerprint(tensor)
+                    if self.baseline.get(name) == mark:
+                        continue  # every rank holds it already
+                self._sent_tensors += 1
+                self._sent_bytes += expected.nbytes
+                self._bucket.append((name, tensor))
+                self._bucket_size += expected.nbytes
+                if self._bucket_size >= self._bucket_bytes:
+                    self._stage_bucket()
 
     def finish(self) -> int:
         """Apply on every rank; returns the number of tensors. A refused update is dropped first."""
         try:
+            if self._bucket and not self._problems:
+                self._stage_bucket(last=True)  # its values are checked as it is written
+            self._send_in_flight()
             _raise_if_refused(self.component, self._problems, self._seen)
-            if self._bucket:
-                self._stage_bucket()
         except BaseException as error:
             self.abort(error)
             raise
-        self.ended = True
+        self._end()
         self._sync._apply(self.component)
+        self.report = PushReport(
+            len(self._seen), self._given_bytes, self._sent_tensors, self._sent_bytes, self.baseline is not None
+        )
+        self._sync.applied = self
         return len(self._seen)
 
     def abort(self, cause: BaseException) -> None:
         """Drop what was staged on every rank (`cause`: why, for the error if that fails too)."""
-        self.ended = True
         self._bucket.clear()
+        if self._in_flight is not None:  # its write must end before the rollback gives its buffers up
+            self._in_flight.written.exception()
+            self._in_flight = None
+        self._end()
         self._sync._roll_back(self.component, cause)
 
-    def _stage_bucket(self) -> None:
-        bucket, self._bucket, self._bucket_size = self._bucket, {}, 0
-        self._sync._stage(self.component, bucket, self._handed_over)
+    def _end(self) -> None:
+        self.ended = True
+        if self._writer is not None:
+            self._writer.shutdown()
+            self._writer = None
+        self._sync.sender.ended(self._paths)
+
+    def _reserve_ahead(self, named_tensors: Mapping[str, torch.Tensor]) -> None:
+        """A whole update given at once: reserve every bucket's staging buffer in one RPC (a
+        delta push learns only as it goes which tensors it sends)."""
+        if self._handed_over and self._sync._in_process:
+            return
+        sizes, bucket, size = [], [], 0
+        for name, tensor in named_tensors.items():  # bucketed as `add` buckets them
+            expected = self._specs.get(name)
+            if spec_problem(name, expected, TensorSpec(tuple(tensor.shape), tensor.dtype)) is not None:
+                return  # refused as it is added: nothing to reserve
+            bucket.append((name, expected))
+            size += expected.nbytes
+            if size >= self._bucket_bytes:
+                sizes.append(BucketLayout.of(bucket).nbytes)
+                bucket, size = [], 0
+        if bucket:
+            sizes.append(BucketLayout.of(bucket).nbytes)
+        self._sync.sender.reserve_ahead(sizes)
+
+    def _check_values(self, pairs: list[tuple[str, torch.Tensor]]) -> None:
+        if self._check_finite:
+            self._problems += [f"{name}: holds NaN or infinite values" for name, t in pairs if not all_finite(t)]
+
+    def _stage_bucket(self, last: bool = False) -> None:
+        """Start writing the full bucket, then stage the one written before it (double buffering);
+        the `last` is written on this thread."""
+        bucket, self._bucket, self._bucket_size = self._bucket, [], 0
+        if self._handed_over and self._sync._in_process:
+            self._send_in_flight()
+            self._problems += self._sync._stage_handed_over(self.component, dict(bucket), self._check_finite)
+            return
+        layout = BucketLayout.of([(name, self._specs[name]) for name, _ in bucket])
+        if self._writer is None and not last:
+            self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout-weight-writer")
+        if self._problems:  # refused already: only check the rest
+            self._check_values(bucket)
+            return
+        previous = self._in_flight
+        writer = None if last else self._writer
+        self._in_flight = self._sync.sender.begin(layout, [t for _, t in bucket], self._check_finite, writer)
+        self._paths |= self._in_flight.paths
+        if previous is not None:  # checked and staged while this one is written
+            self._problems += self._sync.sender.send(self.component, previous, stage=not self._problems)
+
+    def _send_in_flight(self) -> None:
+        bucket, self._in_flight = self._in_flight, None
+        if bucket is not None:
+            self._problems += self._sync.sender.send(self.component, bucket, stage=not self._problems)

@@ -291,6 +291,7 @@ class RemoteRolloutEngine:
         mode: str = "wait",
         check_finite: bool = True,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        delta: bool = False,
     ) -> int:
         """`RolloutEngine.update_weights`: the tensors stream to the server in buckets of about
         `bucket_bytes`, read from `named_tensors` as they are sent (`rollout.serve.weight_stream`),
@@ -304,6 +305,7 @@ class RemoteRolloutEngine:
             mode=mode,
             check_finite=check_finite,
             bucket_bytes=bucket_bytes,
+            delta=delta,
         )
         body, headers = weight_frames(named_tensors, options, bucket_bytes), {"content-type": FRAMES_MEDIA_TYPE}
         if self._push_target is None:

@@ -85,6 +85,7 @@ class UpdateFromTensorBody(Body):
     mode: Literal["wait", "pause"] = "wait"
     check_finite: bool = True  # refuse NaN and infinity (the engine's default)
     bucket_bytes: Positive = DEFAULT_BUCKET_BYTES
+    delta: bool = False  # the server's engine sends its workers only the tensors that changed
 
 
 class LoadLoraTensorsBody(Body):

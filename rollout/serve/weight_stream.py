@@ -107,6 +107,7 @@ async def _receive_update(
             check_finite=options.check_finite,
             bucket_bytes=options.bucket_bytes,
             version=options.version,
+            delta=options.delta,
         )
         try:
             await _stage_buckets(frames, engine, push, due)

@@ -28,7 +28,7 @@ class TensorSpec:
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 def base_state(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -140,17 +140,19 @@ class WeightSwap:
     def __init__(self, module: nn.Module, new_tensors: Mapping[str, torch.Tensor]):
         self.module = module
         self._real_names = _real_names(module)
+        # One walk for every owner (`get_submodule` walks the path again for each weight: ~50 us each).
+        self._owners = dict(module.named_modules())
         self._old: dict[str, torch.Tensor] = {}
         try:
             for name, tensor in new_tensors.items():
-                self._old[name] = _set_tensor(module, self._real_names[name], tensor)
+                self._old[name] = _set_tensor(self._owners, self._real_names[name], tensor)
         except BaseException:
             self.rollback()  # a swap that fails part-way leaves the module as it was
             raise
 
     def rollback(self) -> None:
         for name, tensor in self._old.items():
-            _set_tensor(self.module, self._real_names[name], tensor)
+            _set_tensor(self._owners, self._real_names[name], tensor)
         self._old.clear()
 
     def commit(self) -> None:
@@ -169,10 +171,11 @@ def _real_names(module: nn.Module) -> dict[str, str]:
     }
 
 
-def _set_tensor(module: nn.Module, name: str, tensor: torch.Tensor) -> torch.Tensor:
-    """Point weight `name` at `tensor`'s storage; returns the tensor it held before."""
+def _set_tensor(owners: Mapping[str, nn.Module], name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """Point weight `name` (its owner in `owners`, the module's `named_modules()`) at `tensor`'s
+    storage; returns the tensor it held before."""
     owner_name, _, leaf = name.rpartition(".")
-    owner = module.get_submodule(owner_name)
+    owner = owners[owner_name]
     if leaf in owner._parameters:
         parameter = owner._parameters[leaf]
         old = parameter.data
@@ -226,7 +229,9 @@ class StagedUpdates:
         state = base_state(self.module(component))
         staged = self._staged.setdefault(component, {})
         for name, tensor in named_tensors.items():
-            staged[name] = tensor.to(device=state[name].device, dtype=state[name].dtype)
+            live = state[name]
+            same = tensor.device == live.device and tensor.dtype == live.dtype  # the common case: `to` costs ~10 us
+            staged[name] = tensor if same else tensor.to(device=live.device, dtype=live.dtype)
         return len(staged)
 
     def stage_checked(self, component: str, parts: Iterable[Mapping[str, torch.Tensor]], check_finite: bool) -> int:

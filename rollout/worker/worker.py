@@ -31,6 +31,7 @@ from rollout.pipelines.compiled_blocks import compile_blocks
 from rollout.pipelines.loading import load_adapter
 from rollout.weights.broadcast_group import BroadcastEntry, connect, receive_bucket
 from rollout.weights.regular_files import check_regular
+from rollout.weights.staging import BucketLayout, StagingHandle, StagingPool
 from rollout.weights.state import StagedUpdates, TensorSpec, base_state, checksum, specs_of
 from rollout.worker.marks import READ_ONLY, STEP, engine_route, functions_marked, read_only, step, worker_functions
 from rollout.worker.model_runner import BatchLost, ModelRunner, RequestState, describe
@@ -79,6 +80,7 @@ class Worker:
         self.requests: dict[str, RequestState] = {}
         self.sent_conditions = SentConditions()  # the text embeddings the engine holds
         self.updates = StagedUpdates(self.adapter.components)
+        self.staging = StagingPool()  # the buffers pushed buckets are written into (rollout.weights.staging)
         self.sleeper = Sleeper(self.adapter.components, config.model)
         self.broadcast_group = None  # joined by init_weight_update_group
 
@@ -193,6 +195,25 @@ class Worker:
     def stage_weights(self, component: str, named_tensors: dict[str, torch.Tensor]) -> int:
         return self.updates.stage(component, named_tensors)
 
+    @engine_route("update_weights")
+    def reserve_staging(self, sizes: list[int], shared: bool, in_process: bool) -> list[StagingHandle]:
+        """A staging buffer for each bucket of a push (`sizes`: their bytes), in a shared-memory
+        file with `shared` (for an engine in another process), handed back as the buffer itself
+        `in_process`. The engine writes the buckets into them; `stage_weights_from_staging` stages each."""
+        return self.staging.reserve(sizes, shared, in_process, self.adapter.device)
+
+    @engine_route("update_weights")
+    def stage_weights_from_staging(self, component: str, layout: BucketLayout) -> int:
+        """Stage the next reserved buffer's bucket (written by the engine, checked there): views of
+        it on a CPU model, copies on another device."""
+        return self.updates.stage(component, layout.views(self.staging.take(layout.nbytes)))
+
+    @engine_route("update_weights")
+    def stage_weights_flat(self, component: str, layout: BucketLayout, flat: torch.Tensor) -> int:
+        """Stage a bucket that came through the transport as one flat buffer (this worker's own copy)."""
+        self.staging.cancel()  # the engine could not reach the buffers it reserved
+        return self.updates.stage(component, layout.views(flat))
+
     @engine_route("update_weights_from_worker")
     def stage_weights_from_function(
         self, component: str, method: str, args: Sequence, kwargs: dict, check_finite: bool
@@ -246,11 +267,13 @@ class Worker:
     def commit_weights(self, component: str) -> None:
         self.loras.restore()
         self.updates.commit(component)
+        self.staging.trim()
 
     @engine_route("update_weights")
     def rollback_weights(self, component: str) -> None:
         self.loras.restore()
         self.updates.rollback(component)
+        self.staging.cancel()
 
     @read_only
     def weights_checksum(self, component: str) -> str:
@@ -296,6 +319,7 @@ class Worker:
                 "shares them, or give the trainer its own copy (LoraPolicy(model, ...)) to sleep the engine"
             )
         self.loras.restore()
+        self.staging.release()  # the spare buffers of the last push: memory sleep is asked to free
         self.sleeper.sleep(level)
 
     @read_only

@@ -15,6 +15,7 @@ from rollout.api import DEFAULT_BUCKET_BYTES, DEFAULT_COMPONENT
 from rollout.config import EngineConfig
 from rollout.engine.hot_swap import HotSwap
 from rollout.errors import EngineDeadError, WorkerError
+from rollout.weights.staging import StagingHandle
 from rollout.weights.state import TensorSpec
 from rollout.worker.worker import Worker
 
@@ -27,6 +28,7 @@ SPECS = {"w": TensorSpec((2,), torch.float32)}
 class FakeRank:
     weights: torch.Tensor = field(default_factory=lambda: torch.zeros(2))
     staged: dict = field(default_factory=dict)
+    reserved: list = field(default_factory=list)  # staging buffers the engine writes buckets into
     loras: dict = field(default_factory=dict)  # name -> modules bound
     staged_loras: dict = field(default_factory=dict)
     sleep_level: int = 0
@@ -57,6 +59,14 @@ class FakeWorkers:
     def stage_weights(self, rank, component, bucket):
         rank.staged.update(bucket)
 
+    def reserve_staging(self, rank, sizes, shared, in_process):
+        buffers = [torch.zeros(nbytes, dtype=torch.uint8) for nbytes in sizes]
+        rank.reserved += buffers
+        return [StagingHandle(nbytes, flat=flat) for nbytes, flat in zip(sizes, buffers, strict=True)]
+
+    def stage_weights_from_staging(self, rank, component, layout):
+        rank.staged.update(layout.views(rank.reserved.pop(0)))
+
     def apply_staged_weights(self, rank, component):
         pass
 
@@ -68,6 +78,7 @@ class FakeWorkers:
 
     def rollback_weights(self, rank, component):
         rank.staged.clear()
+        rank.reserved.clear()
 
     def stage_lora(self, rank, name, source, config, check_finite):
         rank.staged_loras[name] = 3
@@ -109,6 +120,7 @@ class FakeExecutor:
 
     config: EngineConfig
     worker_cls: type = Worker
+    shares_memory: bool = True  # the ranks' staging buffers come back as tensors
 
 
 @dataclass
