@@ -3,7 +3,11 @@ anything loads: per device, the weights (the engine's, the trainer's and what th
 LoRA with its gradients and AdamW states, and the activation peak of one training micro-batch.
 
 Weights: every module of the model folder built on the meta device from its `model_index.json`
-and each component's `config.json` (no weight file is read), counted at the config's dtype. LoRA:
+and each component's `config.json` (no weight file is read), counted at the config's dtype. Where
+`model.path` is not a folder here (a real-size config planned on a laptop), the family that
+`model.tiny_family` names builds its "real" preset in memory on the meta device instead: the
+published transformer config, and one-layer stand-ins for the text encoders and VAE, which count
+at the published sizes the family declares (`Family.published_parts`; the printout says which). LoRA:
 the trainer's adapter attached to those meta denoisers (float32, as it trains), its gradients
 (float32) and AdamW's two float32 states per parameter. Activations: `train_step_peak` on
 `FakeTensorMode`'s shape-only tensors over the same meta model (the trainer's forward and
@@ -25,9 +29,11 @@ from pathlib import Path
 
 import torch
 
+from rollout.pipelines.families import family_named
 from rollout.pipelines.loading import adapter_class
 from rollout.pipelines.model_index import read_model_index
 from rollout.pipelines.quiet import quietly
+from rollout.pipelines.tiny.saving import InMemory
 
 GIB = 1024**3
 ADAMW_STATES = 2  # exp_avg and exp_avg_sq, float32, per trained parameter
@@ -106,6 +112,7 @@ class MemoryPlan:
     capacity: int | None  # bytes of each device, None: not known (no fit check)
     capacity_source: str
     knobs: dict[str, str] = field(default_factory=dict)  # what to turn, with the saving it gives
+    notes: tuple[str, ...] = ()  # what the printout says first (the model planned, its stand-ins)
 
     def problems(self) -> list[str]:
         """A device that the plan does not fit, naming the knobs to turn; none without a capacity."""
@@ -121,7 +128,7 @@ class MemoryPlan:
         ]
 
     def render(self) -> str:
-        lines = []
+        lines = [f"note: {note}" for note in self.notes]
         for device in self.devices:
             lines.append(f"{device.device} ({device.role}):")
             for line in device.lines:
@@ -158,20 +165,84 @@ def device_capacity(config) -> tuple[int | None, str]:
     return None, f"{config.engine.device} has no known total; set trainer.device_memory_gib to check the fit"
 
 
+@dataclass(frozen=True)
+class PlannedModel:
+    """The meta-device model a plan counts, with the bytes of each component that is not a denoiser
+    (name -> bytes) and what the printout says of where they come from."""
+
+    adapter: object
+    source: str
+    other_bytes: dict[str, int]
+    other_sources: dict[str, str]
+    notes: tuple[str, ...] = ()
+
+
+def planned_model(config, dtype: torch.dtype) -> PlannedModel:
+    """The model of `config` on the meta device: `model.path`'s own configs where it is a folder here
+    (or `tiny`), else the published configs of `model.tiny_family`'s real preset built in memory,
+    whose stand-in text encoders and VAE count at their published sizes (`Family.published_parts`)."""
+    if config.model.path == "tiny" or Path(config.model.path).is_dir():
+        folder = config.model.resolve_path()
+        adapter = meta_adapter(folder, dtype)
+        source = f"{folder}/*/config.json on the meta device, {config.engine.dtype}"
+        others = {name: m for name, m in adapter.components.items() if name not in adapter.denoisers}
+        return PlannedModel(
+            adapter, source, {name: module_bytes(m) for name, m in others.items()}, dict.fromkeys(others, source)
+        )
+    family = family_named(config.model.tiny_family)
+    adapter = preset_adapter(family, dtype)
+    source = f"{family.real_model}'s published config.json on the meta device, {config.engine.dtype}"
+    element = torch.empty((), dtype=dtype).element_size()
+    other_bytes, other_sources, stand_ins = {}, {}, []
+    for name, module in adapter.components.items():
+        if name in adapter.denoisers:
+            continue
+        published = family.published_parts.get(name)
+        if published is None:  # no published size stated: the stand-in's own, and the printout says so
+            other_bytes[name] = module_bytes(module)
+            other_sources[name] = f"the preset's stand-in (its published size is not stated), {config.engine.dtype}"
+            stand_ins.append(name)
+        else:
+            other_bytes[name] = published["params"] * element
+            other_sources[name] = f"{published['params'] / 1e9:.3g}B parameters: {published['source']}"
+    notes = (
+        f"model.path {config.model.path!r} is not a folder here: planned with the published configs of "
+        f"model.tiny_family {family.name!r} ({family.real_model}), built in memory on the meta device",
+        f"its {', '.join(other_bytes)} are the preset's one-layer stand-ins; the weights count "
+        + (
+            "their published sizes"
+            if not stand_ins
+            else f"their published sizes where known, the stand-ins' own for {', '.join(stand_ins)} (an undercount)"
+        ),
+    )
+    return PlannedModel(adapter, source, other_bytes, other_sources, notes)
+
+
+@quietly
+def preset_adapter(family, dtype: torch.dtype):
+    """The family's `PipelineAdapter` over its "real" preset built in memory on the meta device
+    (nothing written, no memory taken)."""
+    pipeline = family.build_preset("real", InMemory(), device="meta", dtype=dtype).pipeline
+    return adapter_class(type(pipeline).__name__)(pipeline)
+
+
 def memory_plan(config) -> MemoryPlan:
     """The plan of training config `config` (a `TrainingConfig`); builds nothing but meta modules
-    and reads no weight file. `model.path` must be a folder here (a tiny one is built first)."""
+    and reads no weight file. `model.path` is a folder here (a tiny one is built first), or the
+    published configs of `model.tiny_family` are planned (`planned_model`)."""
     from trainers_adapters.policy.train_step_peak import attach_lora, train_step_peak
 
-    folder = config.model.resolve_path()
     dtype = getattr(torch, config.engine.dtype)
-    adapter = meta_adapter(folder, dtype)
-    source = f"{folder}/*/config.json on the meta device, {config.engine.dtype}"
+    model = planned_model(config, dtype)
+    adapter, source = model.adapter, model.source
     denoisers = adapter.denoisers
-    components = adapter.components
     denoiser_bytes = sum(module_bytes(module) for module in denoisers.values())
-    other_bytes = sum(module_bytes(m) for name, m in components.items() if name not in denoisers)
-    others = ", ".join(name for name in sorted(components) if name not in denoisers) or "none"
+    other_bytes = sum(model.other_bytes.values())
+    others = ", ".join(sorted(model.other_bytes)) or "none"
+    other_lines = tuple(
+        Line(f"engine-only: {name}", model.other_bytes[name], model.other_sources[name])
+        for name in sorted(model.other_bytes)
+    )
     lora = attach_lora(adapter, config.lora.peft_config())
     lora_bytes = sum(p.numel() * 4 for p in lora)  # float32
     lora_source = f"{sum(p.numel() for p in lora):,} LoRA parameters (rank {config.lora.rank}), float32"
@@ -204,7 +275,7 @@ def memory_plan(config) -> MemoryPlan:
                 "each device: an engine and a trainer rank",
                 (
                     Line("shared weights (engine and trainer)", denoiser_bytes, f"{names}: {source}"),
-                    Line("engine-only weights", other_bytes, f"{others}: {source}"),
+                    *other_lines,
                     engine_lora,
                     *trainer,
                 ),
@@ -215,7 +286,11 @@ def memory_plan(config) -> MemoryPlan:
             DeviceMemory(
                 config.engine.device,
                 "each engine device",
-                (Line("engine weights", denoiser_bytes + other_bytes, f"{names}, {others}: {source}"), engine_lora),
+                (
+                    Line("engine's denoisers", denoiser_bytes, f"{names}: {source}"),
+                    *other_lines,
+                    engine_lora,
+                ),
             ),
             DeviceMemory(
                 config.engine.device,
@@ -235,4 +310,4 @@ def memory_plan(config) -> MemoryPlan:
             f"the trainer's devices then hold no {others} ({size(other_bytes)}) and no engine"
         )
     knobs["or use GPUs with more memory"] = "a LoRA's data-parallel ranks each hold all of the above"
-    return MemoryPlan(devices, capacity, capacity_source, knobs)
+    return MemoryPlan(devices, capacity, capacity_source, knobs, model.notes)
