@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
 
 from rollout.pipelines.families import family_named
 from rollout.pipelines.loading import adapter_class
@@ -175,6 +176,7 @@ class PlannedModel:
     other_bytes: dict[str, int]
     other_sources: dict[str, str]
     notes: tuple[str, ...] = ()
+    stand_ins: bool = False  # the text encoders and VAE are a real preset's small stand-ins
 
 
 def planned_model(config, dtype: torch.dtype) -> PlannedModel:
@@ -215,7 +217,7 @@ def planned_model(config, dtype: torch.dtype) -> PlannedModel:
             else f"their published sizes where known, the stand-ins' own for {', '.join(stand_ins)} (an undercount)"
         ),
     )
-    return PlannedModel(adapter, source, other_bytes, other_sources, notes)
+    return PlannedModel(adapter, source, other_bytes, other_sources, notes, stand_ins=True)
 
 
 @quietly
@@ -226,12 +228,47 @@ def preset_adapter(family, dtype: torch.dtype):
     return adapter_class(type(pipeline).__name__)(pipeline)
 
 
+def activation_peak(config, model: PlannedModel, rows: int, guided: bool) -> int:
+    """`train_step_peak` on fake tensors over `model` (its LoRA attached). Where the prompt encoding
+    reads values that shape-only tensors lack (a mask that selects tokens: Qwen-Image, Wan, Z-Image,
+    HunyuanVideo 1.5) and the text encoders are a real preset's stand-ins (one layer, small), the
+    model is built again with real (uninitialised) storage for them, so they encode for real; the
+    step itself stays on fake tensors."""
+    from trainers_adapters.policy.train_step_peak import train_step_peak
+
+    try:
+        return train_step_peak(model.adapter, config.sampling, rows, guided, fake=True)
+    except (DataDependentOutputException, DynamicOutputShapeException) as error:
+        if not model.stand_ins:
+            raise ValueError(
+                f"the memory plan cannot encode a prompt of this model on shape-only tensors ({error!r}); plan "
+                "it where model.path is not a folder, from its family's published configs (model.tiny_family)"
+            ) from error
+    # The failed try gave every module fake storage: start again from a new build.
+    adapter = planned_model(config, getattr(torch, config.engine.dtype)).adapter
+    prepare_training(adapter, config)
+    for name, module in adapter.components.items():
+        if name not in adapter.denoisers:
+            module.to_empty(device="cpu")
+    return train_step_peak(adapter, config.sampling, rows, guided, fake=True, encode_for_real=True)
+
+
+def prepare_training(adapter, config) -> list[torch.nn.Parameter]:
+    """The trainer's LoRA on `adapter`'s denoisers, and gradient checkpointing as the config sets it;
+    returns the LoRA parameters."""
+    from trainers_adapters.policy.train_step_peak import attach_lora
+
+    lora = attach_lora(adapter, config.lora.peft_config())
+    if config.trainer.gradient_checkpointing:
+        for denoiser in adapter.denoisers.values():
+            denoiser.enable_gradient_checkpointing()
+    return lora
+
+
 def memory_plan(config) -> MemoryPlan:
     """The plan of training config `config` (a `TrainingConfig`); builds nothing but meta modules
     and reads no weight file. `model.path` is a folder here (a tiny one is built first), or the
     published configs of `model.tiny_family` are planned (`planned_model`)."""
-    from trainers_adapters.policy.train_step_peak import attach_lora, train_step_peak
-
     dtype = getattr(torch, config.engine.dtype)
     model = planned_model(config, dtype)
     adapter, source = model.adapter, model.source
@@ -243,14 +280,11 @@ def memory_plan(config) -> MemoryPlan:
         Line(f"engine-only: {name}", model.other_bytes[name], model.other_sources[name])
         for name in sorted(model.other_bytes)
     )
-    lora = attach_lora(adapter, config.lora.peft_config())
+    lora = prepare_training(adapter, config)
     lora_bytes = sum(p.numel() * 4 for p in lora)  # float32
     lora_source = f"{sum(p.numel() for p in lora):,} LoRA parameters (rank {config.lora.rank}), float32"
-    if config.trainer.gradient_checkpointing:
-        for denoiser in denoisers.values():
-            denoiser.enable_gradient_checkpointing()
     key, rows, guided = micro_batch(config)
-    activations = train_step_peak(adapter, config.sampling, rows, guided, fake=True)
+    activations = activation_peak(config, model, rows, guided)
     if guided and adapter.spec.resolve(config.sampling)[0].negative_prompt is not None:
         rows_text = f"{rows} rows + {rows} unconditional (CFG)"
     else:
