@@ -69,7 +69,8 @@ def train_step_peak(
         latents = torch.zeros(rows, *shape)
         guidance = Guidance.of(resolved)  # guided rows are those whose condition has a negative
         conditions = [Condition(prompt, negative)] * rows
-        with LiveTensorBytes() as live:
+        weights = [t for module in adapter.components.values() for t in (*module.parameters(), *module.buffers())]
+        with LiveTensorBytes(weights) as live:
             velocity = adapter.predict_velocity(
                 latents, sigmas, conditions, height=resolved.height, width=resolved.width, guidance=guidance
             )
