@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 PINS ?= .ci/constraints.txt
 EXTRAS := .[test,ray,tensorboard,wandb]
 
-.PHONY: setup demo test test-slow test-latest pins lint bench bench-gpu gpu-wheels clean
+.PHONY: setup demo test test-slow test-latest pins lint bench bench-gpu train-gpu gpu-wheels clean
 
 setup: $(VENV)/.installed
 
@@ -118,6 +118,14 @@ bench-gpu:
 	PYTHONPATH=$(GPU_SITE):$(CURDIR) $(GPU_PY) -m benchmarks.gpu_suite --results $(GPU_RESULTS)
 	PYTHONPATH=$(GPU_SITE):$(CURDIR) $(GPU_PY) -m benchmarks.render --results $(GPU_RESULTS) \
 		--out docs/benchmarks_gpu.md --no-readme
+
+# Two training steps of the SD3.5 Medium and FLUX.1-dev LoRA recipes on one GPU with the published
+# transformers at random weights (benchmarks/train_gpu.py): peak memory against the memory plan, and the
+# step split (rollout, reward, train, push), in at most 8 minutes; the same Python and wheels as bench-gpu.
+train-gpu:
+	if [ -d $(WHEELS) ]; then $(GPU_PY) -m pip install -q --no-index --no-deps --no-compile --upgrade \
+		--target $(GPU_SITE) $(WHEELS)/*.whl; fi
+	PYTHONPATH=$(GPU_SITE):$(CURDIR) $(GPU_PY) -m benchmarks.train_gpu --json $(GPU_RESULTS)/train_gpu.json
 
 clean:
 	rm -rf $(VENV) $(LATEST) outputs .cache .pytest_cache .ruff_cache

@@ -66,7 +66,11 @@ class ModelSection:
     path: str = option(
         TINY_MODEL, f"local diffusers pipeline folder, or {TINY_MODEL!r} for a tiny random pipeline of tiny_family"
     )
-    tiny_family: str = option("sd3", f"family of the tiny pipeline: {', '.join(family_names())}")
+    tiny_family: str = option(
+        "sd3",
+        f"family of the tiny pipeline (path {TINY_MODEL!r}), and the family whose published configs --plan builds "
+        f"where path is not a folder here: {', '.join(family_names())}",
+    )
     tiny_cache_dir: str | None = option(
         None, f"where path={TINY_MODEL!r} builds its pipeline once and reuses it; null: .cache/tiny_<tiny_family>"
     )

@@ -3,7 +3,11 @@ anything loads: per device, the weights (the engine's, the trainer's and what th
 LoRA with its gradients and AdamW states, and the activation peak of one training micro-batch.
 
 Weights: every module of the model folder built on the meta device from its `model_index.json`
-and each component's `config.json` (no weight file is read), counted at the config's dtype. LoRA:
+and each component's `config.json` (no weight file is read), counted at the config's dtype. Where
+`model.path` is not a folder here (a real-size config planned on a laptop), the family that
+`model.tiny_family` names builds its "real" preset in memory on the meta device instead: the
+published transformer config, and one-layer stand-ins for the text encoders and VAE, which count
+at the published sizes the family declares (`Family.published_parts`; the printout says which). LoRA:
 the trainer's adapter attached to those meta denoisers (float32, as it trains), its gradients
 (float32) and AdamW's two float32 states per parameter. Activations: `train_step_peak` on
 `FakeTensorMode`'s shape-only tensors over the same meta model (the trainer's forward and
@@ -24,10 +28,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
 
+from rollout.pipelines.families import family_named
 from rollout.pipelines.loading import adapter_class
 from rollout.pipelines.model_index import read_model_index
 from rollout.pipelines.quiet import quietly
+from rollout.pipelines.tiny.saving import InMemory
 
 GIB = 1024**3
 ADAMW_STATES = 2  # exp_avg and exp_avg_sq, float32, per trained parameter
@@ -106,6 +113,7 @@ class MemoryPlan:
     capacity: int | None  # bytes of each device, None: not known (no fit check)
     capacity_source: str
     knobs: dict[str, str] = field(default_factory=dict)  # what to turn, with the saving it gives
+    notes: tuple[str, ...] = ()  # what the printout says first (the model planned, its stand-ins)
 
     def problems(self) -> list[str]:
         """A device that the plan does not fit, naming the knobs to turn; none without a capacity."""
@@ -121,7 +129,7 @@ class MemoryPlan:
         ]
 
     def render(self) -> str:
-        lines = []
+        lines = [f"note: {note}" for note in self.notes]
         for device in self.devices:
             lines.append(f"{device.device} ({device.role}):")
             for line in device.lines:
@@ -158,33 +166,130 @@ def device_capacity(config) -> tuple[int | None, str]:
     return None, f"{config.engine.device} has no known total; set trainer.device_memory_gib to check the fit"
 
 
+@dataclass(frozen=True)
+class PlannedModel:
+    """The meta-device model a plan counts, with the bytes of each component that is not a denoiser
+    (name -> bytes) and what the printout says of where they come from."""
+
+    adapter: object
+    source: str
+    other_bytes: dict[str, int]
+    other_sources: dict[str, str]
+    notes: tuple[str, ...] = ()
+    stand_ins: bool = False  # the text encoders and VAE are a real preset's small stand-ins
+
+
+def planned_model(config, dtype: torch.dtype) -> PlannedModel:
+    """The model of `config` on the meta device: `model.path`'s own configs where it is a folder here
+    (or `tiny`), else the published configs of `model.tiny_family`'s real preset built in memory,
+    whose stand-in text encoders and VAE count at their published sizes (`Family.published_parts`)."""
+    if config.model.path == "tiny" or Path(config.model.path).is_dir():
+        folder = config.model.resolve_path()
+        adapter = meta_adapter(folder, dtype)
+        source = f"{folder}/*/config.json on the meta device, {config.engine.dtype}"
+        others = {name: m for name, m in adapter.components.items() if name not in adapter.denoisers}
+        return PlannedModel(
+            adapter, source, {name: module_bytes(m) for name, m in others.items()}, dict.fromkeys(others, source)
+        )
+    family = family_named(config.model.tiny_family)
+    adapter = preset_adapter(family, dtype)
+    source = f"{family.real_model}'s published config.json on the meta device, {config.engine.dtype}"
+    element = torch.empty((), dtype=dtype).element_size()
+    other_bytes, other_sources, stand_ins = {}, {}, []
+    for name, module in adapter.components.items():
+        if name in adapter.denoisers:
+            continue
+        published = family.published_parts.get(name)
+        if published is None:  # no published size stated: the stand-in's own, and the printout says so
+            other_bytes[name] = module_bytes(module)
+            other_sources[name] = f"the preset's stand-in (its published size is not stated), {config.engine.dtype}"
+            stand_ins.append(name)
+        else:
+            other_bytes[name] = published["params"] * element
+            other_sources[name] = f"{published['params'] / 1e9:.3g}B parameters: {published['source']}"
+    notes = (
+        f"model.path {config.model.path!r} is not a folder here: planned with the published configs of "
+        f"model.tiny_family {family.name!r} ({family.real_model}), built in memory on the meta device",
+        f"its {', '.join(other_bytes)} are the preset's one-layer stand-ins; the weights count "
+        + (
+            "their published sizes"
+            if not stand_ins
+            else f"their published sizes where known, the stand-ins' own for {', '.join(stand_ins)} (an undercount)"
+        ),
+    )
+    return PlannedModel(adapter, source, other_bytes, other_sources, notes, stand_ins=True)
+
+
+@quietly
+def preset_adapter(family, dtype: torch.dtype):
+    """The family's `PipelineAdapter` over its "real" preset built in memory on the meta device
+    (nothing written, no memory taken)."""
+    pipeline = family.build_preset("real", InMemory(), device="meta", dtype=dtype).pipeline
+    return adapter_class(type(pipeline).__name__)(pipeline)
+
+
+def activation_peak(config, model: PlannedModel, rows: int, guided: bool) -> int:
+    """`train_step_peak` on fake tensors over `model` (its LoRA attached). Where the prompt encoding
+    reads values that shape-only tensors lack (a mask that selects tokens: Qwen-Image, Wan, Z-Image,
+    HunyuanVideo 1.5) and the text encoders are a real preset's stand-ins (one layer, small), the
+    model is built again with real (uninitialised) storage for them, so they encode for real; the
+    step itself stays on fake tensors."""
+    from trainers_adapters.policy.train_step_peak import train_step_peak
+
+    try:
+        return train_step_peak(model.adapter, config.sampling, rows, guided, fake=True)
+    except (DataDependentOutputException, DynamicOutputShapeException) as error:
+        if not model.stand_ins:
+            raise ValueError(
+                f"the memory plan cannot encode a prompt of this model on shape-only tensors ({error!r}); plan "
+                "it where model.path is not a folder, from its family's published configs (model.tiny_family)"
+            ) from error
+    # The failed try gave every module fake storage: start again from a new build.
+    adapter = planned_model(config, getattr(torch, config.engine.dtype)).adapter
+    prepare_training(adapter, config)
+    for name, module in adapter.components.items():
+        if name not in adapter.denoisers:
+            module.to_empty(device="cpu")
+    return train_step_peak(adapter, config.sampling, rows, guided, fake=True, encode_for_real=True)
+
+
+def prepare_training(adapter, config) -> list[torch.nn.Parameter]:
+    """The trainer's LoRA on `adapter`'s denoisers, and gradient checkpointing as the config sets it;
+    returns the LoRA parameters."""
+    from trainers_adapters.policy.train_step_peak import attach_lora
+
+    lora = attach_lora(adapter, config.lora.peft_config())
+    if config.trainer.gradient_checkpointing:
+        for denoiser in adapter.denoisers.values():
+            denoiser.enable_gradient_checkpointing()
+    return lora
+
+
 def memory_plan(config) -> MemoryPlan:
     """The plan of training config `config` (a `TrainingConfig`); builds nothing but meta modules
-    and reads no weight file. `model.path` must be a folder here (a tiny one is built first)."""
-    from trainers_adapters.policy.train_step_peak import attach_lora, train_step_peak
-
+    and reads no weight file. `model.path` is a folder here (a tiny one is built first), or the
+    published configs of `model.tiny_family` are planned (`planned_model`)."""
     if config.policy == "full":  # sharded weights, gradients and AdamW states over the ranks: not counted yet
         raise ValueError(
             "the memory plan counts a LoRA policy's training; policy full (every weight, sharded over the trainer "
             "ranks) is not planned yet: see the arithmetic in the config's header"
         )
-    folder = config.model.resolve_path()
     dtype = getattr(torch, config.engine.dtype)
-    adapter = meta_adapter(folder, dtype)
-    source = f"{folder}/*/config.json on the meta device, {config.engine.dtype}"
+    model = planned_model(config, dtype)
+    adapter, source = model.adapter, model.source
     denoisers = adapter.denoisers
-    components = adapter.components
     denoiser_bytes = sum(module_bytes(module) for module in denoisers.values())
-    other_bytes = sum(module_bytes(m) for name, m in components.items() if name not in denoisers)
-    others = ", ".join(name for name in sorted(components) if name not in denoisers) or "none"
-    lora = attach_lora(adapter, config.lora.peft_config())
+    other_bytes = sum(model.other_bytes.values())
+    others = ", ".join(sorted(model.other_bytes)) or "none"
+    other_lines = tuple(
+        Line(f"engine-only: {name}", model.other_bytes[name], model.other_sources[name])
+        for name in sorted(model.other_bytes)
+    )
+    lora = prepare_training(adapter, config)
     lora_bytes = sum(p.numel() * 4 for p in lora)  # float32
     lora_source = f"{sum(p.numel() for p in lora):,} LoRA parameters (rank {config.lora.rank}), float32"
-    if config.trainer.gradient_checkpointing:
-        for denoiser in denoisers.values():
-            denoiser.enable_gradient_checkpointing()
     key, rows, guided = micro_batch(config)
-    activations = train_step_peak(adapter, config.sampling, rows, guided, fake=True)
+    activations = activation_peak(config, model, rows, guided)
     if guided and adapter.spec.resolve(config.sampling)[0].negative_prompt is not None:
         rows_text = f"{rows} rows + {rows} unconditional (CFG)"
     else:
@@ -209,7 +314,7 @@ def memory_plan(config) -> MemoryPlan:
                 "each device: an engine and a trainer rank",
                 (
                     Line("shared weights (engine and trainer)", denoiser_bytes, f"{names}: {source}"),
-                    Line("engine-only weights", other_bytes, f"{others}: {source}"),
+                    *other_lines,
                     engine_lora,
                     *trainer,
                 ),
@@ -220,7 +325,11 @@ def memory_plan(config) -> MemoryPlan:
             DeviceMemory(
                 config.engine.device,
                 "each engine device",
-                (Line("engine weights", denoiser_bytes + other_bytes, f"{names}, {others}: {source}"), engine_lora),
+                (
+                    Line("engine's denoisers", denoiser_bytes, f"{names}: {source}"),
+                    *other_lines,
+                    engine_lora,
+                ),
             ),
             DeviceMemory(
                 config.engine.device,
@@ -240,4 +349,4 @@ def memory_plan(config) -> MemoryPlan:
             f"the trainer's devices then hold no {others} ({size(other_bytes)}) and no engine"
         )
     knobs["or use GPUs with more memory"] = "a LoRA's data-parallel ranks each hold all of the above"
-    return MemoryPlan(devices, capacity, capacity_source, knobs)
+    return MemoryPlan(devices, capacity, capacity_source, knobs, model.notes)

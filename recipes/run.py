@@ -91,8 +91,11 @@ def main(argv: list[str] | None = None) -> None:
     try:
         # JSON text is YAML, so the path stays a string whatever it looks like.
         resume = [] if args.resume is None else [f"resume={json.dumps(args.resume)}"]
-        # --plan shows a plan that does not fit too: the fit is what it is asked about.
-        config = load_config(args.config, [*args.overrides, *resume], on_this_machine=True, check_fit=not args.plan)
+        # --plan shows a plan that does not fit too: the fit is what it is asked about; and it plans a
+        # model.path that is not here from its family's published configs, so only a run needs the folder.
+        config = load_config(
+            args.config, [*args.overrides, *resume], on_this_machine=not args.plan, check_fit=not args.plan
+        )
     except (ValueError, OSError, yaml.YAMLError) as error:
         parser.error(str(error))
     if args.plan:

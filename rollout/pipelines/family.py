@@ -14,7 +14,7 @@ also derives its lookup from the descriptors, so a descriptor that imported it w
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -59,6 +59,9 @@ class Family:
     attention_dispatcher: whether its denoisers' attention goes through diffusers' attention
         dispatcher, so that `EngineConfig.attention_backend` picks its kernel (SD3's processors call
         torch's attention themselves; a test holds this to the loaded processors).
+    published_parts: component name -> {"params": int, "source": str}: the published parameter count
+        of a component that the "real" preset builds as a stand-in (one-layer text encoders, a narrow
+        VAE), and where the number comes from; the memory plan counts these (recipes/memory_plan.py).
     """
 
     name: str
@@ -74,6 +77,7 @@ class Family:
     video: bool = False
     edits: bool = False
     attention_dispatcher: bool = True
+    published_parts: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
 
     @property
     def adapter(self) -> type[PipelineAdapter]:

@@ -12,6 +12,7 @@ therefore a little above it.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Iterable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -22,9 +23,14 @@ from torch.utils.weak import WeakIdKeyDictionary
 class LiveTensorBytes(TorchDispatchMode):
     """Use as a context manager; `peak_bytes` and `current_bytes` during and after it."""
 
-    def __init__(self):
+    def __init__(self, existing: Iterable[torch.Tensor] = ()):
+        """`existing`: tensors made before the block (the model's weights) whose storage an op may
+        hand back as a view (`weight.t()` in a linear layer): not counted, as the block adds none."""
         super().__init__()
         self._counted = WeakIdKeyDictionary()  # storage -> its bytes; the key goes when the storage does
+        self._existing = [tensor.untyped_storage() for tensor in existing]  # held, so their keys stay
+        for storage in self._existing:
+            self._counted[storage] = 0
         self.current_bytes = 0
         self.peak_bytes = 0
 

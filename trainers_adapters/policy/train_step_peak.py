@@ -36,34 +36,53 @@ def attach_lora(adapter, lora_config: LoraConfig | Mapping) -> list[torch.nn.Par
     return [p for denoiser in adapter.denoisers.values() for p in denoiser.parameters() if p.requires_grad]
 
 
-def train_step_peak(adapter, params: SamplingParams, rows: int, guided: bool, *, fake: bool) -> int:
+def train_step_peak(
+    adapter, params: SamplingParams, rows: int, guided: bool, *, fake: bool, encode_for_real: bool = False
+) -> int:
     """Peak bytes a forward and backward of `rows` transitions add to `adapter` (LoRA attached),
     at `params`' size, frames and guidance (resolved by `adapter.spec.resolve`); `guided`: with the
     unconditional rows of classifier-free guidance where `params` turns it on (GRPO re-scores
     with them; DPO and NFT use the conditional velocity). `fake`: on shape-only tensors; the
     adapter's modules may then be on the meta device (they are given fake storage, never memory).
-    Gradient checkpointing counts as the denoisers have it set (`enable_gradient_checkpointing`)."""
+    Gradient checkpointing counts as the denoisers have it set (`enable_gradient_checkpointing`).
+    `encode_for_real`: with `fake`, encode the prompts on real tensors first (the adapter's text
+    encoders must then hold real storage: a real preset's small stand-ins), for the pipelines whose
+    encoding reads values that shape-only tensors lack (Qwen's and Wan's masks select tokens)."""
     resolved, problems = adapter.spec.resolve(params)
     if problems:
         raise ValueError(f"the micro-batch's sampling settings do not fit the model: {'; '.join(problems)}")
     negative_prompt = resolved.negative_prompt if guided else None
-    with FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext():
-        if fake:
-            for module in adapter.components.values():
-                module.to_empty(device="cpu")  # fake storage of each weight's shape and dtype
-        length = resolved.max_sequence_length
-        with torch.no_grad():  # the trajectories carry the conditions: encoded once, outside the step
-            prompt = adapter.encode_prompts(["a photo"], length)[0]
-            negative = None if negative_prompt is None else adapter.encode_prompts([negative_prompt], length)[0]
+    mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
+    if fake:
+        with mode:
+            for name, module in adapter.components.items():
+                if name in adapter.denoisers or not encode_for_real:
+                    module.to_empty(device="cpu")  # fake storage of each weight's shape and dtype
+    # Outside the fake mode: the text encoders' real storage (and the denoisers' fake one on the CPU,
+    # the adapter's device) encode for real.
+    encoded = _encode(adapter, resolved.max_sequence_length, negative_prompt) if encode_for_real else None
+    # Real values even on fake tensors: a two-expert model (Wan 2.2) routes each row by its sigma.
+    sigmas = torch.full((rows,), 0.5)
+    with mode:
+        prompt, negative = encoded or _encode(adapter, resolved.max_sequence_length, negative_prompt)
         shape = adapter.spec.latent_shape(resolved.height, resolved.width, resolved.num_frames)
         latents = torch.zeros(rows, *shape)
-        sigmas = torch.full((rows,), 0.5)
         guidance = Guidance.of(resolved)  # guided rows are those whose condition has a negative
         conditions = [Condition(prompt, negative)] * rows
-        with LiveTensorBytes() as live:
+        weights = [t for module in adapter.components.values() for t in (*module.parameters(), *module.buffers())]
+        with LiveTensorBytes(weights) as live:
             velocity = adapter.predict_velocity(
                 latents, sigmas, conditions, height=resolved.height, width=resolved.width, guidance=guidance
             )
             velocity.mean().backward()
             del velocity
     return live.peak_bytes
+
+
+def _encode(adapter, length: int | None, negative_prompt: str | None) -> tuple:
+    """The condition of one prompt and of the negative prompt (None: no CFG), as the trajectories
+    carry them: encoded once, without gradients, outside the step."""
+    with torch.no_grad():
+        prompt = adapter.encode_prompts(["a photo"], length)[0]
+        negative = None if negative_prompt is None else adapter.encode_prompts([negative_prompt], length)[0]
+    return prompt, negative

@@ -19,6 +19,7 @@ from typing import Any, Protocol
 import torch
 
 from rollout.pipelines.quiet import quietly
+from rollout.pipelines.tiny.saving import InMemory
 
 
 class TinyBuilder(Protocol):
@@ -54,7 +55,9 @@ def tiny_builder(default_sizes: Any) -> Callable[[Callable[..., Path]], TinyBuil
             dtype: torch.dtype = torch.float32,
             **options: Any,
         ) -> Path:
-            return build(Path(path), seed, sizes, transformer_config, device, dtype, **options)
+            # An `InMemory` destination passes through: the pipeline is kept, not saved (saving.py).
+            destination = path if isinstance(path, InMemory) else Path(path)
+            return build(destination, seed, sizes, transformer_config, device, dtype, **options)
 
         del with_defaults.__wrapped__  # its signature is the one above, with the defaults
         return quietly(with_defaults)

@@ -110,6 +110,8 @@ def make_dcae_video_decoder_colour_faithful(vae) -> None:
     shuffle is left as texture); then the output conv paints each last feature channel with the
     colour of the latent channel that raises it most (probed with one-channel latents)."""
     decoder = vae.decoder
+    if decoder.conv_in.conv.weight.is_meta:  # the memory plan's build holds shapes, no colours to paint
+        return
     latent_channels = decoder.in_channels
     decoder.conv_in.conv.weight.mul_(TEXTURE_SCALE)
     decoder.conv_in.conv.bias.zero_()

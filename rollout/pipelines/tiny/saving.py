@@ -10,7 +10,9 @@ import hashlib
 import importlib.metadata
 import json
 import logging
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -28,11 +30,25 @@ TINY_VIDEO = SamplingDefaults(height=32, width=32, num_frames=9)
 TINY_FRAMES = SamplingDefaults(num_frames=9)  # HunyuanVideo 1.5: its size comes from its config's target_size
 
 
-def save(pipeline, path: Path, dtype: torch.dtype, sampling_defaults: SamplingDefaults | None) -> Path:
+@dataclass
+class InMemory:
+    """A builder's destination that keeps the pipeline instead of saving it: the memory plan builds a
+    family's real preset on the meta device (`device="meta"`), where nothing can be written."""
+
+    pipeline: Any = None
+
+
+def save(
+    pipeline, path: Path | InMemory, dtype: torch.dtype, sampling_defaults: SamplingDefaults | None
+) -> Path | InMemory:
     """Save `pipeline` (built in float32) to `path` in `dtype` with its `sampling_defaults` (None:
-    its pipeline's own), stamped with `builder_digest()`; returns `path`."""
+    its pipeline's own), stamped with `builder_digest()`; returns `path`. An `InMemory` `path`
+    keeps the pipeline, cast to `dtype`, and writes nothing."""
     if dtype != torch.float32:  # diffusers warns when a float32 pipeline is cast to float32
         pipeline.to(dtype=dtype)
+    if isinstance(path, InMemory):
+        path.pipeline = pipeline
+        return path
     pipeline.save_pretrained(path)
     if sampling_defaults is None:
         (Path(path) / FILE_NAME).unlink(missing_ok=True)  # a rebuilt folder keeps no earlier build's

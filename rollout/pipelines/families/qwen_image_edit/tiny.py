@@ -14,6 +14,7 @@ from pathlib import Path
 
 from rollout.pipelines.families.qwen_image.tiny import QWEN_IMAGE, TinyQwenImageSizes, build_tiny_qwen_image
 from rollout.pipelines.tiny.builder import Preset, real_sizes
+from rollout.pipelines.tiny.saving import InMemory
 from rollout.pipelines.tiny.tokenizers import qwen25_vl_tokenizer
 
 # A megapixel condition image becomes 32x32 latents; a 32x32 output, 2x2 latents (one packed token).
@@ -63,7 +64,8 @@ def _build_tiny_edit(path: str | Path, seed: int, pipeline_class: str, **kwargs)
     # The image processor's config also in its own file (preprocessor_config.json), as a downloaded
     # folder has it: where torchvision is installed, Qwen2VLProcessor.from_pretrained makes its video
     # processor from that file when the folder saved none.
-    processor.image_processor.save_pretrained(path / "processor")
+    if not isinstance(path, InMemory):
+        processor.image_processor.save_pretrained(path / "processor")
     return path
 
 
