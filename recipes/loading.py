@@ -13,8 +13,6 @@ import types
 from collections.abc import Sequence
 from pathlib import Path
 
-import yaml
-
 from recipes.config import (
     RECIPE_NAMES,
     RecipeConfig,
@@ -23,6 +21,7 @@ from recipes.config import (
     format_problems,
     model_problems_of,
 )
+from recipes.yaml_keys import read_yaml
 
 # Recipe name (the YAML's `recipe:`) -> module defining `Config` (a RecipeConfig) and `run(config)`.
 # Modules are imported only when their recipe is used or listed.
@@ -48,7 +47,7 @@ def load_config(
 
     Raises ValueError listing every problem found.
     """
-    data = yaml.safe_load(Path(path).read_text())
+    data = read_yaml(path)
     if data is None:
         data = {}
     if not isinstance(data, dict):

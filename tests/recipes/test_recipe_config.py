@@ -9,6 +9,7 @@ import os
 from pathlib import Path
 
 import pytest
+import yaml
 
 import recipes.config
 from recipes.config import EngineSection, ModelSection, config_keys
@@ -327,3 +328,14 @@ def test_cli_takes_a_float_without_a_dot_and_refuses_text(capsys):
         main([grpo_tiny, "--set", "grpo.clip_range=tiny"])
     assert exit_info.value.code == 2
     assert "grpo.clip_range: expected float, got 'tiny' (str)" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(30)
+def test_a_section_given_twice_is_refused_not_half_read(tmp_path):
+    """YAML keeps the last of two equal keys; a config with two `trainer:` sections would silently
+    lose the first one's settings."""
+    path = tmp_path / "twice.yaml"
+    path.write_text("recipe: grpo\ntrainer:\n  placement: separate\ntrainer:\n  share_base: false\n")
+    with pytest.raises(yaml.YAMLError, match=r"key 'trainer' appears twice") as refused:
+        load_config(path)
+    assert "twice.yaml" in str(refused.value) and "line 4" in str(refused.value)
