@@ -134,11 +134,12 @@ def train(
     check_setup(config)  # the model folder and a rollout service's answer, before anything is written or loaded
     if max_staleness is not None and old_policy is not None:
         raise ValueError("asynchronous training (max_staleness) is GRPO's; a decoupled old policy samples already")
+    joins = not dist.is_initialized()  # a process group this run makes is this run's to end
     ranks = TrainerRanks.from_environment(config.engine.device, always_join=config.policy == "full")
     try:
         return _train(config, update, postfix, old_policy, max_staleness, check_model, reference, ranks)
     finally:
-        if dist.is_initialized():
+        if joins and dist.is_initialized():
             dist.destroy_process_group()
 
 
@@ -146,6 +147,11 @@ def _placement_problems(config: TrainingConfig, ranks: TrainerRanks, max_stalene
     if ranks.world_size == 1:
         return []
     problems = []
+    if config.prompts_per_step < ranks.world_size:
+        problems.append(
+            f"prompts_per_step {config.prompts_per_step} gives some of the {ranks.world_size} ranks no group to train "
+            f"on: set it to at least {ranks.world_size} (each rank trains on whole groups)"
+        )
     if config.trainer.placement == "colocated" and config.engine.url is not None:
         problems.append(
             f"trainer.placement colocated gives each of the {ranks.world_size} ranks its own engine, but engine.url "
