@@ -362,6 +362,7 @@ _WORKER_ATTRIBUTES = {
     "requests",
     "sent_conditions",
     "updates",
+    "staging",
     "sleeper",
     "loras",
     "broadcast_group",
