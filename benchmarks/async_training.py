@@ -51,14 +51,7 @@ def build_parser():
     run.add_argument("--steps", type=harness.positive_int, default=30, help="training steps per run")
     run.add_argument("--max-staleness", type=harness.positive_int, default=1, help="N of the asynchronous runs")
     run.add_argument("--executor", choices=("mp", "uni"), default="mp", help="where the engine runs")
-    run.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="a recipe setting for both modes, as python -m recipes.run --set takes it (repeatable)",
-    )
+    harness.add_recipe_overrides(run, "both modes")
     run.add_argument("--plot", type=Path, metavar="PATH", help="write reward against update and wall time as a PNG")
     return parser
 

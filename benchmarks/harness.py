@@ -42,6 +42,19 @@ ROOT = Path(__file__).resolve().parent.parent
 # ones it takes and their defaults: `parser("name", __doc__, repeats=5, warmup=1, device="cpu")`.
 
 
+def add_recipe_overrides(group, applies_to: str) -> None:
+    """`--set KEY=VALUE` (repeatable, into `overrides`): a recipe setting for `applies_to`, as
+    `python -m recipes.run --set` takes it, for a benchmark that runs training recipes."""
+    group.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help=f"a recipe setting for {applies_to}, as python -m recipes.run --set takes it (repeatable)",
+    )
+
+
 def positive_int(text: str) -> int:
     value = int(text)
     if value < 1:

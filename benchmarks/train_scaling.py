@@ -96,14 +96,7 @@ def build_parser():
     run.add_argument("--steps", type=harness.positive_int, default=5, help="training steps per run (1st untimed)")
     run.add_argument("--prompts-per-step", type=harness.positive_int, default=4, help="prompts (groups) per step")
     run.add_argument("--num-samples", type=harness.positive_int, default=4, help="samples per prompt")
-    run.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="a recipe setting for every case, as python -m recipes.run --set takes it (repeatable)",
-    )
+    harness.add_recipe_overrides(run, "every case")
     run.add_argument("--timeout-s", type=float, default=600.0, help="the longest one run may take")
     return parser
 

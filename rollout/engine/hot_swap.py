@@ -225,15 +225,9 @@ class HotSwap:
     def weight_update_from_worker(
         self, method, args, kwargs, *, component, version, mode, check_finite
     ) -> WeightUpdate:
-        """`weight_update` whose tensors every worker reads from a source of the user's own
-        (shared memory, a file, a collective of its own): the `@stages_weights` function `method`
-        of `worker_extension_cls` (`rollout.worker.marks`), called on every rank with `args` and
-        `kwargs`, returns or yields (name, tensor) pairs of `component`. Each rank checks and stages
-        them as `update_weights` checks its tensors; then every rank applies the update or none
-        does: a function that raises or is refused on any rank, or ranks that stage different
-        numbers of tensors, roll every rank back (ValueError for a refusal, the rank's
-        `WorkerError` for a failure) and the weights and their version stay. `version` and `mode`
-        as in `update_weights`."""
+        """`weight_update` of `RolloutEngine.update_weights_from_worker` (whose docstring says what
+        it does): `method` must be a `@stages_weights` function of `worker_extension_cls`, checked
+        here before anything is sent."""
         self._check_component(component)
         staging_function(self._worker_cls, method)
         push_args = (method, tuple(args), dict(kwargs or {}), component, check_finite)

@@ -23,6 +23,17 @@ from trainers_adapters.rewards.rewarded_rollout import RewardedRollout
 LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["to_q", "to_k", "to_v", "to_out.0"]}
 
 
+def _join(rank: int, world_size: int, store: str) -> None:
+    """This process as `rank` of a gloo group of `world_size` that meets in the file `store`."""
+    dist.init_process_group(
+        "gloo",
+        store=dist.FileStore(store, world_size),
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=120),
+    )
+
+
 def share_of(whole: RewardedRollout, ranks: TrainerRanks) -> RewardedRollout:
     """The part of `whole` a colocated rank samples itself: its share of the prompts' groups."""
     prompts = list(dict.fromkeys(whole.group_ids.tolist()))
@@ -41,13 +52,7 @@ def updates(rank: int, world_size: int, model: str, rollouts_file: str, results:
     """Run each update from the same initial LoRA on this rank's view of the rollouts and save
     rank 0's adapters and statistics to `results`."""
     if world_size > 1:
-        dist.init_process_group(
-            "gloo",
-            store=dist.FileStore(store, world_size),
-            rank=rank,
-            world_size=world_size,
-            timeout=datetime.timedelta(seconds=120),
-        )
+        _join(rank, world_size, store)
     try:
         ranks = TrainerRanks(rank, world_size)
         rollouts = torch.load(rollouts_file, weights_only=False)
@@ -102,13 +107,7 @@ def full_updates(rank: int, world_size: int, model: str, rollouts_file: str, res
     from rollout.weights.state import checksum
     from trainers_adapters.policy.full_policy import FullPolicy
 
-    dist.init_process_group(
-        "gloo",
-        store=dist.FileStore(store, world_size),
-        rank=rank,
-        world_size=world_size,
-        timeout=datetime.timedelta(seconds=120),
-    )
+    _join(rank, world_size, store)
     try:
         torch.set_num_threads(1)
         ranks = TrainerRanks(rank, world_size)
