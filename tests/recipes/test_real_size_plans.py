@@ -32,7 +32,9 @@ CANNOT_PLAN = {
 @pytest.mark.parametrize(
     "path",
     [
-        pytest.param(path, marks=pytest.mark.xfail(reason=CANNOT_PLAN[path.stem], strict=True))
+        # Skipped, not run as expected failures: their fake steps cost minutes of CI (2 min for
+        # HunyuanVideo 1.5 alone) to fail as they are known to.
+        pytest.param(path, marks=pytest.mark.skip(reason=f"not planned yet: {CANNOT_PLAN[path.stem]}"))
         if path.stem in CANNOT_PLAN
         else path
         for path in CONFIGS
