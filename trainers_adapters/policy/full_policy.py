@@ -108,12 +108,13 @@ class FullPolicy:
             if parameter.grad is not None:
                 parameter.grad.mul_(ranks.world_size)
 
-    def full_state(self, component: str) -> Iterator[tuple[str, torch.Tensor]]:
-        """(name, full tensor) of every weight of denoiser `component` at the engine's dtype, gathered
-        from the shards one at a time (collective: every rank iterates it to the end)."""
+    def full_state(self, component: str, masters: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, full tensor) of every weight of denoiser `component` at the engine's dtype (with
+        `masters`: the float32 master weights), gathered from the shards one at a time
+        (collective: every rank iterates it to the end)."""
         for name, tensor in self.denoisers[component].state_dict().items():
-            full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-            yield name, full.detach().to(self.dtype if full.is_floating_point() else full.dtype)
+            full = (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach()
+            yield name, full if masters or not full.is_floating_point() else full.to(self.dtype)
 
     def push(self, engine, version: int | None = None) -> int | None:
         """Replace the engine's weights of every denoiser with the trainer's, tensor by tensor as
@@ -183,17 +184,13 @@ class FullPolicy:
         Collective: every rank gathers; only the one with `write` writes (the others may pass None)."""
         folder = Path(folder) if write else None
         for component, denoiser in self.denoisers.items():
-            state = {name: tensor.contiguous() for name, tensor in self._full_float32(component)}
+            state = {name: tensor.contiguous() for name, tensor in self.full_state(component, masters=True)}
             if write:
                 with torch.device("meta"):  # an unsharded module over the gathered tensors, to save from
                     plain = self._classes[component].from_config(denoiser.config)
                 plain.load_state_dict(state, assign=True)
                 plain.save_pretrained(folder / component, safe_serialization=True)
         return folder
-
-    def _full_float32(self, component: str) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, tensor in self.denoisers[component].state_dict().items():
-            yield name, (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach()
 
     def load(self, folder: str | Path) -> None:
         """Set every weight to the ones `save` wrote to `folder`, bitwise (each rank takes its shards)."""
