@@ -48,6 +48,19 @@ def trainer_adapter(tiny_model):
 
 
 @pytest.fixture(scope="session")
+def ray_cluster():
+    """One small local Ray cluster (4 CPUs) for the whole session; Ray executors and `--ray-ranks`
+    launches attach to it. A Ray an earlier test's executor started on its own (2 CPUs here) is
+    replaced: a second `ray.init` in one process is an error."""
+    ray = pytest.importorskip("ray")
+    if ray.is_initialized():
+        ray.shutdown()
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
 def tiny_clip(tmp_path_factory) -> str:
     """Path of a tiny random `CLIPModel` + `CLIPProcessor` folder (the reward models' tests)."""
     from trainers_adapters.rewards.models.tiny import build_tiny_clip

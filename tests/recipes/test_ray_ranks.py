@@ -51,15 +51,6 @@ def test_the_cli_refuses_what_ray_ranks_cannot_run(tiny_model, tmp_path, capsys,
     assert message in capsys.readouterr().err
 
 
-@pytest.fixture(scope="module")
-def ray_cluster():
-    """A local Ray the launches attach to (as to a cluster), so the test can look at it afterwards."""
-    ray = pytest.importorskip("ray")
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    yield ray
-    ray.shutdown()
-
-
 def assert_all_released(ray, timeout_s: float = 30.0) -> None:
     """Every CPU of the cluster free again (the ranks' actors killed) and no placement group left."""
     deadline = time.monotonic() + timeout_s

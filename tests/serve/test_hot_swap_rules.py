@@ -37,16 +37,10 @@ def front(request, tiny_model):
         client = request.getfixturevalue("remote_client")
         yield client
         return
-    started_ray = False
     if request.param == "ray":
-        ray = pytest.importorskip("ray")
-        if not ray.is_initialized():  # else the executor tests' cluster, which they shut down
-            ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-            started_ray = True
+        request.getfixturevalue("ray_cluster")
     with RolloutEngine(EngineConfig(model=tiny_model, **FRONTS[request.param])) as engine:
         yield engine
-    if started_ray:
-        ray.shutdown()
 
 
 @pytest.fixture(scope="module")
