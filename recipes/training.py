@@ -409,11 +409,11 @@ def _trainer_policy(
             gradient_checkpointing=config.trainer.gradient_checkpointing,
             keep_reference=reference,
         )
-    torch.manual_seed(config.seed)  # the LoRA's initial values
+    torch.manual_seed(config.seed)
     in_process = isinstance(engine, RolloutEngine) and engine.executor.shares_memory
     if in_process and config.trainer.share_base:
         return LoraPolicy.sharing_base(
-            engine, config.lora.peft_config(), POLICY_ADAPTER, config.trainer.gradient_checkpointing
+            engine, config.lora.peft_config(), POLICY_ADAPTER, config.trainer.gradient_checkpointing, config.seed
         )
     return LoraPolicy(
         model_path,
@@ -424,6 +424,7 @@ def _trainer_policy(
         attention_backend=config.engine.attention_backend,  # re-scores with the kernel that sampled
         compile=config.engine.compile,
         gradient_checkpointing=config.trainer.gradient_checkpointing,
+        seed=config.seed,  # the LoRA's initial values, the same as a shared base's
     )
 
 

@@ -73,11 +73,10 @@ class TrainerSection:
         "share, and pushes one adapter per step. One rank: the same either way",
     )
     share_base: bool = option(
-        False,
+        True,
         "with an engine in the trainer's process (executor uni), the trainer's policy shares the engine's frozen "
         "base weights (one copy of the base per device; LoraPolicy.sharing_base); false: the trainer loads its own "
-        "copy of the denoisers. Off by default: tiny Wan 2.1 and Qwen-Image 2.1 GRPO runs learn far less with it, "
-        "a defect not yet understood (docs/training.md)",
+        "copy of the denoisers. The run is the same either way; other executors and engine.url ignore it",
     )
     gradient_checkpointing: bool = option(
         False,

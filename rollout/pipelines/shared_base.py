@@ -48,6 +48,7 @@ def denoiser_sharing_base(model: nn.Module) -> nn.Module:
     with torch.device("meta"):
         twin = type(model).from_config(model.config)
     twin.requires_grad_(False)
+    twin.train(model.training)  # `from_config` builds in training mode, `from_pretrained` loads in eval mode
     for name, source in model.named_modules():
         parts = name.split(".")
         if isinstance(source, BaseTunerLayer) or any(part.startswith("lora_") for part in parts):
@@ -61,7 +62,7 @@ def denoiser_sharing_base(model: nn.Module) -> nn.Module:
         for leaf, buffer in source._buffers.items():
             target._buffers[leaf] = buffer
         for attribute, value in vars(source).items():
-            if isinstance(value, torch.Tensor):  # a tensor kept outside the buffers (a rope table)
+            if _tensor_attribute(value):  # kept outside the buffers: a rope table, Qwen-Image 2.1's list of them
                 setattr(target, attribute, value)
     left = [name for name, tensor in _tensors(twin) if tensor.is_meta]
     if left:
@@ -72,9 +73,18 @@ def denoiser_sharing_base(model: nn.Module) -> nn.Module:
     return twin
 
 
+def _tensor_attribute(value) -> bool:
+    """Whether a module's plain attribute `value` holds tensors: a tensor, or a list or tuple of them."""
+    if isinstance(value, list | tuple):
+        return bool(value) and all(isinstance(item, torch.Tensor) for item in value)
+    return isinstance(value, torch.Tensor)
+
+
 def _tensors(model: nn.Module):
-    """(name, tensor) of every parameter, buffer and tensor attribute of `model`."""
+    """(name, tensor) of every parameter, buffer and tensor attribute (or list of them) of `model`."""
     for module_name, module in model.named_modules():
-        for leaf, tensor in [*module._parameters.items(), *module._buffers.items(), *vars(module).items()]:
-            if isinstance(tensor, torch.Tensor):
-                yield f"{module_name}.{leaf}", tensor
+        for leaf, value in [*module._parameters.items(), *module._buffers.items(), *vars(module).items()]:
+            if isinstance(value, torch.Tensor):
+                yield f"{module_name}.{leaf}", value
+            elif _tensor_attribute(value):
+                yield from ((f"{module_name}.{leaf}.{index}", tensor) for index, tensor in enumerate(value))

@@ -24,33 +24,47 @@ WINDOW = 5  # steps averaged at the start and at the end
 
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize(
-    "config_name, family, steps, min_margin",
+    "config_name, family, steps, min_margin, options",
     [
-        pytest.param("grpo_tiny.yaml", "sd3", 6, 0.03, id="sd3", marks=pytest.mark.slow),  # make demo shows it too
-        pytest.param("grpo_flux_tiny.yaml", "flux", 6, 0.03, id="flux", marks=pytest.mark.slow),
-        pytest.param("grpo_qwen_image_tiny.yaml", "qwen_image", 6, 0.03, id="qwen_image", marks=pytest.mark.slow),
+        pytest.param("grpo_tiny.yaml", "sd3", 6, 0.03, {}, id="sd3", marks=pytest.mark.slow),  # make demo shows it too
+        pytest.param("grpo_flux_tiny.yaml", "flux", 6, 0.03, {}, id="flux", marks=pytest.mark.slow),
+        pytest.param("grpo_qwen_image_tiny.yaml", "qwen_image", 6, 0.03, {}, id="qwen_image", marks=pytest.mark.slow),
         # FLUX.2 [klein]'s tiny policy learns slower in these 15 steps (margins 0.067, 0.016, 0.050 on seeds
         # 0-2, each above 5 standard errors): a smaller scale.
-        pytest.param("grpo_flux2_klein_tiny.yaml", "flux2_klein", 6, 0.01, id="flux2_klein", marks=pytest.mark.slow),
-        pytest.param("grpo_zimage_tiny.yaml", "zimage", 6, 0.03, id="zimage", marks=pytest.mark.slow),
         pytest.param(
-            "grpo_qwen_image21_tiny.yaml", "qwen_image21", 6, 0.03, id="qwen_image21", marks=pytest.mark.slow
+            "grpo_flux2_klein_tiny.yaml", "flux2_klein", 6, 0.01, {}, id="flux2_klein", marks=pytest.mark.slow
         ),
-        pytest.param("grpo_flux2_dev_tiny.yaml", "flux2_dev", 6, 0.01, id="flux2_dev", marks=pytest.mark.slow),
-        pytest.param("branch_grpo_tiny.yaml", "sd3", 8, 0.03, id="branch_grpo", marks=pytest.mark.slow),
-        pytest.param("grpo_fast_tiny.yaml", "sd3", 8, 0.03, id="grpo_fast", marks=pytest.mark.slow),
+        pytest.param("grpo_zimage_tiny.yaml", "zimage", 6, 0.03, {}, id="zimage", marks=pytest.mark.slow),
+        pytest.param(
+            "grpo_qwen_image21_tiny.yaml", "qwen_image21", 6, 0.03, {}, id="qwen_image21", marks=pytest.mark.slow
+        ),
+        pytest.param("grpo_flux2_dev_tiny.yaml", "flux2_dev", 6, 0.01, {}, id="flux2_dev", marks=pytest.mark.slow),
+        pytest.param("branch_grpo_tiny.yaml", "sd3", 8, 0.03, {}, id="branch_grpo", marks=pytest.mark.slow),
+        pytest.param("grpo_fast_tiny.yaml", "sd3", 8, 0.03, {}, id="grpo_fast", marks=pytest.mark.slow),
         # Colour agreement starts near -0.1 (the tiny VAE's frames already agree roughly): a smaller scale.
-        pytest.param("grpo_wan_tiny.yaml", "wan", 8, 0.003, id="wan", marks=pytest.mark.slow),
-        pytest.param("grpo_wan_i2v_tiny.yaml", "wan_i2v", 8, 0.003, id="wan_i2v", marks=pytest.mark.slow),
-        # LTX-2 image-to-video (margins 0.011, 0.019, 0.0065 on seeds 0-2, each above 8 standard errors).
-        pytest.param("grpo_ltx2_i2v_tiny.yaml", "ltx2_i2v", 8, 0.003, id="ltx2_i2v", marks=pytest.mark.slow),
+        # Wan 2.1 learns slower: in 15 steps seed 2's margin was 0.0010 (under 2 standard errors), in 25
+        # steps the margins were 0.035, 0.040, 0.040 on seeds 0-2.
+        pytest.param("grpo_wan_tiny.yaml", "wan", 8, 0.003, {"steps": 25}, id="wan", marks=pytest.mark.slow),
+        pytest.param("grpo_wan_i2v_tiny.yaml", "wan_i2v", 8, 0.003, {}, id="wan_i2v", marks=pytest.mark.slow),
+        # LTX-2 image-to-video at learning rate 0.04 (margins 0.0137, 0.0046, 0.0171 on seeds 0-2, each above
+        # 7 standard errors; at 0.02 seed 1's was 0.0010, within 2).
+        pytest.param(
+            "grpo_ltx2_i2v_tiny.yaml",
+            "ltx2_i2v",
+            8,
+            0.003,
+            {"learning_rate": 0.04},
+            id="ltx2_i2v",
+            marks=pytest.mark.slow,
+        ),
     ],
 )
-def test_reward_rises_on_every_seed(tmp_path, tiny_models, config_name, family, steps, min_margin):
+def test_reward_rises_on_every_seed(tmp_path, tiny_models, config_name, family, steps, min_margin, options):
     margins = []
     for seed in (0, 1, 2):
         out = tmp_path / f"seed{seed}"
-        margin, std_error = learn(CONFIG_DIR / config_name, tiny_models(family), out, seed=seed, inference_steps=steps)
+        model = tiny_models(family)
+        margin, std_error = learn(CONFIG_DIR / config_name, model, out, seed=seed, inference_steps=steps, **options)
         assert margin > 5 * std_error, f"seed {seed}: margin {margin:.4f}, std error {std_error:.4f}"
         margins.append(margin)
     assert min(margins) > min_margin, margins

@@ -38,18 +38,24 @@ from rollout.worker.shared_base import share_base
 from trainers_adapters.policy.checkpointing import enable_gradient_checkpointing
 
 
-def attach_lora(adapter, lora_config: LoraConfig | Mapping, name: str) -> LoraConfig:
+def attach_lora(adapter, lora_config: LoraConfig | Mapping, name: str, seed: int | None = None) -> LoraConfig:
     """Add a trainable float32 LoRA `name` to every denoiser of `adapter` (a pipeline adapter; its
     modules may be on the meta device), the base frozen, and pick it; returns its config, with the
-    family's default targets where `lora_config` names none."""
+    family's default targets where `lora_config` names none. `seed`: the LoRA's initial values
+    are drawn right after seeding torch's generators with it (and the generators are restored),
+    so they do not depend on what loading the base drew (a text encoder's loading draws, sharing
+    an engine's base draws nothing); None: drawn from the generators as they are."""
     config = lora_config if isinstance(lora_config, LoraConfig) else LoraConfig(**lora_config)
     if config.target_modules is None:
         config = dataclasses.replace(config, target_modules=set(adapter.default_lora_targets))
-    for denoiser in adapter.denoisers.values():
-        denoiser.requires_grad_(False)
-        denoiser.add_adapter(config, adapter_name=name)
-        denoiser.set_adapters([name])
-        adapter_to_float32(denoiser, name)  # trained in float32, and the engine computes with float32 too
+    with torch.random.fork_rng(enabled=seed is not None):
+        if seed is not None:
+            torch.manual_seed(seed)
+        for denoiser in adapter.denoisers.values():
+            denoiser.requires_grad_(False)
+            denoiser.add_adapter(config, adapter_name=name)
+            denoiser.set_adapters([name])
+            adapter_to_float32(denoiser, name)  # trained in float32, and the engine computes with float32 too
     return config
 
 
@@ -62,7 +68,8 @@ class LoraPolicy:
     for the re-score bound). `gradient_checkpointing`: every denoiser keeps only its blocks' inputs in
     a forward with gradients and recomputes their activations in the backward (diffusers' own, with
     compiled blocks too: `trainers_adapters.policy.checkpointing`): the same gradients, a lower
-    activation peak, one more forward of the blocks per backward."""
+    activation peak, one more forward of the blocks per backward. `seed`: the LoRA's initial values
+    come from it alone (`attach_lora`), the same whether the base is loaded or shared."""
 
     def __init__(
         self,
@@ -74,9 +81,10 @@ class LoraPolicy:
         attention_backend: str | None = None,
         compile: str = "off",
         gradient_checkpointing: bool = False,
+        seed: int | None = None,
     ):
         adapter = load_adapter(model, device, dtype, attention_backend, compile)
-        self._attach(adapter, str(model), name, lora_config, gradient_checkpointing=gradient_checkpointing)
+        self._attach(adapter, str(model), name, lora_config, gradient_checkpointing=gradient_checkpointing, seed=seed)
 
     @classmethod
     def sharing_base(
@@ -85,6 +93,7 @@ class LoraPolicy:
         lora_config: LoraConfig | Mapping,
         name: str = "policy",
         gradient_checkpointing: bool = False,
+        seed: int | None = None,
     ) -> LoraPolicy:
         """A policy whose denoisers share the frozen base weights of `engine`, a `RolloutEngine`
         in this process (executor 'uni'): one copy of the base for engine and trainer (colocated
@@ -111,7 +120,7 @@ class LoraPolicy:
             )
         (adapter,) = engine.collective_rpc(share_base)
         policy = cls.__new__(cls)
-        policy._attach(adapter, engine.config.model, name, lora_config, True, gradient_checkpointing)
+        policy._attach(adapter, engine.config.model, name, lora_config, True, gradient_checkpointing, seed)
         return policy
 
     def _attach(
@@ -122,14 +131,16 @@ class LoraPolicy:
         lora_config: LoraConfig | Mapping,
         shares_base: bool = False,
         gradient_checkpointing: bool = False,
+        seed: int | None = None,
     ) -> None:
         """Add the trainable adapter `name` to every denoiser of `adapter` (a pipeline adapter),
-        with its denoisers' blocks checkpointed if `gradient_checkpointing`."""
+        initialised under `seed` (`attach_lora`), with its denoisers' blocks checkpointed if
+        `gradient_checkpointing`."""
         self.adapter = adapter
         self.model = model
         self.name = name
         self.shares_base = shares_base  # whether the base weights are an engine's (`sharing_base`)
-        self.lora_config = attach_lora(adapter, lora_config, name)
+        self.lora_config = attach_lora(adapter, lora_config, name, seed)
         self.denoisers = self.adapter.denoisers
         if gradient_checkpointing:
             pipeline_class = type(self.adapter.pipeline).__name__

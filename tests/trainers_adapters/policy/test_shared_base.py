@@ -10,12 +10,13 @@ from torch.profiler import ProfilerActivity, profile
 from rollout import AsyncRolloutEngine, EngineConfig, RolloutEngine, SamplingParams
 from rollout.rescoring import RATIO_TOLERANCE
 from rollout.weights.state import base_state
+from tests.families import ALL_FAMILIES
 from trainers_adapters.policy.lora_policy import LoraPolicy
 
 pytestmark = pytest.mark.timeout(180)
 
 CONFIG = {"r": 4, "lora_alpha": 8, "init_lora_weights": False}
-SIZES = {"sd3": {}, "wan22": {"height": 32, "width": 32, "num_frames": 5}}
+SIZES = {"sd3": {}, "wan22": {"height": 32, "width": 32, "num_frames": 5}, "qwen_image21": {}}
 
 
 def _engine_denoisers(engine: RolloutEngine) -> dict[str, torch.nn.Module]:
@@ -52,7 +53,8 @@ def _max_log_ratio(policy: LoraPolicy, outputs) -> float:
     return worst
 
 
-@pytest.mark.parametrize("family", ["sd3", "wan22"])  # wan22: two experts, each shared
+# wan22: two experts, each shared; qwen_image21: its rope tables are a list of tensors, not buffers
+@pytest.mark.parametrize("family", ["sd3", "wan22", "qwen_image21"])
 def test_shared_policy_is_the_engines_storage_rescores_trains_and_pushes(tiny_models, family):
     torch.manual_seed(0)
     with RolloutEngine(EngineConfig(model=tiny_models(family))) as engine:
@@ -102,6 +104,26 @@ def test_shared_policy_is_the_engines_storage_rescores_trains_and_pushes(tiny_mo
         outputs = engine.generate(["a green triangle"], params)
         assert all(o.weight_version == version for o in outputs)
         assert _max_log_ratio(policy, outputs) < RATIO_TOLERANCE
+
+
+def test_a_seeded_lora_starts_the_same_over_a_shared_or_a_loaded_base(tiny_models):
+    """Loading Wan 2.1's pipeline draws from torch's generator (its text encoder) and sharing the
+    engine's base draws nothing: under a seed, the LoRA's initial values are the same either way, so a
+    run trains the same with `trainer.share_base` on or off."""
+    model = tiny_models("wan")
+    config = {"r": 4, "lora_alpha": 8, "target_modules": ["to_q", "to_v"]}
+    with RolloutEngine(EngineConfig(model=model)) as engine:
+        states = []
+        makers = (lambda: LoraPolicy(model, config, seed=3), lambda: LoraPolicy.sharing_base(engine, config, seed=3))
+        for make in makers:
+            torch.manual_seed(0)
+            before = torch.random.get_rng_state()
+            states.append(make().lora_state())
+            if len(states) == 2:  # sharing draws nothing, and the seeded draws leave the generator as it was
+                assert torch.equal(torch.random.get_rng_state(), before)
+    loaded, shared = states
+    assert loaded.keys() == shared.keys() and all(torch.equal(loaded[key], shared[key]) for key in loaded)
+    assert any(key for key in loaded if "lora_A" in key and loaded[key].abs().sum() > 0)
 
 
 def test_a_merged_adapter_never_reaches_the_shared_base(tiny_model):
@@ -198,3 +220,17 @@ def test_engine_and_shared_policy_hold_one_copy_of_the_weights(tiny_model):
     }
     assert allocated["shared"] <= 0.05 * one, allocated
     assert allocated["own"] >= 0.95 * one, allocated
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", sorted(ALL_FAMILIES))
+def test_every_family_rescores_its_samples_over_the_shared_base(tiny_models, family):
+    """Each family's denoisers rebuilt over the engine's storage (rope tables in buffers, plain
+    tensor attributes or lists of them) re-score the engine's samples with a trained LoRA at ratio one."""
+    descriptor = ALL_FAMILIES[family]
+    with RolloutEngine(EngineConfig(model=tiny_models(family))) as engine:
+        policy = LoraPolicy.sharing_base(engine, CONFIG, seed=0)
+        policy.push(engine)
+        params = descriptor.params(num_inference_steps=3, num_samples=2, seed=2, lora="policy")
+        outputs = engine.generate(["a red square"], params, **descriptor.inputs())
+        assert _max_log_ratio(policy, outputs) < RATIO_TOLERANCE
