@@ -5,11 +5,22 @@ refused push leaves weights and version as they were, and the next one goes thro
 
 from __future__ import annotations
 
+import os
+import sys
+
+import cloudpickle
 import pytest
 import torch
 
-from rollout import EngineConfig, RolloutEngine
+from rollout import EngineConfig, RolloutEngine, SamplingParams
+from rollout.errors import EngineDeadError
 from rollout.weights.state import base_state, checksum
+from tests.executors import worker_functions
+from tests.executors.worker_functions import wait_gone, worker_pid
+
+# Ray workers cannot import the test modules: ship the worker functions by value.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+cloudpickle.register_pickle_by_value(worker_functions)
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -101,3 +112,32 @@ def test_a_sleep_makes_the_next_delta_push_whole(tiny_model):
         engine.update_weights(state, delta=True)
         assert engine.hot_swap.last_push.sent_tensors == len(state)
         assert engine.weights_checksum() == checksum(state)
+
+
+def _die_when_the_next_bucket_is_staged(worker) -> None:
+    """Rank 1's process exits, as one the OS killed, when it stages the next bucket of a push: after
+    rank 0 staged it, before anything is applied."""
+    if worker.rank == 1:
+        worker.staging.take = lambda nbytes: os._exit(9)
+
+
+@pytest.mark.parametrize("executor", ["mp", pytest.param("ray", marks=pytest.mark.slow)])
+def test_a_replica_that_dies_mid_push_ends_the_engine_naming_it(request, tiny_model, executor):
+    """The push fails with the dead worker's rank, the engine is dead for every later call (no output
+    is ever sampled with half a push), and the surviving replica's process is stopped too, its
+    staged bucket with it (issue 54 replaces a replica instead)."""
+    if executor == "ray":
+        request.getfixturevalue("ray_cluster")
+    params = SamplingParams(num_inference_steps=2, num_samples=2, seed=0)
+    with RolloutEngine(EngineConfig(model=tiny_model, executor=executor, num_workers=2)) as engine:
+        state = _live_state(engine)
+        pids = engine.collective_rpc(worker_pid)
+        engine.collective_rpc(_die_when_the_next_bucket_is_staged)
+        new = {name: tensor + 1 if tensor.is_floating_point() else tensor for name, tensor in state.items()}
+        with pytest.raises(EngineDeadError, match=r"worker rank 1 .*died"):
+            engine.update_weights(new, bucket_bytes=2**16)
+        with pytest.raises(EngineDeadError, match="worker rank 1"):
+            engine.generate(["a red square"], params)
+        with pytest.raises(EngineDeadError):
+            engine.weights_checksum()
+        assert wait_gone(pids) == []
