@@ -66,9 +66,11 @@ class BucketSender:
         tensors: list[torch.Tensor],
         check_finite: bool,
         writer: ThreadPoolExecutor | None,
+        checker: ThreadPoolExecutor | None = None,
     ) -> BucketInFlight:
         """Reserve the bucket's staging buffer on every rank and write it on `writer` (here, when
-        None: the last bucket, which nothing is left to overlap with)."""
+        None: the last bucket, which nothing is left to overlap with), its NaN/inf check on
+        `checker` beside the copy (`write_bucket`)."""
         targets, paths = [], set()
         if self._reachable:
             if self._ahead:
@@ -83,10 +85,10 @@ class BucketSender:
             self._reachable = False
             targets, paths = [torch.empty(layout.nbytes, dtype=torch.uint8)], set()
         if writer is not None:
-            written = writer.submit(write_bucket, targets, layout, tensors, check_finite)
+            written = writer.submit(write_bucket, targets, layout, tensors, check_finite, checker)
         else:
             written = Future()
-            written.set_result(write_bucket(targets, layout, tensors, check_finite))
+            written.set_result(write_bucket(targets, layout, tensors, check_finite, checker))
         return BucketInFlight(layout, targets, written, through_transport, paths)
 
     def send(self, component: str, bucket: BucketInFlight, stage: bool) -> list[str]:

@@ -240,11 +240,13 @@ class StagedPush:
         self._specs = sync.specs(component)
         self._problems: list[str] = []
         self._seen: set[str] = set()
+        self._checked_ahead: dict[str, torch.Tensor] = {}  # tensors whose name, shape and dtype fit, by name
         self._bucket: list[tuple[str, torch.Tensor]] = []
         self._bucket_size = 0
         self._paths: set[str] = set()  # the workers' shared files written
         self._in_flight: BucketInFlight | None = None  # the bucket being written, staged once the next starts
         self._writer: ThreadPoolExecutor | None = None  # writes the buckets, beside the caller's iterator
+        self._checker: ThreadPoolExecutor | None = None  # sums what the write just copied, beside it
         self._handed_over = False
         self.ended = False  # applied, refused or dropped: nothing of it is staged any more
 
@@ -261,7 +263,8 @@ class StagedPush:
                 continue
             self._seen.add(name)
             expected = self._specs.get(name)
-            problem = spec_problem(name, expected, TensorSpec(tuple(tensor.shape), tensor.dtype))
+            checked = self._checked_ahead.get(name) is tensor  # by `_reserve_ahead`: fits
+            problem = None if checked else spec_problem(name, expected, TensorSpec(tuple(tensor.shape), tensor.dtype))
             if problem is not None:
                 self._check_values(self._bucket)  # refused: what waits for its bucket is only checked
                 self._bucket, self._bucket_size = [], 0
@@ -310,9 +313,11 @@ class StagedPush:
 
     def _end(self) -> None:
         self.ended = True
-        if self._writer is not None:
-            self._writer.shutdown()
-            self._writer = None
+        self._checked_ahead.clear()  # the caller's tensors: none is kept after the push
+        for pool in (self._writer, self._checker):
+            if pool is not None:
+                pool.shutdown()
+        self._writer = self._checker = None
         self._sync.sender.ended(self._paths)
 
     def _reserve_ahead(self, named_tensors: Mapping[str, torch.Tensor]) -> None:
@@ -324,7 +329,9 @@ class StagedPush:
         for name, tensor in named_tensors.items():  # bucketed as `add` buckets them
             expected = self._specs.get(name)
             if spec_problem(name, expected, TensorSpec(tuple(tensor.shape), tensor.dtype)) is not None:
+                self._checked_ahead.clear()
                 return  # refused as it is added: nothing to reserve
+            self._checked_ahead[name] = tensor
             bucket.append((name, expected))
             size += expected.nbytes
             if size >= self._bucket_bytes:
@@ -349,12 +356,15 @@ class StagedPush:
         layout = BucketLayout.of([(name, self._specs[name]) for name, _ in bucket])
         if self._writer is None and not last:
             self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout-weight-writer")
+        if self._checker is None and self._check_finite:
+            self._checker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout-weight-checker")
         if self._problems:  # refused already: only check the rest
             self._check_values(bucket)
             return
         previous = self._in_flight
         writer = None if last else self._writer
-        self._in_flight = self._sync.sender.begin(layout, [t for _, t in bucket], self._check_finite, writer)
+        tensors = [t for _, t in bucket]
+        self._in_flight = self._sync.sender.begin(layout, tensors, self._check_finite, writer, self._checker)
         self._paths |= self._in_flight.paths
         if previous is not None:  # checked and staged while this one is written
             self._problems += self._sync.sender.send(self.component, previous, stage=not self._problems)
