@@ -46,6 +46,7 @@ from rollout.pipelines.families import families_of
 from rollout.pipelines.loading import load_adapter
 from rollout.rescoring import check_scorable, score_steps
 from rollout.samplers import StepOutput
+from rollout.weights.handed_over import HandedOver
 from trainers_adapters.policy.checkpointing import enable_gradient_checkpointing
 
 WEIGHTS_FILE = "diffusion_pytorch_model.safetensors"  # what diffusers' save_pretrained writes (unsharded)
@@ -108,29 +109,41 @@ class FullPolicy:
             if parameter.grad is not None:
                 parameter.grad.mul_(ranks.world_size)
 
-    def full_state(self, component: str, masters: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    def full_state(
+        self, component: str, masters: bool = False, owned: bool = False
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, full tensor) of every weight of denoiser `component` at the engine's dtype (with
         `masters`: the float32 master weights), gathered from the shards one at a time
-        (collective: every rank iterates it to the end)."""
+        (collective: every rank iterates it to the end). `owned`: each tensor is a new one that
+        nothing of the policy holds (the gather's or the cast's output; a copy where neither made
+        one: a single rank's float32 shard, an unsharded buffer), so it can be handed over."""
         for name, tensor in self.denoisers[component].state_dict().items():
+            local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
             full = (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach()
-            yield name, full if masters or not full.is_floating_point() else full.to(self.dtype)
+            if not masters and full.is_floating_point():
+                full = full.to(self.dtype)
+            if owned and full.untyped_storage().data_ptr() == local.untyped_storage().data_ptr():
+                full = full.clone()
+            yield name, full
 
     def push(self, engine, version: int | None = None) -> int | None:
         """Replace the engine's weights of every denoiser with the trainer's, tensor by tensor as
         they are gathered; returns the weight version of the last (`version`: a resumed run's,
         given to the last). Collective: every rank calls it; a rank without an engine (None: the
-        separate placement's other ranks) gathers and drops, and gets None."""
+        separate placement's other ranks) gathers and drops, and gets None. The gathered tensors
+        are handed over (`HandedOver`): an engine in this process (colocated) takes them as its
+        weights in place, with no staging copy; any other copies them as it sends them."""
         pushed = None
         components = list(self.denoisers)
         for component in components:
-            tensors = self.full_state(component)
+            tensors = self.full_state(component, owned=engine is not None)
             if engine is None:
                 for _ in tensors:
                     pass
                 continue
             last = component == components[-1]
-            pushed = engine.update_weights(tensors, component=component, version=version if last else None)
+            update = HandedOver(tensors)
+            pushed = engine.update_weights(update, component=component, version=version if last else None)
         return pushed
 
     @contextlib.contextmanager
