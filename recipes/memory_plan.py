@@ -308,16 +308,19 @@ def memory_plan(config) -> MemoryPlan:
     engine_lora = Line("engine's copy of the LoRA", lora_bytes, "the pushed adapter, float32")
     names = ", ".join(denoisers)
     if config.trainer.placement == "colocated":
+        if config.trainer.share_base and config.engine.executor == "uni":
+            weights = (Line("shared weights (engine and trainer)", denoiser_bytes, f"{names}: {source}"),)
+        else:  # the trainer loads the whole pipeline again (LoraPolicy(model, ...))
+            why = "trainer.share_base false" if not config.trainer.share_base else f"executor {config.engine.executor}"
+            weights = (
+                Line("engine's denoisers", denoiser_bytes, f"{names}: {source}"),
+                Line("trainer's copy of the pipeline", denoiser_bytes + other_bytes, f"{why}: a second copy"),
+            )
         devices = (
             DeviceMemory(
                 config.engine.device,
                 "each device: an engine and a trainer rank",
-                (
-                    Line("shared weights (engine and trainer)", denoiser_bytes, f"{names}: {source}"),
-                    *other_lines,
-                    engine_lora,
-                    *trainer,
-                ),
+                (*weights, *other_lines, engine_lora, *trainer),
             ),
         )
     else:

@@ -60,3 +60,15 @@ def test_a_config_that_does_not_fit_is_refused_with_the_knobs(tmp_path):
     tight = plan.devices[0].total / 2 / 1024**3
     with pytest.raises(ValueError, match="grpo.micro_batch_size.*gradient_checkpointing.*placement: separate"):
         load_config("recipes/configs/grpo_tiny.yaml", [*overrides, f"trainer.device_memory_gib={tight}"])
+
+
+def test_a_colocated_trainer_that_does_not_share_the_base_counts_its_own_copy(tmp_path):
+    overrides = [f"model.tiny_cache_dir={tmp_path / 'tiny'}", f"output_dir={tmp_path / 'out'}"]
+    shared, own = (
+        memory_plan(load_config("recipes/configs/grpo_tiny.yaml", [*overrides, f"trainer.share_base={value}"]))
+        for value in ("true", "false")
+    )
+    lines = {line.what: line.bytes for line in own.devices[0].lines}
+    pipeline = lines["engine's denoisers"] + sum(b for what, b in lines.items() if what.startswith("engine-only"))
+    assert lines["trainer's copy of the pipeline"] == pipeline
+    assert own.devices[0].total == shared.devices[0].total + pipeline
