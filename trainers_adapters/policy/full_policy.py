@@ -35,6 +35,7 @@ from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
@@ -76,15 +77,23 @@ class FullPolicy:
                 "FullPolicy shards the denoisers with FSDP2, which needs torch.distributed's process group: launch "
                 "with torchrun, or on one rank call TrainerRanks.from_environment(device, always_join=True)"
             )
-        self.adapter = load_adapter(model, device, torch.float32, attention_backend)
+        # Loaded on the CPU: `fully_shard` moves each unit (a block, then the rest) to the rank's device as
+        # it shards it, so a device never holds the whole float32 model (FLUX.1-dev's 48 GB beside its
+        # engine). The other components (text encoders, VAE: DPO encodes its prompts) are needed only to
+        # run, at the engine's dtype, as the engine runs them.
+        self.adapter = load_adapter(model, "cpu", torch.float32, attention_backend)
         self.model = str(model)
         self.dtype = dtype
         self.denoisers = self.adapter.denoisers
+        for name, component in self.adapter.components.items():
+            if name not in self.denoisers:
+                component.to(device=device, dtype=dtype)
         pipeline_class = type(self.adapter.pipeline).__name__
         if gradient_checkpointing:
             families = "/".join(family.name for family in families_of(pipeline_class))
             enable_gradient_checkpointing(self.denoisers, f"{pipeline_class} (family {families})")
         mixed = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+        mesh = init_device_mesh(torch.device(device).type, (dist.get_world_size(),))  # the device units move to
         # fully_shard swaps each module's class for an FSDP subclass; saving names the plain one.
         self._classes = {component: type(denoiser) for component, denoiser in self.denoisers.items()}
         for denoiser in self.denoisers.values():
@@ -92,8 +101,8 @@ class FullPolicy:
             blocks = repeated_block_classes(denoiser)
             for module in denoiser.modules():
                 if type(module).__name__ in blocks:
-                    fully_shard(module, mp_policy=mixed)
-            fully_shard(denoiser, mp_policy=mixed)
+                    fully_shard(module, mesh=mesh, mp_policy=mixed)
+            fully_shard(denoiser, mesh=mesh, mp_policy=mixed)
         self._reference = [p.detach().clone() for p in self.parameters()] if keep_reference else None
 
     def parameters(self) -> list[torch.nn.Parameter]:
