@@ -18,18 +18,21 @@ Placements (`trainer.placement`): colocated, each device holds one engine and on
 that shares the engine's frozen denoisers; separate, an engine device holds the engine only and a
 trainer device the trainer, with its own copy of the denoisers (no text encoders, no VAE). The
 engine's own sampling activations are not planned (a rollout runs without gradients, and
-`engine.max_batch_size` bounds it).
+`engine.max_batch_size` bounds it). A full policy (`policy: full`) is planned sharded over the
+trainer ranks (`full_policy_plan`).
 """
 
 from __future__ import annotations
 
 import importlib
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
 
+from rollout.pipelines.compiled_blocks import repeated_block_classes
 from rollout.pipelines.families import family_named
 from rollout.pipelines.loading import adapter_class
 from rollout.pipelines.model_index import read_model_index
@@ -265,17 +268,15 @@ def prepare_training(adapter, config) -> list[torch.nn.Parameter]:
     return lora
 
 
-def memory_plan(config) -> MemoryPlan:
+def memory_plan(config, ranks: int | None = None) -> MemoryPlan:
     """The plan of training config `config` (a `TrainingConfig`); builds nothing but meta modules
     and reads no weight file. `model.path` is a folder here (a tiny one is built first), or the
-    published configs of `model.tiny_family` are planned (`planned_model`)."""
-    if config.policy == "full":  # sharded weights, gradients and AdamW states over the ranks: not counted yet
-        raise ValueError(
-            "the memory plan counts a LoRA policy's training; policy full (every weight, sharded over the trainer "
-            "ranks) is not planned yet: see the arithmetic in the config's header"
-        )
+    published configs of `model.tiny_family` are planned (`planned_model`). `ranks`: the trainer
+    ranks a full policy is sharded over (None: torchrun's WORLD_SIZE, else 1; `full_policy_plan`)."""
     dtype = getattr(torch, config.engine.dtype)
     model = planned_model(config, dtype)
+    if config.policy == "full":
+        return full_policy_plan(config, model, ranks or int(os.environ.get("WORLD_SIZE", "1")))
     adapter, source = model.adapter, model.source
     denoisers = adapter.denoisers
     denoiser_bytes = sum(module_bytes(module) for module in denoisers.values())
@@ -353,3 +354,96 @@ def memory_plan(config) -> MemoryPlan:
         )
     knobs["or use GPUs with more memory"] = "a LoRA's data-parallel ranks each hold all of the above"
     return MemoryPlan(devices, capacity, capacity_source, knobs, model.notes)
+
+
+# A full policy (`policy: full`): what `FullPolicy` holds on each trainer rank beside the engine,
+# counted from the meta model as a LoRA's is above. Per trainer rank, with N ranks (FSDP2 over all
+# of them): 1/N of the float32 master weights, of their float32 gradients, of AdamW's two float32
+# states and, where the update needs the reference (a KL term, DPO), of the frozen float32 reference
+# copy; the units FSDP gathers at the engine's dtype while it computes (two: the one running and the
+# one prefetched) with one unit's float32 gradient before it is reduce-scattered; the trainer's own
+# text encoders and VAE at the engine's dtype (`FullPolicy` loads them: DPO encodes its prompts);
+# and one micro-batch's activations, estimated as a LoRA policy's (`activation_peak` on fake
+# tensors): every linear layer keeps its input for the backward in both, for a LoRA's weights or a
+# full weight's gradient.
+
+FLOAT32 = 4  # bytes: master weights, gradients, AdamW states, the reference
+
+
+def needs_reference(config) -> bool:
+    """Whether the update keeps the reference copy: DPO always, GRPO for its KL term."""
+    return config.recipe == "dpo" or (config.recipe == "grpo" and config.grpo.kl_beta > 0)
+
+
+def largest_unit(denoiser: torch.nn.Module) -> tuple[int, str]:
+    """(parameters, what it is) of the largest FSDP unit of `denoiser`: a repeated block, or the
+    parameters outside them (the root's unit: embeddings, norms, projections)."""
+    classes = repeated_block_classes(denoiser)
+    blocks = [m for m in denoiser.modules() if type(m).__name__ in classes]
+    in_blocks = {id(p) for block in blocks for p in block.parameters()}
+    rest = sum(p.numel() for p in denoiser.parameters() if id(p) not in in_blocks)
+    block = max((sum(p.numel() for p in b.parameters()) for b in blocks), default=0)
+    return (block, f"a {type(blocks[0]).__name__}") if block >= rest else (rest, "the parameters outside the blocks")
+
+
+def full_policy_plan(config, model: PlannedModel, ranks: int) -> MemoryPlan:
+    dtype = getattr(torch, config.engine.dtype)
+    element = torch.empty((), dtype=dtype).element_size()
+    adapter = model.adapter
+    denoisers = adapter.denoisers
+    parameters = sum(p.numel() for d in denoisers.values() for p in d.parameters())
+    unit, unit_name = max(largest_unit(d) for d in denoisers.values())
+    shard = parameters * FLOAT32 // ranks
+    over = f"{parameters:,} parameters over {ranks} rank{'s' if ranks > 1 else ''}"
+    names = ", ".join(denoisers)
+    other_bytes = sum(model.other_bytes.values())
+    others = ", ".join(sorted(model.other_bytes)) or "none"
+    key, rows, guided = micro_batch(config)
+    prepare_training(adapter, config)  # a LoRA: the activations' stand-in (module docstring)
+    activations = activation_peak(config, model, rows, guided)
+    checkpointing = "on" if config.trainer.gradient_checkpointing else "off"
+    trainer = [
+        Line("float32 master weights (1/N)", shard, f"{names}: {over}"),
+        Line("gradients (1/N)", shard, "float32, reduce-scattered"),
+        Line("AdamW states (1/N)", ADAMW_STATES * shard, "2 float32 states per parameter"),
+    ]
+    if needs_reference(config):
+        trainer.append(Line("reference weights (1/N)", shard, "float32, for the KL term or DPO"))
+    trainer += [
+        Line(
+            "gathered units",
+            unit * (2 * element + FLOAT32),
+            f"{unit_name} ({unit:,} parameters) twice at {config.engine.dtype} (running, prefetched) "
+            "and its float32 gradient",
+        ),
+        Line(f"trainer's {others}", other_bytes, f"{config.engine.dtype}: the policy's own"),
+        Line(
+            "activations of one micro-batch",
+            activations,
+            f"{key}: {rows} rows, gradient checkpointing {checkpointing}; as a LoRA's, on fake tensors",
+        ),
+    ]
+    engine = [Line("engine's denoisers", parameters * element, f"{names}: {model.source}")]
+    engine += [
+        Line(f"engine's {name}", model.other_bytes[name], model.other_sources[name])
+        for name in sorted(model.other_bytes)
+    ]
+    if config.trainer.placement == "colocated":
+        both = "each device: an engine and a trainer rank"
+        devices = (DeviceMemory(config.engine.device, both, (*engine, *trainer)),)
+    else:
+        devices = (
+            DeviceMemory(config.engine.device, "each engine device", tuple(engine)),
+            DeviceMemory(config.engine.device, "each trainer device", tuple(trainer)),
+        )
+    capacity, capacity_source = device_capacity(config)
+    knobs = {
+        "more trainer ranks": f"the float32 states shrink as 1/N ({size(shard * (3 + ADAMW_STATES))} at N={ranks})",
+        f"lower {key}": f"about {size(int(activations / rows))} of activations a row",
+    }
+    if not config.trainer.gradient_checkpointing:
+        knobs["set trainer.gradient_checkpointing: true"] = "keeps about one block's activations at a time"
+    if config.trainer.placement == "colocated":
+        knobs["set trainer.placement: separate"] = "the trainer's devices then hold no engine"
+    notes = (*model.notes, f"policy full: sharded over {ranks} trainer rank{'s' if ranks > 1 else ''}")
+    return MemoryPlan(devices, capacity, capacity_source, knobs, notes)

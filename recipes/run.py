@@ -59,6 +59,15 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     parser.add_argument(
+        "--plan-ranks",
+        type=int,
+        metavar="N",
+        help=(
+            "with --plan: the trainer ranks a policy: full config is sharded over (its master weights, gradients "
+            "and AdamW states are 1/N on each); default torchrun's WORLD_SIZE, else 1"
+        ),
+    )
+    parser.add_argument(
         "--ray-ranks",
         type=int,
         metavar="N",
@@ -102,7 +111,7 @@ def main(argv: list[str] | None = None) -> None:
         from recipes.memory_plan import memory_plan  # torch, diffusers: only when asked
 
         try:
-            print(memory_plan(config).render())
+            print(memory_plan(config, args.plan_ranks).render())
         except ValueError as error:
             parser.error(str(error))
         return

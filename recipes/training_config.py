@@ -248,7 +248,7 @@ class TrainingConfig(RecipeConfig):
         builds meta modules and runs one micro-batch on fake tensors (seconds), so only then."""
         from recipes.memory_plan import device_capacity, memory_plan
 
-        if device_capacity(self)[0] is None or self.policy == "full":  # a full policy's plan: not yet
+        if device_capacity(self)[0] is None:
             return []
         if self.model.path != "tiny" and not Path(self.model.path).is_dir():
             return []  # checked where the model is; model.path's own check says it is missing

@@ -72,3 +72,25 @@ def test_a_colocated_trainer_that_does_not_share_the_base_counts_its_own_copy(tm
     pipeline = lines["engine's denoisers"] + sum(b for what, b in lines.items() if what.startswith("engine-only"))
     assert lines["trainer's copy of the pipeline"] == pipeline
     assert own.devices[0].total == shared.devices[0].total + pipeline
+
+
+@pytest.mark.parametrize("config_name, reference", [("grpo_full_tiny.yaml", False), ("dpo_full_tiny.yaml", True)])
+def test_a_full_policy_is_planned_sharded_over_the_ranks(tmp_path, config_name, reference):
+    overrides = [f"model.tiny_cache_dir={tmp_path / 'tiny'}", f"output_dir={tmp_path / 'out'}"]
+    config = load_config(f"recipes/configs/{config_name}", overrides)
+    one, four = (memory_plan(config, ranks) for ranks in (1, 4))
+    lines = [{line.what: line.bytes for line in plan.devices[0].lines} for plan in (one, four)]
+    sharded = ["float32 master weights (1/N)", "gradients (1/N)", "AdamW states (1/N)"]
+    sharded += ["reference weights (1/N)"] if reference else []
+    assert ("reference weights (1/N)" in lines[0]) == reference
+    parameters = lines[0]["engine's denoisers"] // 4  # the tiny engine runs in float32
+    assert lines[0]["float32 master weights (1/N)"] == 4 * parameters
+    for what in sharded:
+        assert lines[1][what] == lines[0][what] // 4
+    assert one.devices[0].total - four.devices[0].total == sum(lines[0][w] - lines[1][w] for w in sharded)
+    tight = (four.devices[0].total + one.devices[0].total) / 2 / 1024**3  # fits on 4 ranks, not on 1
+    tight_overrides = [*overrides, f"trainer.device_memory_gib={tight}"]
+    roomy = load_config(f"recipes/configs/{config_name}", tight_overrides, check_fit=False)
+    assert memory_plan(roomy, 4).problems() == []
+    with pytest.raises(ValueError, match="more trainer ranks"):  # the config check plans 1 rank outside torchrun
+        load_config(f"recipes/configs/{config_name}", tight_overrides)
