@@ -90,11 +90,17 @@ def size(count: int) -> str:
     return f"{count / GIB:.2f} GiB" if count >= GIB else f"{count / 1024**2:.2f} MiB"
 
 
+# When a line is on the device: throughout, or only while the engine samples (its weights, with
+# `trainer.engine_sleep`) or while the trainer updates (gradients, gathered units, activations).
+THROUGHOUT, SAMPLING, TRAINING = "", "sampling", "training"
+
+
 @dataclass(frozen=True)
 class Line:
     what: str
     bytes: int
     source: str
+    phase: str = THROUGHOUT
 
 
 @dataclass(frozen=True)
@@ -107,7 +113,12 @@ class DeviceMemory:
 
     @property
     def total(self) -> int:
-        return sum(line.bytes for line in self.lines)
+        """What is held throughout, plus the larger of what only sampling and only training hold
+        (with no sampling-only line, training's lines are simply held throughout)."""
+        phase = {name: sum(line.bytes for line in self.lines if line.phase == name) for name in (SAMPLING, TRAINING)}
+        if not phase[SAMPLING]:
+            return sum(line.bytes for line in self.lines)
+        return sum(line.bytes for line in self.lines if line.phase == THROUGHOUT) + max(phase.values())
 
 
 @dataclass(frozen=True)
@@ -135,9 +146,12 @@ class MemoryPlan:
         lines = [f"note: {note}" for note in self.notes]
         for device in self.devices:
             lines.append(f"{device.device} ({device.role}):")
+            asleep = any(line.phase == SAMPLING for line in device.lines)
             for line in device.lines:
-                lines.append(f"  {line.what:<36} {size(line.bytes):>10}  {line.source}")
-            lines.append(f"  {'total':<36} {size(device.total):>10}")
+                when = f" (while {line.phase})" if asleep and line.phase else ""
+                lines.append(f"  {line.what + when:<36} {size(line.bytes):>10}  {line.source}")
+            held = "throughout, and the larger phase" if asleep else ""
+            lines.append(f"  {'total':<36} {size(device.total):>10}  {held}".rstrip())
         capacity = "not known: no fit check" if self.capacity is None else size(self.capacity)
         lines.append(f"device memory: {capacity} ({self.capacity_source})")
         for problem in self.problems():
@@ -282,8 +296,9 @@ def memory_plan(config, ranks: int | None = None) -> MemoryPlan:
     denoiser_bytes = sum(module_bytes(module) for module in denoisers.values())
     other_bytes = sum(model.other_bytes.values())
     others = ", ".join(sorted(model.other_bytes)) or "none"
+    sleeps = SAMPLING if config.trainer.engine_sleep else THROUGHOUT  # the engine's weights, on the device
     other_lines = tuple(
-        Line(f"engine-only: {name}", model.other_bytes[name], model.other_sources[name])
+        Line(f"engine-only: {name}", model.other_bytes[name], model.other_sources[name], sleeps)
         for name in sorted(model.other_bytes)
     )
     lora = prepare_training(adapter, config)
@@ -298,12 +313,13 @@ def memory_plan(config, ranks: int | None = None) -> MemoryPlan:
     checkpointing = "on" if config.trainer.gradient_checkpointing else "off"
     trainer = (
         Line("LoRA parameters", lora_bytes, lora_source),
-        Line("LoRA gradients", lora_bytes, "float32"),
+        Line("LoRA gradients", lora_bytes, "float32", TRAINING),
         Line("AdamW states", ADAMW_STATES * lora_bytes, "2 float32 states per LoRA parameter"),
         Line(
             "activations of one micro-batch",
             activations,
             f"{key}: {rows_text}, gradient checkpointing {checkpointing}; forward + backward on fake tensors",
+            TRAINING,
         ),
     )
     engine_lora = Line("engine's copy of the LoRA", lora_bytes, "the pushed adapter, float32")
@@ -314,7 +330,7 @@ def memory_plan(config, ranks: int | None = None) -> MemoryPlan:
         else:  # the trainer loads the whole pipeline again (LoraPolicy(model, ...))
             why = "trainer.share_base false" if not config.trainer.share_base else f"executor {config.engine.executor}"
             weights = (
-                Line("engine's denoisers", denoiser_bytes, f"{names}: {source}"),
+                Line("engine's denoisers", denoiser_bytes, f"{names}: {source}", sleeps),
                 Line("trainer's copy of the pipeline", denoiser_bytes + other_bytes, f"{why}: a second copy"),
             )
         devices = (
@@ -349,6 +365,9 @@ def memory_plan(config, ranks: int | None = None) -> MemoryPlan:
     if not config.trainer.gradient_checkpointing:
         knobs["set trainer.gradient_checkpointing: true"] = "keeps about one block's activations at a time"
     if config.trainer.placement == "colocated":
+        if not config.trainer.engine_sleep and not (config.trainer.share_base and config.engine.executor == "uni"):
+            freed = size(denoiser_bytes + other_bytes)
+            knobs["set trainer.engine_sleep: 1"] = f"the engine's weights ({freed}) leave the device while it trains"
         knobs["set trainer.placement: separate"] = (
             f"the trainer's devices then hold no {others} ({size(other_bytes)}) and no engine"
         )
@@ -404,7 +423,7 @@ def full_policy_plan(config, model: PlannedModel, ranks: int) -> MemoryPlan:
     checkpointing = "on" if config.trainer.gradient_checkpointing else "off"
     trainer = [
         Line("float32 master weights (1/N)", shard, f"{names}: {over}"),
-        Line("gradients (1/N)", shard, "float32, reduce-scattered"),
+        Line("gradients (1/N)", shard, "float32, reduce-scattered", TRAINING),
         Line("AdamW states (1/N)", ADAMW_STATES * shard, "2 float32 states per parameter"),
     ]
     if needs_reference(config):
@@ -415,17 +434,20 @@ def full_policy_plan(config, model: PlannedModel, ranks: int) -> MemoryPlan:
             unit * (2 * element + FLOAT32),
             f"{unit_name} ({unit:,} parameters) twice at {config.engine.dtype} (running, prefetched) "
             "and its float32 gradient",
+            TRAINING,
         ),
         Line(f"trainer's {others}", other_bytes, f"{config.engine.dtype}: the policy's own"),
         Line(
             "activations of one micro-batch",
             activations,
             f"{key}: {rows} rows, gradient checkpointing {checkpointing}; as a LoRA's, on fake tensors",
+            TRAINING,
         ),
     ]
-    engine = [Line("engine's denoisers", parameters * element, f"{names}: {model.source}")]
+    sleeps = SAMPLING if config.trainer.engine_sleep else THROUGHOUT
+    engine = [Line("engine's denoisers", parameters * element, f"{names}: {model.source}", sleeps)]
     engine += [
-        Line(f"engine's {name}", model.other_bytes[name], model.other_sources[name])
+        Line(f"engine's {name}", model.other_bytes[name], model.other_sources[name], sleeps)
         for name in sorted(model.other_bytes)
     ]
     if config.trainer.placement == "colocated":
@@ -444,6 +466,10 @@ def full_policy_plan(config, model: PlannedModel, ranks: int) -> MemoryPlan:
     if not config.trainer.gradient_checkpointing:
         knobs["set trainer.gradient_checkpointing: true"] = "keeps about one block's activations at a time"
     if config.trainer.placement == "colocated":
+        if not config.trainer.engine_sleep:
+            engine_bytes = sum(line.bytes for line in engine)
+            freed = size(engine_bytes)
+            knobs["set trainer.engine_sleep: 1"] = f"the engine's weights ({freed}) leave the device while it trains"
         knobs["set trainer.placement: separate"] = "the trainer's devices then hold no engine"
     notes = (*model.notes, f"policy full: sharded over {ranks} trainer rank{'s' if ranks > 1 else ''}")
     return MemoryPlan(devices, capacity, capacity_source, knobs, notes)

@@ -294,6 +294,7 @@ def _train(
         bar = tqdm(
             steps, desc=config.recipe, unit="step", initial=first_step, total=config.steps, disable=not ranks.is_main
         )
+        sleep_level = config.trainer.engine_sleep  # colocated and synchronous only (the config check)
         with ahead if ahead is not None else contextlib.nullcontext():
             for step in bar:
                 wait_started = time.perf_counter()
@@ -309,11 +310,15 @@ def _train(
                     behaviour = ahead.behaviour_of(rollout)
                 wait_s = time.perf_counter() - wait_started
                 update_started = time.perf_counter()
+                if sleep_level:  # the update gets the engine's weight memory (trainer.engine_sleep)
+                    engine.sleep(sleep_level)
                 stats = update(policy, optimizer, rollout, generator, version, behaviour, ranks)
                 update_s = time.perf_counter() - update_started
                 push_started = time.perf_counter()
+                if sleep_level:
+                    engine.wake_up()  # level 2 reloads the folder's weights at version 0: the push numbers on
                 if ahead is None:
-                    new_version = push()
+                    new_version = push(version + 1 if sleep_level == 2 else None)
                     if new_version <= version:
                         raise RuntimeError(
                             f"step {step}: the push returned weight version {new_version}, not above {version}"

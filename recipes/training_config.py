@@ -88,11 +88,20 @@ class TrainerSection:
         "memory of each device the memory plan checks the fit against; null: the total of engine.device "
         "when it is a CUDA device torch sees here, else no fit check",
     )
+    engine_sleep: int = option(
+        0,
+        "0: a colocated rank's engine keeps its weights on the device while the trainer updates; 1 or 2: it sleeps "
+        "at that level through each update and wakes for the push, so training has its weights' memory (the memory "
+        "plan counts the larger phase). 1: the weights wait in host memory; 2: they are dropped and reloaded from "
+        "the model folder on waking. Colocated only, and not while the policy shares the engine's base",
+    )
 
     def __post_init__(self) -> None:
         problems = []
         if self.placement not in PLACEMENTS:
             problems.append(f"placement must be one of {list(PLACEMENTS)}, got {self.placement!r}")
+        if self.engine_sleep not in (0, 1, 2):
+            problems.append(f"engine_sleep must be 0, 1 or 2, got {self.engine_sleep}")
         if self.device_memory_gib is not None and self.device_memory_gib <= 0:
             problems.append(f"device_memory_gib must be > 0 (or null), got {self.device_memory_gib}")
         if problems:
@@ -205,6 +214,7 @@ class TrainingConfig(RecipeConfig):
                 "policy full trains the eager denoisers (FSDP's units are the blocks compile=blocks compiles): "
                 "set engine.compile: off"
             )
+        problems += _engine_sleep_problems(values)
         for name in ("prompts_per_step", "steps", "grid_scale", "keep_checkpoints"):
             if values.get(name, 1) < 1:
                 problems.append(f"{name} must be >= 1, got {values[name]}")
@@ -287,3 +297,29 @@ def _window_range_problems(window_range: tuple[int, int], sampling: SamplingPara
     if stop - start < size:
         return [f"sde_window_range {list(window_range)} is narrower than sampling.sde_window's {size} steps"]
     return []
+
+
+def _engine_sleep_problems(values: dict) -> list[str]:
+    """`trainer.engine_sleep` sleeps the rank's own engine, between its rollout and its push."""
+    trainer, engine = values.get("trainer"), values.get("engine")
+    if trainer is None or not trainer.engine_sleep:
+        return []
+    problems = []
+    if trainer.placement != "colocated" or (engine is not None and engine.url is not None):
+        problems.append(
+            "trainer.engine_sleep sleeps each rank's own engine (trainer.placement colocated, no engine.url): "
+            "set trainer.engine_sleep: 0"
+        )
+    shared = trainer.share_base and engine is not None and engine.executor == "uni"
+    if values.get("policy", "lora") == "lora" and shared:
+        problems.append(
+            "trainer.engine_sleep would free the base weights the LoRA policy shares with the engine "
+            "(trainer.share_base): set trainer.share_base: false (the trainer loads its own copy) or engine_sleep: 0"
+        )
+    asynchronous = values.get("asynchronous")
+    if asynchronous is not None and asynchronous.max_staleness is not None:
+        problems.append(
+            "asynchronous training samples while the trainer updates, so the engine cannot sleep then: "
+            "set trainer.engine_sleep: 0"
+        )
+    return problems

@@ -94,3 +94,20 @@ def test_a_full_policy_is_planned_sharded_over_the_ranks(tmp_path, config_name, 
     assert memory_plan(roomy, 4).problems() == []
     with pytest.raises(ValueError, match="more trainer ranks"):  # the config check plans 1 rank outside torchrun
         load_config(f"recipes/configs/{config_name}", tight_overrides)
+
+
+def test_a_sleeping_engine_leaves_the_device_while_the_trainer_updates(tmp_path):
+    """With trainer.engine_sleep the engine's weights count only while it samples, the trainer's
+    gradients, gathered units and activations only while it trains: the larger phase counts."""
+    overrides = [f"model.tiny_cache_dir={tmp_path / 'tiny'}", f"output_dir={tmp_path / 'out'}"]
+    awake, asleep = (
+        memory_plan(load_config("recipes/configs/grpo_full_tiny.yaml", [*overrides, f"trainer.engine_sleep={level}"]))
+        for level in (0, 1)
+    )
+    assert "set trainer.engine_sleep: 1" in awake.knobs and "set trainer.engine_sleep: 1" not in asleep.knobs
+    lines = asleep.devices[0].lines
+    phase = {name: sum(line.bytes for line in lines if line.phase == name) for name in ("", "sampling", "training")}
+    assert phase["sampling"] and phase["training"]
+    assert asleep.devices[0].total == phase[""] + max(phase["sampling"], phase["training"])
+    assert awake.devices[0].total == sum(phase.values())
+    assert "(while sampling)" in asleep.render() and "(while" not in awake.render()
