@@ -42,6 +42,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from rollout.condition import Condition
 from rollout.guidance import Guidance
 from rollout.outputs import Trajectory
+from rollout.pipelines.attention import backend_refusal, set_attention_backend
 from rollout.pipelines.compiled_blocks import repeated_block_classes
 from rollout.pipelines.families import families_of
 from rollout.pipelines.loading import load_adapter
@@ -81,7 +82,11 @@ class FullPolicy:
         # it shards it, so a device never holds the whole float32 model (FLUX.1-dev's 48 GB beside its
         # engine). The other components (text encoders, VAE: DPO encodes its prompts) are needed only to
         # run, at the engine's dtype, as the engine runs them.
-        self.adapter = load_adapter(model, "cpu", torch.float32, attention_backend)
+        if attention_backend is not None:  # checked where and at the dtype the forwards run, before anything loads
+            refusal = backend_refusal(attention_backend, device, dtype, probe=True)
+            if refusal is not None:
+                raise ValueError(refusal)
+        self.adapter = load_adapter(model, "cpu", torch.float32)
         self.model = str(model)
         self.dtype = dtype
         self.denoisers = self.adapter.denoisers
@@ -103,6 +108,8 @@ class FullPolicy:
                 if type(module).__name__ in blocks:
                     fully_shard(module, mesh=mesh, mp_policy=mixed)
             fully_shard(denoiser, mesh=mesh, mp_policy=mixed)
+        if attention_backend is not None:
+            set_attention_backend(self.denoisers, attention_backend)
         self._reference = [p.detach().clone() for p in self.parameters()] if keep_reference else None
 
     def parameters(self) -> list[torch.nn.Parameter]:
