@@ -53,3 +53,30 @@ def test_a_colocated_push_hands_the_gathered_tensors_to_the_engine(one_rank, tin
         assert engine.weights_checksum() == checksum(handed)
         outputs = engine.generate(["a red square"], SamplingParams(num_inference_steps=2, num_samples=2, seed=1))
         assert all(output.weight_version == version for output in outputs)
+
+
+def test_a_push_whose_gather_fails_midway_leaves_every_replica_on_the_old_version(one_rank, tiny_model):
+    """A trainer rank that dies mid-push fails the others' gathers (gloo raises on the survivors):
+    the engine drops what it staged, and both replicas keep the weights and version they had."""
+    torch.manual_seed(0)
+    policy = FullPolicy(tiny_model)
+    with torch.no_grad():
+        for parameter in policy.parameters():
+            parameter.mul_(1.01)
+    gather = policy.full_state
+
+    def failing(component, masters=False, owned=False):
+        for index, pair in enumerate(gather(component, masters, owned)):
+            if index == 5:
+                raise ConnectionError("rank 1 is gone")
+            yield pair
+
+    with RolloutEngine(EngineConfig(model=tiny_model, executor="mp", num_workers=2)) as engine:
+        before, version = engine.weights_checksum(), engine.weight_version
+        policy.full_state = failing
+        with pytest.raises(ConnectionError, match="rank 1 is gone"):
+            policy.push(engine)
+        assert engine.weights_checksum() == before and engine.weight_version == version  # every replica agrees
+        policy.full_state = gather
+        assert policy.push(engine) == version + 1
+        assert engine.weights_checksum() == checksum(dict(gather("transformer")))
