@@ -104,9 +104,15 @@ def test_ctrl_c_stops_the_ranks(ray_cluster, tiny_model, tmp_path):
             time.sleep(0.1)
         os.kill(os.getpid(), signal.SIGINT)
 
-    threading.Thread(target=press_ctrl_c, daemon=True).start()
-    started = time.monotonic()
-    with pytest.raises(KeyboardInterrupt):
-        run_on_ray_ranks(config, 2)
+    # Python's own Ctrl-C for the test: a shell's background job (a CI runner's may be one) starts with
+    # SIGINT ignored, and the run would then go on to its 50th step.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        threading.Thread(target=press_ctrl_c, daemon=True).start()
+        started = time.monotonic()
+        with pytest.raises(KeyboardInterrupt):
+            run_on_ray_ranks(config, 2)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert time.monotonic() - started < 300  # not 50 steps
     assert_all_released(ray_cluster)
