@@ -414,7 +414,7 @@ def _trainer_policy(
             gradient_checkpointing=config.trainer.gradient_checkpointing,
             keep_reference=reference,
         )
-    torch.manual_seed(config.seed)
+    torch.manual_seed(config.seed)  # what draws from the global generator from here on
     in_process = isinstance(engine, RolloutEngine) and engine.executor.shares_memory
     if in_process and config.trainer.share_base:
         return LoraPolicy.sharing_base(
