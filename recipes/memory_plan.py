@@ -297,6 +297,7 @@ def memory_plan(config, ranks: int | None = None) -> MemoryPlan:
     other_bytes = sum(model.other_bytes.values())
     others = ", ".join(sorted(model.other_bytes)) or "none"
     sleeps = SAMPLING if config.trainer.engine_sleep else THROUGHOUT  # the engine's weights, on the device
+    shared = config.trainer.share_base and config.engine.executor == "uni"  # LoraPolicy.sharing_base, colocated
     other_lines = tuple(
         Line(f"engine-only: {name}", model.other_bytes[name], model.other_sources[name], sleeps)
         for name in sorted(model.other_bytes)
@@ -325,7 +326,7 @@ def memory_plan(config, ranks: int | None = None) -> MemoryPlan:
     engine_lora = Line("engine's copy of the LoRA", lora_bytes, "the pushed adapter, float32")
     names = ", ".join(denoisers)
     if config.trainer.placement == "colocated":
-        if config.trainer.share_base and config.engine.executor == "uni":
+        if shared:
             weights = (Line("shared weights (engine and trainer)", denoiser_bytes, f"{names}: {source}"),)
         else:  # the trainer loads the whole pipeline again (LoraPolicy(model, ...))
             why = "trainer.share_base false" if not config.trainer.share_base else f"executor {config.engine.executor}"
@@ -365,7 +366,7 @@ def memory_plan(config, ranks: int | None = None) -> MemoryPlan:
     if not config.trainer.gradient_checkpointing:
         knobs["set trainer.gradient_checkpointing: true"] = "keeps about one block's activations at a time"
     if config.trainer.placement == "colocated":
-        if not config.trainer.engine_sleep and not (config.trainer.share_base and config.engine.executor == "uni"):
+        if not config.trainer.engine_sleep and not shared:
             freed = size(denoiser_bytes + other_bytes)
             knobs["set trainer.engine_sleep: 1"] = f"the engine's weights ({freed}) leave the device while it trains"
         knobs["set trainer.placement: separate"] = (
@@ -467,8 +468,7 @@ def full_policy_plan(config, model: PlannedModel, ranks: int) -> MemoryPlan:
         knobs["set trainer.gradient_checkpointing: true"] = "keeps about one block's activations at a time"
     if config.trainer.placement == "colocated":
         if not config.trainer.engine_sleep:
-            engine_bytes = sum(line.bytes for line in engine)
-            freed = size(engine_bytes)
+            freed = size(sum(line.bytes for line in engine))
             knobs["set trainer.engine_sleep: 1"] = f"the engine's weights ({freed}) leave the device while it trains"
         knobs["set trainer.placement: separate"] = "the trainer's devices then hold no engine"
     notes = (*model.notes, f"policy full: sharded over {ranks} trainer rank{'s' if ranks > 1 else ''}")
